@@ -1,0 +1,5 @@
+"""mt-train: placeholder until its issue lands; it provides no features yet."""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]
