@@ -1,0 +1,214 @@
+"""A pool of spawned processes forming a gloo world, for multi-process tests.
+
+Starting a process that imports torch costs about a second, so tests start a
+:class:`DistributedPool` once per test module and run many functions in it::
+
+    @pytest.fixture(scope="module")
+    def pool():
+        with DistributedPool(world_size=4) as pool:
+            yield pool
+
+    def check_sum(scale):            # module level: it is pickled by reference
+        t = torch.ones(1) * scale
+        return mt_comm.all_reduce(t).item()
+
+    def test_sum(pool):
+        assert pool.run(check_sum, 2.0) == [8.0] * 4
+
+Each worker sets the torchrun variables (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``OMP_NUM_THREADS=1``, and
+calls :func:`mt_comm.init_distributed` with the pool's device and backend.
+``run`` sends the function to every rank and returns the per-rank results in
+rank order. After every function the worker destroys the parallel state, so
+tests do not leak groups into each other. If any rank raises, ``run`` raises
+with every failing rank's traceback and restarts the pool, because the other
+ranks may be stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 180.0
+FAILURE_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    device: str,
+    backend: str,
+    collective_timeout_s: float,
+    tasks: Any,
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    import datetime
+
+    import torch
+
+    torch.set_num_threads(1)
+    from mt_comm.distributed import destroy_distributed, init_distributed
+    from mt_comm.parallel_state import destroy_parallel_state
+
+    try:
+        init_distributed(
+            backend=backend,
+            device=device,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            outcome = (rank, True, value)
+        except BaseException:
+            outcome = (rank, False, traceback.format_exc())
+        try:
+            destroy_parallel_state()
+        except BaseException:
+            outcome = (rank, False, traceback.format_exc())
+        results.put(outcome)
+    destroy_parallel_state()
+    destroy_distributed()
+
+
+class DistributedPool:
+    """``world_size`` spawned ranks with an initialised process group (see module docstring)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        backend: str = "auto",
+        env: dict[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.device = device
+        self.backend = backend
+        self.env = dict(env or {})
+        self.timeout_s = timeout_s
+        self._processes: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        port = free_port()
+        self._tasks = [context.Queue() for _ in range(self.world_size)]
+        self._results = context.Queue()
+        self._processes = [
+            context.Process(
+                target=_worker,
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    self.env,
+                    self.device,
+                    self.backend,
+                    self.timeout_s / 2,
+                    self._tasks[rank],
+                    self._results,
+                ),
+                daemon=True,
+            )
+            for rank in range(self.world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self._collect("start-up")
+
+    def _collect(self, what: str) -> list[Any]:
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(values) + len(failures) < self.world_size:
+            # Once a rank has failed, the others may wait forever in a collective:
+            # give them only a short while to report.
+            wait_s = FAILURE_GRACE_S if failures else self.timeout_s
+            try:
+                rank, ok, value = self._results.get(timeout=wait_s)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(values) - set(failures))
+                self._restart()
+                raise TimeoutError(
+                    f"{what}: ranks {missing} gave no result within {wait_s:.0f} s"
+                    + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+                ) from None
+            if ok:
+                values[rank] = value
+            else:
+                failures[rank] = value
+        if failures:
+            self._restart()
+            raise AssertionError(
+                f"{what} failed on ranks {sorted(failures)}:"
+                + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            )
+        return [values[rank] for rank in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""
+        for task_queue in self._tasks:
+            task_queue.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", repr(fn)))
+
+    def _terminate(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+        for process in self._processes:
+            process.join(timeout=10)
+        self._processes = []
+
+    def _restart(self) -> None:
+        self._terminate()
+        self._start()
+
+    def close(self) -> None:
+        """Stop every worker (cleanly if they are idle)."""
+        for task_queue in self._tasks:
+            task_queue.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+        self._terminate()
+
+    def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
