@@ -1,0 +1,1 @@
+"""A fake third-party accelerator for mt's plugin tests (see ``plugin``)."""
