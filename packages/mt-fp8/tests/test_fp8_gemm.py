@@ -1,0 +1,106 @@
+"""FP8 GEMM dispatch: emulation against float64, and torch._scaled_mm against emulation.
+
+Bound: with elementwise quantization errors ``|a' - a| <= e_a`` and ``|b' - b| <= e_b`` (the
+mantissa bound of test_fp8_quantize), ``|Σ a'b' - Σ ab| <= Σ (e_a|b| + |a|e_b + e_a e_b)``;
+the fp32 accumulation over K adds at most ``K · 2^-24 · Σ|a'||b'|`` (standard dot-product
+rounding bound, first order).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import mt_fp8.gemm as gemm_module
+from mt_fp8 import (
+    BlockScaling,
+    FP8Format,
+    MXFP8Scaling,
+    RowwiseScaling,
+    TensorRole,
+    TensorwiseScaling,
+    fp8_gemm,
+    quantize,
+)
+
+RECIPES = [TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()]
+
+
+def quantized_pair(recipe, m=128, n=256, k=384, fmt_a=FP8Format.E4M3, fmt_b=FP8Format.E4M3):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, dtype=torch.float64, generator=generator)
+    b = torch.randn(n, k, dtype=torch.float64, generator=generator) * 0.05
+    qa = quantize(a, fmt_a, recipe.layout(TensorRole.INPUT))
+    qb = quantize(b, fmt_b, recipe.layout(TensorRole.WEIGHT))
+    return a, b, qa, qb
+
+
+def elementwise_error_bound(x, q):
+    br, bc = q.block
+    scale = q.scale.double().repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    sat_excess = (x.abs() - q.fmt.max * scale).clamp_min(0)  # MX saturation error
+    return (
+        torch.maximum(q.fmt.relative_rounding_error * x.abs(), scale * q.fmt.min_subnormal / 2)
+        + sat_excess
+    )
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+@pytest.mark.parametrize("fmt_a", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
+def test_emulated_gemm_within_propagated_bound(recipe, fmt_a):
+    a, b, qa, qb = quantized_pair(recipe, fmt_a=fmt_a)
+    bias = torch.randn(b.shape[0], dtype=torch.float64)
+    out = fp8_gemm(qa, qb, torch.float32, bias=bias.float(), backend="emulate").double()
+    reference = a @ b.t() + bias
+    e_a, e_b = elementwise_error_bound(a, qa), elementwise_error_bound(b, qb)
+    bound = e_a @ b.abs().t() + a.abs() @ e_b.t() + e_a @ e_b.t()
+    bound += a.shape[1] * 2**-24 * ((a.abs() + e_a) @ (b.abs() + e_b).t() + bias.abs())
+    assert ((out - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scaled_mm_agrees_with_emulation(recipe, out_dtype):
+    _, _, qa, qb = quantized_pair(recipe, fmt_a=FP8Format.E5M2)
+    bias = torch.randn(qb.shape[0]).to(out_dtype)
+    fast = fp8_gemm(qa, qb, out_dtype, bias=bias, backend="scaled_mm").double()
+    slow = fp8_gemm(qa, qb, torch.float32, bias=bias, backend="emulate").double()
+    # Same exact products; only the summation order and the output rounding differ:
+    # fp32 accumulation (K·2^-24 relative to Σ|ab|) plus one rounding into out_dtype.
+    magnitude = qa.dequantize(torch.float64).abs() @ qb.dequantize(torch.float64).abs().t()
+    out_eps = torch.finfo(out_dtype).eps
+    assert (
+        (fast - slow).abs() <= qa.shape[1] * 2**-24 * magnitude + out_eps * slow.abs() + 1e-6
+    ).all()
+
+
+def test_fast_backend_refuses_block_scaling_on_cpu():
+    _, _, qa, qb = quantized_pair(BlockScaling())
+    with pytest.raises(
+        RuntimeError, match=r"cannot run here: torch\._scaled_mm takes tensorwise or rowwise"
+    ):
+        fp8_gemm(qa, qb, backend="fast")
+
+
+def test_auto_backend_warns_once_without_fp8_hardware(monkeypatch):
+    monkeypatch.setattr(gemm_module, "_device_fp8_gemm", lambda device_type, index: False)
+    monkeypatch.setattr(gemm_module, "_warned", set())
+    _, _, qa, qb = quantized_pair(TensorwiseScaling())
+    with pytest.warns(UserWarning, match="no FP8 GEMM support; FP8 GEMMs are emulated"):
+        fp8_gemm(qa, qb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call must not warn again
+        fp8_gemm(qa, qb)
+    with pytest.raises(RuntimeError, match="has no FP8 GEMM"):
+        fp8_gemm(qa, qb, backend="fast")
+
+
+def test_gemm_rejects_mismatched_operands():
+    _, _, qa, _ = quantized_pair(TensorwiseScaling())
+    qb = quantize(torch.randn(64, 128), FP8Format.E4M3)
+    with pytest.raises(ValueError, match="contracts the last axis"):
+        fp8_gemm(qa, qb)
+    with pytest.raises(ValueError, match="unknown FP8 GEMM backend 'cublas'"):
+        fp8_gemm(qa, qa, backend="cublas")
