@@ -36,6 +36,11 @@ FP8_DTYPES = frozenset(
     if hasattr(torch, name)
 )
 
+# torch 2.13 renamed the single-tensor collectives; older releases (>= 2.6) have
+# only the *_tensor names.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -108,7 +113,7 @@ def all_gather(tensor: torch.Tensor, dim: int = 0, group: Any = None) -> torch.T
     out = torch.empty(
         (world * wire.shape[0], *wire.shape[1:]), dtype=wire.dtype, device=wire.device
     )
-    dist.all_gather_into_tensor(out, wire, group=group)
+    _all_gather_single(out, wire, group=group)
     return out.view(tensor.dtype).movedim(0, dim)
 
 
@@ -133,10 +138,10 @@ def reduce_scatter(
         (wire.shape[0] // world, *wire.shape[1:]), dtype=wire.dtype, device=wire.device
     )
     if op == "avg" and dist.get_backend(group) == "gloo":
-        dist.reduce_scatter_tensor(out, wire, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_single(out, wire, op=dist.ReduceOp.SUM, group=group)
         out.div_(world)
     else:
-        dist.reduce_scatter_tensor(out, wire, op=reduce_op, group=group)
+        _reduce_scatter_single(out, wire, op=reduce_op, group=group)
     return out.movedim(0, dim)
 
 

@@ -140,13 +140,13 @@ class ParallelDims:
         return tuple(c[name] for name in fixed)
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """Every group of ``dim`` as a sorted list of global ranks, in a deterministic order."""
+        """Every group of ``dim`` as a sorted list of global ranks, ordered by lowest rank."""
         if dim not in DIMENSIONS:
             raise ValueError(f"unknown parallel dimension {dim!r}; known: {', '.join(DIMENSIONS)}")
         groups: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
             groups.setdefault(self.group_key(rank, dim), []).append(rank)
-        return [sorted(ranks) for _, ranks in sorted(groups.items())]
+        return sorted((sorted(ranks) for ranks in groups.values()), key=lambda ranks: ranks[0])
 
 
 class ParallelState:
