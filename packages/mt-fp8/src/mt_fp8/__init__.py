@@ -1,7 +1,11 @@
 """mt-fp8: FP8 formats, scaling recipes, FP8 GEMM dispatch, FP8 linear layers and fused ops."""
 
+from mt_fp8.autocast import FP8AutocastState, current_fp8_state, fp8_autocast
+from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
+from mt_fp8.functional import FP8LinearFunction, LinearPlan, fp8_linear
 from mt_fp8.gemm import fp8_gemm
+from mt_fp8.linear import FP8GroupedLinear, FP8Linear
 from mt_fp8.quantized import ROWWISE, TENSORWISE, QuantizedTensor, ScaleLayout, quantize
 from mt_fp8.recipes import (
     RECIPES,
@@ -13,6 +17,7 @@ from mt_fp8.recipes import (
     TensorwiseScaling,
     recipe_from_name,
 )
+from mt_fp8.state import FP8Meta, fp8_health, reset_fp8_health, update_fp8_scales
 
 __version__ = "0.1.0"
 
@@ -22,6 +27,12 @@ __all__ = [
     "TENSORWISE",
     "BlockScaling",
     "DelayedScaling",
+    "FP8AutocastState",
+    "FP8GroupedLinear",
+    "FP8Linear",
+    "FP8LinearFunction",
+    "FP8Meta",
+    "LinearPlan",
     "FP8Format",
     "FormatConfig",
     "MXFP8Scaling",
@@ -32,7 +43,14 @@ __all__ = [
     "TensorRole",
     "TensorwiseScaling",
     "__version__",
+    "convert_to_fp8",
+    "current_fp8_state",
+    "fp8_autocast",
+    "fp8_health",
+    "fp8_linear",
     "fp8_gemm",
     "quantize",
     "recipe_from_name",
+    "reset_fp8_health",
+    "update_fp8_scales",
 ]

@@ -25,7 +25,6 @@ emulating, for users who demanded the fast path.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import warnings
 
@@ -39,24 +38,32 @@ BACKENDS = ("auto", "fast", "scaled_mm", "triton", "emulate")
 _warned: set[str] = set()
 
 
-@functools.cache
+_capability_cache: dict[tuple[str, str, int | None], bool] = {}
+
+
 def _device_fp8_gemm(device_type: str, index: int | None) -> bool:
     """Whether ``torch._scaled_mm`` has FP8 hardware (or, on CPU, a kernel) on this device."""
-    if device_type == "cpu":
-        return True
-    if device_type == "cuda":
-        return torch.cuda.get_device_capability(index) >= (8, 9)
-    from mt_core import get_device
+    key = ("fp8_gemm", device_type, index)
+    if key not in _capability_cache:
+        if device_type == "cpu":
+            _capability_cache[key] = True
+        elif device_type == "cuda":
+            _capability_cache[key] = torch.cuda.get_device_capability(index) >= (8, 9)
+        else:
+            from mt_core import get_device
 
-    return bool(get_device(device_type).capabilities().fp8_gemm)
+            _capability_cache[key] = bool(get_device(device_type).capabilities().fp8_gemm)
+    return _capability_cache[key]
 
 
-@functools.cache
 def _triton_block_gemm_available(index: int | None) -> bool:
-    return (
-        torch.cuda.get_device_capability(index) >= (9, 0)
-        and importlib.util.find_spec("triton") is not None
-    )
+    key = ("triton_block_gemm", "cuda", index)
+    if key not in _capability_cache:
+        _capability_cache[key] = (
+            torch.cuda.get_device_capability(index) >= (9, 0)
+            and importlib.util.find_spec("triton") is not None
+        )
+    return _capability_cache[key]
 
 
 def _kind(q: QuantizedTensor) -> str:

@@ -103,14 +103,25 @@ def block_amax(x_RC: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return blocks.abs().amax(dim=(1, 3)).float()
 
 
-def cast_to_fp8(x_RC: torch.Tensor, scale_GH: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """``sat(rne(x / s))`` per block: the scaled values are clamped before the (saturating) cast."""
+def cast_to_fp8(
+    x_RC: torch.Tensor, scale_GH: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``sat(rne(x / s))`` per block: the scaled values are clamped before the (saturating) cast.
+
+    ``stats`` (int64, 3 elements), if given, is incremented in place by the counts of values
+    clipped at ``fmt.max``, nonzero values flushed to zero and all values (numerics health).
+    """
     rows, cols = x_RC.shape
     groups, hgroups = scale_GH.shape
     br, bc = rows // groups, cols // hgroups
     # fp64 inputs stay fp64 so that the only rounding is the FP8 cast (no double rounding).
     work = x_RC.double() if x_RC.dtype == torch.float64 else x_RC.float()
     scaled = work.reshape(groups, br, hgroups, bc) / scale_GH[:, None, :, None].to(work.dtype)
+    if stats is not None:
+        magnitude = scaled.abs()
+        stats[0] += (magnitude > fmt.max).sum()
+        stats[1] += ((magnitude < fmt.min_subnormal / 2) & (magnitude > 0)).sum()
+        stats[2] += magnitude.numel()
     return scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(rows, cols)
 
 
@@ -170,11 +181,13 @@ def quantize(
     fmt: FP8Format,
     layout: ScaleLayout = TENSORWISE,
     scale: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize a 2-D float tensor along its columns with ``layout``.
 
     ``scale`` (optional, shape ``(G, H)`` or a scalar) supplies precomputed dequantization
     scales, as delayed scaling does; values beyond ``fmt.max · scale`` then saturate.
+    ``stats`` accumulates health counts (see :func:`cast_to_fp8`).
     """
     if x_RC.dim() != 2:
         raise ValueError(
@@ -200,4 +213,4 @@ def quantize(
                 f"{x_RC.shape[0]}x{x_RC.shape[1]} tensor (expected {groups}x{hgroups})"
             )
         scale_GH = scale_GH.contiguous()
-    return QuantizedTensor(cast_to_fp8(x_RC, scale_GH, fmt), scale_GH, layout, fmt)
+    return QuantizedTensor(cast_to_fp8(x_RC, scale_GH, fmt, stats), scale_GH, layout, fmt)

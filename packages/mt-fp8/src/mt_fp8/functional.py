@@ -1,0 +1,205 @@
+"""The FP8 linear autograd function shared by :class:`FP8Linear` and :class:`FP8GroupedLinear`.
+
+Shape suffixes: M tokens, K input features, N output features; ``a_XZ · b_YZᵀ`` is the GEMM form
+of :mod:`mt_fp8.gemm` (contract the last axis of both operands).
+
+Forward ``y_MN = x_MK · w_NKᵀ + b_N``:
+
+* ``x`` is quantized along K (INPUT role) and ``w`` along K (WEIGHT role); ``fp8_gemm`` runs.
+* For the weight gradient the function keeps ``xᵀ`` quantized along M, **in FP8** (the exact
+  transpose of the forward copy for tensorwise scales, a requantization of ``xᵀ`` otherwise); the
+  high-precision ``x`` is not saved.
+
+Backward, with ``dy_MN`` quantized along N (GRAD_OUTPUT role):
+
+* ``dx_MK = dy_MN · (wᵀ)_KNᵀ``: ``wᵀ`` is the exact transpose of the FP8 weight for tensorwise
+  and square-block scales, a requantization of ``wᵀ`` along N otherwise.
+* ``dw_NK = (dyᵀ)_NM · (xᵀ)_KMᵀ``: both operands quantized along M. Row-group layouts (1×g)
+  pad M with zeros to a multiple of g; zero columns add nothing to the product.
+* ``db_N = Σ_M dy_MN`` in high precision.
+
+The FP8 weight (and its transpose) is cached by the layer and reused while the weight's
+``_version`` (bumped by every in-place optimizer update), its storage and its scale are
+unchanged, i.e. across the micro-batches of one optimizer step. Under ``torch.compile`` the cache
+is bypassed (the weight is quantized inside the graph, where the compiler can fuse it).
+Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
+recorded there, as are the health counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mt_fp8.formats import TensorRole
+from mt_fp8.gemm import fp8_gemm
+from mt_fp8.quantized import QuantizedTensor, quantize
+from mt_fp8.recipes import DelayedScaling, Recipe
+from mt_fp8.state import FP8Meta
+
+
+@dataclass
+class LinearPlan:
+    """Everything non-tensor one FP8 linear call needs."""
+
+    recipe: Recipe
+    meta: FP8Meta
+    backend: str
+    out_dtype: torch.dtype
+    track_health: bool
+    weight_cache: dict[Any, Any] | None
+
+    def quantize(self, x_RC: torch.Tensor, role: TensorRole, record: bool) -> QuantizedTensor:
+        """Quantize along the last axis; ``record`` notes the amax and health counts."""
+        scale = None
+        if isinstance(self.recipe, DelayedScaling):
+            scale = self.meta.scale[int(role)]
+            if record:
+                self.meta.record_amax(x_RC, role)
+        stats = self.meta.health[int(role)] if (record and self.track_health) else None
+        fmt = self.recipe.formats.for_role(role)
+        return quantize(x_RC, fmt, self.recipe.layout(role), scale=scale, stats=stats)
+
+    def quantize_transposed(
+        self, x_RC: torch.Tensor, q_RC: QuantizedTensor | None, role: TensorRole
+    ) -> QuantizedTensor:
+        """``xᵀ`` quantized along R: exact transpose where the layout allows, else requantized."""
+        layout = self.recipe.layout(role)
+        br, bc = layout.block
+        if q_RC is not None and ((br, bc) == (-1, -1) or br == bc):
+            return q_RC.transpose()
+        x_CR = x_RC.t()
+        if role is not TensorRole.WEIGHT:
+            x_CR = _pad_columns(x_CR, self.row_multiple())
+        scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
+        return quantize(x_CR, self.recipe.formats.for_role(role), layout, scale=scale)
+
+    def row_multiple(self) -> int:
+        """Token-count multiple the wgrad GEMM needs (the 1×g group of inputs and gradients)."""
+        widths = [
+            max(self.recipe.layout(role).block[1], 1)
+            for role in (TensorRole.INPUT, TensorRole.GRAD_OUTPUT)
+        ]
+        return math.lcm(*widths)
+
+    def weight_operands(
+        self, weight_NK: torch.Tensor, need_transpose: bool
+    ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+        """FP8 ``w`` along K and (if needed) ``wᵀ`` along N, cached across micro-batches."""
+        key = None
+        if self.weight_cache is not None and not torch.compiler.is_compiling():
+            key = (
+                weight_NK._version,
+                weight_NK.data_ptr(),
+                weight_NK.device,
+                self.recipe,
+                self.meta.scale_version,
+                need_transpose,
+            )
+            cached = self.weight_cache.get("entry")
+            if cached is not None and cached[0] == key:
+                return cached[1], cached[2]
+        weight_q = self.quantize(weight_NK, TensorRole.WEIGHT, record=True)
+        weight_t_q = (
+            self.quantize_transposed(weight_NK, weight_q, TensorRole.WEIGHT)
+            if need_transpose
+            else None
+        )
+        if key is not None:
+            self.weight_cache["entry"] = (key, weight_q, weight_t_q)
+        return weight_q, weight_t_q
+
+
+def _pad_columns(x_RC: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -x_RC.shape[1] % multiple
+    return F.pad(x_RC, (0, pad)) if pad else x_RC
+
+
+def _pack(q: QuantizedTensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if q is None else (q.data, q.scale)
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """``y = x wᵀ + b`` with FP8 GEMMs in forward and backward (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_MK: torch.Tensor,
+        weight_NK: torch.Tensor,
+        bias_N: torch.Tensor | None,
+        plan: LinearPlan,
+    ) -> torch.Tensor:
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_q = plan.quantize(x_MK, TensorRole.INPUT, record=True)
+        weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
+        bias = None if bias_N is None else bias_N.to(plan.out_dtype)
+        y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
+        x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT) if need_dw else None
+        ctx.save_for_backward(*_pack(x_t_q), *_pack(weight_t_q))
+        ctx.plan = plan
+        ctx.layouts = (
+            None if x_t_q is None else (x_t_q.layout, x_t_q.fmt),
+            None if weight_t_q is None else (weight_t_q.layout, weight_t_q.fmt),
+        )
+        ctx.dtypes = (x_MK.dtype, weight_NK.dtype, None if bias_N is None else bias_N.dtype)
+        ctx.num_tokens = x_MK.shape[0]
+        return y_MN
+
+    @staticmethod
+    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: LinearPlan = ctx.plan
+        x_t_data, x_t_scale, w_t_data, w_t_scale = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with torch.autocast(dy_MN.device.type, enabled=False):
+            dy_MN = dy_MN.contiguous()
+            dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True)
+            dx = dw = db = None
+            if ctx.needs_input_grad[0]:
+                layout, fmt = ctx.layouts[1]
+                weight_t_q = QuantizedTensor(w_t_data, w_t_scale, layout, fmt)
+                dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)
+            if ctx.needs_input_grad[1]:
+                layout, fmt = ctx.layouts[0]
+                x_t_q = QuantizedTensor(x_t_data, x_t_scale, layout, fmt)
+                dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
+                dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
+            if ctx.needs_input_grad[2]:
+                db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+        return dx, dw, db, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight_NK: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    plan: LinearPlan,
+) -> torch.Tensor:
+    """``x wᵀ + b`` over the last axis of ``x`` (any leading shape) with FP8 GEMMs."""
+    in_features = weight_NK.shape[1]
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"input's last dimension is {x.shape[-1]}, the layer expects {in_features} features"
+        )
+    x_MK = x.reshape(-1, in_features)
+    with torch.autocast(x.device.type, enabled=False):
+        y_MN = FP8LinearFunction.apply(x_MK, weight_NK, bias_N, plan)
+    return y_MN.reshape(*x.shape[:-1], weight_NK.shape[0])
+
+
+def check_dims(recipe: Recipe, in_features: int, out_features: int) -> str | None:
+    """Why a (in, out) layer cannot run ``recipe`` in FP8, or None if it can."""
+    need = 16
+    for role in TensorRole:
+        block = recipe.layout(role).block
+        need = math.lcm(need, *(b for b in block if b > 0))
+    if in_features % need or out_features % need:
+        return (
+            f"in_features={in_features} and out_features={out_features} must both be divisible "
+            f"by {need} for FP8 GEMMs with the {recipe.name} recipe"
+        )
+    return None

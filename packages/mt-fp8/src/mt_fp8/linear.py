@@ -1,0 +1,187 @@
+"""FP8 layers: :class:`FP8Linear` (a drop-in ``nn.Linear``) and :class:`FP8GroupedLinear` (MoE).
+
+Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and backward GEMMs,
+FP8-saved input, cached FP8 weight); see :mod:`mt_fp8.functional` for the math. Parameters keep
+their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast
+region and the input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
+region to high precision or override the recipe.
+
+Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt_fp8.autocast import current_fp8_state
+from mt_fp8.functional import LinearPlan, check_dims, fp8_linear
+from mt_fp8.gemm import BACKENDS
+from mt_fp8.recipes import Recipe, TensorwiseScaling
+from mt_fp8.state import FP8Meta
+
+
+class _FP8LayerMixin:
+    """Recipe resolution and plan building shared by the FP8 layers."""
+
+    recipe: Recipe
+    backend: str
+    track_health: bool
+    fp8_meta: FP8Meta
+
+    def _init_fp8(self, recipe: Recipe | None, backend: str, track_health: bool) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown FP8 GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        self.recipe = recipe if recipe is not None else TensorwiseScaling()
+        if not isinstance(self.recipe, Recipe):
+            raise TypeError(f"recipe must be an mt_fp8 Recipe, got {recipe!r}")
+        self.backend = backend
+        self.track_health = track_health
+
+    def _plan(self, x: torch.Tensor, cache: dict | None) -> LinearPlan | None:
+        """The call's plan, or None when an ``fp8_autocast(enabled=False)`` region is active."""
+        state = current_fp8_state()
+        if state is not None and not state.enabled:
+            return None
+        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
+        if state is not None and state.amax_group is not None:
+            self.fp8_meta.amax_group = state.amax_group
+        self.fp8_meta.ensure_delayed(recipe)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        return LinearPlan(recipe, self.fp8_meta, self.backend, out_dtype, self.track_health, cache)
+
+
+class FP8Linear(_FP8LayerMixin, nn.Linear):
+    """``nn.Linear`` whose GEMMs run in FP8 with ``recipe`` (default: tensorwise scaling).
+
+    ``backend``: ``"auto"`` (fast path where possible, else emulation), ``"fast"`` (error
+    instead of emulating), ``"scaled_mm"``, ``"triton"`` or ``"emulate"``. ``track_health``
+    counts saturated and flushed values per role (:func:`mt_fp8.fp8_health`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recipe: Recipe | None = None,
+        backend: str = "auto",
+        track_health: bool = True,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8(recipe, backend, track_health)
+        reason = check_dims(self.recipe, in_features, out_features)
+        if reason is not None:
+            raise ValueError(f"FP8Linear: {reason}")
+        self.fp8_meta = FP8Meta(self.recipe, device=self.weight.device)
+        self._weight_cache: dict = {}
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: Recipe | None = None, **kwargs: object
+    ) -> FP8Linear:
+        """An FP8Linear sharing ``linear``'s parameters (same objects: optimizers stay valid)."""
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            recipe=recipe,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer.fp8_meta = FP8Meta(layer.recipe, device=linear.weight.device)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._plan(x, self._weight_cache)
+        if plan is None:
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, plan)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+
+
+class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
+    """``E`` weight matrices applied to ``E`` contiguous token groups in one call (MoE experts).
+
+    ``forward(x_TK, group_sizes)`` takes tokens sorted by group and ``group_sizes`` (E ints,
+    summing to T) and returns ``y_TN`` with ``y[group e] = x[group e] · weight[e]ᵀ + bias[e]``.
+    Implemented as a loop of FP8 GEMMs, one per non-empty group, with one shared delayed-scaling
+    state (amax = max over experts) and one cached FP8 weight per expert.
+    """
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recipe: Recipe | None = None,
+        backend: str = "auto",
+        track_health: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_groups < 1:
+            raise ValueError(f"FP8GroupedLinear needs num_groups >= 1, got {num_groups}")
+        self._init_fp8(recipe, backend, track_health)
+        reason = check_dims(self.recipe, in_features, out_features)
+        if reason is not None:
+            raise ValueError(f"FP8GroupedLinear: {reason}")
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
+        self.fp8_meta = FP8Meta(self.recipe, device=self.weight.device)
+        self._weight_caches: list[dict] = [{} for _ in range(num_groups)]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for expert in range(self.num_groups):
+            nn.init.kaiming_uniform_(self.weight[expert], a=5**0.5)
+        if self.bias is not None:
+            bound = 1 / self.in_features**0.5
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(
+        self, x_TK: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+    ) -> torch.Tensor:
+        sizes = [
+            int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes) else group_sizes)
+        ]
+        if len(sizes) != self.num_groups or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
+            raise ValueError(
+                f"group_sizes must be {self.num_groups} non-negative ints summing to the "
+                f"{x_TK.shape[0]} tokens, got {sizes}"
+            )
+        outputs = []
+        for expert, x_e in enumerate(torch.split(x_TK, sizes)):
+            if x_e.shape[0] == 0:
+                outputs.append(x_e.new_empty(0, self.out_features))
+                continue
+            bias = None if self.bias is None else self.bias[expert]
+            plan = self._plan(x_e, self._weight_caches[expert])
+            if plan is None:
+                outputs.append(F.linear(x_e, self.weight[expert], bias))
+            else:
+                outputs.append(fp8_linear(x_e, self.weight[expert], bias, plan))
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, recipe={self.recipe.name}"
+        )

@@ -1,0 +1,146 @@
+"""Per-module FP8 state: the delayed-scaling amax history and scales, and numerics health.
+
+:class:`FP8Meta` is a small ``nn.Module`` each FP8 layer owns as ``fp8_meta``, so its tensors
+follow ``.to()`` and ``state_dict`` like any buffer (plain tensors: safetensors-friendly, no
+pickled extra state). Roles index the last axis (:class:`~mt_fp8.formats.TensorRole`: input 0,
+weight 1, grad_output 2).
+
+Delayed scaling (buffers present only when the recipe is :class:`~mt_fp8.recipes.DelayedScaling`):
+
+* ``amax_history`` ``(L, 3)`` fp32, persistent. Row 0 collects this step's amax (MAX over the
+  micro-batches); rows 1..L-1 are the previous steps, newest first.
+* ``scale`` ``(3,)`` fp32, persistent: the dequantization scales used during the step.
+
+:func:`update_fp8_scales`, called once after each optimizer step, reduces row 0 with MAX over
+the caller's process group (one all-reduce for all modules), computes
+``s = amax · 2^margin / fmt.max`` with ``amax = max(history)`` or ``history[0]``
+(``most_recent``), keeps the old scale where ``amax == 0``, then rolls the history by one and
+clears row 0. Initial scales are 1, so the first step saturates values above ``fmt.max``.
+
+Health (always): ``health`` ``(3, 3)`` int64, not persistent: per role the counts of values
+clipped at the format maximum, nonzero values flushed to zero, and all values, accumulated on the
+device without a sync; :func:`fp8_health` reads them as fractions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mt_fp8.formats import TensorRole
+from mt_fp8.recipes import DelayedScaling, Recipe
+
+HEALTH_FIELDS = ("saturated", "underflow")
+
+
+class FP8Meta(nn.Module):
+    """Buffers an FP8 layer carries between steps (see the module docstring)."""
+
+    def __init__(self, recipe: Recipe, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.register_buffer(
+            "health", torch.zeros(3, 3, dtype=torch.int64, device=device), persistent=False
+        )
+        self.scale_version = 0
+        """Bumped whenever ``scale`` changes, so cached FP8 weights are requantized."""
+        self.amax_group: dist.ProcessGroup | None = None
+        """The amax-reduction group of the last ``fp8_autocast`` this module ran under."""
+        self.history_len = 0
+        self.ensure_delayed(recipe)
+
+    def ensure_delayed(self, recipe: Recipe) -> None:
+        """Create the delayed-scaling buffers if ``recipe`` needs them and they are missing."""
+        if not isinstance(recipe, DelayedScaling) or self.history_len == recipe.amax_history_len:
+            return
+        device = self.health.device
+        history = torch.zeros(recipe.amax_history_len, 3, device=device)
+        self.register_buffer("amax_history", history)
+        self.register_buffer("scale", torch.ones(3, device=device))
+        self.history_len = recipe.amax_history_len
+        self.scale_version += 1
+
+    @property
+    def has_delayed_state(self) -> bool:
+        return self.history_len > 0
+
+    def record_amax(self, x: torch.Tensor, role: TensorRole) -> None:
+        """MAX this tensor's amax into the current step's slot (no host sync)."""
+        current = self.amax_history[0, int(role)]
+        current.copy_(torch.maximum(current, x.detach().abs().amax().float()))
+
+    def extra_repr(self) -> str:
+        return f"amax_history_len={self.history_len}" if self.has_delayed_state else ""
+
+
+def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:
+    """Every :class:`FP8Meta` in ``model``, with the name of the layer that owns it."""
+    return [
+        (name.rsplit(".fp8_meta", 1)[0] if name != "fp8_meta" else "", module)
+        for name, module in model.named_modules()
+        if isinstance(module, FP8Meta)
+    ]
+
+
+@torch.no_grad()
+def update_fp8_scales(
+    model: nn.Module, recipe: DelayedScaling, amax_group: dist.ProcessGroup | None = None
+) -> None:
+    """End-of-step delayed-scaling update for every FP8 layer in ``model`` (module docstring).
+
+    ``amax_group`` (default: the group each layer last ran under in ``fp8_autocast``, if any)
+    is where amaxes are MAX-reduced so that all ranks agree on the scales; layers without a
+    group are not reduced.
+    """
+    metas = [meta for _, meta in fp8_metas(model) if meta.has_delayed_state]
+    by_group: dict[int, tuple[dist.ProcessGroup | None, list[FP8Meta]]] = {}
+    for meta in metas:
+        group = amax_group if amax_group is not None else meta.amax_group
+        by_group.setdefault(id(group), (group, []))[1].append(meta)
+    for group, members in by_group.values():
+        if group is not None:
+            current_B3 = torch.stack([meta.amax_history[0] for meta in members])
+            dist.all_reduce(current_B3, op=dist.ReduceOp.MAX, group=group)
+            for meta, row in zip(members, current_B3, strict=True):
+                meta.amax_history[0].copy_(row)
+    fmt_max = torch.tensor(
+        [recipe.formats.for_role(role).max for role in TensorRole], dtype=torch.float32
+    )
+    for meta in metas:
+        history = meta.amax_history
+        amax = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0].clone()
+        new_scale = amax * 2.0**recipe.margin / fmt_max.to(amax.device)
+        meta.scale.copy_(torch.where(amax > 0, new_scale, meta.scale))
+        meta.amax_history.copy_(torch.roll(history, 1, dims=0))
+        meta.amax_history[0].zero_()
+        meta.scale_version += 1
+
+
+def fp8_health(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    """Per layer and role, the fractions of values saturated and flushed to zero so far.
+
+    ``{"layers.0.proj": {"input": {"saturated": 0.0, "underflow": 1e-4}, ...}, ...}``; roles
+    never quantized are left out. One host sync for the whole model.
+    """
+    entries = fp8_metas(model)
+    if not entries:
+        return {}
+    counts = torch.stack([meta.health for _, meta in entries]).cpu()
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for (name, _), layer_counts in zip(entries, counts, strict=True):
+        roles = {}
+        for role in TensorRole:
+            saturated, underflow, total = layer_counts[int(role)].tolist()
+            if total:
+                roles[role.name.lower()] = {
+                    "saturated": saturated / total,
+                    "underflow": underflow / total,
+                }
+        report[name] = roles
+    return report
+
+
+def reset_fp8_health(model: nn.Module) -> None:
+    """Zero the health counters (e.g. after each logging interval)."""
+    for _, meta in fp8_metas(model):
+        meta.health.zero_()

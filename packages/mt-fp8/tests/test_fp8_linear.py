@@ -1,0 +1,211 @@
+"""FP8Linear / FP8GroupedLinear against float64 nn.Linear, for every recipe.
+
+Bound (per output element, float64): if each operand element is off by at most
+``e(v) = eps·|v| + delta`` then ``|Σ a'b' - Σ ab| <= Σ (e(a)|b| + |a|e(b) + e(a)e(b))``, plus
+``K·2^-24·Σ|a'||b'|`` for the fp32 accumulation and output. Per role, ``eps`` is the mantissa
+bound 2^-(m+1) (E4M3 2^-4 for input and weight, E5M2 2^-3 for gradients); MXFP8 can also clip the
+top of a block by up to 1 - fmt.max / 2^(emax+1) (1/8 for both formats), so its eps is 1/8.
+``delta`` covers the subnormal range: half the subnormal spacing times the largest scale,
+``amax · min_subnormal / (2 · fmt.max)`` for amax scaling (amax of the whole tensor bounds every
+block's), and ``amax · 2^-emax · min_subnormal / 2`` for MX (its scale is at most
+``amax / 2^emax``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mt_fp8 import (
+    BlockScaling,
+    DelayedScaling,
+    FP8Format,
+    FP8GroupedLinear,
+    FP8Linear,
+    MXFP8Scaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    fp8_autocast,
+    fp8_health,
+    update_fp8_scales,
+)
+
+RECIPES = [DelayedScaling(), TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()]
+M, K, N = 200, 256, 384  # M is not a multiple of 128: exercises the wgrad padding
+
+
+def element_error(v: torch.Tensor, fmt: FP8Format, mx: bool) -> torch.Tensor:
+    amax = v.abs().max()
+    if mx:
+        return v.abs() / 8 + amax * 2.0**-fmt.emax * fmt.min_subnormal / 2
+    return fmt.relative_rounding_error * v.abs() + amax * fmt.min_subnormal / (2 * fmt.max)
+
+
+def product_bound(a, fmt_a, b, fmt_b, mx):
+    e_a, e_b = element_error(a, fmt_a, mx), element_error(b, fmt_b, mx)
+    bound = e_a @ b.abs().t() + a.abs() @ e_b.t() + e_a @ e_b.t()
+    return bound + a.shape[1] * 2**-24 * ((a.abs() + e_a) @ (b.abs() + e_b).t())
+
+
+def run_layer(recipe, backend="auto", seed=0):
+    torch.manual_seed(seed)
+    layer = FP8Linear(K, N, recipe=recipe, backend=backend)
+    x = torch.randn(M, K)
+    dy = torch.randn(M, N)
+    if isinstance(recipe, DelayedScaling):
+        # Step 1 runs with unit scales (saturating); the compared step uses scales from its amax.
+        layer(x.requires_grad_()).backward(dy)
+        update_fp8_scales(layer, recipe)
+        layer.zero_grad()
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    return layer, x, dy, y
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_forward_and_backward_against_float64_linear(recipe):
+    layer, x, dy, y = run_layer(recipe)
+    mx = isinstance(recipe, MXFP8Scaling)
+    x64, dy64 = x.detach().double(), dy.double()
+    w64, b64 = layer.weight.detach().double(), layer.bias.detach().double()
+    e4, e5 = FP8Format.E4M3, FP8Format.E5M2
+
+    assert ((y.double() - (x64 @ w64.t() + b64)).abs() <= product_bound(x64, e4, w64, e4, mx)).all()
+    dx_bound = product_bound(dy64, e5, w64.t().contiguous(), e4, mx)
+    assert ((x.grad.double() - dy64 @ w64).abs() <= dx_bound).all()
+    dw_bound = product_bound(dy64.t().contiguous(), e5, x64.t().contiguous(), e4, mx)
+    assert ((layer.weight.grad.double() - dy64.t() @ x64).abs() <= dw_bound).all()
+    # Bias gradient: an fp32 sum of M values, error <= M·2^-24·Σ|dy|.
+    db_bound = M * 2**-24 * dy64.abs().sum(0)
+    assert ((layer.bias.grad.double() - dy64.sum(0)).abs() <= db_bound).all()
+
+
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
+def test_scaled_mm_and_emulated_paths_agree(recipe):
+    fast = run_layer(recipe, backend="scaled_mm")
+    slow = run_layer(recipe, backend="emulate")
+    # Identical FP8 operands; only fp32 summation order differs: K·2^-24 relative to Σ|ab|.
+    for a, b in ((fast[3], slow[3]), (fast[1].grad, slow[1].grad)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(fast[0].weight.grad, slow[0].weight.grad, rtol=1e-4, atol=1e-3)
+
+
+def test_saves_fp8_input_not_high_precision():
+    layer = FP8Linear(K, N, recipe=RowwiseScaling())
+    x = torch.randn(M, K, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x)
+    dtypes = {t.dtype for t in saved}
+    assert dtypes <= {torch.float8_e4m3fn, torch.float32}
+    assert all(t.dtype != torch.float32 or t.shape[-1] == 1 for t in saved)  # fp32 = scales only
+
+
+def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
+    layer = FP8Linear(K, N, recipe=TensorwiseScaling())
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x = torch.randn(8, K)
+    layer(x).sum().backward()
+    first = layer._weight_cache["entry"][1]
+    layer(x).sum().backward()  # second micro-batch: same FP8 weight object
+    assert layer._weight_cache["entry"][1] is first
+    optimizer.step()  # in-place update bumps weight._version
+    layer(x).sum().backward()
+    assert layer._weight_cache["entry"][1] is not first
+
+
+def test_autocast_bf16_and_bf16_parameters():
+    layer = FP8Linear(K, N)
+    x = torch.randn(4, 16, K, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (4, 16, N)
+    y.float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    bf16_layer = FP8Linear(K, N, dtype=torch.bfloat16)
+    out = bf16_layer(torch.randn(8, K, dtype=torch.bfloat16))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and bf16_layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_fp8_autocast_disable_and_override():
+    layer = FP8Linear(K, N, recipe=TensorwiseScaling())
+    x = torch.randn(8, K)
+    with fp8_autocast(enabled=False):
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    with fp8_autocast(recipe=BlockScaling()):
+        blocked = layer(x)
+    assert not torch.equal(blocked, layer(x))
+    with pytest.raises(TypeError, match="takes an mt_fp8 Recipe"), fp8_autocast(recipe="block"):
+        pass
+
+
+def test_health_counts_saturation_under_delayed_scaling():
+    layer = FP8Linear(K, N, recipe=DelayedScaling())
+    x = torch.randn(M, K) * 1000  # unit initial scales: |x| > 448 saturates
+    layer(x)
+    health = fp8_health(layer)[""]
+    expected = (x.abs() > 448).double().mean().item()
+    assert health["input"]["saturated"] == pytest.approx(expected)
+    assert health["weight"]["saturated"] == 0.0
+
+
+def test_bad_dimensions_and_backend_messages():
+    with pytest.raises(
+        ValueError, match="in_features=100 and out_features=64 must both be divisible by 16"
+    ):
+        FP8Linear(100, 64)
+    with pytest.raises(ValueError, match="divisible by 128 for FP8 GEMMs with the block recipe"):
+        FP8Linear(64, 64, recipe=BlockScaling())
+    with pytest.raises(ValueError, match="unknown FP8 GEMM backend 'cutlass'"):
+        FP8Linear(64, 64, backend="cutlass")
+    with pytest.raises(RuntimeError, match="backend 'fast' cannot run here"):
+        FP8Linear(128, 128, recipe=BlockScaling(), backend="fast")(torch.randn(128, 128))
+
+
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), BlockScaling()], ids=lambda r: r.name)
+def test_grouped_linear_matches_per_expert_linears(recipe):
+    torch.manual_seed(0)
+    layer = FP8GroupedLinear(3, 128, 256, recipe=recipe)
+    sizes = [70, 0, 130]
+    x = torch.randn(sum(sizes), 128, requires_grad=True)
+    dy = torch.randn(sum(sizes), 256)
+    layer(x, sizes).backward(dy)
+    start = 0
+    for expert, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        start += size
+        if size == 0:
+            assert torch.equal(
+                layer.weight.grad[expert], torch.zeros_like(layer.weight.grad[expert])
+            )
+            continue
+        x64, dy64 = x.detach()[rows].double(), dy[rows].double()
+        w64 = layer.weight.detach()[expert].double()
+        # Same per-element bound as the FP8Linear test, per expert.
+        e4, e5 = FP8Format.E4M3, FP8Format.E5M2
+        bound = product_bound(dy64.t().contiguous(), e5, x64.t().contiguous(), e4, False)
+        assert ((layer.weight.grad[expert].double() - dy64.t() @ x64).abs() <= bound).all()
+        assert (
+            (x.grad[rows].double() - dy64 @ w64).abs()
+            <= product_bound(dy64, e5, w64.t().contiguous(), e4, False)
+        ).all()
+    with pytest.raises(ValueError, match="must be 3 non-negative ints summing to the 200 tokens"):
+        layer(x, [100, 100])
+
+
+def test_compiles_with_torch_compile():
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 128, recipe=TensorwiseScaling())
+    x = torch.randn(64, 128, requires_grad=True)
+    eager = layer(x)
+    eager.sum().backward()
+    eager_grad = x.grad.clone()
+    x.grad = None
+    compiled = torch.compile(layer)(x)
+    compiled.sum().backward()
+    # Same FP8 operands; compiled kernels may sum in a different order (fp32 rounding only).
+    assert torch.allclose(eager, compiled, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(eager_grad, x.grad, rtol=1e-4, atol=1e-4)
