@@ -146,3 +146,12 @@ def fail_on_rank_zero_then_all_reduce() -> float:
     if dist.get_rank() == 0:
         raise RuntimeError("rank 0 fails on purpose")
     return mt_comm.all_reduce(torch.ones(1)).item()
+
+
+def device_mesh_groups() -> dict[str, list[int]]:
+    """The DeviceMesh's per-dimension groups must match ParallelState's."""
+    state = mt_comm.init_parallel_state(dp=2, tp=2)
+    mesh = state.device_mesh()
+    return {
+        dim: dist.get_process_group_ranks(mesh.get_group(dim)) for dim in ("pp", "dp", "cp", "tp")
+    } | {f"state_{dim}": state.ranks(dim) for dim in ("pp", "dp", "cp", "tp")}

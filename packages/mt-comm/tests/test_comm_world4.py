@@ -129,3 +129,9 @@ def test_a_rank_stuck_in_a_collective_is_reported_and_the_pool_restarts(
     with pytest.raises(TimeoutError, match=r"ranks \[1, 2, 3\] gave no result"):
         pool.run(comm_checks.fail_on_rank_zero_then_all_reduce)
     assert [r["rank"] for r in pool.run(comm_checks.layout, dp=4)] == [0, 1, 2, 3]
+
+
+def test_device_mesh_matches_the_parallel_state(pool: DistributedPool) -> None:
+    for result in pool.run(comm_checks.device_mesh_groups):
+        for dim in ("pp", "dp", "cp", "tp"):
+            assert sorted(result[dim]) == result[f"state_{dim}"], dim
