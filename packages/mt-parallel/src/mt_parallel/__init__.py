@@ -1,5 +1,101 @@
-"""mt-parallel: placeholder until its issue lands; it provides no features yet."""
+"""mt-parallel: tensor, sequence, context and data parallelism, recompute, a Llama decoder block."""
+
+from mt_parallel.checkpoint import (
+    init_weights,
+    layer_generator,
+    merge_state_dicts,
+    shard_state_dict,
+    tp_shard_plan,
+)
+from mt_parallel.config import ParallelConfig, validate_cp_sequence, validate_tp_shapes
+from mt_parallel.context_parallel import (
+    context_parallel_attention,
+    load_balanced_positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from mt_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mt_parallel.data_parallel import accumulate, all_reduce_gradients, apply_data_parallel
+from mt_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelModule,
+    VocabParallelEmbedding,
+)
+from mt_parallel.mappings import (
+    all_gather_grad_rs,
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    reduce_scatter_grad_ag,
+    scatter_to_group,
+)
+from mt_parallel.model import (
+    MLP,
+    Attention,
+    CoreAttention,
+    DecoderBlock,
+    DecoderLM,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    rope_cos_sin,
+)
+from mt_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
+from mt_parallel.parallelize import (
+    apply_context_parallel,
+    apply_fp8,
+    apply_tensor_parallel,
+    parallelize,
+)
+from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "ColumnParallelLinear",
+    "CoreAttention",
+    "DecoderBlock",
+    "DecoderLM",
+    "DistributedOptimizer",
+    "ParallelConfig",
+    "RMSNorm",
+    "RowParallelLinear",
+    "SwiGLU",
+    "TensorParallelModule",
+    "VocabParallelEmbedding",
+    "__version__",
+    "accumulate",
+    "all_gather_grad_rs",
+    "all_reduce_gradients",
+    "apply_context_parallel",
+    "apply_data_parallel",
+    "apply_fp8",
+    "apply_recompute",
+    "apply_rope",
+    "apply_tensor_parallel",
+    "clip_grad_norm_",
+    "context_parallel_attention",
+    "copy_to_group",
+    "gather_from_group",
+    "init_weights",
+    "is_recomputed",
+    "layer_generator",
+    "load_balanced_positions",
+    "merge_state_dicts",
+    "parallelize",
+    "recompute_module",
+    "reduce_from_group",
+    "reduce_scatter_grad_ag",
+    "rope_cos_sin",
+    "scatter_to_group",
+    "shard_sequence",
+    "shard_state_dict",
+    "tp_shard_plan",
+    "unshard_sequence",
+    "validate_cp_sequence",
+    "validate_tp_shapes",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,120 @@
+"""Context parallelism: causal attention over a sequence split across the cp group.
+
+Layout (load balancing). A sequence of length ``T`` is cut into ``2·cp`` chunks of ``L = T/(2·cp)``
+tokens. CP rank ``r`` holds chunk ``r`` followed by chunk ``2·cp−1−r`` (one early, one late), so
+under a causal mask every rank attends to the same number of keys::
+
+    cp=2, T=8 (L=2):  rank 0 holds positions [0 1 | 6 7], rank 1 holds [2 3 | 4 5]
+
+:func:`shard_sequence` produces this layout (for tokens, labels and positions),
+:func:`unshard_sequence` inverts it.
+
+Attention (all-gather K/V, as in Llama 3 training). Shape suffixes: B batch, H query heads,
+K key/value heads (GQA: H a multiple of K), t local tokens ``2L``, S gathered tokens ``T``, d head
+dim. Each rank all-gathers ``k_BKtd`` and ``v_BKtd`` over cp (backward: reduce-scatter, summing
+every rank's contribution to each key's gradient), reorders the gathered chunks into global order,
+and for each of its two query chunks with global index ``g`` attends to the keys ``[0, (g+1)·L)``
+with the causal mask aligned to the lower right (query ``i`` of the chunk sits at global position
+``g·L + i`` and sees keys ``≤ g·L + i``). Work per rank is ``L·(r+1)·L + L·(2cp−r)·L``, the same
+for every ``r``. RoPE is applied before the gather with each token's global position, so the
+gathered keys carry their own rotation.
+
+Ring attention (overlapping the K/V exchange with compute, the GPU performance path) is not
+implemented; the all-gather variant is exact and its memory cost is one full K/V per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import mt_comm
+from mt_parallel.config import validate_cp_sequence
+from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size
+
+
+def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions held by ``cp_rank``: chunk ``r`` then chunk ``2·cp−1−r``."""
+    validate_cp_sequence(cp_size, seq_len)
+    if cp_size == 1:
+        return torch.arange(seq_len)
+    chunk = seq_len // (2 * cp_size)
+    early = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    late_start = (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([early, torch.arange(late_start, late_start + chunk)])
+
+
+def shard_sequence(x: torch.Tensor, dim: int, cp_group: Any) -> torch.Tensor:
+    """This rank's load-balanced part of ``x`` along ``dim`` (no autograd through the cut)."""
+    cp = group_size(cp_group)
+    positions = load_balanced_positions(x.shape[dim], cp, group_rank(cp_group))
+    return x.index_select(dim, positions.to(x.device)) if cp > 1 else x
+
+
+def unshard_sequence(x_local: torch.Tensor, dim: int, cp_group: Any) -> torch.Tensor:
+    """Gather every rank's load-balanced part back into the full sequence (no autograd)."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return x_local
+    gathered = mt_comm.all_gather(x_local.contiguous(), dim=dim, group=cp_group)
+    seq_len = gathered.shape[dim]
+    order = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(seq_len)
+    return gathered.index_select(dim, inverse.to(x_local.device))
+
+
+def _global_order(chunk: int, cp: int) -> torch.Tensor:
+    """Indices into the rank-ordered gather that put the ``2·cp`` chunks in global order."""
+    slot_of_chunk = {}
+    for rank in range(cp):
+        slot_of_chunk[rank] = 2 * rank
+        slot_of_chunk[2 * cp - 1 - rank] = 2 * rank + 1
+    return torch.cat(
+        [
+            torch.arange(slot_of_chunk[g] * chunk, (slot_of_chunk[g] + 1) * chunk)
+            for g in range(2 * cp)
+        ]
+    )
+
+
+def context_parallel_attention(
+    q_BHtd: torch.Tensor,
+    k_BKtd: torch.Tensor,
+    v_BKtd: torch.Tensor,
+    cp_group: Any,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of this rank's load-balanced queries over the whole sequence."""
+    cp, rank = group_size(cp_group), group_rank(cp_group)
+    gqa = q_BHtd.shape[1] != k_BKtd.shape[1]
+    if cp == 1:
+        return F.scaled_dot_product_attention(
+            q_BHtd, k_BKtd, v_BKtd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        )
+    local = q_BHtd.shape[2]
+    if local % 2:
+        raise ValueError(f"context-parallel attention needs an even local length, got {local}")
+    chunk = local // 2
+    order = _global_order(chunk, cp).to(q_BHtd.device)
+    k_BKSd = all_gather_grad_rs(k_BKtd, 2, cp_group).index_select(2, order)
+    v_BKSd = all_gather_grad_rs(v_BKtd, 2, cp_group).index_select(2, order)
+    outputs = []
+    for half, g in enumerate((rank, 2 * cp - 1 - rank)):
+        q_c = q_BHtd[:, :, half * chunk : (half + 1) * chunk]
+        keys = (g + 1) * chunk
+        query_pos = torch.arange(chunk, device=q_BHtd.device).unsqueeze(1) + g * chunk
+        mask = torch.arange(keys, device=q_BHtd.device).unsqueeze(0) <= query_pos
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q_c,
+                k_BKSd[:, :, :keys],
+                v_BKSd[:, :, :keys],
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outputs, dim=2)

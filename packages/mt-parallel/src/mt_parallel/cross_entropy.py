@@ -1,0 +1,101 @@
+"""Cross-entropy over vocabulary-parallel logits, without ever gathering the full logits.
+
+Shape suffixes: B batch, T sequence, V vocabulary, ``V_l = V / tp`` the local vocabulary slice
+``[r·V_l, (r+1)·V_l)`` of TP rank ``r`` (the layout of a column-parallel LM head).
+
+Per token with logits ``z`` and target ``t``::
+
+    m    = max_v z_v                         (all-reduce MAX of the local maxima)
+    S    = Σ_v exp(z_v − m)                  (all-reduce SUM of local sums)
+    z_t  = the target logit                  (all-reduce SUM: only the owning rank adds it)
+    loss = log S − (z_t − m)
+    ∂loss/∂z_v = softmax(z)_v − [v = t]      (local: each rank writes its V_l slice)
+
+Only ``(B, T)``-sized tensors cross the network (three all-reduces), never ``(B, T, V)``. The
+math runs in fp32 (fp64 for fp64 logits), and the gradient is returned in the logits' dtype.
+Tokens whose target is ``ignore_index`` get loss 0 and gradient 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import mt_comm
+from mt_parallel.mappings import group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    if group_size(group) > 1:
+        mt_comm.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits_BTV_l: torch.Tensor, target_BT: torch.Tensor, group: Any, ignore: int
+    ) -> torch.Tensor:
+        z_BTV = logits_BTV_l.to(torch.promote_types(logits_BTV_l.dtype, torch.float32))
+        max_BT = z_BTV.amax(dim=-1)
+        _all_reduce(max_BT, "max", group)
+        z_BTV = z_BTV - max_BT.unsqueeze(-1)
+
+        vocab_l = z_BTV.shape[-1]
+        start = group_rank(group) * vocab_l
+        owned_BT = (target_BT >= start) & (target_BT < start + vocab_l)
+        local_t_BT = torch.where(owned_BT, target_BT - start, 0)
+        target_logit_BT = z_BTV.gather(-1, local_t_BT.unsqueeze(-1)).squeeze(-1)
+        target_logit_BT = torch.where(owned_BT, target_logit_BT, 0.0)
+        _all_reduce(target_logit_BT, "sum", group)
+
+        exp_BTV = z_BTV.exp_()
+        sum_BT = exp_BTV.sum(dim=-1)
+        _all_reduce(sum_BT, "sum", group)
+        valid_BT = target_BT != ignore
+        loss_BT = torch.where(valid_BT, sum_BT.log() - target_logit_BT, 0.0)
+
+        softmax_BTV = exp_BTV.div_(sum_BT.unsqueeze(-1))
+        ctx.save_for_backward(softmax_BTV, owned_BT & valid_BT, local_t_BT, valid_BT)
+        ctx.dtype = logits_BTV_l.dtype
+        return loss_BT
+
+    @staticmethod
+    def backward(ctx: Any, dloss_BT: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax_BTV, owned_BT, local_t_BT, valid_BT = ctx.saved_tensors
+        grad_BTV = softmax_BTV.clone()  # saved tensors must survive retain_graph
+        onehot = owned_BT.to(grad_BTV.dtype).unsqueeze(-1)
+        grad_BTV.scatter_add_(-1, local_t_BT.unsqueeze(-1), -onehot)
+        scale_BT = torch.where(valid_BT, dloss_BT.to(grad_BTV.dtype), 0.0)
+        grad_BTV.mul_(scale_BT.unsqueeze(-1))
+        return grad_BTV.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_BTV_l: torch.Tensor,
+    target_BT: torch.Tensor,
+    tp_group: Any = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of vocab-sharded logits (module docstring).
+
+    ``reduction``: ``"none"`` (per-token ``(B, T)`` fp32 losses), ``"sum"``, or ``"mean"`` over
+    the tokens whose target is not ``ignore_index``. With ``tp_group=None`` the logits are the
+    full vocabulary and this equals ``torch.nn.functional.cross_entropy``.
+    """
+    if target_BT.shape != logits_BTV_l.shape[:-1]:
+        raise ValueError(
+            f"targets of shape {tuple(target_BT.shape)} do not match logits of shape "
+            f"{tuple(logits_BTV_l.shape)} (expected the logits' shape without the vocab axis)"
+        )
+    loss_BT = _VocabParallelCrossEntropy.apply(logits_BTV_l, target_BT, tp_group, ignore_index)
+    if reduction == "none":
+        return loss_BT
+    if reduction == "sum":
+        return loss_BT.sum()
+    if reduction == "mean":
+        count = (target_BT != ignore_index).sum().clamp(min=1)
+        return loss_BT.sum() / count
+    raise ValueError(f"reduction={reduction!r}; valid: none, sum, mean")

@@ -1,0 +1,90 @@
+"""Data parallelism over the dp×cp group: torch DDP / FSDP2, gradient accumulation, plain reduce.
+
+Gradients of dense parameters are averaged over dp×cp: data-parallel replicas see different
+samples, context-parallel ranks different tokens of the same samples, and each rank's loss is the
+mean over its own tokens, so (with equal token counts per rank) the average of the ranks'
+gradients is the gradient of the global mean loss.
+
+Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
+
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the dp×cp process group. It only
+  hooks parameter gradients, so it composes with our TP layers (plain local tensors) and FP8.
+* ``fsdp``: FSDP2 ``fully_shard`` on every decoder block and the root, over a 1-D mesh of the
+  dp×cp group (parameters sharded along dim 0 of the local TP shard).
+* ``zero1``: no wrapper; :class:`~mt_parallel.DistributedOptimizer` reduce-scatters at the step.
+* ``none``: no wrapper; call :func:`all_reduce_gradients` yourself.
+
+Gradient accumulation: run every micro-batch but the last inside :func:`accumulate`'s
+``is_last=False`` context (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``), so
+gradients are accumulated locally and reduced once; scale each micro-batch's loss by
+``1/num_micro_batches``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import mt_comm
+from mt_parallel.mappings import group_size
+from mt_parallel.model import DecoderBlock
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    mode: str,
+    dp_cp_group: Any,
+    device_type: str = "cpu",
+    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+) -> nn.Module:
+    """Wrap (``ddp``) or shard (``fsdp``) ``model`` over ``dp_cp_group``; see the module doc."""
+    if mode in ("zero1", "none") or (group_size(dp_cp_group) == 1 and mode == "ddp"):
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, process_group=dp_cp_group, broadcast_buffers=False)
+    if mode == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(dp_cp_group, device_type)
+        for module in model.modules():
+            if isinstance(module, block_types):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    raise ValueError(f"data parallel mode {mode!r}; valid: ddp, fsdp, zero1, none")
+
+
+@contextlib.contextmanager
+def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
+    """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``."""
+    no_sync = getattr(model, "no_sync", None)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    if set_sync is not None:
+        set_sync(is_last)
+        yield
+    elif no_sync is not None and not is_last:
+        with no_sync():
+            yield
+    else:
+        yield
+
+
+@torch.no_grad()
+def all_reduce_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
+    """Average the gradients over ``group`` with one flat all-reduce (mode ``none``)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads or group_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    mt_comm.all_reduce(flat, op="avg", group=group)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()

@@ -1,0 +1,374 @@
+"""Megatron-style tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Shape suffixes: B batch, T sequence (the local shard T/tp under sequence parallel), K input
+features, N output features, V vocabulary; ``_l`` marks the local TP slice (``N_l = N / tp``).
+Activations are batch-first ``x_BTK``; the sequence dimension is 1.
+
+Math over a TP group of size ``p`` (rank ``r``), ``y = x Wᵀ + b`` with ``W`` of shape ``(N, K)``:
+
+* Column parallel: rank ``r`` holds rows ``W[r·N_l:(r+1)·N_l]`` (and that slice of ``b``) and
+  computes ``y_l = x W_lᵀ + b_l``, its slice of the output features. The input must be the full
+  ``x`` on every rank: without SP the input is already replicated and its gradient is summed over
+  the group (:func:`copy_to_group`); with SP the input is the sequence shard and is all-gathered
+  along T first (backward: reduce-scatter). ``gather_output`` all-gathers ``y`` along N.
+* Row parallel: rank ``r`` holds columns ``W[:, r·K_l:(r+1)·K_l]`` and computes the partial sum
+  ``x_l W_lᵀ``; the partials are summed over the group (all-reduce, or reduce-scatter along T
+  under SP) and the replicated ``b`` is added after the sum. ``input_is_parallel=False`` slices a
+  replicated input first.
+* Vocab-parallel embedding: rank ``r`` holds rows ``[r·V_l, (r+1)·V_l)`` of the table; ids outside
+  the range look up zeros, and the partial embeddings are summed (all-reduce, or reduce-scatter
+  along T under SP).
+
+Invariants: every parameter is either sharded along the dimension in ``tp_shard_dims`` (and marked
+``param.tensor_parallel = True``) or replicated and identical on every TP rank. Replicated
+parameters used on a sequence shard (the row-parallel bias under SP) get their gradient summed
+over the group in backward, so replicated gradients stay identical across TP ranks.
+
+Initialisation never depends on the TP degree: :meth:`reset_parameters` draws the *full* matrix
+(from ``generator`` or the global RNG) and keeps this rank's slice, so a model at tp=1 and at tp=4
+starts from the same full weights. :meth:`shard_` turns a layer built at tp=1 into this rank's
+shard (the tensor-parallel transform). FP8: :meth:`enable_fp8` routes the local GEMM through
+``mt_fp8.FP8Linear`` (sharing this layer's parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt_parallel.mappings import (
+    all_gather_grad_rs,
+    copy_to_group,
+    gather_from_group,
+    group_rank,
+    group_size,
+    reduce_from_group,
+    reduce_scatter_grad_ag,
+    scatter_to_group,
+)
+
+SEQUENCE_DIM = 1
+DEFAULT_INIT_STD = 0.02
+
+
+class TensorParallelModule(nn.Module):
+    """Base of the TP layers: group bookkeeping, TP-independent init, sharding (module doc)."""
+
+    tp_shard_dims: ClassVar[dict[str, int]] = {}
+    """Parameter name -> dimension split over the TP group; parameters not listed are replicated."""
+    tp_shard_labels: ClassVar[dict[str, str]] = {}
+    """Parameter name -> what its split dimension is called in error messages."""
+
+    def _setup_tp(self, tp_group: Any, sequence_parallel: bool) -> None:
+        if sequence_parallel and group_size(tp_group) == 1:
+            raise ValueError(
+                f"{type(self).__name__}: sequence_parallel=True needs a tensor-parallel group of "
+                "more than one rank"
+            )
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp_group)
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's full (tp=1) shape."""
+        raise NotImplementedError
+
+    def _init_full(self, name: str, full: torch.Tensor, generator: torch.Generator | None) -> None:
+        raise NotImplementedError
+
+    def _check_divisible(self, tp: int) -> None:
+        shapes = self.full_shapes()
+        for name, dim in self.tp_shard_dims.items():
+            if name not in shapes:
+                continue
+            size = shapes[name][dim]
+            if size % tp:
+                label = self.tp_shard_labels.get(name, f"{name} dimension {dim}")
+                raise ValueError(
+                    f"{type(self).__name__}: tensor parallel size tp={tp} does not divide "
+                    f"{label}={size}"
+                )
+
+    def _local(self, name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+        dim = self.tp_shard_dims.get(name)
+        return full if dim is None else full.chunk(tp, dim=dim)[rank]
+
+    def _make_params(self, device: Any, dtype: torch.dtype | None) -> None:
+        self._check_divisible(self.tp_size)
+        for name, shape in self.full_shapes().items():
+            local = list(shape)
+            if name in self.tp_shard_dims:
+                local[self.tp_shard_dims[name]] //= self.tp_size
+            self._set_param(name, torch.empty(local, device=device, dtype=dtype))
+
+    def _set_param(self, name: str, data: torch.Tensor) -> None:
+        param = nn.Parameter(data)
+        if name in self.tp_shard_dims:
+            param.tensor_parallel = True  # type: ignore[attr-defined]
+        setattr(self, name, param)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Draw every full parameter (on the CPU when ``generator`` is given) and keep our slice."""
+        for name, shape in self.full_shapes().items():
+            param = getattr(self, name)
+            full = torch.empty(shape, dtype=torch.float32)
+            if generator is None:
+                full = full.to(param.device)
+            self._init_full(name, full, generator)
+            param.copy_(self._local(name, full, self.tp_size, self.tp_rank))
+
+    @torch.no_grad()
+    def shard_(self, tp_group: Any, sequence_parallel: bool = False) -> None:
+        """Keep this rank's slice of the full parameters (the layer must hold them, tp=1)."""
+        if self.tp_size != 1:
+            raise RuntimeError(f"{type(self).__name__} is already sharded over tp={self.tp_size}")
+        tp, rank = group_size(tp_group), group_rank(tp_group)
+        self._check_divisible(tp)
+        for name in self.full_shapes():
+            param = getattr(self, name)
+            self._set_param(name, self._local(name, param.detach(), tp, rank).clone())
+        self._setup_tp(tp_group, sequence_parallel)
+
+
+def _init_linear(layer: TensorParallelModule, name: str, full: torch.Tensor, gen: Any) -> None:
+    if name == "weight":
+        full.normal_(0.0, layer.init_std, generator=gen)
+    else:
+        full.zero_()
+
+
+class _ParallelLinear(TensorParallelModule):
+    """Shared parts of the column- and row-parallel linears."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp_group: Any,
+        sequence_parallel: bool,
+        init_std: float,
+        device: Any,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.has_bias, self.init_std = bias, init_std
+        self._setup_tp(tp_group, sequence_parallel)
+        self._make_params(device, dtype)
+        self._fp8: Any = None
+        self.reset_parameters()
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {"weight": (self.out_features, self.in_features)}
+        if self.has_bias:
+            shapes["bias"] = (self.out_features,)
+        return shapes
+
+    def _init_full(self, name: str, full: torch.Tensor, generator: Any) -> None:
+        _init_linear(self, name, full, generator)
+
+    def _gemm_bias(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The local GEMM ``x W_lᵀ (+ b_l for column parallel)``, in FP8 when enabled."""
+        bias = self._gemm_bias()
+        if self._fp8 is not None:
+            return self._fp8(x) if bias is None else self._fp8(x) + bias
+        return F.linear(x, self.weight, bias)
+
+    def enable_fp8(self, recipe: Any = None, **fp8_kwargs: Any) -> None:
+        """Run the local GEMM through ``mt_fp8.FP8Linear`` with ``recipe``.
+
+        The FP8Linear shares this layer's weight (no copy; the bias is added outside the FP8
+        GEMM) and is deliberately not a registered submodule, so the state dict keeps its
+        tp=1 names; its ``fp8_meta`` (delayed-scaling state) is registered here instead.
+        """
+        from mt_fp8 import FP8Linear
+
+        local_out, local_in = self.weight.shape
+        view = _LinearView(local_in, local_out, self.weight)
+        self._fp8 = FP8Linear.from_linear(view, recipe=recipe, **fp8_kwargs)  # type: ignore[arg-type]
+        self.fp8_meta = self._fp8.fp8_meta
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return self._fp8 is not None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.has_bias}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+            + (", fp8" if self._fp8 is not None else "")
+        )
+
+
+class _LinearView:
+    """What ``FP8Linear.from_linear`` reads from an ``nn.Linear``: sizes, weight, no bias."""
+
+    def __init__(self, in_features: int, out_features: int, weight: nn.Parameter) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.weight, self.bias = weight, None
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x Wᵀ + b`` with ``W``'s output rows split over TP (module docstring).
+
+    ``forward`` = :meth:`prepare_input` (the communication) + :meth:`forward_prepared` (the GEMM);
+    layers that read the same input (q/k/v, gate/up) share one prepared input, so sequence
+    parallel all-gathers it once.
+    """
+
+    tp_shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+    tp_shard_labels: ClassVar[dict[str, str]] = {"weight": "out_features", "bias": "out_features"}
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
+        init_std: float = DEFAULT_INIT_STD,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.gather_output = gather_output
+        super().__init__(
+            in_features, out_features, bias, tp_group, sequence_parallel, init_std, device, dtype
+        )
+
+    def _gemm_bias(self) -> torch.Tensor | None:
+        return self.bias if self.has_bias else None
+
+    def prepare_input(self, x_BTK: torch.Tensor) -> torch.Tensor:
+        """The full input on every rank: SP all-gather along T, or gradient all-reduce."""
+        if self.sequence_parallel:
+            return all_gather_grad_rs(x_BTK, SEQUENCE_DIM, self.tp_group)
+        return copy_to_group(x_BTK, self.tp_group)
+
+    def forward_prepared(self, x_BTK: torch.Tensor) -> torch.Tensor:
+        y_BTN_l = self.gemm(x_BTK)
+        if self.gather_output:
+            return gather_from_group(y_BTN_l, y_BTN_l.dim() - 1, self.tp_group)
+        return y_BTN_l
+
+    def forward(self, x_BTK: torch.Tensor) -> torch.Tensor:
+        return self.forward_prepared(self.prepare_input(x_BTK))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x Wᵀ + b`` with ``W``'s input columns split over TP (module docstring)."""
+
+    tp_shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
+    tp_shard_labels: ClassVar[dict[str, str]] = {"weight": "in_features"}
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = True,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
+        init_std: float = DEFAULT_INIT_STD,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.input_is_parallel = input_is_parallel
+        super().__init__(
+            in_features, out_features, bias, tp_group, sequence_parallel, init_std, device, dtype
+        )
+
+    def _gemm_bias(self) -> torch.Tensor | None:
+        return None  # added after the reduction, once
+
+    def forward(self, x_BTK_l: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x_BTK_l = scatter_to_group(x_BTK_l, x_BTK_l.dim() - 1, self.tp_group)
+        partial_BTN = self.gemm(x_BTK_l)
+        if self.sequence_parallel:
+            y_BTN = reduce_scatter_grad_ag(partial_BTN, SEQUENCE_DIM, self.tp_group)
+        else:
+            y_BTN = reduce_from_group(partial_BTN, self.tp_group)
+        if not self.has_bias:
+            return y_BTN
+        # Under SP each rank adds the bias to its own tokens: sum its gradient over TP.
+        bias = copy_to_group(self.bias, self.tp_group) if self.sequence_parallel else self.bias
+        return y_BTN + bias
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """Embedding table split by vocabulary rows over TP (module docstring)."""
+
+    tp_shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
+    tp_shard_labels: ClassVar[dict[str, str]] = {"weight": "vocab_size"}
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
+        init_std: float = 1.0,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.init_std = (
+            num_embeddings,
+            embedding_dim,
+            init_std,
+        )
+        self._setup_tp(tp_group, sequence_parallel)
+        self._make_params(device, dtype)
+        self.reset_parameters()
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.num_embeddings, self.embedding_dim)}
+
+    def _init_full(self, name: str, full: torch.Tensor, generator: Any) -> None:
+        full.normal_(0.0, self.init_std, generator=generator)
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids_BT, self.weight)
+        vocab_l = self.weight.shape[0]
+        start = self.tp_rank * vocab_l
+        outside_BT = (ids_BT < start) | (ids_BT >= start + vocab_l)
+        local_ids_BT = torch.where(outside_BT, 0, ids_BT - start)
+        partial_BTD = F.embedding(local_ids_BT, self.weight)
+        partial_BTD = partial_BTD.masked_fill(outside_BT.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_grad_ag(partial_BTD, SEQUENCE_DIM, self.tp_group)
+        return reduce_from_group(partial_BTD, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+def scaled_init_std(base_std: float, num_layers: int) -> float:
+    """Megatron's output-layer init: ``std / sqrt(2·num_layers)`` for residual projections."""
+    return base_std / math.sqrt(2.0 * num_layers)

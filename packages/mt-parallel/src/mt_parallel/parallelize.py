@@ -1,0 +1,123 @@
+"""Transforms that turn a plain (tp=1) model into its parallel form, and the function that applies
+them in order.
+
+Order (each step assumes the previous ones; none edits model code):
+
+1. **Tensor parallel** (:func:`apply_tensor_parallel`): check every module's divisibility first
+   (``check_tp``), then cut each TP layer's full parameters to this rank's shard and, under
+   sequence parallel, switch the layers and norms to SP. Parameters are *replaced*, so build
+   optimizers after this step.
+2. **Context parallel** (:func:`apply_context_parallel`): give every core attention the cp group.
+3. **FP8** (:func:`apply_fp8`): route the TP layers' local GEMMs through ``mt_fp8.FP8Linear``;
+   comes after TP so the FP8 layers see the local shard shapes, and records the TP group as the
+   amax-reduction group of each layer (delayed scaling then agrees on one scale per layer).
+4. **Recompute** (:func:`mt_parallel.apply_recompute`): wraps whole blocks or their parts, so it
+   sees the final (TP, FP8) modules it recomputes.
+5. **Compile**: ``module.compile()`` on each block in place (after recompute, so the checkpoint
+   region is inside the compiled block).
+6. **Data parallel** (:func:`mt_parallel.apply_data_parallel`): last, because DDP/FSDP2 capture
+   the parameters and module structure the earlier steps produce.
+
+Pipeline parallelism will split the block list before step 1; expert parallelism will shard the
+MoE layers in step 1 using the ``ep`` group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from mt_comm import ParallelState
+from mt_parallel.config import ParallelConfig
+from mt_parallel.data_parallel import apply_data_parallel
+from mt_parallel.layers import TensorParallelModule, _ParallelLinear
+from mt_parallel.mappings import group_size
+from mt_parallel.model import CoreAttention, DecoderBlock, RMSNorm
+from mt_parallel.recompute import apply_recompute
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_group: Any, sequence_parallel: bool = False
+) -> nn.Module:
+    """Shard ``model``'s TP layers over ``tp_group`` in place (step 1 of the module docstring)."""
+    tp = group_size(tp_group)
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallel needs tensor parallelism (a tp group of > 1 rank)")
+    if tp == 1:
+        return model
+    for module in model.modules():
+        check = getattr(module, "check_tp", None)
+        if check is not None:
+            check(tp)
+    for module in model.modules():
+        if isinstance(module, TensorParallelModule):
+            module.shard_(tp_group, sequence_parallel)
+        elif isinstance(module, RMSNorm) and sequence_parallel:
+            module.set_sequence_parallel(tp_group)
+    return model
+
+
+def apply_context_parallel(model: nn.Module, cp_group: Any) -> nn.Module:
+    """Make every :class:`CoreAttention` attend over the sequence split across ``cp_group``."""
+    for module in model.modules():
+        if isinstance(module, CoreAttention):
+            module.cp_group = cp_group
+    return model
+
+
+def apply_fp8(
+    model: nn.Module,
+    recipe: Any = None,
+    amax_group: Any = None,
+    skip: tuple[str, ...] = (),
+    **fp8_kwargs: Any,
+) -> nn.Module:
+    """Run every TP linear (except names containing an entry of ``skip``) in FP8.
+
+    ``recipe`` is an ``mt_fp8`` recipe (default: mt-fp8's default); ``amax_group`` (usually
+    the TP group) is where ``mt_fp8.update_fp8_scales`` MAX-reduces delayed-scaling amaxes.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
+            module.enable_fp8(recipe, **fp8_kwargs)
+            if amax_group is not None and group_size(amax_group) > 1:
+                module.fp8_meta.amax_group = amax_group
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    config: ParallelConfig,
+    state: ParallelState,
+    fp8_recipe: Any = None,
+    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+) -> nn.Module:
+    """Apply TP/SP → CP → FP8 (if ``fp8_recipe``) → recompute → compile → DP, in that order.
+
+    ``state`` is ``mt_comm``'s parallel state with the same degrees as ``config``. Returns the
+    model to train (a DDP wrapper in ``ddp`` mode when dp×cp > 1, else ``model`` itself).
+    """
+    config.validate_world(state.dims.world_size)
+    for dim in ("tp", "cp", "pp"):
+        if state.size(dim) != getattr(config, dim):
+            raise ValueError(
+                f"parallel.{dim}={getattr(config, dim)} but the parallel state has "
+                f"{dim}={state.size(dim)}"
+            )
+    tp_group = state.group("tp")
+    apply_tensor_parallel(model, tp_group, config.sequence_parallel)
+    if config.cp > 1:
+        apply_context_parallel(model, state.group("cp"))
+    if fp8_recipe is not None:
+        apply_fp8(model, fp8_recipe, amax_group=tp_group)
+    apply_recompute(
+        model, config.recompute, config.recompute_every, config.recompute_targets, block_types
+    )
+    if config.compile:
+        for module in model.modules():
+            if isinstance(module, block_types):
+                module.compile()
+    return apply_data_parallel(
+        model, config.data_parallel, state.group("dp_cp"), state.device_type, block_types
+    )
