@@ -1,0 +1,1 @@
+"""Triton kernels. Every module here imports ``triton``; they are imported only for CUDA tensors."""

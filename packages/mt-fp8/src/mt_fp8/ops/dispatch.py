@@ -1,0 +1,28 @@
+"""Choosing between a Triton kernel and the plain-PyTorch path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when all tensors are on CUDA and Triton is installed (found without importing it).
+
+    ``MT_FP8_DISABLE_TRITON=1`` forces the PyTorch path (for comparisons); ``TRITON_INTERPRET=1``
+    lets CPU tensors run the Triton kernels in Triton's interpreter (kernel tests without a GPU).
+    """
+    if not _TRITON or os.environ.get("MT_FP8_DISABLE_TRITON") == "1":
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return all(t.is_cuda for t in tensors)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for 16/32-bit inputs, fp64 for fp64 ones (so float64 references can be exact)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -1,0 +1,52 @@
+"""Single-pass FP8 quantize + transpose + amax, for tensorwise scales.
+
+FP8 GEMMs need a tensor quantized along both axes (``x`` for one GEMM, ``xᵀ`` for the other).
+Given the dequantization scale ``s`` (delayed scaling: from the history), one pass over
+``x_RC`` writes ``q_RC = sat(rne(x / s))``, its transpose ``q_CR`` and ``amax = max|x|`` (for the
+next step's scale), reading ``x`` once. With ``scale=None`` (current scaling) the scale must be
+known before any cast (FP8 supports no arithmetic afterwards), so an amax reduction pass runs
+first and ``s = amax / fmt.max``. ``stats`` accumulates the health counts of
+:func:`mt_fp8.quantized.cast_to_fp8`.
+
+Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
+tensors whose gradient those layers compute themselves. CUDA tensors run
+:mod:`mt_fp8.kernels.quantize`; elsewhere the plain-PyTorch path below.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mt_fp8.formats import FP8Format
+from mt_fp8.ops.dispatch import use_triton
+from mt_fp8.quantized import TENSORWISE, QuantizedTensor, cast_to_fp8
+
+
+def quantize_transpose_amax(
+    x_RC: torch.Tensor,
+    fmt: FP8Format,
+    scale: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """``(q_RC, q_CR, amax)`` with one tensorwise scale; see the module docstring."""
+    if x_RC.dim() != 2 or not x_RC.is_floating_point() or x_RC.element_size() == 1:
+        raise ValueError(
+            f"quantize_transpose_amax takes a 2-D float32/bfloat16/float16 tensor, got "
+            f"{tuple(x_RC.shape)} {x_RC.dtype}"
+        )
+    if use_triton(x_RC):
+        from mt_fp8.kernels.quantize import quantize_transpose_amax_triton
+
+        data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(x_RC, fmt, scale, stats)
+    else:
+        amax = x_RC.abs().amax().float()
+        if scale is None:
+            scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+        scale_11 = scale.float().reshape(1, 1)
+        data_RC = cast_to_fp8(x_RC, scale_11, fmt, stats)
+        data_CR = data_RC.t().contiguous()
+    return (
+        QuantizedTensor(data_RC, scale_11, TENSORWISE, fmt),
+        QuantizedTensor(data_CR, scale_11, TENSORWISE, fmt),
+        amax,
+    )

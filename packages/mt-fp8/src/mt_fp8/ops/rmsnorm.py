@@ -1,0 +1,80 @@
+"""RMSNorm with an optional fused residual add.
+
+Shape suffixes: R rows (all leading dims flattened), D the normalized (last) dimension.
+
+Forward, in fp32 (fp64 for fp64 inputs)::
+
+    h_RD    = x_RD + residual_RD            (or x alone)
+    rstd_R  = 1 / sqrt(mean_D(h²) + eps)
+    y_RD    = h_RD · rstd_R · w_D
+
+returns ``y`` (input dtype) and, with a residual, ``h`` (the new residual stream). Backward,
+with ``ĥ = h · rstd`` and incoming ``dy`` (and ``dh_out`` for the returned ``h``)::
+
+    dĥ  = dy · w
+    dh  = rstd · (dĥ - ĥ · mean_D(dĥ · ĥ)) + dh_out      (= dx = dresidual)
+    dw  = Σ_R dy · ĥ
+
+Only ``rstd`` (R fp32 values) is saved besides ``h`` and ``w``. CUDA tensors run the Triton
+kernels of :mod:`mt_fp8.kernels.rmsnorm` (one read and one write of each tensor per pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mt_fp8.ops.dispatch import compute_dtype, use_triton
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Plain-PyTorch RMSNorm(+residual) with the explicit backward above."""
+
+    @staticmethod
+    def forward(ctx: Any, x_RD, weight_D, residual_RD, eps: float):  # type: ignore[override]
+        h_RD = x_RD if residual_RD is None else x_RD + residual_RD
+        work = compute_dtype(x_RD)
+        h32 = h_RD.to(work)
+        rstd_R = torch.rsqrt(h32.pow(2).mean(-1) + eps)
+        y_RD = (h32 * rstd_R[:, None] * weight_D.to(work)).to(x_RD.dtype)
+        ctx.save_for_backward(h_RD, weight_D, rstd_R)
+        ctx.has_residual = residual_RD is not None
+        # Without a residual, h is x itself: return an empty placeholder rather than alias x.
+        return y_RD, h_RD if ctx.has_residual else x_RD.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, dy_RD, dh_out_RD):  # type: ignore[override]
+        h_RD, weight_D, rstd_R = ctx.saved_tensors
+        work = compute_dtype(h_RD)
+        xhat = h_RD.to(work) * rstd_R[:, None]
+        dxhat = dy_RD.to(work) * weight_D.to(work)
+        dh = rstd_R[:, None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        if ctx.has_residual and dh_out_RD is not None:
+            dh = dh + dh_out_RD.to(work)
+        dw = (dy_RD.to(work) * xhat).sum(0).to(weight_D.dtype)
+        dh = dh.to(h_RD.dtype)
+        return dh, dw, dh if ctx.has_residual else None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm(x [+ residual]) · weight`` over the last dim; with a residual returns ``(y, h)``."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    x_RD = x.reshape(-1, x.shape[-1])
+    residual_RD = None if residual is None else residual.reshape(x_RD.shape)
+    if use_triton(x_RD, weight):
+        from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction as function
+    else:
+        function = RMSNormFunction
+    y_RD, h_RD = function.apply(x_RD, weight, residual_RD, eps)
+    if residual is None:
+        return y_RD.reshape(x.shape)
+    return y_RD.reshape(x.shape), h_RD.reshape(x.shape)

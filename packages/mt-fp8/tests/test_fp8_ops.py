@@ -1,0 +1,160 @@
+"""Fused ops against plain PyTorch formulas (autograd of the textbook expression), fwd + bwd.
+
+On CPU the ops run in float64 and must match the float64 reference to 1e-10 (only summation
+order differs). On CUDA (``gpu`` marker) they run the Triton kernels in float32, which compute in
+fp32: error a few ulps of fp32 times the reduction length, so rtol 1e-4 against float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mt_fp8 import FP8Format, quantize
+from mt_fp8.ops import apply_rotary, cross_entropy, quantize_transpose_amax, rms_norm, swiglu
+from mt_fp8.ops.rope import rope_tables
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def dtype_and_tol(device):
+    return (torch.float64, 1e-10) if device == "cpu" else (torch.float32, 1e-4)
+
+
+def close(actual, expected, tol):
+    assert torch.allclose(actual.double(), expected.double(), rtol=tol, atol=tol), (
+        (actual.double() - expected.double()).abs().max().item()
+    )
+
+
+def leaf(shape, device, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(shape, generator=generator, dtype=torch.float64)
+        .to(device, dtype)
+        .requires_grad_()
+    )
+
+
+def grads(output, inputs, seed=99):
+    generator = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(output.shape, generator=generator, dtype=torch.float64).to(output)
+    return torch.autograd.grad(output, inputs, upstream, allow_unused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(device, with_residual):
+    dtype, tol = dtype_and_tol(device)
+    x, w = leaf((3, 5, 96), device, dtype, 0), leaf((96,), device, dtype, 1)
+    r = leaf((3, 5, 96), device, dtype, 2) if with_residual else None
+    inputs = [x, w] + ([r] if with_residual else [])
+    out = rms_norm(x, w, eps=1e-5, residual=r)
+    h_ref = x + r if with_residual else x
+    y_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    if with_residual:
+        y, h = out
+        close(h, h_ref, tol)
+        # The returned residual stream gets a gradient too: sum both outputs' contributions.
+        total, total_ref = (
+            y.sum() * 0 + (y * 1.5).sum() + h.square().sum(),
+            (y_ref * 1.5).sum() + h_ref.square().sum(),
+        )
+        for got, want in zip(
+            torch.autograd.grad(total, inputs), torch.autograd.grad(total_ref, inputs), strict=True
+        ):
+            close(got, want, tol)
+    else:
+        y = out
+        for got, want in zip(grads(y, inputs), grads(y_ref, inputs), strict=True):
+            close(got, want, tol)
+    close(y, y_ref, tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swiglu(device):
+    dtype, tol = dtype_and_tol(device)
+    gate, up = leaf((4, 7, 64), device, dtype, 0), leaf((4, 7, 64), device, dtype, 1)
+    y, y_ref = swiglu(gate, up), F.silu(gate) * up
+    close(y, y_ref, tol)
+    for got, want in zip(grads(y, [gate, up]), grads(y_ref, [gate, up]), strict=True):
+        close(got, want, tol)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        swiglu(gate, up[..., :32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary(device):
+    dtype, tol = dtype_and_tol(device)
+    q, k = leaf((2, 6, 4, 32), device, dtype, 0), leaf((2, 6, 2, 32), device, dtype, 1)
+    cos, sin = rope_tables(6, 32, device=device)
+    q_rot, k_rot = apply_rotary(q, k, cos, sin)
+
+    def reference(x):  # HF Llama: x * cos + rotate_half(x) * sin with duplicated tables
+        cos_full = torch.cat([cos, cos], -1)[:, None, :].to(dtype)
+        sin_full = torch.cat([sin, sin], -1)[:, None, :].to(dtype)
+        x1, x2 = x[..., :16], x[..., 16:]
+        return x * cos_full + torch.cat([-x2, x1], -1) * sin_full
+
+    q_ref, k_ref = reference(q), reference(k)
+    # The tables are fp32: tolerance is fp32's for the rotation itself.
+    close(q_rot, q_ref, max(tol, 1e-6))
+    close(k_rot, k_ref, max(tol, 1e-6))
+    out, out_ref = q_rot.sum() + (k_rot * 2).sum(), q_ref.sum() + (k_ref * 2).sum()
+    for got, want in zip(
+        torch.autograd.grad(out, [q, k]), torch.autograd.grad(out_ref, [q, k]), strict=True
+    ):
+        close(got, want, max(tol, 1e-6))
+    with pytest.raises(ValueError, match="must be \\(B, T, H, D\\) with T=6"):
+        apply_rotary(q[:, :5], k, cos, sin)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy(device):
+    dtype, tol = dtype_and_tol(device)
+    logits = leaf((37, 1000), device, dtype, 0)
+    target = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1)).to(device)
+    target[::5] = -100
+    loss = cross_entropy(logits, target, chunk_rows=8)
+    loss_ref = F.cross_entropy(logits, target, ignore_index=-100)
+    close(loss, loss_ref, tol)
+    close(
+        torch.autograd.grad(loss * 3, logits)[0], torch.autograd.grad(loss_ref * 3, logits)[0], tol
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_bf16_keeps_dtype(device):
+    logits = leaf((16, 512), device, torch.bfloat16, 0)
+    target = torch.arange(16, device=device)
+    loss = cross_entropy(logits, target, chunk_rows=4)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    # Same bf16 inputs, fp32 math in both: agree to fp32 rounding; the gradient is rounded to bf16.
+    reference = F.cross_entropy(logits.detach().float(), target)
+    close(loss, reference, 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
+def test_quantize_transpose_amax_matches_quantize(device, fmt):
+    x = torch.randn(96, 160, generator=torch.Generator().manual_seed(0)).to(device) * 7
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
+    q, q_t, amax = quantize_transpose_amax(x, fmt, stats=stats)
+    reference = quantize(x, fmt)
+    assert amax.item() == x.abs().max().item()
+    assert torch.equal(q.scale, reference.scale)
+    assert torch.equal(q.data.view(torch.uint8), reference.data.view(torch.uint8))
+    assert torch.equal(
+        q_t.data.view(torch.uint8), reference.data.t().contiguous().view(torch.uint8)
+    )
+    # With a fixed (delayed) scale: one pass, saturates, and still reports the true amax.
+    fixed = torch.tensor(0.01, device=device)
+    stats.zero_()
+    q, _, amax = quantize_transpose_amax(x, fmt, scale=fixed, stats=stats)
+    assert amax.item() == x.abs().max().item()
+    assert stats[0].item() == int((x.abs() / 0.01 > fmt.max).sum()) and stats[2].item() == x.numel()
+    assert torch.equal(
+        q.data.view(torch.uint8), quantize(x, fmt, scale=fixed).data.view(torch.uint8)
+    )
