@@ -1,0 +1,367 @@
+"""Functions run on every rank of a DistributedPool by the mt-parallel multi-process tests.
+
+They live in a plain module (not a test module) so spawned workers import them by name. Each
+builds the parallel computation and, on the same rank, a single-process float64 reference with
+the same initial weights (same seeds) and data, and returns plain numbers: the largest relative
+error ``max|a − b| / max|b|`` per compared tensor. The tests assert on those.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import mt_comm
+import mt_parallel as mp
+
+VOCAB, DIM, HEADS, KV_HEADS, FFN = 64, 32, 4, 2, 64
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.detach().double()
+    scale = expected.abs().max().clamp_min(1e-30)
+    return float((actual.detach().double() - expected).abs().max() / scale)
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("module.")
+
+
+def compare_grads(
+    model: nn.Module, reference: nn.Module, tp_rank: int, tp_size: int
+) -> dict[str, float]:
+    """Relative error of every parameter gradient against this rank's shard of the reference's."""
+    plan = mp.tp_shard_plan(reference)
+    full = {name: p.grad for name, p in reference.named_parameters()}
+    expected = mp.shard_state_dict(full, plan, tp_rank, tp_size)
+    errors = {}
+    for name, param in model.named_parameters():
+        errors[_strip(name)] = rel_err(param.grad, expected[_strip(name)])
+    if set(errors) != set(expected):
+        raise AssertionError(f"compared {sorted(errors)} but the reference has {sorted(expected)}")
+    return errors
+
+
+def compare_params(model: nn.Module, reference: nn.Module, tp_rank: int, tp_size: int) -> float:
+    plan = mp.tp_shard_plan(reference)
+    full = {name: p.detach() for name, p in reference.named_parameters()}
+    expected = mp.shard_state_dict(full, plan, tp_rank, tp_size)
+    return max(rel_err(p, expected[_strip(n)]) for n, p in model.named_parameters())
+
+
+# --------------------------------------------------------------------------- TP layers + CE
+class _LayerStack(nn.Module):
+    """Embedding → column → ReLU → row → (column gather → row scatter) → LM head, all TP."""
+
+    def __init__(self, tp_group: object, sp: bool) -> None:
+        super().__init__()
+        kw = {"tp_group": tp_group, "sequence_parallel": sp}
+        self.embed = mp.VocabParallelEmbedding(VOCAB, DIM, **kw)
+        self.up = mp.ColumnParallelLinear(DIM, FFN, bias=True, **kw)
+        self.down = mp.RowParallelLinear(FFN, DIM, bias=True, **kw)
+        self.sp = sp
+        if not sp:  # the gather_output / input_is_parallel=False pair (no SP form)
+            self.up2 = mp.ColumnParallelLinear(DIM, FFN, gather_output=True, tp_group=tp_group)
+            self.down2 = mp.RowParallelLinear(FFN, DIM, input_is_parallel=False, tp_group=tp_group)
+        self.head = mp.ColumnParallelLinear(DIM, VOCAB, bias=False, **kw)
+
+    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens_BT)
+        x = x + self.down(F.relu(self.up(x)))
+        if not self.sp:
+            x = x + self.down2(torch.tanh(self.up2(x)))
+        return self.head(x)
+
+
+def tp_layers(sp: bool, seed: int = 0) -> dict[str, object]:
+    """Each TP layer and the vocab-parallel CE vs. the tp=1 float64 reference."""
+    world = dist.get_world_size()
+    state = mt_comm.init_parallel_state(tp=world)
+    tp_group, tp, rank = state.group("tp"), state.size("tp"), state.rank("tp")
+    model = _LayerStack(tp_group, sp)
+    reference = _LayerStack(None, False)
+    mp.init_weights(model, seed)
+    mp.init_weights(reference, seed)
+    init_err = compare_params(model, reference, rank, tp) if not sp else 0.0
+    if sp:  # the SP stack has no up2/down2: compare the shared layers
+        ref_sp = _LayerStack(None, False)
+        mp.init_weights(ref_sp, seed)
+        del ref_sp.up2, ref_sp.down2
+        ref_sp.sp = True
+        reference = ref_sp
+        init_err = compare_params(model, reference, rank, tp)
+    reference = reference.double()
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    targets = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    targets[0, :3] = -100  # ignored tokens
+
+    ref_logits = reference(tokens)
+    ref_loss = mp.vocab_parallel_cross_entropy(ref_logits, targets)
+    torch_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), targets.reshape(-1))
+    ref_loss.backward()
+
+    logits = model(tokens)
+    loss = mp.vocab_parallel_cross_entropy(logits, targets, tp_group)
+    loss.backward()
+    return {
+        "init": init_err,
+        "logits": rel_err(logits, ref_logits.chunk(tp, dim=-1)[rank]),
+        "loss": rel_err(loss, ref_loss),
+        "ce_vs_torch": rel_err(ref_loss, torch_loss),
+        "grads": compare_grads(model, reference, rank, tp),
+    }
+
+
+# --------------------------------------------------------------------------- CP attention
+def cp_attention(seed: int = 0) -> dict[str, float]:
+    """Load-balanced causal GQA attention over cp=world ranks, forward and backward."""
+    world = dist.get_world_size()
+    state = mt_comm.init_parallel_state(cp=world)
+    cp_group = state.group("cp")
+    generator = torch.Generator().manual_seed(seed)
+    B, T, d = 2, 8 * world, 8
+    q = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    k = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    v = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    dy = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    ref_out.backward(dy)
+
+    local = [mp.shard_sequence(t, 2, cp_group).float().requires_grad_() for t in (q, k, v)]
+    out = mp.context_parallel_attention(*local, cp_group)
+    out.backward(mp.shard_sequence(dy, 2, cp_group).float())
+    errors = {"out": rel_err(out, mp.shard_sequence(ref_out, 2, cp_group))}
+    for name, mine, theirs in zip("qkv", local, ref, strict=True):
+        errors[f"d{name}"] = rel_err(mine.grad, mp.shard_sequence(theirs.grad, 2, cp_group))
+    errors["unshard"] = rel_err(mp.unshard_sequence(out.detach(), 2, cp_group), ref_out)
+    return errors
+
+
+# --------------------------------------------------------------------------- decoder block / LM
+def _lm(dropout: float = 0.0, layers: int = 2) -> mp.DecoderLM:
+    return mp.DecoderLM(VOCAB, DIM, layers, HEADS, KV_HEADS, FFN, dropout=dropout)
+
+
+def _batch(seed: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _local_batch(
+    state: mt_comm.ParallelState, tokens: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]:
+    """This rank's samples (by dp rank) and tokens (load-balanced by cp rank)."""
+    dp, dp_rank, cp_group = state.size("dp"), state.rank("dp"), state.group("cp")
+    per = tokens.shape[0] // dp
+    rows = slice(dp_rank * per, (dp_rank + 1) * per)
+    seq = tokens.shape[1]
+    positions = mp.load_balanced_positions(seq, state.size("cp"), state.rank("cp"))
+    return (
+        mp.shard_sequence(tokens[rows], 1, cp_group),
+        mp.shard_sequence(targets[rows], 1, cp_group),
+        positions,
+        rows,
+    )
+
+
+def decoder_lm(
+    dp: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    data_parallel: str = "ddp",
+    recompute: str = "none",
+    seed: int = 0,
+) -> dict[str, object]:
+    """The decoder LM (2 Llama blocks) under parallelize() vs. the float64 reference."""
+    config = mp.ParallelConfig(
+        tp=tp, cp=cp, dp=dp, sequence_parallel=sp, data_parallel=data_parallel, recompute=recompute
+    )
+    state = mt_comm.init_parallel_state(dp=dp, cp=cp, tp=tp)
+    reference = _lm()
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = _lm()
+    mp.init_weights(model, seed)
+    model = mp.parallelize(model, config, state)
+
+    tokens, targets = _batch(seed + 1, 2 * dp, 16)
+    ref_logits = reference(tokens)
+    ref_losses = mp.vocab_parallel_cross_entropy(ref_logits, targets, reduction="none")
+    ref_losses.mean().backward()
+
+    local_tokens, local_targets, positions, rows = _local_batch(state, tokens, targets)
+    logits = model(local_tokens, positions)
+    inner = model.module if hasattr(model, "module") else model
+    loss = inner.loss(logits, local_targets)
+    loss.backward()
+
+    tp_rank = state.rank("tp")
+    expected_logits = ref_logits[rows][:, positions].chunk(tp, dim=-1)[tp_rank]
+    return {
+        "logits": rel_err(logits, expected_logits),
+        "loss": rel_err(loss, ref_losses[rows][:, positions].mean()),
+        "grads": compare_grads(inner, reference, tp_rank, tp),
+    }
+
+
+# --------------------------------------------------------------------------- data parallel
+def dp_accumulation(micro_batches: int = 4, seed: int = 0) -> dict[str, object]:
+    """dp=world with DDP: ``micro_batches`` accumulated micro-batches equal one large batch."""
+    world = dist.get_world_size()
+    state = mt_comm.init_parallel_state(dp=world)
+    reference = _lm(layers=1)
+    mp.init_weights(reference, seed)
+    local_reference = copy.deepcopy(reference)
+    reference = reference.double()
+    model = _lm(layers=1)
+    mp.init_weights(model, seed)
+    model = mp.parallelize(model, mp.ParallelConfig(dp=world), state)
+
+    tokens, targets = _batch(seed + 1, world * micro_batches, 16)
+    ref_loss = mp.vocab_parallel_cross_entropy(reference(tokens), targets)
+    ref_loss.backward()
+
+    rank, per_rank = state.rank("dp"), micro_batches
+    first_grads_local = False
+    for micro in range(micro_batches):
+        row = rank * per_rank + micro
+        x, y = tokens[row : row + 1], targets[row : row + 1]
+        with mp.accumulate(model, is_last=micro == micro_batches - 1):
+            loss = model.module.loss(model(x), y) / micro_batches
+            loss.backward()
+        if micro == 0:
+            # Not reduced yet: the gradient is this rank's own micro-batch's gradient.
+            (local_reference.loss(local_reference(x), y) / micro_batches).backward()
+            first_grads_local = all(
+                torch.equal(p.grad, q.grad)
+                for p, q in zip(
+                    model.module.parameters(), local_reference.parameters(), strict=True
+                )
+            )
+    return {"grads": compare_grads(model.module, reference, 0, 1), "unreduced": first_grads_local}
+
+
+def zero1_steps(
+    steps: int = 3, tp: int = 1, dtype: str = "float64", max_norm: float = 0.05, seed: int = 0
+) -> dict[str, object]:
+    """DistributedOptimizer (AdamW, clipping) for ``steps`` vs. plain AdamW on one process."""
+    world = dist.get_world_size()
+    dp = world // tp
+    state = mt_comm.init_parallel_state(dp=dp, tp=tp)
+    reference = _lm(layers=1)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = _lm(layers=1)
+    mp.init_weights(model, seed)
+    model = model.to(getattr(torch, dtype))
+    model = mp.parallelize(model, mp.ParallelConfig(tp=tp, dp=dp, data_parallel="zero1"), state)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    ref_opt = torch.optim.AdamW(reference.parameters(), **hyper)
+    opt = mp.DistributedOptimizer(
+        model.parameters(), state.group("dp_cp"), tp_group=state.group("tp"), **hyper
+    )
+    norms = []
+    for step in range(steps):
+        tokens, targets = _batch(seed + 10 + step, 2 * dp, 16)
+        ref_opt.zero_grad()
+        mp.vocab_parallel_cross_entropy(reference(tokens), targets).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_opt.step()
+        local_tokens, local_targets, positions, _ = _local_batch(state, tokens, targets)
+        opt.zero_grad()
+        model.loss(model(local_tokens, positions), local_targets).backward()
+        norm = opt.step(max_grad_norm=max_norm)
+        norms.append(rel_err(norm, ref_norm))
+    return {
+        "params": compare_params(model, reference, state.rank("tp"), tp),
+        "norms": norms,
+        "clipped": bool(ref_norm > max_norm),
+        "param_dtype": str(next(model.parameters()).dtype),
+        "master_dtype": str(opt.master.dtype),
+        "master_numel": opt.master.numel(),
+        "total_numel": opt.numel,
+    }
+
+
+def clip_norm(tp: int, dp: int = 1, sp: bool = False, seed: int = 0) -> dict[str, object]:
+    """clip_grad_norm_ over TP (+DDP over dp) vs. torch's clipping of the reference."""
+    state = mt_comm.init_parallel_state(dp=dp, tp=tp)
+    reference = _lm(layers=1)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = _lm(layers=1)
+    mp.init_weights(model, seed)
+    model = mp.parallelize(model, mp.ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp), state)
+    inner = model.module if hasattr(model, "module") else model
+    tokens, targets = _batch(seed + 1, 2 * dp, 16)
+    mp.vocab_parallel_cross_entropy(reference(tokens), targets).backward()
+    max_norm = 0.05
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    local_tokens, local_targets, positions, _ = _local_batch(state, tokens, targets)
+    inner.loss(model(local_tokens, positions), local_targets).backward()
+    norm = mp.clip_grad_norm_(model.parameters(), max_norm, tp_group=state.group("tp"))
+    return {
+        "norm": rel_err(norm, ref_norm),
+        "clipped": bool(ref_norm > max_norm),
+        "grads": compare_grads(inner, reference, state.rank("tp"), tp),
+    }
+
+
+# --------------------------------------------------------------------------- recompute
+def recompute_bits(policy: str, tp: int = 1, sp: bool = False, seed: int = 0) -> bool:
+    """Gradients with ``policy`` are bit-identical to those without (dropout on)."""
+    state = mt_comm.init_parallel_state(tp=tp, dp=dist.get_world_size() // tp)
+    grads = []
+    for recompute in ("none", policy):
+        model = _lm(dropout=0.1)
+        mp.init_weights(model, seed)
+        config = mp.ParallelConfig(
+            tp=tp,
+            dp=state.size("dp"),
+            sequence_parallel=sp,
+            data_parallel="none",
+            recompute=recompute,
+            recompute_targets=["attention", "mlp"],
+        )
+        model = mp.parallelize(model, config, state)
+        tokens, targets = _batch(seed + 1, 2, 16)
+        torch.manual_seed(seed + 2)
+        model.loss(model(tokens), targets).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+# --------------------------------------------------------------------------- bad input
+def errors_at_tp2() -> dict[str, str]:
+    """Messages raised for shapes that tp=2 / cp=2 cannot split."""
+    state = mt_comm.init_parallel_state(tp=2, dp=dist.get_world_size() // 2)
+    tp_group = state.group("tp")
+    cases = {
+        "heads": lambda: mp.apply_tensor_parallel(mp.DecoderLM(VOCAB, 24, 1, 3, 1, FFN), tp_group),
+        "kv_heads": lambda: mp.apply_tensor_parallel(
+            mp.DecoderLM(VOCAB, DIM, 1, 4, 1, FFN), tp_group
+        ),
+        "vocab": lambda: mp.apply_tensor_parallel(
+            mp.DecoderLM(33, DIM, 1, HEADS, KV_HEADS, FFN), tp_group
+        ),
+        "vocab_layer": lambda: mp.VocabParallelEmbedding(33, DIM, tp_group=tp_group),
+        "cp_sequence": lambda: mp.shard_sequence(torch.zeros(1, 6), 1, tp_group),
+    }
+    messages = {}
+    for name, case in cases.items():
+        try:
+            case()
+        except ValueError as error:
+            messages[name] = str(error)
+        else:
+            messages[name] = "no error"
+    return messages
