@@ -1,5 +1,15 @@
-"""mt-train: placeholder until its issue lands; it provides no features yet."""
+"""mt-train: the Hydra trainer (Llama models, packed data, checkpoints, metrics, HF interop)."""
+
+from mt_train.config import TrainConfig, compose_config, to_train_config
+from mt_train.trainer import Trainer, TrainSummary
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "TrainConfig",
+    "TrainSummary",
+    "Trainer",
+    "__version__",
+    "compose_config",
+    "to_train_config",
+]

@@ -1,0 +1,19 @@
+"""Atomic, asynchronous safetensors checkpoints with a JSON manifest."""
+
+from mt_train.checkpoint.checkpointer import Checkpointer, load_into, resolve_resume
+from mt_train.checkpoint.files import (
+    CheckpointReader,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+)
+
+__all__ = [
+    "CheckpointReader",
+    "Checkpointer",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_into",
+    "read_manifest",
+    "resolve_resume",
+]

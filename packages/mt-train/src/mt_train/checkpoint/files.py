@@ -1,0 +1,209 @@
+"""On-disk checkpoint layout, atomic publication and integrity checks.
+
+A checkpoint is a folder ``<dir>/step-<8 digits>`` holding::
+
+    rank-<5 digits>.safetensors   one shard per rank (tensors named as in the manifest)
+    rank-<5 digits>.json          that rank's sidecar: run id, sha256 and tensor names
+    manifest.json                 written last, by rank 0 (see MANIFEST_KEYS)
+
+Atomicity: every rank writes into ``<dir>/.tmp-step-<8 digits>``; rank 0 waits for all
+sidecars of this run (matching ``run_id``), writes ``manifest.json`` there, fsyncs, and
+renames the folder to its final name. ``rename`` within one filesystem is atomic, so a
+folder named ``step-*`` is always complete, and a save killed at any point leaves only a
+``.tmp-*`` folder that loading ignores and the next run removes. Nothing is pickled:
+tensors go through safetensors, everything else through JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST_KEYS = ("format", "step", "config", "data", "world_size", "parallel", "shards", "tensors")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-step-{step:08d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_shard(folder: Path, rank: int, run_id: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write this rank's shard and then its sidecar (the sidecar marks the shard complete)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / shard_name(rank)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    sidecar = {
+        "run_id": run_id,
+        "rank": rank,
+        "sha256": sha256_file(path),
+        "bytes": path.stat().st_size,
+        "tensors": sorted(tensors),
+    }
+    _fsync_write(folder / f"rank-{rank:05d}.json", json.dumps(sidecar, indent=1).encode())
+
+
+def publish(
+    root: Path,
+    step: int,
+    world_size: int,
+    run_id: str,
+    manifest: dict[str, Any],
+    keep_last: int,
+    timeout_s: float = 1800.0,
+) -> Path:
+    """Rank 0: wait for every rank's sidecar, write the manifest, rename, prune old checkpoints."""
+    folder = tmp_dir(root, step)
+    deadline = time.monotonic() + timeout_s
+    sidecars: dict[int, dict[str, Any]] = {}
+    while len(sidecars) < world_size:
+        for rank in range(world_size):
+            path = folder / f"rank-{rank:05d}.json"
+            if rank not in sidecars and path.is_file():
+                data = json.loads(path.read_text())
+                if data["run_id"] == run_id:
+                    sidecars[rank] = data
+        if len(sidecars) < world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(sidecars))
+                raise TimeoutError(
+                    f"checkpoint step {step}: ranks {missing} never finished writing"
+                )
+            time.sleep(0.05)
+    shards = {}
+    tensors: dict[str, str] = {}
+    for rank, data in sorted(sidecars.items()):
+        name = shard_name(rank)
+        shards[name] = {"rank": rank, "sha256": data["sha256"], "bytes": data["bytes"]}
+        for tensor in data["tensors"]:
+            tensors.setdefault(tensor, name)
+    full = {"format": FORMAT_VERSION, **manifest, "shards": shards, "tensors": tensors}
+    missing_keys = [k for k in MANIFEST_KEYS if k not in full]
+    if missing_keys:
+        raise ValueError(f"checkpoint manifest lacks {missing_keys}")
+    _fsync_write(
+        folder / "manifest.json", (json.dumps(full, indent=1, sort_keys=True) + "\n").encode()
+    )
+    final = step_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(folder, final)
+    dir_fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (``step-*`` folders with a manifest), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "manifest.json").is_file()
+    ]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def remove_stale(root: Path) -> None:
+    """Delete ``.tmp-*`` folders left by saves that were killed."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-step-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} is not a complete checkpoint (no manifest.json)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {folder} has format {manifest.get('format')!r}; this mt-train reads "
+            f"format {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+class CheckpointReader:
+    """Reads named tensors of a checkpoint, verifying each shard's sha256 on first use."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.manifest = read_manifest(folder)
+        self._verified: set[str] = set()
+
+    def names(self, prefix: str = "") -> list[str]:
+        return sorted(n for n in self.manifest["tensors"] if n.startswith(prefix))
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest["tensors"]
+
+    def _shard(self, shard: str) -> Path:
+        path = self.folder / shard
+        if shard not in self._verified:
+            expected = self.manifest["shards"][shard]["sha256"]
+            actual = sha256_file(path)
+            if actual != expected:
+                raise ValueError(
+                    f"checkpoint shard {path} is corrupt: sha256 {actual} != {expected}"
+                )
+            self._verified.add(shard)
+        return path
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        by_shard: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self.manifest["tensors"]:
+                raise KeyError(f"checkpoint {self.folder} has no tensor {name!r}")
+            by_shard.setdefault(self.manifest["tensors"][name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for shard, wanted in by_shard.items():
+            with safe_open(str(self._shard(shard)), framework="pt") as f:
+                for name in wanted:
+                    out[name] = f.get_tensor(name)
+        return out

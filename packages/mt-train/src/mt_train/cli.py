@@ -1,0 +1,98 @@
+"""``mt-train``: the Hydra entry point (thin: the work is in :class:`mt_train.trainer.Trainer`).
+
+Before Hydra runs, the command line's overrides are composed and validated once, so a bad
+override (unknown key, wrong type, tp not dividing the heads, a missing data folder) ends
+with one ``mt-train: error: ...`` line and exit status 2 instead of a traceback. Under
+torchrun, ranks other than 0 run with Hydra's run folder and logs switched off; the trainer
+uses rank 0's run folder on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import MissingConfigException
+from omegaconf import DictConfig
+
+from mt_train.config.store import compose_config, register_configs, to_train_config
+from mt_train.trainer import Trainer, TrainSummary
+
+QUIET_RANK_OVERRIDES = (
+    "hydra.run.dir=.",
+    "hydra.output_subdir=null",
+    "hydra/job_logging=disabled",
+    "hydra/hydra_logging=disabled",
+)
+
+
+def one_line(err: BaseException) -> str:
+    """A single line naming what was wrong and, where known, what is valid."""
+    if isinstance(err, MissingConfigException) and err.options:
+        group = (err.missing_cfg_file or "").rsplit("/", 1)
+        name = f"{group[0]}={group[-1]}" if len(group) == 2 else err.missing_cfg_file
+        return f"no config {name!r}; valid: {', '.join(sorted(err.options))}"
+    parts = [str(err)]
+    if err.__cause__ is not None:
+        parts.append(str(err.__cause__).split("\n")[0])
+    text = ": ".join(p.strip() for p in parts if p.strip())
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def validate_overrides(argv: Sequence[str]) -> str | None:
+    """Compose and validate the overrides in ``argv``; the error line, or None if all is well."""
+    overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))]
+    try:
+        cfg = to_train_config(compose_config(overrides))
+        cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+    except Exception as err:  # every failure here is a config error: report it in one line
+        return one_line(err)
+    return None
+
+
+def print_summary(summary: TrainSummary) -> None:
+    lines = [
+        f"done: {summary.steps} steps in {summary.wall_s:.0f} s ({summary.tokens_per_s:,.0f} tokens/s); "
+        f"final train loss {summary.train_loss:.4f}, validation loss {summary.val_loss:.4f}",
+        f"outputs: {summary.output_dir} (metrics.jsonl"
+        + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "")
+        + ")",
+    ]
+    if summary.rewinds:
+        lines.append(f"rewinds: {summary.rewinds}")
+    if summary.sample:
+        lines.append("greedy sample:\n" + "\n".join("  " + s for s in summary.sample.splitlines()))
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://mt_train.conf", config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    train_cfg = to_train_config(cfg)
+    trainer = Trainer(
+        train_cfg, output_dir=train_cfg.trainer.output_dir or HydraConfig.get().runtime.output_dir
+    )
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.rank == 0:
+        print_summary(summary)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    register_configs()
+    if not any(a in ("-m", "--multirun", "-h", "--help", "--hydra-help") for a in args):
+        error = validate_overrides(args)
+        if error is not None:
+            print(f"mt-train: error: {error}", file=sys.stderr)
+            return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        args += QUIET_RANK_OVERRIDES
+    sys.argv = [sys.argv[0] if sys.argv else "mt-train", *args]
+    _hydra_main()
+    return 0

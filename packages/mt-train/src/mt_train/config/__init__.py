@@ -1,0 +1,35 @@
+"""Config schemas and their registration with Hydra."""
+
+from mt_train.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    FP8Config,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RewindConfig,
+    RopeScalingConfig,
+    SchedulerConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from mt_train.config.store import compose_config, register_configs, to_train_config
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "FP8Config",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RewindConfig",
+    "RopeScalingConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "compose_config",
+    "register_configs",
+    "to_train_config",
+]

@@ -1,0 +1,414 @@
+"""Config schemas of ``mt-train``: one dataclass per config group, validated eagerly.
+
+Hydra composes YAML from ``mt_train/conf`` onto these schemas (registered in
+:mod:`mt_train.config.store`), so types are checked while composing; turning the
+composed config into objects (:func:`mt_train.config.to_train_config`) runs every
+``__post_init__`` below, whose messages name the offending values and what is valid.
+Cross-group rules (tensor parallelism dividing the head counts, batch sizes dividing
+each other) live in :meth:`TrainConfig.__post_init__`.
+
+Schemas that belong to lower packages (``mt_parallel.ParallelConfig``, ``mt_fp8``'s
+recipes) are used from there when those packages export them; until then
+:class:`ParallelConfig` here is the minimal stand-in, and :class:`FP8Config` names an
+``mt_fp8`` recipe and its arguments (the recipe dataclass validates them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from mt_fp8 import RECIPES, recipe_from_name
+
+SCHEDULES = ("cosine", "wsd", "constant")
+PRECISIONS = ("auto", "bf16", "fp32")
+RESUME_MODES = ("none", "auto")
+
+
+def _positive(owner: str, **values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3.1 RoPE frequency scaling; ``factor=1`` turns it off."""
+
+    factor: float = 8.0
+    """How much longer than ``original_max_position`` the context may be."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above ``original_max_position / low_freq_factor`` are divided by ``factor``."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below ``original_max_position / high_freq_factor`` are kept."""
+    original_max_position: int = 8192
+    """Context length the model was pre-trained at before scaling."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 1.0:
+            raise ValueError(f"model.rope_scaling.factor must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+        _positive("model.rope_scaling", original_max_position=self.original_max_position)
+
+
+@dataclass
+class ModelConfig:
+    """A Llama 3 decoder: GQA attention with RoPE, SwiGLU MLP, RMSNorm, untied embeddings."""
+
+    name: str = "debug"
+    """Label used in logs and run directories."""
+    vocab_size: int | None = None
+    """Embedding rows; ``null`` takes the tokenizer's size rounded up to a multiple of 64."""
+    dim: int = 128
+    """Hidden size."""
+    n_layers: int = 4
+    """Number of decoder blocks."""
+    n_heads: int = 4
+    """Query heads; ``dim`` must be divisible by it."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``n_heads``."""
+    ffn_dim: int = 384
+    """Hidden size of the SwiGLU MLP."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500000.0
+    """RoPE base."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Llama 3.1 long-context frequency scaling."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections scaled by 1/sqrt(2L))."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "model",
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+        )
+        if self.vocab_size is not None:
+            _positive("model", vocab_size=self.vocab_size)
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"model head dim {self.dim}/{self.n_heads}={self.dim // self.n_heads} must be "
+                "even for RoPE"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees (minimal stand-in until ``mt_parallel`` exports its ParallelConfig)."""
+
+    dp: int = -1
+    """Data-parallel replicas; -1 infers world_size / (tp·cp·pp)."""
+    tp: int = 1
+    """Tensor-parallel ranks (must divide the head counts and the FFN size)."""
+    cp: int = 1
+    """Context-parallel ranks."""
+    pp: int = 1
+    """Pipeline stages."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block in the backward pass instead of storing activations."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", tp=self.tp, cp=self.cp, pp=self.pp)
+        if self.dp != -1:
+            _positive("parallel", dp=self.dp)
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """A copy with ``dp`` inferred; raises if dp·cp·tp·pp cannot equal ``world_size``."""
+        model_parallel = self.tp * self.cp * self.pp
+        dp = self.dp if self.dp != -1 else world_size // model_parallel
+        if dp * model_parallel != world_size:
+            raise ValueError(
+                f"parallel dp·cp·tp·pp = {dp}·{self.cp}·{self.tp}·{self.pp} = "
+                f"{dp * model_parallel} must equal the world size {world_size}"
+            )
+        return ParallelConfig(dp, self.tp, self.cp, self.pp, self.activation_checkpointing)
+
+
+@dataclass
+class FP8Config:
+    """Which ``mt_fp8`` recipe the linear layers of the decoder blocks use (``none``: bf16)."""
+
+    recipe: str = "none"
+    """``none`` or an mt_fp8 recipe: delayed, tensorwise, rowwise, block, mxfp8."""
+    recipe_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the recipe dataclass (e.g. ``amax_history_len`` for delayed)."""
+    backend: str = "auto"
+    """mt_fp8 GEMM backend: auto, fast, scaled_mm, triton or emulate."""
+    min_features: int = 0
+    """Linear layers with in or out features below this stay in high precision."""
+
+    def __post_init__(self) -> None:
+        if self.recipe != "none":
+            if self.recipe not in RECIPES:
+                raise ValueError(
+                    f"fp8.recipe={self.recipe!r} is unknown; valid: none, {', '.join(RECIPES)}"
+                )
+            recipe_from_name(self.recipe, **dict(self.recipe_args))
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe != "none"
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with decoupled weight decay; norms, biases and embeddings' gains are not decayed."""
+
+    name: str = "adamw"
+    """Only ``adamw``."""
+    lr: float = 3e-3
+    """Peak learning rate (after warmup)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of 2-D weights (not norms or biases)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 turns clipping off."""
+    fused: bool | None = None
+    """Fused AdamW kernel; null: fused on accelerators, the default kernel on the CPU."""
+
+    def __post_init__(self) -> None:
+        if self.name != "adamw":
+            raise ValueError(f"optimizer.name={self.name!r} is unknown; valid: adamw")
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(
+                f"optimizer.weight_decay={self.weight_decay} and optimizer.grad_clip="
+                f"{self.grad_clip} must be >= 0"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup, then cosine, warmup-stable-decay or constant."""
+
+    name: str = "cosine"
+    """cosine, wsd or constant."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to the peak LR."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of the run spent decaying linearly at the end."""
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULES:
+            raise ValueError(
+                f"scheduler.name={self.name!r} is unknown; valid: {', '.join(SCHEDULES)}"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(
+                f"scheduler.decay_fraction must be in (0, 1], got {self.decay_fraction}"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from: a folder written by ``mt-prepare-data``."""
+
+    path: str | None = None
+    """Prepared data folder; null prepares the bundled King James corpus (byte tokens)."""
+    document_mask: bool = False
+    """Mask attention across document boundaries inside a packed sequence."""
+    val_every: int = 50
+    """When preparing the bundled corpus: every n-th document goes to the validation split."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not os.path.isdir(os.path.expanduser(self.path)):
+            raise ValueError(
+                f"data.path={self.path!r} is not a folder; write one with `mt-prepare-data` "
+                "or set data.path=null for the bundled corpus"
+            )
+        _positive("data", val_every=self.val_every)
+
+
+@dataclass
+class CheckpointConfig:
+    """safetensors shards per rank + a JSON manifest, written atomically (and asynchronously)."""
+
+    enabled: bool = True
+    """Save checkpoints at all."""
+    dir: str | None = None
+    """Checkpoint folder; null: ``<output_dir>/checkpoints``."""
+    keep_last: int = 2
+    """How many complete checkpoints to keep."""
+    async_save: bool = True
+    """Write in a background thread; the next save (or the end of training) waits for it."""
+    resume: str = "none"
+    """none, auto (newest complete checkpoint in ``dir``, if any) or a checkpoint folder."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", keep_last=self.keep_last)
+        if self.resume not in RESUME_MODES and not os.path.isdir(self.resume):
+            raise ValueError(
+                f"checkpoint.resume={self.resume!r} must be none, auto or an existing "
+                "checkpoint folder"
+            )
+
+
+@dataclass
+class RewindConfig:
+    """Anomaly rewind: on a non-finite or spiking loss, restore the newest checkpoint."""
+
+    enabled: bool = False
+    """Watch every step's loss and gradient norm."""
+    spike_factor: float = 4.0
+    """A loss above spike_factor × its running mean (after warmup) is an anomaly."""
+    max_rewinds: int = 3
+    """Give up (raise) after this many rewinds."""
+    lr_cooldown: float = 1.0
+    """Multiply the LR by this after each rewind (1: unchanged)."""
+
+    def __post_init__(self) -> None:
+        if self.spike_factor <= 1:
+            raise ValueError(f"rewind.spike_factor must be > 1, got {self.spike_factor}")
+        if self.max_rewinds < 0 or not 0 < self.lr_cooldown <= 1:
+            raise ValueError(
+                f"rewind.max_rewinds={self.max_rewinds} must be >= 0 and rewind.lr_cooldown="
+                f"{self.lr_cooldown} in (0, 1]"
+            )
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    progress_bar: bool = True
+    """A tqdm bar on rank 0 (plain log lines when false)."""
+    jsonl: bool = True
+    """Append every logged step to ``<output_dir>/metrics.jsonl``."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the ``tensorboard`` extra)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, batch sizes, intervals, seed, device."""
+
+    max_steps: int = 200
+    """Optimizer steps to train for."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all data-parallel ranks."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; the rest is gradient accumulation."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    log_interval: int = 10
+    """Log metrics every n steps."""
+    eval_interval: int = 100
+    """Evaluate on the validation split every n steps (and at the end)."""
+    eval_batches: int = 8
+    """Micro-batches per evaluation."""
+    checkpoint_interval: int = 100
+    """Save a checkpoint every n steps (and at the end)."""
+    seed: int = 1234
+    """Seeds the init, the data order and dropout-free RNG streams."""
+    device: str = "auto"
+    """auto (the accelerator if present, else cpu) or a registered mt device name."""
+    precision: str = "auto"
+    """auto (bf16 autocast on accelerators, fp32 on CPU), bf16 or fp32."""
+    compile: bool = False
+    """torch.compile each decoder block."""
+    output_dir: str | None = None
+    """Run folder; null: Hydra's run directory."""
+    sample_tokens: int = 160
+    """Length of the greedy sample printed at the end (0: none)."""
+    sample_prompt: str = "And God said"
+    """Prompt of that sample."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "trainer",
+            max_steps=self.max_steps,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            log_interval=self.log_interval,
+            eval_interval=self.eval_interval,
+            eval_batches=self.eval_batches,
+            checkpoint_interval=self.checkpoint_interval,
+        )
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"trainer.precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
+            )
+
+
+@dataclass
+class TrainConfig:
+    """The whole run; composed from ``train.yaml``'s defaults list."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rewind: RewindConfig = field(default_factory=RewindConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        model, par, tr = self.model, self.parallel, self.trainer
+        for what, value in (
+            ("model.n_heads", model.n_heads),
+            ("model.n_kv_heads", model.n_kv_heads),
+        ):
+            if value % par.tp:
+                raise ValueError(f"parallel.tp={par.tp} does not divide {what}={value}")
+        if model.ffn_dim % par.tp:
+            raise ValueError(f"parallel.tp={par.tp} does not divide model.ffn_dim={model.ffn_dim}")
+        if tr.global_batch_size % tr.micro_batch_size:
+            raise ValueError(
+                f"trainer.global_batch_size={tr.global_batch_size} is not a multiple of "
+                f"trainer.micro_batch_size={tr.micro_batch_size}"
+            )
+        if self.scheduler.warmup_steps > tr.max_steps:
+            raise ValueError(
+                f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds "
+                f"trainer.max_steps={tr.max_steps}"
+            )
+        if self.fp8.enabled and self.fp8.min_features % 16:
+            raise ValueError(f"fp8.min_features={self.fp8.min_features} must be a multiple of 16")
+
+    def check_world(self, world_size: int) -> ParallelConfig:
+        """Resolve ``parallel`` for ``world_size`` and check the batch splits evenly over dp."""
+        par = self.parallel.resolve(world_size)
+        per_step = self.trainer.micro_batch_size * par.dp
+        if self.trainer.global_batch_size % per_step:
+            raise ValueError(
+                f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
+                f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{par.dp} = {per_step}"
+            )
+        return par

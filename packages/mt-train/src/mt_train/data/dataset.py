@@ -1,0 +1,169 @@
+"""Packed sequences from a prepared folder and the deterministic, resumable, DP-aware sampler.
+
+Packing. A split is one stream of ``N`` tokens (documents each followed by EOS). Sample
+``i`` (``0 ≤ i < S = (N-1) // T``) is the window ``tokens[i·T : i·T+T+1]``: inputs are its
+first ``T`` tokens, targets its last ``T``. Windows do not overlap, so an epoch reads every
+token once. With ``document_mask`` a sample also carries position ids that restart at
+every document start and a block-diagonal causal mask (a token sees only earlier tokens
+of its own document), from the split's document offsets (``<split>.idx``).
+
+Sampling. The sampler's whole state is ``consumed``, the number of samples drawn over all
+ranks. Global draw ``g`` is sample ``perm_e[g mod S]`` with ``e = g div S`` and
+``perm_e`` the permutation of ``range(S)`` from ``numpy.random.default_rng([seed, e])``.
+Step ``s`` draws ``g ∈ [s·G, (s+1)·G)`` (``G`` the global batch); data-parallel rank
+``r`` of ``dp`` takes, for micro-batch ``m`` of ``A = G / (b·dp)``, the draws
+``s·G + (m·dp + r)·b + j`` for ``j < b``. Every layout with the same ``G`` therefore
+trains on the same samples each step, and a checkpoint stores only ``consumed``, which
+makes resuming exact and lets a run resume at another dp.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mt_train.data.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class Batch:
+    """One micro-batch: inputs/targets (B, T) int64, optional position ids and mask."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(
+            move(self.inputs), move(self.targets), move(self.position_ids), move(self.mask)
+        )
+
+
+class PackedDataset:
+    """Fixed-length windows over one split of a prepared folder (memory-mapped)."""
+
+    def __init__(self, folder: str | Path, split: str, seq_len: int, document_mask: bool = False):
+        folder = Path(folder)
+        meta_path = folder / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{str(folder)!r} has no meta.json; write the folder with `mt-prepare-data`"
+            )
+        self.meta = json.loads(meta_path.read_text())
+        if split not in self.meta["splits"]:
+            raise ValueError(
+                f"split {split!r} not in {folder}; splits: {list(self.meta['splits'])}"
+            )
+        self.tokens = np.memmap(folder / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
+        self.doc_starts = np.fromfile(folder / f"{split}.idx", dtype=np.int64)[:-1]
+        self.seq_len = seq_len
+        self.document_mask = document_mask
+        self.num_samples = (len(self.tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(
+                f"the {split} split of {folder} has {len(self.tokens)} tokens, fewer than one "
+                f"sequence of trainer.seq_len={seq_len} + 1"
+            )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def collate(self, indices: np.ndarray) -> Batch:
+        T = self.seq_len
+        rows = np.stack(
+            [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in indices]
+        )
+        window = torch.from_numpy(rows)
+        batch = Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous())
+        if self.document_mask:
+            positions = np.arange(T)[None, :] + (np.asarray(indices) * T)[:, None]
+            doc = np.searchsorted(self.doc_starts, positions, side="right") - 1
+            start = np.maximum(self.doc_starts[doc], (np.asarray(indices) * T)[:, None])
+            batch.position_ids = torch.from_numpy(positions - start)
+            doc_t = torch.from_numpy(doc)
+            same_doc = doc_t[:, :, None] == doc_t[:, None, :]
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            batch.mask = (same_doc & causal)[:, None]
+        return batch
+
+
+class ResumableSampler:
+    """Draws per-rank micro-batches of sample indices; see the module docstring for the math."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        shuffle: bool = True,
+    ) -> None:
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(
+                f"global batch {global_batch} is not a multiple of micro_batch·dp = "
+                f"{micro_batch}·{dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
+        self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed = 0
+        self._perm_epoch = -1
+        self._perm = np.arange(0)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    def _sample(self, draws: np.ndarray) -> np.ndarray:
+        if not self.shuffle:
+            return draws % self.num_samples
+        out = np.empty_like(draws)
+        for i, g in enumerate(draws):
+            epoch = int(g) // self.num_samples
+            if epoch != self._perm_epoch:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                self._perm_epoch = epoch
+            out[i] = self._perm[int(g) % self.num_samples]
+        return out
+
+    def next_step(self) -> list[np.ndarray]:
+        """This rank's micro-batches (sample indices) for the next optimizer step."""
+        base, b, dp = self.consumed, self.micro_batch, self.dp_size
+        micro = [
+            self._sample(base + (m * dp + self.dp_rank) * b + np.arange(b, dtype=np.int64))
+            for m in range(self.accumulation_steps)
+        ]
+        self.consumed += self.global_batch
+        return micro
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed, "seed": self.seed, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"checkpoint data order used seed {state['seed']}, this run uses {self.seed}"
+            )
+        self.consumed = int(state["consumed"])
+
+
+class DataModule:
+    """The train and validation datasets of a prepared folder, plus its tokenizer."""
+
+    def __init__(self, folder: str | Path, seq_len: int, document_mask: bool) -> None:
+        self.folder = Path(folder)
+        self.train = PackedDataset(folder, "train", seq_len, document_mask)
+        self.val = PackedDataset(folder, "val", seq_len, document_mask)
+        meta = self.train.meta
+        self.tokenizer: Tokenizer = load_tokenizer(folder, meta["tokenizer"], meta["eos_token"])
+        self.vocab_size = int(meta["vocab_size"])
