@@ -37,7 +37,9 @@ import torch.nn.functional as F
 
 from mt_fp8.formats import TensorRole
 from mt_fp8.gemm import fp8_gemm
-from mt_fp8.quantized import QuantizedTensor, quantize
+from mt_fp8.ops.dispatch import use_triton
+from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
+from mt_fp8.quantized import TENSORWISE, QuantizedTensor, quantize
 from mt_fp8.recipes import DelayedScaling, Recipe
 from mt_fp8.state import FP8Meta
 
@@ -55,14 +57,21 @@ class LinearPlan:
 
     def quantize(self, x_RC: torch.Tensor, role: TensorRole, record: bool) -> QuantizedTensor:
         """Quantize along the last axis; ``record`` notes the amax and health counts."""
-        scale = None
-        if isinstance(self.recipe, DelayedScaling):
-            scale = self.meta.scale[int(role)]
-            if record:
-                self.meta.record_amax(x_RC, role)
+        delayed = isinstance(self.recipe, DelayedScaling)
+        scale = self.meta.scale[int(role)] if delayed else None
         stats = self.meta.health[int(role)] if (record and self.track_health) else None
         fmt = self.recipe.formats.for_role(role)
-        return quantize(x_RC, fmt, self.recipe.layout(role), scale=scale, stats=stats)
+        layout = self.recipe.layout(role)
+        if layout == TENSORWISE and use_triton(x_RC):
+            # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
+            q_RC, q_CR, amax = quantize_transpose_amax(x_RC, fmt, scale=scale, stats=stats)
+            if delayed and record:
+                self.meta.record_amax_value(amax, role)
+            q_RC.transposed = q_CR
+            return q_RC
+        if delayed and record:
+            self.meta.record_amax(x_RC, role)
+        return quantize(x_RC, fmt, layout, scale=scale, stats=stats)
 
     def quantize_transposed(
         self, x_RC: torch.Tensor, q_RC: QuantizedTensor | None, role: TensorRole

@@ -137,6 +137,8 @@ class QuantizedTensor:
     """How blocks tile the tensor."""
     fmt: FP8Format
     """The FP8 format of ``data``."""
+    transposed: QuantizedTensor | None = None
+    """The transpose, when a fused kernel produced it alongside (returned by ``transpose()``)."""
 
     @property
     def shape(self) -> torch.Size:
@@ -164,6 +166,8 @@ class QuantizedTensor:
         (rowwise, 1×128, MX 1×32) do not: the transposed tensor needs scales along the other
         axis, so requantize from the high-precision source with :func:`quantize` on ``x.t()``.
         """
+        if self.transposed is not None:
+            return self.transposed
         br, bc = self.layout.block
         exact = (br, bc) == (-1, -1) or (br == bc and br > 0)
         if not exact:

@@ -66,8 +66,12 @@ class FP8Meta(nn.Module):
 
     def record_amax(self, x: torch.Tensor, role: TensorRole) -> None:
         """MAX this tensor's amax into the current step's slot (no host sync)."""
+        self.record_amax_value(x.detach().abs().amax(), role)
+
+    def record_amax_value(self, amax: torch.Tensor, role: TensorRole) -> None:
+        """MAX an already computed amax into the current step's slot."""
         current = self.amax_history[0, int(role)]
-        current.copy_(torch.maximum(current, x.detach().abs().amax().float()))
+        current.copy_(torch.maximum(current, amax.float()))
 
     def extra_repr(self) -> str:
         return f"amax_history_len={self.history_len}" if self.has_delayed_state else ""
