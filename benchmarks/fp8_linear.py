@@ -1,0 +1,98 @@
+"""FP8Linear fwd+bwd time per recipe vs torchao Float8Linear and bf16 nn.Linear (Llama3-8B shapes).
+
+Run on a CUDA GPU: ``python benchmarks/fp8_linear.py`` (torchao optional: its columns are
+skipped when it is not importable). Times are medians of CUDA-event timings of
+``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import torch
+from torch import nn
+
+from mt_fp8 import (
+    BlockScaling,
+    DelayedScaling,
+    FP8Linear,
+    MXFP8Scaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    update_fp8_scales,
+)
+
+M = 8192
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
+RECIPES = [TensorwiseScaling(), RowwiseScaling(), DelayedScaling(), BlockScaling(), MXFP8Scaling()]
+COMPILED = ("tensorwise", "rowwise")  # compile time budget: the recipes torchao also has
+
+
+def time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10) -> float:
+    for _ in range(3):
+        layer(x).backward(dy)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x).backward(dy)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def torchao_layer(linear: nn.Linear, recipe_name: str) -> nn.Module | None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    wrapper = nn.Sequential(copy.deepcopy(linear))
+    convert_to_float8_training(wrapper, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    return wrapper
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch._dynamo.config.cache_size_limit = 64
+    print(
+        f"# {torch.cuda.get_device_name()} torch {torch.__version__}, M={M}, bf16, fwd+bwd ms (median of 10)"
+    )
+    print(
+        "| K x N | mode | bf16 | "
+        + " | ".join(f"ours {r.name}" for r in RECIPES)
+        + " | torchao tensorwise | torchao rowwise |"
+    )
+    print("|" + " --- |" * (5 + len(RECIPES)))
+    for k, n in SHAPES:
+        x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
+        base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        for mode in ("eager", "compiled"):
+            wrap = (lambda m: torch.compile(m)) if mode == "compiled" else (lambda m: m)
+            row = [time_ms(wrap(base), x, dy)]
+            for recipe in RECIPES:
+                if mode == "compiled" and recipe.name not in COMPILED:
+                    row.append(float("nan"))
+                    continue
+                layer = FP8Linear.from_linear(base, recipe=recipe)
+                if isinstance(recipe, DelayedScaling):
+                    layer(x).backward(dy)
+                    update_fp8_scales(layer, recipe)
+                try:
+                    row.append(time_ms(wrap(layer), x, dy))
+                except Exception as error:  # report, keep measuring the others
+                    print(
+                        f"<!-- {recipe.name} {mode} {k}x{n} failed: {type(error).__name__}: {str(error)[:200]} -->"
+                    )
+                    row.append(float("nan"))
+            for name in ("tensorwise", "rowwise"):
+                ao = torchao_layer(base, name)
+                row.append(float("nan") if ao is None else time_ms(wrap(ao), x, dy))
+            base.weight.grad = None
+            print(f"| {k}x{n} | {mode} | " + " | ".join(f"{t:.3f}" for t in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
