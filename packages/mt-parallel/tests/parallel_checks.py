@@ -281,8 +281,22 @@ def zero1_steps(
         model.loss(model(local_tokens, positions), local_targets).backward()
         norm = opt.step(max_grad_norm=max_norm)
         norms.append(rel_err(norm, ref_norm))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    shard = flat[opt.lo : opt.lo + opt.master.numel()]
+    plan = mp.tp_shard_plan(reference)
+    expected = mp.shard_state_dict(
+        {n: p.detach() for n, p in reference.named_parameters()}, plan, state.rank("tp"), tp
+    )
     return {
         "params": compare_params(model, reference, state.rank("tp"), tp),
+        "abs_err": max(
+            float((p.double() - expected[n]).abs().max()) for n, p in model.named_parameters()
+        ),
+        "max_param": max(float(p.abs().max()) for p in reference.parameters()),
+        "params_are_cast_masters": torch.equal(
+            shard, opt.master.detach()[: shard.numel()].to(flat.dtype)
+        ),
+        "lr": hyper["lr"],
         "norms": norms,
         "clipped": bool(ref_norm > max_norm),
         "param_dtype": str(next(model.parameters()).dtype),
@@ -365,3 +379,109 @@ def errors_at_tp2() -> dict[str, str]:
         else:
             messages[name] = "no error"
     return messages
+
+
+# --------------------------------------------------------------------------- FP8 under TP
+# Per-element FP8 quantization error |q(v)·s − v| ≤ rel·|v| + floor·amax: rel is half an ulp
+# (E4M3: 3 mantissa bits → 2⁻⁴; E5M2: 2 bits → 2⁻³), floor·amax half the smallest subnormal
+# step after scaling amax to the format maximum (E4M3: 2⁻¹⁰/448; E5M2: 2⁻¹⁷/57344).
+E4M3 = (2.0**-4, 2.0**-10 / 448)
+E5M2 = (2.0**-3, 2.0**-17 / 57344)
+
+
+def fp8_gemm_bound(
+    a_MK: torch.Tensor, b_NK: torch.Tensor, fmt_a: tuple, fmt_b: tuple
+) -> torch.Tensor:
+    """Elementwise bound on |a bᵀ − q(a) q(b)ᵀ| from the per-element errors above.
+
+    With |δa| ≤ ra|a| + fa and |δb| ≤ rb|b| + fb:
+    |ab − (a+δa)(b+δb)| ≤ (ra+rb+ra·rb)|a||b| + (1+ra)·fb·|a| + (1+rb)·fa·|b| + fa·fb, summed
+    over K; plus 1e-5 relative for the fp32 accumulation. Using the full tensors' amax for the
+    floors bounds every TP shard's (smaller or equal) amax.
+    """
+    (ra, fa), (rb, fb) = fmt_a, fmt_b
+    a, b = a_MK.double().abs(), b_NK.double().abs()
+    fa, fb = fa * float(a.max()), fb * float(b.max())
+    product = a @ b.T
+    return (
+        (ra + rb + ra * rb + 1e-5) * product
+        + (1 + ra) * fb * a.sum(-1, keepdim=True)
+        + (1 + rb) * fa * b.sum(-1).unsqueeze(0)
+        + a.shape[1] * fa * fb
+    )
+
+
+def _bound_ratio(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> float:
+    error = (
+        actual.detach().double().reshape(bound.shape) - expected.detach().reshape(bound.shape)
+    ).abs()
+    return float((error / bound).max())
+
+
+def fp8_tp(seed: int = 0) -> dict[str, object]:
+    """Column- and row-parallel linears in FP8 (tensorwise, emulated) vs. the fp64 reference."""
+    from mt_fp8 import DelayedScaling, TensorwiseScaling, update_fp8_scales
+
+    state = mt_comm.init_parallel_state(tp=dist.get_world_size())
+    tp_group, tp, rank = state.group("tp"), state.size("tp"), state.rank("tp")
+    d_in, d_hidden = 64, 128
+
+    def layers(group: object) -> nn.ModuleDict:
+        return nn.ModuleDict(
+            {
+                "col": mp.ColumnParallelLinear(d_in, d_hidden, gather_output=True, tp_group=group),
+                "row": mp.RowParallelLinear(
+                    d_hidden, d_in, input_is_parallel=False, tp_group=group
+                ),
+            }
+        )
+
+    model, reference = layers(tp_group), layers(None)
+    mp.init_weights(model, seed)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    mp.apply_fp8(model, TensorwiseScaling(), amax_group=tp_group, backend="emulate")
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    result: dict[str, object] = {"fp8": all(m.fp8_enabled for m in model.values())}
+    for name, width_in, width_out in (("col", d_in, d_hidden), ("row", d_hidden, d_in)):
+        x = torch.randn(32, width_in, generator=generator)
+        dy = torch.randn(32, width_out, generator=generator)
+        x_ref = x.double().requires_grad_()
+        y_ref = reference[name](x_ref)
+        y_ref.backward(dy.double())
+        x = x.requires_grad_()
+        y = model[name](x)
+        y.backward(dy)
+        w_ref = reference[name].weight.detach()
+        plan = mp.tp_shard_plan(reference[name])
+        w_grad = mp.shard_state_dict({"weight": reference[name].weight.grad}, plan, rank, tp)[
+            "weight"
+        ]
+        x_local = x.detach() if name == "col" else x.detach().chunk(tp, dim=-1)[rank]
+        dy_local = dy.chunk(tp, dim=-1)[rank] if name == "col" else dy
+        result[name] = {
+            "y": _bound_ratio(y, y_ref, fp8_gemm_bound(x.detach(), w_ref, E4M3, E4M3)),
+            "dx": _bound_ratio(x.grad, x_ref.grad, fp8_gemm_bound(dy, w_ref.T, E5M2, E4M3)),
+            "dw": _bound_ratio(
+                model[name].weight.grad, w_grad, fp8_gemm_bound(dy_local.T, x_local.T, E5M2, E4M3)
+            ),
+            "db": rel_err(
+                model[name].bias.grad,
+                mp.shard_state_dict({"bias": reference[name].bias.grad}, plan, rank, tp)["bias"],
+            ),
+            "not_exact": rel_err(y, y_ref) > 1e-4,
+            "y_bytes": y.detach().clone(),
+            "dx_bytes": x.grad.clone(),
+        }
+
+    # Delayed scaling: after the step's update, every TP rank holds the same scales.
+    delayed = DelayedScaling(amax_history_len=4)
+    model_delayed = layers(tp_group)
+    mp.init_weights(model_delayed, seed)
+    mp.apply_fp8(model_delayed, delayed, amax_group=tp_group, backend="emulate")
+    x = torch.randn(32, d_in, generator=generator)
+    model_delayed["row"](model_delayed["col"](x)).sum().backward()
+    update_fp8_scales(model_delayed, delayed)
+    result["delayed_scales"] = {n: m.fp8_meta.scale.clone() for n, m in model_delayed.items()}
+    return result

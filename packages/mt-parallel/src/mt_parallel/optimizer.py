@@ -188,7 +188,7 @@ class DistributedOptimizer:
         for param in self.params:
             param.copy_(full[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
-        return norm.float()
+        return norm.to(self.master_dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.params:

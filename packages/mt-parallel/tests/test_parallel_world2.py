@@ -1,0 +1,100 @@
+"""mt-parallel on 2 gloo ranks (one pool for the module): TP/SP, CE, CP, block, DP, ZeRO-1,
+clipping, recompute, FP8 and bad input, each against a single-process fp64 reference."""
+
+from __future__ import annotations
+
+import parallel_checks as checks
+import pytest
+import torch
+from tolerances import FP32_VS_FP64, FP64_VS_FP64
+
+from mt_comm.testing import DistributedPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as pool:
+        yield pool
+
+
+def assert_close(result: dict, tol: float = FP32_VS_FP64) -> None:
+    for key, value in result.items():
+        if isinstance(value, dict):
+            assert value, key
+            for name, error in value.items():
+                assert error < tol, (key, name, error)
+        elif isinstance(value, float):
+            assert value < tol, (key, value)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tp_layers_and_vocab_parallel_ce(pool: DistributedPool, sp: bool) -> None:
+    for result in pool.run(checks.tp_layers, sp=sp):
+        assert result["init"] == 0.0  # same full weights at tp=1 and tp=2
+        assert result["ce_vs_torch"] < FP64_VS_FP64
+        assert_close(result)
+
+
+def test_cp_attention_cp2(pool: DistributedPool) -> None:
+    for result in pool.run(checks.cp_attention):
+        assert_close(result)
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2-sp", "cp2"])
+def test_decoder_block(pool: DistributedPool, degrees: dict) -> None:
+    for result in pool.run(checks.decoder_lm, **degrees):
+        assert_close(result)
+
+
+def test_dp_accumulation_equals_one_large_batch(pool: DistributedPool) -> None:
+    for result in pool.run(checks.dp_accumulation, micro_batches=4):
+        assert result["unreduced"], "gradients were reduced before the last micro-batch"
+        assert_close(result)
+
+
+def test_distributed_optimizer_matches_adamw(pool: DistributedPool) -> None:
+    for result in pool.run(checks.zero1_steps, steps=3):
+        assert result["clipped"]  # clipping is active, so it is tested too
+        assert result["master_numel"] * 2 >= result["total_numel"] > result["master_numel"]
+        assert result["params"] < FP64_VS_FP64
+        assert max(result["norms"]) < FP64_VS_FP64
+
+
+def test_global_norm_clipping_tp2_sp(pool: DistributedPool) -> None:
+    for result in pool.run(checks.clip_norm, tp=2, sp=True):
+        assert result["clipped"]
+        assert_close(result)
+
+
+def test_recompute_changes_no_gradient_bit_under_tp_sp(pool: DistributedPool) -> None:
+    assert pool.run(checks.recompute_bits, policy="full", tp=2, sp=True) == [True, True]
+
+
+def test_fp8_under_tp_is_the_same_on_every_rank_and_within_the_fp8_bound(
+    pool: DistributedPool,
+) -> None:
+    results = pool.run(checks.fp8_tp)
+    for result in results:
+        assert result["fp8"]
+        for name in ("col", "row"):
+            layer = result[name]
+            assert layer["not_exact"], "the FP8 path did not run"
+            for key in ("y", "dx", "dw"):
+                assert layer[key] <= 1.0, (name, key, layer[key])  # fraction of the bound
+            assert layer["db"] < FP32_VS_FP64  # bias gradients stay in high precision
+    for name in ("col", "row"):
+        for key in ("y_bytes", "dx_bytes"):
+            assert torch.equal(results[0][name][key], results[1][name][key]), (name, key)
+        for rank_result in results[1:]:
+            assert torch.equal(
+                rank_result["delayed_scales"][name], results[0]["delayed_scales"][name]
+            )
+
+
+def test_bad_input_is_named(pool: DistributedPool) -> None:
+    messages = pool.run(checks.errors_at_tp2)[0]
+    assert "tp=2 does not divide num_heads=3" in messages["heads"]
+    assert "tp=2 does not divide num_kv_heads=1" in messages["kv_heads"]
+    assert "tp=2 does not divide vocab_size=33" in messages["vocab"]
+    assert "tp=2 does not divide vocab_size=33" in messages["vocab_layer"]
+    assert "sequence length 6 to be divisible by 2·cp = 4" in messages["cp_sequence"]
