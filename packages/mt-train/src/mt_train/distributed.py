@@ -1,22 +1,14 @@
-"""The trainer's collectives: gradient averaging over data parallel, barriers, small broadcasts.
+"""The trainer's own small collectives: barriers, scalar means, string broadcasts.
 
-Data parallelism: after the last micro-batch's backward, each dp×cp rank holds
-``g_r = ∇(1/A · Σ_m loss_{r,m})``; the all-reduce replaces it by ``(1/dp) Σ_r g_r``, the gradient
-of the mean loss over the global batch (all micro-batches have the same number of tokens).
-Gradients are flattened into one buffer per dtype first, so a step costs one collective per
-dtype, and the sum is taken in a fixed order, so results do not depend on timing.
-
-Strings (the run folder, the run id) are broadcast as uint8 tensors, not pickled objects.
+(Gradient reduction is mt_parallel's: DDP or ``all_reduce_gradients``.) Strings (the run folder, the run id) are broadcast as uint8 tensors, not pickled objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import mt_comm
 
@@ -42,23 +34,6 @@ def broadcast_str(value: str, device: torch.device, src: int = 0) -> str:
         buffer.copy_(data)
     mt_comm.broadcast(buffer, src=src)
     return bytes(buffer.cpu().tolist()).decode("utf-8")
-
-
-def average_gradients(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Average ``.grad`` over ``group`` in place (one flat all-reduce per dtype)."""
-    if not active(group):
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        mt_comm.all_reduce(flat, op="avg", group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def mean_scalar(value: torch.Tensor, group: Any) -> torch.Tensor:

@@ -3,8 +3,8 @@
 One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
 
     for m < A:  loss_m = CE(model(x_m), y_m);  backward(loss_m / A)      (autocast if bf16)
-    grads ← mean over dp×cp ranks                                        (mt_train.distributed)
-    n = ‖grads‖₂ (global); if clip > 0: grads ← grads · min(1, clip / n)
+    grads ← mean over dp ranks                      (DDP at the last micro-batch, or a flat all-reduce)
+    n = ‖grads‖₂ (global over TP shards); if clip > 0: grads ← grads · min(1, clip / n)
     lr = peak · schedule(step) · lr_scale;  AdamW step;  zero grads
 
 The reported loss is the mean over the global batch. The step is skipped (never applied)
@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import mt_comm
+import mt_fp8
+import mt_parallel
 from mt_train import distributed as D
 from mt_train.checkpoint.checkpointer import (
     Checkpointer,
+    TPLayout,
     load_into,
     model_state,
     optimizer_state,
@@ -79,13 +81,13 @@ class Trainer:
         self.ctx = mt_comm.init_distributed(device=tr.device)
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.torch_device
-        self.parallel = cfg.check_world(self.world_size)
+        self.dp = cfg.check_world(self.world_size)
+        p = cfg.parallel
         with contextlib.suppress(RuntimeError):
             mt_comm.destroy_parallel_state()
-        p = self.parallel
-        self.pstate = mt_comm.init_parallel_state(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp)
-        self.dp_group = self.pstate.group("dp_cp")
-        self.dp_rank, self.dp_size = self.pstate.rank("dp_cp"), self.pstate.size("dp_cp")
+        self.pstate = mt_comm.init_parallel_state(dp=self.dp, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep)
+        self.dp_group, self.tp_group = self.pstate.group("dp"), self.pstate.group("tp")
+        self.dp_rank, self.dp_size = self.pstate.rank("dp"), self.pstate.size("dp")
 
         out = str(output_dir or tr.output_dir or Path.cwd() / "outputs" / cfg.model.name)
         self.output_dir = Path(D.broadcast_str(str(Path(out).resolve()), self.device))
@@ -97,15 +99,24 @@ class Trainer:
         if cfg.data.path is None and self.rank == 0:
             prepare_bundled(data_dir, cfg.data.val_every)
         D.barrier()
-        self.data = DataModule(data_dir, tr.seq_len, cfg.data.document_mask)
+        self.data = DataModule(data_dir, tr.seq_len)
         self.model_cfg = B.resolve_vocab(cfg.model, self.data.vocab_size)
+        p.validate_model(
+            self.model_cfg.n_heads, self.model_cfg.n_kv_heads, self.model_cfg.vocab_size or 1
+        )
 
-        self.model = B.build_model(self.model_cfg, tr.seq_len, self.device, tr.seed)
-        B.apply_tensor_parallel(self.model, self.parallel)
-        self.fp8_layers = B.apply_fp8(self.model, cfg.fp8)
-        B.apply_recompute(self.model, self.parallel.activation_checkpointing)
-        B.apply_compile(self.model, tr.compile)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.module = B.build_model(self.model_cfg, self.device, tr.seed)
+        self.model = B.parallelize(self.module, p, self.pstate, cfg.fp8, tr.compile)
+        self.tp_layout = TPLayout(
+            mt_parallel.tp_shard_plan(self.module), self.pstate.rank("tp"), self.pstate.size("tp")
+        )
+        self.fp8_layers = B.fp8_layer_count(self.module)
+        self.fp8_recipe = (
+            mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
+            if cfg.fp8.enabled
+            else None
+        )
+        self.optimizer = build_optimizer(self.module, cfg.optimizer, self.device.type)
 
         bf16 = tr.precision == "bf16" or (tr.precision == "auto" and self.device.type != "cpu")
         self.autocast_dtype = torch.bfloat16 if bf16 else None
@@ -137,7 +148,7 @@ class Trainer:
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any dp degree; see :mod:`mt_train.checkpoint.checkpointer`)."""
         reader = CheckpointReader(folder)
-        load_into(reader, self.model, self.optimizer, self.rank, self.ctx.device)
+        load_into(reader, self.module, self.optimizer, self.rank, self.ctx.device, self.tp_layout)
         manifest = reader.manifest
         self.sampler.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
@@ -145,8 +156,8 @@ class Trainer:
         self.rewinds = int(manifest.get("rewinds", 0))
 
     def save(self) -> None:
-        tensors = {f"model/{k}": v for k, v in model_state(self.model).items()}
-        tensors.update(optimizer_state(self.model, self.optimizer))
+        tensors = model_state(self.module, self.tp_layout)
+        tensors.update(optimizer_state(self.module, self.optimizer, self.tp_layout))
         if self.dp_rank != 0:
             tensors = {}
         tensors.update(rng_state(self.rank, self.ctx.device))
@@ -156,10 +167,11 @@ class Trainer:
             "model": dataclasses.asdict(self.model_cfg),
             "data": self.sampler.state_dict(),
             "world_size": self.world_size,
-            "parallel": dataclasses.asdict(self.parallel),
+            "parallel": {**dataclasses.asdict(self.cfg.parallel), "dp": self.dp},
+            "tp_plan": self.tp_layout.plan,
             "lr_scale": self.lr_scale,
             "rewinds": self.rewinds,
-            "fp8_state": sorted(k for k in model_state(self.model) if "fp8" in k.lower()),
+            "fp8_state": sorted(k for k in self.module.state_dict() if "fp8" in k.lower()),
             "tokenizer": {"folder": str(self.data.folder), **self.data.train.meta},
         }
         self.checkpointer.save(self.step, tensors, manifest)
@@ -173,23 +185,25 @@ class Trainer:
     def micro_loss(self, batch: Batch) -> torch.Tensor:
         """Mean next-token cross-entropy of one micro-batch (fp32)."""
         with self._autocast():
-            logits = self.model(batch.inputs, batch.position_ids, batch.mask)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+            logits = self.model(batch.inputs)
+        return self.module.loss(logits.float(), batch.targets)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step (or a skipped one: ``metrics["event"]`` says why)."""
         micro = self.sampler.next_step()
         total = torch.zeros((), device=self.device)
-        for indices in micro:
+        for m, indices in enumerate(micro):
             batch = self.data.train.collate(indices).to(self.device)
-            loss = self.micro_loss(batch)
-            (loss / len(micro)).backward()
+            with mt_parallel.accumulate(self.model, is_last=m == len(micro) - 1):
+                loss = self.micro_loss(batch)
+                (loss / len(micro)).backward()
             total += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        D.average_gradients(params, self.dp_group)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.cfg.parallel.data_parallel == "none":
+            mt_parallel.all_reduce_gradients(params, self.dp_group)
         loss = D.mean_scalar(total / len(micro), self.dp_group).item()
         clip = self.cfg.optimizer.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
+        norm = mt_parallel.clip_grad_norm_(params, clip, tp_group=self.tp_group).item()
         lr = self.cfg.optimizer.lr * lr_multiplier(
             self.step, self.cfg.trainer.max_steps, self.cfg.scheduler
         )
@@ -200,6 +214,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+            if isinstance(self.fp8_recipe, mt_fp8.DelayedScaling):
+                mt_fp8.update_fp8_scales(self.module, self.fp8_recipe, self.tp_group)
             self.step += 1
         else:
             metrics["event"] = anomaly
@@ -254,10 +270,13 @@ class Trainer:
         return D.mean_scalar(total / len(micro), self.dp_group).item()
 
     def generate(self, prompt: str, max_new_tokens: int) -> str:
+        """Greedy continuation of ``prompt`` (tp=1 only: sampling has no TP path yet)."""
+        if self.tp_layout.size > 1:
+            return ""
         ids = self.data.tokenizer.encode(prompt)
         with self._autocast():
             out = greedy_generate(
-                self.model, ids, max_new_tokens, self.cfg.trainer.seq_len, self.device
+                self.module, ids, max_new_tokens, self.cfg.trainer.seq_len, self.device
             )
         return self.data.tokenizer.decode(out)
 
@@ -330,13 +349,13 @@ class Trainer:
         )
 
     def describe(self) -> str:
-        c, tr, p = self.model_cfg, self.cfg.trainer, self.parallel
+        c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
         fp8 = f", fp8 {self.cfg.fp8.recipe} ({self.fp8_layers} linears)" if self.fp8_layers else ""
         return (
-            f"mt-train: {c.name} Llama, {num_params(self.model) / 1e6:.2f}M params "
+            f"mt-train: {c.name} Llama, {num_params(self.module) / 1e6:.2f}M params "
             f"({c.n_layers} layers, width {c.dim}, vocab {c.vocab_size}) on {self.world_size}x "
-            f"{self.ctx.device.name} [dp={p.dp} tp={p.tp}], {precision}{fp8}; "
+            f"{self.ctx.device.name} [dp={self.dp} tp={p.tp}], {precision}{fp8}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
             f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
             f"sequences); output {self.output_dir}"

@@ -1,6 +1,6 @@
 """Atomic, asynchronous safetensors checkpoints with a JSON manifest."""
 
-from mt_train.checkpoint.checkpointer import Checkpointer, load_into, resolve_resume
+from mt_train.checkpoint.checkpointer import Checkpointer, TPLayout, load_into, resolve_resume
 from mt_train.checkpoint.files import (
     CheckpointReader,
     latest_checkpoint,
@@ -11,6 +11,7 @@ from mt_train.checkpoint.files import (
 __all__ = [
     "CheckpointReader",
     "Checkpointer",
+    "TPLayout",
     "latest_checkpoint",
     "list_checkpoints",
     "load_into",

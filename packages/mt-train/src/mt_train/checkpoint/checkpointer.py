@@ -2,15 +2,19 @@
 
 Tensor names in the shards:
 
-* ``model/<param or buffer>`` — the model state dict with wrapper prefixes removed (this
-  includes FP8 scaling state, which mt_fp8 keeps in module buffers); written by the ranks
-  whose data-parallel coordinate is 0, since the other dp ranks hold identical replicas;
-* ``optim/<param>/{step,exp_avg,exp_avg_sq}`` — AdamW state per named parameter (same ranks);
+* ``model/<key>`` — a replicated entry of the (tp=1-named) model state dict, including the
+  FP8 scaling state that mt_fp8 keeps in buffers; written by the rank with dp = tp = 0;
+* ``model/<key>@tp<r>of<n>`` — TP rank ``r``'s slice of a tensor that ``mt_parallel``'s
+  ``tp_shard_plan`` splits along one dimension over ``n`` ranks (written by its dp-0 rank);
+* ``optim/<param>/{step,exp_avg,exp_avg_sq}`` — AdamW state per named parameter, with the same
+  ``@tp<r>of<n>`` suffix for the moments of TP-sharded parameters;
 * ``rng/rank<r>/<device>`` — every rank's torch RNG states (CPU and its accelerator).
 
-Because the model state sits in whole tensors and the data position is global (samples
-consumed over all ranks), a checkpoint loads at another dp degree: every rank reads the
-dp-rank-0 tensors, and a rank without its own RNG entry takes rank 0's.
+Reshard on load: a TP-sharded tensor is rebuilt by concatenating its ``n`` slices along its
+dimension and cut again for the loading run's tp degree (``merge(shard(x)) == x`` exactly).
+Replicas over dp are not stored twice, and the data position is global (samples consumed over
+all ranks), so a checkpoint also loads at another dp degree; a rank without its own RNG entry
+takes rank 0's.
 
 Async saving: :meth:`Checkpointer.save` first waits for the previous save, copies the state
 to host memory (the snapshot: training may change the live tensors right after), and hands
@@ -21,6 +25,7 @@ the same as a synchronous save because both write the same snapshot through the 
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +40,53 @@ from mt_train.checkpoint.files import (
     tmp_dir,
     write_shard,
 )
-from mt_train.models.build import unwrap_state_dict_key
+from mt_train.models.build import canonical_key
 
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {unwrap_state_dict_key(k): p for k, p in model.named_parameters()}
+    return {canonical_key(k): p for k, p in model.named_parameters()}
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {unwrap_state_dict_key(k): v for k, v in model.state_dict().items()}
+@dataclass(frozen=True)
+class TPLayout:
+    """Which entries are TP-sharded (key → dim) and where this rank sits."""
+
+    plan: dict[str, int]
+    rank: int
+    size: int
+
+    def name(self, prefix: str, key: str, entry: str = "") -> str:
+        suffix = f"@tp{self.rank}of{self.size}" if key in self.plan and self.size > 1 else ""
+        return f"{prefix}{key}{entry}{suffix}"
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def model_state(model: nn.Module, tp: TPLayout) -> dict[str, torch.Tensor]:
+    """This rank's model entries to save (replicated ones only from TP rank 0)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        key = canonical_key(key)
+        if key in tp.plan or tp.rank == 0:
+            out[tp.name("model/", key)] = value
+    return out
+
+
+def optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPLayout
+) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in named_parameters(model).items():
         state = optimizer.state.get(param, {})
+        if name not in tp.plan and tp.rank != 0:
+            continue
         for key in ADAM_KEYS:
             if key in state:
-                out[f"optim/{name}/{key}"] = state[key]
+                sharded = key != "step" and name in tp.plan
+                entry_name = (
+                    tp.name("optim/", name, f"/{key}") if sharded else f"optim/{name}/{key}"
+                )
+                out[entry_name] = state[key]
     return out
 
 
@@ -134,48 +166,61 @@ def resolve_resume(mode: str, root: Path) -> Path | None:
     return Path(mode)
 
 
+def read_resharded(
+    reader: CheckpointReader, name: str, dim: int | None, tp: TPLayout
+) -> torch.Tensor:
+    """``name`` for this rank: whole, or this rank's slice of its re-joined TP pieces."""
+    if reader.has(name):
+        full = reader.read([name])[name]
+    else:
+        pieces = reader.names(name + "@tp")
+        if not pieces or dim is None:
+            raise KeyError(f"checkpoint {reader.folder} has no tensor {name!r}")
+        n = int(pieces[0].rsplit("of", 1)[1])
+        ordered = [f"{name}@tp{r}of{n}" for r in range(n)]
+        loaded = reader.read(ordered)
+        full = torch.cat([loaded[k] for k in ordered], dim=dim)
+    if dim is None or tp.size == 1:
+        return full
+    return full.chunk(tp.size, dim=dim)[tp.rank]
+
+
 def load_into(
     reader: CheckpointReader,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     rank: int,
     device: Any,
+    tp: TPLayout,
 ) -> None:
-    """Restore model, optimizer and RNG state of ``rank`` from ``reader``."""
-    live = model.state_dict()
-    wanted = {unwrap_state_dict_key(k): k for k in live}
-    names = [f"model/{k}" for k in wanted]
-    missing = [n for n in names if not reader.has(n)]
-    if missing:
-        raise ValueError(
-            f"checkpoint {reader.folder} lacks {len(missing)} model tensors, e.g. {missing[:3]}"
-        )
-    loaded = reader.read(names)
+    """Restore model, optimizer and RNG state of ``rank`` from ``reader`` (any tp/dp layout)."""
     with torch.no_grad():
-        for short, key in wanted.items():
-            src = loaded[f"model/{short}"]
-            if src.shape != live[key].shape:
+        for key, live in model.state_dict().items():
+            short = canonical_key(key)
+            src = read_resharded(reader, f"model/{short}", tp.plan.get(short), tp)
+            if src.shape != live.shape:
                 raise ValueError(
-                    f"checkpoint tensor {short} has shape {tuple(src.shape)}, the model "
-                    f"{tuple(live[key].shape)}: is the model config the same?"
+                    f"checkpoint tensor {short} has shape {tuple(src.shape)} here, the model "
+                    f"{tuple(live.shape)}: is the model config the same?"
                 )
-            live[key].copy_(src)
+            live.copy_(src)
     if optimizer is not None:
-        params = named_parameters(model)
-        state = reader.read([n for n in reader.names("optim/")])
-        for name, param in params.items():
-            entry = {
-                key: state[f"optim/{name}/{key}"]
-                for key in ADAM_KEYS
-                if f"optim/{name}/{key}" in state
-            }
-            if not entry:
+        fused = any(g.get("fused") for g in optimizer.param_groups)
+        for name, param in named_parameters(model).items():
+            if not reader.has(f"optim/{name}/step"):
                 continue
-            fused = any(g.get("fused") for g in optimizer.param_groups)
-            entry["step"] = entry["step"].to(param.device if fused else "cpu")
-            entry["exp_avg"] = entry["exp_avg"].to(param.device)
-            entry["exp_avg_sq"] = entry["exp_avg_sq"].to(param.device)
-            optimizer.state[param] = entry
+            dim = tp.plan.get(name)
+            optimizer.state[param] = {
+                "step": reader.read([f"optim/{name}/step"])[f"optim/{name}/step"].to(
+                    param.device if fused else "cpu"
+                ),
+                "exp_avg": read_resharded(reader, f"optim/{name}/exp_avg", dim, tp).to(
+                    param.device
+                ),
+                "exp_avg_sq": read_resharded(reader, f"optim/{name}/exp_avg_sq", dim, tp).to(
+                    param.device
+                ),
+            }
     own = f"rng/rank{rank}/"
     prefix = own if reader.has(own + "cpu") else "rng/rank0/"
     rng = reader.read(reader.names(prefix))

@@ -7,10 +7,9 @@ composed config into objects (:func:`mt_train.config.to_train_config`) runs ever
 Cross-group rules (tensor parallelism dividing the head counts, batch sizes dividing
 each other) live in :meth:`TrainConfig.__post_init__`.
 
-Schemas that belong to lower packages (``mt_parallel.ParallelConfig``, ``mt_fp8``'s
-recipes) are used from there when those packages export them; until then
-:class:`ParallelConfig` here is the minimal stand-in, and :class:`FP8Config` names an
-``mt_fp8`` recipe and its arguments (the recipe dataclass validates them).
+The ``parallel`` group's schema is ``mt_parallel.ParallelConfig`` (mt_parallel owns it).
+``mt_fp8`` exports recipe dataclasses but no config schema, so :class:`FP8Config` here names
+an ``mt_fp8`` recipe and its arguments, and the recipe dataclass validates them.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_fp8 import RECIPES, recipe_from_name
+from mt_parallel import ParallelConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -111,38 +111,6 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-@dataclass
-class ParallelConfig:
-    """Parallel degrees (minimal stand-in until ``mt_parallel`` exports its ParallelConfig)."""
-
-    dp: int = -1
-    """Data-parallel replicas; -1 infers world_size / (tp·cp·pp)."""
-    tp: int = 1
-    """Tensor-parallel ranks (must divide the head counts and the FFN size)."""
-    cp: int = 1
-    """Context-parallel ranks."""
-    pp: int = 1
-    """Pipeline stages."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block in the backward pass instead of storing activations."""
-
-    def __post_init__(self) -> None:
-        _positive("parallel", tp=self.tp, cp=self.cp, pp=self.pp)
-        if self.dp != -1:
-            _positive("parallel", dp=self.dp)
-
-    def resolve(self, world_size: int) -> ParallelConfig:
-        """A copy with ``dp`` inferred; raises if dp·cp·tp·pp cannot equal ``world_size``."""
-        model_parallel = self.tp * self.cp * self.pp
-        dp = self.dp if self.dp != -1 else world_size // model_parallel
-        if dp * model_parallel != world_size:
-            raise ValueError(
-                f"parallel dp·cp·tp·pp = {dp}·{self.cp}·{self.tp}·{self.pp} = "
-                f"{dp * model_parallel} must equal the world size {world_size}"
-            )
-        return ParallelConfig(dp, self.tp, self.cp, self.pp, self.activation_checkpointing)
 
 
 @dataclass
@@ -238,8 +206,6 @@ class DataConfig:
 
     path: str | None = None
     """Prepared data folder; null prepares the bundled King James corpus (byte tokens)."""
-    document_mask: bool = False
-    """Mask attention across document boundaries inside a packed sequence."""
     val_every: int = 50
     """When preparing the bundled corpus: every n-th document goes to the validation split."""
 
@@ -338,7 +304,7 @@ class TrainerConfig:
     precision: str = "auto"
     """auto (bf16 autocast on accelerators, fp32 on CPU), bf16 or fp32."""
     compile: bool = False
-    """torch.compile each decoder block."""
+    """torch.compile each decoder block (the same as ``parallel.compile``; either turns it on)."""
     output_dir: str | None = None
     """Run folder; null: Hydra's run directory."""
     sample_tokens: int = 160
@@ -381,14 +347,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         model, par, tr = self.model, self.parallel, self.trainer
-        for what, value in (
-            ("model.n_heads", model.n_heads),
-            ("model.n_kv_heads", model.n_kv_heads),
-        ):
-            if value % par.tp:
-                raise ValueError(f"parallel.tp={par.tp} does not divide {what}={value}")
-        if model.ffn_dim % par.tp:
-            raise ValueError(f"parallel.tp={par.tp} does not divide model.ffn_dim={model.ffn_dim}")
+        par.validate_model(
+            model.n_heads, model.n_kv_heads, model.vocab_size or par.tp, tr.seq_len, model.ffn_dim
+        )
+        if par.cp > 1 or par.data_parallel in ("fsdp", "zero1"):
+            raise ValueError(
+                f"parallel.cp={par.cp}, parallel.data_parallel={par.data_parallel!r}: mt-train "
+                "runs cp=1 with data_parallel ddp or none so far"
+            )
         if tr.global_batch_size % tr.micro_batch_size:
             raise ValueError(
                 f"trainer.global_batch_size={tr.global_batch_size} is not a multiple of "
@@ -402,13 +368,13 @@ class TrainConfig:
         if self.fp8.enabled and self.fp8.min_features % 16:
             raise ValueError(f"fp8.min_features={self.fp8.min_features} must be a multiple of 16")
 
-    def check_world(self, world_size: int) -> ParallelConfig:
-        """Resolve ``parallel`` for ``world_size`` and check the batch splits evenly over dp."""
-        par = self.parallel.resolve(world_size)
-        per_step = self.trainer.micro_batch_size * par.dp
+    def check_world(self, world_size: int) -> int:
+        """The dp degree for ``world_size``; raises unless the global batch splits evenly."""
+        dp = self.parallel.validate_world(world_size)
+        per_step = self.trainer.micro_batch_size * dp
         if self.trainer.global_batch_size % per_step:
             raise ValueError(
                 f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
-                f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{par.dp} = {per_step}"
+                f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{dp} = {per_step}"
             )
-        return par
+        return dp

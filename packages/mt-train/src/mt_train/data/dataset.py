@@ -3,9 +3,8 @@
 Packing. A split is one stream of ``N`` tokens (documents each followed by EOS). Sample
 ``i`` (``0 ≤ i < S = (N-1) // T``) is the window ``tokens[i·T : i·T+T+1]``: inputs are its
 first ``T`` tokens, targets its last ``T``. Windows do not overlap, so an epoch reads every
-token once. With ``document_mask`` a sample also carries position ids that restart at
-every document start and a block-diagonal causal mask (a token sees only earlier tokens
-of its own document), from the split's document offsets (``<split>.idx``).
+token once. Documents stay visible as boundaries: each ends with EOS, and the split's
+document offsets (``<split>.idx``) are loaded as ``doc_starts``.
 
 Sampling. The sampler's whole state is ``consumed``, the number of samples drawn over all
 ranks. Global draw ``g`` is sample ``perm_e[g mod S]`` with ``e = g div S`` and
@@ -31,24 +30,21 @@ from mt_train.data.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass
 class Batch:
-    """One micro-batch: inputs/targets (B, T) int64, optional position ids and mask."""
+    """One micro-batch: inputs and targets, (B, T) int64."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
-    position_ids: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(
-            move(self.inputs), move(self.targets), move(self.position_ids), move(self.mask)
+            self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True)
         )
 
 
 class PackedDataset:
     """Fixed-length windows over one split of a prepared folder (memory-mapped)."""
 
-    def __init__(self, folder: str | Path, split: str, seq_len: int, document_mask: bool = False):
+    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
         folder = Path(folder)
         meta_path = folder / "meta.json"
         if not meta_path.is_file():
@@ -63,7 +59,6 @@ class PackedDataset:
         self.tokens = np.memmap(folder / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
         self.doc_starts = np.fromfile(folder / f"{split}.idx", dtype=np.int64)[:-1]
         self.seq_len = seq_len
-        self.document_mask = document_mask
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -80,17 +75,7 @@ class PackedDataset:
             [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in indices]
         )
         window = torch.from_numpy(rows)
-        batch = Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous())
-        if self.document_mask:
-            positions = np.arange(T)[None, :] + (np.asarray(indices) * T)[:, None]
-            doc = np.searchsorted(self.doc_starts, positions, side="right") - 1
-            start = np.maximum(self.doc_starts[doc], (np.asarray(indices) * T)[:, None])
-            batch.position_ids = torch.from_numpy(positions - start)
-            doc_t = torch.from_numpy(doc)
-            same_doc = doc_t[:, :, None] == doc_t[:, None, :]
-            causal = torch.ones(T, T, dtype=torch.bool).tril()
-            batch.mask = (same_doc & causal)[:, None]
-        return batch
+        return Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous())
 
 
 class ResumableSampler:
@@ -160,10 +145,10 @@ class ResumableSampler:
 class DataModule:
     """The train and validation datasets of a prepared folder, plus its tokenizer."""
 
-    def __init__(self, folder: str | Path, seq_len: int, document_mask: bool) -> None:
+    def __init__(self, folder: str | Path, seq_len: int) -> None:
         self.folder = Path(folder)
-        self.train = PackedDataset(folder, "train", seq_len, document_mask)
-        self.val = PackedDataset(folder, "val", seq_len, document_mask)
+        self.train = PackedDataset(folder, "train", seq_len)
+        self.val = PackedDataset(folder, "val", seq_len)
         meta = self.train.meta
         self.tokenizer: Tokenizer = load_tokenizer(folder, meta["tokenizer"], meta["eos_token"])
         self.vocab_size = int(meta["vocab_size"])

@@ -1,27 +1,23 @@
-"""The Llama model, its builder and the transforms applied to it."""
+"""The Llama model (on mt_parallel's layers), its builder and the transforms applied to it."""
 
-from mt_train.models.build import apply_fp8, build_model, resolve_vocab
+from mt_train.models.build import build_model, parallelize, resolve_vocab
 from mt_train.models.llama import (
-    Attention,
-    FeedForward,
     Llama,
-    RMSNorm,
-    TransformerBlock,
+    LlamaAttention,
     flops_per_token,
+    llama_block,
     num_params,
     rope_frequencies,
 )
 
 __all__ = [
-    "Attention",
-    "FeedForward",
     "Llama",
-    "RMSNorm",
-    "TransformerBlock",
-    "apply_fp8",
+    "LlamaAttention",
     "build_model",
     "flops_per_token",
+    "llama_block",
     "num_params",
+    "parallelize",
     "resolve_vocab",
     "rope_frequencies",
 ]

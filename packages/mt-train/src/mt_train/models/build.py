@@ -1,20 +1,21 @@
-"""Build the Llama for a run and apply the configured transforms, in the documented order.
+"""Build the Llama for a run and apply mt_parallel's transforms, in the documented order.
 
-Order (torchtitan's): tensor parallel → FP8 → activation recompute → torch.compile → data
-parallel. Each step is a function of the plain model, so the model code never changes:
+Order (mt_parallel's and torchtitan's): tensor parallel → FP8 → recompute → compile → data
+parallel. Each is a function of the plain model, so the model code never changes:
 
-* tensor parallel comes from ``mt_parallel`` once it exports it; until then ``tp > 1`` is
-  refused with an error saying so;
-* FP8 swaps each block's ``nn.Linear`` for ``mt_fp8.FP8Linear`` (same parameters) when both
-  features are ≥ ``fp8.min_features``; embeddings and the output head stay high precision;
-* recompute wraps each block's forward in non-reentrant ``torch.utils.checkpoint``;
-* compile compiles each block separately (short compile times, one graph per block shape);
-* data parallelism is the trainer's gradient all-reduce over the dp group
-  (:mod:`mt_train.distributed`), so gradient accumulation needs no ``no_sync`` tricks and
-  the reduction order, hence the numbers, do not depend on bucket timing.
+* tensor (and sequence) parallel: ``mt_parallel.apply_tensor_parallel`` shards the full
+  weights of every TP layer; parameters are replaced, so the optimizer is built afterwards;
+* FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
+  with the configured recipe; the output head, and linears whose smaller side is below
+  ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
+* recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
+* compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
+* data parallel: ``mt_parallel.apply_data_parallel`` (DDP over dp×cp in ``ddp`` mode).
 
-``vocab_size: null`` resolves to the tokenizer's size rounded up to a multiple of 64.
-Building on ``device="meta"`` allocates nothing, which is how the large configs are checked.
+Weights are initialised with ``mt_parallel.init_weights(model, seed)`` before any transform:
+each module draws its full tensors from a generator seeded by (seed, module name), so every
+TP degree and device starts from the same full weights. ``vocab_size: null`` resolves to the
+tokenizer's size rounded up to a multiple of 64. Building on ``meta`` allocates nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as activation_checkpoint
 from torch import nn
 
 import mt_fp8
-from mt_train.config.schema import FP8Config, ModelConfig, ParallelConfig
-from mt_train.models.llama import Llama, TransformerBlock
+import mt_parallel
+from mt_comm import ParallelState
+from mt_train.config.schema import FP8Config, ModelConfig
+from mt_train.models.llama import Llama
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
@@ -42,77 +46,63 @@ def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: ModelConfig, max_seq_len: int, device: torch.device | str, seed: int) -> Llama:
-    """The plain Llama on ``device``, initialised from ``seed`` (not initialised on meta)."""
+def build_model(cfg: ModelConfig, device: torch.device | str, seed: int | None = None) -> Llama:
+    """The plain (tp=1) Llama on ``device``; initialised from ``seed`` unless on ``meta``."""
     device = torch.device(device)
     with torch.device(device):
-        model = Llama(cfg, max_seq_len, block_factory=TransformerBlock)
-    if device.type != "meta":
-        generator = torch.Generator(device=device).manual_seed(seed)
-        model.init_weights(generator)
+        model = Llama(cfg)
+    if device.type != "meta" and seed is not None:
+        mt_parallel.init_weights(model, seed)
     return model
 
 
-def apply_tensor_parallel(model: Llama, parallel: ParallelConfig) -> None:
-    if parallel.tp == 1:
-        return
-    raise NotImplementedError(
-        f"parallel.tp={parallel.tp} needs mt_parallel's tensor-parallel Llama layers, which the "
-        f"installed mt_parallel {getattr(__import__('mt_parallel'), '__version__', '?')} does "
-        "not export yet; use parallel.tp=1"
+def fp8_skip_names(model: nn.Module, fp8: FP8Config) -> tuple[str, ...]:
+    """Names of TP linears that stay high precision: the output head and small layers."""
+    skip = ["output"]
+    for name, module in model.named_modules():
+        if hasattr(module, "enable_fp8") and min(module.weight.shape) < fp8.min_features:
+            skip.append(name)
+    return tuple(skip)
+
+
+def parallelize(
+    model: Llama,
+    parallel: mt_parallel.ParallelConfig,
+    state: ParallelState,
+    fp8: FP8Config,
+    compile_blocks: bool,
+) -> nn.Module:
+    """Apply the transforms of the module docstring; returns the module to run forward on."""
+    tp_group = state.group("tp")
+    mt_parallel.apply_tensor_parallel(model, tp_group, parallel.sequence_parallel)
+    if fp8.enabled:
+        recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
+        mt_parallel.apply_fp8(
+            model, recipe, amax_group=tp_group, skip=fp8_skip_names(model, fp8), backend=fp8.backend
+        )
+    block_types = (mt_parallel.DecoderBlock,)
+    mt_parallel.apply_recompute(
+        model, parallel.recompute, parallel.recompute_every, parallel.recompute_targets, block_types
+    )
+    if compile_blocks or parallel.compile:
+        for block in model.layers:
+            block.compile()
+    return mt_parallel.apply_data_parallel(
+        model, parallel.data_parallel, state.group("dp_cp"), state.device_type, block_types
     )
 
 
-def apply_fp8(model: Llama, fp8: FP8Config) -> int:
-    """Swap the blocks' linears for FP8Linear; returns how many were swapped."""
-    if not fp8.enabled:
-        return 0
-    fp8_linear: Any = getattr(mt_fp8, "FP8Linear", None)
-    if fp8_linear is None:
-        raise NotImplementedError(
-            f"fp8.recipe={fp8.recipe!r} needs mt_fp8.FP8Linear, which the installed mt_fp8 does "
-            "not export yet; use fp8=none"
-        )
-    recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
-    swapped = 0
-    for block in model.layers:
-        for parent in block.modules():
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear and min(child.in_features, child.out_features) >= max(
-                    fp8.min_features, 16
-                ):
-                    setattr(
-                        parent,
-                        name,
-                        fp8_linear.from_linear(child, recipe=recipe, backend=fp8.backend),
-                    )
-                    swapped += 1
-    return swapped
+def fp8_layer_count(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if getattr(m, "fp8_enabled", False))
 
 
-class _Recompute(nn.Module):
-    """Runs the wrapped block under non-reentrant activation checkpointing."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return activation_checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+def canonical_key(key: str) -> str:
+    """A state-dict or parameter name without wrapper prefixes (DDP, torch.compile)."""
+    for prefix in WRAPPER_PREFIXES:
+        key = key.replace(prefix, "")
+    return key
 
 
-def apply_recompute(model: Llama, enabled: bool) -> None:
-    if enabled:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = _Recompute(block)
-
-
-def apply_compile(model: Llama, enabled: bool) -> None:
-    if enabled:
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block)
-
-
-def unwrap_state_dict_key(key: str) -> str:
-    """Parameter names without the wrappers' prefixes (``_orig_mod.``, ``block.``)."""
-    return key.replace("._orig_mod", "").replace(".block.", ".")
+def unwrap(model: nn.Module) -> Any:
+    """The Llama inside a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)

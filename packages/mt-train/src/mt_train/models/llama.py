@@ -1,42 +1,38 @@
-"""The Llama 3 decoder (plain PyTorch), with the decoder block as one swappable piece.
+"""The Llama 3 model of mt-train, assembled from mt_parallel's layers.
 
-Shape suffixes: B batch, T sequence, D model width, H query heads, K key/value heads,
-E head dim (D / H), F FFN width, V vocabulary.
+Shape suffixes: B batch, T/S sequence, D model width, H query heads, K key/value heads,
+d head dim (D / H), F FFN width, V vocabulary (``V_l`` the local slice under TP).
 
-Math, per block (pre-norm residual)::
+Math, per block (mt_parallel's :class:`~mt_parallel.DecoderBlock`, pre-norm)::
 
-    h = x + Wo · Attn(RoPE(Wq·n1(x)), RoPE(Wk·n1(x)), Wv·n1(x))      n1 = RMSNorm
-    y = h + W2 · (silu(W1·n2(h)) ⊙ W3·n2(h))                          SwiGLU, n2 = RMSNorm
+    h = x + o_proj(Attn(RoPE(q_proj·n1(x)), RoPE(k_proj·n1(x)), v_proj·n1(x)))   n1 = RMSNorm
+    y = h + down_proj(silu(gate_proj·n2(h)) ⊙ up_proj·n2(h))                     SwiGLU
 
-``RMSNorm(x) = x / sqrt(mean(x²) + eps) · g`` computed in fp32. Attention is causal
-grouped-query attention: query head ``h`` reads key/value head ``h // (H/K)``. With a
-document mask, a token attends only to earlier tokens of its own document, and positions
-restart at 0 at each document start.
+Attention is causal grouped-query attention (query head ``h`` reads KV head ``h // (H/K)``).
+RoPE uses the rotate-half layout (the Hugging Face one): the pair ``(x_i, x_{i+d/2})`` at
+position ``p`` is rotated by ``p·f_i``, ``f_i = θ^(-2i/d)``, θ = 500000, with Llama 3.1
+scaling: wavelength ``λ = 2π/f``; ``λ < L0/high`` keeps ``f``; ``λ > L0/low`` uses
+``f/factor``; in between ``(1-s)·f/factor + s·f`` with ``s = (L0/λ - low)/(high - low)``
+(``L0`` = ``original_max_position``). Frequencies and angles are float64, then cast.
 
-RoPE rotates each consecutive pair ``(q_2i, q_2i+1)`` at position ``p`` by ``p · f_i`` with
-``f_i = θ^(-2i/E)``, θ = 500000. Llama 3.1 scaling (``rope_scaling``) rewrites the
-frequencies: wavelength ``λ = 2π/f``; ``λ < L0/high`` keeps ``f``; ``λ > L0/low`` uses
-``f/factor``; in between it interpolates with ``s = (L0/λ - low)/(high - low)`` as
-``(1-s)·f/factor + s·f``, where ``L0`` is ``original_max_position``. The frequencies are
-computed in float64, then the cos/sin tables in float32.
-
-Embeddings are untied (``output`` is its own matrix). :class:`Llama` takes a
-``block_factory(config, layer_id) -> nn.Module`` with the signature of
-:class:`TransformerBlock` (``forward(x_BTD, rope, mask)``), so the block can be swapped
-for mt_parallel's once it exists; parallelism and FP8 are applied to the built model as
-transforms (:mod:`mt_train.models.build`), never by editing this file.
+The only piece mt-train adds to mt_parallel's block is :class:`LlamaAttention`, its
+attention with those scaled frequencies (mt_parallel's uses plain θ); everything else
+(column/row-parallel projections, RMSNorm, SwiGLU, context-parallel core) is mt_parallel's,
+so its transforms (tensor/sequence parallel, FP8, recompute, data parallel) apply unchanged.
+Embeddings are untied: ``embed`` (vocab-parallel) and ``output`` (column-parallel, logits
+sharded over the vocabulary under TP) are separate matrices. ``block_factory`` is the one
+swappable piece: any module with ``forward(x_BTD, positions_S)`` works.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import mt_parallel
 from mt_train.config.schema import ModelConfig, RopeScalingConfig
 
 
@@ -56,165 +52,91 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) ->
     return torch.where(wavelen < high_wavelen, freqs, scaled)
 
 
-@dataclass
-class Rope:
-    """cos/sin tables (T, E/2) for the positions of one forward pass."""
-
-    cos_TE: torch.Tensor
-    sin_TE: torch.Tensor
-
-
-def apply_rope(x_BTHE: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate consecutive pairs of the last axis; tables are (T, E/2) or (B, T, E/2)."""
-    cos, sin = rope.cos_TE, rope.sin_TE
-    if cos.dim() == 2:
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    else:
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x = x_BTHE.float().unflatten(-1, (-1, 2))
-    x0, x1 = x[..., 0], x[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x_BTHE)
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps) · weight``, reduced in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE (no biases)."""
+class LlamaAttention(mt_parallel.Attention):
+    """mt_parallel's GQA attention with Llama 3.1 scaled RoPE frequencies."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        super().__init__(
+            cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, 0.0, cfg.n_layers, cfg.init_std
+        )
+        freqs = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", freqs, persistent=False)
 
-    def forward(self, x_BTD: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        # NOTE: head counts come from the weights, so a tensor-parallel transform that shards
-        # wq/wk/wv column-wise leaves this code valid with H/tp and K/tp local heads.
-        q_BTHE = self.wq(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTKE = self.wk(x_BTD).view(B, T, -1, self.head_dim)
-        v_BTKE = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        q_BTHE, k_BTKE = apply_rope(q_BTHE, rope), apply_rope(k_BTKE, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q_BTHE, k_BTKE, v_BTKE))
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if mask is None:
-            out_BHTE = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out_BHTE = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out_BHTE.transpose(1, 2).reshape(B, T, -1))
+    def rope(
+        self, positions_S: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions_S.to(torch.float64)[:, None] * self.inv_freq.to(positions_S.device)
+        angles_Sd = torch.cat([angles, angles], dim=-1)
+        return angles_Sd.cos().to(dtype), angles_Sd.sin().to(dtype)
 
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) ⊙ w3 x)``."""
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(self, x_BTD: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+        n_BSD = self.q_proj.prepare_input(x_BTD)
+        B, S, _ = n_BSD.shape
+        hd = self.head_dim
+        q_BHSd = self.q_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
+        k_BKSd = self.k_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
+        v_BKSd = self.v_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
+        if positions_S is None:
+            positions_S = torch.arange(S, device=x_BTD.device)
+        cos_Sd, sin_Sd = self.rope(positions_S, q_BHSd.dtype)
+        q_BHSd = mt_parallel.apply_rope(q_BHSd, cos_Sd, sin_Sd)
+        k_BKSd = mt_parallel.apply_rope(k_BKSd, cos_Sd, sin_Sd)
+        o_BHSd = self.core(q_BHSd, k_BKSd, v_BKSd)
+        return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, -1))
 
 
-class TransformerBlock(nn.Module):
-    """One pre-norm decoder block (see the module docstring)."""
-
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
-
-    def forward(self, x_BTD: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
-        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+def llama_block(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """mt_parallel's DecoderBlock with :class:`LlamaAttention` in place of its attention."""
+    block = mt_parallel.DecoderBlock(
+        cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta, 0.0,
+        cfg.n_layers,
+    )  # fmt: skip
+    block.attention = LlamaAttention(cfg)
+    return block
 
 
 BlockFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 class Llama(nn.Module):
-    """Token embedding → ``n_layers`` blocks → RMSNorm → untied output projection."""
+    """Vocab-parallel embedding → ``n_layers`` blocks → RMSNorm → column-parallel output."""
 
-    def __init__(
-        self, cfg: ModelConfig, max_seq_len: int, block_factory: BlockFactory = TransformerBlock
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, block_factory: BlockFactory = llama_block) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError(
                 "model.vocab_size must be resolved (from the tokenizer) before building"
             )
         self.cfg = cfg
-        self.max_seq_len = max_seq_len
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = mt_parallel.VocabParallelEmbedding(
+            cfg.vocab_size, cfg.dim, init_std=cfg.init_std
+        )
         self.layers = nn.ModuleList(block_factory(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        freqs = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        angles_TE = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
-        self.register_buffer("rope_cos", angles_TE.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", angles_TE.sin().float(), persistent=False)
-
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) weights, output projections of blocks scaled by 1/sqrt(2L), unit norms."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                param.normal_(0.0, out_std, generator=generator)
-            else:
-                param.normal_(0.0, std, generator=generator)
-
-    def rope(self, position_ids_BT: torch.Tensor | None, T: int) -> Rope:
-        if self.max_seq_len < T:
-            raise ValueError(
-                f"sequence length {T} exceeds the model's max_seq_len {self.max_seq_len}"
-            )
-        if position_ids_BT is None:
-            return Rope(self.rope_cos[:T], self.rope_sin[:T])
-        return Rope(self.rope_cos[position_ids_BT], self.rope_sin[position_ids_BT])
+        self.norm = mt_parallel.RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = mt_parallel.ColumnParallelLinear(
+            cfg.dim, cfg.vocab_size, bias=False, init_std=cfg.init_std
+        )
 
     def forward(
-        self,
-        tokens_BT: torch.Tensor,
-        position_ids_BT: torch.Tensor | None = None,
-        mask_B1TT: torch.Tensor | None = None,
+        self, tokens_BT: torch.Tensor, positions_S: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits (B, T, V). ``mask_B1TT``: boolean, True where attention is allowed."""
-        x = self.tok_embeddings(tokens_BT)
-        rope = self.rope(position_ids_BT, tokens_BT.shape[1])
+        """Logits ``(B, T, V_l)``: this rank's vocabulary slice (all of it at tp=1)."""
+        x_BTD = self.embed(tokens_BT)
         for layer in self.layers:
-            x = layer(x, rope, mask_B1TT)
-        return self.output(self.norm(x))
+            x_BTD = layer(x_BTD, positions_S)
+        return self.output(self.norm(x_BTD))
+
+    def loss(self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy, vocab-parallel over the output's TP group (fp32)."""
+        return mt_parallel.vocab_parallel_cross_entropy(
+            logits_BTV_l, targets_BT, self.output.tp_group
+        )
 
 
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     total = sum(p.numel() for p in model.parameters())
     if exclude_embedding and isinstance(model, Llama):
-        total -= model.tok_embeddings.weight.numel()
+        total -= model.embed.weight.numel()
     return total
 
 
