@@ -1,0 +1,94 @@
+"""Every config file composes and validates; bad overrides end in one clear error line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from mt_train import compose_config, to_train_config
+from mt_train.cli import main
+
+CONF = Path(str(resources.files("mt_train") / "conf"))
+GROUP_FILES = sorted(
+    (group.name, path.stem)
+    for group in CONF.iterdir()
+    if group.is_dir() and not group.name.startswith("_")
+    for path in group.glob("*.yaml")
+)
+
+
+def test_every_group_has_configs() -> None:
+    groups = {g for g, _ in GROUP_FILES}
+    assert groups >= {
+        "model", "parallel", "fp8", "optimizer", "scheduler", "data",
+        "checkpoint", "rewind", "logging", "experiment",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(("group", "name"), GROUP_FILES, ids=[f"{g}={n}" for g, n in GROUP_FILES])
+def test_config_file_composes_and_validates(group: str, name: str) -> None:
+    cfg = to_train_config(compose_config([f"{group}={name}"]))
+    if group == "model":
+        assert cfg.model.name == name
+    if group == "experiment":
+        header = (CONF / group / f"{name}.yaml").read_text().splitlines()
+        assert header[0] == "# @package _global_"
+        assert any(line.startswith("# Launch: ") for line in header[:5]), "launch command header"
+
+
+def test_default_config_values() -> None:
+    cfg = to_train_config(compose_config())
+    assert cfg.model.name == "debug" and cfg.data.path is None and cfg.fp8.recipe == "none"
+    assert cfg.parallel.tp == 1 and cfg.checkpoint.resume == "none"
+
+
+def test_issue_example_overrides_compose() -> None:
+    cfg = to_train_config(
+        compose_config(
+            ["model=llama3_8b", "parallel.tp=2", "fp8=blockwise", "trainer.max_steps=100",
+             "optimizer.lr=3e-4"]
+        )
+    )  # fmt: skip
+    assert (cfg.model.dim, cfg.parallel.tp, cfg.fp8.recipe, cfg.optimizer.lr) == (
+        4096, 2, "block", 3e-4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.not_a_key=1", "trainer.not_a_key"),
+        ("parallel.tp=3", "tp=3 does not divide num_heads=4"),
+        ("data.path=/no/such/folder", "data.path='/no/such/folder' is not a folder"),
+        ("model=gpt5", "no config 'model=gpt5'; valid: debug, llama3_1b, llama3_70b, llama3_8b"),
+        ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
+        ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),
+        (
+            "scheduler.name=linear",
+            "scheduler.name='linear' is unknown; valid: cosine, wsd, constant",
+        ),
+    ],
+)
+def test_bad_override_is_one_line(
+    override: str, expected: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main([override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mt-train: error: "), err
+    assert expected in err, err
+
+
+def test_console_entry_reports_without_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mt_train", "parallel.tp=3"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mt-train: error: tensor parallel size tp=3 does not divide num_heads=4"
+    ]
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -1,0 +1,46 @@
+"""Helpers shared by the mt-train tests, importable by spawned DistributedPool workers.
+
+``tiny_overrides`` shrinks the default job to a 2-layer, width-64 Llama on 64-token
+sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it and returns
+the per-step losses (module level so spawned ranks can run it by name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mt_train import Trainer, compose_config, to_train_config
+
+
+def tiny_overrides(data: str | Path, **extra: object) -> list[str]:
+    base = {
+        "data.path": str(data),
+        "model.dim": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.n_kv_heads": 2,
+        "model.ffn_dim": 128,
+        "trainer.seq_len": 64,
+        "trainer.global_batch_size": 8,
+        "trainer.micro_batch_size": 4,
+        "trainer.max_steps": 8,
+        "trainer.log_interval": 4,
+        "trainer.eval_interval": 8,
+        "trainer.eval_batches": 2,
+        "trainer.checkpoint_interval": 4,
+        "trainer.sample_tokens": 0,
+        "logging.progress_bar": False,
+        "scheduler.warmup_steps": 2,
+        "checkpoint.async_save": False,
+    }
+    base.update(extra)
+    return [f"{k}={'null' if v is None else v}" for k, v in base.items()]
+
+
+def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
+    """Train with ``overrides`` and return the loss of every step."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        return trainer.fit().losses
+    finally:
+        trainer.close()
