@@ -76,16 +76,15 @@ def main() -> None:
                 if mode == "compiled" and recipe.name not in COMPILED:
                     row.append(float("nan"))
                     continue
-                layer = FP8Linear.from_linear(base, recipe=recipe)
-                if isinstance(recipe, DelayedScaling):
-                    layer(x).backward(dy)
-                    update_fp8_scales(layer, recipe)
                 try:
+                    layer = FP8Linear.from_linear(base, recipe=recipe)
+                    if isinstance(recipe, DelayedScaling):
+                        layer(x).backward(dy)
+                        update_fp8_scales(layer, recipe)
                     row.append(time_ms(wrap(layer), x, dy))
                 except Exception as error:  # report, keep measuring the others
-                    print(
-                        f"<!-- {recipe.name} {mode} {k}x{n} failed: {type(error).__name__}: {str(error)[:200]} -->"
-                    )
+                    message = f"{type(error).__name__}: {str(error)[:200]}"
+                    print(f"<!-- {recipe.name} {mode} {k}x{n} failed: {message} -->")
                     row.append(float("nan"))
             for name in ("tensorwise", "rowwise"):
                 ao = torchao_layer(base, name)

@@ -57,6 +57,7 @@ def test_roundtrip_error_within_mantissa_bound(recipe, fmt, role):
     layout = recipe.layout(role)
     q = quantize(x, fmt, layout)
     assert q.data.dtype == fmt.dtype and q.scale.dtype == torch.float32
+    assert quantize(x.t(), fmt, layout).data.is_contiguous()  # row-major even from a view
     error = (q.dequantize(torch.float64) - x).abs()
     bound = error_bound(x, q)
     scaled = (x / expand_scale(q)).abs()

@@ -201,6 +201,9 @@ def quantize(
         raise ValueError(
             f"quantize expects a float32, float16, bfloat16 or float64 tensor, got {x_RC.dtype}"
         )
+    # NOTE: a transposed view would otherwise give column-major FP8 data (elementwise ops keep
+    # the input's layout), which cuBLAS rejects; the invariant is row-major data.
+    x_RC = x_RC.contiguous()
     block = layout.resolve((x_RC.shape[0], x_RC.shape[1]))
     groups, hgroups = x_RC.shape[0] // block[0], x_RC.shape[1] // block[1]
     if scale is None:
@@ -216,5 +219,7 @@ def quantize(
                 f"scale of shape {tuple(scale.shape)} does not match layout {layout.name} on a "
                 f"{x_RC.shape[0]}x{x_RC.shape[1]} tensor (expected {groups}x{hgroups})"
             )
-        scale_GH = scale_GH.contiguous()
+        # A fresh allocation: a view into a buffer (delayed scaling's per-role scales) can sit at
+        # an offset cuBLAS refuses for its scale pointers (CUBLAS_STATUS_NOT_SUPPORTED on H200).
+        scale_GH = scale_GH.clone(memory_format=torch.contiguous_format)
     return QuantizedTensor(cast_to_fp8(x_RC, scale_GH, fmt, stats), scale_GH, layout, fmt)

@@ -75,7 +75,7 @@ def quantize_transpose_amax_triton(
         amax_out = torch.zeros_like(amax)
     else:
         amax_out = amax
-    scale_11 = scale.float().reshape(1, 1).contiguous()
+    scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
     counts = stats if stats is not None else amax
     _quantize_transpose[grid](
         x_RC,

@@ -42,7 +42,7 @@ def quantize_transpose_amax(
         amax = x_RC.abs().amax().float()
         if scale is None:
             scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
-        scale_11 = scale.float().reshape(1, 1)
+        scale_11 = scale.float().reshape(1, 1).clone()
         data_RC = cast_to_fp8(x_RC, scale_11, fmt, stats)
         data_CR = data_RC.t().contiguous()
     return (
