@@ -22,6 +22,8 @@ VOCAB, DIM, HEADS, KV_HEADS, FFN = 64, 32, 4, 2, 64
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if hasattr(actual, "full_tensor"):  # an FSDP2 DTensor: compare the whole parameter
+        actual = actual.full_tensor()
     expected = expected.detach().double()
     scale = expected.abs().max().clamp_min(1e-30)
     return float((actual.detach().double() - expected).abs().max() / scale)
@@ -306,7 +308,9 @@ def zero1_steps(
     }
 
 
-def clip_norm(tp: int, dp: int = 1, sp: bool = False, seed: int = 0) -> dict[str, object]:
+def clip_norm(
+    tp: int, dp: int = 1, sp: bool = False, data_parallel: str = "ddp", seed: int = 0
+) -> dict[str, object]:
     """clip_grad_norm_ over TP (+DDP over dp) vs. torch's clipping of the reference."""
     state = mt_comm.init_parallel_state(dp=dp, tp=tp)
     reference = _lm(layers=1)
@@ -314,7 +318,8 @@ def clip_norm(tp: int, dp: int = 1, sp: bool = False, seed: int = 0) -> dict[str
     reference = reference.double()
     model = _lm(layers=1)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model, mp.ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp), state)
+    config = mp.ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp, data_parallel=data_parallel)
+    model = mp.parallelize(model, config, state)
     inner = model.module if hasattr(model, "module") else model
     tokens, targets = _batch(seed + 1, 2 * dp, 16)
     mp.vocab_parallel_cross_entropy(reference(tokens), targets).backward()
@@ -322,7 +327,9 @@ def clip_norm(tp: int, dp: int = 1, sp: bool = False, seed: int = 0) -> dict[str
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
     local_tokens, local_targets, positions, _ = _local_batch(state, tokens, targets)
     inner.loss(model(local_tokens, positions), local_targets).backward()
-    norm = mp.clip_grad_norm_(model.parameters(), max_norm, tp_group=state.group("tp"))
+    norm = mp.clip_grad_norm_(
+        model.parameters(), max_norm, tp_group=state.group("tp"), dp_cp_group=state.group("dp_cp")
+    )
     return {
         "norm": rel_err(norm, ref_norm),
         "clipped": bool(ref_norm > max_norm),

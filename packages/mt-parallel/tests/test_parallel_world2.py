@@ -98,3 +98,9 @@ def test_bad_input_is_named(pool: DistributedPool) -> None:
     assert "tp=2 does not divide vocab_size=33" in messages["vocab"]
     assert "tp=2 does not divide vocab_size=33" in messages["vocab_layer"]
     assert "sequence length 6 to be divisible by 2·cp = 4" in messages["cp_sequence"]
+
+
+def test_fsdp2_gradients_and_clipping_dp2(pool: DistributedPool) -> None:
+    for result in pool.run(checks.clip_norm, tp=1, dp=2, data_parallel="fsdp"):
+        assert result["clipped"]
+        assert_close(result)

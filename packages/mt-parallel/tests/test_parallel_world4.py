@@ -61,3 +61,9 @@ def test_global_norm_clipping_dp2_tp2(pool: DistributedPool) -> None:
     for result in pool.run(checks.clip_norm, tp=2, dp=2):
         assert result["clipped"]
         assert_close(result)
+
+
+def test_fsdp2_composes_with_tp_dp2_tp2(pool: DistributedPool) -> None:
+    for result in pool.run(checks.clip_norm, tp=2, dp=2, data_parallel="fsdp"):
+        assert result["clipped"]
+        assert_close(result)

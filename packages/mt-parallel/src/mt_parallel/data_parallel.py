@@ -53,10 +53,15 @@ def apply_data_parallel(
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp_cp_group, device_type)
+        # fully_shard replaces the parameters by DTensor ones: carry our TP marks over.
+        marked = {n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)}
         for module in model.modules():
             if isinstance(module, block_types):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        for name, param in model.named_parameters():
+            if name in marked:
+                param.tensor_parallel = True  # type: ignore[attr-defined]
         return model
     raise ValueError(f"data parallel mode {mode!r}; valid: ddp, fsdp, zero1, none")
 

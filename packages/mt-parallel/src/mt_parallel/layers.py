@@ -187,6 +187,9 @@ class _ParallelLinear(TensorParallelModule):
         """The local GEMM ``x W_lᵀ (+ b_l for column parallel)``, in FP8 when enabled."""
         bias = self._gemm_bias()
         if self._fp8 is not None:
+            # Follow parameter swaps (FSDP2 unsharding, load_state_dict(assign=True)).
+            if self._fp8.weight is not self.weight:
+                self._fp8.weight = self.weight
             return self._fp8(x) if bias is None else self._fp8(x) + bias
         return F.linear(x, self.weight, bias)
 

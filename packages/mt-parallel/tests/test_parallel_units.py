@@ -1,0 +1,141 @@
+"""Single-process tests: config validation, state-dict sharding, recompute, CE, CP layout."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import FP64_VS_FP64
+
+import mt_parallel as mp
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallelism"),
+        ({"tp": 0}, r"parallel.tp=0 must be a positive integer"),
+        ({"data_parallel": "zero3"}, r"data_parallel='zero3'; valid: ddp, fsdp, zero1, none"),
+        ({"recompute": "some"}, r"recompute='some'; valid: none, selective, full"),
+        (
+            {"recompute": "selective", "recompute_targets": ["norm"]},
+            r"recompute_targets=\['norm'\]",
+        ),
+        ({"pp": 2}, "pipeline parallelism is not implemented yet"),
+    ],
+)
+def test_config_rejects_bad_values_with_their_names(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mp.ParallelConfig(**kwargs)
+
+
+def test_config_checks_the_model_and_the_world() -> None:
+    config = mp.ParallelConfig(tp=4, cp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="tp=4 does not divide num_heads=6"):
+        config.validate_model(num_heads=6, num_kv_heads=2, vocab_size=64)
+    with pytest.raises(ValueError, match="tp=4 does not divide num_kv_heads=2"):
+        config.validate_model(num_heads=8, num_kv_heads=2, vocab_size=64)
+    with pytest.raises(ValueError, match="tp=4 does not divide vocab_size=50"):
+        config.validate_model(num_heads=8, num_kv_heads=4, vocab_size=50)
+    with pytest.raises(ValueError, match=r"sequence length 18 to be divisible by 2·cp = 4"):
+        config.validate_model(num_heads=8, num_kv_heads=4, vocab_size=64, seq_len=18)
+    with pytest.raises(ValueError, match=r"per-rank sequence length 10 \(= 20 / cp=2\)"):
+        config.validate_model(num_heads=8, num_kv_heads=4, vocab_size=64, seq_len=20)
+    config.validate_model(num_heads=8, num_kv_heads=4, vocab_size=64, seq_len=32)
+    assert config.validate_world(16) == 2
+    with pytest.raises(ValueError, match="world size 12 is not divisible by tp·cp·pp = 4·2·1"):
+        config.validate_world(12)
+    with pytest.raises(ValueError, match=r"dp·cp·tp·pp = 3·2·4·1 = 24 must equal the world"):
+        mp.ParallelConfig(tp=4, cp=2, dp=3).validate_world(16)
+
+
+def test_sequence_parallel_without_tp_is_refused_by_layers_and_transform() -> None:
+    with pytest.raises(ValueError, match="sequence_parallel=True needs a tensor-parallel group"):
+        mp.ColumnParallelLinear(8, 8, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence parallel needs tensor parallelism"):
+        mp.apply_tensor_parallel(mp.DecoderLM(16, 16, 1, 2, 1, 16), None, sequence_parallel=True)
+
+
+def _tiny_lm(dropout: float = 0.0) -> mp.DecoderLM:
+    model = mp.DecoderLM(64, 32, 3, 4, 2, 64, dropout=dropout)
+    mp.init_weights(model, 0)
+    return model
+
+
+def test_shard_and_merge_state_dicts_round_trip() -> None:
+    model = _tiny_lm()
+    full = model.state_dict()
+    plan = mp.tp_shard_plan(model)
+    assert plan["layers.0.attention.o_proj.weight"] == 1
+    assert plan["layers.0.mlp.gate_proj.weight"] == 0
+    assert "layers.0.attention_norm.weight" not in plan
+    for tp in (2, 4):
+        pieces = [mp.shard_state_dict(full, plan, rank, tp) for rank in range(tp)]
+        assert pieces[1]["embed.weight"].shape == (64 // tp, 32)
+        assert pieces[1]["layers.0.attention.o_proj.weight"].shape == (32, 32 // tp)
+        merged = mp.merge_state_dicts(pieces, plan)
+        assert all(torch.equal(merged[key], full[key]) for key in full)
+    with pytest.raises(ValueError, match="not divisible by tp=3"):
+        mp.shard_state_dict(full, plan, 0, 3)
+
+
+def test_init_is_seeded_per_layer_name() -> None:
+    a, b = _tiny_lm(), _tiny_lm()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    first, second = a.layers[0].mlp.up_proj.weight, a.layers[1].mlp.up_proj.weight
+    assert not torch.equal(first, second)
+    torch.manual_seed(123)  # the global RNG does not matter
+    c = _tiny_lm()
+    assert torch.equal(c.lm_head.weight, a.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    ("policy", "every", "targets", "recomputed"),
+    [
+        ("full", 1, ["attention"], 3),
+        ("full", 2, ["attention"], 2),
+        ("selective", 1, ["attention"], 3),
+        ("selective", 1, ["attention", "mlp"], 6),
+    ],
+)
+def test_recompute_changes_no_gradient_bit(
+    policy: str, every: int, targets: list[str], recomputed: int
+) -> None:
+    base = _tiny_lm(dropout=0.2)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for apply in (False, True):
+        model = copy.deepcopy(base)
+        if apply:
+            mp.apply_recompute(model, policy, every, targets)
+            assert sum(mp.is_recomputed(m) for m in model.modules()) == recomputed
+        torch.manual_seed(7)  # dropout masks: drawn again on recompute, must be the same
+        model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_vocab_parallel_ce_equals_torch_on_one_rank() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5), generator=generator)
+    targets[1, 2] = -100
+    ours = mp.vocab_parallel_cross_entropy(logits, targets)
+    (grad,) = torch.autograd.grad(ours, logits)
+    theirs = F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1))
+    (grad_ref,) = torch.autograd.grad(theirs, logits)
+    assert abs(float(ours.detach() - theirs.detach())) < FP64_VS_FP64
+    assert float((grad - grad_ref).abs().max()) < FP64_VS_FP64
+    assert torch.autograd.gradcheck(
+        lambda z: mp.vocab_parallel_cross_entropy(z, targets, reduction="sum"), (logits,)
+    )
+
+
+def test_load_balanced_layout() -> None:
+    assert mp.load_balanced_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert mp.load_balanced_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert mp.load_balanced_positions(16, 4, 3).tolist() == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match=r"sequence length 10 to be divisible by 2·cp = 4"):
+        mp.load_balanced_positions(10, 2, 0)
