@@ -82,6 +82,9 @@ class Trainer:
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.torch_device
         self.dp = cfg.check_world(self.world_size)
+        # Per-rank RNG streams (dropout, sampling) start from the seed: runs are repeatable.
+        torch.manual_seed(tr.seed + self.rank)
+        self.ctx.device.manual_seed(tr.seed + self.rank)
         p = cfg.parallel
         with contextlib.suppress(RuntimeError):
             mt_comm.destroy_parallel_state()
