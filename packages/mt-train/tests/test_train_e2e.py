@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+import torch
 from train_checks import run_losses, tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
@@ -60,3 +62,50 @@ def test_resume_is_bitwise_identical(kjv_data: Path, tmp_path: Path) -> None:
         tmp_path / "split",
     )
     assert resumed == full[8:]  # exact float equality, step by step
+
+
+def _inject_nan_at(trainer: Trainer, step: int) -> list[int]:
+    """Make the loss non-finite once, while computing step ``step`` (1-based)."""
+    real, fired = trainer.micro_loss, []
+
+    def faulty(batch):
+        loss = real(batch)
+        if trainer.step + 1 == step and not fired:
+            fired.append(trainer.step)
+            return loss * float("nan")
+        return loss
+
+    trainer.micro_loss = faulty  # type: ignore[method-assign]
+    return fired
+
+
+def test_rewind_restores_checkpoint_and_skips_bad_data(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(kjv_data, rewind="default", **{"trainer.max_steps": 8})
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
+    fired = _inject_nan_at(trainer, step=6)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert fired == [5] and summary.rewinds == 1 and summary.steps == 8
+    assert trainer.lr_scale == 0.5
+    # Steps 5 and 6 were redone from the step-4 checkpoint on later batches: 8 + 2 losses kept.
+    assert len(summary.losses) == 9 and all(math.isfinite(x) for x in summary.losses)
+    assert trainer.sampler.consumed == (8 + 2) * 8  # the two skipped batches stay consumed
+    kinds = [
+        json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert kinds.count("anomaly") == 1 and kinds.count("rewind") == 1
+
+
+def test_nonfinite_loss_without_rewind_stops(kjv_data: Path, tmp_path: Path) -> None:
+    trainer = Trainer(
+        to_train_config(compose_config(tiny_overrides(kjv_data))), output_dir=tmp_path
+    )
+    _inject_nan_at(trainer, step=3)
+    try:
+        with pytest.raises(FloatingPointError, match="step 2: non-finite loss nan"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert torch.isfinite(trainer.module.output.weight).all()  # the bad step was never applied
