@@ -43,6 +43,15 @@ class FP8Format(enum.Enum):
         return torch.finfo(self.dtype).max
 
     @property
+    def saturation_threshold(self) -> float:
+        """Magnitudes from here up would round above ``max`` without clamping: clipped values.
+
+        Between ``max`` and ``max + ulp/2`` round-to-nearest lands on ``max`` anyway, so those
+        are not counted as saturated (e.g. fp32 rounding of an amax-derived scale).
+        """
+        return self.max + 2.0 ** (self.emax - self.mantissa_bits - 1)
+
+    @property
     def mantissa_bits(self) -> int:
         return 3 if self is FP8Format.E4M3 else 2
 

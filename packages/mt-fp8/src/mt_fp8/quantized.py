@@ -109,7 +109,7 @@ def cast_to_fp8(
     """``sat(rne(x / s))`` per block: the scaled values are clamped before the (saturating) cast.
 
     ``stats`` (int64, 3 elements), if given, is incremented in place by the counts of values
-    clipped at ``fmt.max``, nonzero values flushed to zero and all values (numerics health).
+    clipped at ``fmt.max`` (``>= fmt.saturation_threshold``), nonzero values flushed to zero and all values (numerics health).
     """
     rows, cols = x_RC.shape
     groups, hgroups = scale_GH.shape
@@ -119,7 +119,7 @@ def cast_to_fp8(
     scaled = work.reshape(groups, br, hgroups, bc) / scale_GH[:, None, :, None].to(work.dtype)
     if stats is not None:
         magnitude = scaled.abs()
-        stats[0] += (magnitude > fmt.max).sum()
+        stats[0] += (magnitude >= fmt.saturation_threshold).sum()
         stats[1] += ((magnitude < fmt.min_subnormal / 2) & (magnitude > 0)).sum()
         stats[2] += magnitude.numel()
     return scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(rows, cols)

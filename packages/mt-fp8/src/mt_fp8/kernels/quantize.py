@@ -43,7 +43,7 @@ def _quantize_transpose(
         scaled = x / tl.load(scale_ptr)
         if STATS:
             magnitude = tl.abs(scaled)
-            saturated = tl.sum(tl.sum((magnitude > fmt_max).to(tl.int64), axis=1), axis=0)
+            saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
             flushed = tl.sum(
                 tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int64), axis=1),
                 axis=0,
@@ -66,7 +66,12 @@ def quantize_transpose_amax_triton(
     amax = torch.zeros((), device=x_RC.device, dtype=torch.float32)
     q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
     q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype)
-    common = dict(fmt_max=fmt.max, half_subnormal=fmt.min_subnormal / 2, TILE=TILE)
+    common = dict(
+        fmt_max=fmt.max,
+        saturation=fmt.saturation_threshold,
+        half_subnormal=fmt.min_subnormal / 2,
+        TILE=TILE,
+    )
     if scale is None:
         _quantize_transpose[grid](
             x_RC, q_RC, q_CR, amax, amax, amax, rows, cols, WRITE=False, STATS=False, **common
