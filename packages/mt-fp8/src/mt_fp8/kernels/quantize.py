@@ -28,6 +28,7 @@ def _quantize_transpose(
     R,
     C,
     fmt_max,
+    saturation,
     half_subnormal,
     WRITE: tl.constexpr,
     STATS: tl.constexpr,
