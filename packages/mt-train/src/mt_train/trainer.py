@@ -47,6 +47,7 @@ from mt_train.checkpoint.checkpointer import (
 )
 from mt_train.checkpoint.files import CheckpointReader
 from mt_train.config.schema import TrainConfig
+from mt_train.convert import checkpoint_folder
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
 from mt_train.metrics import MetricsLogger
@@ -142,6 +143,9 @@ class Trainer:
         resume = resolve_resume(ck.resume, self.ckpt_dir)
         if resume is not None:
             self.load(resume)
+        elif ck.init_from is not None:
+            reader = CheckpointReader(checkpoint_folder(Path(ck.init_from)))
+            load_into(reader, self.module, None, self.rank, self.ctx.device, self.tp_layout)
         D.barrier()
         if ck.enabled or cfg.rewind.enabled:
             self.checkpointer.prepare()

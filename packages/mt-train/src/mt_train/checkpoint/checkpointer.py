@@ -223,6 +223,8 @@ def load_into(
             }
     own = f"rng/rank{rank}/"
     prefix = own if reader.has(own + "cpu") else "rng/rank0/"
+    if not reader.has(prefix + "cpu"):
+        return  # weights only (an mt-convert import)
     rng = reader.read(reader.names(prefix))
     torch.set_rng_state(rng[prefix + "cpu"])
     if device.type != "cpu" and prefix + device.type in rng:

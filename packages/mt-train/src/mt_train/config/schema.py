@@ -232,6 +232,9 @@ class CheckpointConfig:
     """Write in a background thread; the next save (or the end of training) waits for it."""
     resume: str = "none"
     """none, auto (newest complete checkpoint in ``dir``, if any) or a checkpoint folder."""
+    init_from: str | None = None
+    """Start from these weights only (an ``mt-convert import`` root or any checkpoint folder);
+    ignored when resuming."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", keep_last=self.keep_last)
@@ -240,6 +243,8 @@ class CheckpointConfig:
                 f"checkpoint.resume={self.resume!r} must be none, auto or an existing "
                 "checkpoint folder"
             )
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise ValueError(f"checkpoint.init_from={self.init_from!r} is not a folder")
 
 
 @dataclass
