@@ -139,3 +139,19 @@ def test_load_balanced_layout() -> None:
     assert mp.load_balanced_positions(16, 4, 3).tolist() == [6, 7, 8, 9]
     with pytest.raises(ValueError, match=r"sequence length 10 to be divisible by 2·cp = 4"):
         mp.load_balanced_positions(10, 2, 0)
+
+
+def test_readme_quick_start_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    from pathlib import Path
+
+    import mt_comm
+
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    code = re.search(r"```python\n(.*?)```", readme.read_text(), re.S).group(1)
+    try:
+        exec(compile(code, str(readme), "exec"), {})
+    finally:
+        mt_comm.destroy_parallel_state()
+    losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
+    assert len(losses) == 3 and losses[2] < losses[0]
