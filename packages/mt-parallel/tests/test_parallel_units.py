@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import FP64_VS_FP64
+from parallel_tolerances import FP64_VS_FP64
 
 import mt_parallel as mp
 

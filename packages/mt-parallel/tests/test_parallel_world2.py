@@ -6,7 +6,7 @@ from __future__ import annotations
 import parallel_checks as checks
 import pytest
 import torch
-from tolerances import FP32_VS_FP64, FP64_VS_FP64
+from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool
 
@@ -15,16 +15,6 @@ from mt_comm.testing import DistributedPool
 def pool():
     with DistributedPool(world_size=2) as pool:
         yield pool
-
-
-def assert_close(result: dict, tol: float = FP32_VS_FP64) -> None:
-    for key, value in result.items():
-        if isinstance(value, dict):
-            assert value, key
-            for name, error in value.items():
-                assert error < tol, (key, name, error)
-        elif isinstance(value, float):
-            assert value < tol, (key, value)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import parallel_checks as checks
 import pytest
-from test_parallel_world2 import assert_close
-from tolerances import FP64_VS_FP64
+from parallel_tolerances import FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import parallel_checks as checks
 import pytest
-from test_parallel_world2 import assert_close
+from parallel_tolerances import assert_close
 
 from mt_comm.testing import DistributedPool
 

@@ -1,4 +1,4 @@
-"""Error bounds shared by the mt-parallel tests, with their justification.
+"""Error bounds shared by the mt-parallel tests, with their justification, and ``assert_close``.
 
 ``FP32_VS_FP64``: the parallel computation runs in fp32, the reference in fp64 on one process.
 fp32's unit roundoff is u = 2⁻²⁴ ≈ 6e-8. Every compared value is a short chain (≤ 2 blocks) of
@@ -14,3 +14,14 @@ rounding of near-zero gradients); u = 1.1e-16, so 1e-10 is a wide margin.
 
 FP32_VS_FP64 = 1e-5
 FP64_VS_FP64 = 1e-10
+
+
+def assert_close(result: dict, tol: float = FP32_VS_FP64) -> None:
+    """Every float (and every float of a nested dict) in a check's result is below ``tol``."""
+    for key, value in result.items():
+        if isinstance(value, dict):
+            assert value, key
+            for name, error in value.items():
+                assert error < tol, (key, name, error)
+        elif isinstance(value, float):
+            assert value < tol, (key, value)
