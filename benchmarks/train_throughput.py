@@ -1,0 +1,264 @@
+"""Trainer throughput: mt-train against a plain-PyTorch reference, in one run on one GPU.
+
+Model: the Llama 3.1 8B shapes cut to 8 layers (width 4096, FFN 14336, 32 query / 8 KV heads,
+vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast. Stacks, in run order:
+
+* ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
+  ``torch.compile`` on each block;
+* ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
+  ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled;
+* ``ours_bf16``: mt-train's :class:`~mt_train.Trainer` (model from mt_parallel's layers, its data
+  pipeline on the bundled corpus, its step: accumulation context, clipping, LR schedule, AdamW);
+* ``ours_fp8_<recipe>``: the same trainer after ``mt_parallel.apply_fp8`` with each mt_fp8 recipe
+  (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does.
+
+Each stack runs ``--warmup`` steps (compilation included), then ``--steps`` timed steps between two
+device synchronisations: ``tokens/s = steps · batch · seq / seconds``, ``MFU = tokens/s ·
+flops_per_token / 989e12`` with ``flops_per_token = 6·N + 12·L·D·T`` (N without the input
+embedding; :func:`mt_train.models.flops_per_token`), and peak memory is
+``torch.cuda.max_memory_allocated`` since the stack started (weights, optimizer state and
+activations). A stack that fails is reported with its error and the run goes on; ``--budget-s``
+skips the stacks that would start after that many seconds. Results go to stdout as a Markdown table
+and, one JSON object per stack, to ``--out``.
+
+Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
+``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PEAK_BF16 = 989e12
+REF_STACKS = ("ref_compile_bf16", "ref_ao_tensorwise", "ref_ao_rowwise")
+OUR_RECIPES = ("tensorwise", "rowwise", "block", "delayed", "mxfp8")
+
+
+def shapes(tiny: bool) -> dict[str, int]:
+    if tiny:
+        return dict(
+            dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=1024, seq=128
+        )
+    return dict(
+        dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, seq=8192
+    )
+
+
+# ---------------------------------------------------------------- the reference model
+class RefBlock(nn.Module):
+    def __init__(self, s: dict[str, int]) -> None:
+        super().__init__()
+        d, hd = s["dim"], s["dim"] // s["n_heads"]
+        self.h, self.kv, self.hd = s["n_heads"], s["n_kv_heads"], hd
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.wq = nn.Linear(d, self.h * hd, bias=False)
+        self.wk = nn.Linear(d, self.kv * hd, bias=False)
+        self.wv = nn.Linear(d, self.kv * hd, bias=False)
+        self.wo = nn.Linear(self.h * hd, d, bias=False)
+        self.w1 = nn.Linear(d, s["ffn_dim"], bias=False)
+        self.w3 = nn.Linear(d, s["ffn_dim"], bias=False)
+        self.w2 = nn.Linear(s["ffn_dim"], d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        n = self.attention_norm(x)
+        q = self.wq(n).view(B, T, self.h, self.hd).transpose(1, 2)
+        k = self.wk(n).view(B, T, self.kv, self.hd).transpose(1, 2)
+        v = self.wv(n).view(B, T, self.kv, self.hd).transpose(1, 2)
+
+        def rope(t: torch.Tensor) -> torch.Tensor:
+            t1, t2 = t.chunk(2, dim=-1)
+            return t * cos + torch.cat([-t2, t1], dim=-1) * sin
+
+        o = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        h = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        m = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(m)) * self.w3(m))
+
+
+class RefModel(nn.Module):
+    def __init__(self, s: dict[str, int]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s["vocab_size"], s["dim"])
+        self.layers = nn.ModuleList(RefBlock(s) for _ in range(s["n_layers"]))
+        self.norm = nn.RMSNorm(s["dim"], eps=1e-5)
+        self.output = nn.Linear(s["dim"], s["vocab_size"], bias=False)
+        hd = s["dim"] // s["n_heads"]
+        inv = 500000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        ang = torch.outer(torch.arange(s["seq"], dtype=torch.float64), inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def ref_stack(
+    name: str, s: dict[str, int], device: torch.device, compile_: bool
+) -> Callable[[], None]:
+    with torch.device(device):
+        model = RefModel(s)
+    if name != "ref_compile_bf16":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = name.removeprefix("ref_ao_")
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda mod, fqn: fqn != "output",
+        )
+    if compile_:
+        for block in model.layers:
+            block.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def step() -> None:
+        tokens = torch.randint(0, s["vocab_size"], (1, s["seq"] + 1), generator=gen).to(device)
+        with autocast:
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+# ---------------------------------------------------------------- our trainer
+def our_trainer(s: dict[str, int], device: str, out_dir: str) -> Any:
+    from mt_train import Trainer, compose_config, to_train_config
+
+    overrides = [
+        "model=llama3_8b", f"model.n_layers={s['n_layers']}", f"model.dim={s['dim']}",
+        f"model.n_heads={s['n_heads']}", f"model.n_kv_heads={s['n_kv_heads']}",
+        f"model.ffn_dim={s['ffn_dim']}", f"model.vocab_size={s['vocab_size']}",
+        f"trainer.seq_len={s['seq']}", "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+        "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
+        "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
+        "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
+    ]  # fmt: skip
+    return Trainer(to_train_config(compose_config(overrides)), output_dir=out_dir)
+
+
+def enable_fp8(trainer: Any, recipe_name: str) -> None:
+    import mt_fp8
+    import mt_parallel
+    from mt_train.config.schema import FP8Config
+    from mt_train.models.build import fp8_skip_names
+
+    recipe = mt_fp8.recipe_from_name(recipe_name)
+    skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name))
+    mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
+    trainer.fp8_recipe = recipe
+
+
+# ---------------------------------------------------------------- timing
+def measure(step: Callable[[], Any], warmup: int, steps: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU, no compile")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=1e9, help="start no stack after this")
+    parser.add_argument("--only", default="", help="comma-separated stack names")
+    parser.add_argument("--out", default=None, help="JSON lines file for the results")
+    args = parser.parse_args(argv)
+
+    from mt_train.config.schema import ModelConfig
+    from mt_train.models.llama import flops_per_token
+
+    s = shapes(args.tiny)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    fields = {
+        k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    }
+    fpt = flops_per_token(ModelConfig(**fields), s["seq"])
+    stacks = [*REF_STACKS, "ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES)]
+    if args.only:
+        stacks = [n for n in stacks if n in args.only.split(",")]
+    hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# {hw}, torch {torch.__version__}, shapes {s}, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    results: list[dict[str, Any]] = []
+    began = time.perf_counter()
+    trainer = None
+    out_dir = tempfile.mkdtemp(prefix="mt-bench-")
+    for name in stacks:
+        row: dict[str, Any] = {"stack": name}
+        if time.perf_counter() - began > args.budget_s:
+            row["error"] = "skipped: time budget"
+        else:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                if name.startswith("ref_"):
+                    step = ref_stack(name, s, device, compile_=not args.tiny)
+                else:
+                    if trainer is None:
+                        trainer = our_trainer(s, device.type, out_dir)
+                    if name.startswith("ours_fp8_"):
+                        enable_fp8(trainer, name.removeprefix("ours_fp8_"))
+                    step = trainer.train_step
+                seconds = measure(step, args.warmup, args.steps, device)
+                tps = args.steps * s["seq"] / seconds
+                row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, step_s=seconds / args.steps)
+                if device.type == "cuda":
+                    row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            except Exception as err:  # report and go on: one broken stack must not hide the rest
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            step = None  # type: ignore[assignment]
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["elapsed_s"] = time.perf_counter() - began
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    if trainer is not None:
+        with contextlib.suppress(Exception):
+            trainer.close()
+    print("\n| stack | tokens/s | MFU | peak memory (GiB) |\n| --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['stack']} | — | — | {r['error']} |")
+        else:
+            mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "—"
+            print(f"| {r['stack']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {mem} |")
+    return 0 if any("error" not in r for r in results) and not math.isnan(fpt) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
