@@ -62,8 +62,10 @@ class LinearPlan:
         stats = self.meta.health[int(role)] if (record and self.track_health) else None
         fmt = self.recipe.formats.for_role(role)
         layout = self.recipe.layout(role)
-        if layout == TENSORWISE and use_triton(x_RC):
+        if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
             # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
+            # NOTE: skipped under torch.compile: Inductor failed to compile this kernel inside a
+            # graph on the H200 (2026-12-02); there it fuses the plain quantization itself.
             q_RC, q_CR, amax = quantize_transpose_amax(x_RC, fmt, scale=scale, stats=stats)
             if delayed and record:
                 self.meta.record_amax_value(amax, role)
