@@ -1,19 +1,20 @@
 """Trainer throughput: mt-train against a plain-PyTorch reference, in one run on one GPU.
 
 Model: the Llama 3.1 8B shapes cut to 8 layers (width 4096, FFN 14336, 32 query / 8 KV heads,
-vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast. Stacks, in run order:
+vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast. Stacks, in run order
+(ours first; the trainer is freed before the reference models are built):
 
-* ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
-  ``torch.compile`` on each block;
-* ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
-  ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled;
 * ``ours_bf16``: mt-train's :class:`~mt_train.Trainer` (model from mt_parallel's layers, its data
   pipeline on the bundled corpus, its step: accumulation context, clipping, LR schedule, AdamW);
 * ``ours_fp8_<recipe>``: the same trainer after ``mt_parallel.apply_fp8`` with each mt_fp8 recipe
-  (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does.
+  (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does;
+* ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
+  ``torch.compile`` on each block;
+* ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
+  ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled.
 
-Each stack runs ``--warmup`` steps (compilation included), then ``--steps`` timed steps between two
-device synchronisations: ``tokens/s = steps · batch · seq / seconds``, ``MFU = tokens/s ·
+Each stack runs ``--warmup`` steps (compilation included), then up to ``--steps`` timed steps
+(fewer if they pass ``--stack-budget-s``) between two device synchronisations: ``tokens/s = steps · batch · seq / seconds``, ``MFU = tokens/s ·
 flops_per_token / 989e12`` with ``flops_per_token = 6·N + 12·L·D·T`` (N without the input
 embedding; :func:`mt_train.models.flops_per_token`), and peak memory is
 ``torch.cuda.max_memory_allocated`` since the stack started (weights, optimizer state and
@@ -174,16 +175,23 @@ def enable_fp8(trainer: Any, recipe_name: str) -> None:
 
 
 # ---------------------------------------------------------------- timing
-def measure(step: Callable[[], Any], warmup: int, steps: int, device: torch.device) -> float:
+def measure(
+    step: Callable[[], Any], warmup: int, steps: int, budget_s: float, device: torch.device
+) -> tuple[int, float]:
+    """(timed steps, seconds): stops early once the timed steps pass ``budget_s``."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         step()
     sync()
     start = time.perf_counter()
-    for _ in range(steps):
+    done = 0
+    while done < steps:
         step()
+        done += 1
+        if time.perf_counter() - start > budget_s:
+            break
     sync()
-    return time.perf_counter() - start
+    return done, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no stack after this")
+    parser.add_argument("--stack-budget-s", type=float, default=1e9, help="timed seconds per stack")
     parser.add_argument("--only", default="", help="comma-separated stack names")
     parser.add_argument("--out", default=None, help="JSON lines file for the results")
     args = parser.parse_args(argv)
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     }
     fpt = flops_per_token(ModelConfig(**fields), s["seq"])
-    stacks = [*REF_STACKS, "ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES)]
+    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *REF_STACKS]
     if args.only:
         stacks = [n for n in stacks if n in args.only.split(",")]
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -223,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.reset_peak_memory_stats()
             try:
                 if name.startswith("ref_"):
+                    if trainer is not None:
+                        trainer.close()
+                        trainer = None
+                        gc.collect()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats()
                     step = ref_stack(name, s, device, compile_=not args.tiny)
                 else:
                     if trainer is None:
@@ -230,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     if name.startswith("ours_fp8_"):
                         enable_fp8(trainer, name.removeprefix("ours_fp8_"))
                     step = trainer.train_step
-                seconds = measure(step, args.warmup, args.steps, device)
-                tps = args.steps * s["seq"] / seconds
-                row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, step_s=seconds / args.steps)
+                done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
+                tps = done * s["seq"] / seconds
+                row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
                 if device.type == "cuda":
                     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             except Exception as err:  # report and go on: one broken stack must not hide the rest
