@@ -18,8 +18,10 @@ Each stack runs ``--warmup`` steps (compilation included), then up to ``--steps`
 flops_per_token / 989e12`` with ``flops_per_token = 6·N + 12·L·D·T`` (N without the input
 embedding; :func:`mt_train.models.flops_per_token`), and peak memory is
 ``torch.cuda.max_memory_allocated`` since the stack started (weights, optimizer state and
-activations). A stack that fails is reported with its error and the run goes on; ``--budget-s``
-skips the stacks that would start after that many seconds. Results go to stdout as a Markdown table
+activations). Each stack runs in its own subprocess under ``--stack-timeout-s`` (``--in-process``
+runs them all in this process, as the subprocesses do), so a stack that fails, hangs or runs out of
+memory is reported with its error and the run goes on; ``--budget-s`` skips the stacks that would
+start after that many seconds. Results go to stdout as a Markdown table
 and, one JSON object per stack, to ``--out``.
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
@@ -33,6 +35,7 @@ import contextlib
 import gc
 import json
 import math
+import subprocess
 import sys
 import tempfile
 import time
@@ -194,33 +197,59 @@ def measure(
     return done, time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU, no compile")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--budget-s", type=float, default=1e9, help="start no stack after this")
-    parser.add_argument("--stack-budget-s", type=float, default=1e9, help="timed seconds per stack")
-    parser.add_argument("--only", default="", help="comma-separated stack names")
-    parser.add_argument("--out", default=None, help="JSON lines file for the results")
-    args = parser.parse_args(argv)
+def emit(row: dict[str, Any], out: str | None) -> None:
+    print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
-    from mt_train.config.schema import ModelConfig
-    from mt_train.models.llama import flops_per_token
 
-    s = shapes(args.tiny)
-    device = torch.device("cpu" if args.tiny else "cuda")
-    fields = {
-        k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-    }
-    fpt = flops_per_token(ModelConfig(**fields), s["seq"])
-    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *REF_STACKS]
-    if args.only:
-        stacks = [n for n in stacks if n in args.only.split(",")]
-    hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {hw}, torch {torch.__version__}, shapes {s}, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+def run_isolated(
+    stacks: list[str], argv: list[str], args: argparse.Namespace, began: float
+) -> list[dict[str, Any]]:
+    """Each stack in a subprocess of this script (``--in-process --only <stack>``)."""
+    passthrough, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg in ("--only", "--out"):
+            skip_next = True
+        elif not arg.startswith(("--only=", "--out=")):
+            passthrough.append(arg)
+    results = []
+    for name in stacks:
+        row: dict[str, Any] = {"stack": name}
+        if time.perf_counter() - began > args.budget_s:
+            row["error"] = "skipped: time budget"
+        else:
+            cmd = [sys.executable, __file__, *passthrough, "--in-process", f"--only={name}"]
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=args.stack_timeout_s
+                )
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"stack"')]
+                if lines:
+                    row = json.loads(lines[-1])
+                else:
+                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                    row["error"] = f"exit {proc.returncode}: {tail[:200]}"
+            except subprocess.TimeoutExpired:
+                row["error"] = f"timeout: no result within {args.stack_timeout_s:.0f} s"
+        row["elapsed_s"] = time.perf_counter() - began
+        results.append(row)
+        emit(row, args.out)
+    return results
+
+
+def run_in_process(
+    stacks: list[str],
+    args: argparse.Namespace,
+    s: dict[str, int],
+    device: torch.device,
+    fpt: float,
+    began: float,
+) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    began = time.perf_counter()
     trainer = None
     out_dir = tempfile.mkdtemp(prefix="mt-bench-")
     for name in stacks:
@@ -259,13 +288,47 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         row["elapsed_s"] = time.perf_counter() - began
         results.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
     if trainer is not None:
         with contextlib.suppress(Exception):
             trainer.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="toy shapes on the CPU, no compile")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--budget-s", type=float, default=1e9, help="start no stack after this")
+    parser.add_argument("--stack-budget-s", type=float, default=1e9, help="timed seconds per stack")
+    parser.add_argument(
+        "--stack-timeout-s", type=float, default=150, help="kill a stack after this"
+    )
+    parser.add_argument("--in-process", action="store_true", help="no subprocess per stack")
+    parser.add_argument("--only", default="", help="comma-separated stack names")
+    parser.add_argument("--out", default=None, help="JSON lines file for the results")
+    args = parser.parse_args(argv)
+
+    from mt_train.config.schema import ModelConfig
+    from mt_train.models.llama import flops_per_token
+
+    s = shapes(args.tiny)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    fields = {
+        k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    }
+    fpt = flops_per_token(ModelConfig(**fields), s["seq"])
+    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *REF_STACKS]
+    if args.only:
+        stacks = [n for n in stacks if n in args.only.split(",")]
+    hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# {hw}, torch {torch.__version__}, shapes {s}, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    began = time.perf_counter()
+    if args.in_process:
+        results = run_in_process(stacks, args, s, device, fpt, began)
+    else:
+        results = run_isolated(stacks, argv if argv is not None else sys.argv[1:], args, began)
     print("\n| stack | tokens/s | MFU | peak memory (GiB) |\n| --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
