@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -292,11 +293,11 @@ class Trainer:
         """Train to ``trainer.max_steps``; evaluate, checkpoint and log on their intervals."""
         tr, ck = self.cfg.trainer, self.cfg.checkpoint
         is_main = self.rank == 0
+        if is_main:
+            print(self.describe(), file=sys.stderr, flush=True)
         self.logger = MetricsLogger(
             self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main
         )
-        if is_main:
-            self.logger.write(self.describe())
         tokens_per_step = tr.global_batch_size * tr.seq_len
         losses: list[float] = []
         train_loss = val_loss = float("nan")

@@ -286,7 +286,7 @@ class LoggingConfig:
 class TrainerConfig:
     """The loop: steps, batch sizes, intervals, seed, device."""
 
-    max_steps: int = 200
+    max_steps: int = 500
     """Optimizer steps to train for."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks."""
@@ -296,11 +296,11 @@ class TrainerConfig:
     """Tokens per sequence."""
     log_interval: int = 10
     """Log metrics every n steps."""
-    eval_interval: int = 100
+    eval_interval: int = 250
     """Evaluate on the validation split every n steps (and at the end)."""
     eval_batches: int = 8
     """Micro-batches per evaluation."""
-    checkpoint_interval: int = 100
+    checkpoint_interval: int = 250
     """Save a checkpoint every n steps (and at the end)."""
     seed: int = 1234
     """Seeds the init, the data order and dropout-free RNG streams."""
