@@ -109,3 +109,25 @@ def test_nonfinite_loss_without_rewind_stops(kjv_data: Path, tmp_path: Path) -> 
     finally:
         trainer.close()
     assert torch.isfinite(trainer.module.output.weight).all()  # the bad step was never applied
+
+
+GOLDEN = Path(__file__).parent / "data" / "golden_tiny_losses.json"
+
+
+def test_golden_loss_curve(kjv_data: Path, tmp_path: Path) -> None:
+    """16 steps of the tiny debug model on the bundled corpus against the stored curve.
+
+    fp32 on a CPU: a different SIMD width changes reduction order and moves each loss by
+    ~1e-6 relative, and 16 AdamW steps keep that well under 1e-4; any change to the model,
+    init, data order or optimizer moves the curve by far more. After an intended change,
+    regenerate the file with the overrides recorded in it.
+    """
+    golden = json.loads(GOLDEN.read_text())
+    steps = {
+        "trainer.max_steps": 16,
+        "trainer.eval_interval": 16,
+        "trainer.checkpoint_interval": 16,
+    }
+    losses = run_losses(tiny_overrides(kjv_data, **steps), tmp_path)
+    assert losses == pytest.approx(golden["losses"], rel=1e-4)
+    assert losses[-1] < 0.8 * losses[0]
