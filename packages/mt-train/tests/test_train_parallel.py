@@ -62,3 +62,22 @@ def test_tp2_checkpoint_resumes_at_tp1(pool, kjv_data: Path, tmp_path: Path) -> 
         tmp_path / "split",
     )
     assert resumed == pytest.approx(full[8:], rel=RTOL)
+
+
+def test_dp2_checkpoint_resumes_in_one_process(pool, kjv_data: Path, tmp_path: Path) -> None:
+    common = {"scheduler": "constant"}
+    full = train_checks.run_losses(
+        tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 12}), tmp_path / "single"
+    )
+    pool.run(
+        train_checks.run_losses,
+        tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 8}),
+        tmp_path / "split",
+    )
+    resumed = train_checks.run_losses(
+        tiny_overrides(
+            kjv_data, **common, **{"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+        ),
+        tmp_path / "split",
+    )
+    assert resumed == pytest.approx(full[8:], rel=RTOL)
