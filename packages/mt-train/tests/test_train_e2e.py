@@ -131,3 +131,9 @@ def test_golden_loss_curve(kjv_data: Path, tmp_path: Path) -> None:
     losses = run_losses(tiny_overrides(kjv_data, **steps), tmp_path)
     assert losses == pytest.approx(golden["losses"], rel=1e-4)
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_tensorboard_events_written(kjv_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    run_losses(tiny_overrides(kjv_data, logging="tensorboard"), tmp_path)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
