@@ -1,7 +1,8 @@
 """``mt-train``: the Hydra entry point (thin: the work is in :class:`mt_train.trainer.Trainer`).
 
 Before Hydra runs, the command line's overrides are composed and validated once, so a bad
-override (unknown key, wrong type, tp not dividing the heads, a missing data folder) ends
+override (unknown key, wrong type, tp not dividing the heads, a missing data folder, a device that is
+not there) ends
 with one ``mt-train: error: ...`` line and exit status 2 instead of a traceback. Under
 torchrun, ranks other than 0 run with Hydra's run folder and logs switched off; the trainer
 uses rank 0's run folder on every rank.
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 
+from mt_core import get_device
 from mt_train.config.store import compose_config, register_configs, to_train_config
 from mt_train.trainer import Trainer, TrainSummary
 
@@ -35,6 +37,8 @@ def one_line(err: BaseException) -> str:
         group = (err.missing_cfg_file or "").rsplit("/", 1)
         name = f"{group[0]}={group[-1]}" if len(group) == 2 else err.missing_cfg_file
         return f"no config {name!r}; valid: {', '.join(sorted(err.options))}"
+    if isinstance(err, KeyError) and err.args:
+        return str(err.args[0])
     parts = [str(err)]
     if err.__cause__ is not None:
         parts.append(str(err.__cause__).split("\n")[0])
@@ -48,6 +52,7 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
     try:
         cfg = to_train_config(compose_config(overrides))
         cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        get_device(cfg.trainer.device)  # an unknown or absent device is a config error too
     except Exception as err:  # every failure here is a config error: report it in one line
         return one_line(err)
     return None
