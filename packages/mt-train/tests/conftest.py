@@ -5,18 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
+from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
 from mt_train.data import prepare_bundled
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")

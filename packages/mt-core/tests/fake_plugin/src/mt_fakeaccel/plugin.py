@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
-from mt_core import Capabilities, Device, Registry, hookimpl
+from mt_core import Device, Registry, hookimpl
+from mt_core.devices.cpu import CPUDevice
 
 DEVICE_NAME = "fakeaccel"
 BACKEND_NAME = "fakeccl"
@@ -29,11 +29,13 @@ BACKEND_NAME = "fakeccl"
 process_groups_created = 0
 
 
-class FakeAccelDevice(Device):
-    """Computes on the CPU; reports itself as a distinct accelerator."""
+class FakeAccelDevice(CPUDevice):
+    """Computes on the CPU (inherited); reports itself as a distinct accelerator."""
 
     def __init__(self) -> None:
-        super().__init__(name=DEVICE_NAME, type="cpu", preferred_backend=BACKEND_NAME)
+        super().__init__()
+        self.name = DEVICE_NAME
+        self.preferred_backend = BACKEND_NAME
 
     def is_available(self) -> bool:
         return os.environ.get("MT_FAKEACCEL_AVAILABLE") == "1"
@@ -43,36 +45,6 @@ class FakeAccelDevice(Device):
 
     def device_name(self, index: int | None = None) -> str:
         return "Fake Accelerator 1000"
-
-    def set_device(self, index: int) -> None:
-        """One device per process: nothing to bind."""
-
-    def current_device(self) -> int:
-        return 0
-
-    def torch_device(self, index: int | None = None) -> torch.device:
-        return torch.device("cpu")
-
-    def synchronize(self) -> None:
-        """CPU work is synchronous."""
-
-    def memory_stats(self) -> dict[str, int]:
-        return {"allocated": 0, "reserved": 0, "peak_allocated": 0}
-
-    def reset_peak_memory_stats(self) -> None:
-        """Nothing is tracked."""
-
-    def get_rng_state(self) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        torch.set_rng_state(state)
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def capabilities(self) -> Capabilities:
-        return Capabilities(bf16=True, fp8_gemm=False, peak_bf16_flops=None, peak_fp8_flops=None)
 
 
 def _create_process_group(store, rank, size, timeout):  # type: ignore[no-untyped-def]
