@@ -108,12 +108,12 @@ def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(8, K)
     layer(x).sum().backward()
-    first = layer._weight_cache["entry"][1]
+    first = layer._weight_cache["entry"][2]
     layer(x).sum().backward()  # second micro-batch: same FP8 weight object
-    assert layer._weight_cache["entry"][1] is first
+    assert layer._weight_cache["entry"][2] is first
     optimizer.step()  # in-place update bumps weight._version
     layer(x).sum().backward()
-    assert layer._weight_cache["entry"][1] is not first
+    assert layer._weight_cache["entry"][2] is not first
 
 
 def test_autocast_bf16_and_bf16_parameters():

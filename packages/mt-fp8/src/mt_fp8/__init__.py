@@ -5,8 +5,16 @@ from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
 from mt_fp8.functional import FP8LinearFunction, LinearPlan, fp8_linear
 from mt_fp8.gemm import fp8_gemm
-from mt_fp8.linear import FP8GroupedLinear, FP8Linear
-from mt_fp8.quantized import ROWWISE, TENSORWISE, QuantizedTensor, ScaleLayout, quantize
+from mt_fp8.linear import FP8GroupedLinear, FP8Linear, clear_fp8_weight_caches
+from mt_fp8.quantized import (
+    MIN_SCALE,
+    ROWWISE,
+    TENSORWISE,
+    QuantizedTensor,
+    ScaleLayout,
+    quantize,
+    scale_from_amax,
+)
 from mt_fp8.recipes import (
     RECIPES,
     BlockScaling,
@@ -22,6 +30,7 @@ from mt_fp8.state import FP8Meta, fp8_health, reset_fp8_health, update_fp8_scale
 __version__ = "0.1.0"
 
 __all__ = [
+    "MIN_SCALE",
     "RECIPES",
     "ROWWISE",
     "TENSORWISE",
@@ -43,6 +52,7 @@ __all__ = [
     "TensorRole",
     "TensorwiseScaling",
     "__version__",
+    "clear_fp8_weight_caches",
     "convert_to_fp8",
     "current_fp8_state",
     "fp8_autocast",
@@ -52,5 +62,6 @@ __all__ = [
     "quantize",
     "recipe_from_name",
     "reset_fp8_health",
+    "scale_from_amax",
     "update_fp8_scales",
 ]

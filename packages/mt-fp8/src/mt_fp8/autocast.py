@@ -2,9 +2,13 @@
 
 FP8 layers run with their own recipe outside any ``fp8_autocast``. Inside one, the innermost
 context decides: ``enabled=False`` runs them as plain high-precision ``F.linear``; a ``recipe``
-overrides theirs; an ``amax_group`` (a ``torch.distributed`` ProcessGroup, typically the TP or
-DP group the caller built) is recorded on each layer that runs, and
-:func:`~mt_fp8.state.update_fp8_scales` then MAX-reduces delayed-scaling amaxes over it.
+overrides theirs; an ``amax_group`` (a ``torch.distributed`` ProcessGroup, typically the TP
+group the caller built) is recorded on each layer that runs (``fp8_meta.amax_group``). Delayed
+scaling: :func:`~mt_fp8.state.update_fp8_scales` then MAX-reduces the step's amaxes over it.
+Current tensorwise scaling: each quantization of a role in the layer's
+``amax_reduction_roles`` MAX-reduces its amax over it before computing the scale, so every rank
+of a tensor-parallel layer uses the scale of the whole (unsharded) tensor
+(:mod:`mt_fp8.functional`).
 The state is thread-local, like ``torch.autocast``'s.
 """
 
@@ -29,7 +33,7 @@ class FP8AutocastState:
     recipe: Recipe | None
     """Recipe overriding each layer's own, or None to keep theirs."""
     amax_group: dist.ProcessGroup | None
-    """Process group over which delayed-scaling amaxes are reduced."""
+    """Process group over which amaxes are reduced (delayed and current tensorwise scaling)."""
 
 
 _local = threading.local()

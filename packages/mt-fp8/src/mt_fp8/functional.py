@@ -18,21 +18,37 @@ Backward, with ``dy_MN`` quantized along N (GRAD_OUTPUT role):
   pad M with zeros to a multiple of g; zero columns add nothing to the product.
 * ``db_N = Σ_M dy_MN`` in high precision.
 
-The FP8 weight (and its transpose) is cached by the layer and reused while the weight's
-``_version`` (bumped by every in-place optimizer update), its storage and its scale are
-unchanged, i.e. across the micro-batches of one optimizer step. Under ``torch.compile`` the cache
-is bypassed (the weight is quantized inside the graph, where the compiler can fuse it).
+The FP8 weight (and its transpose) is cached by the layer and reused while the weight is the
+same tensor object (a weak reference, so a new parameter that happens to reuse freed memory is
+not mistaken for the old one), with the same storage pointer and ``_version`` (bumped by every
+in-place optimizer update), under the same scale state and amax group, i.e. across the
+micro-batches of one optimizer step. NOTE: writes through ``weight.data`` (``p.data.copy_(...)``)
+do not bump ``_version``; after such a write call :func:`mt_fp8.clear_fp8_weight_caches` (or use
+``with torch.no_grad(): p.copy_(...)``, which does). Under ``torch.compile`` the cache is
+bypassed (the weight is quantized inside the graph, where the compiler can fuse it).
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
+
+Current tensorwise scaling under tensor parallelism: when the plan has an ``amax_group`` (the
+layer's ``fp8_meta.amax_group``, set by ``fp8_autocast(amax_group=...)`` or by the caller) and a
+role is in ``amax_reduction_roles``, that role's amax is MAX-reduced over the group before its
+scale is computed (:func:`mt_fp8.quantized.quantize`), so a tensor sharded over the TP ranks
+(a column-parallel weight and output gradient, a row-parallel weight and input) is quantized
+with the scale of the whole tensor on every rank: the shards' FP8 values are exactly the slices
+of the unsharded layer's. Reducing a replicated tensor is harmless (every rank has the same
+amax). Each reduction is an all-reduce every rank of the group must join in the same order.
+Other recipes ignore the group here (delayed scaling reduces in ``update_fp8_scales``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mt_fp8.formats import TensorRole
@@ -40,7 +56,7 @@ from mt_fp8.gemm import fp8_gemm
 from mt_fp8.ops.dispatch import use_triton
 from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
 from mt_fp8.quantized import TENSORWISE, QuantizedTensor, quantize
-from mt_fp8.recipes import DelayedScaling, Recipe
+from mt_fp8.recipes import DelayedScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 
 
@@ -54,6 +70,20 @@ class LinearPlan:
     out_dtype: torch.dtype
     track_health: bool
     weight_cache: dict[Any, Any] | None
+    amax_group: dist.ProcessGroup | None = None
+    """Process group for current tensorwise amax reduction (module docstring), or None."""
+    amax_reduction_roles: frozenset[TensorRole] = field(default_factory=lambda: frozenset())
+    """Roles whose current tensorwise amax is MAX-reduced over ``amax_group``."""
+
+    def reduction_group(self, role: TensorRole) -> dist.ProcessGroup | None:
+        """The group to reduce ``role``'s amax over, or None (current tensorwise scaling only)."""
+        if (
+            self.amax_group is None
+            or role not in self.amax_reduction_roles
+            or not isinstance(self.recipe, TensorwiseScaling)
+        ):
+            return None
+        return self.amax_group
 
     def quantize(self, x_RC: torch.Tensor, role: TensorRole, record: bool) -> QuantizedTensor:
         """Quantize along the last axis; ``record`` notes the amax and health counts."""
@@ -62,18 +92,21 @@ class LinearPlan:
         stats = self.meta.health[int(role)] if (record and self.track_health) else None
         fmt = self.recipe.formats.for_role(role)
         layout = self.recipe.layout(role)
+        group = self.reduction_group(role)
         if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
             # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
             # NOTE: skipped under torch.compile: Inductor failed to compile this kernel inside a
             # graph on the H200 (2026-12-02); there it fuses the plain quantization itself.
-            q_RC, q_CR, amax = quantize_transpose_amax(x_RC, fmt, scale=scale, stats=stats)
+            q_RC, q_CR, amax = quantize_transpose_amax(
+                x_RC, fmt, scale=scale, stats=stats, amax_group=group
+            )
             if delayed and record:
                 self.meta.record_amax_value(amax, role)
             q_RC.transposed = q_CR
             return q_RC
         if delayed and record:
             self.meta.record_amax(x_RC, role)
-        return quantize(x_RC, fmt, layout, scale=scale, stats=stats)
+        return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
 
     def quantize_transposed(
         self, x_RC: torch.Tensor, q_RC: QuantizedTensor | None, role: TensorRole
@@ -109,11 +142,15 @@ class LinearPlan:
                 weight_NK.device,
                 self.recipe,
                 self.meta.scale_version,
+                self.reduction_group(TensorRole.WEIGHT),
                 need_transpose,
             )
+            # A view (an expert's slice of a grouped weight) is a new object on every call: its
+            # identity is its base's; views share the base's version counter.
+            owner = weight_NK._base if weight_NK._base is not None else weight_NK
             cached = self.weight_cache.get("entry")
-            if cached is not None and cached[0] == key:
-                return cached[1], cached[2]
+            if cached is not None and cached[0] == key and cached[1]() is owner:
+                return cached[2], cached[3]
         weight_q = self.quantize(weight_NK, TensorRole.WEIGHT, record=True)
         weight_t_q = (
             self.quantize_transposed(weight_NK, weight_q, TensorRole.WEIGHT)
@@ -121,7 +158,8 @@ class LinearPlan:
             else None
         )
         if key is not None:
-            self.weight_cache["entry"] = (key, weight_q, weight_t_q)
+            # (key, weak reference to the weight's owner, FP8 w, FP8 wᵀ)
+            self.weight_cache["entry"] = (key, weakref.ref(owner), weight_q, weight_t_q)
         return weight_q, weight_t_q
 
 

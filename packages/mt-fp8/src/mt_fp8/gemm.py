@@ -67,10 +67,12 @@ def _triton_block_gemm_available(index: int | None) -> bool:
 
 
 def _kind(q: QuantizedTensor) -> str:
-    if q.scale.numel() == 1:
-        return "tensorwise"
-    if q.scale.shape == (q.shape[0], 1):
+    # NOTE: from the layout first: a rowwise tensor of one row (a single token) has a single
+    # scale too, and must still pair with a rowwise operand.
+    if q.layout.block == (1, -1):
         return "rowwise"
+    if q.layout.block == (-1, -1) or q.scale.numel() == 1:
+        return "tensorwise"
     return "block"
 
 
@@ -110,7 +112,7 @@ def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``torch._scaled_mm`` on tensorwise or rowwise operands (no checks; see the dispatcher)."""
-    if a.scale.numel() == 1:
+    if _kind(a) == "tensorwise":
         scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
     else:
         scale_a, scale_b = a.scale, b.scale.t()  # (X, 1) and (1, Y)

@@ -6,18 +6,27 @@ their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype ins
 region and the input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
 region to high precision or override the recipe.
 
+Under tensor parallelism, ``FP8Linear(amax_reduction_roles=...)`` names the roles whose current
+tensorwise amax is MAX-reduced over the layer's amax group (``fp8_meta.amax_group``, set by
+``fp8_autocast(amax_group=...)`` or by the caller); see :mod:`mt_fp8.functional`. The default is
+all three roles, which is always correct (replicated tensors reduce to their own amax); a
+parallel layer can list only the roles it shards to save collectives. ``FP8GroupedLinear``
+never reduces: experts with no tokens skip their GEMMs, so the ranks' all-reduces would not
+line up.
+
 Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_features.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.autocast import current_fp8_state
+from mt_fp8.formats import TensorRole
 from mt_fp8.functional import LinearPlan, check_dims, fp8_linear
 from mt_fp8.gemm import BACKENDS
 from mt_fp8.recipes import Recipe, TensorwiseScaling
@@ -31,8 +40,15 @@ class _FP8LayerMixin:
     backend: str
     track_health: bool
     fp8_meta: FP8Meta
+    amax_reduction_roles: frozenset[TensorRole]
 
-    def _init_fp8(self, recipe: Recipe | None, backend: str, track_health: bool) -> None:
+    def _init_fp8(
+        self,
+        recipe: Recipe | None,
+        backend: str,
+        track_health: bool,
+        amax_reduction_roles: Iterable[TensorRole | str] = (),
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown FP8 GEMM backend {backend!r}; valid: {', '.join(BACKENDS)}")
         self.recipe = recipe if recipe is not None else TensorwiseScaling()
@@ -40,6 +56,7 @@ class _FP8LayerMixin:
             raise TypeError(f"recipe must be an mt_fp8 Recipe, got {recipe!r}")
         self.backend = backend
         self.track_health = track_health
+        self.amax_reduction_roles = _parse_roles(amax_reduction_roles)
 
     def _plan(self, x: torch.Tensor, cache: dict | None) -> LinearPlan | None:
         """The call's plan, or None when an ``fp8_autocast(enabled=False)`` region is active."""
@@ -55,7 +72,32 @@ class _FP8LayerMixin:
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
-        return LinearPlan(recipe, self.fp8_meta, self.backend, out_dtype, self.track_health, cache)
+        return LinearPlan(
+            recipe,
+            self.fp8_meta,
+            self.backend,
+            out_dtype,
+            self.track_health,
+            cache,
+            amax_group=self.fp8_meta.amax_group,
+            amax_reduction_roles=self.amax_reduction_roles,
+        )
+
+
+def _parse_roles(roles: Iterable[TensorRole | str]) -> frozenset[TensorRole]:
+    if isinstance(roles, (str, TensorRole)):
+        roles = (roles,)
+    parsed = set()
+    for role in roles:
+        if isinstance(role, TensorRole):
+            parsed.add(role)
+            continue
+        try:
+            parsed.add(TensorRole[str(role).upper()])
+        except KeyError:
+            valid = ", ".join(repr(r.name.lower()) for r in TensorRole)
+            raise ValueError(f"unknown tensor role {role!r}; valid roles: {valid}") from None
+    return frozenset(parsed)
 
 
 class FP8Linear(_FP8LayerMixin, nn.Linear):
@@ -64,6 +106,8 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
     ``backend``: ``"auto"`` (fast path where possible, else emulation), ``"fast"`` (error
     instead of emulating), ``"scaled_mm"``, ``"triton"`` or ``"emulate"``. ``track_health``
     counts saturated and flushed values per role (:func:`mt_fp8.fp8_health`).
+    ``amax_reduction_roles`` (``TensorRole`` s or their names, default all three): roles whose
+    current tensorwise amax is MAX-reduced over ``fp8_meta.amax_group`` when one is set.
     """
 
     def __init__(
@@ -76,9 +120,10 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         recipe: Recipe | None = None,
         backend: str = "auto",
         track_health: bool = True,
+        amax_reduction_roles: Iterable[TensorRole | str] = tuple(TensorRole),
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(recipe, backend, track_health)
+        self._init_fp8(recipe, backend, track_health, amax_reduction_roles)
         reason = check_dims(self.recipe, in_features, out_features)
         if reason is not None:
             raise ValueError(f"FP8Linear: {reason}")
@@ -185,3 +230,17 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             f"num_groups={self.num_groups}, in_features={self.in_features}, "
             f"out_features={self.out_features}, recipe={self.recipe.name}"
         )
+
+
+def clear_fp8_weight_caches(model: nn.Module) -> None:
+    """Drop every cached FP8 weight in ``model`` (after writing weights through ``.data``).
+
+    The caches key on the weight's ``_version``, which ``p.data.copy_(...)`` does not bump; see
+    :mod:`mt_fp8.functional`.
+    """
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            module._weight_cache.clear()
+        elif isinstance(module, FP8GroupedLinear):
+            for cache in module._weight_caches:
+                cache.clear()

@@ -5,8 +5,25 @@ axis) is cut into blocks of ``br × bc`` elements. Each block ``b`` gets one fp3
 scale ``s_b`` and FP8 data ``q = sat(rne(x / s_b))`` so that ``x ≈ q · s_b``:
 
     amax_b = max |x| over block b                 (computed in high precision, before the cast)
-    s_b    = amax_b / fmt.max                     (``amax_b == 0`` → ``s_b = 1``)
-    s_b    = 2^(floor(log2 amax_b) - fmt.emax)    (power-of-two layouts: MXFP8's E8M0 scales)
+    s_b    = max(amax_b, fmt.max · 2^-126) / fmt.max
+    s_b    = 2^clamp(floor(log2 amax_b) - fmt.emax, -126, 127)   (power-of-two layouts: MXFP8)
+
+Edge cases of :func:`scale_from_amax`, the one place scales come from (every recipe, the fused
+kernel, the delayed-scaling update):
+
+* ``amax_b == 0`` (an all-zero block: padding rows, ignored tokens) → ``s_b = 1`` and ``q = 0``.
+* Tiny ``amax_b`` → ``s_b`` never goes below ``2^-126``, the smallest *normal* fp32. A subnormal
+  scale is flushed to zero by FTZ arithmetic (Triton links libdevice with flush-to-zero; cuBLAS
+  epilogues may too), and ``x / 0`` is ``inf`` or, for ``x = 0``, NaN. With the floor,
+  ``|x / s_b| <= amax_b / 2^-126 < fmt.max``: nothing saturates, the block just uses less of
+  the format's range. MX scales likewise stop at ``2^-126`` (E8M0 could encode ``2^-127``).
+* Huge ``amax_b`` (up to the fp32 maximum) → ``s_b = amax_b / fmt.max``, finite.
+* Non-finite ``amax_b`` (the block holds ``inf`` or NaN; fp64 values beyond the fp32 range
+  count as ``inf``) → ``s_b = NaN``. Every value of that block dequantizes to NaN, so a
+  non-finite input gives non-finite GEMM outputs, as it would in high precision, and anomaly
+  checks on the loss or the gradients see it. It is never silently saturated into a finite
+  number. (With a *given* scale, as delayed scaling uses, ``±inf`` saturates to ``±fmt.max`` like
+  any out-of-range value and is counted as saturated; NaN stays NaN.)
 
 ``s_b`` is what ``torch._scaled_mm`` calls ``scale_a`` / ``scale_b`` (it multiplies the FP8
 product by them); Transformer Engine calls it ``scale_inv``. Because the scale is taken from the
@@ -29,6 +46,14 @@ MX 1×32 (pow2)         (1, 32)       (R, C/32)         MXFP8
 
 Invariants: ``data`` is a contiguous ``(R, C)`` FP8 tensor, ``scale`` a contiguous fp32
 ``(G, H)`` tensor; block sizes divide their axes (checked, with a message naming both).
+
+Amax reduction (current tensorwise scaling of a tensor sharded over ranks, e.g. by tensor
+parallelism): with ``amax_group``, :func:`quantize` MAX-reduces the local amax over that process
+group before computing ``s``, so every rank quantizes its shard with the scale of the whole
+tensor and the shards' FP8 bytes are exactly the slices of the unsharded quantization. NaN is
+sent as ``+inf`` so that a NaN on one rank reaches every rank whatever the backend's MAX does
+with NaN. All ranks of the group must quantize the same sequence of tensors (one all-reduce
+each).
 """
 
 from __future__ import annotations
@@ -36,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mt_fp8.formats import FP8Format
 
@@ -83,16 +109,53 @@ TENSORWISE = ScaleLayout((-1, -1))
 ROWWISE = ScaleLayout((1, -1))
 
 
-def _scale_from_amax(amax: torch.Tensor, fmt: FP8Format, power_of_two: bool) -> torch.Tensor:
-    """Dequantization scales (fp32) from block amaxes; zero blocks get scale 1."""
+MIN_SCALE = 2.0**-126
+"""Smallest dequantization scale: the smallest normal fp32, so FTZ hardware keeps it nonzero."""
+
+
+def scale_from_amax(
+    amax: torch.Tensor,
+    fmt: FP8Format | torch.Tensor,
+    power_of_two: bool = False,
+    margin: int = 0,
+) -> torch.Tensor:
+    """Dequantization scales (fp32) from amaxes, with the edge cases of the module docstring.
+
+    ``fmt`` is the format, or a tensor of format maxima broadcasting against ``amax`` (one per
+    role, for the delayed-scaling update). ``margin`` (delayed scaling) multiplies the scale by
+    ``2^margin``; the result is capped at the largest finite fp32 so it cannot overflow to inf.
+    """
     amax = amax.float()
+    finite = torch.isfinite(amax)
     if power_of_two:
-        # OCP MX spec: shared exponent = floor(log2(amax)) - emax_elem, clamped to E8M0's range.
-        exponent = torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - fmt.emax
-        scale = torch.exp2(exponent.clamp(-127.0, 127.0))
+        if not isinstance(fmt, FP8Format):
+            raise TypeError("power-of-two scales need an FP8Format")
+        # OCP MX spec: shared exponent = floor(log2(amax)) - emax_elem, within E8M0's range but
+        # not below 2^-126 (normal fp32; see MIN_SCALE).
+        safe = torch.where(finite, amax, torch.ones_like(amax)).clamp_min(MIN_SCALE)
+        exponent = torch.floor(torch.log2(safe)) - fmt.emax
+        scale = torch.exp2(exponent.clamp(-126.0, 127.0))
     else:
-        scale = amax / fmt.max
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+        fmt_max = (
+            torch.full_like(amax, fmt.max)
+            if isinstance(fmt, FP8Format)
+            else fmt.to(amax.device, torch.float32).expand_as(amax)
+        )
+        # NOTE: divide by a tensor, not a Python number: PyTorch's CUDA division by a scalar
+        # multiplies by its rounded reciprocal, which is neither IEEE-exact nor guaranteed to
+        # stay >= 2^-126 at the floor. fmt.max * 2^-126 divides to exactly 2^-126.
+        scale = amax.clamp_min(fmt_max * MIN_SCALE) / fmt_max
+    if margin:
+        scale = (scale * 2.0**margin).clamp_max(torch.finfo(torch.float32).max)
+    scale = torch.where(amax > 0, scale.clamp_min(MIN_SCALE), torch.ones_like(scale))
+    return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
+def reduce_amax_(amax: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """MAX-reduce fp32 ``amax`` in place over ``group``; NaN travels as ``+inf``."""
+    amax.copy_(torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax))
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
 
 
 def block_amax(x_RC: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -186,12 +249,15 @@ def quantize(
     layout: ScaleLayout = TENSORWISE,
     scale: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> QuantizedTensor:
     """Quantize a 2-D float tensor along its columns with ``layout``.
 
     ``scale`` (optional, shape ``(G, H)`` or a scalar) supplies precomputed dequantization
     scales, as delayed scaling does; values beyond ``fmt.max · scale`` then saturate.
-    ``stats`` accumulates health counts (see :func:`cast_to_fp8`).
+    ``stats`` accumulates health counts (see :func:`cast_to_fp8`). ``amax_group`` (tensorwise
+    layout, computed scale only) MAX-reduces the amax over that process group first, so that a
+    tensor sharded over the group's ranks gets one scale (module docstring).
     """
     if x_RC.dim() != 2:
         raise ValueError(
@@ -203,11 +269,19 @@ def quantize(
         )
     # NOTE: a transposed view would otherwise give column-major FP8 data (elementwise ops keep
     # the input's layout), which cuBLAS rejects; the invariant is row-major data.
+    if amax_group is not None and (layout != TENSORWISE or scale is not None):
+        raise ValueError(
+            "amax_group reduces the amax of current tensorwise scaling; got layout "
+            f"{layout.name}{' and a given scale' if scale is not None else ''}"
+        )
     x_RC = x_RC.contiguous()
     block = layout.resolve((x_RC.shape[0], x_RC.shape[1]))
     groups, hgroups = x_RC.shape[0] // block[0], x_RC.shape[1] // block[1]
     if scale is None:
-        scale_GH = _scale_from_amax(block_amax(x_RC, block), fmt, layout.power_of_two)
+        amax_GH = block_amax(x_RC, block)
+        if amax_group is not None:
+            reduce_amax_(amax_GH, amax_group)
+        scale_GH = scale_from_amax(amax_GH, fmt, layout.power_of_two)
     else:
         scale_GH = (
             scale.float().reshape(-1, 1).expand(groups, hgroups)

@@ -20,7 +20,10 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
   values; after the step ``amax = max(history)`` (or the most recent) is reduced with MAX over
   the caller's process group and ``s = amax · 2^margin / fmt.max``. Values above ``fmt.max · s``
   saturate, so the margin trades precision for headroom.
-* **Tensorwise (current) scaling**: ``s = max|x| / fmt.max`` of this tensor, now.
+* **Tensorwise (current) scaling**: ``s = max|x| / fmt.max`` of this tensor, now. For a tensor
+  sharded over tensor-parallel ranks, the layer can MAX-reduce ``max|x|`` over the caller's
+  process group first (as Transformer Engine's current scaling does), so that all ranks share
+  the whole tensor's scale; see :mod:`mt_fp8.functional`.
 * **Rowwise scaling**: one scale per row of the left operand and per column of the right
   (per output row/column of the GEMM): ``s_r = max_k |x_rk| / fmt.max``.
 * **Block scaling** (DeepSeek-V3): activations and gradients in 1×128 groups along the
@@ -31,8 +34,11 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
   scales ``2^(floor(log2 amax) - emax_elem)`` stored exactly as E8M0 (power of two, exponent in
   [-127, 127]); elements whose scaled magnitude exceeds ``fmt.max`` saturate.
 
-Each recipe is a frozen dataclass validated in ``__post_init__``; ``layout(role)``
-gives the :class:`~mt_fp8.quantized.ScaleLayout` to quantize a role with.
+In every recipe a block of zeros gets ``s = 1``, scales never go below ``2^-126`` (the smallest
+normal fp32), and a block holding ``inf`` or NaN gets ``s = NaN`` (its values dequantize to NaN);
+see :func:`mt_fp8.quantized.scale_from_amax`. Each recipe is a frozen dataclass validated in
+``__post_init__``; ``layout(role)`` gives the :class:`~mt_fp8.quantized.ScaleLayout` to quantize
+a role with.
 """
 
 from __future__ import annotations

@@ -12,10 +12,14 @@ Delayed scaling (buffers present only when the recipe is :class:`~mt_fp8.recipes
 * ``scale`` ``(3,)`` fp32, persistent: the dequantization scales used during the step.
 
 :func:`update_fp8_scales`, called once after each optimizer step, reduces row 0 with MAX over
-the caller's process group (one all-reduce for all modules), computes
-``s = amax · 2^margin / fmt.max`` with ``amax = max(history)`` or ``history[0]``
-(``most_recent``), keeps the old scale where ``amax == 0``, then rolls the history by one and
-clears row 0. Initial scales are 1, so the first step saturates values above ``fmt.max``.
+the caller's process group (one all-reduce for all modules; NaN travels as ``+inf``), computes
+``s = amax · 2^margin / fmt.max`` (:func:`mt_fp8.quantized.scale_from_amax`: at least
+``2^-126``, capped at the fp32 maximum) with ``amax = max(history)`` or ``history[0]``
+(``most_recent``), then rolls the history by one and clears row 0. Non-finite history entries
+(a step whose tensor held ``inf`` or NaN) are ignored: they carry no usable range, and one of
+them would otherwise make the scale infinite, i.e. every later value quantize to zero for the
+whole window. Where no finite nonzero amax is left, the old scale is kept. Initial scales are 1,
+so the first step saturates values above ``fmt.max``.
 
 Health (always): ``health`` ``(3, 3)`` int64, not persistent: per role the counts of values
 clipped at the format maximum, nonzero values flushed to zero, and all values, accumulated on the
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mt_fp8.formats import TensorRole
+from mt_fp8.quantized import scale_from_amax
 from mt_fp8.recipes import DelayedScaling, Recipe
 
 HEALTH_FIELDS = ("saturated", "underflow")
@@ -104,6 +109,9 @@ def update_fp8_scales(
     for group, members in by_group.values():
         if group is not None:
             current_B3 = torch.stack([meta.amax_history[0] for meta in members])
+            current_B3 = torch.where(
+                torch.isnan(current_B3), torch.full_like(current_B3, float("inf")), current_B3
+            )
             dist.all_reduce(current_B3, op=dist.ReduceOp.MAX, group=group)
             for meta, row in zip(members, current_B3, strict=True):
                 meta.amax_history[0].copy_(row)
@@ -112,8 +120,9 @@ def update_fp8_scales(
     )
     for meta in metas:
         history = meta.amax_history
-        amax = history.amax(dim=0) if recipe.amax_compute_algo == "max" else history[0].clone()
-        new_scale = amax * 2.0**recipe.margin / fmt_max.to(amax.device)
+        usable = torch.where(torch.isfinite(history), history, torch.zeros_like(history))
+        amax = usable.amax(dim=0) if recipe.amax_compute_algo == "max" else usable[0]
+        new_scale = scale_from_amax(amax, fmt_max, margin=recipe.margin)
         meta.scale.copy_(torch.where(amax > 0, new_scale, meta.scale))
         meta.amax_history.copy_(torch.roll(history, 1, dims=0))
         meta.amax_history[0].zero_()

@@ -1,20 +1,55 @@
 """Triton quantize + transpose + amax (contract in :mod:`mt_fp8.ops.quantize_transpose`).
 
 Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
-``q`` and, transposed, to ``qᵀ``, and folds the tile's amax (and health counts) into global
-fp32/int64 accumulators with atomics. With no scale given, a first launch of the same kernel
-with ``WRITE=False`` only reduces the amax.
+``q`` and its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and folds the
+tile's amax (and health counts) into global fp32/int64 accumulators with atomics. With no
+scale given, a first launch of the same kernel with ``WRITE=False`` only reduces the amax; the
+scale is then computed on the host side of the stream by
+:func:`mt_fp8.quantized.scale_from_amax`, after the optional amax all-reduce.
+
+Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
+
+* ``x / s`` is ``div.rn.f32`` (inline PTX): IEEE round-to-nearest, subnormals kept. Triton's
+  ``/`` lowers to ``div.full.f32`` (an approximation within 2 ulp, so values next to an FP8
+  rounding boundary can land on the other side), and ``tl.div_rn`` calls libdevice's
+  ``__nv_fdiv_rn``, which Triton links flush-to-zero. Under ``TRITON_INTERPRET=1`` (numpy) the
+  plain ``/`` is already IEEE.
+* The clamp propagates NaN (``PropagateNan.ALL``) as ``torch.clamp`` does; without it the
+  ``min.xorsign.abs`` clamp Triton emits on Hopper turns NaN into ``±fmt.max``.
+* The amax counts NaN as ``+inf`` (Triton's float ``max`` and ``atomic_max`` skip NaN), so a NaN
+  anywhere makes the scale NaN, as on the PyTorch path.
+* The fp32 → FP8 cast is ``cvt.rn.satfinite`` on sm_90, round-to-nearest-even like PyTorch's.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
+from mt_fp8.quantized import reduce_amax_, scale_from_amax
 
 TILE = 64
+
+
+@triton.jit
+def _div_rn(x, y, EXACT_DIV: tl.constexpr):
+    """IEEE round-to-nearest ``x / y`` in fp32, subnormals included (module docstring)."""
+    if EXACT_DIV:
+        return tl.inline_asm_elementwise(
+            "div.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            [x, y],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return x / y
 
 
 @triton.jit
@@ -31,7 +66,9 @@ def _quantize_transpose(
     saturation,
     half_subnormal,
     WRITE: tl.constexpr,
+    AMAX: tl.constexpr,
     STATS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
     TILE: tl.constexpr,
 ):
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
@@ -39,9 +76,12 @@ def _quantize_transpose(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    if AMAX:
+        magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude_x, axis=1), axis=0))
     if WRITE:
-        scaled = x / tl.load(scale_ptr)
+        scale = tl.broadcast_to(tl.load(scale_ptr), (TILE, TILE))
+        scaled = _div_rn(x, scale, EXACT_DIV)
         if STATS:
             magnitude = tl.abs(scaled)
             saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
@@ -51,14 +91,20 @@ def _quantize_transpose(
             )
             tl.atomic_add(stats_ptr, saturated)
             tl.atomic_add(stats_ptr + 1, flushed)
-        q = tl.clamp(scaled, -fmt_max, fmt_max).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + offs, q, mask=mask)
-        offs_t = cols.to(tl.int64)[None, :] * R + rows[:, None]
-        tl.store(qt_ptr + offs_t, q, mask=mask)
+        clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + offs, clamped.to(q_ptr.dtype.element_ty), mask=mask)
+        # The transposed tile, stored with its own contiguous axis last: qᵀ[c, r] = q[r, c].
+        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        mask_t = (cols[:, None] < C) & (rows[None, :] < R)
+        tl.store(qt_ptr + offs_t, tl.trans(clamped).to(qt_ptr.dtype.element_ty), mask=mask_t)
 
 
 def quantize_transpose_amax_triton(
-    x_RC: torch.Tensor, fmt: FP8Format, scale: torch.Tensor | None, stats: torch.Tensor | None
+    x_RC: torch.Tensor,
+    fmt: FP8Format,
+    scale: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_RC, q_CR, scale (1, 1) fp32, amax)``."""
     x_RC = x_RC.contiguous()
@@ -71,16 +117,28 @@ def quantize_transpose_amax_triton(
         fmt_max=fmt.max,
         saturation=fmt.saturation_threshold,
         half_subnormal=fmt.min_subnormal / 2,
+        EXACT_DIV=os.environ.get("TRITON_INTERPRET") != "1",
         TILE=TILE,
     )
-    if scale is None:
+    given_scale = scale is not None
+    if not given_scale:
         _quantize_transpose[grid](
-            x_RC, q_RC, q_CR, amax, amax, amax, rows, cols, WRITE=False, STATS=False, **common
+            x_RC,
+            q_RC,
+            q_CR,
+            amax,
+            amax,
+            amax,
+            rows,
+            cols,
+            WRITE=False,
+            AMAX=True,
+            STATS=False,
+            **common,
         )
-        scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
-        amax_out = torch.zeros_like(amax)
-    else:
-        amax_out = amax
+        if amax_group is not None:
+            reduce_amax_(amax, amax_group)
+        scale = scale_from_amax(amax, fmt)
     scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
     counts = stats if stats is not None else amax
     _quantize_transpose[grid](
@@ -88,11 +146,12 @@ def quantize_transpose_amax_triton(
         q_RC,
         q_CR,
         scale_11,
-        amax_out,
+        amax,
         counts,
         rows,
         cols,
         WRITE=True,
+        AMAX=given_scale,  # with a computed scale the first launch already has the amax
         STATS=stats is not None,
         **common,
     )

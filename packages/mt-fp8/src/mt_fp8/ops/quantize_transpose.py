@@ -5,8 +5,14 @@ Given the dequantization scale ``s`` (delayed scaling: from the history), one pa
 ``x_RC`` writes ``q_RC = sat(rne(x / s))``, its transpose ``q_CR`` and ``amax = max|x|`` (for the
 next step's scale), reading ``x`` once. With ``scale=None`` (current scaling) the scale must be
 known before any cast (FP8 supports no arithmetic afterwards), so an amax reduction pass runs
-first and ``s = amax / fmt.max``. ``stats`` accumulates the health counts of
+first, the amax is MAX-reduced over ``amax_group`` if one is given, and
+``s = scale_from_amax(amax)`` (:mod:`mt_fp8.quantized`: zero → 1, at least ``2^-126``,
+non-finite → NaN). ``stats`` accumulates the health counts of
 :func:`mt_fp8.quantized.cast_to_fp8`.
+
+Both paths give the same bytes: ``x / s`` is an IEEE round-to-nearest fp32 division in each
+(PyTorch's tensor division; ``div.rn.f32`` in the kernel), followed by the same clamp and the
+same round-to-nearest-even cast. A NaN in ``x`` makes the returned amax ``+inf`` on both paths.
 
 Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
 tensors whose gradient those layers compute themselves. CUDA tensors run
@@ -16,10 +22,17 @@ tensors whose gradient those layers compute themselves. CUDA tensors run
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.ops.dispatch import use_triton
-from mt_fp8.quantized import TENSORWISE, QuantizedTensor, cast_to_fp8
+from mt_fp8.quantized import (
+    TENSORWISE,
+    QuantizedTensor,
+    cast_to_fp8,
+    reduce_amax_,
+    scale_from_amax,
+)
 
 
 def quantize_transpose_amax(
@@ -27,21 +40,33 @@ def quantize_transpose_amax(
     fmt: FP8Format,
     scale: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
 ) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
-    """``(q_RC, q_CR, amax)`` with one tensorwise scale; see the module docstring."""
+    """``(q_RC, q_CR, amax)`` with one tensorwise scale; see the module docstring.
+
+    The returned ``amax`` is the one the scale was computed from: reduced over ``amax_group``
+    when one is given (current scaling only; with a given ``scale`` the group is refused).
+    """
     if x_RC.dim() != 2 or not x_RC.is_floating_point() or x_RC.element_size() == 1:
         raise ValueError(
             f"quantize_transpose_amax takes a 2-D float32/bfloat16/float16 tensor, got "
             f"{tuple(x_RC.shape)} {x_RC.dtype}"
         )
+    if amax_group is not None and scale is not None:
+        raise ValueError("amax_group reduces the amax of current scaling; a scale was given")
     if use_triton(x_RC):
         from mt_fp8.kernels.quantize import quantize_transpose_amax_triton
 
-        data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(x_RC, fmt, scale, stats)
+        data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(
+            x_RC, fmt, scale, stats, amax_group
+        )
     else:
         amax = x_RC.abs().amax().float()
+        amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
         if scale is None:
-            scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+            if amax_group is not None:
+                reduce_amax_(amax, amax_group)
+            scale = scale_from_amax(amax, fmt)
         scale_11 = scale.float().reshape(1, 1).clone()
         data_RC = cast_to_fp8(x_RC, scale_11, fmt, stats)
         data_CR = data_RC.t().contiguous()
