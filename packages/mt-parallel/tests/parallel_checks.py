@@ -355,7 +355,7 @@ def recompute_bits(policy: str, tp: int = 1, sp: bool = False, seed: int = 0) ->
         )
         model = mp.parallelize(model, config, state)
         tokens, targets = _batch(seed + 1, 2, 16)
-        torch.manual_seed(seed + 2)
+        mp.manual_seed(seed + 2, state.rank("tp"))
         model.loss(model(tokens), targets).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -49,6 +49,7 @@ from mt_parallel.parallelize import (
     parallelize,
 )
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
+from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
 
 __version__ = "0.1.0"
 
@@ -60,7 +61,9 @@ __all__ = [
     "DecoderBlock",
     "DecoderLM",
     "DistributedOptimizer",
+    "Dropout",
     "ParallelConfig",
+    "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
     "SwiGLU",
@@ -80,10 +83,12 @@ __all__ = [
     "context_parallel_attention",
     "copy_to_group",
     "gather_from_group",
+    "get_rng_tracker",
     "init_weights",
     "is_recomputed",
     "layer_generator",
     "load_balanced_positions",
+    "manual_seed",
     "merge_state_dicts",
     "parallelize",
     "recompute_module",

@@ -80,19 +80,49 @@ def _global_order(chunk: int, cp: int) -> torch.Tensor:
     )
 
 
+def _mask(
+    query_pos_q: torch.Tensor,
+    keys: int,
+    doc_q_Bq: torch.Tensor | None,
+    doc_k_Bk: torch.Tensor | None,
+) -> torch.Tensor:
+    """Boolean ``(1 or B, 1, q, keys)`` mask: key position ≤ query position, same document."""
+    mask_qk = torch.arange(keys, device=query_pos_q.device).unsqueeze(0) <= query_pos_q.unsqueeze(1)
+    if doc_q_Bq is None:
+        return mask_qk
+    same_doc_Bqk = doc_q_Bq.unsqueeze(2) == doc_k_Bk[:, :keys].unsqueeze(1)
+    return (mask_qk & same_doc_Bqk).unsqueeze(1)
+
+
 def context_parallel_attention(
     q_BHtd: torch.Tensor,
     k_BKtd: torch.Tensor,
     v_BKtd: torch.Tensor,
     cp_group: Any,
     dropout_p: float = 0.0,
+    document_ids_Bt: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's load-balanced queries over the whole sequence."""
+    """Causal attention of this rank's load-balanced queries over the whole sequence.
+
+    ``document_ids_Bt`` (integer ids of this rank's tokens, sharded like them): a query sees
+    only keys of its own document (packed sequences).
+    """
     cp, rank = group_size(cp_group), group_rank(cp_group)
     gqa = q_BHtd.shape[1] != k_BKtd.shape[1]
+    if document_ids_Bt is not None and document_ids_Bt.shape != q_BHtd.shape[::2]:
+        raise ValueError(
+            f"document ids of shape {tuple(document_ids_Bt.shape)} do not match the "
+            f"(batch, tokens) = {tuple(q_BHtd.shape[::2])} of the queries"
+        )
     if cp == 1:
+        if document_ids_Bt is None:
+            return F.scaled_dot_product_attention(
+                q_BHtd, k_BKtd, v_BKtd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+            )
+        positions = torch.arange(q_BHtd.shape[2], device=q_BHtd.device)
+        mask = _mask(positions, len(positions), document_ids_Bt, document_ids_Bt)
         return F.scaled_dot_product_attention(
-            q_BHtd, k_BKtd, v_BKtd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+            q_BHtd, k_BKtd, v_BKtd, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
         )
     local = q_BHtd.shape[2]
     if local % 2:
@@ -101,18 +131,22 @@ def context_parallel_attention(
     order = _global_order(chunk, cp).to(q_BHtd.device)
     k_BKSd = all_gather_grad_rs(k_BKtd, 2, cp_group).index_select(2, order)
     v_BKSd = all_gather_grad_rs(v_BKtd, 2, cp_group).index_select(2, order)
+    doc_BS = None
+    if document_ids_Bt is not None:
+        gathered = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)
+        doc_BS = gathered.index_select(1, order)
     outputs = []
     for half, g in enumerate((rank, 2 * cp - 1 - rank)):
-        q_c = q_BHtd[:, :, half * chunk : (half + 1) * chunk]
+        rows = slice(half * chunk, (half + 1) * chunk)
         keys = (g + 1) * chunk
-        query_pos = torch.arange(chunk, device=q_BHtd.device).unsqueeze(1) + g * chunk
-        mask = torch.arange(keys, device=q_BHtd.device).unsqueeze(0) <= query_pos
+        query_pos = torch.arange(chunk, device=q_BHtd.device) + g * chunk
+        doc_q = None if document_ids_Bt is None else document_ids_Bt[:, rows]
         outputs.append(
             F.scaled_dot_product_attention(
-                q_c,
+                q_BHtd[:, :, rows],
                 k_BKSd[:, :, :keys],
                 v_BKSd[:, :, :keys],
-                attn_mask=mask,
+                attn_mask=_mask(query_pos, keys, doc_q, doc_BS),
                 dropout_p=dropout_p,
                 enable_gqa=gqa,
             )

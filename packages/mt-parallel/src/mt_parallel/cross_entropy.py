@@ -14,6 +14,10 @@ Per token with logits ``z`` and target ``t``::
 Only ``(B, T)``-sized tensors cross the network (three all-reduces), never ``(B, T, V)``. The
 math runs in fp32 (fp64 for fp64 logits), and the gradient is returned in the logits' dtype.
 Tokens whose target is ``ignore_index`` get loss 0 and gradient 0.
+
+Without TP (one rank holds the whole vocabulary) the mean goes through mt-fp8's chunked
+cross-entropy (``mt_fp8.ops.cross_entropy``: the same math, Triton on CUDA, logits kept in their
+dtype and upcast one chunk at a time, only the log-sum-exp saved for backward).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 import mt_comm
+from mt_fp8.ops import cross_entropy
 from mt_parallel.mappings import group_rank, group_size
 
 
@@ -89,6 +94,10 @@ def vocab_parallel_cross_entropy(
         raise ValueError(
             f"targets of shape {tuple(target_BT.shape)} do not match logits of shape "
             f"{tuple(logits_BTV_l.shape)} (expected the logits' shape without the vocab axis)"
+        )
+    if group_size(tp_group) == 1 and reduction == "mean":
+        return cross_entropy(
+            logits_BTV_l.reshape(-1, logits_BTV_l.shape[-1]), target_BT.reshape(-1), ignore_index
         )
     loss_BT = _VocabParallelCrossEntropy.apply(logits_BTV_l, target_BT, tp_group, ignore_index)
     if reduction == "none":

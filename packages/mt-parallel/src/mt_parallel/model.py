@@ -1,35 +1,41 @@
-"""A Llama-style decoder block built from the parallel layers, and a minimal decoder LM.
+"""A Llama-style decoder block built from the parallel layers and mt-fp8's fused ops.
 
 Shape suffixes: B batch, T tokens this rank holds (``T_seq/cp``, and ``/tp`` between TP regions
 under sequence parallel), S tokens inside a TP region (``T_seq/cp``), D model width, H query
-heads, K key/value heads (both per TP rank inside the block), d head dim, F FFN width, V vocab.
+heads, K key/value heads (both per TP rank inside the block), d head dim, P = d/2, F FFN width,
+V vocab.
 
 Block (pre-norm, as Llama)::
 
-    h = x + dropout(o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))))  n = norm(x)
-    y = h + dropout(down_proj(silu(gate_proj(m)) · up_proj(m)))                       m = norm(h)
+    a = dropout(o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))))   n = norm(x)
+    m, h = norm(x + a), x + a                       (one fused RMSNorm + residual add)
+    y = h + dropout(down_proj(swiglu(gate_proj(m), up_proj(m))))
 
 q/k/v and gate/up are column-parallel (heads and FFN columns split over TP), o/down are
-row-parallel. Norms and dropout run on whatever the rank holds (the sequence shard under SP);
-under SP the norm weight's gradient is summed over TP because each rank saw different tokens.
-Attention is causal with GQA; with a cp group it is :func:`context_parallel_attention`.
-Modules are built at tp=1 and split by :func:`mt_parallel.apply_tensor_parallel`; the local
-head counts are read off the projection shapes, so the forward code is the same at every degree.
+row-parallel. RMSNorm (with the fused residual add), RoPE (on q and k together) and SwiGLU are
+``mt_fp8.ops``: Triton kernels on CUDA, the same math in PyTorch on the CPU, computed in fp32
+(fp64 for fp64 inputs, so fp64 references stay exact). The block's second residual add stays
+outside: fusing it into the next block's norm would change the block's ``x -> y`` interface.
 
-mt-fp8's fused RMSNorm / RoPE / SwiGLU are not available yet; :class:`RMSNorm`,
-:func:`apply_rope` and :class:`SwiGLU` are the plain-PyTorch versions, each a single place to swap
-in the fused op.
+Norms and dropout run on whatever the rank holds (the sequence shard under SP); under SP the
+norm weight's gradient is summed over TP because each rank saw different tokens, and the
+residual dropout draws a per-TP-rank mask (:mod:`mt_parallel.rng`). Attention is causal with
+GQA, masked to each token's own document when ``document_ids`` are given; with a cp group it is
+:func:`context_parallel_attention`. Modules are built at tp=1 and split by
+:func:`mt_parallel.apply_tensor_parallel`; the local head counts are read off the projection
+shapes, so the forward code is the same at every degree.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mt_fp8.ops import apply_rotary, rms_norm, swiglu
 from mt_parallel.context_parallel import context_parallel_attention
 from mt_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mt_parallel.layers import (
@@ -39,10 +45,11 @@ from mt_parallel.layers import (
     scaled_init_std,
 )
 from mt_parallel.mappings import copy_to_group, group_size
+from mt_parallel.rng import Dropout, forks_rng, rng_region
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x²) + eps) · w``, computed in at least fp32, on the local tokens."""
+    """``y = h / sqrt(mean(h²) + eps) · w`` with ``h = x (+ residual)``, via ``mt_fp8.ops``."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -51,56 +58,77 @@ class RMSNorm(nn.Module):
         self.tp_group: Any = None
         self.sequence_parallel = False
 
-    def set_sequence_parallel(self, tp_group: Any) -> None:
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
         """Under SP each TP rank normalises different tokens: sum the weight gradient over TP."""
-        self.tp_group, self.sequence_parallel = tp_group, True
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         self.weight.fill_(1.0)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x_BTD.dtype, torch.float32)
-        x = x_BTD.to(compute)
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    def forward(
+        self, x_BTD: torch.Tensor, residual_BTD: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``y``; with ``residual``: ``(y, h)``, ``h = x + residual`` in ``x``'s dtype."""
         weight = (
             copy_to_group(self.weight, self.tp_group) if self.sequence_parallel else self.weight
         )
-        return (y * weight.to(compute)).to(x_BTD.dtype)
+        return rms_norm(x_BTD, weight, self.eps, residual=residual_BTD)
 
 
 def rope_cos_sin(
     positions_S: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of shape ``(S, d)`` for rotate-half RoPE (angles in fp64)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = positions_S.to(torch.float64).unsqueeze(1) * inv_freq.to(positions_S.device)
-    angles_Sd = torch.cat([angles, angles], dim=-1)
-    return angles_Sd.cos().to(dtype), angles_Sd.sin().to(dtype)
+    """``cos``, ``sin`` of shape ``(S, d/2)`` (``mt_fp8.ops.apply_rotary``'s tables), angles in fp64."""
+    inv_freq_P = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles_SP = positions_S.to(torch.float64).unsqueeze(1) * inv_freq_P.to(positions_S.device)
+    return angles_SP.cos().to(dtype), angles_SP.sin().to(dtype)
 
 
 def apply_rope(x_BHSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the Hugging Face Llama layout): ``x·cos + rotate_half(x)·sin``."""
+    """Rotate-half RoPE of one tensor with full ``(S, d)`` tables: ``x·cos + rotate_half(x)·sin``.
+
+    For callers that build their own tables; :class:`Attention` rotates q and k together with
+    ``mt_fp8.ops.apply_rotary`` and the half tables of :meth:`Attention.rope_tables`.
+    """
     x1, x2 = x_BHSd.chunk(2, dim=-1)
     return x_BHSd * cos_Sd + torch.cat([-x2, x1], dim=-1) * sin_Sd
 
 
 class CoreAttention(nn.Module):
-    """Causal softmax attention with GQA; context parallel when ``cp_group`` has >1 rank.
+    """Causal softmax attention with GQA, optional document masking; context parallel when
+    ``cp_group`` has >1 rank.
 
-    Its own module so that selective recompute can wrap exactly this part.
+    Its own module so that selective recompute can wrap exactly this part. The probabilities
+    belong to this rank's heads, so their dropout is a sharded region (:mod:`mt_parallel.rng`).
     """
 
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.dropout = dropout
         self.cp_group: Any = None
+        self.tp_group: Any = None
+
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
+        self.tp_group = tp_group
+
+    def forks_rng(self) -> bool:
+        """Whether the next forward draws from the RNG tracker (recompute then replays it)."""
+        return forks_rng(self.training, self.dropout, sharded=True)
 
     def forward(
-        self, q_BHSd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor
+        self,
+        q_BHSd: torch.Tensor,
+        k_BKSd: torch.Tensor,
+        v_BKSd: torch.Tensor,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        return context_parallel_attention(q_BHSd, k_BKSd, v_BKSd, self.cp_group, dropout_p=p)
+        region = rng_region(True, self.tp_group, q_BHSd.device) if p > 0 else nullcontext()
+        with region:
+            return context_parallel_attention(
+                q_BHSd, k_BKSd, v_BKSd, self.cp_group, p, document_ids_BS
+            )
 
 
 class Attention(nn.Module):
@@ -140,28 +168,43 @@ class Attention(nn.Module):
             if value % tp:
                 raise ValueError(f"tensor parallel size tp={tp} does not divide {name}={value}")
 
-    def forward(self, x_BTD: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    def rope_tables(
+        self, positions_S: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_SP``, ``sin_SP`` for the tokens' positions; override for other frequencies."""
+        return rope_cos_sin(positions_S, self.head_dim, self.rope_theta, dtype)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         n_BSD = self.q_proj.prepare_input(x_BTD)
         B, S, _ = n_BSD.shape
         hd = self.head_dim
-        q_BHSd = self.q_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
-        k_BKSd = self.k_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
-        v_BKSd = self.v_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
+        q_BSHd = self.q_proj.forward_prepared(n_BSD).view(B, S, -1, hd)
+        k_BSKd = self.k_proj.forward_prepared(n_BSD).view(B, S, -1, hd)
+        v_BSKd = self.v_proj.forward_prepared(n_BSD).view(B, S, -1, hd)
         if positions_S is None:
             if group_size(self.core.cp_group) > 1:
                 raise ValueError("context-parallel attention needs the tokens' global positions")
             positions_S = torch.arange(S, device=x_BTD.device)
-        cos_Sd, sin_Sd = rope_cos_sin(positions_S, hd, self.rope_theta, q_BHSd.dtype)
-        q_BHSd, k_BKSd = apply_rope(q_BHSd, cos_Sd, sin_Sd), apply_rope(k_BKSd, cos_Sd, sin_Sd)
-        o_BHSd = self.core(q_BHSd, k_BKSd, v_BKSd)
+        # The tables in the rotation's compute precision (fp64 only for fp64 activations).
+        table_dtype = torch.float64 if q_BSHd.dtype == torch.float64 else torch.float32
+        cos_SP, sin_SP = self.rope_tables(positions_S, table_dtype)
+        q_BSHd, k_BSKd = apply_rotary(q_BSHd, k_BSKd, cos_SP, sin_SP)
+        o_BHSd = self.core(
+            q_BSHd.transpose(1, 2), k_BSKd.transpose(1, 2), v_BSKd.transpose(1, 2), document_ids_BS
+        )
         return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, -1))
 
 
 class SwiGLU(nn.Module):
-    """``silu(g)·u``; its own module so that selective recompute can wrap it."""
+    """``silu(g)·u`` (``mt_fp8.ops.swiglu``); its own module so selective recompute can wrap it."""
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        return swiglu(gate, up)
 
 
 class MLP(nn.Module):
@@ -184,7 +227,7 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One Llama decoder layer (module docstring); ``forward(x_BTD, positions_S)``."""
+    """One Llama decoder layer (module docstring); ``forward(x_BTD, positions_S, document_ids_BS)``."""
 
     def __init__(
         self,
@@ -202,18 +245,30 @@ class DecoderBlock(nn.Module):
         self.attention = Attention(dim, num_heads, num_kv_heads, rope_theta, dropout, num_layers)
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.mlp = MLP(dim, ffn_dim, num_layers)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
-    def forward(self, x_BTD: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
-        h_BTD = x_BTD + self.dropout(self.attention(self.attention_norm(x_BTD), positions_S))
-        return h_BTD + self.dropout(self.mlp(self.ffn_norm(h_BTD)))
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        n_BTD = self.attention_norm(x_BTD)
+        # NOTE: document ids only when given, so attentions with the older (x, positions)
+        # signature keep working in blocks that never see packed sequences.
+        extra = {} if document_ids_BS is None else {"document_ids_BS": document_ids_BS}
+        a_BTD = self.dropout(self.attention(n_BTD, positions_S, **extra))
+        # x first: h = x + a keeps the residual stream's dtype (fp32 under bf16 autocast).
+        m_BTD, h_BTD = self.ffn_norm(x_BTD, a_BTD)
+        return h_BTD + self.dropout(self.mlp(m_BTD))
 
 
 class DecoderLM(nn.Module):
     """Embedding, ``num_layers`` decoder blocks, final norm, vocab-parallel LM head.
 
     A minimal model for tests and examples; ``forward`` returns the local vocabulary slice of
-    the logits ``(B, S, V/tp)`` and :meth:`loss` the vocab-parallel cross-entropy.
+    the logits ``(B, S, V/tp)`` and :meth:`loss` the cross-entropy (vocab-parallel under TP,
+    mt-fp8's chunked kernel without).
     """
 
     def __init__(
@@ -240,11 +295,14 @@ class DecoderLM(nn.Module):
         )
 
     def forward(
-        self, tokens_BT: torch.Tensor, positions_S: torch.Tensor | None = None
+        self,
+        tokens_BT: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x_BTD = self.embed(tokens_BT)
         for layer in self.layers:
-            x_BTD = layer(x_BTD, positions_S)
+            x_BTD = layer(x_BTD, positions_S, document_ids_BS)
         return self.lm_head(self.norm(x_BTD))
 
     def loss(self, logits_BSV_l: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:

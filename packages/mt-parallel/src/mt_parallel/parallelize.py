@@ -4,8 +4,9 @@ them in order.
 Order (each step assumes the previous ones; none edits model code):
 
 1. **Tensor parallel** (:func:`apply_tensor_parallel`): check every module's divisibility first
-   (``check_tp``), then cut each TP layer's full parameters to this rank's shard and, under
-   sequence parallel, switch the layers and norms to SP. Parameters are *replaced*, so build
+   (``check_tp``), then cut each TP layer's full parameters to this rank's shard, switch the
+   layers to SP if asked, and give every other module with a ``set_tensor_parallel(tp_group,
+   sequence_parallel)`` hook (norms, dropouts, the attention core) the TP group. Parameters are *replaced*, so build
    optimizers after this step.
 2. **Context parallel** (:func:`apply_context_parallel`): give every core attention the cp group.
 3. **FP8** (:func:`apply_fp8`): route the TP layers' local GEMMs through ``mt_fp8.FP8Linear``;
@@ -33,7 +34,7 @@ from mt_parallel.config import ParallelConfig
 from mt_parallel.data_parallel import apply_data_parallel
 from mt_parallel.layers import TensorParallelModule, _ParallelLinear
 from mt_parallel.mappings import group_size
-from mt_parallel.model import CoreAttention, DecoderBlock, RMSNorm
+from mt_parallel.model import CoreAttention, DecoderBlock
 from mt_parallel.recompute import apply_recompute
 
 
@@ -53,8 +54,8 @@ def apply_tensor_parallel(
     for module in model.modules():
         if isinstance(module, TensorParallelModule):
             module.shard_(tp_group, sequence_parallel)
-        elif isinstance(module, RMSNorm) and sequence_parallel:
-            module.set_sequence_parallel(tp_group)
+        elif hasattr(module, "set_tensor_parallel"):
+            module.set_tensor_parallel(tp_group, sequence_parallel)
     return model
 
 

@@ -11,8 +11,10 @@ Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
 Wrapping replaces the module's ``forward`` on the instance by a call through
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; parameters, their names and the
 state dict are untouched. The checkpoint saves the CPU and device RNG states and restores them
-for the recomputation, so dropout draws the same mask twice and gradients are bit-identical to
-those without recompute. Collectives inside a recomputed region (TP, SP, CP) run again in
+for the recomputation, and (when a dropout inside forks the RNG tracker) the tracker's states
+too (:func:`mt_parallel.rng.recompute_rng_contexts`), so dropout draws the same mask twice, in
+replicated and in TP-sharded regions alike, and gradients are bit-identical to those without
+recompute. Collectives inside a recomputed region (TP, SP, CP) run again in
 backward, in the same order on every rank.
 """
 
@@ -22,16 +24,25 @@ import functools
 from typing import Any
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from mt_parallel.config import RECOMPUTE_POLICIES, SELECTIVE_TARGETS
 from mt_parallel.model import CoreAttention, DecoderBlock, SwiGLU
+from mt_parallel.rng import recompute_rng_contexts
 
 _SELECTIVE_TYPES: dict[str, type[nn.Module]] = {"attention": CoreAttention, "mlp": SwiGLU}
 
 
+def _forks_rng(module: nn.Module) -> bool:
+    return any(m.forks_rng() for m in module.modules() if hasattr(m, "forks_rng"))
+
+
 def _recomputed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(type(module).forward, module, *args, use_reentrant=False, **kwargs)
+    # The plain context otherwise: torch.compile accepts no other context_fn.
+    context_fn = recompute_rng_contexts if _forks_rng(module) else noop_context_fn
+    return checkpoint(
+        type(module).forward, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+    )
 
 
 def recompute_module(module: nn.Module) -> None:
