@@ -1,10 +1,12 @@
 """mt-parallel on 2 gloo ranks (one pool for the module): TP/SP, CE, CP, block, DP, ZeRO-1,
-clipping, recompute, FP8 and bad input, each against a single-process fp64 reference."""
+clipping, recompute, FP8, document masking, dropout regions and bad input, each against a
+single-process fp64 reference."""
 
 from __future__ import annotations
 
 import parallel_checks as checks
 import pytest
+import sequence_checks
 import torch
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
@@ -56,8 +58,34 @@ def test_global_norm_clipping_tp2_sp(pool: DistributedPool) -> None:
         assert_close(result)
 
 
-def test_recompute_changes_no_gradient_bit_under_tp_sp(pool: DistributedPool) -> None:
-    assert pool.run(checks.recompute_bits, policy="full", tp=2, sp=True) == [True, True]
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_changes_no_gradient_bit_under_tp_sp(pool: DistributedPool, policy: str) -> None:
+    # Dropout on: the residual dropouts (SP shards) and the attention-probability dropout (head
+    # shards) draw from the TP-offset tracker stream, which recompute must replay.
+    assert pool.run(checks.recompute_bits, policy=policy, tp=2, sp=True) == [True, True]
+
+
+def test_dropout_masks_differ_on_shards_and_agree_on_replicas(pool: DistributedPool) -> None:
+    first, second = pool.run(sequence_checks.dropout_masks)
+    for result in (first, second):
+        assert "needs mt_parallel.manual_seed" in result["unseeded"]
+        assert not result["block_sharded_sp=False"] and result["block_sharded_sp=True"]
+    for key in ("replicated_before", "replicated_after", "default_state"):
+        assert torch.equal(first[key], second[key]), key
+    for key in ("sharded", "sequence_parallel", "attention_output"):
+        assert not torch.equal(first[key], second[key]), key
+    for key in ("replicated_before", "sharded", "sequence_parallel"):
+        assert 0.3 < first[key].float().mean() < 0.7, key  # p=0.5: a real mask
+
+
+def test_cp_attention_with_documents_cp2(pool: DistributedPool) -> None:
+    for result in pool.run(sequence_checks.cp_attention_documents):
+        assert_close(result)
+
+
+def test_decoder_block_with_documents_cp2(pool: DistributedPool) -> None:
+    for result in pool.run(sequence_checks.decoder_lm_documents, cp=2):
+        assert_close(result)
 
 
 def test_fp8_under_tp_is_the_same_on_every_rank_and_within_the_fp8_bound(

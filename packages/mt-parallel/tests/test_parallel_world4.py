@@ -1,10 +1,12 @@
 """mt-parallel on 4 gloo ranks (one pool for the module): tp=4 layers, cp=4 attention, the
-block at dp=2×tp=2, ZeRO-1 with TP and in bf16, clipping with DDP."""
+block at dp=2×tp=2, ZeRO-1 with TP and in bf16, clipping with DDP, document masking at cp=4 and
+at cp=2×tp=2 with SP."""
 
 from __future__ import annotations
 
 import parallel_checks as checks
 import pytest
+import sequence_checks
 from parallel_tolerances import FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool
@@ -65,4 +67,14 @@ def test_global_norm_clipping_dp2_tp2(pool: DistributedPool) -> None:
 def test_fsdp2_composes_with_tp_dp2_tp2(pool: DistributedPool) -> None:
     for result in pool.run(checks.clip_norm, tp=2, dp=2, data_parallel="fsdp"):
         assert result["clipped"]
+        assert_close(result)
+
+
+def test_cp_attention_with_documents_cp4(pool: DistributedPool) -> None:
+    for result in pool.run(sequence_checks.cp_attention_documents):
+        assert_close(result)
+
+
+def test_decoder_block_with_documents_cp2_tp2_sp(pool: DistributedPool) -> None:
+    for result in pool.run(sequence_checks.decoder_lm_documents, cp=2, tp=2, sp=True):
         assert_close(result)

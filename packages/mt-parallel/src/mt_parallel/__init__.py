@@ -10,6 +10,7 @@ from mt_parallel.checkpoint import (
 from mt_parallel.config import ParallelConfig, validate_cp_sequence, validate_tp_shapes
 from mt_parallel.context_parallel import (
     context_parallel_attention,
+    document_ids_from_cu_seqlens,
     load_balanced_positions,
     shard_sequence,
     unshard_sequence,
@@ -82,6 +83,7 @@ __all__ = [
     "clip_grad_norm_",
     "context_parallel_attention",
     "copy_to_group",
+    "document_ids_from_cu_seqlens",
     "gather_from_group",
     "get_rng_tracker",
     "init_weights",

@@ -19,6 +19,12 @@ with the causal mask aligned to the lower right (query ``i`` of the chunk sits a
 for every ``r``. RoPE is applied before the gather with each token's global position, so the
 gathered keys carry their own rotation.
 
+Packed sequences. With per-token ``document_ids`` (or :func:`document_ids_from_cu_seqlens`),
+a query also needs the key's document to equal its own: the mask is ``causal ∧ same document``
+(the causal offsets above, unchanged). Under CP each rank all-gathers the ids of the keys with
+K/V (``B·T`` integers) and reorders them like the keys. A query always sees itself, so no row
+of the mask is empty.
+
 Ring attention (overlapping the K/V exchange with compute, the GPU performance path) is not
 implemented; the all-gather variant is exact and its memory cost is one full K/V per layer.
 """
@@ -64,6 +70,26 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, cp_group: Any) -> torch.Te
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(seq_len)
     return gathered.index_select(dim, inverse.to(x_local.device))
+
+
+def document_ids_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, batch: int, seq_len: int
+) -> torch.Tensor:
+    """Per-token document ids ``(batch, seq_len)`` from cumulative document lengths.
+
+    ``cu_seqlens`` is flash-attention's varlen layout over the flattened batch:
+    ``[0, l₀, l₀+l₁, ..., batch·seq_len]``. Token ``i`` gets the index of the document that
+    holds it; a document cut at a row end continues under the same id on the next row, which is
+    harmless (rows never attend to each other). Shard the ids like the tokens under CP.
+    """
+    total = batch * seq_len
+    bounds = cu_seqlens.to(torch.long)
+    if bounds.dim() != 1 or bounds[0] != 0 or bounds[-1] != total or (bounds.diff() < 0).any():
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to batch·seq_len = {total}, got {cu_seqlens.tolist()}"
+        )
+    tokens = torch.arange(total, device=bounds.device)
+    return torch.searchsorted(bounds[1:], tokens, right=True).view(batch, seq_len)
 
 
 def _global_order(chunk: int, cp: int) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""Worker functions for packed-sequence (document) masking and dropout RNG regions.
+
+Document masking is checked against a reference that runs every document on its own (fp64,
+one process), so it proves that no query sees a key of another document, at any cp degree.
+Dropout is checked by looking at the masks themselves: equal across TP ranks where the
+activations are replicated, different where they are sharded.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from parallel_checks import (
+    HEADS,
+    KV_HEADS,
+    _batch,
+    _lm,
+    _local_batch,
+    compare_grads,
+    rel_err,
+)
+
+import mt_comm
+import mt_parallel as mp
+
+
+def document_ids(seed: int, batch: int, seq: int, documents: int = 4) -> torch.Tensor:
+    """``(batch, seq)`` ids 0, 0, 1, 1, 1, 2, ...: ``documents`` random-length runs per row."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq - 1, generator=generator)[: documents - 1] + 1
+        starts = torch.zeros(seq, dtype=torch.long)
+        starts[cuts] = 1
+        rows.append(starts.cumsum(0))
+    return torch.stack(rows)
+
+
+def runs(ids_T: torch.Tensor) -> list[slice]:
+    """The slices of equal consecutive ids (the documents of one row)."""
+    starts = [0] + [t for t in range(1, len(ids_T)) if ids_T[t] != ids_T[t - 1]] + [len(ids_T)]
+    return [slice(a, b) for a, b in itertools.pairwise(starts)]
+
+
+def attention_by_document(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids_BT: torch.Tensor
+) -> torch.Tensor:
+    """Causal GQA attention run on every document of every row separately."""
+    rows = []
+    for b in range(q.shape[0]):
+        pieces = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1, :, doc], k[b : b + 1, :, doc], v[b : b + 1, :, doc],
+                is_causal=True, enable_gqa=True,
+            )
+            for doc in runs(ids_BT[b])
+        ]  # fmt: skip
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
+
+
+def cp_attention_documents(seed: int = 0) -> dict[str, float]:
+    """Document-masked causal attention at cp=world vs. the per-document reference."""
+    state = mt_comm.init_parallel_state(cp=mt_comm.group_size())
+    cp_group = state.group("cp")
+    generator = torch.Generator().manual_seed(seed)
+    B, T, d = 2, 8 * state.size("cp"), 8
+    ids = document_ids(seed + 1, B, T)
+    q = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    k = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    v = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    dy = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = attention_by_document(*ref, ids)
+    ref_out.backward(dy)
+
+    local = [mp.shard_sequence(t, 2, cp_group).float().requires_grad_() for t in (q, k, v)]
+    local_ids = mp.shard_sequence(ids, 1, cp_group)
+    out = mp.context_parallel_attention(*local, cp_group, document_ids_Bt=local_ids)
+    out.backward(mp.shard_sequence(dy, 2, cp_group).float())
+    errors = {"out": rel_err(out, mp.shard_sequence(ref_out, 2, cp_group))}
+    for name, mine, theirs in zip("qkv", local, ref, strict=True):
+        errors[f"d{name}"] = rel_err(mine.grad, mp.shard_sequence(theirs.grad, 2, cp_group))
+    return errors
+
+
+def lm_by_document(
+    reference: mp.DecoderLM, tokens_BT: torch.Tensor, ids_BT: torch.Tensor
+) -> torch.Tensor:
+    """The reference's logits with every document run as its own sequence (positions from 0)."""
+    rows = [
+        torch.cat([reference(tokens_BT[b : b + 1, doc]) for doc in runs(ids_BT[b])], dim=1)
+        for b in range(tokens_BT.shape[0])
+    ]
+    return torch.cat(rows)
+
+
+def decoder_lm_documents(
+    cp: int = 1, tp: int = 1, sp: bool = False, seed: int = 0
+) -> dict[str, object]:
+    """The decoder LM on packed rows (document ids) under parallelize() vs. per-document runs.
+
+    The parallel model gets global positions, the reference positions from 0 per document:
+    RoPE scores depend only on position differences, so both must agree.
+    """
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
+    config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
+    reference = _lm()
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = _lm()
+    mp.init_weights(model, seed)
+    model = mp.parallelize(model, config, state)
+
+    tokens, targets = _batch(seed + 1, 2, 16)
+    ids = document_ids(seed + 2, 2, 16)
+    ref_logits = lm_by_document(reference, tokens, ids)
+    ref_losses = mp.vocab_parallel_cross_entropy(ref_logits, targets, reduction="none")
+    ref_losses.mean().backward()
+
+    local_tokens, local_targets, positions, _ = _local_batch(state, tokens, targets)
+    local_ids = mp.shard_sequence(ids, 1, state.group("cp"))
+    logits = model(local_tokens, positions, local_ids)
+    inner = model.module if hasattr(model, "module") else model  # DDP over cp
+    loss = inner.loss(logits, local_targets)
+    loss.backward()
+    tp_rank = state.rank("tp")
+    return {
+        "logits": rel_err(logits, ref_logits[:, positions].chunk(tp, dim=-1)[tp_rank]),
+        "loss": rel_err(loss, ref_losses[:, positions].mean()),
+        "grads": compare_grads(inner, reference, tp_rank, tp),
+    }
+
+
+def dropout_masks(seed: int = 0) -> dict[str, object]:
+    """Dropout masks of every region at tp=world on identical inputs (the test compares ranks).
+
+    Replicated-region masks are drawn before and after sharded ones, to show that forking the
+    tracker leaves the shared default stream where it was.
+    """
+    state = mt_comm.init_parallel_state(tp=mt_comm.group_size())
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+
+    def dropout(sharded: bool, sequence_parallel: bool) -> mp.Dropout:
+        module = mp.Dropout(0.5, sharded=sharded)
+        module.set_tensor_parallel(tp_group, sequence_parallel)
+        return module
+
+    masks: dict[str, object] = {"unseeded": "no error"}
+    mp.get_rng_tracker().reset()
+    try:
+        dropout(False, False)(torch.ones(4))
+    except RuntimeError as error:
+        masks["unseeded"] = str(error)
+    mp.manual_seed(seed, tp_rank)
+
+    ones = torch.ones(8, 64)
+    masks["replicated_before"] = dropout(False, False)(ones) != 0
+    masks["sharded"] = dropout(True, False)(ones) != 0
+    masks["sequence_parallel"] = dropout(False, True)(ones) != 0
+    masks["replicated_after"] = dropout(False, False)(ones) != 0
+
+    # Attention probabilities of this rank's heads: same q, k, v on every rank, so the outputs
+    # differ exactly when the masks do.
+    core = mp.CoreAttention(dropout=0.5)
+    core.set_tensor_parallel(tp_group, False)
+    qkv = torch.randn(3, 1, 2, 16, 8, generator=torch.Generator().manual_seed(seed))
+    masks["attention_output"] = core(*qkv)
+    masks["default_state"] = torch.get_rng_state()
+
+    # In the model: the residual dropouts are replicated without SP and sharded with it.
+    for sp in (False, True):
+        model = mp.apply_tensor_parallel(_lm(dropout=0.1, layers=1), tp_group, sp)
+        masks[f"block_sharded_sp={sp}"] = model.layers[0].dropout.sharded
+    return masks
