@@ -80,7 +80,9 @@ def _inject_nan_at(trainer: Trainer, step: int) -> list[int]:
 
 
 def test_rewind_restores_checkpoint_and_skips_bad_data(kjv_data: Path, tmp_path: Path) -> None:
-    overrides = tiny_overrides(kjv_data, rewind="default", **{"trainer.max_steps": 8})
+    overrides = tiny_overrides(
+        kjv_data, rewind="default", **{"trainer.max_steps": 8, "rewind.stable_after": 1}
+    )
     trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
     fired = _inject_nan_at(trainer, step=6)
     try:
@@ -88,7 +90,7 @@ def test_rewind_restores_checkpoint_and_skips_bad_data(kjv_data: Path, tmp_path:
     finally:
         trainer.close()
     assert fired == [5] and summary.rewinds == 1 and summary.steps == 8
-    assert trainer.lr_scale == 0.5
+    assert trainer.guard.cooldown == {"start": 4, "steps": 20, "factor": 0.5}
     # Steps 5 and 6 were redone from the step-4 checkpoint on later batches: 8 + 2 losses kept.
     assert len(summary.losses) == 9 and all(math.isfinite(x) for x in summary.losses)
     assert trainer.sampler.consumed == (8 + 2) * 8  # the two skipped batches stay consumed

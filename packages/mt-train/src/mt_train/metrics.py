@@ -59,6 +59,12 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.update(steps)
 
+    def set_step(self, step: int) -> None:
+        """Move the bar to ``step`` (after a rewind took the step counter back)."""
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
         if not self.enabled:
             return

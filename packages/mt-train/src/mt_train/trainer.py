@@ -5,18 +5,20 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     for m < A:  loss_m = CE(model(x_m), y_m);  backward(loss_m / A)      (autocast if bf16)
     grads ← mean over dp ranks                      (DDP at the last micro-batch, or a flat all-reduce)
     n = ‖grads‖₂ (global over TP shards); if clip > 0: grads ← grads · min(1, clip / n)
-    lr = peak · schedule(step) · lr_scale;  AdamW step;  zero grads
+    verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
+    if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
+    zero grads
 
-The reported loss is the mean over the global batch. The step is skipped (never applied)
-when the loss or ``n`` is not finite, or, with rewind on, when the loss spikes above
-``spike_factor`` × its running mean: rewind then restores the newest checkpoint, keeps the
-data position (so the batches since that checkpoint, the offending one included, are
-skipped), multiplies ``lr_scale`` by ``lr_cooldown`` and counts the rewind. All ranks see the
-same reduced loss and norm, so they agree on anomalies without another collective.
+The reported loss is the mean over the global batch. An anomalous step is never applied:
+with ``rewind`` off a non-finite loss or norm stops the run; with it on the trainer restores
+the newest stable checkpoint (from memory or disk), skips data, cools the LR and carries on
+(:mod:`mt_train.rewind.manager`). A SIGTERM/SIGINT ends the run after the step in progress
+with a checkpoint (:mod:`mt_train.rewind.preemption`).
 
-Invariant for exact resume: the full state is (parameters, AdamW state, sampler ``consumed``,
-step, lr_scale, RNG); all of it is checkpointed, and nothing else carries information
-between steps, so on the CPU a resumed run repeats the uninterrupted loss curve bit for bit.
+Invariant for exact resume: the full state is (parameters, AdamW state, FP8 scaling state,
+sampler ``consumed`` and skipped ranges, step, RNG, and the rewind policy's state: baselines,
+history, cool-down); all of it is checkpointed, and nothing else carries information between
+steps, so on the CPU a resumed run repeats the uninterrupted loss curve bit for bit.
 """
 
 from __future__ import annotations
@@ -41,12 +43,18 @@ from mt_train.checkpoint.checkpointer import (
     Checkpointer,
     TPLayout,
     load_into,
-    model_state,
-    optimizer_state,
     resolve_resume,
-    rng_state,
+    shard_tensors,
 )
-from mt_train.checkpoint.files import CheckpointReader
+from mt_train.checkpoint.files import (
+    CheckpointReader,
+    checkpoint_step,
+    discard,
+    newest_valid_checkpoint,
+    quarantine,
+    step_dir,
+    verify_checkpoint,
+)
 from mt_train.config.schema import TrainConfig
 from mt_train.convert import checkpoint_folder
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
@@ -55,6 +63,13 @@ from mt_train.metrics import MetricsLogger
 from mt_train.models import build as B
 from mt_train.models.llama import flops_per_token, num_params
 from mt_train.optim import build_optimizer, lr_multiplier
+from mt_train.rewind import snapshot as snap
+from mt_train.rewind.consensus import Verdict
+from mt_train.rewind.detectors import StepSignals
+from mt_train.rewind.events import EVENTS_FILE, EventLog, read_events
+from mt_train.rewind.faults import FaultInjector
+from mt_train.rewind.manager import RewindManager
+from mt_train.rewind.preemption import StopRequest
 from mt_train.sample import greedy_generate
 
 
@@ -72,6 +87,8 @@ class TrainSummary:
     losses: list[float]
     rewinds: int
     sample: str
+    stopped: str | None = None
+    """The signal that ended the run early (preemption), or None."""
 
 
 class Trainer:
@@ -132,16 +149,25 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_cfg, tr.seq_len)
         self.peak_flops = self.ctx.device.capabilities().peak_bf16_flops
         self.step = 0
-        self.lr_scale = 1.0
-        self.rewinds = 0
-        self._loss_ema: float | None = None
+        self.stopped: str | None = None
+        self.verdict = Verdict()
+        self._stop = StopRequest()
+        self._last_save: int | None = None
+        self._resumed_from: Path | None = None
+        self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
+        self.guard = RewindManager(cfg.rewind, self.events, self.device)
+        self.faults = self._build_faults()
+        self.watch_fp8 = (
+            self.fp8_layers > 0 and cfg.rewind.enabled and "fp8_overflow" in cfg.rewind.detectors
+        )
 
         ck = cfg.checkpoint
         self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.rank, self.world_size, self.run_id, ck.keep_last, ck.async_save
         )
-        resume = resolve_resume(ck.resume, self.ckpt_dir)
+        self.faults.corrupt_at_start(self.ckpt_dir)
+        resume = self._find_resume(ck.resume)
         if resume is not None:
             self.load(resume)
         elif ck.init_from is not None:
@@ -152,23 +178,84 @@ class Trainer:
             self.checkpointer.prepare()
         self.logger: MetricsLogger | None = None
 
+    def _build_faults(self) -> FaultInjector:
+        """The fault injector, with the one-shot faults already recorded in this run disarmed."""
+        fault = self.cfg.fault
+        fired = ""
+        if self.rank == 0:
+            fired = ",".join(
+                r["fault"] for r in read_events(self.output_dir) if r["event"] == "fault"
+            )
+        fired = D.broadcast_str(fired, self.device)
+        bad: list[int] = []
+        if fault.bad_batch_at_step is not None:
+            G = self.cfg.trainer.global_batch_size
+            order = ResumableSampler(len(self.data.train), self.cfg.trainer.seed, G, G)
+            order.consumed = (fault.bad_batch_at_step - 1) * G
+            bad = order.next_step()[0].tolist()
+        injector = FaultInjector(fault, self.rank, filter(None, fired.split(",")), bad, self.events)
+        if fault.fp8_overflow_at_step is not None:
+            injector.install_fp8_hooks(self.module)
+        return injector
+
     # ------------------------------------------------------------------ state
+    def _verify(self, folder: Path) -> str | None:
+        """Rank 0 checks ``folder`` (manifest, sizes, sha256); every rank gets the reason."""
+        reason = (verify_checkpoint(folder) or "") if self.rank == 0 else ""
+        return D.broadcast_str(reason, self.device) or None
+
+    def _reject(self, folder: Path, reason: str) -> None:
+        moved = quarantine(folder) if self.rank == 0 and folder.exists() else None
+        self.events.emit(
+            "checkpoint_rejected",
+            checkpoint_step(folder),
+            path=str(folder),
+            reason=reason,
+            moved_to=str(moved) if moved else None,
+        )
+
+    def _find_resume(self, mode: str) -> Path | None:
+        """``checkpoint.resume``: none, auto (the newest checkpoint that verifies; corrupt or
+        partial newer ones are rejected and logged) or a folder (which must verify)."""
+        if mode == "none":
+            return None
+        if mode != "auto":
+            reason = self._verify(Path(mode))
+            if reason is not None:
+                raise ValueError(f"checkpoint.resume={mode!r} cannot be used: {reason}")
+            return Path(mode)
+        chosen = ""
+        if self.rank == 0:
+            folder, rejected = newest_valid_checkpoint(self.ckpt_dir)
+            for bad, reason in rejected:
+                self._reject(bad, reason)
+            chosen = str(folder) if folder is not None else ""
+        chosen = D.broadcast_str(chosen, self.device)
+        return Path(chosen) if chosen else None
+
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any dp degree; see :mod:`mt_train.checkpoint.checkpointer`)."""
         reader = CheckpointReader(folder)
         load_into(reader, self.module, self.optimizer, self.rank, self.ctx.device, self.tp_layout)
+        snap.after_load(self.module)
         manifest = reader.manifest
         self.sampler.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
-        self.lr_scale = float(manifest.get("lr_scale", 1.0))
-        self.rewinds = int(manifest.get("rewinds", 0))
+        self.guard.load_state_dict(manifest.get("rewind", {}))
+        self._resumed_from = folder
+        self.events.emit("resume", self.step, path=str(folder))
 
     def save(self) -> None:
-        tensors = model_state(self.module, self.tp_layout)
-        tensors.update(optimizer_state(self.module, self.optimizer, self.tp_layout))
-        if self.dp_rank != 0:
-            tensors = {}
-        tensors.update(rng_state(self.rank, self.ctx.device))
+        """Checkpoint the current step; with rewind on it also becomes a rewind target (held
+        in memory too with ``rewind.memory_snapshots``)."""
+        rw = self.cfg.rewind
+        hold = rw.enabled and rw.memory_snapshots
+        local = (
+            snap.capture(self.module, self.optimizer, self.ctx.device)
+            if hold
+            else snap.live_state(self.module, self.optimizer, self.ctx.device)
+        )
+        tensors = shard_tensors(local, self.tp_layout, self.rank, self.dp_rank)
         manifest = {
             "step": self.step,
             "config": dataclasses.asdict(self.cfg),
@@ -177,12 +264,43 @@ class Trainer:
             "world_size": self.world_size,
             "parallel": {**dataclasses.asdict(self.cfg.parallel), "dp": self.dp},
             "tp_plan": self.tp_layout.plan,
-            "lr_scale": self.lr_scale,
-            "rewinds": self.rewinds,
+            "rewind": self.guard.state_dict(),
             "fp8_state": sorted(k for k in self.module.state_dict() if "fp8" in k.lower()),
             "tokenizer": {"folder": str(self.data.folder), **self.data.train.meta},
         }
-        self.checkpointer.save(self.step, tensors, manifest)
+        protect = frozenset(self.guard.targets.protected | {self.step})
+        self.checkpointer.save(self.step, tensors, manifest, copy=not hold, protect=protect)
+        self._last_save = self.step
+        self.guard.add_target(
+            snap.Target(
+                self.step,
+                self.sampler.consumed,
+                path=step_dir(self.ckpt_dir, self.step),
+                host=local if hold else None,
+            )
+        )
+
+    def _start_targets(self) -> None:
+        """Rewind targets a fit starts with: its starting state, and after a resume the
+        older checkpoints that manifest knew to be stable."""
+        rw = self.cfg.rewind
+        if not rw.enabled or self.guard.targets.items:
+            return
+        if self._resumed_from is not None:
+            manifest = CheckpointReader(self._resumed_from).manifest
+            for step in manifest.get("rewind", {}).get("stable", []):
+                folder = step_dir(self.ckpt_dir, step)
+                if step < self.step and (folder / "manifest.json").is_file():
+                    self.guard.add_target(snap.Target(step, -1, path=folder, stable=True))
+        host = snap.capture(self.module, self.optimizer, self.ctx.device)
+        self.guard.add_target(
+            snap.Target(
+                self.step,
+                self.sampler.consumed,
+                path=self._resumed_from,
+                host=host if rw.memory_snapshots else None,
+            )
+        )
 
     # ------------------------------------------------------------------ steps
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -196,70 +314,125 @@ class Trainer:
             logits = self.model(batch.inputs)
         return self.module.loss(logits.float(), batch.targets)
 
+    def _fp8_saturation(self) -> tuple[float, str]:
+        """The largest saturated fraction over FP8 layers and roles since the last reset."""
+        worst, where = 0.0, ""
+        for layer, roles in mt_fp8.fp8_health(self.module).items():
+            for role, health in roles.items():
+                if health["saturated"] > worst:
+                    worst, where = health["saturated"], f"{layer}:{role}"
+        return worst, where
+
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step (or a skipped one: ``metrics["event"]`` says why)."""
+        """One optimizer step, or an anomalous one that is not applied (``self.verdict`` and
+        ``metrics["event"]`` say why)."""
+        faults = self.faults.begin_step(self.step + 1)
+        if self.watch_fp8:
+            mt_fp8.reset_fp8_health(self.module)
         micro = self.sampler.next_step()
         total = torch.zeros((), device=self.device)
         for m, indices in enumerate(micro):
             batch = self.data.train.collate(indices).to(self.device)
             with mt_parallel.accumulate(self.model, is_last=m == len(micro) - 1):
                 loss = self.micro_loss(batch)
+                factor = faults.loss * self.faults.micro_loss_factor(indices)
+                if factor != 1.0:
+                    loss = loss * factor
                 (loss / len(micro)).backward()
             total += loss.detach()
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.cfg.parallel.data_parallel == "none":
             mt_parallel.all_reduce_gradients(params, self.dp_group)
+        if faults.grads != 1.0:
+            for p in params:
+                p.grad.mul_(faults.grads)
+        local_loss = (total / len(micro)).item()
         loss = D.mean_scalar(total / len(micro), self.dp_group).item()
         clip = self.cfg.optimizer.grad_clip
         norm = mt_parallel.clip_grad_norm_(params, clip, tp_group=self.tp_group).item()
         lr = self.cfg.optimizer.lr * lr_multiplier(
             self.step, self.cfg.trainer.max_steps, self.cfg.scheduler
         )
-        lr *= self.lr_scale
+        lr *= self.guard.lr_factor(self.step)
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr}
-        anomaly = self._anomaly(loss, norm)
-        if anomaly is None:
+        signals = StepSignals(loss, norm, local_loss)
+        if self.watch_fp8:
+            signals.fp8_saturation, signals.fp8_worst = self._fp8_saturation()
+            metrics["fp8_saturated"] = signals.fp8_saturation
+        self.signals = signals
+        self.verdict = self.guard.judge(self.step, signals, self._stop.requested)
+        if not self.verdict.anomalous:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             if isinstance(self.fp8_recipe, mt_fp8.DelayedScaling):
                 mt_fp8.update_fp8_scales(self.module, self.fp8_recipe, self.tp_group)
             self.step += 1
+            self.guard.accept(self.step, signals)
         else:
-            metrics["event"] = anomaly
+            metrics["event"] = self.verdict.detector
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
-    def _anomaly(self, loss: float, norm: float) -> str | None:
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            return f"non-finite loss {loss} or grad norm {norm}"
-        rw, ema = self.cfg.rewind, self._loss_ema
-        warm = self.step > self.cfg.scheduler.warmup_steps
-        if rw.enabled and ema is not None and warm and loss > rw.spike_factor * ema:
-            return f"loss spike {loss:.4f} > {rw.spike_factor} x running mean {ema:.4f}"
-        self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
-        return None
-
-    def rewind(self, reason: str) -> None:
-        """Restore the newest checkpoint, keep the data position, cool the LR (see docstring)."""
-        rw = self.cfg.rewind
-        if not rw.enabled:
-            raise FloatingPointError(f"step {self.step}: {reason} (rewind is off: rewind=default)")
-        if self.rewinds >= rw.max_rewinds:
+    def rewind(self, verdict: Verdict) -> None:
+        """Go back to the newest stable target and skip data (:mod:`mt_train.rewind.manager`)."""
+        if not self.cfg.rewind.enabled:
+            s = self.signals
             raise FloatingPointError(
-                f"step {self.step}: {reason}; gave up after {self.rewinds} rewinds"
+                f"step {self.step}: non-finite loss {s.loss} or grad norm {s.grad_norm} "
+                "(rewind is off: rewind=default turns it on)"
             )
         self.checkpointer.wait()
-        D.barrier()
-        latest = resolve_resume("auto", self.ckpt_dir)
-        if latest is None:
-            raise FloatingPointError(f"step {self.step}: {reason}; no checkpoint to rewind to")
-        consumed, rewinds = self.sampler.consumed, self.rewinds
-        self.load(latest)
-        self.sampler.consumed = consumed
-        self.rewinds = rewinds + 1
-        self.lr_scale *= rw.lr_cooldown
-        self._loss_ema = None
+        anomaly_at = self.step
+        draws = self.sampler.last_draws
+        for target in self.guard.plan(anomaly_at, verdict):
+            source = self._restore(target)
+            if source is not None:
+                break
+        else:
+            raise self.guard.give_up(anomaly_at, verdict, "no readable checkpoint to rewind to")
+        skipped = self.guard.skip_range(target, draws)
+        self.sampler.consumed = target.consumed
+        if skipped is not None:
+            self.sampler.skip(*skipped)
+        self.step = target.step
+        dropped = self.guard.commit(
+            anomaly_at, verdict, target, source, skipped, self.cfg.trainer.global_batch_size
+        )
+        if self.rank == 0:
+            discard(self.ckpt_dir, [t.step for t in dropped if t.path is not None])
+        if self.logger is not None:
+            self.logger.set_step(self.step)
+
+    def _restore(self, target: snap.Target) -> str | None:
+        """Load ``target`` (memory if held, else disk after verifying); its source, or None
+        when its disk copy is rejected."""
+        if target.host is not None:
+            snap.restore(target.host, self.module, self.optimizer, self.ctx.device)
+            return "memory"
+        if target.path is None:
+            return None
+        reason = self._verify(target.path)
+        if reason is not None:
+            self._reject(target.path, reason)
+            self.guard.targets.drop(target)
+            return None
+        reader = CheckpointReader(target.path)
+        load_into(reader, self.module, self.optimizer, self.rank, self.ctx.device, self.tp_layout)
+        snap.after_load(self.module)
+        target.consumed = int(reader.manifest["data"]["consumed"])
+        return "disk"
+
+    def _preempt(self, signal_name: str | None) -> None:
+        """A stop signal reached some rank: checkpoint this step (if checkpoints are on)."""
+        saved = None
+        if self.cfg.checkpoint.enabled or self.cfg.rewind.enabled:
+            if self._last_save != self.step:
+                self.save()
+            self.checkpointer.wait()
+            saved = str(step_dir(self.ckpt_dir, self.step))
+        self.stopped = signal_name or "a signal on another rank"
+        self.events.emit("preempted", self.step, signal=self.stopped, checkpoint=saved)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -290,7 +463,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> TrainSummary:
-        """Train to ``trainer.max_steps``; evaluate, checkpoint and log on their intervals."""
+        """Train to ``trainer.max_steps``; evaluate, checkpoint and log on their intervals,
+        rewind on anomalies, stop early (with a checkpoint) on SIGTERM/SIGINT."""
         tr, ck = self.cfg.trainer, self.cfg.checkpoint
         is_main = self.rank == 0
         if is_main:
@@ -298,49 +472,41 @@ class Trainer:
         self.logger = MetricsLogger(
             self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main
         )
+        self.events.echo = self.logger.write
+        self._start_targets()
         tokens_per_step = tr.global_batch_size * tr.seq_len
         losses: list[float] = []
-        train_loss = val_loss = float("nan")
-        start = last_log = time.perf_counter()
-        steps_since_log = tokens_total = 0
-        while self.step < tr.max_steps:
-            metrics = self.train_step()
-            if "event" in metrics:
-                self.logger.log(self.step, metrics, kind="anomaly")
-                self.rewind(metrics["event"])
-                self.logger.log(self.step, {"event": f"rewound to step {self.step}"}, kind="rewind")
-                continue
-            losses.append(metrics["loss"])
-            train_loss = metrics["loss"]
-            steps_since_log += 1
-            tokens_total += tokens_per_step
-            self.logger.advance()
-            step = self.step
-            if step % tr.log_interval == 0 or step == tr.max_steps:
-                self.ctx.device.synchronize()
-                now = time.perf_counter()
-                tps = steps_since_log * tokens_per_step / (now - last_log)
-                metrics["tok/s"] = tps
-                if self.peak_flops:
-                    metrics["mfu"] = (
-                        self.flops_per_token * tps / (self.peak_flops * self.world_size)
+        self._val_loss = float("nan")
+        train_loss = float("nan")
+        start = self._last_log = time.perf_counter()
+        self._steps_since_log = tokens_total = 0
+        with self._stop:
+            while self.step < tr.max_steps:
+                metrics = self.train_step()
+                if self.verdict.anomalous:
+                    self.logger.log(self.step, metrics, kind="anomaly")
+                    self.rewind(self.verdict)
+                    self.logger.log(
+                        self.step, {"event": f"rewound to step {self.step}"}, kind="rewind"
                     )
-                mem = self.ctx.device.memory_stats().get("peak_allocated", 0)
-                metrics["mem_gib"] = mem / 2**30
-                self.logger.log(step, metrics)
-                last_log, steps_since_log = now, 0
-            if step % tr.eval_interval == 0 or step == tr.max_steps:
-                val_loss = self.evaluate()
-                self.logger.log(step, {"val_loss": val_loss}, kind="eval")
-            if (ck.enabled or self.cfg.rewind.enabled) and (
-                step % tr.checkpoint_interval == 0 or step == tr.max_steps
-            ):
-                self.save()
+                else:
+                    losses.append(metrics["loss"])
+                    train_loss = metrics["loss"]
+                    tokens_total += tokens_per_step
+                    self._after_step(metrics, tokens_per_step)
+                if self.verdict.stop:
+                    self._preempt(self._stop.signal_name)
+                    break
         self.checkpointer.wait()
         wall = time.perf_counter() - start
-        if math.isnan(val_loss):
+        val_loss = self._val_loss
+        if math.isnan(val_loss) and self.stopped is None:
             val_loss = self.evaluate()
-        sample = self.generate(tr.sample_prompt, tr.sample_tokens) if tr.sample_tokens > 0 else ""
+        sample = (
+            self.generate(tr.sample_prompt, tr.sample_tokens)
+            if tr.sample_tokens > 0 and self.stopped is None
+            else ""
+        )
         self.logger.close()
         latest = resolve_resume("auto", self.ckpt_dir) if ck.enabled else None
         return TrainSummary(
@@ -352,9 +518,35 @@ class Trainer:
             output_dir=str(self.output_dir),
             checkpoint=str(latest) if latest else None,
             losses=losses,
-            rewinds=self.rewinds,
+            rewinds=self.guard.rewinds,
             sample=sample,
+            stopped=self.stopped,
         )
+
+    def _after_step(self, metrics: dict[str, Any], tokens_per_step: int) -> None:
+        """Log, evaluate and checkpoint on their intervals after a healthy step."""
+        assert self.logger is not None
+        tr, step = self.cfg.trainer, self.step
+        self._steps_since_log += 1
+        self.logger.advance()
+        if step % tr.log_interval == 0 or step == tr.max_steps:
+            self.ctx.device.synchronize()
+            now = time.perf_counter()
+            tps = self._steps_since_log * tokens_per_step / (now - self._last_log)
+            metrics["tok/s"] = tps
+            if self.peak_flops:
+                metrics["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
+            mem = self.ctx.device.memory_stats().get("peak_allocated", 0)
+            metrics["mem_gib"] = mem / 2**30
+            self.logger.log(step, metrics)
+            self._last_log, self._steps_since_log = now, 0
+        if step % tr.eval_interval == 0 or step == tr.max_steps:
+            self._val_loss = self.evaluate()
+            self.logger.log(step, {"val_loss": self._val_loss}, kind="eval")
+        if (self.cfg.checkpoint.enabled or self.cfg.rewind.enabled) and (
+            step % tr.checkpoint_interval == 0 or step == tr.max_steps
+        ):
+            self.save()
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel

@@ -5,7 +5,9 @@ from mt_train.checkpoint.files import (
     CheckpointReader,
     latest_checkpoint,
     list_checkpoints,
+    newest_valid_checkpoint,
     read_manifest,
+    verify_checkpoint,
 )
 
 __all__ = [
@@ -15,6 +17,8 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_into",
+    "newest_valid_checkpoint",
     "read_manifest",
     "resolve_resume",
+    "verify_checkpoint",
 ]

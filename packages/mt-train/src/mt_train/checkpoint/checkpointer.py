@@ -62,38 +62,29 @@ class TPLayout:
         return f"{prefix}{key}{entry}{suffix}"
 
 
-def model_state(model: nn.Module, tp: TPLayout) -> dict[str, torch.Tensor]:
-    """This rank's model entries to save (replicated ones only from TP rank 0)."""
-    out = {}
-    for key, value in model.state_dict().items():
-        key = canonical_key(key)
-        if key in tp.plan or tp.rank == 0:
-            out[tp.name("model/", key)] = value
-    return out
-
-
-def optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, tp: TPLayout
+def shard_tensors(
+    local: dict[str, torch.Tensor], tp: TPLayout, rank: int, dp_rank: int
 ) -> dict[str, torch.Tensor]:
+    """This rank's shard from its local state (:func:`mt_train.rewind.snapshot.live_state`
+    names): model and optimizer entries only from dp rank 0 (replicated ones only from TP rank
+    0, TP-sharded ones suffixed ``@tp<r>of<n>``), RNG states from every rank."""
     out = {}
-    for name, param in named_parameters(model).items():
-        state = optimizer.state.get(param, {})
-        if name not in tp.plan and tp.rank != 0:
+    for name, value in local.items():
+        kind, rest = name.split("/", 1)
+        if kind == "rng":
+            out[f"rng/rank{rank}/{rest}"] = value
             continue
-        for key in ADAM_KEYS:
-            if key in state:
-                sharded = key != "step" and name in tp.plan
-                entry_name = (
-                    tp.name("optim/", name, f"/{key}") if sharded else f"optim/{name}/{key}"
-                )
-                out[entry_name] = state[key]
-    return out
-
-
-def rng_state(rank: int, device: Any) -> dict[str, torch.Tensor]:
-    out = {f"rng/rank{rank}/cpu": torch.get_rng_state()}
-    if device.type != "cpu":
-        out[f"rng/rank{rank}/{device.type}"] = device.get_rng_state()
+        if dp_rank != 0:
+            continue
+        if kind == "model":
+            if rest in tp.plan or tp.rank == 0:
+                out[tp.name("model/", rest)] = value
+            continue
+        param, key = rest.rsplit("/", 1)
+        if param not in tp.plan and tp.rank != 0:
+            continue
+        sharded = key != "step" and param in tp.plan
+        out[tp.name("optim/", param, f"/{key}") if sharded else name] = value
     return out
 
 
@@ -129,20 +120,43 @@ class Checkpointer:
         if self.rank == 0:
             remove_stale(self.root)
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
-        """Save ``tensors`` (this rank's) and, on rank 0, ``manifest`` as checkpoint ``step``."""
-        self.wait()
-        host = snapshot(tensors)
-        if self._executor is None:
-            self._write(step, host, manifest)
-        else:
-            self._pending = self._executor.submit(self._write, step, host, manifest)
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        manifest: dict[str, Any],
+        copy: bool = True,
+        protect: frozenset[int] = frozenset(),
+    ) -> None:
+        """Save ``tensors`` (this rank's) and, on rank 0, ``manifest`` as checkpoint ``step``.
 
-    def _write(self, step: int, host: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+        ``copy=False``: ``tensors`` already are host copies nobody changes (a rewind
+        snapshot). Pruning to ``keep_last`` spares the steps in ``protect``.
+        """
+        self.wait()
+        host = snapshot(tensors) if copy else tensors
+        if self._executor is None:
+            self._write(step, host, manifest, protect)
+        else:
+            self._pending = self._executor.submit(self._write, step, host, manifest, protect)
+
+    def _write(
+        self,
+        step: int,
+        host: dict[str, torch.Tensor],
+        manifest: dict[str, Any],
+        protect: frozenset[int],
+    ) -> None:
         write_shard(tmp_dir(self.root, step), self.rank, self.run_id, host)
         if self.rank == 0:
             self.last_saved = publish(
-                self.root, step, self.world_size, self.run_id, manifest, self.keep_last
+                self.root,
+                step,
+                self.world_size,
+                self.run_id,
+                manifest,
+                self.keep_last,
+                protect=protect,
             )
 
     def wait(self) -> None:

@@ -12,6 +12,13 @@ renames the folder to its final name. ``rename`` within one filesystem is atomic
 folder named ``step-*`` is always complete, and a save killed at any point leaves only a
 ``.tmp-*`` folder that loading ignores and the next run removes. Nothing is pickled:
 tensors go through safetensors, everything else through JSON.
+
+Integrity: :func:`verify_checkpoint` checks a folder completely before it is trusted for a
+resume or a rewind from disk — the manifest parses and has every required key, and every
+shard it lists exists with the recorded size and sha256. A rejected folder is renamed to
+``rejected-step-<8 digits>`` (kept for inspection, never listed again), and the next older
+checkpoint is tried (:func:`newest_valid_checkpoint`). Pruning to ``keep_last`` spares the
+steps a caller protects (rewind's stable checkpoint and the newer ones).
 """
 
 from __future__ import annotations
@@ -86,8 +93,10 @@ def publish(
     manifest: dict[str, Any],
     keep_last: int,
     timeout_s: float = 1800.0,
+    protect: frozenset[int] = frozenset(),
 ) -> Path:
-    """Rank 0: wait for every rank's sidecar, write the manifest, rename, prune old checkpoints."""
+    """Rank 0: wait for every rank's sidecar, write the manifest, rename, prune old checkpoints
+    (except the steps in ``protect``)."""
     folder = tmp_dir(root, step)
     deadline = time.monotonic() + timeout_s
     sidecars: dict[int, dict[str, Any]] = {}
@@ -129,8 +138,65 @@ def publish(
     finally:
         os.close(dir_fd)
     for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if checkpoint_step(old) not in protect:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_step(folder: Path) -> int:
+    match = STEP_DIR.match(folder.name)
+    if match is None:
+        raise ValueError(f"{folder} is not a step-<8 digits> checkpoint folder")
+    return int(match.group(1))
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """Why ``folder`` cannot be trusted (one line), or None when it is complete and intact."""
+    try:
+        manifest = read_manifest(folder)
+    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        return f"unreadable manifest: {err}"
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if missing:
+        return f"manifest lacks {missing}"
+    for shard, info in sorted(manifest["shards"].items()):
+        path = folder / shard
+        if not path.is_file():
+            return f"shard {shard} is missing"
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            return f"shard {shard} has {size} bytes, the manifest says {info['bytes']}"
+        digest = sha256_file(path)
+        if digest != info["sha256"]:
+            return f"shard {shard} sha256 {digest[:12]}... != manifest {info['sha256'][:12]}..."
+    return None
+
+
+def quarantine(folder: Path) -> Path:
+    """Rename a rejected checkpoint out of the way (``rejected-step-*``); returns the new path."""
+    target = folder.with_name(f"rejected-{folder.name}")
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(folder, target)
+    return target
+
+
+def newest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that :func:`verify_checkpoint` accepts, and the newer ones it
+    rejected with their reasons (newest first)."""
+    rejected = []
+    for folder in reversed(list_checkpoints(root)):
+        reason = verify_checkpoint(folder)
+        if reason is None:
+            return folder, rejected
+        rejected.append((folder, reason))
+    return None, rejected
+
+
+def discard(root: Path, steps: list[int]) -> None:
+    """Delete the checkpoints of ``steps`` (an abandoned timeline after a rewind)."""
+    for step in steps:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -1,5 +1,6 @@
 """Config schemas and their registration with Hydra."""
 
+from mt_train.config.rewind import DETECTORS, SKIP_POLICIES, FaultConfig, RewindConfig
 from mt_train.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -7,7 +8,6 @@ from mt_train.config.schema import (
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
-    RewindConfig,
     RopeScalingConfig,
     SchedulerConfig,
     TrainConfig,
@@ -17,8 +17,11 @@ from mt_train.config.store import compose_config, register_configs, to_train_con
 
 __all__ = [
     "CheckpointConfig",
+    "DETECTORS",
+    "SKIP_POLICIES",
     "DataConfig",
     "FP8Config",
+    "FaultConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -7,6 +7,7 @@ composed config into objects (:func:`mt_train.config.to_train_config`) runs ever
 Cross-group rules (tensor parallelism dividing the head counts, batch sizes dividing
 each other) live in :meth:`TrainConfig.__post_init__`.
 
+The ``rewind`` and ``fault`` groups' schemas live in :mod:`mt_train.config.rewind`.
 The ``parallel`` group's schema is ``mt_parallel.ParallelConfig`` (mt_parallel owns it).
 ``mt_fp8`` exports recipe dataclasses but no config schema, so :class:`FP8Config` here names
 an ``mt_fp8`` recipe and its arguments, and the recipe dataclass validates them.
@@ -20,6 +21,7 @@ from typing import Any
 
 from mt_fp8 import RECIPES, recipe_from_name
 from mt_parallel import ParallelConfig
+from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -248,29 +250,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class RewindConfig:
-    """Anomaly rewind: on a non-finite or spiking loss, restore the newest checkpoint."""
-
-    enabled: bool = False
-    """Watch every step's loss and gradient norm."""
-    spike_factor: float = 4.0
-    """A loss above spike_factor × its running mean (after warmup) is an anomaly."""
-    max_rewinds: int = 3
-    """Give up (raise) after this many rewinds."""
-    lr_cooldown: float = 1.0
-    """Multiply the LR by this after each rewind (1: unchanged)."""
-
-    def __post_init__(self) -> None:
-        if self.spike_factor <= 1:
-            raise ValueError(f"rewind.spike_factor must be > 1, got {self.spike_factor}")
-        if self.max_rewinds < 0 or not 0 < self.lr_cooldown <= 1:
-            raise ValueError(
-                f"rewind.max_rewinds={self.max_rewinds} must be >= 0 and rewind.lr_cooldown="
-                f"{self.lr_cooldown} in (0, 1]"
-            )
-
-
-@dataclass
 class LoggingConfig:
     """Where metrics go."""
 
@@ -347,6 +326,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rewind: RewindConfig = field(default_factory=RewindConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -381,5 +361,9 @@ class TrainConfig:
             raise ValueError(
                 f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
                 f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{dp} = {per_step}"
+            )
+        if self.fault.rank is not None and self.fault.rank >= world_size:
+            raise ValueError(
+                f"fault.rank={self.fault.rank} is not a rank of this run (world size {world_size})"
             )
         return dp

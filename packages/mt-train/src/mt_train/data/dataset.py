@@ -14,6 +14,12 @@ Step ``s`` draws ``g ∈ [s·G, (s+1)·G)`` (``G`` the global batch); data-paral
 ``s·G + (m·dp + r)·b + j`` for ``j < b``. Every layout with the same ``G`` therefore
 trains on the same samples each step, and a checkpoint stores only ``consumed``, which
 makes resuming exact and lets a run resume at another dp.
+
+Skipping (rewind). ``skipped`` is a sorted list of disjoint draw ranges ``[a, b)`` that are
+never trained on: before drawing a step, a ``consumed`` that falls inside one jumps to its
+end. Rewind adds the ranges it decides to skip (the window between a checkpoint and an
+anomaly, or only the anomalous step's draws) and sets ``consumed`` back to the checkpoint's,
+so a checkpoint's data state is ``consumed`` plus ``skipped`` (omitted while empty).
 """
 
 from __future__ import annotations
@@ -102,6 +108,9 @@ class ResumableSampler:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed = 0
+        self.skipped: list[tuple[int, int]] = []
+        self.last_draws = (0, 0)
+        """The global draw range ``[a, b)`` of the last :meth:`next_step`."""
         self._perm_epoch = -1
         self._perm = np.arange(0)
 
@@ -123,23 +132,53 @@ class ResumableSampler:
 
     def next_step(self) -> list[np.ndarray]:
         """This rank's micro-batches (sample indices) for the next optimizer step."""
+        self.consumed = self.next_draw()
         base, b, dp = self.consumed, self.micro_batch, self.dp_size
         micro = [
             self._sample(base + (m * dp + self.dp_rank) * b + np.arange(b, dtype=np.int64))
             for m in range(self.accumulation_steps)
         ]
         self.consumed += self.global_batch
+        self.last_draws = (base, self.consumed)
         return micro
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed": self.consumed, "seed": self.seed, "global_batch": self.global_batch}
+    def next_draw(self) -> int:
+        """Where the next step starts drawing: ``consumed`` moved past any skipped range."""
+        position = self.consumed
+        for start, end in self.skipped:
+            if start <= position < end:
+                position = end
+        return position
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def skip(self, start: int, end: int) -> None:
+        """Never train on global draws ``[start, end)`` (merged into ``skipped``)."""
+        if end <= start:
+            return
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted([*self.skipped, (start, end)]):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.skipped = merged
+
+    def state_dict(self) -> dict:
+        state: dict = {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+        }
+        if self.skipped:
+            state["skipped"] = [list(r) for r in self.skipped]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
             raise ValueError(
                 f"checkpoint data order used seed {state['seed']}, this run uses {self.seed}"
             )
         self.consumed = int(state["consumed"])
+        self.skipped = [(int(a), int(b)) for a, b in state.get("skipped", [])]
 
 
 class DataModule:
