@@ -181,11 +181,18 @@ def decoder_lm(
     sp: bool = False,
     data_parallel: str = "ddp",
     recompute: str = "none",
+    cp_attention: str = "all_gather",
     seed: int = 0,
 ) -> dict[str, object]:
     """The decoder LM (2 Llama blocks) under parallelize() vs. the float64 reference."""
     config = mp.ParallelConfig(
-        tp=tp, cp=cp, dp=dp, sequence_parallel=sp, data_parallel=data_parallel, recompute=recompute
+        tp=tp,
+        cp=cp,
+        dp=dp,
+        sequence_parallel=sp,
+        data_parallel=data_parallel,
+        recompute=recompute,
+        cp_attention=cp_attention,
     )
     state = mt_comm.init_parallel_state(dp=dp, cp=cp, tp=tp)
     reference = _lm()

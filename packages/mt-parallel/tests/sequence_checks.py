@@ -86,6 +86,41 @@ def cp_attention_documents(seed: int = 0) -> dict[str, float]:
     return errors
 
 
+def ring_attention(documents: bool, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Ring attention at cp=world vs. the all-gather version and the fp64 reference."""
+    state = mt_comm.init_parallel_state(cp=mt_comm.group_size())
+    cp_group = state.group("cp")
+    generator = torch.Generator().manual_seed(seed)
+    B, T, d = 2, 8 * state.size("cp"), 8
+    ids = document_ids(seed + 1, B, T) if documents else None
+    q = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    k = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    v = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
+    dy = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    if documents:
+        ref_out = attention_by_document(*ref, ids)
+    else:
+        ref_out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    ref_out.backward(dy)
+
+    local_ids = None if ids is None else mp.shard_sequence(ids, 1, cp_group)
+    local_dy = mp.shard_sequence(dy, 2, cp_group).float()
+    results = {}
+    for name, attention in (("ring", mp.ring_attention), ("gather", mp.context_parallel_attention)):
+        local = [mp.shard_sequence(t, 2, cp_group).float().requires_grad_() for t in (q, k, v)]
+        out = attention(*local, cp_group, document_ids_Bt=local_ids)
+        out.backward(local_dy)
+        results[name] = (out.detach(), *(t.grad for t in local))
+    errors = {"vs_reference": {}, "vs_all_gather": {}}
+    expected = [ref_out, *(t.grad for t in ref)]
+    for index, key in enumerate(("out", "dq", "dk", "dv")):
+        mine = results["ring"][index]
+        errors["vs_reference"][key] = rel_err(mine, mp.shard_sequence(expected[index], 2, cp_group))
+        errors["vs_all_gather"][key] = rel_err(mine, results["gather"][index])
+    return errors
+
+
 def lm_by_document(
     reference: mp.DecoderLM, tokens_BT: torch.Tensor, ids_BT: torch.Tensor
 ) -> torch.Tensor:

@@ -32,7 +32,11 @@ def test_cp_attention_cp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
-@pytest.mark.parametrize("degrees", [{"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2-sp", "cp2"])
+@pytest.mark.parametrize(
+    "degrees",
+    [{"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "cp_attention": "ring"}],
+    ids=["tp2-sp", "cp2", "cp2-ring"],
+)
 def test_decoder_block(pool: DistributedPool, degrees: dict) -> None:
     for result in pool.run(checks.decoder_lm, **degrees):
         assert_close(result)
@@ -121,4 +125,10 @@ def test_bad_input_is_named(pool: DistributedPool) -> None:
 def test_fsdp2_gradients_and_clipping_dp2(pool: DistributedPool) -> None:
     for result in pool.run(checks.clip_norm, tp=1, dp=2, data_parallel="fsdp"):
         assert result["clipped"]
+        assert_close(result)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_ring_attention_cp2_equals_all_gather(pool: DistributedPool, documents: bool) -> None:
+    for result in pool.run(sequence_checks.ring_attention, documents=documents):
         assert_close(result)

@@ -78,3 +78,9 @@ def test_cp_attention_with_documents_cp4(pool: DistributedPool) -> None:
 def test_decoder_block_with_documents_cp2_tp2_sp(pool: DistributedPool) -> None:
     for result in pool.run(sequence_checks.decoder_lm_documents, cp=2, tp=2, sp=True):
         assert_close(result)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_ring_attention_cp4_equals_all_gather(pool: DistributedPool, documents: bool) -> None:
+    for result in pool.run(sequence_checks.ring_attention, documents=documents):
+        assert_close(result)

@@ -50,6 +50,7 @@ from mt_parallel.parallelize import (
     parallelize,
 )
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
+from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
 
 __version__ = "0.1.0"
@@ -96,6 +97,7 @@ __all__ = [
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",
+    "ring_attention",
     "rope_cos_sin",
     "scatter_to_group",
     "shard_sequence",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DATA_PARALLEL_MODES = ("ddp", "fsdp", "zero1", "none")
+CP_ATTENTION_MODES = ("all_gather", "ring")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 SELECTIVE_TARGETS = ("attention", "mlp")
 
@@ -23,6 +24,10 @@ class ParallelConfig:
     """Tensor-parallel degree: attention heads, KV heads, FFN width and vocabulary are split."""
     cp: int = 1
     """Context-parallel degree: the sequence is split into ``2·cp`` chunks, two per rank."""
+    cp_attention: str = "all_gather"
+    """How attention crosses the cp group: ``all_gather`` (K/V gathered once per layer, as in
+    Llama 3 training; supports attention dropout) or ``ring`` (K/V passed around the group with
+    p2p while blocks compute; one K/V block in flight instead of the whole sequence)."""
     dp: int | None = None
     """Data-parallel degree; None infers ``world / (tp·cp·pp)``."""
     pp: int = 1
@@ -59,6 +64,11 @@ class ParallelConfig:
             raise ValueError(
                 "parallel.sequence_parallel=True needs tensor parallelism (tp > 1), got tp=1: "
                 "sequence parallel shards the activations that TP would otherwise replicate"
+            )
+        if self.cp_attention not in CP_ATTENTION_MODES:
+            raise ValueError(
+                f"parallel.cp_attention={self.cp_attention!r}; valid: "
+                f"{', '.join(CP_ATTENTION_MODES)}"
             )
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(

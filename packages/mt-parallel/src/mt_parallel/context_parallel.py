@@ -25,8 +25,9 @@ a query also needs the key's document to equal its own: the mask is ``causal ∧
 K/V (``B·T`` integers) and reorders them like the keys. A query always sees itself, so no row
 of the mask is empty.
 
-Ring attention (overlapping the K/V exchange with compute, the GPU performance path) is not
-implemented; the all-gather variant is exact and its memory cost is one full K/V per layer.
+Ring attention (K/V passed around the cp group with p2p while blocks compute, the GPU
+performance path, one K/V block in flight instead of the whole sequence) is
+:func:`mt_parallel.ring_attention`, with the same layout and results.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from mt_parallel.layers import (
     scaled_init_std,
 )
 from mt_parallel.mappings import copy_to_group, group_size
+from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, forks_rng, rng_region
 
 
@@ -97,7 +98,7 @@ def apply_rope(x_BHSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor)
 
 class CoreAttention(nn.Module):
     """Causal softmax attention with GQA, optional document masking; context parallel when
-    ``cp_group`` has >1 rank.
+    ``cp_group`` has >1 rank (all-gather K/V, or :func:`ring_attention` when ``cp_ring``).
 
     Its own module so that selective recompute can wrap exactly this part. The probabilities
     belong to this rank's heads, so their dropout is a sharded region (:mod:`mt_parallel.rng`).
@@ -107,6 +108,7 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = dropout
         self.cp_group: Any = None
+        self.cp_ring = False
         self.tp_group: Any = None
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
@@ -124,6 +126,12 @@ class CoreAttention(nn.Module):
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        if self.cp_ring and group_size(self.cp_group) > 1:
+            if p > 0:
+                raise ValueError(
+                    "ring attention has no attention dropout: use cp_attention=all_gather"
+                )
+            return ring_attention(q_BHSd, k_BKSd, v_BKSd, self.cp_group, document_ids_BS)
         region = rng_region(True, self.tp_group, q_BHSd.device) if p > 0 else nullcontext()
         with region:
             return context_parallel_attention(

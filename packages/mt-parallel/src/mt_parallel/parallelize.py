@@ -8,7 +8,8 @@ Order (each step assumes the previous ones; none edits model code):
    layers to SP if asked, and give every other module with a ``set_tensor_parallel(tp_group,
    sequence_parallel)`` hook (norms, dropouts, the attention core) the TP group. Parameters are *replaced*, so build
    optimizers after this step.
-2. **Context parallel** (:func:`apply_context_parallel`): give every core attention the cp group.
+2. **Context parallel** (:func:`apply_context_parallel`): give every core attention the cp group
+   (and the all-gather or ring algorithm).
 3. **FP8** (:func:`apply_fp8`): route the TP layers' local GEMMs through ``mt_fp8.FP8Linear``;
    comes after TP so the FP8 layers see the local shard shapes, and records the TP group as the
    amax-reduction group of each layer (delayed scaling then agrees on one scale per layer).
@@ -59,11 +60,14 @@ def apply_tensor_parallel(
     return model
 
 
-def apply_context_parallel(model: nn.Module, cp_group: Any) -> nn.Module:
-    """Make every :class:`CoreAttention` attend over the sequence split across ``cp_group``."""
-    for module in model.modules():
-        if isinstance(module, CoreAttention):
-            module.cp_group = cp_group
+def apply_context_parallel(model: nn.Module, cp_group: Any, ring: bool = False) -> nn.Module:
+    """Make every :class:`CoreAttention` attend over the sequence split across ``cp_group``,
+    by all-gathering K/V or (``ring``) with :func:`mt_parallel.ring_attention`."""
+    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    if ring and any(core.dropout > 0 for core in cores):
+        raise ValueError("ring attention has no attention dropout: use cp_attention=all_gather")
+    for core in cores:
+        core.cp_group, core.cp_ring = cp_group, ring
     return model
 
 
@@ -109,7 +113,7 @@ def parallelize(
     tp_group = state.group("tp")
     apply_tensor_parallel(model, tp_group, config.sequence_parallel)
     if config.cp > 1:
-        apply_context_parallel(model, state.group("cp"))
+        apply_context_parallel(model, state.group("cp"), config.cp_attention == "ring")
     if fp8_recipe is not None:
         apply_fp8(model, fp8_recipe, amax_group=tp_group)
     apply_recompute(
