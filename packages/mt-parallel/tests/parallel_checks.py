@@ -455,6 +455,11 @@ def fp8_tp(seed: int = 0) -> dict[str, object]:
     mp.init_weights(reference, seed)
     reference = reference.double()
     mp.apply_fp8(model, TensorwiseScaling(), amax_group=tp_group, backend="emulate")
+    # The same layers in FP8 at tp=1: with the amaxes of sharded tensors reduced over TP, every
+    # shard is quantized with the whole tensor's scale, so TP changes only the summation order.
+    fp8_tp1 = layers(None)
+    mp.init_weights(fp8_tp1, seed)
+    mp.apply_fp8(fp8_tp1, TensorwiseScaling(), backend="emulate")
 
     generator = torch.Generator().manual_seed(seed + 1)
     result: dict[str, object] = {"fp8": all(m.fp8_enabled for m in model.values())}
@@ -464,6 +469,9 @@ def fp8_tp(seed: int = 0) -> dict[str, object]:
         x_ref = x.double().requires_grad_()
         y_ref = reference[name](x_ref)
         y_ref.backward(dy.double())
+        x1 = x.clone().requires_grad_()
+        y1 = fp8_tp1[name](x1)
+        y1.backward(dy)
         x = x.requires_grad_()
         y = model[name](x)
         y.backward(dy)
@@ -472,6 +480,7 @@ def fp8_tp(seed: int = 0) -> dict[str, object]:
         w_grad = mp.shard_state_dict({"weight": reference[name].weight.grad}, plan, rank, tp)[
             "weight"
         ]
+        w_grad1 = mp.shard_state_dict({"weight": fp8_tp1[name].weight.grad}, plan, rank, tp)
         x_local = x.detach() if name == "col" else x.detach().chunk(tp, dim=-1)[rank]
         dy_local = dy.chunk(tp, dim=-1)[rank] if name == "col" else dy
         result[name] = {
@@ -484,6 +493,11 @@ def fp8_tp(seed: int = 0) -> dict[str, object]:
                 model[name].bias.grad,
                 mp.shard_state_dict({"bias": reference[name].bias.grad}, plan, rank, tp)["bias"],
             ),
+            "vs_tp1_fp8": {
+                "y": rel_err(y, y1),
+                "dx": rel_err(x.grad, x1.grad),
+                "dw": rel_err(model[name].weight.grad, w_grad1["weight"]),
+            },
             "not_exact": rel_err(y, y_ref) > 1e-4,
             "y_bytes": y.detach().clone(),
             "dx_bytes": x.grad.clone(),

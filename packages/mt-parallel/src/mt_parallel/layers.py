@@ -28,7 +28,14 @@ Initialisation never depends on the TP degree: :meth:`reset_parameters` draws th
 (from ``generator`` or the global RNG) and keeps this rank's slice, so a model at tp=1 and at tp=4
 starts from the same full weights. :meth:`shard_` turns a layer built at tp=1 into this rank's
 shard (the tensor-parallel transform). FP8: :meth:`enable_fp8` routes the local GEMM through
-``mt_fp8.FP8Linear`` (sharing this layer's parameters).
+``mt_fp8.FP8Linear`` (sharing this layer's parameters). With an amax group (the TP group, set
+by :func:`mt_parallel.apply_fp8`), current tensorwise scaling MAX-reduces the amax of each
+tensor that is a TP shard, so every rank quantizes its shard with the whole tensor's scale
+(the result is the tp=1 FP8 result up to summation order). Which tensors are shards
+(``fp8_sharded_roles``): column parallel, the weight and the output gradient (its input is
+replicated or all-gathered); row parallel, the input and the weight (its output gradient is
+replicated or all-gathered). Replicated tensors would reduce to their own amax, so they skip
+the collective.
 """
 
 from __future__ import annotations
@@ -152,6 +159,9 @@ def _init_linear(layer: TensorParallelModule, name: str, full: torch.Tensor, gen
 class _ParallelLinear(TensorParallelModule):
     """Shared parts of the column- and row-parallel linears."""
 
+    fp8_sharded_roles: ClassVar[tuple[str, ...]] = ()
+    """FP8 tensor roles that are TP shards: their current-scaling amax is reduced over TP."""
+
     def __init__(
         self,
         in_features: int,
@@ -198,12 +208,14 @@ class _ParallelLinear(TensorParallelModule):
 
         The FP8Linear shares this layer's weight (no copy; the bias is added outside the FP8
         GEMM) and is deliberately not a registered submodule, so the state dict keeps its
-        tp=1 names; its ``fp8_meta`` (delayed-scaling state) is registered here instead.
+        tp=1 names; its ``fp8_meta`` (delayed-scaling state, amax group) is registered here
+        instead. Its amax reduction covers ``fp8_sharded_roles`` (module docstring).
         """
         from mt_fp8 import FP8Linear
 
         local_out, local_in = self.weight.shape
         view = _LinearView(local_in, local_out, self.weight)
+        fp8_kwargs.setdefault("amax_reduction_roles", self.fp8_sharded_roles)
         self._fp8 = FP8Linear.from_linear(view, recipe=recipe, **fp8_kwargs)  # type: ignore[arg-type]
         self.fp8_meta = self._fp8.fp8_meta
 
@@ -237,6 +249,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     tp_shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
     tp_shard_labels: ClassVar[dict[str, str]] = {"weight": "out_features", "bias": "out_features"}
+    fp8_sharded_roles: ClassVar[tuple[str, ...]] = ("weight", "grad_output")
 
     def __init__(
         self,
@@ -280,6 +293,7 @@ class RowParallelLinear(_ParallelLinear):
 
     tp_shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
     tp_shard_labels: ClassVar[dict[str, str]] = {"weight": "in_features"}
+    fp8_sharded_roles: ClassVar[tuple[str, ...]] = ("input", "weight")
 
     def __init__(
         self,

@@ -12,7 +12,8 @@ Order (each step assumes the previous ones; none edits model code):
    (and the all-gather or ring algorithm).
 3. **FP8** (:func:`apply_fp8`): route the TP layers' local GEMMs through ``mt_fp8.FP8Linear``;
    comes after TP so the FP8 layers see the local shard shapes, and records the TP group as the
-   amax-reduction group of each layer (delayed scaling then agrees on one scale per layer).
+   amax-reduction group of each layer: delayed scaling agrees on one scale per layer at the
+   update, current tensorwise scaling reduces the amax of each sharded tensor as it quantizes.
 4. **Recompute** (:func:`mt_parallel.apply_recompute`): wraps whole blocks or their parts, so it
    sees the final (TP, FP8) modules it recomputes.
 5. **Compile**: ``module.compile()`` on each block in place (after recompute, so the checkpoint
@@ -81,7 +82,8 @@ def apply_fp8(
     """Run every TP linear (except names containing an entry of ``skip``) in FP8.
 
     ``recipe`` is an ``mt_fp8`` recipe (default: mt-fp8's default); ``amax_group`` (usually
-    the TP group) is where ``mt_fp8.update_fp8_scales`` MAX-reduces delayed-scaling amaxes.
+    the TP group) is where ``mt_fp8.update_fp8_scales`` MAX-reduces delayed-scaling amaxes and
+    current tensorwise scaling the amaxes of each layer's ``fp8_sharded_roles``.
     """
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
