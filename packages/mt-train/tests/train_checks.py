@@ -2,7 +2,9 @@
 
 ``tiny_overrides`` shrinks the default job to a 2-layer, width-64 Llama on 64-token
 sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it and returns
-the per-step losses (module level so spawned ranks can run it by name).
+the per-step losses (module level so spawned ranks can run it by name). ``rewind_overrides``
+adds rewind with windows sized for a 40-step run; ``run_rewind`` trains and returns what a
+rank saw (losses, its in-memory events) as plain data.
 """
 
 from __future__ import annotations
@@ -35,6 +37,40 @@ def tiny_overrides(data: str | Path, **extra: object) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={'null' if v is None else v}" for k, v in base.items()]
+
+
+def rewind_overrides(data: str | Path, **extra: object) -> list[str]:
+    """The tiny job with rewind on, 40 steps, checkpoints every 4 steps, stable after 4."""
+    base: dict[str, object] = {
+        "rewind": "default",
+        "trainer.max_steps": 40,
+        "trainer.eval_interval": 40,
+        "trainer.eval_batches": 8,
+        "trainer.checkpoint_interval": 4,
+        "rewind.warmup_steps": 10,
+        "rewind.window": 20,
+        "rewind.min_samples": 5,
+        "rewind.stable_after": 4,
+        "rewind.lr_cooldown_steps": 8,
+    }
+    base.update(extra)
+    return tiny_overrides(data, **base)
+
+
+def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
+    """Train; this rank's losses, step, validation loss and event records."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    return {
+        "steps": summary.steps,
+        "losses": summary.losses,
+        "val_loss": summary.val_loss,
+        "rewinds": summary.rewinds,
+        "events": trainer.events.records,
+    }
 
 
 def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
