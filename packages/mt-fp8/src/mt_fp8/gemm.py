@@ -11,9 +11,9 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     and two E5M2 operands are not supported (cuBLAS needs one E4M3 operand).
 ``"triton"``
     A Triton kernel for block-scaled operands (``a`` in 1×g groups, ``b`` in 1×g groups or g×g
-    blocks, g ≥ 32) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g elements is
-    multiplied in FP8 and promoted to the fp32 accumulator with its two scales, as DeepSeek-V3
-    does. Imported only when used.
+    blocks, g = 32, 64 or 128) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g
+    elements is multiplied in FP8 and promoted to the fp32 accumulator with its two scales, as
+    DeepSeek-V3 does. Imported only when used.
 ``"emulate"``
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.
@@ -102,9 +102,17 @@ def _triton_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
         return (
             "the Triton block-scaled GEMM needs a CUDA GPU of compute capability >= 9.0 with Triton"
         )
+    # NOTE: fixed-size groups only: a rowwise operand has "1xK groups" too, but with g = K the
+    # kernel's K-step tiles outgrow shared memory (rowwise FP8Linear with K = 256 asked for
+    # 256 KiB on the H200, 2026-12-02) and g need not be a power of two.
+    if a.layout.block[1] < 0 or b.layout.block[1] < 0:
+        return "the Triton block-scaled GEMM takes fixed-size groups, not whole-row scales"
     ga, gb = a.block, b.block
-    if ga[0] != 1 or gb[1] != ga[1] or gb[0] not in (1, gb[1]) or ga[1] < 32:
-        return f"the Triton block-scaled GEMM takes 1xg by 1xg or gxg blocks, got {ga} x {gb}"
+    if ga[0] != 1 or gb[1] != ga[1] or gb[0] not in (1, gb[1]) or ga[1] not in (32, 64, 128):
+        return (
+            "the Triton block-scaled GEMM takes 1xg by 1xg or gxg blocks with g in 32, 64, 128, "
+            f"got {ga} x {gb}"
+        )
     return None
 
 

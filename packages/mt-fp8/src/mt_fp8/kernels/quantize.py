@@ -1,11 +1,21 @@
 """Triton quantize + transpose + amax (contract in :mod:`mt_fp8.ops.quantize_transpose`).
 
 Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
-``q`` and its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and folds the
-tile's amax (and health counts) into global fp32/int64 accumulators with atomics. With no
-scale given, a first launch of the same kernel with ``WRITE=False`` only reduces the amax; the
+``q`` and (bf16 inputs) its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and
+folds the tile's amax (and health counts) into global fp32/int64 accumulators with atomics. With
+no scale given, a first launch of the same kernel with ``WRITE=False`` only reduces the amax; the
 scale is then computed on the host side of the stream by
 :func:`mt_fp8.quantized.scale_from_amax`, after the optional amax all-reduce.
+
+NOTE: the fused transposed store is used for bf16 inputs only. On the H200 (Triton 3.6.0,
+2026-12-02) the kernel's ``qᵀ`` was wrong for fp32 inputs: about a quarter of its bytes
+(whole rows) held garbage, including NaN and inf encodings, while ``q`` was bit-exact. The
+compiled IR shows the difference: with fp32 ``x`` Triton moves the FP8 tile of the transposed
+store through an 8-bit shared-memory layout conversion (``ttg.convert_layout`` on
+``f8E4M3FN``); with bf16 ``x`` it converts the 16-bit input instead, and ``qᵀ`` was bit-exact
+for every shape tested. Garbage in the saved ``xᵀ`` and ``wᵀ`` made the gradients of FP8 layers
+with fp32 weights or inputs NaN while their outputs stayed right. For other input dtypes the
+kernel writes ``q`` only and ``qᵀ`` is PyTorch's transpose copy of it.
 
 Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
 
@@ -66,6 +76,7 @@ def _quantize_transpose(
     saturation,
     half_subnormal,
     WRITE: tl.constexpr,
+    WRITE_T: tl.constexpr,
     AMAX: tl.constexpr,
     STATS: tl.constexpr,
     EXACT_DIV: tl.constexpr,
@@ -93,10 +104,11 @@ def _quantize_transpose(
             tl.atomic_add(stats_ptr + 1, flushed)
         clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + offs, clamped.to(q_ptr.dtype.element_ty), mask=mask)
-        # The transposed tile, stored with its own contiguous axis last: qᵀ[c, r] = q[r, c].
-        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-        mask_t = (cols[:, None] < C) & (rows[None, :] < R)
-        tl.store(qt_ptr + offs_t, tl.trans(clamped).to(qt_ptr.dtype.element_ty), mask=mask_t)
+        if WRITE_T:
+            # The transposed tile, stored with its own contiguous axis last: qᵀ[c, r] = q[r, c].
+            offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+            mask_t = (cols[:, None] < C) & (rows[None, :] < R)
+            tl.store(qt_ptr + offs_t, tl.trans(clamped).to(qt_ptr.dtype.element_ty), mask=mask_t)
 
 
 def quantize_transpose_amax_triton(
@@ -112,7 +124,8 @@ def quantize_transpose_amax_triton(
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
     amax = torch.zeros((), device=x_RC.device, dtype=torch.float32)
     q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
-    q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype)
+    fused_transpose = x_RC.dtype == torch.bfloat16  # see the NOTE in the module docstring
+    q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype) if fused_transpose else q_RC
     common = dict(
         fmt_max=fmt.max,
         saturation=fmt.saturation_threshold,
@@ -132,6 +145,7 @@ def quantize_transpose_amax_triton(
             rows,
             cols,
             WRITE=False,
+            WRITE_T=False,
             AMAX=True,
             STATS=False,
             **common,
@@ -151,10 +165,13 @@ def quantize_transpose_amax_triton(
         rows,
         cols,
         WRITE=True,
+        WRITE_T=fused_transpose,
         AMAX=given_scale,  # with a computed scale the first launch already has the amax
         STATS=stats is not None,
         **common,
     )
+    if not fused_transpose:
+        q_CR = q_RC.t().contiguous()
     if stats is not None:
         stats[2] += x_RC.numel()
     return q_RC, q_CR, scale_11, amax
