@@ -24,6 +24,7 @@ import mt_parallel as mp
             r"recompute_targets=\['norm'\]",
         ),
         ({"pp": 2}, "pipeline parallelism is not implemented yet"),
+        ({"cp_attention": "ulysses"}, r"cp_attention='ulysses'; valid: all_gather, ring"),
     ],
 )
 def test_config_rejects_bad_values_with_their_names(kwargs: dict, message: str) -> None:
@@ -49,6 +50,16 @@ def test_config_checks_the_model_and_the_world() -> None:
         config.validate_world(12)
     with pytest.raises(ValueError, match=r"dp·cp·tp·pp = 3·2·4·1 = 24 must equal the world"):
         mp.ParallelConfig(tp=4, cp=2, dp=3).validate_world(16)
+
+
+def test_ring_attention_without_attention_dropout_or_cp_is_refused() -> None:
+    with pytest.raises(ValueError, match="ring attention has no attention dropout"):
+        mp.apply_context_parallel(mp.DecoderLM(16, 16, 1, 2, 1, 16, dropout=0.1), None, ring=True)
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="needs a cp group of more than one rank"):
+        mp.ring_attention(q, q, q, None)
+    with pytest.raises(ValueError, match=r"document ids of shape \(1, 3\) do not match"):
+        mp.context_parallel_attention(q, q, q, None, document_ids_Bt=torch.zeros(1, 3))
 
 
 def test_sequence_parallel_without_tp_is_refused_by_layers_and_transform() -> None:

@@ -107,6 +107,15 @@ def _global_order(chunk: int, cp: int) -> torch.Tensor:
     )
 
 
+def check_document_ids(q_BHtd: torch.Tensor, document_ids_Bt: torch.Tensor | None) -> None:
+    """Document ids, if any, have the queries' ``(batch, tokens)`` shape."""
+    if document_ids_Bt is not None and document_ids_Bt.shape != q_BHtd.shape[::2]:
+        raise ValueError(
+            f"document ids of shape {tuple(document_ids_Bt.shape)} do not match the "
+            f"(batch, tokens) = {tuple(q_BHtd.shape[::2])} of the queries"
+        )
+
+
 def _mask(
     query_pos_q: torch.Tensor,
     keys: int,
@@ -136,11 +145,7 @@ def context_parallel_attention(
     """
     cp, rank = group_size(cp_group), group_rank(cp_group)
     gqa = q_BHtd.shape[1] != k_BKtd.shape[1]
-    if document_ids_Bt is not None and document_ids_Bt.shape != q_BHtd.shape[::2]:
-        raise ValueError(
-            f"document ids of shape {tuple(document_ids_Bt.shape)} do not match the "
-            f"(batch, tokens) = {tuple(q_BHtd.shape[::2])} of the queries"
-        )
+    check_document_ids(q_BHtd, document_ids_Bt)
     if cp == 1:
         if document_ids_Bt is None:
             return F.scaled_dot_product_attention(

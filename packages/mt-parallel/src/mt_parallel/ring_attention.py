@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import mt_comm
-from mt_parallel.context_parallel import load_balanced_positions
+from mt_parallel.context_parallel import check_document_ids, load_balanced_positions
 from mt_parallel.mappings import group_rank, group_size
 
 KV_TAG, GRAD_TAG = 0, 1
@@ -263,6 +263,7 @@ def ring_attention(
         raise ValueError(
             f"{q_BHtd.shape[1]} query heads are not a multiple of {k_BKtd.shape[1]} KV heads"
         )
+    check_document_ids(q_BHtd, document_ids_Bt)
     doc_all = None
     if document_ids_Bt is not None:
         doc_all = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)

@@ -67,6 +67,8 @@ class RNGStatesTracker:
         self._states.clear()
 
     def add(self, name: str, seed: int) -> None:
+        if "/" in name:
+            raise ValueError(f"RNG stream name {name!r} must not contain '/'")
         if name in self._seeds:
             raise ValueError(f"RNG stream {name!r} is already seeded")
         if seed in self._seeds.values():
@@ -76,13 +78,21 @@ class RNGStatesTracker:
     def is_seeded(self, name: str = TENSOR_PARALLEL) -> bool:
         return name in self._seeds
 
-    def get_states(self) -> dict[str, Any]:
-        """A snapshot (seeds and per-device states) for :meth:`set_states` or a checkpoint."""
-        return {"seeds": dict(self._seeds), "states": dict(self._states)}
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A snapshot for :meth:`set_states`, flat enough for safetensors checkpoints:
+        ``"<name>/seed"`` (int64) and ``"<name>/<device type>"`` (the generator state)."""
+        states = {f"{name}/seed": torch.tensor(seed) for name, seed in self._seeds.items()}
+        states.update({f"{name}/{device}": state for (name, device), state in self._states.items()})
+        return states
 
-    def set_states(self, states: dict[str, Any]) -> None:
-        self._seeds = dict(states["seeds"])
-        self._states = dict(states["states"])
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.reset()
+        for key, value in states.items():
+            name, what = key.split("/", 1)
+            if what == "seed":
+                self._seeds[name] = int(value)
+            else:
+                self._states[(name, what)] = value
 
     @contextlib.contextmanager
     def fork(self, name: str = TENSOR_PARALLEL, device_type: str = "cpu") -> Iterator[None]:
@@ -112,7 +122,8 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def manual_seed(seed: int, tp_rank: int = 0, cp_rank: int = 0) -> None:
-    """Seed the default generators (CPU and every initialised device) and the tracker."""
+    """Seed the default generators (CPU and accelerators, via ``torch.manual_seed``) and the
+    tracker's ``"tensor-parallel"`` stream (module docstring)."""
     default = seed + CP_SEED_STRIDE * cp_rank
     torch.manual_seed(default)  # also seeds the accelerators' default generators
     _TRACKER.reset()
@@ -147,7 +158,7 @@ def recompute_rng_contexts() -> tuple[contextlib.AbstractContextManager, Any]:
 
 
 @contextlib.contextmanager
-def _replay(snapshot: dict[str, Any]) -> Iterator[None]:
+def _replay(snapshot: dict[str, torch.Tensor]) -> Iterator[None]:
     current = _TRACKER.get_states()
     _TRACKER.set_states(snapshot)
     try:
