@@ -104,3 +104,16 @@ def test_gemm_rejects_mismatched_operands():
         fp8_gemm(qa, qb)
     with pytest.raises(ValueError, match="unknown FP8 GEMM backend 'cublas'"):
         fp8_gemm(qa, qa, backend="cublas")
+
+
+def test_triton_block_gemm_takes_fixed_groups_only():
+    # Rowwise operands look like "1xK groups", but K-wide steps outgrow shared memory (256 KiB
+    # for K = 256 on the H200) and K need not be a power of two: they must not be routed there.
+    _, _, qa, qb = quantized_pair(RowwiseScaling())
+    assert "fixed-size groups" in gemm_module._triton_layout_reason(qa, qb)
+    _, _, qa, qb = quantized_pair(BlockScaling())
+    assert gemm_module._triton_layout_reason(qa, qb) is None
+    _, _, qa, qb = quantized_pair(MXFP8Scaling())
+    assert gemm_module._triton_layout_reason(qa, qb) is None
+    _, _, qa, qb = quantized_pair(BlockScaling(group=256, weight_block=256), m=256, k=512)
+    assert "g in 32, 64, 128" in gemm_module._triton_layout_reason(qa, qb)

@@ -102,6 +102,11 @@ def _triton_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
         return (
             "the Triton block-scaled GEMM needs a CUDA GPU of compute capability >= 9.0 with Triton"
         )
+    return _triton_layout_reason(a, b)
+
+
+def _triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+    """Why the Triton block GEMM cannot take these layouts, or None if it can."""
     # NOTE: fixed-size groups only: a rowwise operand has "1xK groups" too, but with g = K the
     # kernel's K-step tiles outgrow shared memory (rowwise FP8Linear with K = 256 asked for
     # 256 KiB on the H200, 2026-12-02) and g need not be a power of two.
