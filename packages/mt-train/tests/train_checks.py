@@ -3,7 +3,7 @@
 ``tiny_overrides`` shrinks the default job to a 2-layer, width-64 Llama on 64-token
 sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it and returns
 the per-step losses (module level so spawned ranks can run it by name). ``rewind_overrides``
-adds rewind with windows sized for a 40-step run; ``run_rewind`` trains and returns what a
+adds rewind with windows sized for a 60-step run; ``run_rewind`` trains and returns what a
 rank saw (losses, its in-memory events) as plain data.
 """
 
@@ -40,11 +40,11 @@ def tiny_overrides(data: str | Path, **extra: object) -> list[str]:
 
 
 def rewind_overrides(data: str | Path, **extra: object) -> list[str]:
-    """The tiny job with rewind on, 40 steps, checkpoints every 4 steps, stable after 4."""
+    """The tiny job with rewind on, 60 steps, checkpoints every 4 steps, stable after 4."""
     base: dict[str, object] = {
         "rewind": "default",
-        "trainer.max_steps": 40,
-        "trainer.eval_interval": 40,
+        "trainer.max_steps": 60,
+        "trainer.eval_interval": 60,
         "trainer.eval_batches": 8,
         "trainer.checkpoint_interval": 4,
         "rewind.warmup_steps": 10,

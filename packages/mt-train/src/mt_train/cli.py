@@ -5,7 +5,9 @@ override (unknown key, wrong type, tp not dividing the heads, a missing data fol
 not there) ends
 with one ``mt-train: error: ...`` line and exit status 2 instead of a traceback. Under
 torchrun, ranks other than 0 run with Hydra's run folder and logs switched off; the trainer
-uses rank 0's run folder on every rank.
+uses rank 0's run folder on every rank. When rewind gives up, the report is printed (no
+traceback) and the exit status is 3; a run stopped by SIGTERM/SIGINT exits 0 after its
+checkpoint is on disk.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from omegaconf import DictConfig
 
 from mt_core import get_device
 from mt_train.config.store import compose_config, register_configs, to_train_config
+from mt_train.rewind.manager import RewindLimitError
 from mt_train.trainer import Trainer, TrainSummary
+
+EXIT_REWIND_LIMIT = 3
+"""Exit status when rewind gave up (too many rewinds, or nothing to rewind to)."""
+_exit_status = 0
 
 QUIET_RANK_OVERRIDES = (
     "hydra.run.dir=.",
@@ -67,7 +74,12 @@ def print_summary(summary: TrainSummary) -> None:
         + ")",
     ]
     if summary.rewinds:
-        lines.append(f"rewinds: {summary.rewinds}")
+        lines.append(f"rewinds: {summary.rewinds} (see events.jsonl)")
+    if summary.stopped:
+        lines.append(
+            f"stopped early by {summary.stopped} after step {summary.steps}; continue with "
+            "checkpoint.resume=auto and the same hydra.run.dir"
+        )
     if summary.sample:
         lines.append("greedy sample:\n" + "\n".join("  " + s for s in summary.sample.splitlines()))
     print("\n".join(lines), flush=True)
@@ -79,8 +91,14 @@ def _hydra_main(cfg: DictConfig) -> None:
     trainer = Trainer(
         train_cfg, output_dir=train_cfg.trainer.output_dir or HydraConfig.get().runtime.output_dir
     )
+    global _exit_status
     try:
         summary = trainer.fit()
+    except RewindLimitError as err:  # a clear report instead of a traceback
+        if trainer.rank == 0:
+            print(f"mt-train: stopped: {err}", file=sys.stderr, flush=True)
+        _exit_status = EXIT_REWIND_LIMIT
+        return
     finally:
         trainer.close()
     if trainer.rank == 0:
@@ -99,5 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         args += QUIET_RANK_OVERRIDES
     sys.argv = [sys.argv[0] if sys.argv else "mt-train", *args]
+    global _exit_status
+    _exit_status = 0
     _hydra_main()
-    return 0
+    return _exit_status
