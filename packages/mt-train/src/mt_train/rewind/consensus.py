@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import mt_comm
-from mt_train.rewind.detectors import LOCAL, PRIORITY, Finding
+from mt_train.rewind.detectors import PRIORITY, Finding
 
 
 @dataclass
@@ -34,7 +34,8 @@ class Verdict:
     ranks: dict[str, list[int]] = field(default_factory=dict)
     """For each fired detector, the ranks that saw it."""
     values: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """For each fired detector, the values behind it (``by_rank`` for rank-local detectors)."""
+    """For each fired detector, the values behind it as this rank saw them, and ``by_rank``:
+    the headline value of every rank that saw it."""
     stop: bool = False
     """A stop signal reached some rank: save and exit after this step."""
 
@@ -81,8 +82,7 @@ def agree(findings: list[Finding], stop: bool, device: torch.device) -> Verdict:
         ranks = [r for r in range(world) if table[r, i, 0] > 0]
         verdict.ranks[d] = ranks
         values = dict(own[d].details) if d in own else {}
-        if d in LOCAL:
-            values["by_rank"] = {str(r): float(table[r, i, 1]) for r in ranks}
+        values["by_rank"] = {str(r): float(table[r, i, 1]) for r in ranks}
         verdict.values[d] = values
     return verdict
 

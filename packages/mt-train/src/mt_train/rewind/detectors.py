@@ -33,10 +33,11 @@ The spike and FP8 checks wait for ``warmup_steps`` completed steps and ``min_sam
 in the window (early training moves too fast for a baseline to mean anything).
 
 Invariants: only healthy steps (the verdict agreed over all ranks) enter the baselines, and
-they enter with the global ``L`` and ``n``, so every rank holds the same baselines and the
-global detectors reach the same finding everywhere; only ``non_finite`` on ``ℓ_r`` and
-``fp8_overflow`` can differ between ranks, which is why the verdict is agreed
-(:mod:`mt_train.rewind.consensus`). The baselines are plain floats, saved as JSON in every
+they enter with the global ``L`` and ``n``, so every rank holds the same baselines. Findings
+can still differ between ranks: ``ℓ_r`` and ``σ_r`` are rank-local, and a fault on one rank
+(a bit flip in its gradients after the all-reduce) changes its ``n`` only; that is why every
+rank acts on the verdict agreed over all of them (:mod:`mt_train.rewind.consensus`), never on
+its own findings. The baselines are plain floats, saved as JSON in every
 checkpoint manifest, so a resumed run judges exactly as the uninterrupted one would.
 """
 
@@ -52,8 +53,6 @@ from mt_train.config.rewind import RewindConfig
 
 PRIORITY = ("non_finite", "fp8_overflow", "loss_spike", "grad_norm_spike")
 """Detector names in the order that decides which one names an event."""
-LOCAL = ("non_finite", "fp8_overflow")
-"""Detectors whose finding can differ between ranks (they read rank-local values)."""
 MAD_TO_SIGMA = 1.4826
 
 

@@ -93,6 +93,8 @@ def describe_anomaly(record: dict[str, Any]) -> str:
             text += f": {rest})" if rest else ")"
     elif shown:
         text += " (" + ", ".join(f"{k} {_num(v)}" for k, v in shown.items()) + ")"
+    elif values.get("by_rank"):  # seen by other ranks only: their headline values
+        text += " (" + ", ".join(f"rank {r}: {_num(v)}" for r, v in values["by_rank"].items()) + ")"
     ranks = record.get("ranks", {}).get(det)
     if ranks is not None:
         text += f" on rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"

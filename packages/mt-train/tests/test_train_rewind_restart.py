@@ -1,0 +1,166 @@
+"""Crashes and restarts: SIGKILL then ``resume=auto`` equals an uninterrupted run bit for bit,
+SIGTERM saves and exits cleanly, and corrupt or partial checkpoints are detected, logged and
+passed over — on resume and on a rewind from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_checks import rewind_overrides, run_losses, run_rewind
+
+from mt_train import Trainer, compose_config, to_train_config
+from mt_train.checkpoint import list_checkpoints
+from mt_train.rewind import read_events
+
+
+def _cli(overrides: list[str], out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [*overrides, f"trainer.output_dir={out}", f"hydra.run.dir={out}"]
+    return subprocess.run(
+        [sys.executable, "-m", "mt_train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    """The last logged training loss of every logged step (a restart appends to the file)."""
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_kill_and_restart_equals_an_uninterrupted_run(kjv_data: Path, tmp_path: Path) -> None:
+    common = {
+        "trainer.max_steps": 24,
+        "trainer.eval_interval": 24,
+        "trainer.log_interval": 1,
+        "checkpoint.async_save": True,  # the kill may land while step-12 is being written
+        "scheduler": "constant",
+    }
+    full = _cli(rewind_overrides(kjv_data, **common), tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    overrides = rewind_overrides(kjv_data, **common, **{"fault.kill_at_step": 13})
+    killed = _cli(overrides, out)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [e["fault"] for e in read_events(out) if e["event"] == "fault"] == ["kill"]
+    # The same command with resume=auto: the kill fault is disarmed (it already fired here).
+    restarted = _cli([*overrides, "checkpoint.resume=auto"], out)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    resumes = [e for e in read_events(out) if e["event"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] in (8, 12)
+
+    assert _train_losses(out) == _train_losses(tmp_path / "full")  # exact, every step
+    final = "checkpoints/step-00000024/rank-00000.safetensors"
+    a, b = load_file(tmp_path / "full" / final), load_file(out / final)
+    assert a.keys() == b.keys()
+    for name in a:  # model, AdamW state and RNG, bit for bit
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_sigterm_saves_and_exits_then_resumes_exactly(kjv_data: Path, tmp_path: Path) -> None:
+    common = {"trainer.max_steps": 20, "trainer.eval_interval": 20, "scheduler": "constant"}
+    full = run_losses(rewind_overrides(kjv_data, **common), tmp_path / "full")
+
+    out = tmp_path / "preempted"
+    overrides = rewind_overrides(kjv_data, **common, **{"fault.sigterm_at_step": 10})
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=out)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    # The signal arrived as step 10 began: step 10 was finished, saved, and the run returned.
+    assert summary.stopped == "SIGTERM" and summary.steps == 10
+    assert summary.losses == full[:10]
+    assert (out / "checkpoints" / "step-00000010" / "manifest.json").is_file()
+    (preempted,) = [e for e in read_events(out) if e["event"] == "preempted"]
+    assert preempted["signal"] == "SIGTERM" and preempted["step"] == 10
+    assert preempted["checkpoint"] == str(out / "checkpoints" / "step-00000010")
+
+    resumed = run_losses([*overrides, "checkpoint.resume=auto"], out)
+    assert resumed == full[10:]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "partial"])
+def test_resume_passes_over_a_damaged_checkpoint(
+    damage: str, kjv_data: Path, tmp_path: Path
+) -> None:
+    run_losses(rewind_overrides(kjv_data, **{"trainer.max_steps": 12}), tmp_path)
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000008", "step-00000012"]
+    extra = {"trainer.max_steps": 16, "checkpoint.resume": "auto"}
+    if damage == "corrupt":
+        extra["fault.corrupt_latest_checkpoint"] = True
+    else:  # a shard gone missing after the manifest was written
+        (root / "step-00000012" / "rank-00000.safetensors").unlink()
+    trainer = Trainer(
+        to_train_config(compose_config(rewind_overrides(kjv_data, **extra))),
+        output_dir=tmp_path,
+    )
+    try:
+        assert trainer.step == 8
+        trainer.fit()
+    finally:
+        trainer.close()
+    events = read_events(tmp_path)
+    (rejected,) = [e for e in events if e["event"] == "checkpoint_rejected"]
+    assert rejected["path"] == str(root / "step-00000012")
+    expected = "sha256" if damage == "corrupt" else "shard rank-00000.safetensors is missing"
+    assert expected in rejected["reason"]
+    assert rejected["moved_to"] == str(root / "rejected-step-00000012")
+    assert (root / "rejected-step-00000012").is_dir()
+    (resume,) = [e for e in events if e["event"] == "resume"]
+    assert resume["path"] == str(root / "step-00000008") and resume["step"] == 8
+    assert [p.name for p in list_checkpoints(root)][-1] == "step-00000016"
+
+
+def test_rewind_from_disk_passes_over_a_corrupt_stable_checkpoint(
+    kjv_data: Path, tmp_path: Path
+) -> None:
+    overrides = rewind_overrides(
+        kjv_data, **{"fault.nan_at_step": 30, "rewind.memory_snapshots": False}
+    )
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
+    real_step, done = trainer.train_step, []
+
+    def corrupt_then_step():  # damage step-24 (the stable one) just before the anomaly
+        if trainer.step == 29 and not done:
+            done.append(True)
+            shard = tmp_path / "checkpoints" / "step-00000024" / "rank-00000.safetensors"
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        return real_step()
+
+    trainer.train_step = corrupt_then_step  # type: ignore[method-assign]
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary.steps == 60 and summary.rewinds == 1
+    events = read_events(tmp_path)
+    (rejected,) = [e for e in events if e["event"] == "checkpoint_rejected"]
+    assert rejected["step"] == 24 and "sha256" in rejected["reason"]
+    (rewind,) = [e for e in events if e["event"] == "rewind"]
+    # Nothing stable is left: the oldest other target, step-28, from disk, marked unstable.
+    assert rewind["restored"]["step"] == 28 and rewind["restored"]["source"] == "disk"
+    assert rewind["restored"]["stable"] is False
+
+
+def test_preempted_cli_run_exits_zero(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = rewind_overrides(kjv_data, **{"trainer.max_steps": 12, "fault.sigterm_at_step": 6})
+    proc = _cli(overrides, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preempted by SIGTERM at step 6" in proc.stderr
+    assert "stopped early by SIGTERM after step 6" in proc.stdout
+    assert run_rewind([*overrides, "checkpoint.resume=auto"], tmp_path)["steps"] == 12
