@@ -3,7 +3,9 @@
 Document masking is checked against a reference that runs every document on its own (fp64,
 one process), so it proves that no query sees a key of another document, at any cp degree.
 Dropout is checked by looking at the masks themselves: equal across TP ranks where the
-activations are replicated, different where they are sharded.
+activations are replicated, different where they are sharded. Devices and degrees as in
+:mod:`parallel_checks` (``device`` defaults to this process's device; results come back on the
+CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from parallel_checks import (
     _lm,
     _local_batch,
     compare_grads,
+    device_of,
     rel_err,
 )
 
@@ -61,9 +64,14 @@ def attention_by_document(
     return torch.cat(rows)
 
 
-def cp_attention_documents(seed: int = 0) -> dict[str, float]:
-    """Document-masked causal attention at cp=world vs. the per-document reference."""
-    state = mt_comm.init_parallel_state(cp=mt_comm.group_size())
+def cp_attention_documents(
+    seed: int = 0, cp: int | None = None, tp: int = 1, device: str | None = None
+) -> dict[str, float]:
+    """Document-masked causal attention at cp (default: world over tp) vs. the per-document
+    reference."""
+    dev = device_of(device)
+    cp = mt_comm.group_size() // tp if cp is None else cp
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cp_group = state.group("cp")
     generator = torch.Generator().manual_seed(seed)
     B, T, d = 2, 8 * state.size("cp"), 8
@@ -76,19 +84,24 @@ def cp_attention_documents(seed: int = 0) -> dict[str, float]:
     ref_out = attention_by_document(*ref, ids)
     ref_out.backward(dy)
 
-    local = [mp.shard_sequence(t, 2, cp_group).float().requires_grad_() for t in (q, k, v)]
-    local_ids = mp.shard_sequence(ids, 1, cp_group)
+    local = [mp.shard_sequence(t, 2, cp_group).float().to(dev).requires_grad_() for t in (q, k, v)]
+    local_ids = mp.shard_sequence(ids, 1, cp_group).to(dev)
     out = mp.context_parallel_attention(*local, cp_group, document_ids_Bt=local_ids)
-    out.backward(mp.shard_sequence(dy, 2, cp_group).float())
+    out.backward(mp.shard_sequence(dy, 2, cp_group).float().to(dev))
     errors = {"out": rel_err(out, mp.shard_sequence(ref_out, 2, cp_group))}
     for name, mine, theirs in zip("qkv", local, ref, strict=True):
         errors[f"d{name}"] = rel_err(mine.grad, mp.shard_sequence(theirs.grad, 2, cp_group))
     return errors
 
 
-def ring_attention(documents: bool, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Ring attention at cp=world vs. the all-gather version and the fp64 reference."""
-    state = mt_comm.init_parallel_state(cp=mt_comm.group_size())
+def ring_attention(
+    documents: bool, seed: int = 0, cp: int | None = None, tp: int = 1, device: str | None = None
+) -> dict[str, dict[str, float]]:
+    """Ring attention at cp (default: world over tp) vs. the all-gather version and the fp64
+    reference."""
+    dev = device_of(device)
+    cp = mt_comm.group_size() // tp if cp is None else cp
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cp_group = state.group("cp")
     generator = torch.Generator().manual_seed(seed)
     B, T, d = 2, 8 * state.size("cp"), 8
@@ -104,11 +117,13 @@ def ring_attention(documents: bool, seed: int = 0) -> dict[str, dict[str, float]
         ref_out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
     ref_out.backward(dy)
 
-    local_ids = None if ids is None else mp.shard_sequence(ids, 1, cp_group)
-    local_dy = mp.shard_sequence(dy, 2, cp_group).float()
+    local_ids = None if ids is None else mp.shard_sequence(ids, 1, cp_group).to(dev)
+    local_dy = mp.shard_sequence(dy, 2, cp_group).float().to(dev)
     results = {}
     for name, attention in (("ring", mp.ring_attention), ("gather", mp.context_parallel_attention)):
-        local = [mp.shard_sequence(t, 2, cp_group).float().requires_grad_() for t in (q, k, v)]
+        local = [
+            mp.shard_sequence(t, 2, cp_group).float().to(dev).requires_grad_() for t in (q, k, v)
+        ]
         out = attention(*local, cp_group, document_ids_Bt=local_ids)
         out.backward(local_dy)
         results[name] = (out.detach(), *(t.grad for t in local))
@@ -133,49 +148,64 @@ def lm_by_document(
 
 
 def decoder_lm_documents(
-    cp: int = 1, tp: int = 1, sp: bool = False, seed: int = 0
+    cp: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    seed: int = 0,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    device: str | None = None,
 ) -> dict[str, object]:
     """The decoder LM on packed rows (document ids) under parallelize() vs. per-document runs.
 
     The parallel model gets global positions, the reference positions from 0 per document:
-    RoPE scores depend only on position differences, so both must agree.
+    RoPE scores depend only on position differences, so both must agree. dp is the world over
+    cp·tp; every dp rank gets two rows of its own.
     """
+    dev = device_of(device)
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
+    dp = state.size("dp")
     config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
-    reference = _lm()
+    reference = _lm(heads=heads, kv_heads=kv_heads)
     mp.init_weights(reference, seed)
     reference = reference.double()
-    model = _lm()
+    model = _lm(heads=heads, kv_heads=kv_heads)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model, config, state)
+    model = mp.parallelize(model.to(dev), config, state)
 
-    tokens, targets = _batch(seed + 1, 2, 16)
-    ids = document_ids(seed + 2, 2, 16)
+    tokens, targets = _batch(seed + 1, 2 * dp, 16)
+    ids = document_ids(seed + 2, 2 * dp, 16)
     ref_logits = lm_by_document(reference, tokens, ids)
     ref_losses = mp.vocab_parallel_cross_entropy(ref_logits, targets, reduction="none")
     ref_losses.mean().backward()
 
-    local_tokens, local_targets, positions, _ = _local_batch(state, tokens, targets)
-    local_ids = mp.shard_sequence(ids, 1, state.group("cp"))
-    logits = model(local_tokens, positions, local_ids)
-    inner = model.module if hasattr(model, "module") else model  # DDP over cp
-    loss = inner.loss(logits, local_targets)
+    local_tokens, local_targets, positions, rows = _local_batch(state, tokens, targets)
+    local_ids = mp.shard_sequence(ids[rows], 1, state.group("cp"))
+    logits = model(local_tokens.to(dev), positions.to(dev), local_ids.to(dev))
+    inner = model.module if hasattr(model, "module") else model  # DDP over dp×cp
+    loss = inner.loss(logits, local_targets.to(dev))
     loss.backward()
     tp_rank = state.rank("tp")
     return {
-        "logits": rel_err(logits, ref_logits[:, positions].chunk(tp, dim=-1)[tp_rank]),
-        "loss": rel_err(loss, ref_losses[:, positions].mean()),
+        "logits": rel_err(logits, ref_logits[rows][:, positions].chunk(tp, dim=-1)[tp_rank]),
+        "loss": rel_err(loss, ref_losses[rows][:, positions].mean()),
         "grads": compare_grads(inner, reference, tp_rank, tp),
     }
 
 
-def dropout_masks(seed: int = 0) -> dict[str, object]:
-    """Dropout masks of every region at tp=world on identical inputs (the test compares ranks).
+def dropout_masks(
+    seed: int = 0, tp: int | None = None, device: str | None = None
+) -> dict[str, object]:
+    """Dropout masks of every region at tp (default: world) on identical inputs (the test
+    compares ranks of one TP group; the tensors come back on the CPU).
 
     Replicated-region masks are drawn before and after sharded ones, to show that forking the
-    tracker leaves the shared default stream where it was.
+    tracker leaves the shared default stream where it was. ``default_state`` is the default
+    generator state of ``device`` (the CPU generator on the CPU, the CUDA one on a GPU).
     """
-    state = mt_comm.init_parallel_state(tp=mt_comm.group_size())
+    dev = device_of(device)
+    tp = mt_comm.group_size() if tp is None else tp
+    state = mt_comm.init_parallel_state(tp=tp)
     tp_group, tp_rank = state.group("tp"), state.rank("tp")
 
     def dropout(sharded: bool, sequence_parallel: bool) -> mp.Dropout:
@@ -186,24 +216,28 @@ def dropout_masks(seed: int = 0) -> dict[str, object]:
     masks: dict[str, object] = {"unseeded": "no error"}
     mp.get_rng_tracker().reset()
     try:
-        dropout(False, False)(torch.ones(4))
+        dropout(False, False)(torch.ones(4, device=dev))
     except RuntimeError as error:
         masks["unseeded"] = str(error)
     mp.manual_seed(seed, tp_rank)
 
-    ones = torch.ones(8, 64)
-    masks["replicated_before"] = dropout(False, False)(ones) != 0
-    masks["sharded"] = dropout(True, False)(ones) != 0
-    masks["sequence_parallel"] = dropout(False, True)(ones) != 0
-    masks["replicated_after"] = dropout(False, False)(ones) != 0
+    ones = torch.ones(8, 64, device=dev)
+    masks["replicated_before"] = (dropout(False, False)(ones) != 0).cpu()
+    masks["sharded"] = (dropout(True, False)(ones) != 0).cpu()
+    masks["sequence_parallel"] = (dropout(False, True)(ones) != 0).cpu()
+    masks["replicated_after"] = (dropout(False, False)(ones) != 0).cpu()
 
     # Attention probabilities of this rank's heads: same q, k, v on every rank, so the outputs
     # differ exactly when the masks do.
     core = mp.CoreAttention(dropout=0.5)
     core.set_tensor_parallel(tp_group, False)
-    qkv = torch.randn(3, 1, 2, 16, 8, generator=torch.Generator().manual_seed(seed))
-    masks["attention_output"] = core(*qkv)
-    masks["default_state"] = torch.get_rng_state()
+    qkv = torch.randn(3, 1, 2, 16, 8, generator=torch.Generator().manual_seed(seed)).to(dev)
+    masks["attention_output"] = core(*qkv).cpu()
+    masks["default_state"] = (
+        torch.get_rng_state()
+        if dev.type == "cpu"
+        else torch.get_device_module(dev.type).get_rng_state(dev)
+    )
 
     # In the model: the residual dropouts are replicated without SP and sharded with it.
     for sp in (False, True):
