@@ -25,7 +25,7 @@ def test_every_group_has_configs() -> None:
     groups = {g for g, _ in GROUP_FILES}
     assert groups >= {
         "model", "parallel", "fp8", "optimizer", "scheduler", "data",
-        "checkpoint", "rewind", "logging", "experiment",
+        "checkpoint", "rewind", "fault", "logging", "experiment",
     }  # fmt: skip
 
 
@@ -71,6 +71,13 @@ def test_issue_example_overrides_compose() -> None:
             "scheduler.name=linear",
             "scheduler.name='linear' is unknown; valid: cosine, wsd, constant",
         ),
+        ("rewind.skip=sometimes", "rewind.skip='sometimes' is unknown; valid: window, batches"),
+        ("rewind.detectors=[nan]", "rewind.detectors has unknown ['nan']; valid: non_finite,"),
+        ("rewind.loss_spike_factor=0.5", "rewind.loss_spike_factor must be > 1, got 0.5"),
+        ("rewind.min_samples=80", "rewind.min_samples=80 exceeds rewind.window=50"),
+        ("rewind.fp8_saturation=2", "rewind.fp8_saturation must be in (0, 1), got 2.0"),
+        ("fault.nan_at_step=0", "fault.nan_at_step must be an integer >= 1, got 0"),
+        ("fault.rank=3", "fault.rank=3 is not a rank of this run (world size 1)"),
     ],
 )
 def test_bad_override_is_one_line(
