@@ -366,7 +366,7 @@ def zero1_steps(
             float((p.detach().double().cpu() - expected[n]).abs().max())
             for n, p in model.named_parameters()
         ),
-        "max_param": max(float(p.abs().max()) for p in reference.parameters()),
+        "max_param": max(float(p.detach().abs().max()) for p in reference.parameters()),
         "params_are_cast_masters": torch.equal(
             shard, opt.master.detach()[: shard.numel()].to(flat.dtype)
         ),
