@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from importlib import resources
@@ -99,3 +100,21 @@ def test_console_entry_reports_without_traceback(tmp_path: Path) -> None:
         "mt-train: error: tensor parallel size tp=3 does not divide num_heads=4"
     ]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def _readme_rewind_commands() -> list[list[str]]:
+    text = README.read_text().split("## Rewind", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in text.splitlines() if line.startswith("mt-train ")]
+    return [shlex.split(line, comments=True)[1:] for line in lines]
+
+
+@pytest.mark.parametrize("args", _readme_rewind_commands(), ids=lambda a: " ".join(a)[-60:])
+def test_readme_rewind_commands_compose(args: list[str]) -> None:
+    # The drills themselves run in test_train_rewind*.py on the tiny model; here every command
+    # in the README's Rewind section must at least pass the CLI's validation as written.
+    overrides = [a for a in args if not a.startswith("hydra.")]
+    cfg = to_train_config(compose_config(overrides))
+    assert cfg.rewind.enabled
