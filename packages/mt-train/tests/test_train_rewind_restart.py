@@ -164,3 +164,34 @@ def test_preempted_cli_run_exits_zero(kjv_data: Path, tmp_path: Path) -> None:
     assert "preempted by SIGTERM at step 6" in proc.stderr
     assert "stopped early by SIGTERM after step 6" in proc.stdout
     assert run_rewind([*overrides, "checkpoint.resume=auto"], tmp_path)["steps"] == 12
+
+
+def test_crash_right_after_a_rewind_loses_no_decision(kjv_data: Path, tmp_path: Path) -> None:
+    # The reference: a NaN at step 30 rewinds to step 24 and skips draws [192, 240).
+    nan = {"fault.nan_at_step": 30, "trainer.max_steps": 40, "trainer.eval_interval": 40}
+    reference = run_rewind(rewind_overrides(kjv_data, **nan), tmp_path / "reference")
+
+    # The same run dies as step 27 begins after the rewind: step-28 was discarded and not yet
+    # written again, so the newest checkpoint is step-24, saved before the rewind decided
+    # anything. (An exception out of fit() leaves the disk as a SIGKILL would: saves are sync.)
+    out = tmp_path / "crashed"
+    overrides = rewind_overrides(kjv_data, **nan)
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=out)
+    real_step = trainer.train_step
+
+    def crash_after_rewind():
+        if trainer.step == 26 and trainer.guard.rewinds == 1:
+            raise RuntimeError("simulated crash")
+        return real_step()
+
+    trainer.train_step = crash_after_rewind  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.fit()
+    trainer.close()
+    assert [p.name for p in list_checkpoints(out / "checkpoints")][-1] == "step-00000024"
+
+    resumed = run_rewind([*overrides, "checkpoint.resume=auto"], out)
+    # The skipped data, the history and the LR cool-down came back from rewind-decisions.json:
+    # the resumed run trains exactly as the run that never crashed.
+    assert resumed["losses"] == reference["losses"][-16:]
+    assert resumed["rewinds"] == 1

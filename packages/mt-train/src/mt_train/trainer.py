@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -54,6 +55,7 @@ from mt_train.checkpoint.files import (
     quarantine,
     step_dir,
     verify_checkpoint,
+    write_json_atomic,
 )
 from mt_train.config.schema import TrainConfig
 from mt_train.convert import checkpoint_folder
@@ -71,6 +73,9 @@ from mt_train.rewind.faults import FaultInjector
 from mt_train.rewind.manager import RewindManager
 from mt_train.rewind.preemption import StopRequest
 from mt_train.sample import greedy_generate
+
+REWIND_DECISIONS = "rewind-decisions.json"
+"""In the checkpoint folder: the rewind decisions since the newest checkpoint (JSON)."""
 
 
 @dataclass
@@ -168,6 +173,8 @@ class Trainer:
         )
         self.faults.corrupt_at_start(self.ckpt_dir)
         resume = self._find_resume(ck.resume)
+        if resume is None and self.rank == 0:  # a fresh run: an old run's decisions do not apply
+            self._decisions_path.unlink(missing_ok=True)
         if resume is not None:
             self.load(resume)
         elif ck.init_from is not None:
@@ -242,8 +249,32 @@ class Trainer:
         self.sampler.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
         self.guard.load_state_dict(manifest.get("rewind", {}))
+        self._load_decisions()
         self._resumed_from = folder
         self.events.emit("resume", self.step, path=str(folder))
+
+    @property
+    def _decisions_path(self) -> Path:
+        return self.ckpt_dir / REWIND_DECISIONS
+
+    def _save_decisions(self) -> None:
+        """Rank 0, after a rewind: the decisions a checkpoint saved before it cannot hold
+        (skipped data, history, cool-down), so a crash before the next checkpoint loses none."""
+        if self.rank == 0:
+            state = {"skipped": self.sampler.skipped, **self.guard.decisions()}
+            write_json_atomic(self._decisions_path, state)
+
+    def _load_decisions(self) -> None:
+        """Merge the rewind decisions of this run folder into a just loaded checkpoint's."""
+        text = ""
+        if self.rank == 0 and self._decisions_path.is_file():
+            text = self._decisions_path.read_text()
+        text = D.broadcast_str(text, self.device)
+        if text:
+            state = json.loads(text)
+            for start, end in state["skipped"]:
+                self.sampler.skip(start, end)
+            self.guard.merge_decisions(state)
 
     def save(self) -> None:
         """Checkpoint the current step; with rewind on it also becomes a rewind target (held
@@ -292,14 +323,13 @@ class Trainer:
                 folder = step_dir(self.ckpt_dir, step)
                 if step < self.step and (folder / "manifest.json").is_file():
                     self.guard.add_target(snap.Target(step, -1, path=folder, stable=True))
-        host = snap.capture(self.module, self.optimizer, self.ctx.device)
+        host = (
+            snap.capture(self.module, self.optimizer, self.ctx.device)
+            if rw.memory_snapshots
+            else None
+        )
         self.guard.add_target(
-            snap.Target(
-                self.step,
-                self.sampler.consumed,
-                path=self._resumed_from,
-                host=host if rw.memory_snapshots else None,
-            )
+            snap.Target(self.step, self.sampler.consumed, path=self._resumed_from, host=host)
         )
 
     # ------------------------------------------------------------------ steps
@@ -401,6 +431,7 @@ class Trainer:
         )
         if self.rank == 0:
             discard(self.ckpt_dir, [t.step for t in dropped if t.path is not None])
+        self._save_decisions()
         if self.logger is not None:
             self.logger.set_step(self.step)
 

@@ -193,6 +193,13 @@ def newest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, s
     return None, rejected
 
 
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` so that a crash leaves the old or the new file whole."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    _fsync_write(tmp, (json.dumps(obj, indent=1) + "\n").encode())
+    os.replace(tmp, path)
+
+
 def discard(root: Path, steps: list[int]) -> None:
     """Delete the checkpoints of ``steps`` (an abandoned timeline after a rewind)."""
     for step in steps:

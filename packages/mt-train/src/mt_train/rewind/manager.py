@@ -26,6 +26,9 @@ every time it is replayed therefore stops the run after ``N`` rewinds instead of
 State kept across rewinds (it describes the run, not the model): the detectors' baselines,
 the history, the cool-down, the targets at or before the restored step. All of it goes into
 every checkpoint manifest (JSON), so a restarted run carries on with the same policy state.
+A rewind's own decisions (skipped data, history, cool-down) are newer than the checkpoint it
+restored, so the trainer also writes them to ``rewind-decisions.json`` in the checkpoint folder
+at once (atomically); a resume merges them, and a crash right after a rewind loses nothing.
 """
 
 from __future__ import annotations
@@ -215,6 +218,18 @@ class RewindManager:
             "cooldown": self.cooldown,
             "stable": self.targets.stable_steps,
         }
+
+    def decisions(self) -> dict[str, Any]:
+        """What a rewind decided that the restored checkpoint does not know (see
+        ``merge_decisions``)."""
+        return {"history": list(self.history), "cooldown": self.cooldown}
+
+    def merge_decisions(self, state: dict[str, Any]) -> None:
+        """After loading a checkpoint: take the later of its history and ``state``'s (a history
+        only grows, so the longer one is the later)."""
+        if len(state.get("history", [])) > len(self.history):
+            self.history = list(state["history"])
+            self.cooldown = state.get("cooldown")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.detectors.load_state_dict(state.get("detectors", {}))
