@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -47,16 +46,7 @@ from mt_train.checkpoint.checkpointer import (
     resolve_resume,
     shard_tensors,
 )
-from mt_train.checkpoint.files import (
-    CheckpointReader,
-    checkpoint_step,
-    discard,
-    newest_valid_checkpoint,
-    quarantine,
-    step_dir,
-    verify_checkpoint,
-    write_json_atomic,
-)
+from mt_train.checkpoint.files import CheckpointReader, discard, step_dir
 from mt_train.config.schema import TrainConfig
 from mt_train.convert import checkpoint_folder
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
@@ -68,14 +58,12 @@ from mt_train.optim import build_optimizer, lr_multiplier
 from mt_train.rewind import snapshot as snap
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
-from mt_train.rewind.events import EVENTS_FILE, EventLog, read_events
+from mt_train.rewind.events import EVENTS_FILE, EventLog
 from mt_train.rewind.faults import FaultInjector
 from mt_train.rewind.manager import RewindManager
 from mt_train.rewind.preemption import StopRequest
+from mt_train.rewind.recovery import Recovery, fired_faults
 from mt_train.sample import greedy_generate
-
-REWIND_DECISIONS = "rewind-decisions.json"
-"""In the checkpoint folder: the rewind decisions since the newest checkpoint (JSON)."""
 
 
 @dataclass
@@ -171,10 +159,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             self.ckpt_dir, self.rank, self.world_size, self.run_id, ck.keep_last, ck.async_save
         )
+        self.recovery = Recovery(self.ckpt_dir, self.rank, self.device, self.events)
         self.faults.corrupt_at_start(self.ckpt_dir)
-        resume = self._find_resume(ck.resume)
-        if resume is None and self.rank == 0:  # a fresh run: an old run's decisions do not apply
-            self._decisions_path.unlink(missing_ok=True)
+        resume = self.recovery.find_resume(ck.resume)
         if resume is not None:
             self.load(resume)
         elif ck.init_from is not None:
@@ -188,58 +175,19 @@ class Trainer:
     def _build_faults(self) -> FaultInjector:
         """The fault injector, with the one-shot faults already recorded in this run disarmed."""
         fault = self.cfg.fault
-        fired = ""
-        if self.rank == 0:
-            fired = ",".join(
-                r["fault"] for r in read_events(self.output_dir) if r["event"] == "fault"
-            )
-        fired = D.broadcast_str(fired, self.device)
+        fired = fired_faults(self.output_dir, self.rank, self.device)
         bad: list[int] = []
         if fault.bad_batch_at_step is not None:
             G = self.cfg.trainer.global_batch_size
             order = ResumableSampler(len(self.data.train), self.cfg.trainer.seed, G, G)
             order.consumed = (fault.bad_batch_at_step - 1) * G
             bad = order.next_step()[0].tolist()
-        injector = FaultInjector(fault, self.rank, filter(None, fired.split(",")), bad, self.events)
+        injector = FaultInjector(fault, self.rank, fired, bad, self.events)
         if fault.fp8_overflow_at_step is not None:
             injector.install_fp8_hooks(self.module)
         return injector
 
     # ------------------------------------------------------------------ state
-    def _verify(self, folder: Path) -> str | None:
-        """Rank 0 checks ``folder`` (manifest, sizes, sha256); every rank gets the reason."""
-        reason = (verify_checkpoint(folder) or "") if self.rank == 0 else ""
-        return D.broadcast_str(reason, self.device) or None
-
-    def _reject(self, folder: Path, reason: str) -> None:
-        moved = quarantine(folder) if self.rank == 0 and folder.exists() else None
-        self.events.emit(
-            "checkpoint_rejected",
-            checkpoint_step(folder),
-            path=str(folder),
-            reason=reason,
-            moved_to=str(moved) if moved else None,
-        )
-
-    def _find_resume(self, mode: str) -> Path | None:
-        """``checkpoint.resume``: none, auto (the newest checkpoint that verifies; corrupt or
-        partial newer ones are rejected and logged) or a folder (which must verify)."""
-        if mode == "none":
-            return None
-        if mode != "auto":
-            reason = self._verify(Path(mode))
-            if reason is not None:
-                raise ValueError(f"checkpoint.resume={mode!r} cannot be used: {reason}")
-            return Path(mode)
-        chosen = ""
-        if self.rank == 0:
-            folder, rejected = newest_valid_checkpoint(self.ckpt_dir)
-            for bad, reason in rejected:
-                self._reject(bad, reason)
-            chosen = str(folder) if folder is not None else ""
-        chosen = D.broadcast_str(chosen, self.device)
-        return Path(chosen) if chosen else None
-
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any dp degree; see :mod:`mt_train.checkpoint.checkpointer`)."""
         reader = CheckpointReader(folder)
@@ -249,32 +197,9 @@ class Trainer:
         self.sampler.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
         self.guard.load_state_dict(manifest.get("rewind", {}))
-        self._load_decisions()
+        self.recovery.load_decisions(self.sampler, self.guard)
         self._resumed_from = folder
         self.events.emit("resume", self.step, path=str(folder))
-
-    @property
-    def _decisions_path(self) -> Path:
-        return self.ckpt_dir / REWIND_DECISIONS
-
-    def _save_decisions(self) -> None:
-        """Rank 0, after a rewind: the decisions a checkpoint saved before it cannot hold
-        (skipped data, history, cool-down), so a crash before the next checkpoint loses none."""
-        if self.rank == 0:
-            state = {"skipped": self.sampler.skipped, **self.guard.decisions()}
-            write_json_atomic(self._decisions_path, state)
-
-    def _load_decisions(self) -> None:
-        """Merge the rewind decisions of this run folder into a just loaded checkpoint's."""
-        text = ""
-        if self.rank == 0 and self._decisions_path.is_file():
-            text = self._decisions_path.read_text()
-        text = D.broadcast_str(text, self.device)
-        if text:
-            state = json.loads(text)
-            for start, end in state["skipped"]:
-                self.sampler.skip(start, end)
-            self.guard.merge_decisions(state)
 
     def save(self) -> None:
         """Checkpoint the current step; with rewind on it also becomes a rewind target (held
@@ -431,7 +356,7 @@ class Trainer:
         )
         if self.rank == 0:
             discard(self.ckpt_dir, [t.step for t in dropped if t.path is not None])
-        self._save_decisions()
+        self.recovery.save_decisions(self.sampler, self.guard)
         if self.logger is not None:
             self.logger.set_step(self.step)
 
@@ -443,9 +368,9 @@ class Trainer:
             return "memory"
         if target.path is None:
             return None
-        reason = self._verify(target.path)
+        reason = self.recovery.verify(target.path)
         if reason is not None:
-            self._reject(target.path, reason)
+            self.recovery.reject(target.path, reason)
             self.guard.targets.drop(target)
             return None
         reader = CheckpointReader(target.path)

@@ -8,7 +8,8 @@ the data that led there, cool the LR, bound the retries, log every event; plus p
 * :mod:`~mt_train.rewind.manager` — skip policies, LR cool-down, the bound;
 * :mod:`~mt_train.rewind.events` — the events log;
 * :mod:`~mt_train.rewind.faults` — fault injection;
-* :mod:`~mt_train.rewind.preemption` — stop at a step boundary on a signal.
+* :mod:`~mt_train.rewind.preemption` — stop at a step boundary on a signal;
+* :mod:`~mt_train.rewind.recovery` — verified resume, rejected checkpoints, decisions file.
 """
 
 from mt_train.rewind.consensus import Verdict, agree
@@ -17,6 +18,7 @@ from mt_train.rewind.events import EVENTS_FILE, EventLog, console_line, read_eve
 from mt_train.rewind.faults import FaultInjector, corrupt_latest
 from mt_train.rewind.manager import RewindLimitError, RewindManager
 from mt_train.rewind.preemption import StopRequest
+from mt_train.rewind.recovery import Recovery
 from mt_train.rewind.snapshot import Target, Targets, capture, live_state, restore
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "DetectorSuite",
     "EventLog",
     "FaultInjector",
+    "Recovery",
     "RewindLimitError",
     "RewindManager",
     "RobustBaseline",
