@@ -114,6 +114,30 @@ def auto_layouts(world: int) -> list[str]:
     return names
 
 
+# ----------------------------------------------------------------------------- init
+def init_distributed(device: str, pg: str, timeout_s: float) -> Any:
+    """``mt_comm.init_distributed``; with ``pg="device+gloo"`` the default group is created
+    first as ``cpu:gloo,cuda:nccl`` (so collectives on CPU tensors have a backend under NCCL)
+    and mt_comm adopts it. Shared with throughput.py."""
+    import torch
+    import torch.distributed as dist
+
+    import mt_comm
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if pg == "device+gloo" and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(
+            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+            timeout=timeout,
+            device_id=torch.device("cuda", local_rank) if cuda else None,
+        )
+    return mt_comm.init_distributed(device=device, timeout=timeout)
+
+
 # ----------------------------------------------------------------------------- checks
 def _floats(value: Any, path: str = "") -> Iterator[tuple[str, float]]:
     """Every float of a (nested) result, with its path (booleans and tensors are not floats)."""
@@ -440,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-backend", default="emulate", help="mt_fp8 backend for fp8_tp")
     parser.add_argument("--sdpa", choices=("default", "math"), default="default")
     parser.add_argument("--timeout-s", type=float, default=300, help="collective timeout")
+    parser.add_argument(
+        "--pg",
+        choices=("device", "device+gloo"),
+        default="device",
+        help="device: mt_comm's init (NCCL only on GPUs); device+gloo: cpu:gloo,cuda:nccl",
+    )
     parser.add_argument("--out", default=None, help="JSON lines file for the rows (rank 0)")
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     args = parser.parse_args(argv)
@@ -464,9 +494,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mt_comm
 
-    ctx = mt_comm.init_distributed(
-        device=args.device, timeout=datetime.timedelta(seconds=args.timeout_s)
-    )
+    ctx = init_distributed(args.device, args.pg, args.timeout_s)
     if not ctx.has_process_group:
         print("parity.py: no process group; launch with torchrun", file=sys.stderr)
         return 2
@@ -489,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = torch.cuda.get_device_name() if device_type == "cuda" else "cpu"
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if device_type == "cuda" else "—"
         print(f"# parity: {world} × {hw}, backend {ctx.backend.name if ctx.backend else '—'}, "
-              f"torch {torch.__version__}, NCCL {nccl}, NCCL_NVLS_ENABLE="
+              f"pg {args.pg}, torch {torch.__version__}, NCCL {nccl}, NCCL_NVLS_ENABLE="
               f"{os.environ.get('NCCL_NVLS_ENABLE')}, sdpa {args.sdpa}, fp8 backend "
               f"{args.fp8_backend}; layouts {', '.join(lay.name for lay in layouts)}",
               flush=True)  # fmt: skip

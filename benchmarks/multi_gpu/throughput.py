@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import sys
@@ -71,7 +70,8 @@ KNOWN_BROKEN = (
     "refused: FP8 + FSDP2 + tp > 1 desynchronises the TP ranks' collectives (mt_fp8's cached FP8 "
     "weight is keyed on the FSDP-unsharded weight's data_ptr/_version, which differ across TP "
     "ranks, so only some ranks run the weight-amax all-reduce): a gloo collective mismatch on "
-    "the CPU, a hang until the timeout under NCCL; docs/multi_gpu.md. --run-known-broken runs it"
+    "the CPU (under NCCL expected to hang until the collective timeout; not run on GPUs); "
+    "docs/multi_gpu.md. --run-known-broken runs it anyway"
 )
 TINY = dict(dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=1024, seq=128)
 
@@ -119,23 +119,10 @@ def layout_degrees(text: str, world: int) -> dict[str, Any]:
 
 
 def init(args: argparse.Namespace) -> Any:
-    import torch
-    import torch.distributed as dist
+    sys.path.insert(0, str(HERE))
+    from parity import init_distributed
 
-    import mt_comm
-
-    timeout = datetime.timedelta(seconds=args.timeout_s)
-    if args.pg == "device+gloo" and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        cuda = args.device in ("auto", "cuda") and torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-            timeout=timeout,
-            device_id=torch.device("cuda", local_rank) if cuda else None,
-        )
-    return mt_comm.init_distributed(device=args.device, timeout=timeout)
+    return init_distributed(args.device, args.pg, args.timeout_s)
 
 
 def build(args: argparse.Namespace, ctx: Any, deg: dict[str, Any], shapes: dict[str, int]):
