@@ -175,3 +175,49 @@ def test_events_log_lines(tmp_path: Path) -> None:
         "0, 1 [also grad_norm_spike]; restored step 12 from memory, skipped 8 step(s) of data "
         "(window), LR x0.5 back to 1 over 8 steps [1/3 within 500 steps]"
     )
+
+
+def test_snapshot_restores_model_optimizer_fp8_and_rng(kjv_data: Path, tmp_path: Path) -> None:
+    from mt_train.rewind import capture, restore
+
+    overrides = tiny_overrides(kjv_data, fp8="delayed", rewind="default")
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        host = capture(trainer.module, trainer.optimizer, trainer.ctx.device)
+        before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+        assert any("amax_history" in k for k in before)  # delayed scaling's state is in there
+        adam = {
+            id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()
+        }
+        draw = torch.rand(3)
+        for _ in range(2):
+            trainer.train_step()
+        restore(host, trainer.module, trainer.optimizer, trainer.ctx.device)
+        for key, value in trainer.module.state_dict().items():
+            assert torch.equal(value, before[key]), key
+        for param, state in trainer.optimizer.state.items():
+            for k, v in state.items():
+                assert torch.equal(v, adam[id(param)][k]), k
+        assert torch.equal(torch.rand(3), draw)  # the RNG is back where it was
+        restore(host, trainer.module, trainer.optimizer, trainer.ctx.device)  # host unchanged
+        trainer.train_step()
+        assert all(torch.isfinite(p).all() for p in trainer.module.parameters())
+    finally:
+        trainer.close()
+
+
+def test_stop_request_catches_sigint_once() -> None:
+    import os
+    import signal
+
+    from mt_train.rewind import StopRequest
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is before  # a second Ctrl-C interrupts at once
+    assert signal.getsignal(signal.SIGINT) is before

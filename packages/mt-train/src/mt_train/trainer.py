@@ -351,6 +351,9 @@ class Trainer:
         if skipped is not None:
             self.sampler.skip(*skipped)
         self.step = target.step
+        # The restored state is on disk already (if the target has a folder); what the rewind
+        # decided goes to the decisions file below, so a stop right now need not save again.
+        self._last_save = target.step if target.path is not None else None
         dropped = self.guard.commit(
             anomaly_at, verdict, target, source, skipped, self.cfg.trainer.global_batch_size
         )
