@@ -56,6 +56,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"throughput.py: refusing to run with {key}={os.environ[key]} (NVLink "
                   f"multicast must stay off here)", file=sys.stderr)  # fmt: skip
             return 2
+    # torch 2.13 deprecates DDP's broadcast_buffers, which mt_parallel passes (reported).
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*is deprecated")
     import torch
 
     import mt_comm
