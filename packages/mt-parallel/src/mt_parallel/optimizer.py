@@ -80,13 +80,17 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     mp_group = tp_group if mp_group is None else mp_group
     tp_rank = group_rank(tp_group)
-    replicated = torch.zeros((), dtype=torch.float64)
-    sharded = torch.zeros((), dtype=torch.float64)
+    # Accumulate on the gradients' device: the collectives below may run on a backend
+    # (NCCL) that refuses host tensors, and no per-parameter host sync is needed.
+    first = _local_grad(params[0])[0] if params else None
+    device = first.device if first is not None else torch.device("cpu")
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
     for param in params:
         grad, dp_sharded = _local_grad(param)
         if grad is None or not _counts_here(param, tp_rank):
             continue
-        sumsq = grad.detach().double().pow(2).sum().cpu()
+        sumsq = grad.detach().double().pow(2).sum()
         if dp_sharded:
             sharded += sumsq
         else:
