@@ -8,6 +8,8 @@ vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast. Stacks, in 
   pipeline on the bundled corpus, its step: accumulation context, clipping, LR schedule, AdamW);
 * ``ours_fp8_<recipe>``: the same trainer after ``mt_parallel.apply_fp8`` with each mt_fp8 recipe
   (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does;
+* ``ours_compiled_bf16`` / ``ours_compiled_fp8_tensorwise``: the same with ``trainer.compile=true``
+  (``torch.compile`` on each decoder block);
 * ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
   ``torch.compile`` on each block;
 * ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
@@ -23,6 +25,10 @@ runs them all in this process, as the subprocesses do), so a stack that fails, h
 memory is reported with its error and the run goes on; ``--budget-s`` skips the stacks that would
 start after that many seconds. Results go to stdout as a Markdown table
 and, one JSON object per stack, to ``--out``.
+
+``--profile`` adds, per stack, one profiled step (PyTorch profiler): the device time by kernel
+category (:data:`KERNEL_CATEGORIES`), the step's wall time, and the top kernels; this is where
+the performance log in ``docs/benchmarks.md`` gets its breakdowns.
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
 ``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.
@@ -49,6 +55,18 @@ from torch import nn
 PEAK_BF16 = 989e12
 REF_STACKS = ("ref_compile_bf16", "ref_ao_tensorwise", "ref_ao_rowwise")
 OUR_RECIPES = ("tensorwise", "rowwise", "block", "delayed", "mxfp8")
+OUR_COMPILED = ("ours_compiled_bf16", "ours_compiled_fp8_tensorwise")
+
+# Kernel-name patterns (lower case, first match wins) for the --profile breakdown.
+KERNEL_CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("fp8 quantize", ("quantize", "amax", "_to_fp8", "float8")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "_mm_")),
+    ("fused ops (ours)", ("_rmsnorm", "_rope", "_swiglu", "_cross_entropy", "_ce_")),
+    ("inductor fusions", ("triton_",)),
+    ("communication", ("nccl",)),
+)
 
 
 def shapes(tiny: bool) -> dict[str, int]:
@@ -150,7 +168,7 @@ def ref_stack(
 
 
 # ---------------------------------------------------------------- our trainer
-def our_trainer(s: dict[str, int], device: str, out_dir: str) -> Any:
+def our_trainer(s: dict[str, int], device: str, out_dir: str, compile_: bool = False) -> Any:
     from mt_train import Trainer, compose_config, to_train_config
 
     overrides = [
@@ -161,6 +179,7 @@ def our_trainer(s: dict[str, int], device: str, out_dir: str) -> Any:
         "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
         "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
         "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
+        f"trainer.compile={str(compile_).lower()}",
     ]  # fmt: skip
     return Trainer(to_train_config(compose_config(overrides)), output_dir=out_dir)
 
@@ -195,6 +214,39 @@ def measure(
             break
     sync()
     return done, time.perf_counter() - start
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, top: int = 15) -> dict[str, Any]:
+    """One profiled step: device ms by kernel category, wall ms, and the ``top`` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    by_category: dict[str, float] = {}
+    for event in kernels:
+        name = event.key.lower()
+        category = next(
+            (c for c, patterns in KERNEL_CATEGORIES if any(p in name for p in patterns)),
+            "other (elementwise, copies, reductions)",
+        )
+        by_category[category] = by_category.get(category, 0.0) + event.self_device_time_total / 1e3
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {
+        "wall_ms": wall_ms,
+        "device_ms": sum(by_category.values()),
+        "device_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [
+            [e.key[:90], e.count, e.self_device_time_total / 1e3] for e in kernels[:top]
+        ],
+    }
 
 
 def emit(row: dict[str, Any], out: str | None) -> None:
@@ -270,16 +322,20 @@ def run_in_process(
                             torch.cuda.reset_peak_memory_stats()
                     step = ref_stack(name, s, device, compile_=not args.tiny)
                 else:
+                    compiled = name.startswith("ours_compiled_")
                     if trainer is None:
-                        trainer = our_trainer(s, device.type, out_dir)
-                    if name.startswith("ours_fp8_"):
-                        enable_fp8(trainer, name.removeprefix("ours_fp8_"))
+                        trainer = our_trainer(s, device.type, out_dir, compile_=compiled)
+                    recipe = name.removeprefix("ours_compiled_").removeprefix("ours_")
+                    if recipe.startswith("fp8_"):
+                        enable_fp8(trainer, recipe.removeprefix("fp8_"))
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
                 tps = done * s["seq"] / seconds
                 row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
                 if device.type == "cuda":
                     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                if args.profile:
+                    row["profile"] = profile_step(step, device)
             except Exception as err:  # report and go on: one broken stack must not hide the rest
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             step = None  # type: ignore[assignment]
@@ -308,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="no subprocess per stack")
     parser.add_argument("--only", default="", help="comma-separated stack names")
     parser.add_argument("--out", default=None, help="JSON lines file for the results")
+    parser.add_argument("--profile", action="store_true", help="add one profiled step per stack")
     args = parser.parse_args(argv)
 
     from mt_train.config.schema import ModelConfig
@@ -319,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     }
     fpt = flops_per_token(ModelConfig(**fields), s["seq"])
-    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *REF_STACKS]
+    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *OUR_COMPILED, *REF_STACKS]
     if args.only:
         stacks = [n for n in stacks if n in args.only.split(",")]
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -336,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "—"
             print(f"| {r['stack']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {mem} |")
+    for r in results:
+        if "profile" in r:
+            prof = r["profile"]
+            parts = ", ".join(f"{c} {ms:.1f}" for c, ms in prof["device_ms_by_category"].items())
+            print(
+                f"\n{r['stack']}: step wall {prof['wall_ms']:.1f} ms, kernels "
+                f"{prof['device_ms']:.1f} ms ({parts})"
+            )
+            for kernel, count, ms in prof["top_kernels_ms"]:
+                print(f"    {ms:8.2f} ms  x{count:<4d} {kernel}")
     return 0 if any("error" not in r for r in results) and not math.isnan(fpt) else 1
 
 

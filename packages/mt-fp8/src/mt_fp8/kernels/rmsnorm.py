@@ -7,6 +7,7 @@ costs one small (programs × D) fp32 partial sum instead of an atomic per row.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -77,9 +78,14 @@ def _rmsnorm_bwd(
     tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
 
 
+PROGRAMS_PER_SM = 2
+"""Backward programs per streaming multiprocessor: each walks rows/programs rows."""
+
+
+@functools.cache
 def _programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
