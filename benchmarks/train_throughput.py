@@ -229,7 +229,13 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 15) -
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    # Device-side events only (kernels, memcpy/memset): the CPU-side aten ops report their
+    # children's device time too, which would count every kernel twice.
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
     by_category: dict[str, float] = {}
     for event in kernels:
         name = event.key.lower()

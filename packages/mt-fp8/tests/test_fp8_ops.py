@@ -73,6 +73,28 @@ def test_rms_norm(device, with_residual):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_out_dtype_is_one_rounding_of_the_fp32_result(device, with_residual):
+    """``out_dtype=bf16`` from fp32 input equals the fp32 output cast once: bit for bit, both
+    ways (the kernel rounds its fp32 result once, as the cast would); ``h`` and the gradients
+    keep the input dtype, and the gradients equal those of the fp32 output cast to bf16."""
+    x, w = leaf((4, 64), device, torch.float32, 0), leaf((64,), device, torch.float32, 1)
+    r = leaf((4, 64), device, torch.float32, 2) if with_residual else None
+    inputs = [x, w] + ([r] if with_residual else [])
+
+    def y_of(out):
+        return out[0] if with_residual else out
+
+    y16 = y_of(rms_norm(x, w, 1e-5, residual=r, out_dtype=torch.bfloat16))
+    y32 = y_of(rms_norm(x, w, 1e-5, residual=r)).to(torch.bfloat16)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, y32)
+    for got, want in zip(grads(y16, inputs), grads(y32, inputs), strict=True):
+        assert got.dtype == torch.float32
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_swiglu(device):
     dtype, tol = dtype_and_tol(device)
     gate, up = leaf((4, 7, 64), device, dtype, 0), leaf((4, 7, 64), device, dtype, 1)

@@ -70,11 +70,21 @@ class RMSNorm(nn.Module):
     def forward(
         self, x_BTD: torch.Tensor, residual_BTD: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``y``; with ``residual``: ``(y, h)``, ``h = x + residual`` in ``x``'s dtype."""
+        """``y``; with ``residual``: ``(y, h)``, ``h = x + residual`` in ``x``'s dtype.
+
+        Under autocast ``y`` comes out in the autocast dtype (the next GEMM's input dtype), so the
+        fp32 residual stream is not normalised into fp32 and then cast again by every consumer.
+        """
         weight = (
             copy_to_group(self.weight, self.tp_group) if self.sequence_parallel else self.weight
         )
-        return rms_norm(x_BTD, weight, self.eps, residual=residual_BTD)
+        device_type = x_BTD.device.type
+        out_dtype = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else None
+        )
+        return rms_norm(x_BTD, weight, self.eps, residual=residual_BTD, out_dtype=out_dtype)
 
 
 def rope_cos_sin(

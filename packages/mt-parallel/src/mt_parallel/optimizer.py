@@ -65,6 +65,13 @@ def _local_grad(param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
     return grad, False
 
 
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
     max_norm: float,
@@ -86,23 +93,25 @@ def clip_grad_norm_(
     device = first.device if first is not None else torch.device("cpu")
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     sharded = torch.zeros((), dtype=torch.float64, device=device)
+    counted: dict[bool, list[torch.Tensor]] = {False: [], True: []}
     for param in params:
         grad, dp_sharded = _local_grad(param)
-        if grad is None or not _counts_here(param, tp_rank):
-            continue
-        sumsq = grad.detach().double().pow(2).sum()
-        if dp_sharded:
-            sharded += sumsq
-        else:
-            replicated += sumsq
-    if any(_local_grad(p)[1] for p in params):
+        if grad is not None and _counts_here(param, tp_rank):
+            counted[dp_sharded].append(grad.detach())
+    # One multi-tensor norm per (device, dtype) group, read once, accumulated in the gradients'
+    # dtype (fp32 for fp32 gradients); the per-tensor norms are summed in fp64.
+    for dp_sharded, grads in counted.items():
+        for group in _by_device_and_dtype(grads):
+            norms = torch.stack(torch._foreach_norm(group)).to(device, torch.float64)
+            (sharded if dp_sharded else replicated).add_(norms.pow(2).sum())
+    if any(_local_grad(p)[1] for p in params):  # every rank of the group takes this branch
         _all_reduce_sum(sharded, dp_cp_group)
     total = _all_reduce_sum(replicated + sharded, mp_group).sqrt()
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for param in params:
-            grad, _ = _local_grad(param)
-            grad.mul_(coefficient.to(grad.dtype).to(grad.device))
+        grads = [g for g in (_local_grad(p)[0] for p in params) if g is not None]
+        for group in _by_device_and_dtype(grads):
+            torch._foreach_mul_(group, coefficient.to(group[0].device, group[0].dtype))
     return total.float()
 
 

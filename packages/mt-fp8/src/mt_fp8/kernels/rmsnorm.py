@@ -62,7 +62,7 @@ def _rmsnorm_bwd(
     mask = cols < D
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, iters):
+    for i in tl.range(0, iters):
         row = pid + i * programs
         row_mask = mask & (row < R)
         offs = row.to(tl.int64) * D + cols
@@ -93,10 +93,10 @@ class TritonRMSNormFunction(torch.autograd.Function):
     """Same contract as :class:`mt_fp8.ops.rmsnorm.RMSNormFunction`."""
 
     @staticmethod
-    def forward(ctx: Any, x_RD, weight_D, residual_RD, eps: float):  # type: ignore[override]
+    def forward(ctx: Any, x_RD, weight_D, residual_RD, eps: float, out_dtype):  # type: ignore[override]
         rows, dim = x_RD.shape
         x_RD = x_RD.contiguous()
-        y_RD = torch.empty_like(x_RD)
+        y_RD = torch.empty_like(x_RD, dtype=out_dtype)
         h_RD = torch.empty_like(x_RD) if residual_RD is not None else x_RD
         rstd_R = torch.empty(rows, device=x_RD.device, dtype=torch.float32)
         block = triton.next_power_of_2(dim)
@@ -144,4 +144,4 @@ class TritonRMSNormFunction(torch.autograd.Function):
             num_warps=min(max(block // 256, 1), 16),
         )
         dw = dw_part.sum(0).to(weight_D.dtype)
-        return dh_RD, dw, dh_RD if ctx.has_residual else None, None
+        return dh_RD, dw, dh_RD if ctx.has_residual else None, None, None

@@ -8,7 +8,10 @@ Forward, in fp32 (fp64 for fp64 inputs)::
     rstd_R  = 1 / sqrt(mean_D(h²) + eps)
     y_RD    = h_RD · rstd_R · w_D
 
-returns ``y`` (input dtype) and, with a residual, ``h`` (the new residual stream). Backward,
+returns ``y`` (in ``out_dtype``, by default the input dtype: under bf16 autocast a caller can have
+the fp32 residual stream normalised straight into the bf16 its next GEMM reads, one rounding of
+the fp32 result, as the cast autocast would insert gives) and, with a residual, ``h`` (the new
+residual stream, in the input dtype). Backward,
 with ``ĥ = h · rstd`` and incoming ``dy`` (and ``dh_out`` for the returned ``h``)::
 
     dĥ  = dy · w
@@ -32,12 +35,12 @@ class RMSNormFunction(torch.autograd.Function):
     """Plain-PyTorch RMSNorm(+residual) with the explicit backward above."""
 
     @staticmethod
-    def forward(ctx: Any, x_RD, weight_D, residual_RD, eps: float):  # type: ignore[override]
+    def forward(ctx: Any, x_RD, weight_D, residual_RD, eps: float, out_dtype):  # type: ignore[override]
         h_RD = x_RD if residual_RD is None else x_RD + residual_RD
         work = compute_dtype(x_RD)
         h32 = h_RD.to(work)
         rstd_R = torch.rsqrt(h32.pow(2).mean(-1) + eps)
-        y_RD = (h32 * rstd_R[:, None] * weight_D.to(work)).to(x_RD.dtype)
+        y_RD = (h32 * rstd_R[:, None] * weight_D.to(work)).to(out_dtype)
         ctx.save_for_backward(h_RD, weight_D, rstd_R)
         ctx.has_residual = residual_RD is not None
         # Without a residual, h is x itself: return an empty placeholder rather than alias x.
@@ -54,7 +57,7 @@ class RMSNormFunction(torch.autograd.Function):
             dh = dh + dh_out_RD.to(work)
         dw = (dy_RD.to(work) * xhat).sum(0).to(weight_D.dtype)
         dh = dh.to(h_RD.dtype)
-        return dh, dw, dh if ctx.has_residual else None, None
+        return dh, dw, dh if ctx.has_residual else None, None, None
 
 
 def rms_norm(
@@ -62,8 +65,12 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm(x [+ residual]) · weight`` over the last dim; with a residual returns ``(y, h)``."""
+    """``RMSNorm(x [+ residual]) · weight`` over the last dim; with a residual returns ``(y, h)``.
+
+    ``y`` is in ``out_dtype`` (default: ``x``'s dtype), ``h`` in ``x``'s dtype.
+    """
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
     if residual is not None and residual.shape != x.shape:
@@ -74,7 +81,7 @@ def rms_norm(
         from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction as function
     else:
         function = RMSNormFunction
-    y_RD, h_RD = function.apply(x_RD, weight, residual_RD, eps)
+    y_RD, h_RD = function.apply(x_RD, weight, residual_RD, eps, out_dtype or x.dtype)
     if residual is None:
         return y_RD.reshape(x.shape)
     return y_RD.reshape(x.shape), h_RD.reshape(x.shape)
