@@ -216,7 +216,7 @@ def measure(
     return done, time.perf_counter() - start
 
 
-def profile_step(step: Callable[[], Any], device: torch.device, top: int = 15) -> dict[str, Any]:
+def profile_step(step: Callable[[], Any], device: torch.device, top: int = 30) -> dict[str, Any]:
     """One profiled step: device ms by kernel category, wall ms, and the ``top`` kernels."""
     from torch.profiler import ProfilerActivity, profile
 
