@@ -29,6 +29,14 @@ bypassed (the weight is quantized inside the graph, where the compiler can fuse 
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
 
+Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``; not under
+``torch.compile``): tensorwise roles go through one quantize + transpose + amax pass
+(:mod:`mt_fp8.ops.quantize_transpose`). Block scaling with 1×128 groups and 128×128 weight
+blocks goes through :mod:`mt_fp8.kernels.block_quantize`: ``x`` and ``dy`` are quantized along
+their last axis and, when the wgrad GEMM will need it, their transposes requantized along the
+tokens (zero-padded to a multiple of 128) in the same pass over the input; the weight's 128×128
+blocks in one pass, its transpose exact. Both give the same bytes as the PyTorch path.
+
 Current tensorwise scaling under tensor parallelism: when the plan has an ``amax_group`` (the
 layer's ``fp8_meta.amax_group``, set by ``fp8_autocast(amax_group=...)`` or by the caller) and a
 role is in ``amax_reduction_roles``, that role's amax is MAX-reduced over the group before its
@@ -55,7 +63,14 @@ from mt_fp8.formats import TensorRole
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.ops.dispatch import use_triton
 from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
-from mt_fp8.quantized import TENSORWISE, QuantizedTensor, quantize
+from mt_fp8.quantized import (
+    BLOCKS_128X128,
+    GROUPS_1X128,
+    TENSORWISE,
+    QuantizedTensor,
+    ScaleLayout,
+    quantize,
+)
 from mt_fp8.recipes import DelayedScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 
@@ -85,14 +100,31 @@ class LinearPlan:
             return None
         return self.amax_group
 
-    def quantize(self, x_RC: torch.Tensor, role: TensorRole, record: bool) -> QuantizedTensor:
-        """Quantize along the last axis; ``record`` notes the amax and health counts."""
+    def quantize(
+        self, x_RC: torch.Tensor, role: TensorRole, record: bool, transposed: bool = False
+    ) -> QuantizedTensor:
+        """Quantize along the last axis; ``record`` notes the amax and health counts.
+
+        ``transposed`` says :meth:`quantize_transposed` will be asked for ``xᵀ`` too, so a fused
+        1×128 kernel writes it in the same pass (module docstring).
+        """
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.meta.scale[int(role)] if delayed else None
         stats = self.meta.health[int(role)] if (record and self.track_health) else None
         fmt = self.recipe.formats.for_role(role)
         layout = self.recipe.layout(role)
         group = self.reduction_group(role)
+        if self._fused_block_layout(x_RC, layout) and scale is None and group is None:
+            from mt_fp8.kernels.block_quantize import (
+                quantize_groups_with_transpose,
+                quantize_square_blocks,
+            )
+
+            if layout == BLOCKS_128X128:
+                return quantize_square_blocks(x_RC, fmt, stats)
+            q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed)
+            q_RC.transposed = q_CR
+            return q_RC
         if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
             # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
             # NOTE: skipped under torch.compile: Inductor failed to compile this kernel inside a
@@ -114,6 +146,8 @@ class LinearPlan:
         """``xᵀ`` quantized along R: exact transpose where the layout allows, else requantized."""
         layout = self.recipe.layout(role)
         br, bc = layout.block
+        if q_RC is not None and q_RC.transposed is not None:
+            return q_RC.transposed  # from a fused kernel: exact, or requantized and padded
         if q_RC is not None and ((br, bc) == (-1, -1) or br == bc):
             return q_RC.transpose()
         x_CR = x_RC.t()
@@ -121,6 +155,16 @@ class LinearPlan:
             x_CR = _pad_columns(x_CR, self.row_multiple())
         scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
         return quantize(x_CR, self.recipe.formats.for_role(role), layout, scale=scale)
+
+    def _fused_block_layout(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
+        """Whether the Triton block quantizer takes ``x`` in ``layout`` (1×128 or 128×128)."""
+        if layout not in (GROUPS_1X128, BLOCKS_128X128) or x_RC.dtype == torch.float64:
+            return False
+        # The transposed operand is padded to the kernel's 128; the wgrad GEMM's operands
+        # must agree on the token count.
+        if layout == GROUPS_1X128 and self.row_multiple() != 128:
+            return False
+        return use_triton(x_RC) and not torch.compiler.is_compiling()
 
     def row_multiple(self) -> int:
         """Token-count multiple the wgrad GEMM needs (the 1×g group of inputs and gradients)."""
@@ -184,7 +228,7 @@ class FP8LinearFunction(torch.autograd.Function):
         plan: LinearPlan,
     ) -> torch.Tensor:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_q = plan.quantize(x_MK, TensorRole.INPUT, record=True)
+        x_q = plan.quantize(x_MK, TensorRole.INPUT, record=True, transposed=need_dw)
         weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
         bias = None if bias_N is None else bias_N.to(plan.out_dtype)
         y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
@@ -206,7 +250,9 @@ class FP8LinearFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         with torch.autocast(dy_MN.device.type, enabled=False):
             dy_MN = dy_MN.contiguous()
-            dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True)
+            dy_q = plan.quantize(
+                dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=ctx.needs_input_grad[1]
+            )
             dx = dw = db = None
             if ctx.needs_input_grad[0]:
                 layout, fmt = ctx.layouts[1]

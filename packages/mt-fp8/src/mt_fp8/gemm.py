@@ -5,10 +5,23 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
 :mod:`mt_fp8.recipes`). Three implementations, chosen by ``backend``:
 
 ``"scaled_mm"``
-    ``torch._scaled_mm(a, bᵀ, s_a, s_bᵀ)``: both operands tensorwise (fp32 scalars) or both
-    rowwise (``(X, 1)`` and ``(1, Y)``). Runs on CPU and on CUDA with FP8 tensor cores
-    (compute capability ≥ 8.9); on CUDA, rowwise needs a bf16 output and both dims ``% 16``,
-    and two E5M2 operands are not supported (cuBLAS needs one E4M3 operand).
+    PyTorch's cuBLAS-backed scaled GEMMs, two entry points:
+
+    * ``torch._scaled_mm(a, bᵀ, s_a, s_bᵀ)``: both operands tensorwise (fp32 scalars) or both
+      rowwise (``(X, 1)`` and ``(1, Y)``). Runs on CPU and on CUDA with FP8 tensor cores
+      (compute capability ≥ 8.9); on CUDA, rowwise needs a bf16 output and both dims ``% 16``,
+      and two E5M2 operands are not supported (cuBLAS needs one E4M3 operand).
+    * ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` for ``a`` (1×128
+      groups, ``s_a`` of shape ``(X, Z/128)``) and ``BlockWise1x128`` or ``BlockWise128x128``
+      for ``b`` (``s_b`` of shape ``(Y, Z/128)`` or ``(Y/128, Z/128)``): cuBLAS's blockwise
+      GEMMs, on CUDA compute capability 9.x with a torch that has ``F.ScalingType``. cuBLAS
+      wants the 1×128 scales "outer-dim-major" (strides ``(1, rows)``, a transposed copy of our
+      row-major scales) and the 128×128 scales as the ``(Z/128, Y/128)`` view ``s_bᵀ``; fast
+      accumulation is not offered in these modes. Taken only where measured on the H200
+      (torch 2.11, CUDA 13.0): E4M3 operands, a bf16 output (a bias is added afterwards), rows
+      of both operands divisible by 128 and ``Z`` by 512 (whole groups of four scales); see
+      :func:`_blockwise_layout_reason`. There it ran the Llama-8B shapes in 1.15–1.22× (1×128
+      by 128×128) and 1.45–1.63× (1×128 by 1×128) the time of a tensorwise GEMM.
 ``"triton"``
     A Triton kernel for block-scaled operands (``a`` in 1×g groups, ``b`` in 1×g groups or g×g
     blocks, g = 32, 64 or 128) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g
@@ -18,9 +31,9 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.
 
-``backend="auto"`` takes the first fast path that applies and otherwise emulates; on a
-non-CPU device without FP8 GEMM support it warns once. ``backend="fast"`` raises instead of
-emulating, for users who demanded the fast path.
+``backend="auto"`` takes the first fast path that applies (in the order above) and otherwise
+emulates; on a non-CPU device without FP8 GEMM support it warns once. ``backend="fast"`` raises
+instead of emulating, for users who demanded the fast path.
 """
 
 from __future__ import annotations
@@ -29,9 +42,10 @@ import importlib.util
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, QuantizedTensor
 
 BACKENDS = ("auto", "fast", "scaled_mm", "triton", "emulate")
 
@@ -66,6 +80,15 @@ def _triton_block_gemm_available(index: int | None) -> bool:
     return _capability_cache[key]
 
 
+def _blockwise_scaled_mm_available(index: int | None) -> bool:
+    key = ("blockwise_scaled_mm", "cuda", index)
+    if key not in _capability_cache:
+        _capability_cache[key] = torch.cuda.get_device_capability(index)[0] == 9 and hasattr(
+            F, "ScalingType"
+        )
+    return _capability_cache[key]
+
+
 def _kind(q: QuantizedTensor) -> str:
     # NOTE: from the layout first: a rowwise tensor of one row (a single token) has a single
     # scale too, and must still pair with a rowwise operand.
@@ -93,6 +116,50 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
             return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
         if a.fmt is FP8Format.E5M2 and b.fmt is FP8Format.E5M2:
             return "cuBLAS FP8 GEMMs need at least one E4M3 operand"
+    return None
+
+
+def _blockwise_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
+    """Why cuBLAS's blockwise GEMM cannot run these operands here, or None if it can."""
+    device = a.data.device
+    if device.type != "cuda" or not _blockwise_scaled_mm_available(device.index):
+        return (
+            "cuBLAS blockwise GEMMs (torch.nn.functional.scaled_mm) need a CUDA GPU of compute "
+            "capability 9.x and a torch with torch.nn.functional.ScalingType"
+        )
+    return _blockwise_layout_reason(a, b, out_dtype)
+
+
+def _blockwise_layout_reason(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
+) -> str | None:
+    """Why cuBLAS's blockwise GEMM is not taken for these layouts, formats and dims, or None.
+
+    Only what was measured correct and fast on the H200 is taken (module docstring); the gpu
+    tests of test_fp8_block_fast.py probe the rest.
+    """
+    if a.layout != GROUPS_1X128 or b.layout not in (GROUPS_1X128, BLOCKS_128X128):
+        return (
+            "cuBLAS blockwise GEMMs take a in 1x128 groups and b in 1x128 groups or 128x128 "
+            f"blocks, got {a.layout.name} x {b.layout.name}"
+        )
+    if a.fmt is not FP8Format.E4M3 or b.fmt is not FP8Format.E4M3:
+        return (
+            "cuBLAS blockwise GEMMs are taken for E4M3 operands only (E5M2 is not measured), "
+            f"got {a.fmt.value} x {b.fmt.value}"
+        )
+    if out_dtype != torch.bfloat16:
+        return (
+            "cuBLAS blockwise GEMMs are taken for a bfloat16 output only (others are not "
+            f"measured), not {out_dtype}"
+        )
+    (rows_a, depth), rows_b = a.shape, b.shape[0]
+    if rows_a % 128 or rows_b % 128 or depth % 512:
+        return (
+            "cuBLAS blockwise GEMMs are taken for rows of both operands divisible by 128 and a "
+            f"contraction dim divisible by 512 (other shapes are not measured), got a "
+            f"{rows_a}x{depth} and b {rows_b}x{depth}"
+        )
     return None
 
 
@@ -140,6 +207,31 @@ def scaled_mm(
     return out
 
 
+def blockwise_scaled_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """cuBLAS's blockwise GEMM through ``F.scaled_mm`` (no checks; see the dispatcher)."""
+    # 1x128 scales go in outer-dim-major: the (rows, Z/128) shape with strides (1, rows).
+    scale_a = a.scale.t().contiguous().t()
+    if b.layout.block[0] == 1:
+        scale_b, recipe_b = b.scale.t().contiguous().t(), F.ScalingType.BlockWise1x128
+    else:
+        # The (Z/128, Y/128) view of the row-major (Y/128, Z/128) block scales.
+        scale_b, recipe_b = b.scale.t(), F.ScalingType.BlockWise128x128
+    out = F.scaled_mm(
+        a.data,
+        b.data.t(),
+        scale_a,
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        recipe_b,
+        output_dtype=out_dtype,
+    )
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
 def emulated_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -177,6 +269,11 @@ def fp8_gemm(
         if reason is None:
             return scaled_mm(a, b, out_dtype, bias)
         reasons.append(reason)
+        if _kind(a) == "block":
+            reason = _blockwise_reason(a, b, out_dtype)
+            if reason is None:
+                return blockwise_scaled_mm(a, b, out_dtype, bias)
+            reasons.append(reason)
     if backend in ("auto", "fast", "triton"):
         reason = _triton_reason(a, b)
         if reason is None:

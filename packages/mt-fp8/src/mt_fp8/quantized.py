@@ -107,6 +107,10 @@ class ScaleLayout:
 
 TENSORWISE = ScaleLayout((-1, -1))
 ROWWISE = ScaleLayout((1, -1))
+GROUPS_1X128 = ScaleLayout((1, 128))
+"""DeepSeek-V3 activation/gradient groups, the layout cuBLAS and the Triton kernels specialize."""
+BLOCKS_128X128 = ScaleLayout((128, 128))
+"""DeepSeek-V3 weight blocks."""
 
 
 MIN_SCALE = 2.0**-126
@@ -201,7 +205,12 @@ class QuantizedTensor:
     fmt: FP8Format
     """The FP8 format of ``data``."""
     transposed: QuantizedTensor | None = None
-    """The transpose, when a fused kernel produced it alongside (returned by ``transpose()``)."""
+    """``xᵀ`` quantized along R for the other GEMM, when a fused kernel produced it alongside.
+
+    For tensorwise scales and square blocks, the exact transpose (returned by ``transpose()``);
+    for 1×g groups, ``xᵀ`` requantized in 1×g groups along R with R zero-padded to a multiple
+    of g, shape ``(C, R')`` (:mod:`mt_fp8.kernels.block_quantize`).
+    """
 
     @property
     def shape(self) -> torch.Size:
@@ -229,8 +238,6 @@ class QuantizedTensor:
         (rowwise, 1×128, MX 1×32) do not: the transposed tensor needs scales along the other
         axis, so requantize from the high-precision source with :func:`quantize` on ``x.t()``.
         """
-        if self.transposed is not None:
-            return self.transposed
         br, bc = self.layout.block
         exact = (br, bc) == (-1, -1) or (br == bc and br > 0)
         if not exact:
@@ -238,6 +245,8 @@ class QuantizedTensor:
                 f"layout {self.layout.name} cannot be transposed exactly (its scales run along "
                 "one axis only); quantize the high-precision tensor's transpose instead"
             )
+        if self.transposed is not None:
+            return self.transposed
         # FP8 tensors support no arithmetic, but transpose + contiguous is a plain copy.
         data_CR = self.data.t().contiguous()
         return QuantizedTensor(data_CR, self.scale.t().contiguous(), self.layout, self.fmt)

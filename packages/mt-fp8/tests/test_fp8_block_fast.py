@@ -1,0 +1,395 @@
+"""Fast paths of DeepSeek-V3 block scaling: the Triton block quantizer and cuBLAS blockwise GEMMs.
+
+Quantizer (:mod:`mt_fp8.kernels.block_quantize`): bit-identical to :func:`mt_fp8.quantize` (FP8
+bytes and scales; where a value is NaN only NaN-ness is compared, an encoding choice no reader
+depends on) and to ``quantize`` of the zero-padded transpose. Its CPU cases run the kernel in
+Triton's interpreter and only under ``TRITON_INTERPRET=1`` (otherwise they skip)::
+
+    TRITON_INTERPRET=1 pytest -q packages/mt-fp8/tests/test_fp8_block_fast.py
+
+GEMM (:func:`mt_fp8.gemm.blockwise_scaled_mm`): the dispatch rule is plain Python and tested on
+CPU. On a GPU the taken cases are compared with float64 products of the same FP8 operands, and
+the ``probe`` cases call cuBLAS on the cases the rule still refuses (E5M2 operands, an fp32
+output, K/128 not a multiple of 4, rows not multiples of 128 or 4): a probe that passes means
+cuBLAS takes that case and computes it right, so the rule may be relaxed; one that fails says
+whether cuBLAS refused it (the torch error) or computed it wrong (the size of the error).
+
+GEMM bound, per output element against the float64 product of the dequantized operands: each
+128-deep chunk is accumulated by the FP8 tensor cores, whose accumulator keeps about 14 bits
+(DeepSeek-V3 report, §3.3.2), so at most ~2^-13 · Σ_chunk |a||b|, bounded here by 2^-12 · Σ|a||b|
+(a factor 2 of margin on that estimate); promotion of the Z/128 chunks into fp32 adds
+Z/128 · 2^-24 · Σ|a||b|, negligible; rounding the output costs half an ulp (eps/2 · |out|),
+a second rounding when a bias is added afterwards as much again.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mt_fp8.gemm as gemm_module
+from mt_fp8 import BlockScaling, FormatConfig, FP8Format, FP8Linear, ScaleLayout, fp8_gemm, quantize
+from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, QuantizedTensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+FORMATS = [FP8Format.E4M3, FP8Format.E5M2]
+
+
+def block_kernels():
+    from mt_fp8.kernels import block_quantize
+
+    return block_quantize
+
+
+def awkward_input(rows: int, cols: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Random values plus every edge case of scale_from_amax and of the FP8 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=generator) * 7
+    if rows > 13:
+        x[3] = 0  # zero row: forward groups of scale 1
+        x[5, 7] = float("inf")  # NaN scales for a forward and a transposed group
+        x[7] = 1e-37  # amax below fmt.max · 2^-126: the scale floor (flushes to 0 in fp16)
+        x[9] = 3e38  # huge amax, still finite in fp32 and bf16 (inf in fp16)
+        # One large value per group, the rest spread over 1e-9..1e-1: scaled values in the
+        # normal and subnormal FP8 ranges and below it (flushed to zero).
+        x[11] = torch.randn(cols, generator=generator) * torch.logspace(-9, -1, cols)
+        x[11, ::128] = 100.0
+    if rows > 150:
+        x[150, 200 % cols] = float("nan")
+        x[:128, 128:256] = 0  # a zero 128x128 tile: transposed groups and a block of scale 1
+    return x.to(device, dtype)
+
+
+def assert_same_quantization(actual: QuantizedTensor, expected: QuantizedTensor) -> None:
+    assert actual.layout == expected.layout and actual.fmt is expected.fmt
+    assert actual.data.shape == expected.data.shape and actual.data.is_contiguous()
+    assert actual.scale.shape == expected.scale.shape and actual.scale.is_contiguous()
+    nan_scale = torch.isnan(expected.scale)
+    assert torch.equal(torch.isnan(actual.scale), nan_scale)
+    assert torch.equal(actual.scale[~nan_scale], expected.scale[~nan_scale])
+    nan_data = expected.data.float().isnan()
+    assert torch.equal(actual.data.float().isnan(), nan_data)
+    differ = (actual.data.view(torch.uint8) != expected.data.view(torch.uint8)) & ~nan_data
+    where = differ.nonzero()
+    assert not len(where), (
+        f"{len(where)} of {differ.numel()} bytes differ, first at {tuple(where[0].tolist())}"
+    )
+
+
+def padded_transpose(x_RC: torch.Tensor) -> torch.Tensor:
+    return F.pad(x_RC.t(), (0, -x_RC.shape[0] % 128))
+
+
+# (256, 384): whole tiles; (200, 256): rows past R in the last tile, transposed operand padded;
+# (1, 128): a single token.
+SHAPES = [(256, 384), (200, 256), (1, 128)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt):
+    x = awkward_input(*shape, dtype, device)
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
+    q, q_t = block_kernels().quantize_groups_with_transpose(x, fmt, stats)
+    expected_stats = torch.zeros(3, dtype=torch.int64, device=device)
+    expected = quantize(x, fmt, GROUPS_1X128, stats=expected_stats)
+    assert_same_quantization(q, expected)
+    assert_same_quantization(q_t, quantize(padded_transpose(x), fmt, GROUPS_1X128))
+    assert torch.equal(stats, expected_stats)
+    if shape[0] > 150 and dtype != torch.float16:
+        # The edge cases are really there: zero groups, NaN groups, floored scales, flushes.
+        for scale in (expected.scale, q_t.scale):
+            assert (scale == 1).any() and scale.isnan().any()
+        assert (expected.scale == 2.0**-126).any() and stats[1] > 0
+    alone, none = block_kernels().quantize_groups_with_transpose(x, fmt, transpose=False)
+    assert none is None
+    assert_same_quantization(alone, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_square_blocks_match_quantize(device, dtype, fmt):
+    x = awkward_input(256, 384, dtype, device)
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
+    q = block_kernels().quantize_square_blocks(x, fmt, stats)
+    expected_stats = torch.zeros(3, dtype=torch.int64, device=device)
+    expected = quantize(x, fmt, BLOCKS_128X128, stats=expected_stats)
+    assert_same_quantization(q, expected)
+    assert torch.equal(stats, expected_stats)
+    assert (expected.scale == 1).any() and expected.scale.isnan().any()
+    with pytest.raises(ValueError, match="needs blocks of 128x128 to divide the tensor shape"):
+        block_kernels().quantize_square_blocks(x[:200], fmt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_quantizer_refuses_what_it_cannot_take(device):
+    if device == "cuda" or INTERPRET:
+        with pytest.raises(ValueError, match="needs blocks of 1x128 to divide"):
+            block_kernels().quantize_groups_with_transpose(
+                torch.randn(4, 96, device=device), FP8Format.E4M3
+            )
+        with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
+            block_kernels().quantize_groups_with_transpose(
+                torch.randn(4, 128, device=device, dtype=torch.float64), FP8Format.E4M3
+            )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_groups_with_transpose_match_quantize_at_scale_on_cuda(dtype):
+    # Many tiles, so that programs run concurrently (atomics, the transposed store's layout).
+    x = awkward_input(4000, 2048, dtype, "cuda")
+    q, q_t = block_kernels().quantize_groups_with_transpose(x, FP8Format.E4M3)
+    assert_same_quantization(q, quantize(x, FP8Format.E4M3, GROUPS_1X128))
+    assert_same_quantization(q_t, quantize(padded_transpose(x), FP8Format.E4M3, GROUPS_1X128))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_linear_fused_quantization_matches_pytorch_path(device, dtype, monkeypatch):
+    # Same FP8 operands on both paths, the same (emulated) GEMMs: identical results.
+    kernels = block_kernels()
+    calls = []
+    for name in ("quantize_groups_with_transpose", "quantize_square_blocks"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels,
+            name,
+            lambda *args, _name=name, _original=original, **kwargs: (
+                calls.append((_name, args[0].shape)) or _original(*args, **kwargs)
+            ),
+        )
+    results = {}
+    for path in ("fused", "pytorch"):
+        monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1" if path == "pytorch" else "0")
+        torch.manual_seed(0)
+        layer = FP8Linear(256, 384, recipe=BlockScaling(), backend="emulate", device=device)
+        layer.to(dtype)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(200, 256, generator=generator).to(device, dtype).requires_grad_()
+        dy = torch.randn(200, 384, generator=generator).to(device, dtype)
+        y = layer(x)
+        y.backward(dy)
+        health = layer.fp8_meta.health.clone()
+        results[path] = (y, x.grad, layer.weight.grad, layer.bias.grad, health)
+        if path == "fused":
+            # x (with xᵀ), the weight, dy (with dyᵀ): all three through the kernels.
+            assert sorted(calls) == [
+                ("quantize_groups_with_transpose", (200, 256)),
+                ("quantize_groups_with_transpose", (200, 384)),
+                ("quantize_square_blocks", (384, 256)),
+            ]
+            calls.clear()
+    assert not calls  # MT_FP8_DISABLE_TRITON=1 kept the PyTorch path
+    for fused, pytorch in zip(results["fused"], results["pytorch"], strict=True):
+        assert torch.equal(fused, pytorch)
+
+
+# ---- cuBLAS blockwise GEMM: the dispatch rule (CPU) ----
+
+
+def operands(rows_a=256, rows_b=384, depth=1024, layout_b=BLOCKS_128X128, fmt_a=None, fmt_b=None):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rows_a, depth, generator=generator)
+    b = torch.randn(rows_b, depth, generator=generator) * 0.05
+    fmt_a, fmt_b = fmt_a or FP8Format.E4M3, fmt_b or FP8Format.E4M3
+    return quantize(a, fmt_a, GROUPS_1X128), quantize(b, fmt_b, layout_b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "out_dtype", "message"),
+    [
+        (dict(), torch.bfloat16, None),
+        (dict(layout_b=GROUPS_1X128), torch.bfloat16, None),
+        (dict(layout_b=ScaleLayout((1, -1))), torch.bfloat16, "got block1x128 x rowwise"),
+        (dict(layout_b=ScaleLayout((64, 64))), torch.bfloat16, "got block1x128 x block64x64"),
+        (dict(fmt_a=FP8Format.E5M2), torch.bfloat16, "E4M3 operands only"),
+        (dict(fmt_b=FP8Format.E5M2), torch.bfloat16, "got e4m3 x e5m2"),
+        (dict(), torch.float32, "bfloat16 output only"),
+        (dict(depth=384), torch.bfloat16, "got a 256x384 and b 384x384"),
+        (dict(rows_a=200), torch.bfloat16, "rows of both operands divisible by 128"),
+        (dict(rows_b=208, layout_b=GROUPS_1X128), torch.bfloat16, "b 208x1024"),
+    ],
+    ids=[
+        "1x128-by-128x128",
+        "1x128-by-1x128",
+        "rowwise-b",
+        "64x64-b",
+        "e5m2-a",
+        "e5m2-b",
+        "fp32-out",
+        "k-groups-not-x4",
+        "rows-a",
+        "rows-b",
+    ],
+)
+def test_blockwise_rule_takes_only_the_measured_cases(kwargs, out_dtype, message):
+    qa, qb = operands(**kwargs)
+    reason = gemm_module._blockwise_layout_reason(qa, qb, out_dtype)
+    if message is None:
+        assert reason is None
+    else:
+        assert reason is not None and message in reason, reason
+
+
+def test_blockwise_rule_needs_1x128_groups_for_a():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1024, generator=generator)
+    qb = quantize(x, FP8Format.E4M3, BLOCKS_128X128)
+    for layout in (BLOCKS_128X128, ScaleLayout((1, 32), power_of_two=True), ScaleLayout((1, 64))):
+        qa = quantize(x, FP8Format.E4M3, layout)
+        reason = gemm_module._blockwise_layout_reason(qa, qb, torch.bfloat16)
+        assert reason is not None and "take a in 1x128 groups" in reason
+
+
+def test_blockwise_path_is_not_taken_on_cpu():
+    qa, qb = operands()
+    assert "compute capability 9.x" in gemm_module._blockwise_reason(qa, qb, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"cuBLAS blockwise GEMMs .* need a CUDA GPU"):
+        fp8_gemm(qa, qb, torch.bfloat16, backend="scaled_mm")
+
+
+def test_dispatch_routes_block_operands_to_cublas(monkeypatch):
+    # Pretend the device passes: block operands take the blockwise path under "auto", "fast"
+    # and "scaled_mm", never under "triton"/"emulate"; tensorwise ones keep torch._scaled_mm.
+    calls = []
+    monkeypatch.setattr(gemm_module, "_blockwise_reason", lambda a, b, out_dtype: None)
+    monkeypatch.setattr(
+        gemm_module,
+        "blockwise_scaled_mm",
+        lambda a, b, out_dtype, bias: (
+            calls.append(out_dtype) or gemm_module.emulated_mm(a, b, out_dtype, bias)
+        ),
+    )
+    qa, qb = operands()
+    for backend in ("auto", "fast", "scaled_mm"):
+        fp8_gemm(qa, qb, torch.bfloat16, backend=backend)
+    assert calls == [torch.bfloat16] * 3
+    fp8_gemm(qa, qb, torch.bfloat16, backend="emulate")
+    with pytest.raises(RuntimeError, match="Triton block-scaled GEMM needs a CUDA GPU"):
+        fp8_gemm(qa, qb, torch.bfloat16, backend="triton")
+    tensorwise = [quantize(t.dequantize(), FP8Format.E4M3) for t in (qa, qb)]
+    fp8_gemm(*tensorwise, torch.bfloat16, backend="scaled_mm")
+    assert len(calls) == 3
+
+
+# ---- cuBLAS blockwise GEMM on the GPU ----
+
+
+def cuda_operands(**kwargs):
+    return [
+        QuantizedTensor(q.data.cuda(), q.scale.cuda(), q.layout, q.fmt) for q in operands(**kwargs)
+    ]
+
+
+def assert_within_bound(out, qa, qb, bias=None):
+    exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    magnitude = qa.dequantize(torch.float64).abs() @ qb.dequantize(torch.float64).abs().t()
+    roundings = 1
+    if bias is not None:
+        exact, roundings = exact + bias.double(), 2
+    eps = torch.finfo(out.dtype).eps
+    error = (out.double() - exact).abs()
+    bound = 2.0**-12 * magnitude + roundings * eps / 2 * exact.abs() * (1 + eps) + 1e-30
+    assert (error <= bound).all(), f"max error / bound {(error / bound).max().item():.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout_b", [BLOCKS_128X128, GROUPS_1X128], ids=lambda x: x.name)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_blockwise_gemm_on_cuda(layout_b, with_bias):
+    qa, qb = cuda_operands(rows_a=512, rows_b=384, depth=1024, layout_b=layout_b)
+    assert gemm_module._blockwise_reason(qa, qb, torch.bfloat16) is None  # taken on this GPU
+    bias = torch.randn(384, device="cuda").bfloat16() if with_bias else None
+    out = fp8_gemm(qa, qb, torch.bfloat16, bias, backend="scaled_mm")
+    assert out.dtype == torch.bfloat16 and out.shape == (512, 384)
+    assert_within_bound(out, qa, qb, bias)
+
+
+PROBES = {
+    # name: (operands(...) arguments, output dtype); the case the dispatch rule refuses today
+    "e5m2-a-by-128x128": (dict(fmt_a=FP8Format.E5M2), torch.bfloat16),  # hybrid dgrad
+    "e5m2-a-by-1x128": (dict(fmt_a=FP8Format.E5M2, layout_b=GROUPS_1X128), torch.bfloat16),
+    "e5m2-b-1x128": (dict(fmt_b=FP8Format.E5M2, layout_b=GROUPS_1X128), torch.bfloat16),
+    "fp32-out-128x128": (dict(), torch.float32),
+    "fp32-out-1x128": (dict(layout_b=GROUPS_1X128), torch.float32),
+    "k384-128x128": (dict(depth=384), torch.bfloat16),  # K/128 = 3
+    "k384-1x128": (dict(depth=384, layout_b=GROUPS_1X128), torch.bfloat16),
+    "rows-a-200-128x128": (dict(rows_a=200), torch.bfloat16),  # tokens % 128 != 0
+    "rows-a-200-1x128": (dict(rows_a=200, layout_b=GROUPS_1X128), torch.bfloat16),
+    "rows-a-202-128x128": (dict(rows_a=202), torch.bfloat16),  # tokens % 4 != 0
+    "rows-b-208-1x128": (dict(rows_b=208, layout_b=GROUPS_1X128), torch.bfloat16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("probe", PROBES, ids=str)
+def test_probe_blockwise_gemm_on_cuda(probe):
+    kwargs, out_dtype = PROBES[probe]
+    qa, qb = cuda_operands(**kwargs)
+    assert gemm_module._blockwise_reason(qa, qb, out_dtype) is not None  # refused today
+    out = gemm_module.blockwise_scaled_mm(qa, qb, out_dtype, None)
+    assert out.dtype == out_dtype
+    assert_within_bound(out, qa, qb)
+
+
+@pytest.mark.gpu
+def test_probe_blockwise_gemm_with_padded_block_scale_rows_on_cuda():
+    # Some torch versions want the 128x128 scales' row stride rounded up to 4 (16 bytes); with
+    # K/128 = 3 that differs from the contiguous layout the k384-128x128 probe passes.
+    qa, qb = cuda_operands(depth=384)
+    storage = torch.zeros(qb.scale.shape[0], 4, device="cuda")
+    storage[:, :3] = qb.scale
+    out = F.scaled_mm(
+        qa.data,
+        qb.data.t(),
+        qa.scale.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        storage[:, :3].t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )
+    assert_within_bound(out, qa, qb)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_block_scaling_runs_every_gemm_on_cublas(monkeypatch):
+    # All-E4M3 block scaling with bf16 parameters and dims the rule takes: forward, dgrad and
+    # wgrad all take the blockwise path; results match the emulated layer.
+    calls = []
+    original = gemm_module.blockwise_scaled_mm
+    monkeypatch.setattr(
+        gemm_module,
+        "blockwise_scaled_mm",
+        lambda a, b, *rest: calls.append((a.shape, b.shape)) or original(a, b, *rest),
+    )
+    recipe = BlockScaling(formats=FormatConfig.all_e4m3())
+    results = {}
+    for backend in ("auto", "emulate"):
+        torch.manual_seed(0)
+        layer = FP8Linear(
+            512, 1024, recipe=recipe, backend=backend, device="cuda", dtype=torch.bfloat16
+        )
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(512, 512, generator=generator).cuda().bfloat16().requires_grad_()
+        y = layer(x)
+        y.backward(torch.randn(512, 1024, generator=generator).cuda().bfloat16())
+        results[backend] = (y, x.grad, layer.weight.grad)
+    assert calls == [
+        ((512, 512), (1024, 512)),
+        ((512, 1024), (512, 1024)),
+        ((1024, 512), (512, 512)),
+    ]
+    for fast, slow in zip(results["auto"], results["emulate"], strict=True):
+        # Same FP8 operands: accumulation (module docstring) plus one bf16 rounding each.
+        assert torch.allclose(fast.float(), slow.float(), rtol=2**-7, atol=1e-2)
