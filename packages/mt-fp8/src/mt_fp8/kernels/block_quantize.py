@@ -30,7 +30,8 @@ Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.q
   ``max(s, 2^-126)``; ``amax == 0`` gives ``s = 1``; ``amax = inf`` gives ``s = NaN``. The amax
   counts NaN as ``+inf`` (Triton's ``max`` skips NaN), which is non-finite as NaN is, so a group
   holding NaN gets a NaN scale as on the PyTorch path.
-* ``x / s`` is ``div.rn.f32``, the clamp propagates NaN, the cast rounds to nearest even.
+* ``x / s`` is ``div.rn.f32``, the clamp propagates NaN, the cast rounds to nearest even (in
+  integer arithmetic under ``TRITON_INTERPRET=1``, whose own FP8 cast is wrong).
 * Health counts (``stats``) cover ``q_RC`` only, as :func:`~mt_fp8.quantized.cast_to_fp8` does.
 
 NOTE: the fused transposed store (``tl.trans`` of the FP8 tile) is used for bf16 inputs only,
@@ -41,7 +42,6 @@ H200 there). Other input dtypes store the transposed-scaled tile untransposed in
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn
+from mt_fp8.kernels.quantize import _div_rn, _store_fp8, fp8_exponent_bias
 from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MIN_SCALE, QuantizedTensor
 
 GROUP = 128
@@ -70,29 +70,6 @@ def _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr):
     scale = tl.maximum(_div_rn(floor, tl.zeros_like(amax) + fmt_max, EXACT_DIV), min_scale)
     scale = tl.where(amax > 0, scale, 1.0)
     return tl.where(amax < float("inf"), scale, float("nan"))
-
-
-@triton.jit
-def _store_fp8(
-    ptr, clamped, mask, MANTISSA: tl.constexpr, BIAS: tl.constexpr, SOFTWARE_CAST: tl.constexpr
-):
-    """Store ``clamped`` (|v| <= fmt.max or NaN) rounded to nearest even into FP8 ``ptr``."""
-    if SOFTWARE_CAST:
-        # Under TRITON_INTERPRET=1 (module docstring): RNE by hand. With e the exponent of |v|
-        # (at least the format's minimum normal exponent 1 - BIAS), ulp = 2^(e - MANTISSA) and
-        # n = rne(|v| / ulp) in [0, 2^(MANTISSA+1)]; the code ((e + BIAS - 1) << MANTISSA) + n
-        # covers normals, subnormals (e + BIAS - 1 = 0) and the carry into the next binade.
-        bits = clamped.to(tl.int32, bitcast=True)
-        magnitude = tl.where(clamped != clamped, 0.0, tl.abs(clamped))  # NaN: code 0x7F
-        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, 1 - BIAS)
-        ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
-        # NOTE: (t + 2^23) - 2^23 rounds 0 <= t < 2^23 to an integer, ties to even (IEEE adds).
-        units = (magnitude / ulp + 8388608.0) - 8388608.0
-        code = ((exponent + BIAS - 1) << MANTISSA) + units.to(tl.int32)
-        code = tl.where(clamped != clamped, 0x7F, code) | ((bits >> 24) & 0x80)
-        tl.store(ptr, code.to(tl.uint8).to(ptr.dtype.element_ty, bitcast=True), mask=mask)
-    else:
-        tl.store(ptr, clamped.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -213,7 +190,7 @@ def _launch(
             saturation=fmt.saturation_threshold,
             half_subnormal=fmt.min_subnormal / 2,
             MANTISSA=fmt.mantissa_bits,
-            BIAS=1 - round(math.log2(fmt.min_normal)),
+            BIAS=fp8_exponent_bias(fmt),
             SQUARE=square,
             TRANSPOSE=transpose,
             STATS=stats is not None,

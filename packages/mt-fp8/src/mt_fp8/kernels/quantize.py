@@ -29,10 +29,14 @@ Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
 * The amax counts NaN as ``+inf`` (Triton's float ``max`` and ``atomic_max`` skip NaN), so a NaN
   anywhere makes the scale NaN, as on the PyTorch path.
 * The fp32 → FP8 cast is ``cvt.rn.satfinite`` on sm_90, round-to-nearest-even like PyTorch's.
+  Under ``TRITON_INTERPRET=1`` it is done in integer arithmetic (``_store_fp8``): Triton 3.6's
+  interpreter rounds FP8 casts half-up without carrying into the exponent (127.0 → 64 in E4M3)
+  and flushes FP8 subnormals.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -44,6 +48,11 @@ from mt_fp8.formats import FP8Format
 from mt_fp8.quantized import reduce_amax_, scale_from_amax
 
 TILE = 64
+
+
+def fp8_exponent_bias(fmt: FP8Format) -> int:
+    """The format's exponent bias (7 for E4M3, 15 for E5M2): min normal = 2^(1 - bias)."""
+    return 1 - round(math.log2(fmt.min_normal))
 
 
 @triton.jit
@@ -60,6 +69,30 @@ def _div_rn(x, y, EXACT_DIV: tl.constexpr):
         )
     else:
         return x / y
+
+
+@triton.jit
+def _store_fp8(
+    ptr, clamped, mask, MANTISSA: tl.constexpr, BIAS: tl.constexpr, SOFTWARE_CAST: tl.constexpr
+):
+    """Store ``clamped`` (|v| <= fmt.max or NaN) rounded to nearest even into FP8 ``ptr``."""
+    if SOFTWARE_CAST:
+        # Triton's interpreter rounds FP8 casts wrongly (module docstring): RNE by hand. With e
+        # the exponent of |v| (at least the format's minimum normal exponent 1 - BIAS),
+        # ulp = 2^(e - MANTISSA) and n = rne(|v| / ulp) in [0, 2^(MANTISSA+1)]; the code
+        # ((e + BIAS - 1) << MANTISSA) + n covers normals, subnormals (e + BIAS - 1 = 0) and
+        # the carry into the next binade.
+        bits = clamped.to(tl.int32, bitcast=True)
+        magnitude = tl.where(clamped != clamped, 0.0, tl.abs(clamped))  # NaN: code 0x7F
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, 1 - BIAS)
+        ulp = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+        # NOTE: (t + 2^23) - 2^23 rounds 0 <= t < 2^23 to an integer, ties to even (IEEE adds).
+        units = (magnitude / ulp + 8388608.0) - 8388608.0
+        code = ((exponent + BIAS - 1) << MANTISSA) + units.to(tl.int32)
+        code = tl.where(clamped != clamped, 0x7F, code) | ((bits >> 24) & 0x80)
+        tl.store(ptr, code.to(tl.uint8).to(ptr.dtype.element_ty, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, clamped.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -80,6 +113,9 @@ def _quantize_transpose(
     AMAX: tl.constexpr,
     STATS: tl.constexpr,
     EXACT_DIV: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
     TILE: tl.constexpr,
 ):
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
@@ -103,12 +139,12 @@ def _quantize_transpose(
             tl.atomic_add(stats_ptr, saturated)
             tl.atomic_add(stats_ptr + 1, flushed)
         clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + offs, clamped.to(q_ptr.dtype.element_ty), mask=mask)
+        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
         if WRITE_T:
             # The transposed tile, stored with its own contiguous axis last: qᵀ[c, r] = q[r, c].
             offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
             mask_t = (cols[:, None] < C) & (rows[None, :] < R)
-            tl.store(qt_ptr + offs_t, tl.trans(clamped).to(qt_ptr.dtype.element_ty), mask=mask_t)
+            _store_fp8(qt_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
 
 
 def quantize_transpose_amax_triton(
@@ -126,11 +162,15 @@ def quantize_transpose_amax_triton(
     q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
     fused_transpose = x_RC.dtype == torch.bfloat16  # see the NOTE in the module docstring
     q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype) if fused_transpose else q_RC
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     common = dict(
         fmt_max=fmt.max,
         saturation=fmt.saturation_threshold,
         half_subnormal=fmt.min_subnormal / 2,
-        EXACT_DIV=os.environ.get("TRITON_INTERPRET") != "1",
+        EXACT_DIV=not interpreting,
+        MANTISSA=fmt.mantissa_bits,
+        BIAS=fp8_exponent_bias(fmt),
+        SOFTWARE_CAST=interpreting,
         TILE=TILE,
     )
     given_scale = scale is not None
