@@ -23,8 +23,8 @@ PyTorch path's ``F.pad`` of ``xᵀ`` does. :func:`quantize_square_blocks` is the
 amax per tile (128×128 weight blocks); a square-block tensor's transpose is exact
 (:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so it writes ``q_RC`` only.
 
-Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.quantized.quantize`
-(the same devices as :mod:`mt_fp8.kernels.quantize`, whose ``_div_rn`` this reuses):
+Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.quantized.quantize`,
+by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_div_rn`` and ``_store_fp8`` this reuses):
 
 * ``s = max(amax, fmt.max · 2^-126) / fmt.max`` divides with ``div.rn.f32`` (IEEE), then
   ``max(s, 2^-126)``; ``amax == 0`` gives ``s = 1``; ``amax = inf`` gives ``s = NaN``. The amax
