@@ -133,15 +133,14 @@ def test_square_blocks_match_quantize(device, dtype, fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_quantizer_refuses_what_it_cannot_take(device):
-    if device == "cuda" or INTERPRET:
-        with pytest.raises(ValueError, match="needs blocks of 1x128 to divide"):
-            block_kernels().quantize_groups_with_transpose(
-                torch.randn(4, 96, device=device), FP8Format.E4M3
-            )
-        with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
-            block_kernels().quantize_groups_with_transpose(
-                torch.randn(4, 128, device=device, dtype=torch.float64), FP8Format.E4M3
-            )
+    with pytest.raises(ValueError, match="needs blocks of 1x128 to divide"):
+        block_kernels().quantize_groups_with_transpose(
+            torch.randn(4, 96, device=device), FP8Format.E4M3
+        )
+    with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
+        block_kernels().quantize_groups_with_transpose(
+            torch.randn(4, 128, device=device, dtype=torch.float64), FP8Format.E4M3
+        )
 
 
 @pytest.mark.gpu
