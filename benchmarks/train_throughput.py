@@ -229,29 +229,29 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 30) -
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    # Device-side events only (kernels, memcpy/memset): the CPU-side aten ops report their
-    # children's device time too, which would count every kernel twice.
-    kernels = [
-        e
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
+    # Device-side events only (kernels, memcpy/memset), without GPU user annotations (such as
+    # "Optimizer.step#AdamW.step"): the CPU-side aten ops and the annotations report the device
+    # time of the kernels under them, which would count those kernels twice.
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
+            continue
+        entry = per_kernel.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total / 1e3
     by_category: dict[str, float] = {}
-    for event in kernels:
-        name = event.key.lower()
+    for name, (_, ms) in per_kernel.items():
         category = next(
-            (c for c, patterns in KERNEL_CATEGORIES if any(p in name for p in patterns)),
+            (c for c, patterns in KERNEL_CATEGORIES if any(p in name.lower() for p in patterns)),
             "other (elementwise, copies, reductions)",
         )
-        by_category[category] = by_category.get(category, 0.0) + event.self_device_time_total / 1e3
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        by_category[category] = by_category.get(category, 0.0) + ms
+    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {
         "wall_ms": wall_ms,
         "device_ms": sum(by_category.values()),
         "device_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms": [
-            [e.key[:90], e.count, e.self_device_time_total / 1e3] for e in kernels[:top]
-        ],
+        "top_kernels_ms": [[name[:90], count, ms] for name, (count, ms) in kernels[:top]],
     }
 
 
