@@ -27,7 +27,8 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
 * **Rowwise scaling**: one scale per row of the left operand and per column of the right
   (per output row/column of the GEMM): ``s_r = max_k |x_rk| / fmt.max``.
 * **Block scaling** (DeepSeek-V3): activations and gradients in 1×128 groups along the
-  contraction axis, weights in 128×128 blocks, fp32 scales ``s_b = max_b |x| / fmt.max``.
+  contraction axis, weights in 128×128 blocks, fp32 scales ``s_b = max_b |x| / fmt.max``;
+  E4M3 for every role by default (DeepSeek-V3's choice; the other recipes default to hybrid).
   The wgrad GEMM contracts over tokens, so it needs x and dy grouped 128×1: they are requantized
   from high precision in that orientation; weights' square blocks transpose exactly.
 * **MXFP8** (OCP Microscaling spec v1.0): 1×32 groups along the contraction axis in every GEMM,
@@ -126,9 +127,16 @@ class RowwiseScaling(Recipe):
 
 @dataclass(frozen=True)
 class BlockScaling(Recipe):
-    """DeepSeek-V3 block scaling: 1×``group`` activation/gradient groups, square weight blocks."""
+    """DeepSeek-V3 block scaling: 1×``group`` activation/gradient groups, square weight blocks.
+
+    Formats default to E4M3 for every role, as DeepSeek-V3 trains: with a scale per 128 values
+    the gradients do not need E5M2's range, and E4M3's extra mantissa bit halves their rounding
+    error. (It is also what cuBLAS's blockwise GEMMs take on Hopper.) Pass
+    ``formats=FormatConfig()`` for the hybrid E5M2 gradients.
+    """
 
     name: ClassVar[str] = "block"
+    formats: FormatConfig = field(default_factory=FormatConfig.all_e4m3)
     group: int = 128
     """Group length along the contraction axis for activations and gradients (1×group)."""
     weight_block: int = 128
