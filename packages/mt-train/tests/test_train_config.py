@@ -45,6 +45,14 @@ def test_default_config_values() -> None:
     cfg = to_train_config(compose_config())
     assert cfg.model.name == "debug" and cfg.data.path is None and cfg.fp8.recipe == "none"
     assert cfg.parallel.tp == 1 and cfg.checkpoint.resume == "none"
+    assert cfg.model.dropout == 0.0 and cfg.data.document_masking is False
+
+
+def test_sharded_and_context_parallel_layouts_validate() -> None:
+    cfg = to_train_config(compose_config(["parallel=cp2", "parallel.data_parallel=fsdp"]))
+    assert cfg.check_world(4) == 2  # dp = 4 / cp
+    cfg = to_train_config(compose_config(["parallel=zero1", "fp8=tensorwise", "parallel.tp=2"]))
+    assert cfg.parallel.data_parallel == "zero1" and cfg.check_world(2) == 1
 
 
 def test_issue_example_overrides_compose() -> None:
@@ -79,12 +87,25 @@ def test_issue_example_overrides_compose() -> None:
         ("rewind.fp8_saturation=2", "rewind.fp8_saturation must be in (0, 1), got 2.0"),
         ("fault.nan_at_step=0", "fault.nan_at_step must be an integer >= 1, got 0"),
         ("fault.rank=3", "fault.rank=3 is not a rank of this run (world size 1)"),
+        ("model.dropout=1.5", "model.dropout must be in [0, 1), got 1.5"),
+        ("parallel=cp2", "world size 1 is not divisible by tp·cp·pp = 1·2·1 = 2"),
+        ("parallel=cp2 trainer.seq_len=250", "needs the sequence length 250 to be divisible by"),
+        (
+            "parallel=cp2 parallel.cp_attention=ring model.dropout=0.1",
+            "parallel.cp_attention=ring with model.dropout=0.1: ring attention has no attention "
+            "dropout; use parallel.cp_attention=all_gather or model.dropout=0",
+        ),
+        (
+            "parallel=tp2 parallel.data_parallel=fsdp fp8=tensorwise",
+            "fp8.recipe='tensorwise' with parallel.data_parallel=fsdp and parallel.tp=2: FP8 + "
+            "FSDP2 + tensor parallelism desynchronises the TP ranks",
+        ),
     ],
 )
 def test_bad_override_is_one_line(
     override: str, expected: str, capsys: pytest.CaptureFixture
 ) -> None:
-    assert main([override]) == 2
+    assert main(override.split()) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mt-train: error: "), err
     assert expected in err, err

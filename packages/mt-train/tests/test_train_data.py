@@ -10,6 +10,7 @@ import numpy as np
 
 from mt_train.data import ByteTokenizer, PackedDataset, ResumableSampler, load_tokenizer
 from mt_train.data.prepare import main as prepare_main
+from mt_train.data.prepare import write_prepared
 
 
 def test_bundled_corpus_prepared_as_chapters(kjv_data: Path) -> None:
@@ -33,6 +34,20 @@ def test_packed_windows_shift_by_one(kjv_data: Path) -> None:
     assert (batch.inputs[:, 1:] == batch.targets[:, :-1]).all()
     raw = np.asarray(ds.tokens[5 * 32 : 5 * 32 + 33], dtype=np.int64)
     assert batch.inputs[1].tolist() == raw[:-1].tolist()
+
+
+def test_document_ids_change_right_after_each_eos(tmp_path: Path) -> None:
+    docs = ["a" * n for n in (5, 17, 3, 40, 9, 26, 11, 30)]  # short: many boundaries per window
+    write_prepared(tmp_path, docs, ByteTokenizer(), val_every=8)
+    ds = PackedDataset(tmp_path, "train", seq_len=16)
+    batch = ds.collate(np.arange(len(ds)), documents=True)
+    assert batch.document_ids is not None and batch.document_ids.shape == batch.inputs.shape
+    assert (batch.document_ids[:, 0] == 0).all()  # renumbered per row
+    # A new document starts exactly at the token after an EOS (the EOS stays in its document).
+    new_doc = batch.document_ids[:, 1:] != batch.document_ids[:, :-1]
+    assert (new_doc == (batch.inputs[:, :-1] == ByteTokenizer.eos_id)).all()
+    assert new_doc.sum() >= 5
+    assert ds.collate(np.arange(2)).document_ids is None
 
 
 def test_sampler_is_deterministic_resumable_and_dp_invariant() -> None:

@@ -2,16 +2,22 @@
 
 ``tiny_overrides`` shrinks the default job to a 2-layer, width-64 Llama on 64-token
 sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it and returns
-the per-step losses (module level so spawned ranks can run it by name). ``rewind_overrides``
-adds rewind with windows sized for a 60-step run; ``run_rewind`` trains and returns what a
-rank saw (losses, its in-memory events) as plain data.
+the per-step losses (module level so spawned ranks can run it by name), ``run_summary`` the
+losses and the greedy sample. ``rewind_overrides`` adds rewind with windows sized for a 60-step
+run; ``run_rewind`` trains and returns what a rank saw (losses, its in-memory events) as plain
+data. ``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
+(whatever the data-parallel mode shards).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from mt_train import Trainer, compose_config, to_train_config
+from mt_train.checkpoint.state import live_state
+from mt_train.rewind import capture, restore
 
 
 def tiny_overrides(data: str | Path, **extra: object) -> list[str]:
@@ -80,3 +86,37 @@ def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
         return trainer.fit().losses
     finally:
         trainer.close()
+
+
+def run_summary(overrides: list[str], output_dir: str | Path) -> dict:
+    """Train; the per-step losses and the greedy sample."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    return {"losses": summary.losses, "sample": summary.sample}
+
+
+def snapshot_round_trip(overrides: list[str], output_dir: str | Path) -> dict:
+    """Two steps, capture, two more steps, restore: which local entries differ from the
+    capture (none should), how many there were, and whether training goes on."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        for _ in range(2):
+            trainer.train_step()
+        host = capture(trainer.module, trainer.optimizer, trainer.ctx.device)
+        for _ in range(2):
+            trainer.train_step()
+        moved = [
+            k
+            for k, v in live_state(trainer.module, trainer.optimizer, trainer.ctx.device).items()
+            if not torch.equal(v.cpu(), host[k])
+        ]
+        restore(host, trainer.module, trainer.optimizer, trainer.ctx.device)
+        live = live_state(trainer.module, trainer.optimizer, trainer.ctx.device)
+        differ = sorted(k for k in host if k not in live or not torch.equal(live[k].cpu(), host[k]))
+        loss = trainer.train_step()["loss"]
+    finally:
+        trainer.close()
+    return {"entries": sorted(host), "moved": len(moved), "differ": differ, "loss": loss}

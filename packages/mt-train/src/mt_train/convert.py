@@ -219,9 +219,9 @@ def model_config_of(reader: CheckpointReader) -> ModelConfig:
 
 
 def full_model_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    """Every model tensor at tp=1 (TP slices re-joined)."""
+    """Every model tensor at tp=1 (TP slices and FSDP2 pieces re-joined)."""
     plan = reader.manifest.get("tp_plan", {})
-    keys = {n.removeprefix("model/").split("@tp")[0] for n in reader.names("model/")}
+    keys = {n.removeprefix("model/").split("@")[0] for n in reader.names("model/")}
     single = TPLayout(plan, 0, 1)
     return {k: read_resharded(reader, f"model/{k}", plan.get(k), single) for k in sorted(keys)}
 

@@ -1,8 +1,18 @@
-"""AdamW parameter groups and learning-rate schedules.
+"""AdamW parameter groups, the ZeRO-1 variant, and learning-rate schedules.
 
 AdamW (Loshchilov & Hutter) with decoupled weight decay: ``θ ← θ - lr·(m̂/(√v̂+ε) + λ·θ)``.
 Only matrices are decayed (``p.dim() >= 2``: linear weights and embeddings); norm gains and
 biases (1-D) are not, since shrinking them toward zero changes the function, not its scale.
+
+ZeRO-1 (``parallel.data_parallel=zero1``): :class:`Zero1AdamW` is mt_parallel's
+:class:`~mt_parallel.DistributedOptimizer` (flat fp32 master shard and AdamW moments for
+``1/W`` of the elements on each of the ``W`` dp×cp ranks) with two additions the trainer
+needs. (1) The step is split: :meth:`~Zero1AdamW.reduce_gradients` reduce-scatters the
+gradients and returns the global norm, so the anomaly detectors judge the step before
+:meth:`~Zero1AdamW.step` clips and applies it (or the trainer drops it). (2) The inner AdamW
+runs with ``λ = 0`` and the decay ``θ ← θ·(1 - lr·λ)`` is applied first to the master
+elements of matrices only, which is torch's AdamW order (decay, then the Adam update), so the
+same elements are decayed as in the per-parameter groups above.
 
 Schedules give the LR multiplier at step ``s`` (0-based, the step about to be taken) for
 ``S = max_steps`` and warmup ``W``:
@@ -17,11 +27,16 @@ Schedules give the LR multiplier at step ``s`` (0-based, the step about to be ta
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+import mt_comm
+import mt_parallel
 from mt_train.config.schema import OptimizerConfig, SchedulerConfig
+from mt_train.models.build import canonical_key
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,16 +52,134 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW; fused on accelerators unless ``cfg.fused`` says otherwise."""
-    fused = cfg.fused if cfg.fused is not None else device_type != "cpu"
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.betas[0], cfg.betas[1]),
-        eps=cfg.eps,
-        fused=fused,
-    )
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    device_type: str,
+    data_parallel: str = "ddp",
+    dp_cp_group: Any = None,
+    tp_group: Any = None,
+) -> torch.optim.AdamW | Zero1AdamW:
+    """AdamW (per parameter, FSDP2 DTensors included) or, for ``zero1``, :class:`Zero1AdamW`
+    over ``dp_cp_group``. Fused on accelerators unless ``cfg.fused`` says otherwise (never
+    by default under FSDP2, whose DTensor parameters the fused kernel does not take)."""
+    default_fused = device_type != "cpu" and data_parallel != "fsdp"
+    fused = cfg.fused if cfg.fused is not None else default_fused
+    hyper = {"lr": cfg.lr, "betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps, "fused": fused}
+    if data_parallel == "zero1":
+        named = [(canonical_key(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        return Zero1AdamW(named, cfg.weight_decay, dp_cp_group, tp_group, **hyper)
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **hyper)
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """The elements of one parameter that lie in this rank's ZeRO-1 shard."""
+
+    name: str
+    param: nn.Parameter
+    start: int
+    """First element (of the flattened parameter) in the shard."""
+    local: slice
+    """Where those elements sit in the shard."""
+
+
+class Zero1AdamW(mt_parallel.DistributedOptimizer):
+    """ZeRO-1 AdamW over ``group`` (dp×cp) with a split step and matrix-only decay (module
+    docstring). ``named`` lists ``(name, parameter)`` in the flat layout's order."""
+
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        weight_decay: float,
+        group: Any,
+        tp_group: Any,
+        **adamw: Any,
+    ) -> None:
+        super().__init__(
+            [p for _, p in named], group, tp_group, optimizer_cls=torch.optim.AdamW,
+            weight_decay=0.0, **adamw,
+        )  # fmt: skip
+        self.names = [name for name, _ in named]
+        wrong = sorted({str(p.dtype) for p in self.params if p.dtype != self.master_dtype})
+        if wrong:
+            raise ValueError(
+                f"ZeRO-1 needs parameters in the master dtype {self.master_dtype} (checkpoints "
+                f"rebuild the master weights from them), got {', '.join(wrong)}"
+            )
+        self.weight_decay = weight_decay
+        decay = torch.zeros(self.shard, dtype=torch.bool, device=self.master.device)
+        for view in self.views():
+            decay[view.local] = view.param.dim() >= 2
+        self.decay_mask = decay
+        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def views(self) -> list[ShardView]:
+        """Every parameter that overlaps this rank's shard ``[lo, lo + shard)``."""
+        out, offset = [], 0
+        for name, param in zip(self.names, self.params, strict=True):
+            start, end = max(offset, self.lo), min(offset + param.numel(), self.lo + self.shard)
+            if start < end:
+                local = slice(start - self.lo, end - self.lo)
+                out.append(ShardView(name, param, start - offset, local))
+            offset += param.numel()
+        return out
+
+    @torch.no_grad()
+    def sync_master(self) -> None:
+        """Master shard ← the parameters (after loading them: they are equal after a step)."""
+        for view in self.views():
+            flat = view.param.detach().reshape(-1)
+            size = view.local.stop - view.local.start
+            self.master[view.local] = flat[view.start : view.start + size]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> torch.Tensor:
+        """Reduce-scatter (average) the gradients to this rank's shard; the global norm."""
+        flat = self._flatten([p.grad for p in self.params], self.master.device)
+        grad = (
+            mt_comm.reduce_scatter(flat, op="avg", group=self.group)
+            if mt_comm.group_size(self.group) > 1
+            else flat
+        )
+        sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)
+        for start, end in self._norm_ranges:
+            sumsq += grad[start:end].double().pow(2).sum()
+        for group in (self.group, self.mp_group):
+            if mt_comm.group_size(group) > 1:
+                mt_comm.all_reduce(sumsq, group=group)
+        norm = sumsq.sqrt()
+        self._reduced = (grad, norm)
+        return norm.float()
+
+    @torch.no_grad()
+    def step(self, max_grad_norm: float = 0.0) -> torch.Tensor:
+        """Clip the reduced gradient to ``max_grad_norm`` (if > 0), decay matrices, AdamW,
+        all-gather into the parameters; returns the norm. Needs :meth:`reduce_gradients` first."""
+        if self._reduced is None:
+            raise RuntimeError("Zero1AdamW.step() needs reduce_gradients() first")
+        (grad, norm), self._reduced = self._reduced, None
+        if max_grad_norm > 0:
+            grad.mul_(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
+        lr = self.inner.param_groups[0]["lr"]
+        if self.weight_decay > 0:
+            keep = torch.tensor(1 - lr * self.weight_decay, dtype=self.master.dtype)
+            self.master.mul_(torch.where(self.decay_mask, keep, 1.0))
+        self.master.grad = grad
+        self.inner.step()
+        self.master.grad = None
+        full = self.master.detach()
+        if mt_comm.group_size(self.group) > 1:
+            full = mt_comm.all_gather(full.contiguous(), group=self.group)
+        offset = 0
+        for param in self.params:
+            param.copy_(full[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return norm.float()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._reduced = None
 
 
 def lr_multiplier(step: int, max_steps: int, cfg: SchedulerConfig) -> float:

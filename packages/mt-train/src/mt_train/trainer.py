@@ -3,11 +3,28 @@
 One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
 
     for m < A:  loss_m = CE(model(x_m), y_m);  backward(loss_m / A)      (autocast if bf16)
-    grads ← mean over dp ranks                      (DDP at the last micro-batch, or a flat all-reduce)
-    n = ‖grads‖₂ (global over TP shards); if clip > 0: grads ← grads · min(1, clip / n)
+    grads ← mean over dp×cp ranks        (DDP / FSDP2 at the last micro-batch, ZeRO-1's
+                                          reduce-scatter, or a flat all-reduce with ``none``)
+    n = ‖grads‖₂ (every element once: TP shards summed, FSDP2 / ZeRO-1 pieces summed over dp×cp)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
-    if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
+    if healthy:  lr = peak · schedule(step) · cooldown(step);  grads ← grads · min(1, clip / n);
+                 AdamW step
     zero grads
+
+Context parallelism (``parallel.cp > 1``). The ``cp`` ranks of one dp index draw the same
+samples; each keeps its load-balanced part of the inputs, targets and document ids
+(``mt_parallel.shard_sequence``: chunks ``r`` and ``2·cp−1−r`` of ``2·cp``) and passes the
+global positions of those tokens to the model. Every rank holds ``T/cp`` tokens of each
+sample, so its mean loss averaged over dp×cp is the mean over the global batch, and DDP /
+FSDP2 / ZeRO-1 averaging gradients over dp×cp gives that loss's gradient.
+
+Document masking (``data.document_masking``): batches carry per-token document ids and
+attention stays inside each packed document (:mod:`mt_train.data.dataset`).
+
+RNG: ``mt_parallel.manual_seed(seed, tp_rank, cp_rank)`` seeds the default generators (the
+same on every TP rank, different per CP rank) and the tracker stream that TP-sharded regions
+(attention dropout, sequence-parallel residual dropout) draw from; checkpoints and snapshots
+hold both, so a resumed run draws the same dropout masks.
 
 The reported loss is the mean over the global batch. An anomalous step is never applied:
 with ``rewind`` off a non-finite loss or norm stops the run; with it on the trainer restores
@@ -15,10 +32,11 @@ the newest stable checkpoint (from memory or disk), skips data, cools the LR and
 (:mod:`mt_train.rewind.manager`). A SIGTERM/SIGINT ends the run after the step in progress
 with a checkpoint (:mod:`mt_train.rewind.preemption`).
 
-Invariant for exact resume: the full state is (parameters, AdamW state, FP8 scaling state,
-sampler ``consumed`` and skipped ranges, step, RNG, and the rewind policy's state: baselines,
-history, cool-down); all of it is checkpointed, and nothing else carries information between
-steps, so on the CPU a resumed run repeats the uninterrupted loss curve bit for bit.
+Invariant for exact resume: the full state is (parameters, AdamW state — this rank's pieces
+under FSDP2 / ZeRO-1 —, FP8 scaling state, sampler ``consumed`` and skipped ranges, step, RNG
+generators and tracker, and the rewind policy's state: baselines, history, cool-down); all of
+it is checkpointed, and nothing else carries information between steps, so on the CPU a
+resumed run (same layout) repeats the uninterrupted loss curve bit for bit.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from mt_train.checkpoint.checkpointer import (
     shard_tensors,
 )
 from mt_train.checkpoint.files import CheckpointReader, discard, step_dir
+from mt_train.checkpoint.state import StateLayout, live_state
 from mt_train.config.schema import TrainConfig
 from mt_train.convert import checkpoint_folder
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
@@ -54,7 +73,7 @@ from mt_train.data.prepare import prepare_bundled
 from mt_train.metrics import MetricsLogger
 from mt_train.models import build as B
 from mt_train.models.llama import flops_per_token, num_params
-from mt_train.optim import build_optimizer, lr_multiplier
+from mt_train.optim import Zero1AdamW, build_optimizer, lr_multiplier
 from mt_train.rewind import snapshot as snap
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
@@ -94,15 +113,15 @@ class Trainer:
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.torch_device
         self.dp = cfg.check_world(self.world_size)
-        # Per-rank RNG streams (dropout, sampling) start from the seed: runs are repeatable.
-        torch.manual_seed(tr.seed + self.rank)
-        self.ctx.device.manual_seed(tr.seed + self.rank)
         p = cfg.parallel
         with contextlib.suppress(RuntimeError):
             mt_comm.destroy_parallel_state()
         self.pstate = mt_comm.init_parallel_state(dp=self.dp, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep)
-        self.dp_group, self.tp_group = self.pstate.group("dp"), self.pstate.group("tp")
+        self.tp_group, self.cp_group = self.pstate.group("tp"), self.pstate.group("cp")
+        self.dp_cp_group = self.pstate.group("dp_cp")
         self.dp_rank, self.dp_size = self.pstate.rank("dp"), self.pstate.size("dp")
+        self.dp_cp_rank = self.pstate.rank("dp_cp")
+        self.seed_rng(tr.seed)
 
         out = str(output_dir or tr.output_dir or Path.cwd() / "outputs" / cfg.model.name)
         self.output_dir = Path(D.broadcast_str(str(Path(out).resolve()), self.device))
@@ -131,7 +150,11 @@ class Trainer:
             if cfg.fp8.enabled
             else None
         )
-        self.optimizer = build_optimizer(self.module, cfg.optimizer, self.device.type)
+        self.optimizer = build_optimizer(
+            self.module, cfg.optimizer, self.device.type, p.data_parallel, self.dp_cp_group,
+            self.tp_group,
+        )  # fmt: skip
+        self.state_layout = StateLayout.of(self.module, self.optimizer)
 
         bf16 = tr.precision == "bf16" or (tr.precision == "auto" and self.device.type != "cpu")
         self.autocast_dtype = torch.bfloat16 if bf16 else None
@@ -166,7 +189,9 @@ class Trainer:
             self.load(resume)
         elif ck.init_from is not None:
             reader = CheckpointReader(checkpoint_folder(Path(ck.init_from)))
-            load_into(reader, self.module, None, self.rank, self.ctx.device, self.tp_layout)
+            load_into(reader, self.module, None, self.state_layout, self.tp_layout, self.ctx.device)
+            if isinstance(self.optimizer, Zero1AdamW):
+                self.optimizer.sync_master()
         D.barrier()
         if ck.enabled or cfg.rewind.enabled:
             self.checkpointer.prepare()
@@ -188,12 +213,33 @@ class Trainer:
         return injector
 
     # ------------------------------------------------------------------ state
+    def seed_rng(self, seed: int) -> None:
+        """Seed the default generators and mt_parallel's RNG tracker for this rank's TP and CP
+        coordinates (``mt_parallel.manual_seed``), and the device's generator alike."""
+        mt_parallel.manual_seed(seed, self.pstate.rank("tp"), self.pstate.rank("cp"))
+        self.ctx.device.manual_seed(torch.initial_seed())
+
+    def layout(self) -> dict[str, int]:
+        """What RNG states depend on: the world size and the tp, cp, dp degrees."""
+        p = self.cfg.parallel
+        return {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+
     def load(self, folder: Path) -> None:
-        """Restore a checkpoint (any dp degree; see :mod:`mt_train.checkpoint.checkpointer`)."""
+        """Restore a checkpoint (any layout; see :mod:`mt_train.checkpoint.checkpointer`).
+
+        RNG states come back only into the layout that saved them; at another layout each
+        rank re-seeds from (seed + step) with its own TP and CP coordinates."""
         reader = CheckpointReader(folder)
-        load_into(reader, self.module, self.optimizer, self.rank, self.ctx.device, self.tp_layout)
-        snap.after_load(self.module)
         manifest = reader.manifest
+        saved = {"world_size": manifest["world_size"], **manifest["parallel"]}
+        same = all(saved.get(k) == v for k, v in self.layout().items())
+        load_into(
+            reader, self.module, self.optimizer, self.state_layout, self.tp_layout,
+            self.ctx.device, self.rank if same else None,
+        )  # fmt: skip
+        if not same:
+            self.seed_rng(self.cfg.trainer.seed + int(manifest["step"]))
+        snap.after_load(self.module)
         self.sampler.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
         self.guard.load_state_dict(manifest.get("rewind", {}))
@@ -209,9 +255,11 @@ class Trainer:
         local = (
             snap.capture(self.module, self.optimizer, self.ctx.device)
             if hold
-            else snap.live_state(self.module, self.optimizer, self.ctx.device)
+            else live_state(self.module, self.optimizer, self.ctx.device)
         )
-        tensors = shard_tensors(local, self.tp_layout, self.rank, self.dp_rank)
+        tensors = shard_tensors(
+            local, self.state_layout, self.tp_layout, self.rank, self.dp_cp_rank
+        )
         manifest = {
             "step": self.step,
             "config": dataclasses.asdict(self.cfg),
@@ -220,6 +268,7 @@ class Trainer:
             "world_size": self.world_size,
             "parallel": {**dataclasses.asdict(self.cfg.parallel), "dp": self.dp},
             "tp_plan": self.tp_layout.plan,
+            "sharded_shapes": self.state_layout.shapes,
             "rewind": self.guard.state_dict(),
             "fp8_state": sorted(k for k in self.module.state_dict() if "fp8" in k.lower()),
             "tokenizer": {"folder": str(self.data.folder), **self.data.train.meta},
@@ -264,10 +313,26 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def micro_loss(self, batch: Batch) -> torch.Tensor:
-        """Mean next-token cross-entropy of one micro-batch (fp32)."""
+        """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):
+        all of them, or under CP its load-balanced part (module docstring)."""
+        inputs, targets, docs = batch.inputs, batch.targets, batch.document_ids
+        positions = None
+        cp = self.cfg.parallel.cp
+        if cp > 1:
+            seq_len = inputs.shape[1]
+            inputs, targets, docs = (
+                None if x is None else mt_parallel.shard_sequence(x, 1, self.cp_group)
+                for x in (inputs, targets, docs)
+            )
+            cp_rank = self.pstate.rank("cp")
+            positions = mt_parallel.load_balanced_positions(seq_len, cp, cp_rank).to(self.device)
         with self._autocast():
-            logits = self.model(batch.inputs)
-        return self.module.loss(logits.float(), batch.targets)
+            logits = self.model(inputs, positions, docs)
+        return self.module.loss(logits.float(), targets)
+
+    def collate(self, dataset: Any, indices: Any) -> Batch:
+        """A micro-batch on this rank's device (with document ids if masking is on)."""
+        return dataset.collate(indices, self.cfg.data.document_masking).to(self.device)
 
     def _fp8_saturation(self) -> tuple[float, str]:
         """The largest saturated fraction over FP8 layers and roles since the last reset."""
@@ -287,7 +352,7 @@ class Trainer:
         micro = self.sampler.next_step()
         total = torch.zeros((), device=self.device)
         for m, indices in enumerate(micro):
-            batch = self.data.train.collate(indices).to(self.device)
+            batch = self.collate(self.data.train, indices)
             with mt_parallel.accumulate(self.model, is_last=m == len(micro) - 1):
                 loss = self.micro_loss(batch)
                 factor = faults.loss * self.faults.micro_loss_factor(indices)
@@ -297,14 +362,20 @@ class Trainer:
             total += loss.detach()
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.cfg.parallel.data_parallel == "none":
-            mt_parallel.all_reduce_gradients(params, self.dp_group)
+            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
         if faults.grads != 1.0:
             for p in params:
                 p.grad.mul_(faults.grads)
         local_loss = (total / len(micro)).item()
-        loss = D.mean_scalar(total / len(micro), self.dp_group).item()
+        loss = D.mean_scalar(total / len(micro), self.dp_cp_group).item()
         clip = self.cfg.optimizer.grad_clip
-        norm = mt_parallel.clip_grad_norm_(params, clip, tp_group=self.tp_group).item()
+        zero1 = isinstance(self.optimizer, Zero1AdamW)
+        if zero1:  # reduce-scatter now, clip in step() once the step is judged healthy
+            norm = self.optimizer.reduce_gradients().item()
+        else:
+            norm = mt_parallel.clip_grad_norm_(
+                params, clip, tp_group=self.tp_group, dp_cp_group=self.dp_cp_group
+            ).item()
         lr = self.cfg.optimizer.lr * lr_multiplier(
             self.step, self.cfg.trainer.max_steps, self.cfg.scheduler
         )
@@ -319,7 +390,10 @@ class Trainer:
         if not self.verdict.anomalous:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            if zero1:
+                self.optimizer.step(clip)
+            else:
+                self.optimizer.step()
             if isinstance(self.fp8_recipe, mt_fp8.DelayedScaling):
                 mt_fp8.update_fp8_scales(self.module, self.fp8_recipe, self.tp_group)
             self.step += 1
@@ -377,7 +451,10 @@ class Trainer:
             self.guard.targets.drop(target)
             return None
         reader = CheckpointReader(target.path)
-        load_into(reader, self.module, self.optimizer, self.rank, self.ctx.device, self.tp_layout)
+        load_into(
+            reader, self.module, self.optimizer, self.state_layout, self.tp_layout,
+            self.ctx.device, self.rank,
+        )  # fmt: skip
         snap.after_load(self.module)
         target.consumed = int(reader.manifest["data"]["consumed"])
         return "disk"
@@ -405,19 +482,21 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         micro = sampler.next_step()
         for indices in micro:
-            total += self.micro_loss(self.data.val.collate(indices).to(self.device))
+            total += self.micro_loss(self.collate(self.data.val, indices))
         self.model.train()
-        return D.mean_scalar(total / len(micro), self.dp_group).item()
+        return D.mean_scalar(total / len(micro), self.dp_cp_group).item()
 
     def generate(self, prompt: str, max_new_tokens: int) -> str:
-        """Greedy continuation of ``prompt`` (tp=1 only: sampling has no TP path yet)."""
-        if self.tp_layout.size > 1:
-            return ""
+        """Greedy continuation of ``prompt``, the same on every rank (all ranks run the
+        forward: TP, CP and FSDP2 layers communicate; see :mod:`mt_train.sample`)."""
+        p = self.cfg.parallel
         ids = self.data.tokenizer.encode(prompt)
         with self._autocast():
             out = greedy_generate(
-                self.module, ids, max_new_tokens, self.cfg.trainer.seq_len, self.device
-            )
+                self.module, ids, max_new_tokens, self.cfg.trainer.seq_len, self.device,
+                tp_group=self.tp_group, cp_group=self.cp_group,
+                sequence_parallel=p.sequence_parallel,
+            )  # fmt: skip
         return self.data.tokenizer.decode(out)
 
     # ------------------------------------------------------------------ loop
@@ -511,10 +590,14 @@ class Trainer:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
         fp8 = f", fp8 {self.cfg.fp8.recipe} ({self.fp8_layers} linears)" if self.fp8_layers else ""
+        sp = "+sp" if p.sequence_parallel else ""
+        cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
+        docs = ", document masking" if self.cfg.data.document_masking else ""
         return (
             f"mt-train: {c.name} Llama, {num_params(self.module) / 1e6:.2f}M params "
             f"({c.n_layers} layers, width {c.dim}, vocab {c.vocab_size}) on {self.world_size}x "
-            f"{self.ctx.device.name} [dp={self.dp} tp={p.tp}], {precision}{fp8}; "
+            f"{self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}, "
+            f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
             f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
             f"sequences); output {self.output_dir}"

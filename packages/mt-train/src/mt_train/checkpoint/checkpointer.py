@@ -1,20 +1,26 @@
 """Saving and restoring a run: model, optimizer, data position, RNG and FP8 state.
 
-Tensor names in the shards:
+Tensor names in the shards (local names and pieces: :mod:`mt_train.checkpoint.state`):
 
 * ``model/<key>`` — a replicated entry of the (tp=1-named) model state dict, including the
-  FP8 scaling state that mt_fp8 keeps in buffers; written by the rank with dp = tp = 0;
+  FP8 scaling state that mt_fp8 keeps in buffers; written by the rank with dp×cp = tp = 0;
 * ``model/<key>@tp<r>of<n>`` — TP rank ``r``'s slice of a tensor that ``mt_parallel``'s
-  ``tp_shard_plan`` splits along one dimension over ``n`` ranks (written by its dp-0 rank);
+  ``tp_shard_plan`` splits along one dimension over ``n`` ranks (written by its dp×cp-0 rank);
 * ``optim/<param>/{step,exp_avg,exp_avg_sq}`` — AdamW state per named parameter, with the same
   ``@tp<r>of<n>`` suffix for the moments of TP-sharded parameters;
-* ``rng/rank<r>/<device>`` — every rank's torch RNG states (CPU and its accelerator).
+* ``<any of the above>@elems<a>-<b>of<n>`` — a piece: flattened elements ``[a, b)`` of that
+  tensor (``n`` elements, its shape in the manifest's ``sharded_shapes``), written by the
+  dp×cp rank that holds it (FSDP2 parameters and moments, ZeRO-1 moments);
+* ``rng/rank<r>/<device>`` and ``rng/rank<r>/tracker/<stream>/<what>`` — every rank's torch
+  generators and mt_parallel RNG-tracker states.
 
-Reshard on load: a TP-sharded tensor is rebuilt by concatenating its ``n`` slices along its
-dimension and cut again for the loading run's tp degree (``merge(shard(x)) == x`` exactly).
-Replicas over dp are not stored twice, and the data position is global (samples consumed over
-all ranks), so a checkpoint also loads at another dp degree; a rank without its own RNG entry
-takes rank 0's.
+Reshard on load: a tensor is rebuilt whole (pieces concatenated in element order, TP slices
+along their dimension; ``merge(shard(x)) == x`` exactly), then cut for the loading rank: its
+TP slice, and under FSDP2 / ZeRO-1 its piece. Replicas over dp×cp are not stored twice and
+the data position is global (samples consumed over all ranks), so a checkpoint loads at any
+dp, cp, tp and data-parallel mode. RNG states are restored only into the layout that saved
+them (same world size and tp, cp, dp); a run resumed at another layout re-seeds instead
+(:meth:`mt_train.trainer.Trainer.load`).
 
 Async saving: :meth:`Checkpointer.save` first waits for the previous save, copies the state
 to host memory (the snapshot: training may change the live tensors right after), and hands
@@ -25,6 +31,8 @@ the same as a synchronous save because both write the same snapshot through the 
 from __future__ import annotations
 
 import concurrent.futures
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +48,10 @@ from mt_train.checkpoint.files import (
     tmp_dir,
     write_shard,
 )
-from mt_train.models.build import canonical_key
+from mt_train.checkpoint.state import StateLayout, load_state, restore_rng
 
-ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
-
-
-def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    return {canonical_key(k): p for k, p in model.named_parameters()}
+ELEMS = re.compile(r"@elems(\d+)-(\d+)of(\d+)$")
+TP_SUFFIX = re.compile(r"@tp(\d+)of(\d+)")
 
 
 @dataclass(frozen=True)
@@ -63,28 +68,37 @@ class TPLayout:
 
 
 def shard_tensors(
-    local: dict[str, torch.Tensor], tp: TPLayout, rank: int, dp_rank: int
+    local: dict[str, torch.Tensor],
+    layout: StateLayout,
+    tp: TPLayout,
+    rank: int,
+    dp_cp_rank: int,
 ) -> dict[str, torch.Tensor]:
-    """This rank's shard from its local state (:func:`mt_train.rewind.snapshot.live_state`
-    names): model and optimizer entries only from dp rank 0 (replicated ones only from TP rank
-    0, TP-sharded ones suffixed ``@tp<r>of<n>``), RNG states from every rank."""
+    """This rank's shard from its local state (:func:`mt_train.checkpoint.state.live_state`
+    names): whole model and optimizer entries only from dp×cp rank 0, pieces from the rank
+    holding them (``@elems`` suffix); entries replicated over TP only from TP rank 0,
+    TP-sharded ones suffixed ``@tp<r>of<n>``; RNG states from every rank."""
     out = {}
     for name, value in local.items():
         kind, rest = name.split("/", 1)
         if kind == "rng":
             out[f"rng/rank{rank}/{rest}"] = value
             continue
-        if dp_rank != 0:
-            continue
         if kind == "model":
-            if rest in tp.plan or tp.rank == 0:
-                out[tp.name("model/", rest)] = value
+            key, stored = rest, tp.name("model/", rest)
+        else:
+            key, entry = rest.rsplit("/", 1)
+            sharded = entry != "step" and key in tp.plan
+            stored = tp.name("optim/", key, f"/{entry}") if sharded else name
+        if key not in tp.plan and tp.rank != 0:
             continue
-        param, key = rest.rsplit("/", 1)
-        if param not in tp.plan and tp.rank != 0:
-            continue
-        sharded = key != "step" and param in tp.plan
-        out[tp.name("optim/", param, f"/{key}") if sharded else name] = value
+        start = layout.starts.get(name)
+        if start is None:
+            if dp_cp_rank == 0:
+                out[stored] = value
+        elif value.numel() > 0:
+            end, total = start + value.numel(), math.prod(layout.shapes[name])
+            out[f"{stored}@elems{start}-{end}of{total}"] = value
     return out
 
 
@@ -180,20 +194,41 @@ def resolve_resume(mode: str, root: Path) -> Path | None:
     return Path(mode)
 
 
+def read_whole(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """Tensor ``name`` (a TP slice keeps its ``@tp`` suffix), joining its ``@elems`` pieces."""
+    if reader.has(name):
+        return reader.read([name])[name]
+    pieces = reader.names(name + "@elems")
+    if not pieces:
+        raise KeyError(f"checkpoint {reader.folder} has no tensor {name!r}")
+    ranges = sorted((*map(int, ELEMS.search(p).groups()), p) for p in pieces)  # type: ignore[union-attr]
+    total, expected = ranges[0][2], 0
+    for start, end, _, piece in ranges:
+        if start != expected:
+            raise ValueError(
+                f"checkpoint {reader.folder}: {name} has no piece for elements "
+                f"[{expected}, {start}) (next piece {piece})"
+            )
+        expected = end
+    if expected != total:
+        raise ValueError(f"checkpoint {reader.folder}: {name} pieces end at {expected} of {total}")
+    loaded = reader.read([p for *_, p in ranges])
+    flat = torch.cat([loaded[p] for *_, p in ranges])
+    return flat.view(reader.manifest["sharded_shapes"][TP_SUFFIX.sub("", name)])
+
+
 def read_resharded(
     reader: CheckpointReader, name: str, dim: int | None, tp: TPLayout
 ) -> torch.Tensor:
     """``name`` for this rank: whole, or this rank's slice of its re-joined TP pieces."""
-    if reader.has(name):
-        full = reader.read([name])[name]
+    if reader.has(name) or reader.names(name + "@elems"):
+        full = read_whole(reader, name)
     else:
         pieces = reader.names(name + "@tp")
         if not pieces or dim is None:
             raise KeyError(f"checkpoint {reader.folder} has no tensor {name!r}")
-        n = int(pieces[0].rsplit("of", 1)[1])
-        ordered = [f"{name}@tp{r}of{n}" for r in range(n)]
-        loaded = reader.read(ordered)
-        full = torch.cat([loaded[k] for k in ordered], dim=dim)
+        n = int(TP_SUFFIX.search(pieces[0]).group(2))  # type: ignore[union-attr]
+        full = torch.cat([read_whole(reader, f"{name}@tp{r}of{n}") for r in range(n)], dim=dim)
     if dim is None or tp.size == 1:
         return full
     return full.chunk(tp.size, dim=dim)[tp.rank]
@@ -202,44 +237,38 @@ def read_resharded(
 def load_into(
     reader: CheckpointReader,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    rank: int,
-    device: Any,
+    optimizer: Any,
+    layout: StateLayout,
     tp: TPLayout,
+    device: Any,
+    rng_rank: int | None = None,
 ) -> None:
-    """Restore model, optimizer and RNG state of ``rank`` from ``reader`` (any tp/dp layout)."""
-    with torch.no_grad():
-        for key, live in model.state_dict().items():
-            short = canonical_key(key)
-            src = read_resharded(reader, f"model/{short}", tp.plan.get(short), tp)
-            if src.shape != live.shape:
-                raise ValueError(
-                    f"checkpoint tensor {short} has shape {tuple(src.shape)} here, the model "
-                    f"{tuple(live.shape)}: is the model config the same?"
-                )
-            live.copy_(src)
-    if optimizer is not None:
-        fused = any(g.get("fused") for g in optimizer.param_groups)
-        for name, param in named_parameters(model).items():
-            if not reader.has(f"optim/{name}/step"):
-                continue
-            dim = tp.plan.get(name)
-            optimizer.state[param] = {
-                "step": reader.read([f"optim/{name}/step"])[f"optim/{name}/step"].to(
-                    param.device if fused else "cpu"
-                ),
-                "exp_avg": read_resharded(reader, f"optim/{name}/exp_avg", dim, tp).to(
-                    param.device
-                ),
-                "exp_avg_sq": read_resharded(reader, f"optim/{name}/exp_avg_sq", dim, tp).to(
-                    param.device
-                ),
-            }
-    own = f"rng/rank{rank}/"
-    prefix = own if reader.has(own + "cpu") else "rng/rank0/"
-    if not reader.has(prefix + "cpu"):
-        return  # weights only (an mt-convert import)
-    rng = reader.read(reader.names(prefix))
-    torch.set_rng_state(rng[prefix + "cpu"])
-    if device.type != "cpu" and prefix + device.type in rng:
-        device.set_rng_state(rng[prefix + device.type])
+    """Restore model and optimizer state (any tp/cp/dp layout and data-parallel mode) from
+    ``reader``, and with ``rng_rank`` that rank's RNG states (when the checkpoint has them)."""
+
+    def source(name: str, live: torch.Tensor, start: int) -> torch.Tensor | None:
+        key = name.split("/", 1)[1]
+        if name.startswith("optim/"):
+            key, entry = key.rsplit("/", 1)
+            if entry == "step":
+                return reader.read([name])[name] if reader.has(name) else None
+        if not (reader.has(name) or reader.names(name + "@")):
+            return None
+        full = read_resharded(reader, name, tp.plan.get(key), tp)
+        expected = layout.shapes.get(name, list(live.shape))
+        if list(full.shape) != expected:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(full.shape)} here, the model "
+                f"{tuple(expected)}: is the model config the same?"
+            )
+        if name not in layout.starts:
+            return full
+        return full.reshape(-1)[start : start + live.numel()].view_as(live)
+
+    load_state(model, optimizer, layout, source)
+    prefix = f"rng/rank{rng_rank}/"
+    if rng_rank is None or not reader.has(prefix + "cpu"):
+        return
+    names = reader.names(prefix)
+    rng = reader.read(names)
+    restore_rng({"rng/" + n[len(prefix) :]: rng[n] for n in names}, device)

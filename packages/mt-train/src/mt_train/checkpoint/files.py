@@ -6,8 +6,9 @@ A checkpoint is a folder ``<dir>/step-<8 digits>`` holding::
     rank-<5 digits>.json          that rank's sidecar: run id, sha256 and tensor names
     manifest.json                 written last, by rank 0 (see MANIFEST_KEYS)
 
-Atomicity: every rank writes into ``<dir>/.tmp-step-<8 digits>``; rank 0 waits for all
-sidecars of this run (matching ``run_id``), writes ``manifest.json`` there, fsyncs, and
+Atomicity: every rank writes into ``<dir>/.tmp-step-<8 digits>`` (its sidecar last, renamed
+into place so that it is never seen half-written); rank 0 waits for all sidecars of this run
+(matching ``run_id``), writes ``manifest.json`` there, fsyncs, and
 renames the folder to its final name. ``rename`` within one filesystem is atomic, so a
 folder named ``step-*`` is always complete, and a save killed at any point leaves only a
 ``.tmp-*`` folder that loading ignores and the next run removes. Nothing is pickled:
@@ -82,7 +83,12 @@ def write_shard(folder: Path, rank: int, run_id: str, tensors: dict[str, torch.T
         "bytes": path.stat().st_size,
         "tensors": sorted(tensors),
     }
-    _fsync_write(folder / f"rank-{rank:05d}.json", json.dumps(sidecar, indent=1).encode())
+    # Written under another name and renamed: rank 0 polls for the sidecar and must never
+    # read it half-written.
+    final = folder / f"rank-{rank:05d}.json"
+    partial = final.with_name(f".tmp-{final.name}")
+    _fsync_write(partial, json.dumps(sidecar, indent=1).encode())
+    os.replace(partial, final)
 
 
 def publish(

@@ -84,8 +84,14 @@ class ModelConfig:
     """Llama 3.1 long-context frequency scaling."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init (output projections scaled by 1/sqrt(2L))."""
+    dropout: float = 0.0
+    """Dropout probability of the attention probabilities and of both residual branches of
+    every block (mt_parallel's ``DecoderBlock``); masks come from ``mt_parallel``'s RNG tracker,
+    which checkpoints save, so a resumed run draws the same masks."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         _positive(
             "model",
             dim=self.dim,
@@ -210,6 +216,11 @@ class DataConfig:
     """Prepared data folder; null prepares the bundled King James corpus (byte tokens)."""
     val_every: int = 50
     """When preparing the bundled corpus: every n-th document goes to the validation split."""
+    document_masking: bool = False
+    """Attention stays inside each packed document (mask ``causal ∧ same document``, Megatron's
+    ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
+    attention over the packed window keeps the fused causal kernels (an explicit mask is slower
+    on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
 
     def __post_init__(self) -> None:
         if self.path is not None and not os.path.isdir(os.path.expanduser(self.path)):
@@ -282,7 +293,8 @@ class TrainerConfig:
     checkpoint_interval: int = 250
     """Save a checkpoint every n steps (and at the end)."""
     seed: int = 1234
-    """Seeds the init, the data order and dropout-free RNG streams."""
+    """Seeds the init, the data order and the dropout streams (``mt_parallel.manual_seed``
+    with this rank's TP and CP coordinates: the same on every DP rank)."""
     device: str = "auto"
     """auto (the accelerator if present, else cpu) or a registered mt device name."""
     precision: str = "auto"
@@ -335,10 +347,16 @@ class TrainConfig:
         par.validate_model(
             model.n_heads, model.n_kv_heads, model.vocab_size or par.tp, tr.seq_len, model.ffn_dim
         )
-        if par.cp > 1 or par.data_parallel in ("fsdp", "zero1"):
+        if par.cp > 1 and par.cp_attention == "ring" and model.dropout > 0:
             raise ValueError(
-                f"parallel.cp={par.cp}, parallel.data_parallel={par.data_parallel!r}: mt-train "
-                "runs cp=1 with data_parallel ddp or none so far"
+                f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
+                "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
+            )
+        if self.fp8.enabled and par.data_parallel == "fsdp" and par.tp > 1:
+            raise ValueError(
+                f"fp8.recipe={self.fp8.recipe!r} with parallel.data_parallel=fsdp and "
+                f"parallel.tp={par.tp}: FP8 + FSDP2 + tensor parallelism desynchronises the TP "
+                "ranks (docs/multi_gpu.md, finding 2); use data_parallel=ddp or zero1, or tp=1"
             )
         if tr.global_batch_size % tr.micro_batch_size:
             raise ValueError(

@@ -6,6 +6,13 @@ first ``T`` tokens, targets its last ``T``. Windows do not overlap, so an epoch 
 token once. Documents stay visible as boundaries: each ends with EOS, and the split's
 document offsets (``<split>.idx``) are loaded as ``doc_starts``.
 
+Document ids (``collate(..., documents=True)``). Input token ``j`` of sample ``i`` sits at
+stream position ``p = i·T + j`` and belongs to document ``k`` with
+``doc_starts[k] ≤ p < doc_starts[k+1]`` (an EOS belongs to the document it ends, so the EOS
+input, whose target is the next document's first token, still attends to its own document,
+Megatron's ``reset_attention_mask`` rule). Ids are renumbered from 0 in each row; only
+equality matters to the attention mask.
+
 Sampling. The sampler's whole state is ``consumed``, the number of samples drawn over all
 ranks. Global draw ``g`` is sample ``perm_e[g mod S]`` with ``e = g div S`` and
 ``perm_e`` the permutation of ``range(S)`` from ``numpy.random.default_rng([seed, e])``.
@@ -36,14 +43,18 @@ from mt_train.data.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass
 class Batch:
-    """One micro-batch: inputs and targets, (B, T) int64."""
+    """One micro-batch: inputs, targets and (optionally) document ids, all (B, T) int64."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    document_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
+        docs = self.document_ids
         return Batch(
-            self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True)
+            self.inputs.to(device, non_blocking=True),
+            self.targets.to(device, non_blocking=True),
+            None if docs is None else docs.to(device, non_blocking=True),
         )
 
 
@@ -75,13 +86,19 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def collate(self, indices: np.ndarray) -> Batch:
+    def collate(self, indices: np.ndarray, documents: bool = False) -> Batch:
+        """Samples ``indices`` as a batch; ``documents``: with per-token document ids."""
         T = self.seq_len
         rows = np.stack(
             [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in indices]
         )
         window = torch.from_numpy(rows)
-        return Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous())
+        docs = None
+        if documents:
+            positions = np.asarray(indices, dtype=np.int64)[:, None] * T + np.arange(T)
+            ids = np.searchsorted(self.doc_starts, positions, side="right") - 1
+            docs = torch.from_numpy(ids - ids[:, :1])
+        return Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous(), docs)
 
 
 class ResumableSampler:

@@ -1,16 +1,22 @@
 """Build the Llama for a run and apply mt_parallel's transforms, in the documented order.
 
-Order (mt_parallel's and torchtitan's): tensor parallel → FP8 → recompute → compile → data
-parallel. Each is a function of the plain model, so the model code never changes:
+Order (mt_parallel's and torchtitan's): tensor parallel → context parallel → FP8 →
+recompute → compile → data parallel. Each is a function of the plain model, so the model code
+never changes:
 
 * tensor (and sequence) parallel: ``mt_parallel.apply_tensor_parallel`` shards the full
   weights of every TP layer; parameters are replaced, so the optimizer is built afterwards;
+* context parallel (``parallel.cp > 1``): ``mt_parallel.apply_context_parallel`` gives every
+  attention core the cp group (all-gather K/V, or ring attention with
+  ``parallel.cp_attention=ring``); the trainer feeds each rank its load-balanced chunks;
 * FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
   with the configured recipe; the output head, and linears whose smaller side is below
   ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
 * recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
 * compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
-* data parallel: ``mt_parallel.apply_data_parallel`` (DDP over dp×cp in ``ddp`` mode).
+* data parallel: ``mt_parallel.apply_data_parallel`` over dp×cp: DDP (``ddp``), FSDP2
+  ``fully_shard`` of every block and the root (``fsdp``: parameters become DTensors sharded
+  along dim 0), or nothing (``zero1``, ``none``: the optimizer or the trainer reduces).
 
 Weights are initialised with ``mt_parallel.init_weights(model, seed)`` before any transform:
 each module draws its full tensors from a generator seeded by (seed, module name), so every
@@ -75,6 +81,10 @@ def parallelize(
     """Apply the transforms of the module docstring; returns the module to run forward on."""
     tp_group = state.group("tp")
     mt_parallel.apply_tensor_parallel(model, tp_group, parallel.sequence_parallel)
+    if parallel.cp > 1:
+        mt_parallel.apply_context_parallel(
+            model, state.group("cp"), ring=parallel.cp_attention == "ring"
+        )
     if fp8.enabled:
         recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
         mt_parallel.apply_fp8(

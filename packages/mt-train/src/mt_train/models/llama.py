@@ -3,25 +3,29 @@
 Shape suffixes: B batch, T/S sequence, D model width, H query heads, K key/value heads,
 d head dim (D / H), F FFN width, V vocabulary (``V_l`` the local slice under TP).
 
-Math, per block (mt_parallel's :class:`~mt_parallel.DecoderBlock`, pre-norm)::
+Math, per block (mt_parallel's :class:`~mt_parallel.DecoderBlock`, pre-norm; ``drop`` is
+dropout with ``model.dropout``, also applied to the attention probabilities)::
 
-    h = x + o_proj(Attn(RoPE(q_proj·n1(x)), RoPE(k_proj·n1(x)), v_proj·n1(x)))   n1 = RMSNorm
-    y = h + down_proj(silu(gate_proj·n2(h)) ⊙ up_proj·n2(h))                     SwiGLU
+    h = x + drop(o_proj(Attn(RoPE(q_proj·n1(x)), RoPE(k_proj·n1(x)), v_proj·n1(x))))   n1 = RMSNorm
+    y = h + drop(down_proj(silu(gate_proj·n2(h)) ⊙ up_proj·n2(h)))                     SwiGLU
 
-Attention is causal grouped-query attention (query head ``h`` reads KV head ``h // (H/K)``).
-RoPE uses the rotate-half layout (the Hugging Face one): the pair ``(x_i, x_{i+d/2})`` at
-position ``p`` is rotated by ``p·f_i``, ``f_i = θ^(-2i/d)``, θ = 500000, with Llama 3.1
-scaling: wavelength ``λ = 2π/f``; ``λ < L0/high`` keeps ``f``; ``λ > L0/low`` uses
-``f/factor``; in between ``(1-s)·f/factor + s·f`` with ``s = (L0/λ - low)/(high - low)``
-(``L0`` = ``original_max_position``). Frequencies and angles are float64, then cast.
+Attention is causal grouped-query attention (query head ``h`` reads KV head ``h // (H/K)``);
+with document ids (packed sequences, ``data.document_masking``) query ``i`` sees key ``j``
+only if ``j ≤ i`` and both lie in the same document. RoPE uses the rotate-half layout (the
+Hugging Face one): the pair ``(x_i, x_{i+d/2})`` at position ``p`` is rotated by ``p·f_i``,
+``f_i = θ^(-2i/d)``, θ = 500000, with Llama 3.1 scaling: wavelength ``λ = 2π/f``;
+``λ < L0/high`` keeps ``f``; ``λ > L0/low`` uses ``f/factor``; in between
+``(1-s)·f/factor + s·f`` with ``s = (L0/λ - low)/(high - low)`` (``L0`` =
+``original_max_position``). Frequencies and angles are float64, then cast.
 
-The only piece mt-train adds to mt_parallel's block is :class:`LlamaAttention`, its
-attention with those scaled frequencies (mt_parallel's uses plain θ); everything else
-(column/row-parallel projections, RMSNorm, SwiGLU, context-parallel core) is mt_parallel's,
-so its transforms (tensor/sequence parallel, FP8, recompute, data parallel) apply unchanged.
+The only piece mt-train adds to mt_parallel's block is :class:`LlamaAttention`, whose
+:meth:`~LlamaAttention.rope_tables` gives those scaled frequencies (mt_parallel's uses plain
+θ); everything else (column/row-parallel projections, the fused RoPE rotation, RMSNorm,
+SwiGLU, dropout regions, the context-parallel core) is mt_parallel's, so its transforms
+(tensor/sequence/context parallel, FP8, recompute, data parallel) apply unchanged.
 Embeddings are untied: ``embed`` (vocab-parallel) and ``output`` (column-parallel, logits
 sharded over the vocabulary under TP) are separate matrices. ``block_factory`` is the one
-swappable piece: any module with ``forward(x_BTD, positions_S)`` works.
+swappable piece: any module with ``forward(x_BTD, positions_S, document_ids_BT)`` works.
 """
 
 from __future__ import annotations
@@ -53,43 +57,34 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) ->
 
 
 class LlamaAttention(mt_parallel.Attention):
-    """mt_parallel's GQA attention with Llama 3.1 scaled RoPE frequencies."""
+    """mt_parallel's GQA attention with Llama 3.1 scaled RoPE frequencies.
+
+    Only the tables change: the projections, the fused rotation of q and k
+    (``mt_fp8.ops.apply_rotary``), document masking and the context-parallel core are
+    :class:`mt_parallel.Attention`'s.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(
-            cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, 0.0, cfg.n_layers, cfg.init_std
-        )
+            cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.dropout, cfg.n_layers,
+            cfg.init_std,
+        )  # fmt: skip
         freqs = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("inv_freq", freqs, persistent=False)
+        self.register_buffer("inv_freq_P", freqs, persistent=False)
 
-    def rope(
+    def rope_tables(
         self, positions_S: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions_S.to(torch.float64)[:, None] * self.inv_freq.to(positions_S.device)
-        angles_Sd = torch.cat([angles, angles], dim=-1)
-        return angles_Sd.cos().to(dtype), angles_Sd.sin().to(dtype)
-
-    def forward(self, x_BTD: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
-        n_BSD = self.q_proj.prepare_input(x_BTD)
-        B, S, _ = n_BSD.shape
-        hd = self.head_dim
-        q_BHSd = self.q_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
-        k_BKSd = self.k_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
-        v_BKSd = self.v_proj.forward_prepared(n_BSD).view(B, S, -1, hd).transpose(1, 2)
-        if positions_S is None:
-            positions_S = torch.arange(S, device=x_BTD.device)
-        cos_Sd, sin_Sd = self.rope(positions_S, q_BHSd.dtype)
-        q_BHSd = mt_parallel.apply_rope(q_BHSd, cos_Sd, sin_Sd)
-        k_BKSd = mt_parallel.apply_rope(k_BKSd, cos_Sd, sin_Sd)
-        o_BHSd = self.core(q_BHSd, k_BKSd, v_BKSd)
-        return self.o_proj(o_BHSd.transpose(1, 2).reshape(B, S, -1))
+        """``cos_SP``, ``sin_SP`` (``P = d/2``) of ``p·f_i``, angles in float64, then cast."""
+        angles_SP = positions_S.to(torch.float64)[:, None] * self.inv_freq_P.to(positions_S.device)
+        return angles_SP.cos().to(dtype), angles_SP.sin().to(dtype)
 
 
 def llama_block(cfg: ModelConfig, layer_id: int) -> nn.Module:
     """mt_parallel's DecoderBlock with :class:`LlamaAttention` in place of its attention."""
     block = mt_parallel.DecoderBlock(
-        cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta, 0.0,
-        cfg.n_layers,
+        cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta,
+        cfg.dropout, cfg.n_layers,
     )  # fmt: skip
     block.attention = LlamaAttention(cfg)
     return block
@@ -118,12 +113,20 @@ class Llama(nn.Module):
         )
 
     def forward(
-        self, tokens_BT: torch.Tensor, positions_S: torch.Tensor | None = None
+        self,
+        tokens_BT: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``(B, T, V_l)``: this rank's vocabulary slice (all of it at tp=1)."""
+        """Logits ``(B, T, V_l)``: this rank's vocabulary slice (all of it at tp=1).
+
+        ``positions_S``: the tokens' global positions (needed under CP, where a rank holds
+        two separated chunks); ``document_ids_BT``: per-token document ids of packed
+        sequences, so attention stays inside each document (sharded like the tokens).
+        """
         x_BTD = self.embed(tokens_BT)
         for layer in self.layers:
-            x_BTD = layer(x_BTD, positions_S)
+            x_BTD = layer(x_BTD, positions_S, document_ids_BT)
         return self.output(self.norm(x_BTD))
 
     def loss(self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,9 @@
 """Rewind targets: in-memory snapshots of the training state and the stable-checkpoint rule.
 
 Snapshot. :func:`capture` copies this rank's whole training state to host memory, under
-local names (no TP suffixes: it is restored into the same layout it came from)::
-
-    model/<key>            every persistent entry of the model's state dict, FP8 scaling state
-                           (amax history, scales) included
-    optim/<param>/<k>      AdamW state, k ∈ {step, exp_avg, exp_avg_sq}
-    rng/cpu, rng/<device>  torch RNG states
+the local names of :mod:`mt_train.checkpoint.state` (model entries with the FP8 scaling
+state, AdamW state, torch's generators and mt_parallel's RNG tracker; under FSDP2 / ZeRO-1
+this rank's pieces only). It is restored into the same layout it came from.
 
 The same host copy is what a checkpoint writes (:func:`mt_train.checkpoint.checkpointer.shard_tensors`
 renames it into the shard's names), so holding a snapshot costs no extra copy. :func:`restore`
@@ -34,59 +31,23 @@ import torch
 from torch import nn
 
 import mt_fp8.state
-from mt_train.checkpoint.checkpointer import ADAM_KEYS, named_parameters
-from mt_train.models.build import canonical_key
+from mt_train.checkpoint.state import StateLayout, live_state, load_state, restore_rng
 
 
-def live_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, device: Any
-) -> dict[str, torch.Tensor]:
-    """This rank's training state under local names (live tensors: copy before keeping)."""
-    out = {f"model/{canonical_key(k)}": v for k, v in module.state_dict().items()}
-    for name, param in named_parameters(module).items():
-        state = optimizer.state.get(param, {})
-        for key in ADAM_KEYS:
-            if key in state:
-                out[f"optim/{name}/{key}"] = state[key]
-    out["rng/cpu"] = torch.get_rng_state()
-    if device.type != "cpu":
-        out[f"rng/{device.type}"] = device.get_rng_state()
-    return out
-
-
-def capture(
-    module: nn.Module, optimizer: torch.optim.Optimizer, device: Any
-) -> dict[str, torch.Tensor]:
-    """Host copies of :func:`live_state` (never views of live tensors)."""
+def capture(module: nn.Module, optimizer: Any, device: Any) -> dict[str, torch.Tensor]:
+    """Host copies of :func:`~mt_train.checkpoint.state.live_state` (never views)."""
     return {
         k: v.detach().to("cpu", copy=True) for k, v in live_state(module, optimizer, device).items()
     }
 
 
 @torch.no_grad()
-def restore(
-    host: dict[str, torch.Tensor],
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    device: Any,
-) -> None:
+def restore(host: dict[str, torch.Tensor], module: nn.Module, optimizer: Any, device: Any) -> None:
     """Put a :func:`capture` back into the same layout (``host`` stays unchanged)."""
-    for key, live in module.state_dict().items():
-        live.copy_(host[f"model/{canonical_key(key)}"])
-    fused = any(g.get("fused") for g in optimizer.param_groups)
-    for name, param in named_parameters(module).items():
-        if f"optim/{name}/step" not in host:
-            optimizer.state.pop(param, None)  # a snapshot from before the first step
-            continue
-        optimizer.state[param] = {
-            key: host[f"optim/{name}/{key}"].to(
-                param.device if key != "step" or fused else "cpu", copy=True
-            )
-            for key in ADAM_KEYS
-        }
-    torch.set_rng_state(host["rng/cpu"])
-    if device.type != "cpu" and f"rng/{device.type}" in host:
-        device.set_rng_state(host[f"rng/{device.type}"])
+    load_state(
+        module, optimizer, StateLayout.of(module, optimizer), lambda name, _, __: host.get(name)
+    )
+    restore_rng(host, device)
     after_load(module)
 
 

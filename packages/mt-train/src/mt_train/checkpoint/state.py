@@ -1,0 +1,203 @@
+"""This rank's training state as named local tensors, in every data-parallel mode.
+
+Local names (no TP or DP suffixes; :func:`mt_train.checkpoint.checkpointer.shard_tensors`
+turns them into a checkpoint's names)::
+
+    model/<key>                  an entry of the model's state dict (FP8 scaling state included)
+    optim/<param>/<k>            AdamW state, k ∈ {step, exp_avg, exp_avg_sq}
+    rng/cpu, rng/<device>        torch's default generators
+    rng/tracker/<stream>/<what>  mt_parallel's RNG tracker: each stream's seed and its
+                                 generator state per device (the dropout masks of TP-sharded
+                                 regions come from there)
+
+Whole entries and pieces. Under ``ddp`` and ``none`` every model and optimizer entry is whole
+and identical on all dp×cp ranks. Under ``fsdp`` parameters and their AdamW moments are
+DTensors sharded along dim 0 over the ``W`` dp×cp ranks with ``torch.chunk``'s rule (rank
+``r`` holds rows ``[min(r·⌈R/W⌉, R), min((r+1)·⌈R/W⌉, R))``), that is the flattened elements
+``[row₀·C, row₁·C)`` of the TP-local tensor (``C`` elements per row). Under ``zero1`` the
+moments are one flat shard per rank (:class:`mt_train.optim.Zero1AdamW`), and each parameter
+overlapping it owns the elements ``[a, b)`` of its flattened TP-local tensor. Both are
+*pieces*: flat elements ``[start, start + numel)`` of a tensor of a known shape, and the
+pieces of the ``W`` ranks tile that tensor exactly. :class:`StateLayout` records, for every
+entry that is a piece on this rank, its ``start`` and the full shape.
+
+Invariant: ZeRO-1's master weights equal the fp32 parameters after every step (it copies them
+in), so neither snapshots nor checkpoints store them; they are rebuilt from the restored
+parameters (:meth:`~mt_train.optim.Zero1AdamW.sync_master`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+import mt_parallel
+from mt_train.models.build import canonical_key
+from mt_train.optim import Zero1AdamW
+
+ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {canonical_key(k): p for k, p in model.named_parameters()}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: the local shard of a DTensor, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def row_shard_start(tensor: DTensor) -> int:
+    """First flattened element of this rank's dim-0 shard of ``tensor`` (module docstring)."""
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(
+            f"expected an FSDP2 parameter sharded along dim 0 over one mesh dimension, got "
+            f"placements {tuple(tensor.placements)}"
+        )
+    mesh = tensor.device_mesh
+    rows, world, rank = tensor.shape[0], mesh.size(), mesh.get_local_rank()
+    first_row = min(rank * math.ceil(rows / world), rows)
+    return first_row * (tensor.numel() // rows if rows else 0)
+
+
+@dataclass
+class StateLayout:
+    """Which local entries are pieces of a larger tensor: ``starts[name]`` (first flat
+    element held here) and ``shapes[name]`` (the whole TP-local tensor's shape). ``shapes``
+    lists every entry any rank stores as a piece, so rank 0 can put it in the manifest."""
+
+    starts: dict[str, int] = field(default_factory=dict)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: nn.Module, optimizer: Any) -> StateLayout:
+        layout = cls()
+        if isinstance(optimizer, Zero1AdamW):
+            for name, param in zip(optimizer.names, optimizer.params, strict=True):
+                for key in MOMENTS:
+                    layout.shapes[f"optim/{name}/{key}"] = list(param.shape)
+            for view in optimizer.views():
+                for key in MOMENTS:
+                    layout.starts[f"optim/{view.name}/{key}"] = view.start
+        for key, value in module.state_dict().items():
+            if isinstance(value, DTensor):
+                short = canonical_key(key)
+                start = row_shard_start(value)
+                names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
+                for name in names:
+                    layout.starts[name] = start
+                    layout.shapes[name] = list(value.shape)
+        return layout
+
+
+def live_state(module: nn.Module, optimizer: Any, device: Any) -> dict[str, torch.Tensor]:
+    """This rank's training state under local names (live tensors: copy before keeping)."""
+    out = {f"model/{canonical_key(k)}": local(v) for k, v in module.state_dict().items()}
+    if isinstance(optimizer, Zero1AdamW):
+        state = optimizer.inner.state.get(optimizer.master, {})
+        if state:
+            for name in optimizer.names:
+                out[f"optim/{name}/step"] = state["step"]
+            for view in optimizer.views():
+                for key in MOMENTS:
+                    out[f"optim/{view.name}/{key}"] = state[key][view.local]
+    else:
+        for name, param in named_parameters(module).items():
+            for key, value in optimizer.state.get(param, {}).items():
+                if key in ADAM_KEYS:
+                    out[f"optim/{name}/{key}"] = local(value)
+    out["rng/cpu"] = torch.get_rng_state()
+    if device.type != "cpu":
+        out[f"rng/{device.type}"] = device.get_rng_state()
+    for key, value in mt_parallel.get_rng_tracker().get_states().items():
+        out[f"rng/tracker/{key}"] = value
+    return out
+
+
+Source = Callable[[str, torch.Tensor, int], torch.Tensor | None]
+"""``source(name, live_local, start)``: values shaped like ``live_local``, the local tensor of
+entry ``name`` whose first flattened element is element ``start`` of the whole tensor; None
+when the saved state has no such entry."""
+
+
+def _moment_like(param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+    """An AdamW moment for ``param`` holding this rank's ``values`` (a DTensor under FSDP2)."""
+    values = values.to(local(param).device, dtype=param.dtype, copy=True)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(
+            values, param.device_mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
+    return values
+
+
+@torch.no_grad()
+def load_state(module: nn.Module, optimizer: Any, layout: StateLayout, source: Source) -> None:
+    """Fill model and optimizer state from ``source`` (same local names); optimizer state
+    that ``source`` lacks (a state from before the first step) is cleared."""
+    for key, live in module.state_dict().items():
+        name = f"model/{canonical_key(key)}"
+        target = local(live)
+        values = source(name, target, layout.starts.get(name, 0))
+        if values is None:
+            raise KeyError(f"the saved state has no {name!r}")
+        target.copy_(values)
+    if optimizer is None:
+        return
+    if isinstance(optimizer, Zero1AdamW):
+        _load_zero1(optimizer, layout, source)
+        return
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    for name, param in named_parameters(module).items():
+        step = source(f"optim/{name}/step", torch.zeros(()), 0)
+        if step is None:
+            optimizer.state.pop(param, None)
+            continue
+        state = {"step": step.to(local(param).device if fused else "cpu", copy=True)}
+        for key in MOMENTS:
+            entry = f"optim/{name}/{key}"
+            values = source(entry, local(param), layout.starts.get(entry, 0))
+            if values is None:
+                raise KeyError(f"the saved state has {name!r}'s AdamW step but not its {key}")
+            state[key] = _moment_like(param, values)
+        optimizer.state[param] = state
+
+
+def _load_zero1(optimizer: Zero1AdamW, layout: StateLayout, source: Source) -> None:
+    optimizer.sync_master()
+    step = source(f"optim/{optimizer.names[0]}/step", torch.zeros(()), 0)
+    if step is None:
+        optimizer.inner.state.pop(optimizer.master, None)
+        return
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    master = optimizer.master
+    state = {"step": step.to(master.device if fused else "cpu", copy=True)}
+    for key in MOMENTS:
+        flat = torch.zeros_like(master)  # padding past the last parameter stays 0
+        for view in optimizer.views():
+            entry = f"optim/{view.name}/{key}"
+            values = source(entry, flat[view.local], layout.starts[entry])
+            if values is None:
+                raise KeyError(f"the saved state has {view.name!r}'s AdamW step but not its {key}")
+            flat[view.local] = values
+        state[key] = flat
+    optimizer.inner.state[master] = state
+
+
+def restore_rng(states: dict[str, torch.Tensor], device: Any) -> None:
+    """Set torch's generators and mt_parallel's tracker from ``rng/...`` local entries
+    (a state without tracker entries leaves the tracker as seeded)."""
+    torch.set_rng_state(states["rng/cpu"])
+    if device.type != "cpu" and f"rng/{device.type}" in states:
+        device.set_rng_state(states[f"rng/{device.type}"])
+    prefix = "rng/tracker/"
+    tracker = {k[len(prefix) :]: v.clone() for k, v in states.items() if k.startswith(prefix)}
+    if tracker:
+        mt_parallel.get_rng_tracker().set_states(tracker)
