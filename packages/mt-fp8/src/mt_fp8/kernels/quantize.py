@@ -2,10 +2,16 @@
 
 Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
 ``q`` and (bf16 inputs) its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and
-folds the tile's amax (and health counts) into global fp32/int64 accumulators with atomics. With
-no scale given, a first launch of the same kernel with ``WRITE=False`` only reduces the amax; the
-scale is then computed on the host side of the stream by
-:func:`mt_fp8.quantized.scale_from_amax`, after the optional amax all-reduce.
+writes the tile's amax (and health counts) to its own slot of a per-tile partials buffer, which
+one small PyTorch reduction then folds (max of the amaxes, sum of the counts). With no scale
+given, a first launch of the same kernel with ``WRITE=False`` only produces the amax partials;
+the scale is then computed on the device by :func:`mt_fp8.quantized.scale_from_amax`, after the
+optional amax all-reduce.
+
+NOTE: per-tile partials rather than atomics on one global accumulator: an 8192×14336 gradient
+has 28,672 tiles, and same-address atomics serialize in L2 (profile of the 8-layer Llama3-8B
+step on the H200, 2026-12-02: 224 launches took 16.7 ms, about 45% of the copy bandwidth their
+bytes need).
 
 NOTE: the fused transposed store is used for bf16 inputs only. On the H200 (Triton 3.6.0,
 2026-12-02) the kernel's ``qᵀ`` was wrong for fp32 inputs: about a quarter of its bytes
@@ -101,8 +107,8 @@ def _quantize_transpose(
     q_ptr,
     qt_ptr,
     scale_ptr,
-    amax_ptr,
-    stats_ptr,
+    amax_partial_ptr,
+    stats_partial_ptr,
     R,
     C,
     fmt_max,
@@ -118,6 +124,7 @@ def _quantize_transpose(
     SOFTWARE_CAST: tl.constexpr,
     TILE: tl.constexpr,
 ):
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -125,7 +132,7 @@ def _quantize_transpose(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if AMAX:
         magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
-        tl.atomic_max(amax_ptr, tl.max(tl.max(magnitude_x, axis=1), axis=0))
+        tl.store(amax_partial_ptr + tile, tl.max(tl.max(magnitude_x, axis=1), axis=0))
     if WRITE:
         scale = tl.broadcast_to(tl.load(scale_ptr), (TILE, TILE))
         scaled = _div_rn(x, scale, EXACT_DIV)
@@ -136,8 +143,8 @@ def _quantize_transpose(
                 tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int64), axis=1),
                 axis=0,
             )
-            tl.atomic_add(stats_ptr, saturated)
-            tl.atomic_add(stats_ptr + 1, flushed)
+            tl.store(stats_partial_ptr + 2 * tile, saturated)
+            tl.store(stats_partial_ptr + 2 * tile + 1, flushed)
         clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
         _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
         if WRITE_T:
@@ -158,7 +165,11 @@ def quantize_transpose_amax_triton(
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
     grid = (triton.cdiv(rows, TILE), triton.cdiv(cols, TILE))
-    amax = torch.zeros((), device=x_RC.device, dtype=torch.float32)
+    tiles = grid[0] * grid[1]
+    # An empty x has no tiles: one zero partial makes its amax 0.
+    amax_partial = (torch.empty if tiles else torch.zeros)(
+        max(tiles, 1), device=x_RC.device, dtype=torch.float32
+    )
     q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
     fused_transpose = x_RC.dtype == torch.bfloat16  # see the NOTE in the module docstring
     q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype) if fused_transpose else q_RC
@@ -179,9 +190,9 @@ def quantize_transpose_amax_triton(
             x_RC,
             q_RC,
             q_CR,
-            amax,
-            amax,
-            amax,
+            amax_partial,
+            amax_partial,
+            amax_partial,
             rows,
             cols,
             WRITE=False,
@@ -190,18 +201,23 @@ def quantize_transpose_amax_triton(
             STATS=False,
             **common,
         )
+        amax = amax_partial.amax()
         if amax_group is not None:
             reduce_amax_(amax, amax_group)
         scale = scale_from_amax(amax, fmt)
     scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
-    counts = stats if stats is not None else amax
+    stats_partial = (
+        torch.empty(tiles, 2, device=x_RC.device, dtype=torch.int64)
+        if stats is not None
+        else amax_partial
+    )
     _quantize_transpose[grid](
         x_RC,
         q_RC,
         q_CR,
         scale_11,
-        amax,
-        counts,
+        amax_partial,
+        stats_partial,
         rows,
         cols,
         WRITE=True,
@@ -210,8 +226,11 @@ def quantize_transpose_amax_triton(
         STATS=stats is not None,
         **common,
     )
+    if given_scale:
+        amax = amax_partial.amax()
     if not fused_transpose:
         q_CR = q_RC.t().contiguous()
     if stats is not None:
+        stats[:2] += stats_partial.sum(0)
         stats[2] += x_RC.numel()
     return q_RC, q_CR, scale_11, amax
