@@ -116,6 +116,37 @@ def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
     assert layer._weight_cache["entry"][2] is not first
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_layers_reading_one_input_share_its_quantization(recipe):
+    """q/k/v-style layers on one tensor: outputs, every gradient and the health counts equal
+    those of layers fed separate copies, and (current scaling) the FP8 ``xᵀ`` they save for
+    backward is one tensor; delayed scaling (per-layer scales) never shares."""
+    torch.manual_seed(0)
+    layers = [FP8Linear(K, N, recipe=recipe) for _ in range(3)]
+    twins = [FP8Linear(K, N, recipe=recipe) for _ in range(3)]
+    for layer, twin in zip(layers, twins, strict=True):
+        twin.load_state_dict(layer.state_dict())
+    x = torch.randn(M, K, requires_grad=True)
+    x_copies = [x.detach().clone().requires_grad_() for _ in range(3)]
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        outputs = [layer(x) for layer in layers]
+    sum(out.square().sum() for out in outputs).backward()
+    twin_outputs = [twin(xc) for twin, xc in zip(twins, x_copies, strict=True)]
+    sum(out.square().sum() for out in twin_outputs).backward()
+    for out, twin_out in zip(outputs, twin_outputs, strict=True):
+        assert torch.equal(out, twin_out)
+    # Same three fp32 terms; autograd may add them in another order than sum() (fp32 rounding).
+    torch.testing.assert_close(x.grad, sum(xc.grad for xc in x_copies), rtol=1e-6, atol=1e-6)
+    for layer, twin in zip(layers, twins, strict=True):
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        assert torch.equal(layer.fp8_meta.health, twin.fp8_meta.health)
+    # xᵀ is (K, M or M padded); wᵀ is (K, N).
+    fp8_input_t = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape[1] != N]
+    distinct = {t.data_ptr() for t in fp8_input_t}
+    assert len(distinct) == (3 if isinstance(recipe, DelayedScaling) else 1)
+
+
 def test_autocast_bf16_and_bf16_parameters():
     layer = FP8Linear(K, N)
     x = torch.randn(4, 16, K, requires_grad=True)

@@ -26,6 +26,15 @@ micro-batches of one optimizer step. NOTE: writes through ``weight.data`` (``p.d
 do not bump ``_version``; after such a write call :func:`mt_fp8.clear_fp8_weight_caches` (or use
 ``with torch.no_grad(): p.copy_(...)``, which does). Under ``torch.compile`` the cache is
 bypassed (the weight is quantized inside the graph, where the compiler can fuse it).
+Shared input quantization: layers that read the same tensor one after the other (q/k/v
+projections of one normalised input, gate/up of the MLP) quantize it once. With current scaling
+(every recipe but delayed) ``q = quantize(x)`` depends only on ``x``, the recipe and the amax
+group, so the last input's FP8 operands (``x`` and ``xᵀ``) are kept, keyed like the weight cache
+(same owner tensor by weak reference, storage pointer, shape, strides, dtype and ``_version``, plus
+recipe, amax group and whether ``xᵀ`` is needed), and reused on a match; the layers then also
+save the same FP8 ``xᵀ`` for backward. Health counts are added to each layer's own counters as
+if it had quantized ``x`` itself. Delayed scaling (per-layer scales) and compiled graphs always
+quantize.
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
 
@@ -140,6 +149,39 @@ class LinearPlan:
             self.meta.record_amax(x_RC, role)
         return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
 
+    def quantize_input(self, x_MK: torch.Tensor, transposed: bool) -> QuantizedTensor:
+        """The INPUT operand, reused from the previous layer when it read the same tensor
+        (module docstring: shared input quantization)."""
+        role = TensorRole.INPUT
+        if isinstance(self.recipe, DelayedScaling) or torch.compiler.is_compiling():
+            return self.quantize(x_MK, role, record=True, transposed=transposed)
+        owner = x_MK._base if x_MK._base is not None else x_MK
+        key = (
+            x_MK.data_ptr(),
+            tuple(x_MK.shape),
+            x_MK.stride(),
+            x_MK.dtype,
+            x_MK.device,
+            x_MK._version,
+            self.recipe,
+            self.reduction_group(role),
+            transposed,
+        )
+        health = self.meta.health[int(role)] if self.track_health else None
+        cached = _last_input.get("entry")
+        if cached is not None and cached[0] == key and cached[1]() is owner:
+            if health is not None:
+                health += cached[3]
+            return cached[2]
+        before = None if health is None else health.clone()
+        x_q = self.quantize(x_MK, role, record=True, transposed=transposed)
+        counts = (
+            torch.zeros_like(self.meta.health[int(role)]) if health is None else health - before
+        )
+        # (key, weak reference to x's owner, FP8 x with its xᵀ, the health counts it added)
+        _last_input["entry"] = (key, weakref.ref(owner), x_q, counts)
+        return x_q
+
     def quantize_transposed(
         self, x_RC: torch.Tensor, q_RC: QuantizedTensor | None, role: TensorRole
     ) -> QuantizedTensor:
@@ -207,6 +249,10 @@ class LinearPlan:
         return weight_q, weight_t_q
 
 
+_last_input: dict[str, Any] = {}
+"""The last FP8 input operand, for :meth:`LinearPlan.quantize_input` (one entry)."""
+
+
 def _pad_columns(x_RC: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = -x_RC.shape[1] % multiple
     return F.pad(x_RC, (0, pad)) if pad else x_RC
@@ -228,11 +274,13 @@ class FP8LinearFunction(torch.autograd.Function):
         plan: LinearPlan,
     ) -> torch.Tensor:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_q = plan.quantize(x_MK, TensorRole.INPUT, record=True, transposed=need_dw)
+        x_q = plan.quantize_input(x_MK, transposed=need_dw)
         weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
         bias = None if bias_N is None else bias_N.to(plan.out_dtype)
         y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
         x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT) if need_dw else None
+        if x_t_q is not None:
+            x_q.transposed = x_t_q  # the next layer reading the same x reuses it too
         ctx.save_for_backward(*_pack(x_t_q), *_pack(weight_t_q))
         ctx.plan = plan
         ctx.layouts = (
