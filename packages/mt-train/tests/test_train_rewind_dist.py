@@ -1,6 +1,7 @@
 """Two gloo ranks (dp=2): a fault that only rank 1 sees makes both ranks rewind to the same
-checkpoint, skip the same data and end identical; a SIGTERM that reaches rank 1 only stops
-both after the same step. One pool for the module.
+checkpoint, skip the same data and end identical (also under ZeRO-1, restoring each rank's
+optimizer pieces from disk); a SIGTERM that reaches rank 1 only stops both after the same step.
+One pool for the module.
 
 24 steps, checkpoints every 4, stable after 4, the fault at step 16: at the anomaly 15 steps
 are done, step-12 is 3 healthy steps old (not stable) and step-8 is the newest stable one.
@@ -8,6 +9,7 @@ are done, step-12 is 3 healthy steps old (not stable) and step-8 is the newest s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,16 @@ def test_one_rank_fault_rewinds_both_ranks(name: str, pool, kjv_data: Path, tmp_
     # Rank 0 wrote the log, naming the rank that saw the fault.
     (logged,) = [e for e in read_events(tmp_path) if e["event"] == "rewind"]
     assert logged["ranks"] == r0["ranks"]
+
+
+def test_zero1_rewinds_from_disk(pool, kjv_data: Path, tmp_path: Path) -> None:
+    extra = {"parallel": "zero1", "rewind.memory_snapshots": False, "fault.nan_at_step": FAULT}
+    results = pool.run(train_checks.run_rewind, _overrides(kjv_data, **extra), tmp_path)
+    assert [(r["steps"], r["rewinds"]) for r in results] == [(STEPS, 1), (STEPS, 1)]
+    (rewind,) = [e for e in results[0]["events"] if e["event"] == "rewind"]
+    assert rewind["restored"]["step"] == STABLE and rewind["restored"]["source"] == "disk"
+    assert results[0]["losses"] == results[1]["losses"]
+    assert all(math.isfinite(x) for x in results[0]["losses"])
 
 
 def test_sigterm_on_one_rank_stops_both(pool, kjv_data: Path, tmp_path: Path) -> None:
