@@ -6,9 +6,9 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     grads ← mean over dp×cp ranks        (DDP / FSDP2 at the last micro-batch, ZeRO-1's
                                           reduce-scatter, or a flat all-reduce with ``none``)
     n = ‖grads‖₂ (every element once: TP shards summed, FSDP2 / ZeRO-1 pieces summed over dp×cp)
+    if clip > 0: grads ← grads · min(1, clip / n)             (ZeRO-1: inside its step, if healthy)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
-    if healthy:  lr = peak · schedule(step) · cooldown(step);  grads ← grads · min(1, clip / n);
-                 AdamW step
+    if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
     zero grads
 
 Context parallelism (``parallel.cp > 1``). The ``cp`` ranks of one dp index draw the same
