@@ -47,14 +47,18 @@ def check(fast, slow, qa, qb, out_eps):
         (ScaleLayout((-1, -1)), torch.float32),
         (ScaleLayout((-1, -1)), torch.bfloat16),
         (ScaleLayout((1, -1)), torch.bfloat16),
+        (ScaleLayout((1, -1)), torch.float32),
     ],
-    ids=["tensorwise-fp32", "tensorwise-bf16", "rowwise-bf16"],
+    ids=["tensorwise-fp32", "tensorwise-bf16", "rowwise-bf16", "rowwise-fp32"],
 )
 @pytest.mark.parametrize("fmt_a", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
 def test_scaled_mm_on_cuda(layout, out_dtype, fmt_a):
     qa, qb = operands(layout, layout, fmt_a=fmt_a)
     fast = fp8_gemm(qa, qb, out_dtype, backend="scaled_mm")
-    check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, torch.finfo(out_dtype).eps)
+    assert fast.dtype == out_dtype
+    # A rowwise GEMM on CUDA rounds to bf16 whatever the output dtype (gemm.scaled_mm).
+    rounded = torch.bfloat16 if layout.block == (1, -1) else out_dtype
+    check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, torch.finfo(rounded).eps)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
 
     * ``torch._scaled_mm(a, bᵀ, s_a, s_bᵀ)``: both operands tensorwise (fp32 scalars) or both
       rowwise (``(X, 1)`` and ``(1, Y)``). Runs on CPU and on CUDA with FP8 tensor cores
-      (compute capability ≥ 8.9); on CUDA, rowwise needs a bf16 output and both dims ``% 16``,
-      and two E5M2 operands are not supported (cuBLAS needs one E4M3 operand).
+      (compute capability ≥ 8.9); on CUDA both dims must be ``% 16``, two E5M2 operands are not
+      supported (cuBLAS needs one E4M3 operand), and rowwise GEMMs write bf16 (another output
+      dtype is that bf16 result converted).
     * ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` for ``a`` (1×128
       groups, ``s_a`` of shape ``(X, Z/128)``) and ``BlockWise1x128`` or ``BlockWise128x128``
       for ``b`` (``s_b`` of shape ``(Y, Z/128)`` or ``(Y/128, Z/128)``): cuBLAS's blockwise
@@ -18,8 +19,9 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
       wants the 1×128 scales "outer-dim-major" (strides ``(1, rows)``, a transposed copy of our
       row-major scales) and the 128×128 scales as the ``(Z/128, Y/128)`` view ``s_bᵀ``; fast
       accumulation is not offered in these modes. Taken only where measured on the H200
-      (torch 2.11, CUDA 13.0): E4M3 operands, a bf16 output (a bias is added afterwards), rows
-      of both operands divisible by 128 and ``Z`` by 512 (whole groups of four scales); see
+      (torch 2.11, CUDA 13.0): E4M3 operands (E5M2 is refused), a bf16 or fp32 output (a bias
+      is added afterwards), rows of ``a`` divisible by 8; with 128×128 ``b`` ``Z`` divisible by
+      512 (whole groups of four scales), with 1×128 ``b`` its rows by 16 and ``Z`` by 128; see
       :func:`_blockwise_layout_reason`. There it ran the Llama-8B shapes in 1.15–1.22× (1×128
       by 128×128) and 1.45–1.63× (1×128 by 1×128) the time of a tensorwise GEMM.
 ``"triton"``
@@ -110,8 +112,6 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     if not _device_fp8_gemm(device.type, device.index):
         return f"device {device} has no FP8 GEMM (needs CUDA compute capability >= 8.9)"
     if device.type == "cuda":
-        if kinds[0] == "rowwise" and out_dtype != torch.bfloat16:
-            return f"rowwise torch._scaled_mm on CUDA needs a bfloat16 output, not {out_dtype}"
         if a.shape[1] % 16 or b.shape[0] % 16:
             return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
         if a.fmt is FP8Format.E5M2 and b.fmt is FP8Format.E5M2:
@@ -145,19 +145,25 @@ def _blockwise_layout_reason(
         )
     if a.fmt is not FP8Format.E4M3 or b.fmt is not FP8Format.E4M3:
         return (
-            "cuBLAS blockwise GEMMs are taken for E4M3 operands only (E5M2 is not measured), "
+            "cuBLAS blockwise GEMMs take E4M3 operands only (torch refused E5M2 on the H200), "
             f"got {a.fmt.value} x {b.fmt.value}"
         )
-    if out_dtype != torch.bfloat16:
+    if out_dtype not in (torch.bfloat16, torch.float32):
         return (
-            "cuBLAS blockwise GEMMs are taken for a bfloat16 output only (others are not "
+            "cuBLAS blockwise GEMMs are taken for a bfloat16 or float32 output (others are not "
             f"measured), not {out_dtype}"
         )
     (rows_a, depth), rows_b = a.shape, b.shape[0]
-    if rows_a % 128 or rows_b % 128 or depth % 512:
+    square_b = b.layout == BLOCKS_128X128
+    # Measured on the H200 (2026-12-02): rows of a = 200 ran and 202 did not
+    # (CUBLAS_STATUS_NOT_SUPPORTED); 1x128 b with 208 rows and Z = 384 ran; 128x128 b with
+    # Z/128 = 3 was refused (torch wants its scales padded to a multiple of 4 K-blocks).
+    depth_multiple, rows_b_multiple = (512, 128) if square_b else (128, 16)
+    if rows_a % 8 or rows_b % rows_b_multiple or depth % depth_multiple:
         return (
-            "cuBLAS blockwise GEMMs are taken for rows of both operands divisible by 128 and a "
-            f"contraction dim divisible by 512 (other shapes are not measured), got a "
+            "cuBLAS blockwise GEMMs are taken for rows of a divisible by 8, rows of b by "
+            f"{rows_b_multiple} and a contraction dim divisible by {depth_multiple} with "
+            f"{b.layout.name} b (other shapes are refused or not measured), got a "
             f"{rows_a}x{depth} and b {rows_b}x{depth}"
         )
     return None
@@ -192,16 +198,27 @@ def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``torch._scaled_mm`` on tensorwise or rowwise operands (no checks; see the dispatcher)."""
+    gemm_dtype = out_dtype
     if _kind(a) == "tensorwise":
         scale_a, scale_b = a.scale.reshape(()), b.scale.reshape(())
     else:
         scale_a, scale_b = a.scale, b.scale.t()  # (X, 1) and (1, Y)
+        if a.data.is_cuda:
+            # cuBLAS's rowwise GEMM writes bf16 only: other outputs (the fp32 weight gradient
+            # of fp32 parameters) are its bf16 result converted, one bf16 rounding of the fp32
+            # accumulator, as a bf16 autocast GEMM gives.
+            gemm_dtype = torch.bfloat16
     # cuBLAS fuses a bias only in a 16-bit output dtype matching the bias; otherwise add it after.
-    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+    fused_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
     # NOTE: b.data is (Y, Z) row-major, so b.data.t() is the column-major (Z, Y) cuBLAS wants.
     out = torch._scaled_mm(
-        a.data, b.data.t(), scale_a, scale_b, bias=bias if fused_bias else None, out_dtype=out_dtype
-    )
+        a.data,
+        b.data.t(),
+        scale_a,
+        scale_b,
+        bias=bias if fused_bias else None,
+        out_dtype=gemm_dtype,
+    ).to(out_dtype)
     if bias is not None and not fused_bias:
         out = out + bias.to(out_dtype)
     return out
