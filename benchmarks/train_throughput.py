@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     fpt = flops_per_token(ModelConfig(**fields), s["seq"])
     stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *OUR_COMPILED, *REF_STACKS]
     if args.only:
-        stacks = [n for n in stacks if n in args.only.split(",")]
+        stacks = [n for n in args.only.split(",") if n in stacks]  # in the order given
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {hw}, torch {torch.__version__}, shapes {s}, {fpt / 1e9:.2f} GFLOP/token", flush=True)
     began = time.perf_counter()
