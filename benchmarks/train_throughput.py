@@ -1,7 +1,9 @@
 """Trainer throughput: mt-train against a plain-PyTorch reference, in one run on one GPU.
 
 Model: the Llama 3.1 8B shapes cut to 8 layers (width 4096, FFN 14336, 32 query / 8 KV heads,
-vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast. Stacks, in run order
+vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast; ``--seq``, ``--batch``,
+``--layers`` and ``--recompute`` (full activation recompute of every block, in both our trainer
+and the reference) change the workload for all stacks alike. Stacks, in run order
 (ours first; the trainer is freed before the reference models are built):
 
 * ``ours_bf16``: mt-train's :class:`~mt_train.Trainer` (model from mt_parallel's layers, its data
@@ -50,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 PEAK_BF16 = 989e12
@@ -124,12 +127,16 @@ class RefModel(nn.Module):
         ang = torch.cat([ang, ang], dim=-1)
         self.register_buffer("cos", ang.cos().float(), persistent=False)
         self.register_buffer("sin", ang.sin().float(), persistent=False)
+        self.recompute = bool(s["recompute"])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.recompute:  # full activation recompute of every block
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         return self.output(self.norm(x))
 
 
@@ -155,7 +162,8 @@ def ref_stack(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def step() -> None:
-        tokens = torch.randint(0, s["vocab_size"], (1, s["seq"] + 1), generator=gen).to(device)
+        shape = (s["batch"], s["seq"] + 1)
+        tokens = torch.randint(0, s["vocab_size"], shape, generator=gen).to(device)
         with autocast:
             logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -175,7 +183,9 @@ def our_trainer(s: dict[str, int], device: str, out_dir: str, compile_: bool = F
         "model=llama3_8b", f"model.n_layers={s['n_layers']}", f"model.dim={s['dim']}",
         f"model.n_heads={s['n_heads']}", f"model.n_kv_heads={s['n_kv_heads']}",
         f"model.ffn_dim={s['ffn_dim']}", f"model.vocab_size={s['vocab_size']}",
-        f"trainer.seq_len={s['seq']}", "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+        f"trainer.seq_len={s['seq']}", f"trainer.global_batch_size={s['batch']}",
+        f"trainer.micro_batch_size={s['batch']}",
+        f"parallel.recompute={'full' if s['recompute'] else 'none'}",
         "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
         "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
         "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
@@ -336,7 +346,7 @@ def run_in_process(
                         enable_fp8(trainer, recipe.removeprefix("fp8_"))
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
-                tps = done * s["seq"] / seconds
+                tps = done * s["batch"] * s["seq"] / seconds
                 row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
                 if device.type == "cuda":
                     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -371,12 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated stack names")
     parser.add_argument("--out", default=None, help="JSON lines file for the results")
     parser.add_argument("--profile", action="store_true", help="add one profiled step per stack")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8)")
+    parser.add_argument(
+        "--recompute", action="store_true", help="full activation recompute of every block"
+    )
     args = parser.parse_args(argv)
 
     from mt_train.config.schema import ModelConfig
     from mt_train.models.llama import flops_per_token
 
     s = shapes(args.tiny)
+    s["seq"] = args.seq or s["seq"]
+    s["n_layers"] = args.layers or s["n_layers"]
+    s.update(batch=args.batch, recompute=int(args.recompute))
     device = torch.device("cpu" if args.tiny else "cuda")
     fields = {
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
