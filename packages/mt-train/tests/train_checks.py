@@ -12,6 +12,7 @@ data. ``snapshot_round_trip`` checks that an in-memory snapshot restores this ra
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,13 +64,18 @@ def rewind_overrides(data: str | Path, **extra: object) -> list[str]:
     return tiny_overrides(data, **base)
 
 
-def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
-    """Train; this rank's losses, step, validation loss and event records."""
+def fit(overrides: list[str], output_dir: str | Path) -> tuple[Trainer, Any]:
+    """Train with ``overrides`` to the end; the (closed) trainer and its summary."""
     trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
     try:
-        summary = trainer.fit()
+        return trainer, trainer.fit()
     finally:
         trainer.close()
+
+
+def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
+    """Train; this rank's losses, step, validation loss and event records."""
+    trainer, summary = fit(overrides, output_dir)
     return {
         "steps": summary.steps,
         "losses": summary.losses,
@@ -81,20 +87,12 @@ def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
 
 def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
     """Train with ``overrides`` and return the loss of every step."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
-    try:
-        return trainer.fit().losses
-    finally:
-        trainer.close()
+    return fit(overrides, output_dir)[1].losses
 
 
 def run_summary(overrides: list[str], output_dir: str | Path) -> dict:
     """Train; the per-step losses and the greedy sample."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
+    summary = fit(overrides, output_dir)[1]
     return {"losses": summary.losses, "sample": summary.sample}
 
 
