@@ -67,13 +67,6 @@ NO_MULTICAST = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 LLAMA3_8B = dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, seq=8192)
-KNOWN_BROKEN = (
-    "refused: FP8 + FSDP2 + tp > 1 desynchronises the TP ranks' collectives (mt_fp8's cached FP8 "
-    "weight is keyed on the FSDP-unsharded weight's data_ptr/_version, which differ across TP "
-    "ranks, so only some ranks run the weight-amax all-reduce): a gloo collective mismatch on "
-    "the CPU (under NCCL expected to hang until the collective timeout; not run on GPUs); "
-    "docs/multi_gpu.md. --run-known-broken runs it anyway"
-)
 TINY = dict(dim=256, n_heads=8, n_kv_heads=4, ffn_dim=512, vocab_size=1024, seq=128)
 
 
@@ -103,9 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-ranks", choices=("0", "all"), default="0")
     parser.add_argument("--tag", default=None, help="name of this configuration in the row")
     parser.add_argument("--timeout-s", type=float, default=240, help="collective timeout")
-    parser.add_argument(
-        "--run-known-broken", action="store_true", help="run FP8 + FSDP2 + tp > 1 anyway"
-    )
     parser.add_argument("--out", default=None, help="JSON lines file (rank 0 appends)")
     return parser.parse_args(argv)
 
@@ -333,13 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     code = 0
     try:
-        if (
-            args.precision == "fp8"
-            and args.dp_mode == "fsdp"
-            and deg["tp"] > 1
-            and not args.run_known_broken
-        ):
-            raise RuntimeError(KNOWN_BROKEN)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         module, model, optimizer, state, cfg = build(args, ctx, deg, shapes)

@@ -95,11 +95,6 @@ def test_issue_example_overrides_compose() -> None:
             "parallel.cp_attention=ring with model.dropout=0.1: ring attention has no attention "
             "dropout; use parallel.cp_attention=all_gather or model.dropout=0",
         ),
-        (
-            "parallel=tp2 parallel.data_parallel=fsdp fp8=tensorwise",
-            "fp8.recipe='tensorwise' with parallel.data_parallel=fsdp and parallel.tp=2: FP8 + "
-            "FSDP2 + tensor parallelism desynchronises the TP ranks",
-        ),
     ],
 )
 def test_bad_override_is_one_line(

@@ -14,6 +14,13 @@ parallel layer can list only the roles it shards to save collectives. ``FP8Group
 never reduces: experts with no tokens skip their GEMMs, so the ranks' all-reduces would not
 line up.
 
+Weight cache: ``cache_weight`` (default True) keeps the FP8 weight across the micro-batches of
+one optimizer step (:mod:`mt_fp8.functional`). Set it False when something else re-materialises
+the weight without bumping its version counter, as FSDP2 does when it all-gathers the unsharded
+parameter: the cache key (storage pointer, ``_version``) could then match a new all-gather on one
+rank and not on its TP peer (whose weight-amax all-reduce would wait alone), or match stale
+weights. ``mt_parallel.apply_data_parallel(mode="fsdp")`` turns it off.
+
 Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_features.
 """
 
@@ -41,6 +48,8 @@ class _FP8LayerMixin:
     track_health: bool
     fp8_meta: FP8Meta
     amax_reduction_roles: frozenset[TensorRole]
+    cache_weight: bool = True
+    """Reuse the FP8 weight while the weight is unchanged (module docstring: weight cache)."""
 
     def _init_fp8(
         self,
@@ -78,7 +87,7 @@ class _FP8LayerMixin:
             self.backend,
             out_dtype,
             self.track_health,
-            cache,
+            cache if self.cache_weight else None,
             amax_group=self.fp8_meta.amax_group,
             amax_reduction_roles=self.amax_reduction_roles,
         )

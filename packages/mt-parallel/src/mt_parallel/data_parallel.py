@@ -10,7 +10,9 @@ Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the dp×cp process group. It only
   hooks parameter gradients, so it composes with our TP layers (plain local tensors) and FP8.
 * ``fsdp``: FSDP2 ``fully_shard`` on every decoder block and the root, over a 1-D mesh of the
-  dp×cp group (parameters sharded along dim 0 of the local TP shard).
+  dp×cp group (parameters sharded along dim 0 of the local TP shard). FP8 layers already in the
+  model stop caching FP8 weights (``cache_weight=False``): FSDP2 re-materialises the unsharded
+  weights without bumping their version counter, which the cache key relies on.
 * ``zero1``: no wrapper; :class:`~mt_parallel.DistributedOptimizer` reduce-scatters at the step.
 * ``none``: no wrapper; call :func:`all_reduce_gradients` yourself.
 
@@ -53,6 +55,12 @@ def apply_data_parallel(
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(dp_cp_group, device_type)
+        # FSDP2 re-materialises unsharded weights with their version counter preserved: FP8
+        # layers must not cache FP8 weights keyed on it (mt_fp8.linear, "weight cache").
+        for module in model.modules():
+            fp8_layer = getattr(module, "_fp8", None) or module
+            if hasattr(fp8_layer, "cache_weight"):
+                fp8_layer.cache_weight = False
         # fully_shard replaces the parameters by DTensor ones: carry our TP marks over.
         marked = {n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)}
         for module in model.modules():

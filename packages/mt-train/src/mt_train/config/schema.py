@@ -352,12 +352,6 @@ class TrainConfig:
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
             )
-        if self.fp8.enabled and par.data_parallel == "fsdp" and par.tp > 1:
-            raise ValueError(
-                f"fp8.recipe={self.fp8.recipe!r} with parallel.data_parallel=fsdp and "
-                f"parallel.tp={par.tp}: FP8 + FSDP2 + tensor parallelism desynchronises the TP "
-                "ranks (docs/multi_gpu.md, finding 2); use data_parallel=ddp or zero1, or tp=1"
-            )
         if tr.global_batch_size % tr.micro_batch_size:
             raise ValueError(
                 f"trainer.global_batch_size={tr.global_batch_size} is not a multiple of "
