@@ -116,6 +116,21 @@ def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
     assert layer._weight_cache["entry"][2] is not first
 
 
+def test_weight_cache_can_be_turned_off():
+    # What FSDP2 needs (mt_fp8.linear: weight cache): every call quantizes the weight afresh.
+    layer = FP8Linear(K, N, bias=False, recipe=TensorwiseScaling())
+    layer.cache_weight = False
+    x = torch.randn(8, K)
+    with torch.no_grad():
+        before = layer(x)
+        # A write the version-keyed cache would not see; doubling is exact in FP8 (same codes,
+        # twice the scale), so the output doubles exactly.
+        layer.weight.data.mul_(2)
+        after = layer(x)
+    assert not layer._weight_cache
+    torch.testing.assert_close(after, 2 * before, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
 def test_layers_reading_one_input_share_its_quantization(recipe):
     """q/k/v-style layers on one tensor: outputs, every gradient and the health counts equal
