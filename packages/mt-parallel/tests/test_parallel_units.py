@@ -166,3 +166,35 @@ def test_readme_quick_start_runs(capsys: pytest.CaptureFixture[str]) -> None:
         mt_comm.destroy_parallel_state()
     losses = [float(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
     assert len(losses) == 3 and losses[2] < losses[0]
+
+
+def test_distributed_optimizer_split_step_and_decay_filter_equal_adamw() -> None:
+    """One rank, fp64: ``reduce_gradients`` + ``apply_update`` with ``decay=`` matrices only
+    equal torch AdamW with decay on the matrix and none on the vector, step by step, and the
+    norm equals torch's clipping norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4).double())
+    reference = copy.deepcopy(model)
+    weight, bias = reference[0].weight, reference[0].bias
+    adamw = torch.optim.AdamW(
+        [{"params": [weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}],
+        lr=0.05,
+    )
+    zero1 = mp.DistributedOptimizer(
+        model.parameters(), decay=lambda p: p.dim() >= 2, lr=0.05, weight_decay=0.1
+    )
+    for _ in range(3):
+        x = torch.randn(5, 6, dtype=torch.float64)
+        for net in (model, reference):
+            net(x).square().sum().backward()
+        norm = zero1.reduce_gradients()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch.testing.assert_close(norm, expected, rtol=FP64_VS_FP64, atol=FP64_VS_FP64)
+        zero1.apply_update(0.5)
+        adamw.step()
+        for net in (model, reference):
+            net.zero_grad()
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=FP64_VS_FP64, atol=FP64_VS_FP64)
+    with pytest.raises(RuntimeError, match=r"needs reduce_gradients\(\) first"):
+        zero1.apply_update()

@@ -12,13 +12,19 @@ torch's formula.
 
 Distributed optimizer (ZeRO-1). All parameters of this rank are viewed as one flat vector (fp32, or fp64 for fp64 parameters) of
 length ``n`` padded to ``W·s`` (``W`` = dp×cp ranks, ``s`` = shard length); rank ``i`` owns
-elements ``[i·s, (i+1)·s)``. :meth:`DistributedOptimizer.step`:
+elements ``[i·s, (i+1)·s)``. :meth:`DistributedOptimizer.step` is
+:meth:`~DistributedOptimizer.reduce_gradients` (1–2) then
+:meth:`~DistributedOptimizer.apply_update` (3–5); a caller that judges the step on its norm
+first (a trainer's anomaly detectors) calls the two itself and may skip the second:
 
 1. reduce-scatter the flat gradient (average over dp×cp): each rank gets only its shard;
-2. global norm from the shards (above) and clipping;
-3. the inner optimizer (AdamW by default) updates the fp32 master shard, holding its state
+2. global norm from the shards (above);
+3. clipping, and with a ``decay`` filter the decoupled weight decay ``θ ← θ·(1 - lr·λ)`` of the
+   selected parameters' master elements (the inner optimizer then runs with ``λ = 0``; decay
+   before the update is torch's AdamW order);
+4. the inner optimizer (AdamW by default) updates the fp32 master shard, holding its state
    (two moments) only for the shard: optimizer memory per rank is ``1/W``;
-4. all-gather the updated master shards and copy them into the model parameters (cast to their
+5. all-gather the updated master shards and copy them into the model parameters (cast to their
    dtype, e.g. bf16: bf16 compute with fp32 master weights).
 
 Why ours and not ``torch.distributed.optim.ZeroRedundancyOptimizer``: ZeRO shards whole
@@ -34,7 +40,7 @@ requantize their cached weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -119,8 +125,11 @@ class DistributedOptimizer:
     """ZeRO-1 over ``group`` (dp×cp) around an inner optimizer (module docstring).
 
     ``optimizer_cls(**kwargs)`` is built over one flat fp32 master shard, so only element-wise
-    optimizers (AdamW, Adam, SGD) are exact; their hyper-parameters apply to every element.
-    ``inner`` is that optimizer (give it to an LR scheduler).
+    optimizers (AdamW, Adam, SGD) are exact; their hyper-parameters apply to every element,
+    except the weight decay when ``decay`` is given: then ``kwargs["weight_decay"]`` (default 0)
+    applies, decoupled, only to the parameters for which ``decay(param)`` is true (e.g.
+    ``lambda p: p.dim() >= 2``: matrices, not norm gains or biases). ``inner`` is the inner
+    optimizer (give it to an LR scheduler).
     """
 
     def __init__(
@@ -130,6 +139,7 @@ class DistributedOptimizer:
         tp_group: Any = None,
         mp_group: Any = None,
         optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        decay: Callable[[nn.Parameter], bool] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -138,8 +148,7 @@ class DistributedOptimizer:
         self.group, self.tp_group = group, tp_group
         self.mp_group = tp_group if mp_group is None else mp_group
         world, rank = group_size(group), group_rank(group)
-        numels = [p.numel() for p in self.params]
-        self.numel = sum(numels)
+        self.numel = sum(p.numel() for p in self.params)
         self.shard = math.ceil(self.numel / world)
         self.lo = rank * self.shard
         device = self.params[0].device
@@ -148,20 +157,36 @@ class DistributedOptimizer:
         with torch.no_grad():
             flat = self._flatten([p.detach() for p in self.params], device)
         self.master = nn.Parameter(flat[self.lo : self.lo + self.shard].clone())
+        self.weight_decay = 0.0
+        self.decay_mask: torch.Tensor | None = None
+        if decay is not None:
+            self.weight_decay = float(optimizer_kwargs.pop("weight_decay", 0.0))
+            self.decay_mask = torch.zeros(self.shard, dtype=torch.bool, device=device)
+            for param, _, local in self.shard_slices():
+                self.decay_mask[local] = bool(decay(param))
+            optimizer_kwargs["weight_decay"] = 0.0
         self.inner = optimizer_cls([self.master], **optimizer_kwargs)
-        # Ranges of the shard whose elements count towards the global norm on this rank.
+        # Slices of the shard whose elements count towards the global norm on this rank.
         tp_rank = group_rank(tp_group)
-        self._norm_ranges: list[tuple[int, int]] = []
-        offset = 0
-        for param, numel in zip(self.params, numels, strict=True):
-            start, end = max(offset, self.lo), min(offset + numel, self.lo + self.shard)
-            if start < end and _counts_here(param, tp_rank):
-                self._norm_ranges.append((start - self.lo, end - self.lo))
-            offset += numel
+        self._norm_slices = [
+            local for param, _, local in self.shard_slices() if _counts_here(param, tp_rank)
+        ]
+        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.inner.param_groups
+
+    def shard_slices(self) -> list[tuple[nn.Parameter, int, slice]]:
+        """``(param, start, local)`` for every parameter overlapping this rank's shard: its
+        elements from ``start`` (of the flattened parameter) sit at ``local`` in the shard."""
+        out, offset = [], 0
+        for param in self.params:
+            start, end = max(offset, self.lo), min(offset + param.numel(), self.lo + self.shard)
+            if start < end:
+                out.append((param, start - offset, slice(start - self.lo, end - self.lo)))
+            offset += param.numel()
+        return out
 
     def _flatten(self, tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
         padded = self.shard * group_size(self.group)
@@ -174,23 +199,37 @@ class DistributedOptimizer:
         return flat
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float = 0.0) -> torch.Tensor:
-        """Reduce-scatter gradients, clip to ``max_grad_norm`` (if > 0), update, all-gather.
-
-        Returns the global gradient norm (before clipping).
-        """
+    def reduce_gradients(self) -> torch.Tensor:
+        """Steps 1–2: reduce-scatter (average) the gradients to this rank's shard; returns the
+        global gradient norm. :meth:`apply_update` then uses the reduced shard."""
         flat_grad = self._flatten([p.grad for p in self.params], self.master.device)
         if group_size(self.group) > 1:
             grad = mt_comm.reduce_scatter(flat_grad, op="avg", group=self.group)
         else:
             grad = flat_grad
         sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)
-        for start, end in self._norm_ranges:
-            sumsq += grad[start:end].double().pow(2).sum()
+        if self._norm_slices:
+            norms = torch._foreach_norm([grad[local] for local in self._norm_slices])
+            sumsq += torch.stack(norms).double().pow(2).sum()
         _all_reduce_sum(sumsq, self.group)
         norm = _all_reduce_sum(sumsq, self.mp_group).sqrt()
+        self._reduced = (grad, norm)
+        return norm.to(self.master_dtype)
+
+    @torch.no_grad()
+    def apply_update(self, max_grad_norm: float = 0.0) -> torch.Tensor:
+        """Steps 3–5 on the gradients of :meth:`reduce_gradients`: clip to ``max_grad_norm``
+        (if > 0), decay, update the master shard, all-gather into the parameters. Returns the
+        norm (before clipping)."""
+        if self._reduced is None:
+            raise RuntimeError("DistributedOptimizer.apply_update() needs reduce_gradients() first")
+        (grad, norm), self._reduced = self._reduced, None
         if max_grad_norm > 0:
             grad.mul_(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
+        if self.decay_mask is not None and self.weight_decay > 0:
+            lr = self.inner.param_groups[0]["lr"]
+            keep = torch.tensor(1 - lr * self.weight_decay, dtype=self.master.dtype)
+            self.master.mul_(torch.where(self.decay_mask, keep, 1.0))
         self.master.grad = grad
         self.inner.step()
         self.master.grad = None
@@ -203,7 +242,16 @@ class DistributedOptimizer:
             offset += param.numel()
         return norm.to(self.master_dtype)
 
+    def step(self, max_grad_norm: float = 0.0) -> torch.Tensor:
+        """Reduce-scatter gradients, clip to ``max_grad_norm`` (if > 0), update, all-gather.
+
+        Returns the global gradient norm (before clipping).
+        """
+        self.reduce_gradients()
+        return self.apply_update(max_grad_norm)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = None
         for param in self.params:
             if set_to_none:
                 param.grad = None

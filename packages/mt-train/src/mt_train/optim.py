@@ -6,13 +6,12 @@ biases (1-D) are not, since shrinking them toward zero changes the function, not
 
 ZeRO-1 (``parallel.data_parallel=zero1``): :class:`Zero1AdamW` is mt_parallel's
 :class:`~mt_parallel.DistributedOptimizer` (flat fp32 master shard and AdamW moments for
-``1/W`` of the elements on each of the ``W`` dp×cp ranks) with two additions the trainer
-needs. (1) The step is split: :meth:`~Zero1AdamW.reduce_gradients` reduce-scatters the
-gradients and returns the global norm, so the anomaly detectors judge the step before
-:meth:`~Zero1AdamW.step` clips and applies it (or the trainer drops it). (2) The inner AdamW
-runs with ``λ = 0`` and the decay ``θ ← θ·(1 - lr·λ)`` is applied first to the master
-elements of matrices only, which is torch's AdamW order (decay, then the Adam update), so the
-same elements are decayed as in the per-parameter groups above.
+``1/W`` of the elements on each of the ``W`` dp×cp ranks) with decay on matrices only (its
+``decay`` filter: the same elements as the per-parameter groups above), used split: the trainer
+calls :meth:`~mt_parallel.DistributedOptimizer.reduce_gradients` (reduce-scatter, global norm),
+lets the anomaly detectors judge the step, then
+:meth:`~mt_parallel.DistributedOptimizer.apply_update` (clip, decay, AdamW, all-gather) or
+drops it. This class adds the parameter names and the shard views checkpoints need.
 
 Schedules give the LR multiplier at step ``s`` (0-based, the step about to be taken) for
 ``S = max_steps`` and warmup ``W``:
@@ -33,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-import mt_comm
 import mt_parallel
 from mt_train.config.schema import OptimizerConfig, SchedulerConfig
 from mt_train.models.build import canonical_key
@@ -85,8 +83,8 @@ class ShardView:
 
 
 class Zero1AdamW(mt_parallel.DistributedOptimizer):
-    """ZeRO-1 AdamW over ``group`` (dp×cp) with a split step and matrix-only decay (module
-    docstring). ``named`` lists ``(name, parameter)`` in the flat layout's order."""
+    """ZeRO-1 AdamW over ``group`` (dp×cp) with matrix-only decay (module docstring). ``named``
+    lists ``(name, parameter)`` in the flat layout's order."""
 
     def __init__(
         self,
@@ -98,7 +96,7 @@ class Zero1AdamW(mt_parallel.DistributedOptimizer):
     ) -> None:
         super().__init__(
             [p for _, p in named], group, tp_group, optimizer_cls=torch.optim.AdamW,
-            weight_decay=0.0, **adamw,
+            decay=lambda param: param.dim() >= 2, weight_decay=weight_decay, **adamw,
         )  # fmt: skip
         self.names = [name for name, _ in named]
         wrong = sorted({str(p.dtype) for p in self.params if p.dtype != self.master_dtype})
@@ -107,23 +105,14 @@ class Zero1AdamW(mt_parallel.DistributedOptimizer):
                 f"ZeRO-1 needs parameters in the master dtype {self.master_dtype} (checkpoints "
                 f"rebuild the master weights from them), got {', '.join(wrong)}"
             )
-        self.weight_decay = weight_decay
-        decay = torch.zeros(self.shard, dtype=torch.bool, device=self.master.device)
-        for view in self.views():
-            decay[view.local] = view.param.dim() >= 2
-        self.decay_mask = decay
-        self._reduced: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def views(self) -> list[ShardView]:
         """Every parameter that overlaps this rank's shard ``[lo, lo + shard)``."""
-        out, offset = [], 0
-        for name, param in zip(self.names, self.params, strict=True):
-            start, end = max(offset, self.lo), min(offset + param.numel(), self.lo + self.shard)
-            if start < end:
-                local = slice(start - self.lo, end - self.lo)
-                out.append(ShardView(name, param, start - offset, local))
-            offset += param.numel()
-        return out
+        name_of = {id(param): name for name, param in zip(self.names, self.params, strict=True)}
+        return [
+            ShardView(name_of[id(param)], param, start, local)
+            for param, start, local in self.shard_slices()
+        ]
 
     @torch.no_grad()
     def sync_master(self) -> None:
@@ -132,54 +121,6 @@ class Zero1AdamW(mt_parallel.DistributedOptimizer):
             flat = view.param.detach().reshape(-1)
             size = view.local.stop - view.local.start
             self.master[view.local] = flat[view.start : view.start + size]
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> torch.Tensor:
-        """Reduce-scatter (average) the gradients to this rank's shard; the global norm."""
-        flat = self._flatten([p.grad for p in self.params], self.master.device)
-        grad = (
-            mt_comm.reduce_scatter(flat, op="avg", group=self.group)
-            if mt_comm.group_size(self.group) > 1
-            else flat
-        )
-        sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)
-        for start, end in self._norm_ranges:
-            sumsq += grad[start:end].double().pow(2).sum()
-        for group in (self.group, self.mp_group):
-            if mt_comm.group_size(group) > 1:
-                mt_comm.all_reduce(sumsq, group=group)
-        norm = sumsq.sqrt()
-        self._reduced = (grad, norm)
-        return norm.float()
-
-    @torch.no_grad()
-    def step(self, max_grad_norm: float = 0.0) -> torch.Tensor:
-        """Clip the reduced gradient to ``max_grad_norm`` (if > 0), decay matrices, AdamW,
-        all-gather into the parameters; returns the norm. Needs :meth:`reduce_gradients` first."""
-        if self._reduced is None:
-            raise RuntimeError("Zero1AdamW.step() needs reduce_gradients() first")
-        (grad, norm), self._reduced = self._reduced, None
-        if max_grad_norm > 0:
-            grad.mul_(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0).to(grad.dtype))
-        lr = self.inner.param_groups[0]["lr"]
-        if self.weight_decay > 0:
-            keep = torch.tensor(1 - lr * self.weight_decay, dtype=self.master.dtype)
-            self.master.mul_(torch.where(self.decay_mask, keep, 1.0))
-        self.master.grad = grad
-        self.inner.step()
-        self.master.grad = None
-        full = self.master.detach()
-        if mt_comm.group_size(self.group) > 1:
-            full = mt_comm.all_gather(full.contiguous(), group=self.group)
-        offset = 0
-        for param in self.params:
-            param.copy_(full[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        return norm.float()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._reduced = None
 
 
 def lr_multiplier(step: int, max_steps: int, cfg: SchedulerConfig) -> float:

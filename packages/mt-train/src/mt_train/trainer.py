@@ -370,7 +370,7 @@ class Trainer:
         loss = D.mean_scalar(total / len(micro), self.dp_cp_group).item()
         clip = self.cfg.optimizer.grad_clip
         zero1 = isinstance(self.optimizer, Zero1AdamW)
-        if zero1:  # reduce-scatter now, clip in step() once the step is judged healthy
+        if zero1:  # reduce-scatter now; clip and update in apply_update() once judged healthy
             norm = self.optimizer.reduce_gradients().item()
         else:
             norm = mt_parallel.clip_grad_norm_(
@@ -391,7 +391,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if zero1:
-                self.optimizer.step(clip)
+                self.optimizer.apply_update(clip)
             else:
                 self.optimizer.step()
             if isinstance(self.fp8_recipe, mt_fp8.DelayedScaling):
