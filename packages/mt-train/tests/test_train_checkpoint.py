@@ -147,3 +147,41 @@ def test_save_killed_midway_leaves_previous_checkpoint(kjv_data: Path, tmp_path:
     finally:
         trainer.close()
     assert [p.name for p in list_checkpoints(root)] == ["step-00000004", "step-00000008"]
+
+
+def _save(root: Path, step: int, value: float) -> Path:
+    from mt_train.checkpoint import files
+
+    manifest = {
+        "format": 1, "step": step, "config": {}, "data": {}, "world_size": 1, "parallel": {}
+    }  # fmt: skip
+    files.write_shard(files.tmp_dir(root, step), 0, "run", {"w": torch.full((2,), value)})
+    return files.publish(root, step, 1, "run", manifest, keep_last=3)
+
+
+def test_replacing_a_step_never_loses_it(tmp_path: Path, monkeypatch) -> None:
+    """Saving a step again (after a rewind) swaps folders by renames; a save that dies between
+    them leaves the previous checkpoint in ``.old-step-*``, which the next start puts back."""
+    from mt_train.checkpoint import files
+
+    root = tmp_path / "checkpoints"
+    _save(root, 4, 1.0)
+    assert CheckpointReader(_save(root, 4, 2.0)).read(["w"])["w"].tolist() == [2.0, 2.0]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004"]  # no .old left
+
+    real_rename = os.rename
+
+    def die_before_publishing(src, dst):
+        if Path(src).name.startswith(".tmp-step-"):
+            raise KeyboardInterrupt  # killed between the two renames
+        real_rename(src, dst)
+
+    monkeypatch.setattr(files.os, "rename", die_before_publishing)
+    with pytest.raises(KeyboardInterrupt):
+        _save(root, 4, 3.0)
+    monkeypatch.setattr(files.os, "rename", real_rename)
+    assert list_checkpoints(root) == []  # step 4 is only under .old-step-00000004 now
+    files.restore_replaced(root)
+    assert CheckpointReader(list_checkpoints(root)[0]).read(["w"])["w"].tolist() == [2.0, 2.0]
+    files.remove_stale(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004"]

@@ -184,6 +184,8 @@ class Trainer:
         )
         self.recovery = Recovery(self.ckpt_dir, self.rank, self.device, self.events)
         self.faults.corrupt_at_start(self.ckpt_dir)
+        self.checkpointer.restore_replaced()
+        D.barrier()
         resume = self.recovery.find_resume(ck.resume)
         if resume is not None:
             self.load(resume)

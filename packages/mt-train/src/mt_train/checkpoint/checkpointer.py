@@ -45,6 +45,7 @@ from mt_train.checkpoint.files import (
     latest_checkpoint,
     publish,
     remove_stale,
+    restore_replaced,
     tmp_dir,
     write_shard,
 )
@@ -126,6 +127,12 @@ class Checkpointer:
         )
         self._pending: concurrent.futures.Future | None = None
         self.last_saved: Path | None = None
+
+    def restore_replaced(self) -> None:
+        """Rank 0, before any rank looks for a checkpoint to resume from (then a barrier):
+        put back a checkpoint whose replacement was interrupted (:mod:`.files`)."""
+        if self.rank == 0:
+            restore_replaced(self.root)
 
     def prepare(self) -> None:
         """Rank 0, once before the first save (and after every rank stopped reading): drop

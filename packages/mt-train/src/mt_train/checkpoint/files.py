@@ -11,7 +11,11 @@ into place so that it is never seen half-written); rank 0 waits for all sidecars
 (matching ``run_id``), writes ``manifest.json`` there, fsyncs, and
 renames the folder to its final name. ``rename`` within one filesystem is atomic, so a
 folder named ``step-*`` is always complete, and a save killed at any point leaves only a
-``.tmp-*`` folder that loading ignores and the next run removes. Nothing is pickled:
+``.tmp-*`` folder that loading ignores and the next run removes. Saving a step that already
+has a checkpoint (after a rewind) first renames the old folder to ``.old-step-<8 digits>``,
+then publishes, then deletes it; if the save dies between the two renames,
+:func:`restore_replaced` (run before a resume looks for checkpoints) renames the old folder
+back, so a step's checkpoint is never lost. Nothing is pickled:
 tensors go through safetensors, everything else through JSON.
 
 Integrity: :func:`verify_checkpoint` checks a folder completely before it is trusted for a
@@ -48,6 +52,11 @@ def step_dir(root: Path, step: int) -> Path:
 
 def tmp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step-{step:08d}"
+
+
+def old_dir(root: Path, step: int) -> Path:
+    """Where a step's previous checkpoint waits while a new one replaces it."""
+    return root / f".old-step-{step:08d}"
 
 
 def shard_name(rank: int) -> str:
@@ -135,14 +144,17 @@ def publish(
         folder / "manifest.json", (json.dumps(full, indent=1, sort_keys=True) + "\n").encode()
     )
     final = step_dir(root, step)
+    replaced = old_dir(root, step)
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
     os.rename(folder, final)
     dir_fd = os.open(root, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    shutil.rmtree(replaced, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep_last]:
         if checkpoint_step(old) not in protect:
             shutil.rmtree(old, ignore_errors=True)
@@ -227,12 +239,27 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def restore_replaced(root: Path) -> None:
+    """Put back a replaced checkpoint whose replacement never got its name (an ``.old-*``
+    folder without its ``step-*``: the save died between the two renames of :func:`publish`).
+    Run before looking for the checkpoint to resume from."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        final = root / p.name.removeprefix(".old-")
+        if p.name.startswith(".old-step-") and not final.exists():
+            os.rename(p, final)
+
+
 def remove_stale(root: Path) -> None:
-    """Delete ``.tmp-*`` folders left by saves that were killed."""
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(".tmp-step-"):
-                shutil.rmtree(p, ignore_errors=True)
+    """Delete ``.tmp-*`` folders left by saves that were killed, and ``.old-*`` folders whose
+    replacement is in place."""
+    if not root.is_dir():
+        return
+    restore_replaced(root)
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-step-", ".old-step-")):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
