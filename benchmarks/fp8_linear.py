@@ -3,6 +3,8 @@
 Run on a CUDA GPU: ``python benchmarks/fp8_linear.py`` (torchao optional: its columns are
 skipped when it is not importable). Times are medians of CUDA-event timings of
 ``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
+Every iteration is one training step with one micro-batch: the gradients are cleared before it
+(untimed) and our layers re-quantize the weight (``cache_weight=False``), as torchao does.
 """
 
 from __future__ import annotations
@@ -40,10 +42,17 @@ COMPILED = ("tensorwise", "rowwise")  # compile time budget: the recipes torchao
 
 
 def time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10) -> float:
+    def clear_grads() -> None:
+        x.grad = None
+        for parameter in layer.parameters():
+            parameter.grad = None
+
     for _ in range(3):
+        clear_grads()
         layer(x).backward(dy)
     times = []
     for _ in range(iters):
+        clear_grads()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         layer(x).backward(dy)
@@ -88,6 +97,7 @@ def main() -> None:
                     continue
                 try:
                     layer = FP8Linear.from_linear(base, recipe=recipe)
+                    layer.cache_weight = False
                     if isinstance(recipe, DelayedScaling):
                         layer(x).backward(dy)
                         update_fp8_scales(layer, recipe)
@@ -99,7 +109,6 @@ def main() -> None:
             for name in ("tensorwise", "rowwise"):
                 ao = torchao_layer(base, name)
                 row.append(float("nan") if ao is None else time_ms(wrap(ao), x, dy))
-            base.weight.grad = None
             print(f"| {k}x{n} | {mode} | " + " | ".join(f"{t:.3f}" for t in row) + " |")
 
 

@@ -43,6 +43,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -350,6 +351,8 @@ def run_in_process(
                 row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
                 if device.type == "cuda":
                     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    # Allocations that had to free cached blocks first (cudaFree synchronises).
+                    row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
                 if args.profile:
                     row["profile"] = profile_step(step, device)
             except Exception as err:  # report and go on: one broken stack must not hide the rest
@@ -387,7 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recompute", action="store_true", help="full activation recompute of every block"
     )
+    parser.add_argument(
+        "--alloc-conf",
+        default=None,
+        help="PYTORCH_CUDA_ALLOC_CONF for every stack (e.g. expandable_segments:True)",
+    )
     args = parser.parse_args(argv)
+    if args.alloc_conf is not None:  # before the first CUDA allocation; subprocesses inherit it
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
 
     from mt_train.config.schema import ModelConfig
     from mt_train.models.llama import flops_per_token
@@ -411,13 +421,17 @@ def main(argv: list[str] | None = None) -> int:
         results = run_in_process(stacks, args, s, device, fpt, began)
     else:
         results = run_isolated(stacks, argv if argv is not None else sys.argv[1:], args, began)
-    print("\n| stack | tokens/s | MFU | peak memory (GiB) |\n| --- | --- | --- | --- |")
+    print(
+        "\n| stack | tokens/s | MFU | peak memory (GiB) | allocator retries |"
+        "\n| --- | --- | --- | --- | --- |"
+    )
     for r in results:
         if "error" in r:
-            print(f"| {r['stack']} | — | — | {r['error']} |")
+            print(f"| {r['stack']} | — | — | {r['error']} | |")
         else:
             mem = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "—"
-            print(f"| {r['stack']} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | {mem} |")
+            tps, mfu, retries = r["tokens_per_s"], 100 * r["mfu"], r.get("alloc_retries", "—")
+            print(f"| {r['stack']} | {tps:,.0f} | {mfu:.1f}% | {mem} | {retries} |")
     for r in results:
         if "profile" in r:
             prof = r["profile"]

@@ -139,3 +139,28 @@ def test_tensorboard_events_written(kjv_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     run_losses(tiny_overrides(kjv_data, logging="tensorboard"), tmp_path)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_fused_adamw_clips_inside_the_update(kjv_data: Path, tmp_path: Path) -> None:
+    # Fused AdamW applies the clip as its kernel's grad_scale divisor; the per-element update
+    # must equal the unfused clip-then-step. AdamW is nearly invariant to a constant gradient
+    # scale, so compare the first moments, which carry the clipped gradients linearly: a missed
+    # clip (grad_clip=0.05 against norms of order 1) would leave them 20x or more too large.
+    # The bound: the two kernels round differently in fp32 (a few ulps per step, 8 steps).
+    moments = {}
+    for fused in (False, True):
+        overrides = tiny_overrides(
+            kjv_data, **{"optimizer.grad_clip": 0.05, "optimizer.fused": fused}
+        )
+        out = tmp_path / str(fused)
+        trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=out)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        norms = [r["grad_norm"] for r in records if r["kind"] == "train"]
+        assert norms and min(norms) > 0.05, norms  # the clip is active at every logged step
+        moments[fused] = [s["exp_avg"].clone() for s in trainer.optimizer.state.values()]
+    for unfused, fused in zip(moments[False], moments[True], strict=True):
+        torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-7)

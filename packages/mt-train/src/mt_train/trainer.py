@@ -6,10 +6,14 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     grads ← mean over dp×cp ranks        (DDP / FSDP2 at the last micro-batch, ZeRO-1's
                                           reduce-scatter, or a flat all-reduce with ``none``)
     n = ‖grads‖₂ (every element once: TP shards summed, FSDP2 / ZeRO-1 pieces summed over dp×cp)
-    if clip > 0: grads ← grads · min(1, clip / n)             (ZeRO-1: inside its step, if healthy)
+    if clip > 0: grads ← grads · min(1, clip / n)    (fused AdamW and ZeRO-1: inside the update)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
     if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
     zero grads
+
+The loss, the local loss and ``n`` reach the host in one synchronisation per step. With fused
+AdamW (the default on accelerators) the clip is the kernel's ``grad_scale`` divisor
+``max(1, (n + 1e-6) / clip)`` rather than a separate pass over every gradient.
 
 Context parallelism (``parallel.cp > 1``). The ``cp`` ranks of one dp index draw the same
 samples; each keeps its load-balanced part of the inputs, targets and document ids
@@ -368,16 +372,25 @@ class Trainer:
         if faults.grads != 1.0:
             for p in params:
                 p.grad.mul_(faults.grads)
-        local_loss = (total / len(micro)).item()
-        loss = D.mean_scalar(total / len(micro), self.dp_cp_group).item()
         clip = self.cfg.optimizer.grad_clip
         zero1 = isinstance(self.optimizer, Zero1AdamW)
+        # Fused AdamW divides the gradients by ``optimizer.grad_scale`` inside its kernel (the
+        # hook GradScaler uses), so clipping costs no pass of its own over the gradients.
+        clip_in_update = not zero1 and clip > 0 and bool(self.optimizer.defaults.get("fused"))
         if zero1:  # reduce-scatter now; clip and update in apply_update() once judged healthy
-            norm = self.optimizer.reduce_gradients().item()
+            norm_t = self.optimizer.reduce_gradients()
         else:
-            norm = mt_parallel.clip_grad_norm_(
-                params, clip, tp_group=self.tp_group, dp_cp_group=self.dp_cp_group
-            ).item()
+            norm_t = mt_parallel.clip_grad_norm_(
+                params,
+                0.0 if clip_in_update else clip,
+                tp_group=self.tp_group,
+                dp_cp_group=self.dp_cp_group,
+            )
+        mean_loss = D.mean_scalar(total / len(micro), self.dp_cp_group)
+        # One host synchronisation per step for the three numbers the detectors judge.
+        local_loss, loss, norm = torch.stack(
+            [(total / len(micro)).float(), mean_loss.float(), norm_t.float()]
+        ).tolist()
         lr = self.cfg.optimizer.lr * lr_multiplier(
             self.step, self.cfg.trainer.max_steps, self.cfg.scheduler
         )
@@ -394,6 +407,12 @@ class Trainer:
                 group["lr"] = lr
             if zero1:
                 self.optimizer.apply_update(clip)
+            elif clip_in_update:
+                # torch.nn.utils.clip_grad_norm_'s coefficient min(1, clip / (norm + 1e-6)),
+                # applied as its reciprocal divisor.
+                self.optimizer.grad_scale = torch.clamp((norm_t + 1e-6) / clip, min=1.0)
+                self.optimizer.step()
+                del self.optimizer.grad_scale
             else:
                 self.optimizer.step()
             if isinstance(self.fp8_recipe, mt_fp8.DelayedScaling):
