@@ -2,11 +2,14 @@
 
 Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
 ``q`` and (bf16 inputs) its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and
-writes the tile's amax (and health counts) to its own slot of a per-tile partials buffer, which
-one small PyTorch reduction then folds (max of the amaxes, sum of the counts). With no scale
-given, a first launch of the same kernel with ``WRITE=False`` only produces the amax partials;
-the scale is then computed on the device by :func:`mt_fp8.quantized.scale_from_amax`, after the
-optional amax all-reduce.
+writes the tile's amax (and health counts: saturated, flushed, elements) to its own slot of a
+per-tile partials buffer, which one small PyTorch sum folds into the caller's counters. With no
+scale given, a first launch of the same kernel with ``WRITE=False`` only produces the amax
+partials; then one single-program kernel (``_amax_to_scale``) folds them (max) and computes the
+scale exactly as :func:`mt_fp8.quantized.scale_from_amax` does (``max(amax, fmt_max·2^-126) /
+fmt_max`` with an IEEE division, at least ``2^-126``, 1 for a zero amax, NaN for a non-finite
+one), in one launch instead of a dozen elementwise PyTorch ops. With an amax group the partials
+are folded in PyTorch, all-reduced, and :func:`~mt_fp8.quantized.scale_from_amax` runs.
 
 NOTE: per-tile partials rather than atomics on one global accumulator: an 8192×14336 gradient
 has 28,672 tiles, and same-address atomics serialize in L2 (profile of the 8-layer Llama3-8B
@@ -51,7 +54,7 @@ import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.quantized import reduce_amax_, scale_from_amax
+from mt_fp8.quantized import MIN_SCALE, reduce_amax_, scale_from_amax
 
 TILE = 64
 
@@ -143,8 +146,11 @@ def _quantize_transpose(
                 tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int64), axis=1),
                 axis=0,
             )
-            tl.store(stats_partial_ptr + 2 * tile, saturated)
-            tl.store(stats_partial_ptr + 2 * tile + 1, flushed)
+            tl.store(stats_partial_ptr + 3 * tile, saturated)
+            tl.store(stats_partial_ptr + 3 * tile + 1, flushed)
+            tl.store(
+                stats_partial_ptr + 3 * tile + 2, tl.sum(tl.sum(mask.to(tl.int64), axis=1), axis=0)
+            )
         clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
         _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
         if WRITE_T:
@@ -152,6 +158,33 @@ def _quantize_transpose(
             offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
             mask_t = (cols[:, None] < C) & (rows[None, :] < R)
             _store_fp8(qt_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+@triton.jit
+def _amax_to_scale(
+    amax_partial_ptr,
+    tiles,
+    amax_ptr,
+    scale_ptr,
+    fmt_max,
+    amax_floor,
+    min_scale,
+    EXACT_DIV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: ``amax = max(partials)`` and its scale (module docstring)."""
+    offs = tl.arange(0, BLOCK)
+    running = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, tiles, BLOCK):
+        # Partials are >= 0, with NaN already recorded as +inf: a plain max is exact.
+        part = tl.load(amax_partial_ptr + start + offs, mask=start + offs < tiles, other=0.0)
+        running = tl.maximum(running, part)
+    amax = tl.max(running, axis=0)
+    scale = _div_rn(tl.maximum(amax, amax_floor), fmt_max, EXACT_DIV)
+    scale = tl.where(amax > 0, tl.maximum(scale, min_scale), 1.0)
+    scale = tl.where(amax == float("inf"), float("nan"), scale)
+    tl.store(amax_ptr, amax)
+    tl.store(scale_ptr, scale)
 
 
 def quantize_transpose_amax_triton(
@@ -201,13 +234,28 @@ def quantize_transpose_amax_triton(
             STATS=False,
             **common,
         )
-        amax = amax_partial.amax()
         if amax_group is not None:
+            amax = amax_partial.amax()
             reduce_amax_(amax, amax_group)
-        scale = scale_from_amax(amax, fmt)
-    scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
+            scale_11 = scale_from_amax(amax, fmt).reshape(1, 1)
+        else:
+            amax = torch.empty((), device=x_RC.device, dtype=torch.float32)
+            scale_11 = torch.empty(1, 1, device=x_RC.device, dtype=torch.float32)
+            _amax_to_scale[(1,)](
+                amax_partial,
+                tiles,
+                amax,
+                scale_11,
+                fmt.max,
+                fmt.max * MIN_SCALE,
+                MIN_SCALE,
+                EXACT_DIV=common["EXACT_DIV"],
+                BLOCK=1024,
+            )
+    else:
+        scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
     stats_partial = (
-        torch.empty(tiles, 2, device=x_RC.device, dtype=torch.int64)
+        torch.empty(tiles, 3, device=x_RC.device, dtype=torch.int64)
         if stats is not None
         else amax_partial
     )
@@ -231,6 +279,5 @@ def quantize_transpose_amax_triton(
     if not fused_transpose:
         q_CR = q_RC.t().contiguous()
     if stats is not None:
-        stats[:2] += stats_partial.sum(0)
-        stats[2] += x_RC.numel()
+        stats += stats_partial.sum(0)
     return q_RC, q_CR, scale_11, amax
