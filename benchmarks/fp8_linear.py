@@ -9,6 +9,7 @@ Every iteration is one training step with one micro-batch: the gradients are cle
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 
@@ -73,6 +74,11 @@ def torchao_layer(linear: nn.Linear, recipe_name: str) -> nn.Module | None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--modes", default="eager,compiled", help="comma-separated: eager, compiled (default both)"
+    )
+    modes = parser.parse_args().modes.split(",")
     torch.manual_seed(0)
     torch._dynamo.config.cache_size_limit = 64
     print(
@@ -88,7 +94,7 @@ def main() -> None:
         x = torch.randn(M, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
         base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        for mode in ("eager", "compiled"):
+        for mode in modes:
             wrap = (lambda m: torch.compile(m)) if mode == "compiled" else (lambda m: m)
             row = [time_ms(wrap(base), x, dy)]
             for label, recipe in RECIPES:

@@ -44,7 +44,9 @@ Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``; not und
 blocks goes through :mod:`mt_fp8.kernels.block_quantize`: ``x`` and ``dy`` are quantized along
 their last axis and, when the wgrad GEMM will need it, their transposes requantized along the
 tokens (zero-padded to a multiple of 128) in the same pass over the input; the weight's 128×128
-blocks in one pass, its transpose exact. Both give the same bytes as the PyTorch path.
+blocks in one pass, its transpose exact. Rowwise scales go through
+:mod:`mt_fp8.kernels.rowwise_quantize` (``xᵀ``: a transpose copy, then the same kernel). All give
+the same bytes as the PyTorch path.
 
 Current tensorwise scaling under tensor parallelism: when the plan has an ``amax_group`` (the
 layer's ``fp8_meta.amax_group``, set by ``fp8_autocast(amax_group=...)`` or by the caller) and a
@@ -75,6 +77,7 @@ from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
 from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
+    ROWWISE,
     TENSORWISE,
     QuantizedTensor,
     ScaleLayout,
@@ -145,6 +148,10 @@ class LinearPlan:
                 self.meta.record_amax_value(amax, role)
             q_RC.transposed = q_CR
             return q_RC
+        if self._fused_rowwise(x_RC, layout):
+            from mt_fp8.kernels.rowwise_quantize import quantize_rows
+
+            return quantize_rows(x_RC, fmt, stats)
         if delayed and record:
             self.meta.record_amax(x_RC, role)
         return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
@@ -195,8 +202,24 @@ class LinearPlan:
         x_CR = x_RC.t()
         if role is not TensorRole.WEIGHT:
             x_CR = _pad_columns(x_CR, self.row_multiple())
+        fmt = self.recipe.formats.for_role(role)
+        if self._fused_rowwise(x_CR, layout):
+            from mt_fp8.kernels.rowwise_quantize import quantize_rows
+
+            return quantize_rows(x_CR, fmt)  # a high-precision transpose copy, then the kernel
         scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
-        return quantize(x_CR, self.recipe.formats.for_role(role), layout, scale=scale)
+        return quantize(x_CR, fmt, layout, scale=scale)
+
+    @staticmethod
+    def _fused_rowwise(x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
+        """Whether the Triton rowwise quantizer takes ``x`` (current rowwise scales)."""
+        return (
+            layout == ROWWISE
+            and x_RC.numel() > 0
+            and x_RC.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and use_triton(x_RC)
+            and not torch.compiler.is_compiling()
+        )
 
     def _fused_block_layout(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
         """Whether the Triton block quantizer takes ``x`` in ``layout`` (1×128 or 128×128)."""

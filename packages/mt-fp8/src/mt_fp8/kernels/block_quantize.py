@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn, _store_fp8, fp8_exponent_bias
+from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, fp8_exponent_bias
 from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MIN_SCALE, QuantizedTensor
 
 GROUP = 128
@@ -60,16 +60,6 @@ FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Transposed-operand modes of the kernel (constexpr TRANSPOSE).
 _NO_TRANSPOSE, _FUSED_TRANSPOSE, _BUFFERED_TRANSPOSE = 0, 1, 2
-
-
-@triton.jit
-def _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr):
-    """:func:`mt_fp8.quantized.scale_from_amax` elementwise; ``amax`` holds no NaN (NaN → inf)."""
-    # fmt.max · 2^-126 is exact in fp32 (448 and 57344 have 3-bit significands).
-    floor = tl.maximum(amax, fmt_max * min_scale)
-    scale = tl.maximum(_div_rn(floor, tl.zeros_like(amax) + fmt_max, EXACT_DIV), min_scale)
-    scale = tl.where(amax > 0, scale, 1.0)
-    return tl.where(amax < float("inf"), scale, float("nan"))
 
 
 @triton.jit

@@ -81,6 +81,16 @@ def _div_rn(x, y, EXACT_DIV: tl.constexpr):
 
 
 @triton.jit
+def _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr):
+    """:func:`mt_fp8.quantized.scale_from_amax` elementwise; ``amax`` holds no NaN (NaN → inf)."""
+    # fmt.max · 2^-126 is exact in fp32 (448 and 57344 have 3-bit significands).
+    floor = tl.maximum(amax, fmt_max * min_scale)
+    scale = tl.maximum(_div_rn(floor, tl.zeros_like(amax) + fmt_max, EXACT_DIV), min_scale)
+    scale = tl.where(amax > 0, scale, 1.0)
+    return tl.where(amax < float("inf"), scale, float("nan"))
+
+
+@triton.jit
 def _store_fp8(
     ptr, clamped, mask, MANTISSA: tl.constexpr, BIAS: tl.constexpr, SOFTWARE_CAST: tl.constexpr
 ):
@@ -167,7 +177,6 @@ def _amax_to_scale(
     amax_ptr,
     scale_ptr,
     fmt_max,
-    amax_floor,
     min_scale,
     EXACT_DIV: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -180,11 +189,8 @@ def _amax_to_scale(
         part = tl.load(amax_partial_ptr + start + offs, mask=start + offs < tiles, other=0.0)
         running = tl.maximum(running, part)
     amax = tl.max(running, axis=0)
-    scale = _div_rn(tl.maximum(amax, amax_floor), fmt_max, EXACT_DIV)
-    scale = tl.where(amax > 0, tl.maximum(scale, min_scale), 1.0)
-    scale = tl.where(amax == float("inf"), float("nan"), scale)
     tl.store(amax_ptr, amax)
-    tl.store(scale_ptr, scale)
+    tl.store(scale_ptr, _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV))
 
 
 def quantize_transpose_amax_triton(
@@ -247,7 +253,6 @@ def quantize_transpose_amax_triton(
                 amax,
                 scale_11,
                 fmt.max,
-                fmt.max * MIN_SCALE,
                 MIN_SCALE,
                 EXACT_DIV=common["EXACT_DIV"],
                 BLOCK=1024,

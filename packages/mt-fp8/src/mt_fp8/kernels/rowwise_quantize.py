@@ -1,0 +1,145 @@
+"""Triton rowwise quantization (one scale per row), bit-identical to
+``quantize(x, fmt, ROWWISE)`` (:func:`mt_fp8.quantized.quantize`).
+
+Shape suffixes: R rows, C columns (the contraction axis), P programs.
+
+Each program owns ``ROWS`` consecutive rows and walks them in ``ROWS × BLOCK_C`` tiles twice:
+
+    pass 1:  amax_r = max_c |x[r, c]|         (NaN counted as +inf, as the other kernels do)
+             s_r    = scale_from_amax(amax_r)  (the shared ``_scale_from_amax``: IEEE division,
+                                                floor 2^-126, 1 for zero rows, NaN if non-finite)
+    pass 2:  q[r, c] = sat(rne(x[r, c] / s_r))  (``div.rn.f32``, NaN-propagating clamp, RNE cast)
+
+The second pass re-reads the program's rows, mostly from L2. Health counts (saturated, flushed,
+elements) go to the program's own slot of a ``(P, 3)`` partials buffer and one PyTorch sum adds
+them to the caller's counters (no same-address atomics; see :mod:`mt_fp8.kernels.quantize`).
+
+The transposed operand of the rowwise recipe (``xᵀ`` with one scale per column of ``x``) is
+this kernel applied to ``x.t().contiguous()``: the transpose is a copy of the high-precision
+tensor, so no FP8 tile is ever transposed in registers (the fused transposed FP8 store is wrong
+for fp32 inputs on the H200; :mod:`mt_fp8.kernels.quantize`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mt_fp8.formats import FP8Format
+from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, fp8_exponent_bias
+from mt_fp8.quantized import MIN_SCALE, ROWWISE, QuantizedTensor
+
+ROWS = 4
+"""Rows per program."""
+BLOCK_C = 1024
+"""Columns per tile of the two passes."""
+
+FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the kernel takes (fp64 stays on the PyTorch path, which divides in fp64)."""
+
+
+@triton.jit
+def _rowwise_quantize(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stats_partial_ptr,
+    R,
+    C,
+    fmt_max,
+    min_scale,
+    saturation,
+    half_subnormal,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    STATS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < R
+    row_offs = rows.to(tl.int64)[:, None] * C
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = in_rows[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        magnitude = tl.where(x != x, float("inf"), tl.abs(x))
+        amax = tl.maximum(amax, tl.max(magnitude, axis=1))
+    scale = _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV)
+    tl.store(scale_ptr + rows, scale, mask=in_rows)
+    scale_tile = tl.broadcast_to(scale[:, None], (ROWS, BLOCK_C))
+    saturated = tl.zeros([ROWS], dtype=tl.int64)
+    flushed = tl.zeros([ROWS], dtype=tl.int64)
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = in_rows[:, None] & (cols[None, :] < C)
+        x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scaled = _div_rn(x, scale_tile, EXACT_DIV)
+        if STATS:
+            scaled_magnitude = tl.abs(scaled)  # masked elements are zeros: counted in neither
+            saturated += tl.sum((scaled_magnitude >= saturation).to(tl.int64), axis=1)
+            flushed += tl.sum(
+                ((scaled_magnitude < half_subnormal) & (scaled_magnitude > 0)).to(tl.int64), axis=1
+            )
+        clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
+        _store_fp8(q_ptr + row_offs + cols[None, :], clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+    if STATS:
+        elements = tl.sum(in_rows.to(tl.int64), axis=0) * C
+        tl.store(stats_partial_ptr + 3 * pid, tl.sum(saturated, axis=0))
+        tl.store(stats_partial_ptr + 3 * pid + 1, tl.sum(flushed, axis=0))
+        tl.store(stats_partial_ptr + 3 * pid + 2, elements)
+
+
+def quantize_rows(
+    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
+) -> QuantizedTensor:
+    """``x`` with one scale per row; bit-identical to ``quantize(x, fmt, ROWWISE, stats=stats)``.
+
+    ``stats`` (int64, 3 elements), if given, is incremented by the health counts of
+    :func:`mt_fp8.quantized.cast_to_fp8`.
+    """
+    if x_RC.dim() != 2 or x_RC.dtype not in FUSED_INPUT_DTYPES:
+        raise ValueError(
+            "the Triton rowwise quantizer takes a 2-D bfloat16, float16 or float32 tensor, got "
+            f"{tuple(x_RC.shape)} {x_RC.dtype}"
+        )
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    device = x_RC.device
+    q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
+    scale_R1 = torch.empty(rows, 1, device=device, dtype=torch.float32)
+    programs = triton.cdiv(rows, ROWS)
+    stats_partial = (
+        torch.empty(programs, 3, device=device, dtype=torch.int64) if stats is not None else None
+    )
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if programs:  # an empty launch grid is an error
+        _rowwise_quantize[(programs,)](
+            x_RC,
+            q_RC,
+            scale_R1,
+            stats_partial if stats_partial is not None else scale_R1,
+            rows,
+            cols,
+            fmt_max=fmt.max,
+            min_scale=MIN_SCALE,
+            saturation=fmt.saturation_threshold,
+            half_subnormal=fmt.min_subnormal / 2,
+            MANTISSA=fmt.mantissa_bits,
+            BIAS=fp8_exponent_bias(fmt),
+            STATS=stats is not None,
+            EXACT_DIV=not interpreting,
+            SOFTWARE_CAST=interpreting,
+            ROWS=ROWS,
+            BLOCK_C=BLOCK_C,
+        )
+        if stats is not None and stats_partial is not None:
+            stats += stats_partial.sum(0)
+    return QuantizedTensor(q_RC, scale_R1, ROWWISE, fmt)

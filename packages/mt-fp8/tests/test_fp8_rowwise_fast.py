@@ -1,0 +1,103 @@
+"""The Triton rowwise quantizer (:mod:`mt_fp8.kernels.rowwise_quantize`).
+
+Bit-identical to ``quantize(x, fmt, ROWWISE)`` (FP8 bytes and scales; where a value is NaN only
+NaN-ness is compared), with the same health counts; an ``FP8Linear`` with the rowwise recipe
+gives identical outputs, gradients and counts on the fused and the PyTorch path. The CPU cases
+run the kernel in Triton's interpreter, only under ``TRITON_INTERPRET=1`` (otherwise they skip)::
+
+    TRITON_INTERPRET=1 pytest -q packages/mt-fp8/tests/test_fp8_rowwise_fast.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fp8_block_fast import DEVICES, FORMATS, assert_same_quantization, awkward_input
+
+from mt_fp8 import FP8Format, FP8Linear, RowwiseScaling, quantize
+from mt_fp8.quantized import ROWWISE
+
+
+def rowwise_kernels():
+    from mt_fp8.kernels import rowwise_quantize
+
+    return rowwise_quantize
+
+
+# (201, 1100): a partial last program (201 % 4 rows) and a partial last column tile (1100 %
+# 1024); (3, 64): fewer rows than one program, one short tile.
+SHAPES = [(201, 1100), (3, 64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_rowwise_kernel_matches_quantize(device, dtype, shape, fmt):
+    x = awkward_input(*shape, dtype, device)
+    stats = torch.zeros(3, dtype=torch.int64, device=device)
+    q = rowwise_kernels().quantize_rows(x, fmt, stats)
+    expected_stats = torch.zeros(3, dtype=torch.int64, device=device)
+    expected = quantize(x, fmt, ROWWISE, stats=expected_stats)
+    assert_same_quantization(q, expected)
+    assert torch.equal(stats, expected_stats)
+    if shape[0] > 150 and dtype != torch.float16:
+        # The edge cases are really there: a zero row, NaN rows, a floored scale, flushes.
+        assert (expected.scale == 1).any() and expected.scale.isnan().any()
+        assert (expected.scale == 2.0**-126).any() and stats[1] > 0
+    # Columns of x are rows of xᵀ: the transposed operand is the kernel on the transpose copy.
+    q_t = rowwise_kernels().quantize_rows(x.t().contiguous(), fmt)
+    assert_same_quantization(q_t, quantize(x.t(), fmt, ROWWISE))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rowwise_quantizer_refuses_float64(device):
+    with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
+        rowwise_kernels().quantize_rows(
+            torch.randn(4, 64, device=device, dtype=torch.float64), FP8Format.E4M3
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rowwise_kernel_matches_quantize_at_scale_on_cuda(dtype):
+    # Many programs at once and rows longer than several column tiles.
+    x = awkward_input(4000, 5000, dtype, "cuda")
+    q = rowwise_kernels().quantize_rows(x, FP8Format.E4M3)
+    assert_same_quantization(q, quantize(x, FP8Format.E4M3, ROWWISE))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_linear_rowwise_fused_matches_pytorch_path(device, dtype, monkeypatch):
+    # Same FP8 operands on both paths, the same (emulated) GEMMs: identical results.
+    kernels = rowwise_kernels()
+    calls = []
+    original = kernels.quantize_rows
+    monkeypatch.setattr(
+        kernels,
+        "quantize_rows",
+        lambda *args, **kwargs: calls.append(tuple(args[0].shape)) or original(*args, **kwargs),
+    )
+    results = {}
+    for path in ("fused", "pytorch"):
+        monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1" if path == "pytorch" else "0")
+        torch.manual_seed(0)
+        layer = FP8Linear(256, 384, recipe=RowwiseScaling(), backend="emulate", device=device)
+        layer.to(dtype)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(200, 256, generator=generator).to(device, dtype).requires_grad_()
+        dy = torch.randn(200, 384, generator=generator).to(device, dtype)
+        y = layer(x)
+        y.backward(dy)
+        health = layer.fp8_meta.health.clone()
+        results[path] = (y, x.grad, layer.weight.grad, layer.bias.grad, health)
+        if path == "fused":
+            # x and xᵀ, w and wᵀ, dy and dyᵀ: every operand through the kernel.
+            assert sorted(calls) == sorted(
+                [(200, 256), (256, 200), (384, 256), (256, 384), (200, 384), (384, 200)]
+            )
+            calls.clear()
+    assert not calls  # MT_FP8_DISABLE_TRITON=1 kept the PyTorch path
+    for fused, pytorch in zip(results["fused"], results["pytorch"], strict=True):
+        assert torch.equal(fused, pytorch)
