@@ -1,0 +1,467 @@
+"""Issue 7's quality check: every FP8 recipe against bf16, trained with ``mt-train`` on one GPU.
+
+Workload (defaults): ``model=llama_125m`` (121,624,320 parameters: 14 layers, width 768, GQA 12:4,
+FFN 3072, byte vocabulary padded to 320) on the bundled King James corpus, 2,000 optimizer steps
+of 16 sequences × 256 tokens (no accumulation): 2,000 · 16 · 256 = 8,192,000 tokens, about 1.95
+epochs of the 4,209,666-token training split (16,444 windows). AdamW at a peak LR of 6e-4,
+linear warmup over the first 5% of the steps, cosine to 10% of the peak; seed 1234 for every run,
+so all runs start from the same weights and see the same batches in the same order. Validation
+every 100 steps and at the end on the same 21 micro-batches of 16 (336 of the 350 validation
+windows, 86,016 tokens); no checkpoints.
+
+Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tensorwise, rowwise,
+delayed, blockwise and mxfp8 (``mt_train/conf/fp8``), each ``python -m mt_train ...`` in its own
+subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
+(``metrics.jsonl``, Hydra's ``.hydra/``, and ``train.log`` with the run's stdout and stderr).
+``--concurrent N`` runs N at once (default: all) on the one GPU: a small model's eager step
+leaves the GPU idle while the host launches kernels, so one run's host time can overlap
+another's GPU time. The corpus is prepared once (``--data-dir``, default a temporary folder) and
+shared read-only.
+
+Numbers (``<out>/fp8_quality.json``, rewritten after every finished run, and a Markdown table on
+stdout): per recipe the validation curve ``[(step, val_loss)]``, the training-loss curve (one
+step's loss every ``--log-interval`` steps), the final validation loss ``v``, ``ratio = v /
+v_bf16`` and ``vs bf16 (%) = 100 · (ratio − 1)`` at the last step both runs evaluated (the final
+step unless a run was stopped), "within 1%" meaning ``|ratio − 1| ≤ 0.01``, and the run's wall
+seconds. A failed run is reported with the tail of its log; the others go on. ``--time-limit``
+stops the runs still going at that many seconds (SIGTERM: the trainer finishes its step and
+exits), so a bounded device session still returns every curve so far; ``--collect`` rebuilds the
+JSON and the table from an existing ``--out`` folder without training.
+
+Run (repository root; GPU)::
+
+    python3 benchmarks/fp8_quality.py --out results/fp8_quality --time-limit 330
+    python3 benchmarks/plot_fp8_quality.py results/fp8_quality/fp8_quality.json
+
+CPU smoke test (FP8 runs emulated; the block recipe refuses the debug model's 64-wide k/v
+projections, which ``fp8.min_features=128`` keeps in high precision in every FP8 run)::
+
+    python benchmarks/fp8_quality.py --model debug --steps 20 --out /tmp/q \
+        --extra fp8.min_features=128
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = sorted(str(p) for p in (REPO / "packages").glob("*/src"))
+RECIPES = ("none", "tensorwise", "rowwise", "delayed", "blockwise", "mxfp8")
+"""``fp8=`` config names; ``none`` is the bf16 reference."""
+REFERENCE = "none"
+TOLERANCE = 0.01
+RESULTS = "fp8_quality.json"
+LOG = "train.log"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for the runs and the JSON")
+    p.add_argument("--model", default="llama_125m", help="model= config (debug for a smoke test)")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps per run")
+    p.add_argument(
+        "--recipes",
+        default=",".join(RECIPES),
+        help="comma-separated fp8= configs; 'none' (bf16) is the reference",
+    )
+    p.add_argument("--concurrent", type=int, default=0, help="runs at once (0: all of them)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: --batch")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of steps)")
+    p.add_argument("--eval-interval", type=int, default=None, help="default: min(100, steps)")
+    p.add_argument("--eval-batches", type=int, default=21, help="validation micro-batches")
+    p.add_argument("--log-interval", type=int, default=None, help="default: min(10, steps)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--extra",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more Hydra overrides for every run (applied last)",
+    )
+    p.add_argument(
+        "--time-limit",
+        "--device-timeout",
+        type=float,
+        default=None,
+        help="seconds from the first launch after which the runs still going are stopped "
+        "(SIGTERM) and collected",
+    )
+    p.add_argument("--grace", type=float, default=20.0, help="seconds from SIGTERM to SIGKILL")
+    p.add_argument("--data-dir", type=Path, default=None, help="prepared corpus (default: temp)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the runs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument(
+        "--collect",
+        action="store_true",
+        help="only rebuild the JSON from --out (pass the options of the run that wrote it)",
+    )
+    args = p.parse_args(argv)
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    unknown = sorted(set(args.recipes) - set(RECIPES))
+    if unknown:
+        p.error(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
+    args.micro_batch = args.micro_batch or args.batch
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    args.eval_interval = args.eval_interval or min(100, args.steps)
+    args.log_interval = args.log_interval or min(10, args.steps)
+    args.concurrent = args.concurrent or len(args.recipes)
+    return args
+
+
+# ---------------------------------------------------------------- launching
+def overrides(args: argparse.Namespace, recipe: str, run_dir: Path, data_dir: Path) -> list[str]:
+    """The Hydra overrides of one run (the same for every recipe but ``fp8=``)."""
+    return [
+        f"model={args.model}",
+        f"fp8={recipe}",
+        "checkpoint=disabled",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.seq_len={args.seq_len}",
+        f"trainer.global_batch_size={args.batch}",
+        f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.eval_interval={args.eval_interval}",
+        f"trainer.eval_batches={args.eval_batches}",
+        f"trainer.log_interval={args.log_interval}",
+        f"trainer.seed={args.seed}",
+        f"optimizer.lr={args.lr}",
+        "scheduler=cosine",
+        f"scheduler.warmup_steps={args.warmup}",
+        "logging.progress_bar=false",
+        f"data.path={_quoted(data_dir)}",
+        f"trainer.output_dir={_quoted(run_dir)}",
+        f"hydra.run.dir={_quoted(run_dir)}",  # Hydra's files go there too, not to ./outputs
+        *args.extra,
+    ]
+
+
+def _quoted(path: Path) -> str:
+    text = str(path.resolve())
+    if "'" in text:
+        raise SystemExit(f"fp8_quality: paths with a quote are not supported: {text}")
+    return f"'{text}'"
+
+
+def child_env(concurrent: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The checkout's sources first, so the runs train this tree's code with or without an install.
+    env["PYTHONPATH"] = os.pathsep.join([*SOURCES, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    # NOTE: N processes that each start a thread per core would oversubscribe the host's
+    # cores, which also have to launch every run's GPU kernels; share them out instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // concurrent)))
+    return env
+
+
+def prepare_data(folder: Path) -> None:
+    sys.path[:0] = [s for s in SOURCES if s not in sys.path]
+    from mt_train.data.prepare import prepare_bundled
+
+    prepare_bundled(folder)
+
+
+class Run:
+    """One ``python -m mt_train`` subprocess and what became of it."""
+
+    def __init__(self, recipe: str, folder: Path, command: list[str]) -> None:
+        self.recipe, self.folder, self.command = recipe, folder, command
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = self.ended = 0.0
+        self.returncode: int | None = None
+        self.terminated_at: float | None = None  # when --time-limit sent SIGTERM
+        self.killed = False
+        self.collected = False  # --collect: judged from its folder only
+
+    def start(self, env: dict[str, str]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / LOG, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+            )
+        self.started = time.perf_counter()
+
+    def poll(self) -> bool:
+        """True once the process has ended (and records how)."""
+        if self.proc is None or self.returncode is not None:
+            return self.returncode is not None
+        rc = self.proc.poll()
+        if rc is None:
+            return False
+        self.returncode, self.ended = rc, time.perf_counter()
+        return True
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM once (the trainer stops after its step); SIGKILL ``grace`` seconds later."""
+        if self.proc is None or self.returncode is not None:
+            return
+        now = time.perf_counter()
+        if self.terminated_at is None:
+            # NOTE: once only: the trainer restores the default handler on the first SIGTERM,
+            # so a second one would end it mid-step.
+            self.proc.send_signal(signal.SIGTERM)
+            self.terminated_at = now
+        elif now - self.terminated_at > grace and not self.killed:
+            self.proc.kill()
+            self.killed = True
+
+    @property
+    def wall_s(self) -> float | None:
+        if self.collected or self.returncode is None:
+            return None
+        return round(self.ended - self.started, 1)
+
+    def status(self) -> str:
+        if self.proc is None and not self.collected:
+            return "not started (time limit)"
+        if self.returncode is None and not self.collected:
+            return "running"
+        log = _read(self.folder / LOG)
+        finished = "\ndone: " in log and "stopped early by" not in log
+        if self.collected:
+            return "ok" if finished else "incomplete"
+        if self.terminated_at is not None and not (finished and self.returncode == 0):
+            return f"stopped by --time-limit (exit {self.returncode})"
+        return "ok" if self.returncode == 0 else f"failed (exit {self.returncode})"
+
+
+def launch_all(args: argparse.Namespace, runs: list[Run]) -> None:
+    env = child_env(args.concurrent)
+    began = time.perf_counter()
+    pending, running = list(runs), []
+    last_report = began
+    while pending or running:
+        now = time.perf_counter()
+        over = args.time_limit is not None and now - began > args.time_limit
+        while pending and len(running) < args.concurrent and not over:
+            run = pending.pop(0)
+            run.start(env)
+            running.append(run)
+            print(f"[{now - began:6.0f} s] started {run.recipe}", flush=True)
+        if over:
+            pending.clear()
+            for run in running:
+                run.stop(args.grace)
+        for run in [r for r in running if r.poll()]:
+            running.remove(run)
+            print(
+                f"[{now - began:6.0f} s] {run.recipe}: {run.status()}, {run.wall_s} s", flush=True
+            )
+            if run.status() != "ok":
+                print(tail(run.folder / LOG), flush=True)
+            write_results(args, runs)
+        if running and now - last_report > 30:
+            last_report = now
+            steps = ", ".join(f"{r.recipe} {last_step(r.folder)}" for r in running)
+            print(f"[{now - began:6.0f} s] steps: {steps}", flush=True)
+        time.sleep(0.5)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    text = _read(path).splitlines() or [f"(no output in {path})"]
+    return "\n".join("    | " + line for line in text[-lines:])
+
+
+# ---------------------------------------------------------------- collecting
+def read_metrics(folder: Path) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """(val curve, train curve, tokens/s values) from a run's ``metrics.jsonl``."""
+    val: list[list[float]] = []
+    train: list[list[float]] = []
+    tps: list[float] = []
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return val, train, tps
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+        if row.get("kind") == "eval" and "val_loss" in row:
+            val.append([row["step"], row["val_loss"]])
+        elif row.get("kind") == "train" and "loss" in row:
+            train.append([row["step"], row["loss"]])
+            if "tok/s" in row:
+                tps.append(row["tok/s"])
+    return val, train, tps
+
+
+def last_step(folder: Path) -> int:
+    _, train, _ = read_metrics(folder)
+    return int(train[-1][0]) if train else 0
+
+
+def log_lines(folder: Path) -> tuple[str | None, float | None]:
+    """The trainer's ``mt-train: <model> Llama, ... on 1x <device> ...`` line and the training
+    loop's seconds from its ``done: N steps in S s`` line (None where missing)."""
+    described, train_s = None, None
+    for line in _read(folder / LOG).splitlines():
+        if line.startswith("mt-train: ") and " Llama, " in line:
+            described = line
+        elif line.startswith("done: ") and " steps in " in line:
+            with contextlib.suppress(ValueError, IndexError):
+                train_s = float(line.split(" steps in ")[1].split(" s")[0])
+    return described, train_s
+
+
+def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
+    per: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        val, train, tps = read_metrics(run.folder)
+        described, train_s = log_lines(run.folder)
+        entry: dict[str, Any] = {
+            "fp8": run.recipe,
+            "status": run.status(),
+            "returncode": run.returncode,
+            "wall_s": run.wall_s,
+            "train_loop_s": train_s,
+            "steps": int(train[-1][0]) if train else 0,
+            "val_loss": val,
+            "train_loss": train,
+            "final_val_loss": val[-1][1] if val else None,
+            "final_step": val[-1][0] if val else None,
+            "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+            "trainer": described,
+            "log": str(run.folder / LOG),
+            "command": run.command,
+        }
+        if run.recipe != REFERENCE and described is not None and " linears)" not in described:
+            entry["status"] += "; WARNING: the trainer reports no FP8 layers"
+        per[run.recipe] = entry
+    ref = per.get(REFERENCE)
+    ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
+    for recipe, entry in per.items():
+        common = sorted(set(ref_val) & {int(s) for s, _ in entry["val_loss"]})
+        entry["compare_step"] = common[-1] if common else None
+        if not common or recipe == REFERENCE:
+            entry.update(ratio_to_bf16=1.0 if common else None, vs_bf16_pct=None, within_1pct=None)
+            continue
+        v = dict((int(s), x) for s, x in entry["val_loss"])[common[-1]]
+        ratio = v / ref_val[common[-1]]
+        entry.update(
+            ratio_to_bf16=ratio,
+            vs_bf16_pct=100.0 * (ratio - 1.0),
+            within_1pct=abs(ratio - 1.0) <= TOLERANCE,
+        )
+    fp8 = [e for r, e in per.items() if r != REFERENCE]
+    verdicts = [e["within_1pct"] for e in fp8]
+    return {
+        "issue": 7,
+        "criterion": "final validation loss of every FP8 recipe within 1% of bf16",
+        "settings": {
+            "model": args.model,
+            "steps": args.steps,
+            "seq_len": args.seq_len,
+            "global_batch": args.batch,
+            "micro_batch": args.micro_batch,
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "eval_interval": args.eval_interval,
+            "eval_batches": args.eval_batches,
+            "seed": args.seed,
+            "concurrent": args.concurrent,
+            "extra": args.extra,
+        },
+        "all_within_1pct": bool(verdicts) and all(v is True for v in verdicts),
+        "runs": per,
+    }
+
+
+def write_results(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
+    result = summarize(args, runs)
+    path = args.out / RESULTS
+    tmp = path.with_suffix(".json.tmp")
+    # One line per curve point instead of json's three.
+    text = re.sub(r"\[\s+(\S+),\s+(\S+)\s+\]", r"[\1, \2]", json.dumps(result, indent=1))
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [
+        "| recipe | final val loss | vs bf16 (%) | within 1% | wall s | status |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    steps = result["settings"]["steps"]
+    for recipe, e in result["runs"].items():
+        name = recipe
+        if recipe == REFERENCE:  # fp8=none trains in the trainer's precision: fp32 on a CPU
+            name = "fp32" if " fp32" in (e["trainer"] or "") else "bf16"
+        loss = "—" if e["final_val_loss"] is None else f"{e['final_val_loss']:.4f}"
+        if e["final_step"] not in (None, steps):
+            loss += f" (step {e['final_step']})"
+        pct = "—" if e["vs_bf16_pct"] is None else f"{e['vs_bf16_pct']:+.2f}"
+        if e["compare_step"] not in (None, steps) and recipe != REFERENCE:
+            pct += f" (at step {e['compare_step']})"
+        within = {True: "yes", False: "**no**", None: "—"}[e["within_1pct"]]
+        seconds = e["wall_s"] if e["wall_s"] is not None else e["train_loop_s"]  # --collect
+        wall = "—" if seconds is None else f"{seconds:.0f}"
+        rows.append(f"| {name} | {loss} | {pct} | {within} | {wall} | {e['status']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp_data = None
+    if args.data_dir is None and not args.collect:
+        tmp_data = tempfile.TemporaryDirectory(prefix="fp8_quality_data_")
+        args.data_dir = Path(tmp_data.name) / "kjv"
+    data_dir = (args.data_dir or args.out / "data").resolve()
+    runs = []
+    for recipe in args.recipes:
+        folder = args.out / recipe
+        command = [args.python, "-m", "mt_train", *overrides(args, recipe, folder, data_dir)]
+        runs.append(Run(recipe, folder, command))
+    if args.dry_run:
+        for run in runs:
+            print(" ".join(run.command))
+        return 0
+    if args.collect:
+        for run in runs:
+            run.collected = True
+    else:
+        print(
+            f"fp8_quality: {len(runs)} runs of model={args.model}, {args.steps} steps of "
+            f"{args.batch}x{args.seq_len} tokens, {args.concurrent} at once, into {args.out}",
+            flush=True,
+        )
+        prepare_data(data_dir)
+        try:
+            launch_all(args, runs)
+        finally:
+            for run in runs:  # only after an error here (e.g. Ctrl-C): nothing left behind
+                if run.proc is not None and run.returncode is None:
+                    run.proc.kill()
+            if tmp_data is not None:
+                tmp_data.cleanup()
+    result = write_results(args, runs)
+    print("\n" + table(result))
+    verdict = "yes" if result["all_within_1pct"] else "no"
+    print(f"\nevery FP8 recipe within 1% of bf16: {verdict}  ({args.out / RESULTS})")
+    return 0 if all(run.status() == "ok" for run in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

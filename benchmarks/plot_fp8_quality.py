@@ -1,0 +1,164 @@
+"""Plot issue 7's FP8-vs-bf16 quality runs from the ``fp8_quality.json`` of ``fp8_quality.py``.
+
+Three panels, step on every x axis:
+
+* validation loss of every run (bf16 black);
+* each FP8 recipe's validation loss relative to bf16 at the same step,
+  ``100 · (v_recipe / v_bf16 − 1)`` in %, with the ±1% band of the issue's criterion shaded
+  (a 1% difference is invisible on the first panel's scale);
+* training loss (one step's loss every log interval) smoothed by a bias-corrected exponential
+  moving average, ``m_i = β·m_{i−1} + (1−β)·x_i``, shown as ``m_i / (1 − β^i)``.
+
+Needs matplotlib, which no mt package depends on (``pip install matplotlib``); it is imported
+only when plotting.
+
+Run (repository root)::
+
+    python benchmarks/plot_fp8_quality.py results/fp8_quality/fp8_quality.json
+    python benchmarks/plot_fp8_quality.py /tmp/q/fp8_quality.json --out /tmp/q/fp8_vs_bf16.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs" / "img" / "fp8_vs_bf16.png"
+REFERENCE = "none"
+TOLERANCE_PCT = 1.0
+
+
+def ema(values: list[float], beta: float) -> list[float]:
+    """Bias-corrected exponential moving average (module docstring)."""
+    out, m = [], 0.0
+    for i, x in enumerate(values, start=1):
+        m = beta * m + (1.0 - beta) * x
+        out.append(m / (1.0 - beta**i))
+    return out
+
+
+def reference_label(run: dict[str, Any]) -> str:
+    """``fp8=none`` trains in the trainer's precision: bf16 autocast on a GPU, fp32 on a CPU."""
+    return "fp32" if " fp32" in (run.get("trainer") or "") else "bf16"
+
+
+def title(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    text = f"{s['model']}"
+    described = next((r["trainer"] for r in result["runs"].values() if r.get("trainer")), "")
+    params = re.search(r"Llama, ([\d.]+M) params", described)
+    device = re.search(r" on \d+x (.+?) \[", described)
+    if params:
+        text += f" ({params.group(1)} parameters)"
+    text += f", {s['steps']} steps of {s['global_batch']}×{s['seq_len']} tokens, lr {s['lr']:g}"
+    if device:
+        text += f", {device.group(1)}"
+    return text
+
+
+def relative_pct(run: dict[str, Any], ref: dict[str, Any]) -> tuple[list[int], list[float]]:
+    ref_val = {int(step): v for step, v in ref["val_loss"]}
+    steps, pct = [], []
+    for step, v in run["val_loss"]:
+        if int(step) in ref_val:
+            steps.append(int(step))
+            pct.append(100.0 * (v / ref_val[int(step)] - 1.0))
+    return steps, pct
+
+
+def plot(result: dict[str, Any], out: Path, beta: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SystemExit(
+            "plot_fp8_quality.py needs matplotlib (no mt package depends on it): "
+            "pip install matplotlib"
+        ) from err
+
+    runs = result["runs"]
+    ref = runs.get(REFERENCE)
+    fig, (ax_val, ax_rel, ax_train) = plt.subplots(1, 3, figsize=(17, 5.2))
+    colors = plt.get_cmap("tab10").colors
+    rel_seen: list[float] = []
+    train_seen: list[float] = []
+    max_step = result["settings"]["steps"]
+    for i, (recipe, run) in enumerate(runs.items()):
+        is_ref = recipe == REFERENCE
+        name = reference_label(run) if is_ref else recipe
+        style = (
+            {"color": "black", "linewidth": 2.2, "zorder": 5}
+            if is_ref
+            else {"color": colors[i % len(colors)], "linewidth": 1.4}
+        )
+        label = name
+        if run["final_val_loss"] is not None:
+            label += f": {run['final_val_loss']:.4f}"
+            if run.get("vs_bf16_pct") is not None:
+                label += f" ({run['vs_bf16_pct']:+.2f}%)"
+        if run["status"] != "ok":
+            label += f" [{run['status'].split(' (')[0]}]"
+        if run["val_loss"]:
+            steps, values = zip(*run["val_loss"], strict=True)
+            ax_val.plot(steps, values, marker="o", markersize=2.5, label=label, **style)
+        if run["train_loss"]:
+            steps, values = zip(*run["train_loss"], strict=True)
+            smooth = ema(list(values), beta)
+            ax_train.plot(steps, smooth, label=name, **style)
+            train_seen += [v for s, v in zip(steps, smooth, strict=True) if s >= max_step / 20]
+        if not is_ref and ref is not None and run["val_loss"]:
+            steps, pct = relative_pct(run, ref)
+            ax_rel.plot(steps, pct, marker="o", markersize=2.5, label=name, **style)
+            rel_seen += [p for s, p in zip(steps, pct, strict=True) if s >= max_step / 4]
+
+    ax_val.set(title="validation loss", xlabel="step", ylabel="loss (nats/byte)")
+    ax_val.legend(title="final validation loss", fontsize=8)
+    ax_rel.axhspan(-TOLERANCE_PCT, TOLERANCE_PCT, color="tab:green", alpha=0.12, label="±1%")
+    ax_rel.axhline(0.0, color="black", linewidth=1.2)
+    lim = max(1.5 * TOLERANCE_PCT, 1.15 * max((abs(p) for p in rel_seen), default=0.0))
+    ax_rel.set_ylim(-lim, lim)
+    ref_name = reference_label(ref) if ref is not None else "bf16"
+    ax_rel.set(
+        title=f"validation loss vs {ref_name} (y range from steps ≥ {max_step // 4})",
+        xlabel="step",
+        ylabel=f"100·(loss / {ref_name} loss − 1)  [%]",
+    )
+    ax_rel.legend(fontsize=8)
+    ax_train.set(
+        title=f"training loss (EMA, β = {beta}; y range from step {max_step // 20})",
+        xlabel="step",
+        ylabel="loss (nats/byte)",
+    )
+    ax_train.legend(fontsize=8)
+    if train_seen:  # the first steps' loss (≈ ln vocab) would flatten the rest
+        top = max(train_seen)
+        ax_train.set_ylim(min(train_seen) - 0.05 * (top - min(train_seen)), top)
+    for ax in (ax_val, ax_rel, ax_train):
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title(result))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("results", type=Path, help="fp8_quality.json written by fp8_quality.py")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"PNG (default {DEFAULT_OUT})")
+    p.add_argument("--beta", type=float, default=0.9, help="EMA factor of the training loss")
+    args = p.parse_args(argv)
+    result = json.loads(args.results.read_text())
+    plot(result, args.out, args.beta)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
