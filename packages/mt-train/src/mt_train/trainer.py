@@ -334,7 +334,9 @@ class Trainer:
             positions = mt_parallel.load_balanced_positions(seq_len, cp, cp_rank).to(self.device)
         with self._autocast():
             logits = self.model(inputs, positions, docs)
-        return self.module.loss(logits.float(), targets)
+        # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient
+        # in their dtype: no fp32 copy of the (tokens × vocab) logits is ever materialised.
+        return self.module.loss(logits, targets)
 
     def collate(self, dataset: Any, indices: Any) -> Batch:
         """A micro-batch on this rank's device (with document ids if masking is on)."""
