@@ -275,6 +275,26 @@ def test_weight_cache_is_keyed_on_the_weight_object():
     assert torch.equal(layer(x), first)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_weight_cache_follows_optimizer_steps(fused):
+    # Fused AdamW updates the weights in place without bumping their version counter (torch 2.11
+    # and 2.13); a cache keyed on the version alone kept serving the first step's FP8 weights. Any
+    # torch optimizer step must invalidate it, while micro-batches between steps still share it.
+    torch.manual_seed(0)
+    layer = FP8Linear(64, 32, recipe=TensorwiseScaling())
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused)
+    x = torch.randn(16, 64)
+    for _ in range(3):
+        layer(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        fresh = FP8Linear.from_linear(layer, recipe=TensorwiseScaling())  # same weights, no cache
+        assert torch.equal(layer(x), fresh(x))
+    cached = layer._weight_cache["entry"][2]
+    layer(x)  # no step since: the same cached FP8 weight object is served
+    assert layer._weight_cache["entry"][2] is cached
+
+
 def test_rowwise_single_token_runs_the_fast_path():
     torch.manual_seed(0)
     layer = FP8Linear(64, 32, recipe=RowwiseScaling(), backend="fast")

@@ -20,12 +20,17 @@ Backward, with ``dy_MN`` quantized along N (GRAD_OUTPUT role):
 
 The FP8 weight (and its transpose) is cached by the layer and reused while the weight is the
 same tensor object (a weak reference, so a new parameter that happens to reuse freed memory is
-not mistaken for the old one), with the same storage pointer and ``_version`` (bumped by every
-in-place optimizer update), under the same scale state and amax group, i.e. across the
-micro-batches of one optimizer step. NOTE: writes through ``weight.data`` (``p.data.copy_(...)``)
-do not bump ``_version``; after such a write call :func:`mt_fp8.clear_fp8_weight_caches` (or use
-``with torch.no_grad(): p.copy_(...)``, which does). Under ``torch.compile`` the cache is
-bypassed (the weight is quantized inside the graph, where the compiler can fuse it).
+not mistaken for the old one), with the same storage pointer and ``_version``, under the same
+scale state and amax group, and no ``torch.optim`` optimizer has stepped since: i.e. across the
+micro-batches of one optimizer step. The last condition is a counter that a global optimizer
+step post-hook (``torch.optim.optimizer.register_optimizer_step_post_hook``) advances after
+every step of every torch optimizer. NOTE: the version counter alone is not enough: fused
+optimizer kernels (``torch.optim.AdamW(fused=True)``, the default on GPUs) update parameters in
+place without bumping ``_version`` (measured with torch 2.11 and 2.13), and a cache keyed on it
+kept serving the first step's FP8 weights. Writes outside a torch optimizer that do not bump
+``_version`` either (``p.data.copy_(...)``, a custom fused update) need a call to
+:func:`mt_fp8.clear_fp8_weight_caches` afterwards. Under ``torch.compile`` the cache is bypassed
+(the weight is quantized inside the graph, where the compiler can fuse it).
 Shared input quantization: layers that read the same tensor one after the other (q/k/v
 projections of one normalised input, gate/up of the MLP) quantize it once. With current scaling
 (every recipe but delayed) ``q = quantize(x)`` depends only on ``x``, the recipe and the amax
@@ -69,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mt_fp8.formats import TensorRole
 from mt_fp8.gemm import fp8_gemm
@@ -246,6 +252,7 @@ class LinearPlan:
         key = None
         if self.weight_cache is not None and not torch.compiler.is_compiling():
             key = (
+                _optimizer_steps[0],
                 weight_NK._version,
                 weight_NK.data_ptr(),
                 weight_NK.device,
@@ -274,6 +281,16 @@ class LinearPlan:
 
 _last_input: dict[str, Any] = {}
 """The last FP8 input operand, for :meth:`LinearPlan.quantize_input` (one entry)."""
+
+_optimizer_steps = [0]
+"""Steps taken by any torch optimizer in this process (part of the weight-cache key)."""
+
+
+def _count_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _pad_columns(x_RC: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -15,7 +15,9 @@ never reduces: experts with no tokens skip their GEMMs, so the ranks' all-reduce
 line up.
 
 Weight cache: ``cache_weight`` (default True) keeps the FP8 weight across the micro-batches of
-one optimizer step (:mod:`mt_fp8.functional`). Set it False when something else re-materialises
+one optimizer step (:mod:`mt_fp8.functional`: any torch optimizer's step invalidates it; after
+other in-place writes that do not bump the weight's version, call :func:`clear_fp8_weight_caches`).
+Set it False when something else re-materialises
 the weight without bumping its version counter, as FSDP2 does when it all-gathers the unsharded
 parameter: the cache key (storage pointer, ``_version``) could then match a new all-gather on one
 rank and not on its TP peer (whose weight-amax all-reduce would wait alone), or match stale
@@ -242,9 +244,10 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
 
 
 def clear_fp8_weight_caches(model: nn.Module) -> None:
-    """Drop every cached FP8 weight in ``model`` (after writing weights through ``.data``).
+    """Drop every cached FP8 weight in ``model`` (after writing weights outside a torch optimizer).
 
-    The caches key on the weight's ``_version``, which ``p.data.copy_(...)`` does not bump; see
+    The caches key on the weight's ``_version`` and on the count of torch optimizer steps;
+    ``p.data.copy_(...)`` changes neither; see
     :mod:`mt_fp8.functional`.
     """
     for module in model.modules():
