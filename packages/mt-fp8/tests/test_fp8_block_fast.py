@@ -153,26 +153,28 @@ def test_groups_with_transpose_match_quantize_at_scale_on_cuda(dtype):
     assert_same_quantization(q_t, quantize(padded_transpose(x), FP8Format.E4M3, GROUPS_1X128))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_fp8_linear_fused_quantization_matches_pytorch_path(device, dtype, monkeypatch):
-    # Same FP8 operands on both paths, the same (emulated) GEMMs: identical results.
-    kernels = block_kernels()
+def fused_calls_of_a_layer_matching_the_pytorch_path(
+    device, dtype, recipe, kernels, names, monkeypatch
+) -> list[tuple[str, tuple[int, ...]]]:
+    """One forward and backward of ``FP8Linear(256, 384, recipe)`` on 200 tokens, on the fused
+    (Triton) path and with ``MT_FP8_DISABLE_TRITON=1``: asserts identical outputs, gradients and
+    health counts (same FP8 operands, the same emulated GEMMs) and returns the calls the fused
+    run made to ``kernels.<names>`` as sorted ``(name, input shape)`` pairs."""
     calls = []
-    for name in ("quantize_groups_with_transpose", "quantize_square_blocks"):
+    for name in names:
         original = getattr(kernels, name)
         monkeypatch.setattr(
             kernels,
             name,
             lambda *args, _name=name, _original=original, **kwargs: (
-                calls.append((_name, args[0].shape)) or _original(*args, **kwargs)
+                calls.append((_name, tuple(args[0].shape))) or _original(*args, **kwargs)
             ),
         )
-    results = {}
+    results, fused_calls = {}, []
     for path in ("fused", "pytorch"):
         monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1" if path == "pytorch" else "0")
         torch.manual_seed(0)
-        layer = FP8Linear(256, 384, recipe=BlockScaling(), backend="emulate", device=device)
+        layer = FP8Linear(256, 384, recipe=recipe, backend="emulate", device=device)
         layer.to(dtype)
         generator = torch.Generator().manual_seed(1)
         x = torch.randn(200, 256, generator=generator).to(device, dtype).requires_grad_()
@@ -182,16 +184,29 @@ def test_fp8_linear_fused_quantization_matches_pytorch_path(device, dtype, monke
         health = layer.fp8_meta.health.clone()
         results[path] = (y, x.grad, layer.weight.grad, layer.bias.grad, health)
         if path == "fused":
-            # x (with xᵀ), the weight, dy (with dyᵀ): all three through the kernels.
-            assert sorted(calls) == [
-                ("quantize_groups_with_transpose", (200, 256)),
-                ("quantize_groups_with_transpose", (200, 384)),
-                ("quantize_square_blocks", (384, 256)),
-            ]
+            fused_calls = sorted(calls)
             calls.clear()
     assert not calls  # MT_FP8_DISABLE_TRITON=1 kept the PyTorch path
     for fused, pytorch in zip(results["fused"], results["pytorch"], strict=True):
         assert torch.equal(fused, pytorch)
+    return fused_calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_linear_fused_quantization_matches_pytorch_path(device, dtype, monkeypatch):
+    names = ("quantize_groups_with_transpose", "quantize_square_blocks")
+    calls = fused_calls_of_a_layer_matching_the_pytorch_path(
+        device, dtype, BlockScaling(), block_kernels(), names, monkeypatch
+    )
+    # x (with xᵀ), the weight, dy (with dyᵀ): all three through the kernels.
+    assert calls == sorted(
+        [
+            ("quantize_groups_with_transpose", (200, 256)),
+            ("quantize_groups_with_transpose", (200, 384)),
+            ("quantize_square_blocks", (384, 256)),
+        ]
+    )
 
 
 # ---- cuBLAS blockwise GEMM: the dispatch rule (CPU) ----

@@ -42,14 +42,12 @@ H200 there). Other input dtypes store the transposed-scaled tile untransposed in
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, fp8_exponent_bias
+from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, cast_arguments
 from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MIN_SCALE, QuantizedTensor
 
 GROUP = 128
@@ -163,7 +161,6 @@ def _launch(
     if transpose != _NO_TRANSPOSE:
         scale_t = torch.empty(cols, rows_padded // GROUP, device=device, dtype=torch.float32)
     grid = (rows_padded // GROUP, cols // GROUP)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if rows_padded:  # an empty launch grid is an error
         _block_quantize[grid](
             x_RC,
@@ -175,17 +172,11 @@ def _launch(
             rows,
             cols,
             rows_padded,
-            fmt_max=fmt.max,
             min_scale=MIN_SCALE,
-            saturation=fmt.saturation_threshold,
-            half_subnormal=fmt.min_subnormal / 2,
-            MANTISSA=fmt.mantissa_bits,
-            BIAS=fp8_exponent_bias(fmt),
             SQUARE=square,
             TRANSPOSE=transpose,
             STATS=stats is not None,
-            EXACT_DIV=not interpreting,
-            SOFTWARE_CAST=interpreting,
+            **cast_arguments(fmt),
             TILE=GROUP,
             num_warps=8,
         )

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,20 @@ TILE = 64
 def fp8_exponent_bias(fmt: FP8Format) -> int:
     """The format's exponent bias (7 for E4M3, 15 for E5M2): min normal = 2^(1 - bias)."""
     return 1 - round(math.log2(fmt.min_normal))
+
+
+def cast_arguments(fmt: FP8Format) -> dict[str, Any]:
+    """The format constants and interpreter switches every FP8-casting kernel here takes."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return dict(
+        fmt_max=fmt.max,
+        saturation=fmt.saturation_threshold,
+        half_subnormal=fmt.min_subnormal / 2,
+        MANTISSA=fmt.mantissa_bits,
+        BIAS=fp8_exponent_bias(fmt),
+        EXACT_DIV=not interpreting,
+        SOFTWARE_CAST=interpreting,
+    )
 
 
 @triton.jit
@@ -212,17 +227,7 @@ def quantize_transpose_amax_triton(
     q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
     fused_transpose = x_RC.dtype == torch.bfloat16  # see the NOTE in the module docstring
     q_CR = torch.empty(cols, rows, device=x_RC.device, dtype=fmt.dtype) if fused_transpose else q_RC
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    common = dict(
-        fmt_max=fmt.max,
-        saturation=fmt.saturation_threshold,
-        half_subnormal=fmt.min_subnormal / 2,
-        EXACT_DIV=not interpreting,
-        MANTISSA=fmt.mantissa_bits,
-        BIAS=fp8_exponent_bias(fmt),
-        SOFTWARE_CAST=interpreting,
-        TILE=TILE,
-    )
+    common = dict(cast_arguments(fmt), TILE=TILE)
     given_scale = scale is not None
     if not given_scale:
         _quantize_transpose[grid](

@@ -22,14 +22,12 @@ for fp32 inputs on the H200; :mod:`mt_fp8.kernels.quantize`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, fp8_exponent_bias
+from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, cast_arguments
 from mt_fp8.quantized import MIN_SCALE, ROWWISE, QuantizedTensor
 
 ROWS = 4
@@ -119,7 +117,6 @@ def quantize_rows(
     stats_partial = (
         torch.empty(programs, 3, device=device, dtype=torch.int64) if stats is not None else None
     )
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if programs:  # an empty launch grid is an error
         _rowwise_quantize[(programs,)](
             x_RC,
@@ -128,15 +125,9 @@ def quantize_rows(
             stats_partial if stats_partial is not None else scale_R1,
             rows,
             cols,
-            fmt_max=fmt.max,
             min_scale=MIN_SCALE,
-            saturation=fmt.saturation_threshold,
-            half_subnormal=fmt.min_subnormal / 2,
-            MANTISSA=fmt.mantissa_bits,
-            BIAS=fp8_exponent_bias(fmt),
             STATS=stats is not None,
-            EXACT_DIV=not interpreting,
-            SOFTWARE_CAST=interpreting,
+            **cast_arguments(fmt),
             ROWS=ROWS,
             BLOCK_C=BLOCK_C,
         )
