@@ -6,6 +6,9 @@ gives identical outputs, gradients and counts on the fused and the PyTorch path.
 run the kernel in Triton's interpreter, only under ``TRITON_INTERPRET=1`` (otherwise they skip)::
 
     TRITON_INTERPRET=1 pytest -q packages/mt-fp8/tests/test_fp8_rowwise_fast.py
+
+The kernel loops over a runtime column count, which Triton 3.6's interpreter handles only with
+numpy < 2.3 (it converts 1-element arrays to Python ints, which newer numpy refuses).
 """
 
 from __future__ import annotations
