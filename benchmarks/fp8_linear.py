@@ -29,15 +29,18 @@ from mt_fp8 import (
 
 M = 8192
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N)
-# (column label, recipe); "block_e4m3" is DeepSeek-V3's all-E4M3 block recipe, whose gradient
-# GEMMs cuBLAS runs (the hybrid E5M2 gradients go to the Triton block GEMM).
+# (column label, recipe, GEMM backend); "block_e4m3" is DeepSeek-V3's all-E4M3 block recipe,
+# whose gradient GEMMs cuBLAS runs (the hybrid E5M2 gradients go to the Triton block GEMM).
+# "mxfp8" takes the exact bf16 GEMM (backend "auto" on Hopper), "mxfp8_triton" the Triton 1x32
+# kernel it replaced.
 RECIPES = [
-    ("tensorwise", TensorwiseScaling()),
-    ("rowwise", RowwiseScaling()),
-    ("delayed", DelayedScaling()),
-    ("block", BlockScaling()),
-    ("block_e4m3", BlockScaling(formats=FormatConfig.all_e4m3())),
-    ("mxfp8", MXFP8Scaling()),
+    ("tensorwise", TensorwiseScaling(), "auto"),
+    ("rowwise", RowwiseScaling(), "auto"),
+    ("delayed", DelayedScaling(), "auto"),
+    ("block", BlockScaling(), "auto"),
+    ("block_e4m3", BlockScaling(formats=FormatConfig.all_e4m3()), "auto"),
+    ("mxfp8", MXFP8Scaling(), "auto"),
+    ("mxfp8_triton", MXFP8Scaling(), "triton"),
 ]
 COMPILED = ("tensorwise", "rowwise")  # compile time budget: the recipes torchao also has
 
@@ -86,7 +89,7 @@ def main() -> None:
     )
     print(
         "| K x N | mode | bf16 | "
-        + " | ".join(f"ours {label}" for label, _ in RECIPES)
+        + " | ".join(f"ours {label}" for label, _, _ in RECIPES)
         + " | torchao tensorwise | torchao rowwise |"
     )
     print("|" + " --- |" * (5 + len(RECIPES)))
@@ -97,12 +100,12 @@ def main() -> None:
         for mode in modes:
             wrap = (lambda m: torch.compile(m)) if mode == "compiled" else (lambda m: m)
             row = [time_ms(wrap(base), x, dy)]
-            for label, recipe in RECIPES:
+            for label, recipe, backend in RECIPES:
                 if mode == "compiled" and label not in COMPILED:
                     row.append(float("nan"))
                     continue
                 try:
-                    layer = FP8Linear.from_linear(base, recipe=recipe)
+                    layer = FP8Linear.from_linear(base, recipe=recipe, backend=backend)
                     layer.cache_weight = False
                     if isinstance(recipe, DelayedScaling):
                         layer(x).backward(dy)

@@ -117,3 +117,39 @@ def test_triton_block_gemm_takes_fixed_groups_only():
     assert gemm_module._triton_layout_reason(qa, qb) is None
     _, _, qa, qb = quantized_pair(BlockScaling(group=256, weight_block=256), m=256, k=512)
     assert "g in 32, 64, 128" in gemm_module._triton_layout_reason(qa, qb)
+
+
+def test_power_of_two_operands_dequantize_exactly_in_bf16():
+    # The bf16 backend's premise: q · 2^e is a bf16 value. Spread the groups' magnitudes over
+    # 2^-100 .. 2^100 so the scales span most of the exponent range.
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, dtype=torch.float64, generator=generator)
+    x *= 2.0 ** torch.randint(-100, 101, (64, 8), generator=generator).double().repeat_interleave(
+        32, 1
+    )
+    for fmt in (FP8Format.E4M3, FP8Format.E5M2):
+        q = quantize(x, fmt, MXFP8Scaling().layout(TensorRole.INPUT))
+        exact = q.dequantize(torch.float64)
+        assert torch.equal(gemm_module._dequantize_bf16(q).double(), exact)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt_a", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
+def test_bf16_backend_agrees_with_emulation_for_mx(out_dtype, fmt_a):
+    _, _, qa, qb = quantized_pair(MXFP8Scaling(), fmt_a=fmt_a)
+    bias = torch.randn(qb.shape[0]).to(out_dtype)
+    fast = fp8_gemm(qa, qb, out_dtype, bias=bias, backend="bf16")
+    assert fast.dtype == out_dtype
+    slow = fp8_gemm(qa, qb, torch.float32, bias=bias, backend="emulate").double()
+    # Exact operands and products on both paths: fp32 summation order (K·2^-24 relative to
+    # Σ|ab|), the bf16 GEMM's output rounding (2^-8 relative; a CPU bf16 GEMM writes bf16 even
+    # for an fp32 result) and the bias add's rounding in out_dtype.
+    magnitude = qa.dequantize(torch.float64).abs() @ qb.dequantize(torch.float64).abs().t()
+    bound = qa.shape[1] * 2**-24 * magnitude + 2 * 2**-8 * (slow.abs() + bias.double().abs())
+    assert ((fast.double() - slow).abs() <= bound + 1e-6).all()
+
+
+def test_bf16_backend_refuses_scales_that_would_round():
+    _, _, qa, qb = quantized_pair(BlockScaling())
+    with pytest.raises(RuntimeError, match=r"exact for power-of-two \(MX\) scales only"):
+        fp8_gemm(qa, qb, backend="bf16")

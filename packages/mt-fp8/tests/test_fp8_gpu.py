@@ -78,6 +78,17 @@ def test_triton_block_gemm(layout_b, fmt_a, group):
     check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, 2**-24)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt_a", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
+def test_mx_operands_take_the_exact_bf16_gemm_on_cuda(out_dtype, fmt_a):
+    mx = ScaleLayout((1, 32), power_of_two=True)
+    qa, qb = operands(mx, mx, fmt_a=fmt_a)
+    auto = fp8_gemm(qa, qb, out_dtype)
+    assert torch.equal(auto, fp8_gemm(qa, qb, out_dtype, backend="bf16"))
+    # fp32 outputs come straight from the fp32 accumulator (torch.mm's out_dtype).
+    check(auto, fp8_gemm(qa, qb, backend="emulate"), qa, qb, torch.finfo(out_dtype).eps)
+
+
 @pytest.mark.parametrize(
     "recipe",
     [DelayedScaling(), TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()],

@@ -29,13 +29,25 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     blocks, g = 32, 64 or 128) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g
     elements is multiplied in FP8 and promoted to the fp32 accumulator with its two scales, as
     DeepSeek-V3 does. Imported only when used.
+``"bf16"``
+    For power-of-two (MX) scales on accelerators without MX tensor cores (Hopper has none):
+    dequantize both operands to bf16 and run the bf16 GEMM. This is exact, not an
+    approximation: an E4M3 or E5M2 value has at most 4 significant bits and a power-of-two
+    scale only shifts the exponent, so ``q · 2^e`` is a bf16 value (8 significant bits, fp32's
+    exponent range) as long as it stays above bf16's smallest subnormal (``2^-133``; MX
+    scales stop at ``2^-126``, so only values below ``2^-7`` times the smallest scale can
+    flush). The products of two bf16 values are exact in the GEMM's fp32 accumulator, so the
+    result is the MX GEMM's up to summation order, then one rounding into the output dtype
+    (fp32 outputs are written directly where ``torch.mm`` has ``out_dtype``, on CUDA).
+    Measured on the H200 against the Triton 1×32 kernel: ``benchmarks/fp8_linear.py``.
 ``"emulate"``
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.
 
-``backend="auto"`` takes the first fast path that applies (in the order above) and otherwise
-emulates; on a non-CPU device without FP8 GEMM support it warns once. ``backend="fast"`` raises
-instead of emulating, for users who demanded the fast path.
+``backend="auto"`` takes the first fast path that applies (in the order above, with ``"bf16"``
+before ``"triton"`` and only off the CPU) and otherwise emulates; on a non-CPU device without
+FP8 GEMM support it warns once. ``backend="fast"`` raises instead of emulating, for users who
+demanded the fast path.
 """
 
 from __future__ import annotations
@@ -49,12 +61,15 @@ import torch.nn.functional as F
 from mt_fp8.formats import FP8Format
 from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, QuantizedTensor
 
-BACKENDS = ("auto", "fast", "scaled_mm", "triton", "emulate")
+BACKENDS = ("auto", "fast", "scaled_mm", "bf16", "triton", "emulate")
 
 _warned: set[str] = set()
 
 
 _capability_cache: dict[tuple[str, str, int | None], bool] = {}
+
+_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+"""Whether ``torch.mm`` takes ``out_dtype`` (fp32 output of bf16 inputs; CUDA, torch >= 2.8)."""
 
 
 def _device_fp8_gemm(device_type: str, index: int | None) -> bool:
@@ -194,6 +209,16 @@ def _triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     return None
 
 
+def _bf16_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+    """Why the exact bf16 GEMM cannot take these operands, or None if it can."""
+    if not (a.layout.power_of_two and b.layout.power_of_two):
+        return (
+            "the bf16 GEMM is exact for power-of-two (MX) scales only, got "
+            f"{a.layout.name} x {b.layout.name}"
+        )
+    return None
+
+
 def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -249,6 +274,30 @@ def blockwise_scaled_mm(
     return out
 
 
+def _dequantize_bf16(q: QuantizedTensor) -> torch.Tensor:
+    """``data · scale`` in bf16 for power-of-two scales (exact; see the module docstring)."""
+    rows, cols = q.data.shape
+    groups, hgroups = q.scale.shape
+    br, bc = q.block
+    scale = q.scale.to(torch.bfloat16)[:, None, :, None]
+    values = q.data.to(torch.bfloat16).reshape(groups, br, hgroups, bc) * scale
+    return values.reshape(rows, cols)
+
+
+def bf16_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The exact bf16 GEMM of power-of-two-scaled operands (no checks; see the dispatcher)."""
+    a_bf16, b_bf16 = _dequantize_bf16(a), _dequantize_bf16(b)
+    if out_dtype == torch.float32 and a.data.is_cuda and _MM_HAS_OUT_DTYPE:
+        out = torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32)
+    else:
+        out = (a_bf16 @ b_bf16.t()).to(out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
 def emulated_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -291,6 +340,12 @@ def fp8_gemm(
             if reason is None:
                 return blockwise_scaled_mm(a, b, out_dtype, bias)
             reasons.append(reason)
+    explicit_bf16 = backend == "bf16"
+    if explicit_bf16 or (backend in ("auto", "fast") and a.data.device.type != "cpu"):
+        reason = _bf16_reason(a, b)
+        if reason is None:
+            return bf16_mm(a, b, out_dtype, bias)
+        reasons.append(reason)
     if backend in ("auto", "fast", "triton"):
         reason = _triton_reason(a, b)
         if reason is None:

@@ -115,7 +115,8 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
     """``nn.Linear`` whose GEMMs run in FP8 with ``recipe`` (default: tensorwise scaling).
 
     ``backend``: ``"auto"`` (fast path where possible, else emulation), ``"fast"`` (error
-    instead of emulating), ``"scaled_mm"``, ``"triton"`` or ``"emulate"``. ``track_health``
+    instead of emulating), ``"scaled_mm"``, ``"bf16"`` (exact for MX scales), ``"triton"`` or
+    ``"emulate"`` (:mod:`mt_fp8.gemm`). ``track_health``
     counts saturated and flushed values per role (:func:`mt_fp8.fp8_health`).
     ``amax_reduction_roles`` (``TensorRole`` s or their names, default all three): roles whose
     current tensorwise amax is MAX-reduced over ``fp8_meta.amax_group`` when one is set.
