@@ -10,7 +10,11 @@ every 100 steps and at the end on the same 21 micro-batches of 16 (336 of the 35
 windows, 86,016 tokens); no checkpoints.
 
 Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tensorwise, rowwise,
-delayed, blockwise and mxfp8 (``mt_train/conf/fp8``), each ``python -m mt_train ...`` in its own
+delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` in ``--recipes``
+trains that recipe with another seed (other initial weights and batch order), in
+``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
+alone, the yardstick for the FP8 differences; seed runs are reported but not judged. Each run is
+``python -m mt_train ...`` in its own
 subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
 (``metrics.jsonl``, Hydra's ``.hydra/``, and ``train.log`` with the run's stdout and stderr).
 ``--concurrent N`` runs N at once (default: all) on the one GPU: a small model's eager step
@@ -112,9 +116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.recipes = [r for r in args.recipes.split(",") if r]
-    unknown = sorted(set(args.recipes) - set(RECIPES))
-    if unknown:
-        p.error(f"unknown recipes {unknown}; valid: {', '.join(RECIPES)}")
+    for spec in args.recipes:
+        recipe, _, seed = spec.partition("@")
+        if recipe not in RECIPES or (seed and not seed.isdigit()):
+            p.error(
+                f"bad run {spec!r}: give a recipe ({', '.join(RECIPES)}), optionally followed "
+                "by @<seed> (a non-negative int)"
+            )
     args.micro_batch = args.micro_batch or args.batch
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     args.eval_interval = args.eval_interval or min(100, args.steps)
@@ -124,8 +132,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- launching
-def overrides(args: argparse.Namespace, recipe: str, run_dir: Path, data_dir: Path) -> list[str]:
-    """The Hydra overrides of one run (the same for every recipe but ``fp8=``)."""
+def split_spec(spec: str, default_seed: int) -> tuple[str, int]:
+    """``"none@5678"`` -> ``("none", 5678)``; ``"tensorwise"`` -> ``("tensorwise", default_seed)``."""
+    recipe, _, seed = spec.partition("@")
+    return recipe, int(seed) if seed else default_seed
+
+
+def run_folder(out: Path, spec: str) -> Path:
+    recipe, _, seed = spec.partition("@")
+    return out / (f"{recipe}_seed{seed}" if seed else recipe)
+
+
+def overrides(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path) -> list[str]:
+    """The Hydra overrides of one run (the same for every run but ``fp8=`` and the seed)."""
+    recipe, seed = split_spec(spec, args.seed)
     return [
         f"model={args.model}",
         f"fp8={recipe}",
@@ -137,7 +157,7 @@ def overrides(args: argparse.Namespace, recipe: str, run_dir: Path, data_dir: Pa
         f"trainer.eval_interval={args.eval_interval}",
         f"trainer.eval_batches={args.eval_batches}",
         f"trainer.log_interval={args.log_interval}",
-        f"trainer.seed={args.seed}",
+        f"trainer.seed={seed}",
         f"optimizer.lr={args.lr}",
         "scheduler=cosine",
         f"scheduler.warmup_steps={args.warmup}",
@@ -344,7 +364,8 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
             "log": str(run.folder / LOG),
             "command": run.command,
         }
-        if run.recipe != REFERENCE and described is not None and " linears)" not in described:
+        is_fp8 = split_spec(run.recipe, args.seed)[0] != REFERENCE
+        if is_fp8 and described is not None and " linears)" not in described:
             entry["status"] += "; WARNING: the trainer reports no FP8 layers"
         per[run.recipe] = entry
     ref = per.get(REFERENCE)
@@ -362,8 +383,8 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
             vs_bf16_pct=100.0 * (ratio - 1.0),
             within_1pct=abs(ratio - 1.0) <= TOLERANCE,
         )
-    fp8 = [e for r, e in per.items() if r != REFERENCE]
-    verdicts = [e["within_1pct"] for e in fp8]
+    # Judged: the FP8 recipes at the common seed (a "@seed" run is a noise yardstick).
+    verdicts = [e["within_1pct"] for r, e in per.items() if r != REFERENCE and "@" not in r]
     return {
         "issue": 7,
         "criterion": "final validation loss of every FP8 recipe within 1% of bf16",
@@ -404,9 +425,12 @@ def table(result: dict[str, Any]) -> str:
     ]
     steps = result["settings"]["steps"]
     for recipe, e in result["runs"].items():
-        name = recipe
-        if recipe == REFERENCE:  # fp8=none trains in the trainer's precision: fp32 on a CPU
+        base, _, seed = recipe.partition("@")
+        name = base
+        if base == REFERENCE:  # fp8=none trains in the trainer's precision: fp32 on a CPU
             name = "fp32" if " fp32" in (e["trainer"] or "") else "bf16"
+        if seed:
+            name += f" (seed {seed}; not judged)"
         loss = "—" if e["final_val_loss"] is None else f"{e['final_val_loss']:.4f}"
         if e["final_step"] not in (None, steps):
             loss += f" (step {e['final_step']})"
@@ -414,6 +438,8 @@ def table(result: dict[str, Any]) -> str:
         if e["compare_step"] not in (None, steps) and recipe != REFERENCE:
             pct += f" (at step {e['compare_step']})"
         within = {True: "yes", False: "**no**", None: "—"}[e["within_1pct"]]
+        if seed:
+            within = "—"
         seconds = e["wall_s"] if e["wall_s"] is not None else e["train_loop_s"]  # --collect
         wall = "—" if seconds is None else f"{seconds:.0f}"
         rows.append(f"| {name} | {loss} | {pct} | {within} | {wall} | {e['status']} |")
@@ -431,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = (args.data_dir or args.out / "data").resolve()
     runs = []
     for recipe in args.recipes:
-        folder = args.out / recipe
+        folder = run_folder(args.out, recipe)
         command = [args.python, "-m", "mt_train", *overrides(args, recipe, folder, data_dir)]
         runs.append(Run(recipe, folder, command))
     if args.dry_run:

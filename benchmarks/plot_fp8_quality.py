@@ -3,7 +3,8 @@
 Three panels, step on every x axis:
 
 * validation loss of every run (bf16 black);
-* each FP8 recipe's validation loss relative to bf16 at the same step,
+* each FP8 recipe's (and each bf16 run at another seed, dashed grey) validation loss
+  relative to bf16 at the same step,
   ``100 · (v_recipe / v_bf16 − 1)`` in %, with the ±1% band of the issue's criterion shaded
   (a 1% difference is invisible on the first panel's scale);
 * training loss (one step's loss every log interval) smoothed by a bias-corrected exponential
@@ -91,12 +92,16 @@ def plot(result: dict[str, Any], out: Path, beta: float) -> None:
     max_step = result["settings"]["steps"]
     for i, (recipe, run) in enumerate(runs.items()):
         is_ref = recipe == REFERENCE
-        name = reference_label(run) if is_ref else recipe
-        style = (
-            {"color": "black", "linewidth": 2.2, "zorder": 5}
-            if is_ref
-            else {"color": colors[i % len(colors)], "linewidth": 1.4}
-        )
+        base, _, seed = recipe.partition("@")
+        name = reference_label(run) if base == REFERENCE else base
+        if seed:
+            name += f" seed {seed}"
+        if is_ref:
+            style = {"color": "black", "linewidth": 2.2, "zorder": 5}
+        elif base == REFERENCE:  # the reference at another seed: its own noise
+            style = {"color": "dimgray", "linewidth": 1.4, "linestyle": "--"}
+        else:
+            style = {"color": colors[i % len(colors)], "linewidth": 1.4}
         label = name
         if run["final_val_loss"] is not None:
             label += f": {run['final_val_loss']:.4f}"
