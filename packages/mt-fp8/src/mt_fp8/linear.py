@@ -1,7 +1,10 @@
 """FP8 layers: :class:`FP8Linear` (a drop-in ``nn.Linear``) and :class:`FP8GroupedLinear` (MoE).
 
 Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and backward GEMMs,
-FP8-saved input, cached FP8 weight); see :mod:`mt_fp8.functional` for the math. Parameters keep
+FP8-saved input, cached FP8 weight; ``FP8GroupedLinear`` once per expert); see
+:mod:`mt_fp8.functional` for the math. Where PyTorch's grouped FP8 GEMM can take them,
+``FP8GroupedLinear`` runs all experts at once instead, with the same FP8 operands
+(:mod:`mt_fp8.grouped`). Parameters keep
 their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast
 region and the input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
 region to high precision or override the recipe.
@@ -38,6 +41,7 @@ from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
 from mt_fp8.functional import LinearPlan, check_dims, fp8_linear
 from mt_fp8.gemm import BACKENDS
+from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.recipes import Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 
@@ -175,8 +179,18 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
 
     ``forward(x_TK, group_sizes)`` takes tokens sorted by group and ``group_sizes`` (E ints,
     summing to T) and returns ``y_TN`` with ``y[group e] = x[group e] · weight[e]ᵀ + bias[e]``.
-    Implemented as a loop of FP8 GEMMs, one per non-empty group, with one shared delayed-scaling
-    state (amax = max over experts) and one cached FP8 weight per expert.
+
+    Two implementations with the same FP8 operands (same bytes, same scales):
+
+    * Grouped (:mod:`mt_fp8.grouped`): one ``torch._scaled_grouped_mm`` per GEMM for all experts,
+      taken with current tensorwise or rowwise scaling on CUDA compute capability 9.x and
+      ``backend`` ``"auto"`` or ``"fast"`` (:func:`~mt_fp8.grouped.grouped_gemm_reason` says
+      why not otherwise). The kernel takes E4M3 operands only, so with the default hybrid
+      formats the forward GEMM is grouped and dgrad/wgrad (E5M2 gradients) run per expert.
+      One cached entry holds all experts' FP8 weights, stacked.
+    * Loop: one FP8 GEMM per non-empty group (every other recipe, device and backend), with one
+      shared delayed-scaling state (amax = max over experts) and one cached FP8 weight per
+      expert.
     """
 
     def __init__(
@@ -204,6 +218,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
         self.fp8_meta = FP8Meta(self.recipe, device=self.weight.device)
         self._weight_caches: list[dict] = [{} for _ in range(num_groups)]
+        self._grouped_weight_cache: dict = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -224,6 +239,13 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 f"group_sizes must be {self.num_groups} non-negative ints summing to the "
                 f"{x_TK.shape[0]} tokens, got {sizes}"
             )
+        plan = self._plan(x_TK, self._grouped_weight_cache)
+        if plan is not None:
+            reason = grouped_gemm_reason(
+                x_TK, self.weight, sizes, plan.recipe, self.backend, plan.out_dtype
+            )
+            if reason is None:
+                return fp8_grouped_linear(x_TK, self.weight, self.bias, sizes, plan)
         outputs = []
         for expert, x_e in enumerate(torch.split(x_TK, sizes)):
             if x_e.shape[0] == 0:
@@ -257,3 +279,4 @@ def clear_fp8_weight_caches(model: nn.Module) -> None:
         elif isinstance(module, FP8GroupedLinear):
             for cache in module._weight_caches:
                 cache.clear()
+            module._grouped_weight_cache.clear()

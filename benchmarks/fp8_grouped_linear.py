@@ -1,0 +1,171 @@
+"""FP8GroupedLinear fwd+bwd time: grouped FP8 GEMMs vs the per-expert loop, and bf16 baselines.
+
+Run on an H200 (or any CUDA GPU): ``python benchmarks/fp8_grouped_linear.py`` (about a minute);
+``python benchmarks/fp8_grouped_linear.py --smoke`` runs tiny shapes on whatever device is
+present (CPU: every FP8 column is the loop) to check that the script works.
+
+Workload: MoE expert layers with T = 16384 routed tokens, bf16 parameters and activations,
+``y = layer(x, group_sizes); y.backward(dy)`` per iteration (gradients cleared before it,
+untimed; ``cache_weight=False``: each iteration is one optimizer step's single micro-batch, so
+the FP8 weights are re-quantized). Routing is uneven and seeded: group sizes are 16 × a
+multinomial draw over experts with softmax(N(0, 1)) probabilities (multiples of 16, the
+alignment the grouped wgrad GEMM needs; a size may be 0). Shapes (E, K, N): Mixtral-like
+(8, 4096, 14336) and (8, 14336, 4096), fine-grained (64, 2048, 1408).
+
+Columns: "bf16 loop" (``F.linear`` per expert), "bf16 grouped_mm" (``torch._grouped_mm``),
+then per FP8 recipe the per-expert loop (backend ``"scaled_mm"``: cuBLAS per expert) and the
+grouped path (backend ``"auto"``). With the default hybrid formats only the forward GEMM is
+grouped (``torch._scaled_grouped_mm`` takes E4M3 only); the ``_e4m3`` recipes (all roles E4M3)
+group all three GEMMs. Times are medians of CUDA-event timings (wall clock on CPU), in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mt_fp8 import FormatConfig, FP8GroupedLinear, RowwiseScaling, TensorwiseScaling
+from mt_fp8.grouped import GEMMS, gemm_reason, grouped_gemm_reason
+
+TOKENS = 16384
+SHAPES = [(8, 4096, 14336), (8, 14336, 4096), (64, 2048, 1408)]  # (E, K, N)
+SMOKE_TOKENS, SMOKE_SHAPES = 256, [(4, 64, 96)]
+E4M3 = FormatConfig.all_e4m3()
+RECIPES = [
+    ("tensorwise", TensorwiseScaling()),
+    ("rowwise", RowwiseScaling()),
+    ("tensorwise_e4m3", TensorwiseScaling(formats=E4M3)),
+    ("rowwise_e4m3", RowwiseScaling(formats=E4M3)),
+]
+
+
+def routing(tokens: int, experts: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(experts, generator=generator), 0)
+    chunks = torch.multinomial(probs, tokens // 16, replacement=True, generator=generator)
+    return (torch.bincount(chunks, minlength=experts) * 16).tolist()
+
+
+def time_ms(step: Callable[[], None], clear: Callable[[], None], device: str, iters: int) -> float:
+    for _ in range(2):
+        clear()
+        step()
+    times = []
+    for _ in range(iters):
+        clear()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: int) -> dict:
+    dtype = torch.bfloat16
+    sizes = routing(tokens, experts)
+    x = torch.randn(tokens, k, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, n, device=device, dtype=dtype)
+    torch.manual_seed(0)
+    weight = (torch.randn(experts, n, k, device=device, dtype=dtype) * k**-0.5).requires_grad_()
+    params = [x, weight]
+
+    def clear() -> None:
+        for p in params:
+            p.grad = None
+
+    def bf16_loop() -> None:
+        parts = [F.linear(x_e, weight[e]) for e, x_e in enumerate(torch.split(x, sizes))]
+        torch.cat(parts).backward(dy)
+
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+
+    def bf16_grouped() -> None:
+        torch._grouped_mm(x, weight.transpose(1, 2), offs=offs).backward(dy)
+
+    row = {"sizes": sizes, "bf16 loop": time_ms(bf16_loop, clear, device, iters)}
+    try:
+        row["bf16 grouped_mm"] = time_ms(bf16_grouped, clear, device, iters)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        row["bf16 grouped_mm"] = None
+    for name, recipe in RECIPES:
+        for path, backend in (("loop", "scaled_mm"), ("grouped", "auto")):
+            layer = FP8GroupedLinear(
+                experts,
+                k,
+                n,
+                bias=False,
+                recipe=recipe,
+                backend=backend,
+                device=device,
+                dtype=dtype,
+            )
+            layer.cache_weight = False
+            with torch.no_grad():
+                layer.weight.copy_(weight)
+            params[1:] = [layer.weight]
+            reason = grouped_gemm_reason(x, layer.weight, sizes, recipe, backend, dtype)
+            label = f"{name} {path}"
+            if path == "grouped" and reason is not None:
+                row[label] = None
+                row.setdefault("notes", []).append(f"{label}: loop ({reason})")
+                continue
+
+            def fp8_step(layer: FP8GroupedLinear = layer) -> None:
+                layer(x, sizes).backward(dy)
+
+            row[label] = time_ms(fp8_step, clear, device, iters)
+        params[1:] = [weight]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    if args.smoke:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        shapes, tokens, iters = SMOKE_SHAPES, SMOKE_TOKENS, 1
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA GPU (use --smoke for a CPU check)")
+        device, shapes, tokens, iters = "cuda", SHAPES, TOKENS, args.iters
+    columns = ["bf16 loop", "bf16 grouped_mm"] + [
+        f"{name} {path}" for name, _ in RECIPES for path in ("loop", "grouped")
+    ]
+    print(
+        f"device: {torch.cuda.get_device_name() if device == 'cuda' else device}, "
+        f"torch {torch.__version__}, T = {tokens}, bf16, fwd+bwd ms (median of {iters})\n"
+    )
+    for name, recipe in RECIPES:
+        grouped = [g for g in GEMMS if gemm_reason(g, recipe, [16], torch.bfloat16) is None]
+        print(f"- {name}: grouped GEMMs {', '.join(grouped) or 'none'}")
+    print()
+    print("| E, K, N | " + " | ".join(columns) + " |")
+    print("| --- | " + " | ".join("---" for _ in columns) + " |")
+    notes = []
+    for experts, k, n in shapes:
+        row = bench_shape(experts, k, n, tokens, device, iters)
+        cells = ["n/a" if row[c] is None else f"{row[c]:.2f}" for c in columns]
+        print(f"| {experts}, {k}, {n} | " + " | ".join(cells) + " |")
+        notes.append(f"{experts}, {k}, {n}: group sizes {row['sizes']}")
+        notes += row.get("notes", [])
+    print()
+    for note in notes:
+        print(f"- {note}")
+
+
+if __name__ == "__main__":
+    main()

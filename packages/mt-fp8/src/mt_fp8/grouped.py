@@ -1,0 +1,534 @@
+"""The grouped FP8 GEMM path of :class:`~mt_fp8.linear.FP8GroupedLinear` (MoE experts).
+
+Shape suffixes: T tokens (all groups, sorted by group), E groups (experts), E' non-empty groups,
+K in_features, N out_features. Group ``e`` holds the ``T_e`` tokens ``[o_{e-1}, o_e)`` with
+``o_e = T_0 + ... + T_e`` (``offs``: the int32 cumulative *end* offsets).
+
+Math, per group ``e`` (the loop path runs :class:`~mt_fp8.functional.FP8LinearFunction` once per
+non-empty group; this path issues one ``torch._scaled_grouped_mm`` per GEMM instead):
+
+=========  ==========================  ========================  =============================
+GEMM       per group                   grouped-GEMM mode         operands (a, b) as passed
+=========  ==========================  ========================  =============================
+forward    ``y_e = x_e W_eᵀ (+ b_e)``  2d × 3d, offs over T      ``x_TK``, ``W_ENK`` as (E,K,N)
+dgrad      ``dx_e = dy_e W_e``         2d × 3d, offs over T      ``dy_TN``, ``Wᵀ_EKN`` as (E,N,K)
+wgrad      ``dW_e = dy_eᵀ x_e``        2d × 2d, offs over T      ``dyᵀ_NT``, ``xᵀ_KT`` as (T,K)
+=========  ==========================  ========================  =============================
+
+``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype=bf16)`` wants ``a`` row-major
+and ``b`` column-major, so "(E,K,N)" is the transposed view of our row-major FP8 ``W_ENK`` and
+"(T,K)" the transposed view of the row-major ``xᵀ_KT``: every operand is an FP8 tensor quantized
+along its contraction (last) axis, exactly as :mod:`mt_fp8.gemm`'s ``a_XZ · b_YZᵀ`` form.
+
+Scales. The kernel takes rowwise fp32 *dequantization* scales (``s`` with ``x ≈ q · s``):
+
+* 2d × 3d: ``scale_a`` ``(T,)``, one per token row; ``scale_b`` ``(E, C)``, one per output
+  column of each group (C = N forward, K dgrad).
+* 2d × 2d: ``scale_a`` ``(E'·N,)`` and ``scale_b`` ``(E'·K,)``, group-major: group ``g``'s
+  rows of ``dyᵀ`` (columns of ``xᵀ``) use entries ``[g·N, (g+1)·N)`` (``[g·K, (g+1)·K)``).
+
+Both recipes give exactly the loop path's FP8 bytes and scale values:
+
+* Rowwise: ``x`` and ``dy`` per token (quantized whole: rows are independent), ``W`` per
+  (expert, output row), ``Wᵀ`` per (expert, input column) requantized from ``W_e``; ``dyᵀ`` and
+  ``xᵀ`` requantized per group, so their scales are maxima over that expert's tokens only.
+* Tensorwise: one scale per group for each of ``x_e``, ``W_e``, ``dy_e`` (their transposes are
+  exact), expanded to the rowwise vectors above: the same values the loop's scalars have.
+
+The operands come from the same :class:`~mt_fp8.functional.LinearPlan` quantizers as the loop
+(Triton kernels on CUDA), so health counts (``track_health``) are the loop's too.
+
+Where the kernel cannot take a GEMM, that GEMM runs per group through
+:func:`~mt_fp8.gemm.fp8_gemm` on the same operands (see :func:`gemm_reason`): it accepts
+``float8_e4m3fn`` operands only, so with the default hybrid formats (E5M2 gradients) only the
+forward GEMM is grouped and dgrad and wgrad stay per expert; the recipe's formats never change.
+The kernel writes bf16, which is what the loop's rowwise GEMMs give on CUDA (other output dtypes
+are that bf16 result converted); the loop's tensorwise GEMMs write fp32 directly, so a
+tensorwise GEMM with a non-bf16 output stays per expert. Bias is added after the GEMM
+(the kernel has none): one more bf16 rounding than cuBLAS's fused bias epilogue.
+
+Empty groups: in 2d × 3d a group of 0 tokens is a 0-row problem (offsets repeat); the wgrad's
+2d × 2d mode cannot take one (PyTorch asserts ``delta > 0``), so empty groups are left out of
+its offsets and scales and their ``dW_e`` are zeros. Its non-empty groups must each hold a
+multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad is per expert.
+
+Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
+stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like :mod:`mt_fp8.functional`'s per-expert
+cache on the weight tensor (weak reference), storage pointer, ``_version``, recipe, scale state
+and the count of torch optimizer steps; a miss quantizes each expert as the loop does. The loop
+path's per-expert caches are separate (a layer that switches path quantizes once more).
+:func:`mt_fp8.clear_fp8_weight_caches` clears both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mt_fp8.formats import FP8Format, TensorRole
+from mt_fp8.functional import LinearPlan, _optimizer_steps
+from mt_fp8.gemm import fp8_gemm
+from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
+
+GroupedGemm = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+"""``(a, b, scale_a, scale_b, offs) -> bf16 out`` with ``torch._scaled_grouped_mm``'s layouts."""
+
+GEMMS = ("forward", "dgrad", "wgrad")
+_OPERAND_ROLES = {
+    "forward": (TensorRole.INPUT, TensorRole.WEIGHT),
+    "dgrad": (TensorRole.GRAD_OUTPUT, TensorRole.WEIGHT),
+    "wgrad": (TensorRole.GRAD_OUTPUT, TensorRole.INPUT),
+}
+GROUPED_BACKENDS = ("auto", "fast")
+MAX_GROUPS = 1023
+"""PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
+
+
+def scaled_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    """PyTorch's CUTLASS grouped FP8 GEMM with rowwise scales, bf16 output (no checks)."""
+    # NOTE: use_fast_accum=False, as the loop's torch._scaled_mm calls (gemm.scaled_mm).
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=False
+    )
+
+
+def emulated_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`scaled_grouped_mm` by dequantizing to fp32 and one matmul per group (any device)."""
+    ends = [int(o) for o in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:  # 2d x 3d: a (T, Z), b (E, Z, Y) -> (T, Y)
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
+        for group, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            if end > start:
+                a_g = a[start:end].float() * scale_a[start:end, None]
+                out[start:end] = a_g @ (b[group].float() * scale_b[group][None, :])
+    else:  # 2d x 2d: a (X, T), b (T, Y) -> (G, X, Y)
+        rows, cols = a.shape[0], b.shape[1]
+        out = torch.zeros(len(ends), rows, cols, dtype=torch.float32, device=a.device)
+        for group, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            a_g = a[:, start:end].float() * scale_a[group * rows : (group + 1) * rows, None]
+            b_g = b[start:end].float() * scale_b[group * cols : (group + 1) * cols][None, :]
+            out[group] = a_g @ b_g
+    return out.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the grouped kernel runs
+
+
+def gemm_reason(
+    gemm: str, recipe: Recipe, group_sizes: Sequence[int], out_dtype: torch.dtype
+) -> str | None:
+    """Why ``gemm`` (forward, dgrad or wgrad) runs per group rather than grouped, or None."""
+    for role in _OPERAND_ROLES[gemm]:
+        fmt = recipe.formats.for_role(role)
+        if fmt is not FP8Format.E4M3:
+            return (
+                "torch._scaled_grouped_mm takes float8_e4m3fn operands only; the "
+                f"{gemm} GEMM's {role.name.lower()} is {fmt.value}"
+            )
+    if isinstance(recipe, TensorwiseScaling) and out_dtype != torch.bfloat16:
+        return (
+            f"the grouped kernel writes bfloat16 and the per-expert tensorwise {gemm} GEMM "
+            f"writes {out_dtype} directly"
+        )
+    if gemm == "wgrad":
+        unaligned = [size for size in group_sizes if size % 16]
+        if unaligned:
+            return (
+                "the grouped wgrad GEMM needs every group's token count divisible by 16 "
+                f"(16-byte TMA alignment), got {len(unaligned)} groups that are not "
+                f"(e.g. {unaligned[0]})"
+            )
+    elif len(group_sizes) == sum(group_sizes):
+        # NOTE: newer PyTorch reads a (T,) scale with T == E as ambiguous (tensorwise per group
+        # or rowwise) and refuses it.
+        return f"{gemm}: as many tokens as groups ({len(group_sizes)}) make its scales ambiguous"
+    return None
+
+
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return (
+            f"torch._scaled_grouped_mm runs on CUDA GPUs of compute capability 9.x, not on {device}"
+        )
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != 9:
+        return (
+            "the grouped FP8 GEMM is taken on compute capability 9.x (measured on Hopper), "
+            f"not {capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+def grouped_gemm_reason(
+    x_TK: torch.Tensor,
+    weight_ENK: torch.Tensor,
+    group_sizes: Sequence[int],
+    recipe: Recipe,
+    backend: str,
+    out_dtype: torch.dtype,
+) -> str | None:
+    """Why :class:`~mt_fp8.linear.FP8GroupedLinear` must loop over experts here, or None.
+
+    None means :func:`fp8_grouped_linear` runs, with at least one GEMM grouped (the others per
+    group; :func:`gemm_reason`).
+    """
+    if backend not in GROUPED_BACKENDS:
+        return (
+            f"backend {backend!r} keeps the per-expert loop (the grouped GEMM is taken with "
+            f"{' or '.join(repr(b) for b in GROUPED_BACKENDS)})"
+        )
+    if type(recipe) not in (TensorwiseScaling, RowwiseScaling):
+        return (
+            "the grouped FP8 GEMM takes current tensorwise or rowwise scaling, not the "
+            f"{recipe.name} recipe"
+        )
+    reason = _device_reason(x_TK.device)
+    if reason is not None:
+        return reason
+    num_groups, out_features, in_features = weight_ENK.shape
+    if num_groups > MAX_GROUPS:
+        return f"torch._scaled_grouped_mm takes at most {MAX_GROUPS} groups, got {num_groups}"
+    if in_features % 16 or out_features % 16:
+        return (
+            f"torch._scaled_grouped_mm needs K and N divisible by 16, got K={in_features}, "
+            f"N={out_features}"
+        )
+    if x_TK.shape[0] == 0:
+        return "no tokens: nothing to group"
+    dtypes = {"forward": out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
+    reasons = [gemm_reason(gemm, recipe, group_sizes, dtypes[gemm]) for gemm in GEMMS]
+    if all(r is not None for r in reasons):
+        return "no GEMM can run grouped: " + "; ".join(r for r in reasons if r is not None)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands
+
+
+@dataclass
+class _Rows:
+    """A (T, C) operand quantized along C, group by group: ``data`` (T, C) FP8, ``scale_T`` (T,)."""
+
+    data: torch.Tensor
+    scale_T: torch.Tensor
+    groups: list[QuantizedTensor | None]
+    """Each group's operand as the loop quantizes it (views where possible); None if empty."""
+
+
+def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def _quantize_rows(
+    plan: LinearPlan,
+    x_TC: torch.Tensor,
+    sizes: Sequence[int],
+    role: TensorRole,
+    transposed: bool,
+) -> _Rows:
+    """``x`` quantized along C with the loop's per-group scales (module docstring)."""
+    bounds = _bounds(sizes)
+    if isinstance(plan.recipe, RowwiseScaling):
+        q = plan.quantize(x_TC, role, record=True)  # rows are independent: as per group
+        groups = [
+            QuantizedTensor(q.data[s:e], q.scale[s:e], q.layout, q.fmt) if e > s else None
+            for s, e in bounds
+        ]
+        return _Rows(q.data, q.scale.reshape(-1), groups)
+    groups = [
+        plan.quantize(x_TC[s:e], role, record=True, transposed=transposed) if e > s else None
+        for s, e in bounds
+    ]
+    present = [q for q in groups if q is not None]
+    data = torch.cat([q.data for q in present])
+    counts = torch.tensor([q.shape[0] for q in present], device=x_TC.device)
+    scales = torch.cat([q.scale.reshape(1) for q in present])
+    return _Rows(data, scales.repeat_interleave(counts, output_size=x_TC.shape[0]), groups)
+
+
+def _quantize_columns(
+    plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
+) -> list[QuantizedTensor | None]:
+    """Each group's ``x_eᵀ`` (C, T_e) quantized along its tokens, as the loop's wgrad operand."""
+    exact = not isinstance(plan.recipe, RowwiseScaling)
+    return [
+        None if q is None else plan.quantize_transposed(x_TC[s:e], q if exact else None, role)
+        for (s, e), q in zip(_bounds(sizes), rows.groups, strict=True)
+    ]
+
+
+def _concat_columns(groups: list[QuantizedTensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """2d × 2d operand: the groups' (C, T_e) data side by side, scales (E'·C,) group-major."""
+    present = [q for q in groups if q is not None]
+    data = torch.cat([q.data for q in present], dim=1)
+    scales = torch.cat([q.scale.reshape(-1, 1).expand(q.shape[0], 1).reshape(-1) for q in present])
+    return data, scales
+
+
+@dataclass
+class _Stacked:
+    """The FP8 weights of all experts: ``data`` (E, R, C), ``scale`` (E, G, H)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    template: QuantizedTensor
+
+    def expert(self, e: int) -> QuantizedTensor:
+        return QuantizedTensor(self.data[e], self.scale[e], self.template.layout, self.template.fmt)
+
+    def column_scales(self) -> torch.Tensor:
+        """(E, R): the rowwise ``scale_b`` of a 3-D grouped operand."""
+        experts, rows = self.data.shape[:2]
+        return self.scale.expand(experts, rows, 1).reshape(experts, rows)
+
+
+def _stack(qs: list[QuantizedTensor]) -> _Stacked:
+    return _Stacked(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]), qs[0])
+
+
+def _weight_operands(
+    plan: LinearPlan, weight_ENK: torch.Tensor, need_transpose: bool
+) -> tuple[_Stacked, _Stacked | None]:
+    """Stacked FP8 ``W`` and (if needed) ``Wᵀ``, cached (module docstring: weight cache)."""
+    cache, key = plan.weight_cache, None
+    if cache is not None and not torch.compiler.is_compiling():
+        key = (
+            _optimizer_steps[0],
+            weight_ENK._version,
+            weight_ENK.data_ptr(),
+            weight_ENK.device,
+            plan.recipe,
+            plan.meta.scale_version,
+            need_transpose,
+        )
+        owner = weight_ENK._base if weight_ENK._base is not None else weight_ENK
+        cached = cache.get("entry")
+        if cached is not None and cached[0] == key and cached[1]() is owner:
+            return cached[2], cached[3]
+    per_expert = dataclasses.replace(plan, weight_cache=None)
+    pairs = [per_expert.weight_operands(w_NK, need_transpose) for w_NK in weight_ENK.unbind(0)]
+    weight = _stack([w for w, _ in pairs])
+    weight_t = _stack([wt for _, wt in pairs if wt is not None]) if need_transpose else None
+    if key is not None:
+        cache["entry"] = (key, weakref.ref(owner), weight, weight_t)
+    return weight, weight_t
+
+
+def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    ends, total = [], 0
+    for size in sizes:
+        total += size
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd function
+
+
+@dataclass
+class GroupedPlan:
+    """Everything non-tensor one grouped call needs."""
+
+    linear: LinearPlan
+    """Recipe, state, backend, output dtype, health; ``weight_cache`` is the grouped cache."""
+    sizes: list[int]
+    grouped: frozenset[str]
+    """The GEMMs that run grouped (:data:`GEMMS`); the others run per group."""
+    gemm: GroupedGemm = scaled_grouped_mm
+
+
+class FP8GroupedLinearFunction(torch.autograd.Function):
+    """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped FP8 GEMMs (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_TK: torch.Tensor,
+        weight_ENK: torch.Tensor,
+        bias_EN: torch.Tensor | None,
+        plan: GroupedPlan,
+    ) -> torch.Tensor:
+        lp, sizes = plan.linear, plan.sizes
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        offs = _offsets(sizes, x_TK.device)
+        x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT, transposed=need_dw)
+        weight, weight_t = _weight_operands(lp, weight_ENK, need_transpose=need_dx)
+        bias = None if bias_EN is None else bias_EN.to(lp.out_dtype)
+        bounds = _bounds(sizes)
+        if "forward" in plan.grouped:
+            y_TN = plan.gemm(
+                x_rows.data,
+                weight.data.transpose(1, 2),
+                x_rows.scale_T,
+                weight.column_scales(),
+                offs,
+            ).to(lp.out_dtype)
+            if bias is not None:
+                for e, (s, t) in enumerate(bounds):
+                    if t > s:
+                        y_TN[s:t] += bias[e]
+        else:
+            y_TN = torch.cat(
+                [
+                    x_TK.new_empty(0, weight_ENK.shape[1], dtype=lp.out_dtype)
+                    if q is None
+                    else fp8_gemm(
+                        q,
+                        weight.expert(e),
+                        lp.out_dtype,
+                        None if bias is None else bias[e],
+                        lp.backend,
+                    )
+                    for e, q in enumerate(x_rows.groups)
+                ]
+            )
+        saved: list[torch.Tensor | None] = [offs]
+        if need_dw:
+            x_t = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
+            if "wgrad" in plan.grouped:
+                saved += list(_concat_columns(x_t))
+            else:
+                for q in x_t:
+                    saved += [None, None] if q is None else [q.data, q.scale]
+            ctx.x_t_format = (lp.recipe.layout(TensorRole.INPUT), lp.recipe.formats.input)
+        if need_dx:
+            assert weight_t is not None
+            saved += [weight_t.data, weight_t.scale]
+            ctx.weight_t_template = weight_t.template
+        ctx.save_for_backward(*saved)
+        ctx.plan = plan
+        ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
+        ctx.shapes = tuple(weight_ENK.shape)
+        return y_TN
+
+    @staticmethod
+    def backward(ctx: Any, dy_TN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: GroupedPlan = ctx.plan
+        lp, sizes = plan.linear, plan.sizes
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        _, out_features, in_features = ctx.shapes
+        saved = list(ctx.saved_tensors)
+        offs = saved.pop(0)
+        bounds = _bounds(sizes)
+        dx = dw = db = None
+        with torch.autocast(dy_TN.device.type, enabled=False):
+            dy_TN = dy_TN.contiguous()
+            dy_rows = _quantize_rows(
+                lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT, transposed=bool(need_dw)
+            )
+            if need_dw:
+                dy_t = _quantize_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
+                layout, fmt = ctx.x_t_format
+                if "wgrad" in plan.grouped:
+                    x_t_data, x_t_scales = saved.pop(0), saved.pop(0)
+                    dy_t_data, dy_t_scales = _concat_columns(dy_t)
+                    present = [e for e, (s, t) in enumerate(bounds) if t > s]
+                    dw_GNK = plan.gemm(
+                        dy_t_data,
+                        x_t_data.t(),
+                        dy_t_scales,
+                        x_t_scales,
+                        _offsets([sizes[e] for e in present], dy_TN.device),
+                    )
+                    dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
+                    index = torch.tensor(present, device=dw.device)
+                    dw.index_copy_(0, index, dw_GNK.to(w_dtype))
+                else:
+                    parts = []
+                    for q_dy in dy_t:
+                        data, scale = saved.pop(0), saved.pop(0)
+                        if q_dy is None:
+                            parts.append(dy_TN.new_zeros(out_features, in_features, dtype=w_dtype))
+                        else:
+                            q_x = QuantizedTensor(data, scale, layout, fmt)
+                            parts.append(fp8_gemm(q_dy, q_x, w_dtype, None, lp.backend))
+                    dw = torch.stack(parts)
+            if need_dx:
+                template = ctx.weight_t_template
+                weight_t = _Stacked(saved.pop(0), saved.pop(0), template)
+                if "dgrad" in plan.grouped:
+                    dx = plan.gemm(
+                        dy_rows.data,
+                        weight_t.data.transpose(1, 2),
+                        dy_rows.scale_T,
+                        weight_t.column_scales(),
+                        offs,
+                    ).to(x_dtype)
+                else:
+                    dx = torch.cat(
+                        [
+                            dy_TN.new_empty(0, in_features, dtype=x_dtype)
+                            if q is None
+                            else fp8_gemm(q, weight_t.expert(e), x_dtype, None, lp.backend)
+                            for e, q in enumerate(dy_rows.groups)
+                        ]
+                    )
+            if need_db:
+                db = torch.stack(
+                    [dy_TN[s:t].sum(0, dtype=torch.float32).to(b_dtype) for s, t in bounds]
+                )
+        return dx, dw, db, None
+
+
+def fp8_grouped_linear(
+    x_TK: torch.Tensor,
+    weight_ENK: torch.Tensor,
+    bias_EN: torch.Tensor | None,
+    group_sizes: Sequence[int],
+    plan: LinearPlan,
+    grouped_gemm: GroupedGemm = scaled_grouped_mm,
+) -> torch.Tensor:
+    """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped FP8 GEMMs where :func:`gemm_reason`
+    allows, per group otherwise.
+
+    ``plan.weight_cache`` is the layer's grouped weight cache (or None). ``grouped_gemm``
+    replaces the kernel (tests pass :func:`emulated_grouped_mm` to run this on CPU); the caller
+    checks the device with :func:`grouped_gemm_reason`.
+    """
+    sizes = [int(s) for s in group_sizes]
+    num_groups = weight_ENK.shape[0]
+    if len(sizes) != num_groups or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
+        raise ValueError(
+            f"group_sizes must be {num_groups} non-negative ints summing to the "
+            f"{x_TK.shape[0]} tokens, got {sizes}"
+        )
+    if x_TK.shape[0] == 0:
+        raise ValueError("fp8_grouped_linear needs at least one token (the layer loops on none)")
+    dtypes = {"forward": plan.out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
+    grouped = frozenset(
+        gemm for gemm in GEMMS if gemm_reason(gemm, plan.recipe, sizes, dtypes[gemm]) is None
+    )
+    grouped_plan = GroupedPlan(plan, sizes, grouped, grouped_gemm)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return FP8GroupedLinearFunction.apply(x_TK, weight_ENK, bias_EN, grouped_plan)
