@@ -31,8 +31,17 @@ import torch
 import torch.nn.functional as F
 
 import mt_fp8.gemm as gemm_module
-from mt_fp8 import BlockScaling, FormatConfig, FP8Format, FP8Linear, ScaleLayout, fp8_gemm, quantize
-from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, QuantizedTensor
+from mt_fp8 import (
+    BlockScaling,
+    FormatConfig,
+    FP8Format,
+    FP8Linear,
+    MXFP8Scaling,
+    ScaleLayout,
+    fp8_gemm,
+    quantize,
+)
+from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MX_1X32, QuantizedTensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -83,34 +92,43 @@ def assert_same_quantization(actual: QuantizedTensor, expected: QuantizedTensor)
     )
 
 
-def padded_transpose(x_RC: torch.Tensor) -> torch.Tensor:
-    return F.pad(x_RC.t(), (0, -x_RC.shape[0] % 128))
+def padded_transpose(x_RC: torch.Tensor, multiple: int = 128) -> torch.Tensor:
+    return F.pad(x_RC.t(), (0, -x_RC.shape[0] % multiple))
 
 
-# (256, 384): whole tiles; (200, 256): rows past R in the last tile, transposed operand padded;
+# (256, 384): whole tiles; (200, 256): rows past R in the last tile, transposed operand padded
+# (to 256 for 1×128 groups, to 224 for MX 1×32: the last tile stores part of its rows);
 # (1, 128): a single token.
 SHAPES = [(256, 384), (200, 256), (1, 128)]
+GROUP_LAYOUTS = [GROUPS_1X128, MX_1X32]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
-def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt):
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS, ids=lambda g: g.name)
+def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt, layout):
     x = awkward_input(*shape, dtype, device)
     stats = torch.zeros(3, dtype=torch.int64, device=device)
-    q, q_t = block_kernels().quantize_groups_with_transpose(x, fmt, stats)
+    q, q_t = block_kernels().quantize_groups_with_transpose(x, fmt, stats, layout=layout)
     expected_stats = torch.zeros(3, dtype=torch.int64, device=device)
-    expected = quantize(x, fmt, GROUPS_1X128, stats=expected_stats)
+    expected = quantize(x, fmt, layout, stats=expected_stats)
     assert_same_quantization(q, expected)
-    assert_same_quantization(q_t, quantize(padded_transpose(x), fmt, GROUPS_1X128))
+    group = layout.block[1]
+    assert_same_quantization(q_t, quantize(padded_transpose(x, group), fmt, layout))
     assert torch.equal(stats, expected_stats)
     if shape[0] > 150 and dtype != torch.float16:
         # The edge cases are really there: zero groups, NaN groups, floored scales, flushes.
         for scale in (expected.scale, q_t.scale):
             assert (scale == 1).any() and scale.isnan().any()
         assert (expected.scale == 2.0**-126).any() and stats[1] > 0
-    alone, none = block_kernels().quantize_groups_with_transpose(x, fmt, transpose=False)
+        if layout.power_of_two:
+            # Power-of-two scales round the range up: the top of a group saturates.
+            assert stats[0] > 0
+    alone, none = block_kernels().quantize_groups_with_transpose(
+        x, fmt, transpose=False, layout=layout
+    )
     assert none is None
     assert_same_quantization(alone, expected)
 
@@ -137,6 +155,14 @@ def test_block_quantizer_refuses_what_it_cannot_take(device):
         block_kernels().quantize_groups_with_transpose(
             torch.randn(4, 96, device=device), FP8Format.E4M3
         )
+    with pytest.raises(ValueError, match="columns divisible by its 128-wide tile, got a 4x96"):
+        block_kernels().quantize_groups_with_transpose(
+            torch.randn(4, 96, device=device), FP8Format.E4M3, layout=MX_1X32
+        )
+    with pytest.raises(ValueError, match=r"takes the layouts .* got block1x64"):
+        block_kernels().quantize_groups_with_transpose(
+            torch.randn(4, 128, device=device), FP8Format.E4M3, layout=ScaleLayout((1, 64))
+        )
     with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
         block_kernels().quantize_groups_with_transpose(
             torch.randn(4, 128, device=device, dtype=torch.float64), FP8Format.E4M3
@@ -145,12 +171,15 @@ def test_block_quantizer_refuses_what_it_cannot_take(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_groups_with_transpose_match_quantize_at_scale_on_cuda(dtype):
-    # Many tiles, so that programs run concurrently (atomics, the transposed store's layout).
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS, ids=lambda g: g.name)
+def test_groups_with_transpose_match_quantize_at_scale_on_cuda(dtype, layout):
+    # Many tiles, so that programs run concurrently (atomics, the transposed store's layout);
+    # 4000 rows: the last tile is partly padding for both group lengths.
     x = awkward_input(4000, 2048, dtype, "cuda")
-    q, q_t = block_kernels().quantize_groups_with_transpose(x, FP8Format.E4M3)
-    assert_same_quantization(q, quantize(x, FP8Format.E4M3, GROUPS_1X128))
-    assert_same_quantization(q_t, quantize(padded_transpose(x), FP8Format.E4M3, GROUPS_1X128))
+    q, q_t = block_kernels().quantize_groups_with_transpose(x, FP8Format.E4M3, layout=layout)
+    assert_same_quantization(q, quantize(x, FP8Format.E4M3, layout))
+    padded = padded_transpose(x, layout.block[1])
+    assert_same_quantization(q_t, quantize(padded, FP8Format.E4M3, layout))
 
 
 def fused_calls_of_a_layer_matching_the_pytorch_path(
@@ -205,6 +234,27 @@ def test_fp8_linear_fused_quantization_matches_pytorch_path(device, dtype, monke
             ("quantize_groups_with_transpose", (200, 256)),
             ("quantize_groups_with_transpose", (200, 384)),
             ("quantize_square_blocks", (384, 256)),
+        ]
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_linear_fused_mx_quantization_matches_pytorch_path(device, dtype, monkeypatch):
+    calls = fused_calls_of_a_layer_matching_the_pytorch_path(
+        device,
+        dtype,
+        MXFP8Scaling(),
+        block_kernels(),
+        ("quantize_groups_with_transpose",),
+        monkeypatch,
+    )
+    # x, the weight and dy, each with its transpose in the same pass.
+    assert calls == sorted(
+        [
+            ("quantize_groups_with_transpose", (200, 256)),
+            ("quantize_groups_with_transpose", (200, 384)),
+            ("quantize_groups_with_transpose", (384, 256)),
         ]
     )
 

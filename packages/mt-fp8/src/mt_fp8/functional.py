@@ -83,6 +83,7 @@ from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
 from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
+    MX_1X32,
     ROWWISE,
     TENSORWISE,
     QuantizedTensor,
@@ -140,7 +141,7 @@ class LinearPlan:
 
             if layout == BLOCKS_128X128:
                 return quantize_square_blocks(x_RC, fmt, stats)
-            q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed)
+            q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed, layout)
             q_RC.transposed = q_CR
             return q_RC
         if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
@@ -228,12 +229,15 @@ class LinearPlan:
         )
 
     def _fused_block_layout(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
-        """Whether the Triton block quantizer takes ``x`` in ``layout`` (1×128 or 128×128)."""
-        if layout not in (GROUPS_1X128, BLOCKS_128X128) or x_RC.dtype == torch.float64:
+        """Whether the Triton block quantizer takes ``x`` in ``layout`` (1×128, MX 1×32 or
+        128×128)."""
+        if layout not in (GROUPS_1X128, MX_1X32, BLOCKS_128X128) or x_RC.dtype == torch.float64:
             return False
-        # The transposed operand is padded to the kernel's 128; the wgrad GEMM's operands
-        # must agree on the token count.
-        if layout == GROUPS_1X128 and self.row_multiple() != 128:
+        # The kernel's tiles are 128 columns wide; it pads the transposed operand to a multiple
+        # of the group length, and the wgrad GEMM's operands must agree on the token count.
+        if x_RC.shape[1] % 128:
+            return False
+        if layout != BLOCKS_128X128 and self.row_multiple() != layout.block[1]:
             return False
         return use_triton(x_RC) and not torch.compiler.is_compiling()
 
@@ -267,7 +271,14 @@ class LinearPlan:
             cached = self.weight_cache.get("entry")
             if cached is not None and cached[0] == key and cached[1]() is owner:
                 return cached[2], cached[3]
-        weight_q = self.quantize(weight_NK, TensorRole.WEIGHT, record=True)
+        # A fused group quantizer writes wᵀ in the same pass; N must need no padding for it.
+        layout = self.recipe.layout(TensorRole.WEIGHT)
+        weight_q = self.quantize(
+            weight_NK,
+            TensorRole.WEIGHT,
+            record=True,
+            transposed=need_transpose and weight_NK.shape[0] % max(layout.block[1], 1) == 0,
+        )
         weight_t_q = (
             self.quantize_transposed(weight_NK, weight_q, TensorRole.WEIGHT)
             if need_transpose

@@ -111,6 +111,8 @@ GROUPS_1X128 = ScaleLayout((1, 128))
 """DeepSeek-V3 activation/gradient groups, the layout cuBLAS and the Triton kernels specialize."""
 BLOCKS_128X128 = ScaleLayout((128, 128))
 """DeepSeek-V3 weight blocks."""
+MX_1X32 = ScaleLayout((1, 32), power_of_two=True)
+"""OCP MXFP8: 1×32 groups with power-of-two (E8M0) scales."""
 
 
 MIN_SCALE = 2.0**-126
@@ -136,8 +138,10 @@ def scale_from_amax(
             raise TypeError("power-of-two scales need an FP8Format")
         # OCP MX spec: shared exponent = floor(log2(amax)) - emax_elem, within E8M0's range but
         # not below 2^-126 (normal fp32; see MIN_SCALE).
+        # floor(log2(safe)) exactly: frexp gives safe = m · 2^e with m in [0.5, 1). (A rounded
+        # log2 reaches the next integer for values just below a large power of two.)
         safe = torch.where(finite, amax, torch.ones_like(amax)).clamp_min(MIN_SCALE)
-        exponent = torch.floor(torch.log2(safe)) - fmt.emax
+        exponent = (torch.frexp(safe).exponent - 1).float() - fmt.emax
         scale = torch.exp2(exponent.clamp(-126.0, 127.0))
     else:
         fmt_max = (

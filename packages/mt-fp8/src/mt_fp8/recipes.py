@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mt_fp8.formats import FormatConfig, TensorRole
-from mt_fp8.quantized import ROWWISE, TENSORWISE, ScaleLayout
+from mt_fp8.quantized import MX_1X32, ROWWISE, TENSORWISE, ScaleLayout
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class MXFP8Scaling(Recipe):
             )
 
     def layout(self, role: TensorRole) -> ScaleLayout:
-        return ScaleLayout((1, self.block), power_of_two=True)
+        return MX_1X32
 
 
 RECIPES: dict[str, type[Recipe]] = {

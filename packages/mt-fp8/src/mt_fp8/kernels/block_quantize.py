@@ -1,24 +1,26 @@
-"""Triton block quantization for the DeepSeek-V3 recipe: 1×128 groups (+ the transposed operand)
-and 128×128 weight blocks, bit-identical to :func:`mt_fp8.quantized.quantize`.
+"""Triton group quantization: DeepSeek-V3 block scaling (1×128 groups + the transposed operand,
+128×128 weight blocks) and MXFP8 (1×32 groups with power-of-two scales + the transposed
+operand), bit-identical to :func:`mt_fp8.quantized.quantize`.
 
-Shape suffixes: R rows, C columns (C % 128 == 0), R' = R rounded up to a multiple of 128,
-H = C / 128, G = R' / 128.
+Shape suffixes: R rows, C columns (C % 128 == 0), g the group length (128 or 32), R' = R rounded
+up to a multiple of g, H = C / g, G = R' / g.
 
 :func:`quantize_groups_with_transpose` reads ``x_RC`` once and writes both operands the linear
 layer needs from it (see :mod:`mt_fp8.functional`):
 
-* ``q_RC`` in 1×128 groups along C, scales ``s_RH``: the forward (or dgrad) operand;
-* ``q_CR'``: ``xᵀ`` with R zero-padded to R', in 1×128 groups along R', scales ``s_CG``: the
+* ``q_RC`` in 1×g groups along C, scales ``s_RH``: the forward (or dgrad) operand;
+* ``q_CR'``: ``xᵀ`` with R zero-padded to R', in 1×g groups along R', scales ``s_CG``: the
   wgrad operand, which contracts over the tokens R.
 
 Each program owns one 128×128 tile ``x[r0:r0+128, c0:c0+128]`` (rows past R read as zero). The
-tile's 128 row amaxes are the amaxes of 128 forward groups, and its 128 column amaxes are the
-amaxes of 128 transposed groups, so both scale sets come from the one load:
+tile's rows hold 128/g forward groups each and its columns 128/g transposed groups each, so both
+scale sets come from the one load (``tl.reshape`` of the tile's magnitudes to
+``(128, 128/g, g)`` and ``(128/g, g, 128)``, a max over the g axis):
 
-    s_RH[r, c0/128]  = scale_from_amax(max_c |x[r, c]|)     q_RC[r, c]  = sat(rne(x[r, c] / s_RH))
-    s_CG[c, r0/128]  = scale_from_amax(max_r |x[r, c]|)     q_CR'[c, r] = sat(rne(x[r, c] / s_CG))
+    s_RH[r, h] = scale_from_amax(max_{c in group h} |x[r, c]|)    q_RC[r, c]  = sat(rne(x / s_RH))
+    s_CG[c, k] = scale_from_amax(max_{r in group k} |x[r, c]|)    q_CR'[c, r] = sat(rne(x / s_CG))
 
-Padded rows are zeros, so they add nothing to a column amax and quantize to zero, as the
+Rows at or past R' are not stored (with g = 32 the last tile can reach beyond R'). Padded rows are zeros, so they add nothing to a column amax and quantize to zero, as the
 PyTorch path's ``F.pad`` of ``xᵀ`` does. :func:`quantize_square_blocks` is the same pass with one
 amax per tile (128×128 weight blocks); a square-block tensor's transpose is exact
 (:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so it writes ``q_RC`` only.
@@ -27,7 +29,9 @@ Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.q
 by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_div_rn`` and ``_store_fp8`` this reuses):
 
 * ``s = max(amax, fmt.max · 2^-126) / fmt.max`` divides with ``div.rn.f32`` (IEEE), then
-  ``max(s, 2^-126)``; ``amax == 0`` gives ``s = 1``; ``amax = inf`` gives ``s = NaN``. The amax
+  ``max(s, 2^-126)``; ``amax == 0`` gives ``s = 1``; ``amax = inf`` gives ``s = NaN``. MX
+  scales ``2^clamp(floor(log2 amax) - emax, -126, 127)`` take ``floor(log2 amax)`` from the
+  exponent bits of ``max(amax, 2^-126)`` (exact, as the PyTorch path's ``frexp``). The amax
   counts NaN as ``+inf`` (Triton's ``max`` skips NaN), which is non-finite as NaN is, so a group
   holding NaN gets a NaN scale as on the PyTorch path.
 * ``x / s`` is ``div.rn.f32``, the clamp propagates NaN, the cast rounds to nearest even (in
@@ -48,16 +52,49 @@ import triton.language as tl
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, cast_arguments
-from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MIN_SCALE, QuantizedTensor
+from mt_fp8.quantized import (
+    BLOCKS_128X128,
+    GROUPS_1X128,
+    MIN_SCALE,
+    MX_1X32,
+    QuantizedTensor,
+    ScaleLayout,
+)
 
-GROUP = 128
-"""Group length (1×128) and weight block side (128×128); also the kernel's tile side."""
+TILE = 128
+"""Side of the square tile one program owns: the 1×128 group length and weight block side."""
+
+GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
+"""Layouts the kernel writes."""
 
 FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Input dtypes the kernels take (fp64 inputs stay on the PyTorch path, which divides in fp64)."""
 
 # Transposed-operand modes of the kernel (constexpr TRANSPOSE).
 _NO_TRANSPOSE, _FUSED_TRANSPOSE, _BUFFERED_TRANSPOSE = 0, 1, 2
+
+
+@triton.jit
+def _pow2_scale_from_amax(amax, min_scale, EMAX: tl.constexpr):
+    """:func:`mt_fp8.quantized.scale_from_amax` with ``power_of_two`` elementwise; ``amax`` holds
+    no NaN (NaN → inf). ``floor(log2 a)`` of a normal fp32 ``a`` is its biased exponent field
+    minus 127, exactly (the PyTorch path takes it from ``torch.frexp``)."""
+    finite = amax < float("inf")
+    safe = tl.maximum(tl.where(finite, amax, 1.0), min_scale)
+    exponent = ((safe.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+    exponent = tl.minimum(tl.maximum(exponent, -126), 127)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(amax > 0, scale, 1.0)
+    return tl.where(finite, scale, float("nan"))
+
+
+@triton.jit
+def _group_scales(
+    amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr, POW2: tl.constexpr, EMAX: tl.constexpr
+):
+    if POW2:
+        return _pow2_scale_from_amax(amax, min_scale, EMAX)
+    return _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV)
 
 
 @triton.jit
@@ -83,9 +120,14 @@ def _block_quantize(
     EXACT_DIV: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr,
     TILE: tl.constexpr,
+    GROUP_LEN: tl.constexpr,
+    POW2: tl.constexpr,
+    EMAX: tl.constexpr,
 ):
-    """One TILE×TILE tile: its 1×TILE row groups of ``q`` (one TILE×TILE block if SQUARE) and,
-    with TRANSPOSE, the TILE×1 column groups of the transposed operand (module docstring)."""
+    """One TILE×TILE tile: its 1×GROUP_LEN row groups of ``q`` (one TILE×TILE block if SQUARE)
+    and, with TRANSPOSE, the GROUP_LEN×1 column groups of the transposed operand (module
+    docstring). Rows at or past ``R_padded`` (a multiple of GROUP_LEN) are not stored."""
+    GROUPS: tl.constexpr = TILE // GROUP_LEN  # groups per tile side
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * TILE + tl.arange(0, TILE)
     cols = pid_c * TILE + tl.arange(0, TILE)
@@ -93,19 +135,28 @@ def _block_quantize(
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=in_rows[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
-    amax_rows = tl.max(magnitude_x, axis=1)
-    groups_c = C // TILE
+    scales_per_row = C // GROUP_LEN
     if SQUARE:
-        amax_rows = tl.zeros_like(amax_rows) + tl.max(amax_rows, axis=0)
-    scale_rows = _scale_from_amax(amax_rows, fmt_max, min_scale, EXACT_DIV)
-    if SQUARE:
+        amax_block = tl.max(tl.max(magnitude_x, axis=1), axis=0)
+        scale_rows = _group_scales(
+            tl.zeros((TILE,), tl.float32) + amax_block, fmt_max, min_scale, EXACT_DIV, POW2, EMAX
+        )
         # Every element of scale_rows is the block's scale; the first one is stored.
         first = tl.arange(0, TILE) == 0
-        scale_offs = pid_r * groups_c + pid_c + tl.arange(0, TILE) * 0
+        scale_offs = pid_r * scales_per_row + pid_c + tl.arange(0, TILE) * 0
         tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
+        scale_full = tl.broadcast_to(scale_rows[:, None], (TILE, TILE))
     else:
-        tl.store(scale_ptr + rows.to(tl.int64) * groups_c + pid_c, scale_rows, mask=in_rows)
-    scaled = _div_rn(x, tl.broadcast_to(scale_rows[:, None], (TILE, TILE)), EXACT_DIV)
+        # (TILE, GROUPS) group amaxes along the columns, one scale each.
+        amax_groups = tl.max(tl.reshape(magnitude_x, (TILE, GROUPS, GROUP_LEN)), axis=2)
+        scale_groups = _group_scales(amax_groups, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+        group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
+        scale_offs = rows.to(tl.int64)[:, None] * scales_per_row + group_ids[None, :]
+        tl.store(scale_ptr + scale_offs, scale_groups, mask=in_rows[:, None])
+        scale_full = tl.reshape(
+            tl.broadcast_to(scale_groups[:, :, None], (TILE, GROUPS, GROUP_LEN)), (TILE, TILE)
+        )
+    scaled = _div_rn(x, scale_full, EXACT_DIV)
     if STATS:
         magnitude = tl.abs(scaled)  # padded rows are zeros: counted in neither
         saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
@@ -117,26 +168,53 @@ def _block_quantize(
     clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
     _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
     if TRANSPOSE != 0:
-        scale_cols = _scale_from_amax(tl.max(magnitude_x, axis=0), fmt_max, min_scale, EXACT_DIV)
-        tl.store(scale_t_ptr + cols.to(tl.int64) * (R_padded // TILE) + pid_r, scale_cols)
-        scaled_t = _div_rn(x, tl.broadcast_to(scale_cols[None, :], (TILE, TILE)), EXACT_DIV)
+        # (GROUPS, TILE) group amaxes along the rows (the transposed operand's groups).
+        amax_t = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, TILE)), axis=1)
+        scale_t = _group_scales(amax_t, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+        group_ids_t = pid_r * GROUPS + tl.arange(0, GROUPS)
+        scale_t_offs = cols.to(tl.int64)[None, :] * (R_padded // GROUP_LEN) + group_ids_t[:, None]
+        tl.store(
+            scale_t_ptr + scale_t_offs, scale_t, mask=(group_ids_t < R_padded // GROUP_LEN)[:, None]
+        )
+        scale_t_full = tl.reshape(
+            tl.broadcast_to(scale_t[:, None, :], (GROUPS, GROUP_LEN, TILE)), (TILE, TILE)
+        )
+        scaled_t = _div_rn(x, scale_t_full, EXACT_DIV)
         clamped_t = tl.clamp(scaled_t, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
+        in_padded = rows < R_padded
         if TRANSPOSE == 1:
             # qᵀ[c, r], stored with its own contiguous axis last; padded rows give zero columns.
             offs_t = cols.to(tl.int64)[:, None] * R_padded + rows[None, :]
-            _store_fp8(qt_ptr + offs_t, tl.trans(clamped_t), None, MANTISSA, BIAS, SOFTWARE_CAST)
+            _store_fp8(
+                qt_ptr + offs_t,
+                tl.trans(clamped_t),
+                in_padded[None, :],
+                MANTISSA,
+                BIAS,
+                SOFTWARE_CAST,
+            )
         else:
             # The (R', C) buffer, transposed by PyTorch afterwards; padded rows are zeros.
-            _store_fp8(qt_ptr + offs, clamped_t, None, MANTISSA, BIAS, SOFTWARE_CAST)
+            _store_fp8(qt_ptr + offs, clamped_t, in_padded[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
 
 
-def _check(x_RC: torch.Tensor) -> torch.Tensor:
+def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     if x_RC.dim() != 2 or x_RC.dtype not in FUSED_INPUT_DTYPES:
         raise ValueError(
             "the Triton block quantizer takes a 2-D bfloat16, float16 or float32 tensor, got "
             f"{tuple(x_RC.shape)} {x_RC.dtype}"
         )
-    GROUPS_1X128.resolve((x_RC.shape[0], x_RC.shape[1]))  # raises unless 128 divides C
+    if layout not in GROUP_LAYOUTS:
+        raise ValueError(
+            f"the Triton block quantizer takes the layouts {[g.name for g in GROUP_LAYOUTS]}, "
+            f"got {layout.name}"
+        )
+    layout.resolve((x_RC.shape[0], x_RC.shape[1]))  # raises unless the group divides C
+    if x_RC.shape[1] % TILE:
+        raise ValueError(
+            f"the Triton block quantizer needs columns divisible by its {TILE}-wide tile, got a "
+            f"{x_RC.shape[0]}x{x_RC.shape[1]} tensor; use mt_fp8.quantize"
+        )
     return x_RC.contiguous()
 
 
@@ -144,23 +222,25 @@ def _launch(
     x_RC: torch.Tensor,
     fmt: FP8Format,
     stats: torch.Tensor | None,
-    square: bool,
+    layout: ScaleLayout,
     transpose: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     rows, cols = x_RC.shape
-    rows_padded = triton.cdiv(rows, GROUP) * GROUP
+    square = layout == BLOCKS_128X128
+    group = layout.block[1]
+    rows_padded = triton.cdiv(rows, group) * group
     device = x_RC.device
     q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
-    scale_rows = rows // GROUP if square else rows
-    scale = torch.empty(scale_rows, cols // GROUP, device=device, dtype=torch.float32)
+    scale_rows = rows // TILE if square else rows
+    scale = torch.empty(scale_rows, cols // group, device=device, dtype=torch.float32)
     q_t = scale_t = None
     if transpose == _FUSED_TRANSPOSE:
         q_t = torch.empty(cols, rows_padded, device=device, dtype=fmt.dtype)
     elif transpose == _BUFFERED_TRANSPOSE:
         q_t = torch.empty(rows_padded, cols, device=device, dtype=fmt.dtype)
     if transpose != _NO_TRANSPOSE:
-        scale_t = torch.empty(cols, rows_padded // GROUP, device=device, dtype=torch.float32)
-    grid = (rows_padded // GROUP, cols // GROUP)
+        scale_t = torch.empty(cols, rows_padded // group, device=device, dtype=torch.float32)
+    grid = (triton.cdiv(rows_padded, TILE), cols // TILE)
     if rows_padded:  # an empty launch grid is an error
         _block_quantize[grid](
             x_RC,
@@ -177,7 +257,10 @@ def _launch(
             TRANSPOSE=transpose,
             STATS=stats is not None,
             **cast_arguments(fmt),
-            TILE=GROUP,
+            TILE=TILE,
+            GROUP_LEN=group,
+            POW2=layout.power_of_two,
+            EMAX=fmt.emax,
             num_warps=8,
         )
     if stats is not None:
@@ -186,35 +269,41 @@ def _launch(
 
 
 def quantize_groups_with_transpose(
-    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None, transpose: bool = True
+    x_RC: torch.Tensor,
+    fmt: FP8Format,
+    stats: torch.Tensor | None = None,
+    transpose: bool = True,
+    layout: ScaleLayout = GROUPS_1X128,
 ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
-    """``(q_RC, q_CR')``: ``x`` in 1×128 groups along C and (if ``transpose``) ``xᵀ``, R
-    zero-padded to a multiple of 128, in 1×128 groups along R (module docstring).
+    """``(q_RC, q_CR')``: ``x`` in 1×g groups along C (``layout``: 1×128, or MX 1×32 with
+    power-of-two scales) and (if ``transpose``) ``xᵀ``, R zero-padded to a multiple of g, in
+    1×g groups along R (module docstring).
 
-    Bit-identical to ``quantize(x, fmt, ScaleLayout((1, 128)), stats=stats)`` and
-    ``quantize(F.pad(x.t(), (0, R' - R)), fmt, ScaleLayout((1, 128)))``.
+    Bit-identical to ``quantize(x, fmt, layout, stats=stats)`` and
+    ``quantize(F.pad(x.t(), (0, R' - R)), fmt, layout)``.
     """
-    x_RC = _check(x_RC)
+    if layout == BLOCKS_128X128:
+        raise ValueError("128x128 blocks go through quantize_square_blocks")
+    x_RC = _check(x_RC, layout)
     if not transpose:
         mode = _NO_TRANSPOSE
     elif x_RC.dtype == torch.bfloat16:  # see the NOTE in the module docstring
         mode = _FUSED_TRANSPOSE
     else:
         mode = _BUFFERED_TRANSPOSE
-    q_RC, scale_RH, q_t, scale_CG = _launch(x_RC, fmt, stats, square=False, transpose=mode)
-    forward = QuantizedTensor(q_RC, scale_RH, GROUPS_1X128, fmt)
+    q_RC, scale_RH, q_t, scale_CG = _launch(x_RC, fmt, stats, layout, transpose=mode)
+    forward = QuantizedTensor(q_RC, scale_RH, layout, fmt)
     if q_t is None or scale_CG is None:
         return forward, None
     if mode == _BUFFERED_TRANSPOSE:
         q_t = q_t.t().contiguous()  # FP8 tensors support no arithmetic; a transpose is a copy
-    return forward, QuantizedTensor(q_t, scale_CG, GROUPS_1X128, fmt)
+    return forward, QuantizedTensor(q_t, scale_CG, layout, fmt)
 
 
 def quantize_square_blocks(
     x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
 ) -> QuantizedTensor:
     """``x`` in 128×128 blocks; bit-identical to ``quantize(x, fmt, ScaleLayout((128, 128)))``."""
-    x_RC = _check(x_RC)
-    BLOCKS_128X128.resolve((x_RC.shape[0], x_RC.shape[1]))  # raises unless 128 divides R
-    q_RC, scale_GH, _, _ = _launch(x_RC, fmt, stats, square=True, transpose=_NO_TRANSPOSE)
+    x_RC = _check(x_RC, BLOCKS_128X128)
+    q_RC, scale_GH, _, _ = _launch(x_RC, fmt, stats, BLOCKS_128X128, transpose=_NO_TRANSPOSE)
     return QuantizedTensor(q_RC, scale_GH, BLOCKS_128X128, fmt)
