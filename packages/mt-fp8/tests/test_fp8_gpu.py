@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mt_fp8.gemm as gemm_module
 from mt_fp8 import (
     BlockScaling,
     DelayedScaling,
@@ -25,6 +26,7 @@ from mt_fp8 import (
 
 pytestmark = pytest.mark.gpu
 K = 1024
+ROWWISE = ScaleLayout((1, -1))
 
 
 def operands(layout_a, layout_b, fmt_a=FP8Format.E4M3, fmt_b=FP8Format.E4M3):
@@ -76,6 +78,25 @@ def test_triton_block_gemm(layout_b, fmt_a, group):
     qa, qb = operands(ScaleLayout((1, group), pow2), ScaleLayout(layout_b, pow2), fmt_a=fmt_a)
     fast = fp8_gemm(qa, qb, torch.float32, backend="triton")
     check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, 2**-24)
+
+
+@pytest.mark.parametrize("rows", [200, 208, 202, 204, 363, 1])
+def test_rowwise_rule_matches_the_hardware(rows):
+    """Row counts of ``a`` the rowwise rule takes run on cuBLAS within the bound; those it refuses
+    are refused by cuBLAS (so the rule is not stricter than it has to be)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, K, generator=generator).cuda()
+    b = torch.randn(384, K, generator=generator).cuda() * 0.05
+    qa, qb = quantize(a, FP8Format.E4M3, ROWWISE), quantize(b, FP8Format.E4M3, ROWWISE)
+    reason = gemm_module._scaled_mm_reason(qa, qb, torch.bfloat16)
+    if reason is None:
+        fast = gemm_module.scaled_mm(qa, qb, torch.bfloat16, None)
+        check(fast, fp8_gemm(qa, qb, torch.float32, backend="emulate"), qa, qb, 2**-8)
+    else:
+        assert f"rows of a divisible by {gemm_module.ROWWISE_ROW_MULTIPLE}, got {rows}" in reason
+        with pytest.raises(RuntimeError):
+            gemm_module.scaled_mm(qa, qb, torch.bfloat16, None)
+            torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)

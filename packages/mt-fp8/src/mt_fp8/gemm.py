@@ -116,6 +116,10 @@ def _kind(q: QuantizedTensor) -> str:
     return "block"
 
 
+ROWWISE_ROW_MULTIPLE = 8
+"""Rows of ``a`` cuBLAS's rowwise-scaled FP8 GEMM takes (the token count of a forward GEMM)."""
+
+
 def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
     """Why ``torch._scaled_mm`` cannot run these operands, or None if it can."""
     kinds = (_kind(a), _kind(b))
@@ -131,6 +135,13 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
             return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
         if a.fmt is FP8Format.E5M2 and b.fmt is FP8Format.E5M2:
             return "cuBLAS FP8 GEMMs need at least one E4M3 operand"
+        if kinds[0] == "rowwise" and a.shape[0] % ROWWISE_ROW_MULTIPLE:
+            # CUBLAS_STATUS_NOT_SUPPORTED on the H200 (torch 2.11, CUDA 13) for 363 rows; the
+            # gpu test test_rowwise_rule_matches_the_hardware pins the multiple down.
+            return (
+                f"cuBLAS's rowwise FP8 GEMM needs rows of a divisible by {ROWWISE_ROW_MULTIPLE}, "
+                f"got {a.shape[0]}"
+            )
     return None
 
 

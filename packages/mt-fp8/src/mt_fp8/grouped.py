@@ -308,7 +308,9 @@ class _Stacked:
     def column_scales(self) -> torch.Tensor:
         """(E, R): the rowwise ``scale_b`` of a 3-D grouped operand."""
         experts, rows = self.data.shape[:2]
-        return self.scale.expand(experts, rows, 1).reshape(experts, rows)
+        # NOTE: contiguous: a tensorwise scale expands with stride 0, and the kernel wants
+        # scales contiguous in their last dimension.
+        return self.scale.expand(experts, rows, 1).reshape(experts, rows).contiguous()
 
 
 def _stack(qs: list[QuantizedTensor]) -> _Stacked:
