@@ -313,6 +313,40 @@ class _Stacked:
         return self.scale.expand(experts, rows, 1).reshape(experts, rows).contiguous()
 
 
+def _rows_by_experts(
+    plan: GroupedPlan,
+    gemm: str,
+    rows: _Rows,
+    weight: _Stacked,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The 2d × 3d GEMM ``out[group e] = rows_e · W_eᵀ (+ bias_e)`` (forward or dgrad): one
+    grouped kernel call if ``gemm`` is in ``plan.grouped``, else :func:`fp8_gemm` per expert."""
+    lp = plan.linear
+    if gemm in plan.grouped:
+        out = plan.gemm(
+            rows.data, weight.data.transpose(1, 2), rows.scale_T, weight.column_scales(), offs
+        ).to(out_dtype)
+        if bias is not None:
+            for e, (s, t) in enumerate(_bounds(plan.sizes)):
+                if t > s:
+                    out[s:t] += bias[e]
+        return out
+    return torch.cat(
+        [
+            rows.data.new_empty(0, out_features, dtype=out_dtype)
+            if q is None
+            else fp8_gemm(
+                q, weight.expert(e), out_dtype, None if bias is None else bias[e], lp.backend
+            )
+            for e, q in enumerate(rows.groups)
+        ]
+    )
+
+
 def _stack(qs: list[QuantizedTensor]) -> _Stacked:
     return _Stacked(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]), qs[0])
 
@@ -386,34 +420,9 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT, transposed=need_dw)
         weight, weight_t = _weight_operands(lp, weight_ENK, need_transpose=need_dx)
         bias = None if bias_EN is None else bias_EN.to(lp.out_dtype)
-        bounds = _bounds(sizes)
-        if "forward" in plan.grouped:
-            y_TN = plan.gemm(
-                x_rows.data,
-                weight.data.transpose(1, 2),
-                x_rows.scale_T,
-                weight.column_scales(),
-                offs,
-            ).to(lp.out_dtype)
-            if bias is not None:
-                for e, (s, t) in enumerate(bounds):
-                    if t > s:
-                        y_TN[s:t] += bias[e]
-        else:
-            y_TN = torch.cat(
-                [
-                    x_TK.new_empty(0, weight_ENK.shape[1], dtype=lp.out_dtype)
-                    if q is None
-                    else fp8_gemm(
-                        q,
-                        weight.expert(e),
-                        lp.out_dtype,
-                        None if bias is None else bias[e],
-                        lp.backend,
-                    )
-                    for e, q in enumerate(x_rows.groups)
-                ]
-            )
+        y_TN = _rows_by_experts(
+            plan, "forward", x_rows, weight, offs, lp.out_dtype, weight_ENK.shape[1], bias
+        )
         saved: list[torch.Tensor | None] = [offs]
         if need_dw:
             x_t = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
@@ -479,23 +488,9 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
             if need_dx:
                 template = ctx.weight_t_template
                 weight_t = _Stacked(saved.pop(0), saved.pop(0), template)
-                if "dgrad" in plan.grouped:
-                    dx = plan.gemm(
-                        dy_rows.data,
-                        weight_t.data.transpose(1, 2),
-                        dy_rows.scale_T,
-                        weight_t.column_scales(),
-                        offs,
-                    ).to(x_dtype)
-                else:
-                    dx = torch.cat(
-                        [
-                            dy_TN.new_empty(0, in_features, dtype=x_dtype)
-                            if q is None
-                            else fp8_gemm(q, weight_t.expert(e), x_dtype, None, lp.backend)
-                            for e, q in enumerate(dy_rows.groups)
-                        ]
-                    )
+                dx = _rows_by_experts(
+                    plan, "dgrad", dy_rows, weight_t, offs, x_dtype, in_features, None
+                )
             if need_db:
                 db = torch.stack(
                     [dy_TN[s:t].sum(0, dtype=torch.float32).to(b_dtype) for s, t in bounds]
