@@ -197,8 +197,9 @@ def prepare_data(folder: Path) -> None:
 class Run:
     """One ``python -m mt_train`` subprocess and what became of it."""
 
-    def __init__(self, recipe: str, folder: Path, command: list[str]) -> None:
+    def __init__(self, recipe: str, folder: Path, command: list[str], steps: int) -> None:
         self.recipe, self.folder, self.command = recipe, folder, command
+        self.steps = steps  # the run's trainer.max_steps
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = self.ended = 0.0
         self.returncode: int | None = None
@@ -250,11 +251,15 @@ class Run:
         if self.returncode is None and not self.collected:
             return "running"
         log = _read(self.folder / LOG)
-        finished = "\ndone: " in log and "stopped early by" not in log
+        # A run stopped after writing its last evaluation (during shutdown) has its result.
+        val, _, _ = read_metrics(self.folder)
+        finished = ("\ndone: " in log and "stopped early by" not in log) or (
+            bool(val) and val[-1][0] >= self.steps
+        )
         if self.collected:
             return "ok" if finished else "incomplete"
-        if self.terminated_at is not None and not (finished and self.returncode == 0):
-            return f"stopped by --time-limit (exit {self.returncode})"
+        if self.terminated_at is not None:
+            return "ok" if finished else f"stopped by --time-limit (exit {self.returncode})"
         return "ok" if self.returncode == 0 else f"failed (exit {self.returncode})"
 
 
@@ -459,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         folder = run_folder(args.out, recipe)
         command = [args.python, "-m", "mt_train", *overrides(args, recipe, folder, data_dir)]
-        runs.append(Run(recipe, folder, command))
+        runs.append(Run(recipe, folder, command, args.steps))
     if args.dry_run:
         for run in runs:
             print(" ".join(run.command))
