@@ -23,6 +23,7 @@ from mt_fp8 import (
     fp8_gemm,
     quantize,
 )
+from mt_fp8.quantized import QuantizedTensor
 
 pytestmark = pytest.mark.gpu
 K = 1024
@@ -80,23 +81,25 @@ def test_triton_block_gemm(layout_b, fmt_a, group):
     check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, 2**-24)
 
 
-@pytest.mark.parametrize("rows", [200, 208, 202, 204, 363, 1])
-def test_rowwise_rule_matches_the_hardware(rows):
-    """Row counts of ``a`` the rowwise rule takes run on cuBLAS within the bound; those it refuses
-    are refused by cuBLAS (so the rule is not stricter than it has to be)."""
+@pytest.mark.parametrize("layout", [ScaleLayout((-1, -1)), ROWWISE], ids=lambda g: g.name)
+@pytest.mark.parametrize("rows", [200, 363])
+def test_scaled_mm_takes_scales_at_any_offset(layout, rows):
+    """Scales that are views 4 bytes into a buffer (one expert's slice of a grouped layer's
+    stacked scales, a token range of rowwise scales): cuBLAS refuses such pointers, so
+    ``scaled_mm`` copies them; the result matches emulation."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(rows, K, generator=generator).cuda()
     b = torch.randn(384, K, generator=generator).cuda() * 0.05
-    qa, qb = quantize(a, FP8Format.E4M3, ROWWISE), quantize(b, FP8Format.E4M3, ROWWISE)
-    reason = gemm_module._scaled_mm_reason(qa, qb, torch.bfloat16)
-    if reason is None:
-        fast = gemm_module.scaled_mm(qa, qb, torch.bfloat16, None)
-        check(fast, fp8_gemm(qa, qb, torch.float32, backend="emulate"), qa, qb, 2**-8)
-    else:
-        assert f"rows of a divisible by {gemm_module.ROWWISE_ROW_MULTIPLE}, got {rows}" in reason
-        with pytest.raises(RuntimeError):
-            gemm_module.scaled_mm(qa, qb, torch.bfloat16, None)
-            torch.cuda.synchronize()
+    qa, qb = quantize(a, FP8Format.E4M3, layout), quantize(b, FP8Format.E4M3, layout)
+    shifted = []
+    for q in (qa, qb):
+        buffer = torch.empty(q.scale.numel() + 1, device="cuda")
+        buffer[1:] = q.scale.reshape(-1)
+        scale = buffer[1:].view(q.scale.shape)
+        assert scale.data_ptr() % 16 == 4
+        shifted.append(QuantizedTensor(q.data, scale, q.layout, q.fmt))
+    fast = gemm_module.scaled_mm(*shifted, torch.bfloat16, None)
+    check(fast, fp8_gemm(qa, qb, torch.float32, backend="emulate"), qa, qb, 2**-8)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -116,10 +116,6 @@ def _kind(q: QuantizedTensor) -> str:
     return "block"
 
 
-ROWWISE_ROW_MULTIPLE = 8
-"""Rows of ``a`` cuBLAS's rowwise-scaled FP8 GEMM takes (the token count of a forward GEMM)."""
-
-
 def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
     """Why ``torch._scaled_mm`` cannot run these operands, or None if it can."""
     kinds = (_kind(a), _kind(b))
@@ -135,13 +131,6 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
             return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
         if a.fmt is FP8Format.E5M2 and b.fmt is FP8Format.E5M2:
             return "cuBLAS FP8 GEMMs need at least one E4M3 operand"
-        if kinds[0] == "rowwise" and a.shape[0] % ROWWISE_ROW_MULTIPLE:
-            # CUBLAS_STATUS_NOT_SUPPORTED on the H200 (torch 2.11, CUDA 13) for 363 rows; the
-            # gpu test test_rowwise_rule_matches_the_hardware pins the multiple down.
-            return (
-                f"cuBLAS's rowwise FP8 GEMM needs rows of a divisible by {ROWWISE_ROW_MULTIPLE}, "
-                f"got {a.shape[0]}"
-            )
     return None
 
 
@@ -230,6 +219,15 @@ def _bf16_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     return None
 
 
+def _aligned_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale``, copied if its first element is not 16-byte aligned: cuBLAS refuses such scale
+    pointers (CUBLAS_STATUS_NOT_SUPPORTED on the H200 for one expert's scales sliced from the
+    stacked scales of a grouped layer, a view 4 or 8 bytes into its buffer)."""
+    if scale.data_ptr() % 16 == 0:
+        return scale
+    return scale.clone(memory_format=torch.contiguous_format)
+
+
 def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -244,6 +242,7 @@ def scaled_mm(
             # of fp32 parameters) are its bf16 result converted, one bf16 rounding of the fp32
             # accumulator, as a bf16 autocast GEMM gives.
             gemm_dtype = torch.bfloat16
+    scale_a, scale_b = _aligned_scale(scale_a), _aligned_scale(scale_b)
     # cuBLAS fuses a bias only in a 16-bit output dtype matching the bias; otherwise add it after.
     fused_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
     # NOTE: b.data is (Y, Z) row-major, so b.data.t() is the column-major (Z, Y) cuBLAS wants.
