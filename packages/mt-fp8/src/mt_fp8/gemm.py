@@ -10,8 +10,10 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     * ``torch._scaled_mm(a, bᵀ, s_a, s_bᵀ)``: both operands tensorwise (fp32 scalars) or both
       rowwise (``(X, 1)`` and ``(1, Y)``). Runs on CPU and on CUDA with FP8 tensor cores
       (compute capability ≥ 8.9); on CUDA both dims must be ``% 16``, two E5M2 operands are not
-      supported (cuBLAS needs one E4M3 operand), and rowwise GEMMs write bf16 (another output
-      dtype is that bf16 result converted).
+      supported (cuBLAS needs one E4M3 operand), rowwise GEMMs write bf16 (another output
+      dtype is that bf16 result converted), and scale pointers must be 16-byte aligned
+      (a scale view at another offset, such as one expert's slice of stacked scales, is
+      copied first).
     * ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128`` for ``a`` (1×128
       groups, ``s_a`` of shape ``(X, Z/128)``) and ``BlockWise1x128`` or ``BlockWise128x128``
       for ``b`` (``s_b`` of shape ``(Y, Z/128)`` or ``(Y/128, Z/128)``): cuBLAS's blockwise
