@@ -4,7 +4,8 @@ Run on a CUDA GPU: ``python benchmarks/fp8_linear.py`` (torchao optional: its co
 skipped when it is not importable). Times are medians of CUDA-event timings of
 ``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
 Every iteration is one training step with one micro-batch: the gradients are cleared before it
-(untimed) and our layers re-quantize the weight (``cache_weight=False``), as torchao does.
+and the input's version counter is bumped (both untimed), and our layers re-quantize the weight
+(``cache_weight=False``) and the input, as torchao does.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10
         x.grad = None
         for parameter in layer.parameters():
             parameter.grad = None
+        # A new input each step, as in training: the FP8 layers keep the last input's FP8 copy
+        # (keyed on its version counter) and would otherwise skip quantizing x.
+        with torch.no_grad():
+            x.add_(0)
 
     for _ in range(3):
         clear_grads()

@@ -242,16 +242,20 @@ def test_grouped_linear_matches_per_expert_linears(recipe):
         layer(x, [100, 100])
 
 
-def test_compiles_with_torch_compile():
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling(), DelayedScaling()])
+def test_compiles_into_one_graph(recipe):
+    """fullgraph=True: a graph break inside the autograd function (as ``data_ptr()`` in the GEMM
+    dispatch once caused) would silently run the FP8 layer eagerly under torch.compile."""
     torch.manual_seed(0)
-    layer = FP8Linear(128, 128, recipe=TensorwiseScaling())
+    layer = FP8Linear(128, 96, recipe=recipe)
     x = torch.randn(64, 128, requires_grad=True)
     eager = layer(x)
     eager.sum().backward()
-    eager_grad = x.grad.clone()
-    x.grad = None
-    compiled = torch.compile(layer)(x)
+    eager_grads = x.grad.clone(), layer.weight.grad.clone()
+    x.grad = layer.weight.grad = None
+    compiled = torch.compile(layer, fullgraph=True)(x)
     compiled.sum().backward()
     # Same FP8 operands; compiled kernels may sum in a different order (fp32 rounding only).
     assert torch.allclose(eager, compiled, rtol=1e-4, atol=1e-4)
-    assert torch.allclose(eager_grad, x.grad, rtol=1e-4, atol=1e-4)
+    for eager_grad, grad in zip(eager_grads, (x.grad, layer.weight.grad), strict=True):
+        assert torch.allclose(eager_grad, grad, rtol=1e-4, atol=1e-4)

@@ -178,8 +178,9 @@ SHAPES = [(96, 160), (256, 32), (32, 128), (256, 256), (200, 48)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("fmt", [FP8Format.E4M3, FP8Format.E5M2], ids=lambda f: f.value)
 def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
-    # Bit-exact: both paths divide with IEEE round-to-nearest (div.rn.f32 in the kernel), clamp
-    # and cast with round-to-nearest-even; q and qᵀ are checked separately.
+    # Bit-exact: both paths multiply by the IEEE inverse scale RN(1/s) with a round-to-nearest
+    # product (div.rn.f32 once, mul.rn.f32 per element in the kernel), clamp and cast with
+    # round-to-nearest-even; q and qᵀ are checked separately (fp32 qᵀ: the int32-code transpose).
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 7).to(device, dtype)
     stats = torch.zeros(3, dtype=torch.int64, device=device)
     q, q_t, amax = quantize_transpose_amax(x, fmt, stats=stats)
@@ -194,9 +195,8 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     stats.zero_()
     q, q_t, amax = quantize_transpose_amax(x, fmt, scale=fixed, stats=stats)
     assert amax.item() == x.abs().max().item()
-    # NOTE: divide by the tensor: on CUDA, dividing by a Python number multiplies by its rounded
-    # reciprocal, which can move a value across the threshold.
-    saturated = int((x.float().abs() / fixed >= fmt.saturation_threshold).sum())
+    # The quantizers' own scaling, x · RN(1/s) (quantized.cast_to_fp8).
+    saturated = int((x.float().abs() * torch.reciprocal(fixed) >= fmt.saturation_threshold).sum())
     assert stats[0].item() == saturated and stats[2].item() == x.numel()
     reference = quantize(x, fmt, scale=fixed)
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)

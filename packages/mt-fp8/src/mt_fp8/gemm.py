@@ -224,8 +224,14 @@ def _bf16_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
 def _aligned_scale(scale: torch.Tensor) -> torch.Tensor:
     """``scale``, copied if its first element is not 16-byte aligned: cuBLAS refuses such scale
     pointers (CUBLAS_STATUS_NOT_SUPPORTED on the H200 for one expert's scales sliced from the
-    stacked scales of a grouped layer, a view 4 or 8 bytes into its buffer)."""
-    if scale.data_ptr() % 16 == 0:
+    stacked scales of a grouped layer, a view 4 or 8 bytes into its buffer).
+
+    Under ``torch.compile`` neither the address nor the storage offset can be traced (NOTE:
+    ``data_ptr()`` there broke the graph at every FP8 GEMM, so compiled FP8 layers ran their
+    autograd function eagerly), so the scale is always copied: a few bytes, which the compiler
+    may fuse into the kernel that produced them.
+    """
+    if not torch.compiler.is_compiling() and scale.data_ptr() % 16 == 0:
         return scale
     return scale.clone(memory_format=torch.contiguous_format)
 

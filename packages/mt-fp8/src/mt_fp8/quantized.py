@@ -2,7 +2,11 @@
 
 Math. A 2-D high-precision tensor ``x_RC`` (R rows, C columns; C is always the GEMM contraction
 axis) is cut into blocks of ``br × bc`` elements. Each block ``b`` gets one fp32 *dequantization*
-scale ``s_b`` and FP8 data ``q = sat(rne(x / s_b))`` so that ``x ≈ q · s_b``:
+scale ``s_b`` and FP8 data ``q = sat(rne(x · s_b⁻¹))`` so that ``x ≈ q · s_b``, where
+``s_b⁻¹ = RN(1 / s_b)`` is the fp32 inverse scale (one IEEE division per block, then one
+round-to-nearest product per element: the same bytes in the PyTorch path here and every Triton
+kernel, which multiply because a division per element held the fused quantizer at 57% of copy
+bandwidth on the H200; fp64 inputs divide in fp64, so the FP8 cast is their only rounding):
 
     amax_b = max |x| over block b                 (computed in high precision, before the cast)
     s_b    = max(amax_b, fmt.max · 2^-126) / fmt.max
@@ -177,7 +181,8 @@ def block_amax(x_RC: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def cast_to_fp8(
     x_RC: torch.Tensor, scale_GH: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``sat(rne(x / s))`` per block: the scaled values are clamped before the (saturating) cast.
+    """``sat(rne(x · RN(1 / s)))`` per block (``x / s`` for fp64 inputs; module docstring): the
+    scaled values are clamped before the (saturating) cast.
 
     ``stats`` (int64, 3 elements), if given, is incremented in place by the counts of values
     clipped at ``fmt.max`` (``>= fmt.saturation_threshold``), nonzero values flushed to zero and all values (numerics health).
@@ -187,7 +192,11 @@ def cast_to_fp8(
     br, bc = rows // groups, cols // hgroups
     # fp64 inputs stay fp64 so that the only rounding is the FP8 cast (no double rounding).
     work = x_RC.double() if x_RC.dtype == torch.float64 else x_RC.float()
-    scaled = work.reshape(groups, br, hgroups, bc) / scale_GH[:, None, :, None].to(work.dtype)
+    blocks = work.reshape(groups, br, hgroups, bc)
+    if work.dtype == torch.float64:
+        scaled = blocks / scale_GH[:, None, :, None].double()
+    else:
+        scaled = blocks * torch.reciprocal(scale_GH.float())[:, None, :, None]
     if stats is not None:
         magnitude = scaled.abs()
         stats[0] += (magnitude >= fmt.saturation_threshold).sum()

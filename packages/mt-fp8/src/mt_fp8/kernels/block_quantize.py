@@ -17,8 +17,8 @@ tile's rows hold 128/g forward groups each and its columns 128/g transposed grou
 scale sets come from the one load (``tl.reshape`` of the tile's magnitudes to
 ``(128, 128/g, g)`` and ``(128/g, g, 128)``, a max over the g axis):
 
-    s_RH[r, h] = scale_from_amax(max_{c in group h} |x[r, c]|)    q_RC[r, c]  = sat(rne(x / s_RH))
-    s_CG[c, k] = scale_from_amax(max_{r in group k} |x[r, c]|)    q_CR'[c, r] = sat(rne(x / s_CG))
+    s_RH[r, h] = scale_from_amax(max_{c in group h} |x[r, c]|)    q_RC[r, c]  = sat(rne(x · s_RH⁻¹))
+    s_CG[c, k] = scale_from_amax(max_{r in group k} |x[r, c]|)    q_CR'[c, r] = sat(rne(x · s_CG⁻¹))
 
 Rows at or past R' are not stored (with g = 32 the last tile can reach beyond R'). Padded rows are zeros, so they add nothing to a column amax and quantize to zero, as the
 PyTorch path's ``F.pad`` of ``xᵀ`` does. :func:`quantize_square_blocks` is the same pass with one
@@ -26,7 +26,8 @@ amax per tile (128×128 weight blocks); a square-block tensor's transpose is exa
 (:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so it writes ``q_RC`` only.
 
 Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.quantized.quantize`,
-by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_div_rn`` and ``_store_fp8`` this reuses):
+by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_reciprocal``, ``_mul_rn`` and
+``_store_fp8`` this reuses):
 
 * ``s = max(amax, fmt.max · 2^-126) / fmt.max`` divides with ``div.rn.f32`` (IEEE), then
   ``max(s, 2^-126)``; ``amax == 0`` gives ``s = 1``; ``amax = inf`` gives ``s = NaN``. MX
@@ -34,7 +35,8 @@ by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_div_rn`` and ``_store_f
   exponent bits of ``max(amax, 2^-126)`` (exact, as the PyTorch path's ``frexp``). The amax
   counts NaN as ``+inf`` (Triton's ``max`` skips NaN), which is non-finite as NaN is, so a group
   holding NaN gets a NaN scale as on the PyTorch path.
-* ``x / s`` is ``div.rn.f32``, the clamp propagates NaN, the cast rounds to nearest even (in
+* ``x · s⁻¹`` with ``s⁻¹ = RN(1 / s)`` (one ``div.rn.f32`` per group, ``mul.rn.f32`` per
+  element), the clamp propagates NaN, the cast rounds to nearest even (in
   integer arithmetic under ``TRITON_INTERPRET=1``, whose own FP8 cast is wrong).
 * Health counts (``stats``) cover ``q_RC`` only, as :func:`~mt_fp8.quantized.cast_to_fp8` does.
 
@@ -51,7 +53,13 @@ import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, cast_arguments
+from mt_fp8.kernels.quantize import (
+    _mul_rn,
+    _reciprocal,
+    _scale_from_amax,
+    _store_fp8,
+    cast_arguments,
+)
 from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
@@ -145,7 +153,7 @@ def _block_quantize(
         first = tl.arange(0, TILE) == 0
         scale_offs = pid_r * scales_per_row + pid_c + tl.arange(0, TILE) * 0
         tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
-        scale_full = tl.broadcast_to(scale_rows[:, None], (TILE, TILE))
+        inverse_full = tl.broadcast_to(_reciprocal(scale_rows, EXACT_DIV)[:, None], (TILE, TILE))
     else:
         # (TILE, GROUPS) group amaxes along the columns, one scale each.
         amax_groups = tl.max(tl.reshape(magnitude_x, (TILE, GROUPS, GROUP_LEN)), axis=2)
@@ -153,10 +161,11 @@ def _block_quantize(
         group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
         scale_offs = rows.to(tl.int64)[:, None] * scales_per_row + group_ids[None, :]
         tl.store(scale_ptr + scale_offs, scale_groups, mask=in_rows[:, None])
-        scale_full = tl.reshape(
-            tl.broadcast_to(scale_groups[:, :, None], (TILE, GROUPS, GROUP_LEN)), (TILE, TILE)
+        inverse_groups = _reciprocal(scale_groups, EXACT_DIV)
+        inverse_full = tl.reshape(
+            tl.broadcast_to(inverse_groups[:, :, None], (TILE, GROUPS, GROUP_LEN)), (TILE, TILE)
         )
-    scaled = _div_rn(x, scale_full, EXACT_DIV)
+    scaled = _mul_rn(x, inverse_full, EXACT_DIV)
     if STATS:
         magnitude = tl.abs(scaled)  # padded rows are zeros: counted in neither
         saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
@@ -176,10 +185,11 @@ def _block_quantize(
         tl.store(
             scale_t_ptr + scale_t_offs, scale_t, mask=(group_ids_t < R_padded // GROUP_LEN)[:, None]
         )
-        scale_t_full = tl.reshape(
-            tl.broadcast_to(scale_t[:, None, :], (GROUPS, GROUP_LEN, TILE)), (TILE, TILE)
+        inverse_t = _reciprocal(scale_t, EXACT_DIV)
+        inverse_t_full = tl.reshape(
+            tl.broadcast_to(inverse_t[:, None, :], (GROUPS, GROUP_LEN, TILE)), (TILE, TILE)
         )
-        scaled_t = _div_rn(x, scale_t_full, EXACT_DIV)
+        scaled_t = _mul_rn(x, inverse_t_full, EXACT_DIV)
         clamped_t = tl.clamp(scaled_t, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
         in_padded = rows < R_padded
         if TRANSPOSE == 1:

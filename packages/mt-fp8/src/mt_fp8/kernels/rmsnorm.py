@@ -1,8 +1,9 @@
 """Triton RMSNorm(+residual) forward and backward (math in :mod:`mt_fp8.ops.rmsnorm`).
 
-One program per row in the forward (the row fits in one block); the backward runs a fixed grid
-of programs that each loop over rows, accumulating their share of ``dw`` in registers, so ``dw``
-costs one small (programs × D) fp32 partial sum instead of an atomic per row.
+One program per ``FWD_ROWS`` rows in the forward (a row fits in one block); the backward runs a
+fixed grid of programs that each loop over ``BWD_ROWS`` rows at a time (software-pipelined),
+accumulating their share of ``dw`` in registers, so ``dw`` costs one small (programs × D) fp32
+partial sum instead of an atomic per row.
 """
 
 from __future__ import annotations
@@ -23,22 +24,26 @@ def _rmsnorm_fwd(
     y_ptr,
     h_ptr,
     rstd_ptr,
+    R,
     D,
     eps,
     HAS_RES: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    h = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows[:, None] < R) & (cols[None, :] < D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        h += tl.load(res_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * D + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * D + cols, (h * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+        h += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = h * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < R)
 
 
 @triton.jit
@@ -55,31 +60,49 @@ def _rmsnorm_bwd(
     programs,
     iters,
     HAS_DHOUT: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.range(0, iters):
-        row = pid + i * programs
-        row_mask = mask & (row < R)
-        offs = row.to(tl.int64) * D + cols
-        dy = tl.load(dy_ptr + offs, mask=row_mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < R, other=0.0)
-        xhat = tl.load(h_ptr + offs, mask=row_mask, other=0.0).to(tl.float32) * rstd
-        dxhat = dy * w
-        dh = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / D))
+    col_mask = cols < D
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+    for i in tl.range(0, iters, num_stages=STAGES):
+        rows = (pid + i * programs) * ROWS + tl.arange(0, ROWS)
+        mask = (rows[:, None] < R) & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)
+        xhat = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        dxhat = dy * w[None, :]
+        mean = tl.sum(dxhat * xhat, axis=1) / D
+        dh = rstd[:, None] * (dxhat - xhat * mean[:, None])
         if HAS_DHOUT:
-            dh += tl.load(dhout_ptr + offs, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=row_mask)
+            dh += tl.load(dhout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
         dw += dy * xhat
-    tl.store(dw_part_ptr + pid * D + cols, dw, mask=mask)
+    tl.store(dw_part_ptr + pid * D + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 1
 """Backward programs per streaming multiprocessor: each walks rows/programs rows."""
+
+FWD_ROWS = 1
+"""Rows per forward program (a ``FWD_ROWS × D`` tile)."""
+
+BWD_ROWS = 2
+"""Rows per backward loop iteration (a ``BWD_ROWS × D`` tile)."""
+
+BWD_STAGES = 3
+"""Software-pipelining depth of the backward's row loop: the loads of the next rows are issued
+while the current ones are reduced."""
+
+# NOTE: measured on the H200 (2026-12-03, 8192×4096 bf16, kernel time by CUDA events): forward
+# 40.6 µs with 16 warps per row, 36.6 µs with 8 (86% of copy bandwidth; 2 or 4 rows per program
+# no better); backward 63.1 µs with one row per iteration, 2 programs per SM and no pipelining,
+# 53.2 µs with the settings above (2 rows, 1 program per SM, 3 stages; 88%).
 
 
 @functools.cache
@@ -87,6 +110,11 @@ def _programs(device: torch.device) -> int:
     if device.type == "cuda":
         return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _warps(tile_elements: int) -> int:
+    """About 16 fp32 values per thread per tensor, 1 to 16 warps."""
+    return min(max(tile_elements // 512, 1), 16)
 
 
 class TritonRMSNormFunction(torch.autograd.Function):
@@ -100,18 +128,20 @@ class TritonRMSNormFunction(torch.autograd.Function):
         h_RD = torch.empty_like(x_RD) if residual_RD is not None else x_RD
         rstd_R = torch.empty(rows, device=x_RD.device, dtype=torch.float32)
         block = triton.next_power_of_2(dim)
-        _rmsnorm_fwd[(rows,)](
+        _rmsnorm_fwd[(triton.cdiv(rows, FWD_ROWS),)](
             x_RD,
             residual_RD.contiguous() if residual_RD is not None else x_RD,
             weight_D,
             y_RD,
             h_RD,
             rstd_R,
+            rows,
             dim,
             eps,
             HAS_RES=residual_RD is not None,
+            ROWS=FWD_ROWS,
             BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=_warps(FWD_ROWS * block),
         )
         ctx.save_for_backward(h_RD, weight_D, rstd_R)
         ctx.has_residual = residual_RD is not None
@@ -124,7 +154,7 @@ class TritonRMSNormFunction(torch.autograd.Function):
         rows, dim = h_RD.shape
         has_dhout = ctx.has_residual and dh_out_RD is not None
         dh_RD = torch.empty_like(h_RD)
-        programs = min(_programs(h_RD.device), rows)
+        programs = min(_programs(h_RD.device), triton.cdiv(rows, BWD_ROWS))
         dw_part = torch.empty(programs, dim, device=h_RD.device, dtype=torch.float32)
         block = triton.next_power_of_2(dim)
         _rmsnorm_bwd[(programs,)](
@@ -138,10 +168,12 @@ class TritonRMSNormFunction(torch.autograd.Function):
             rows,
             dim,
             programs,
-            triton.cdiv(rows, programs),
+            triton.cdiv(rows, programs * BWD_ROWS),
             HAS_DHOUT=has_dhout,
+            ROWS=BWD_ROWS,
             BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16),
+            STAGES=BWD_STAGES,
+            num_warps=_warps(BWD_ROWS * block),
         )
         dw = dw_part.sum(0).to(weight_D.dtype)
         return dh_RD, dw, dh_RD if ctx.has_residual else None, None, None

@@ -8,7 +8,8 @@ Each program owns ``ROWS`` consecutive rows and walks them in ``ROWS × BLOCK_C`
     pass 1:  amax_r = max_c |x[r, c]|         (NaN counted as +inf, as the other kernels do)
              s_r    = scale_from_amax(amax_r)  (the shared ``_scale_from_amax``: IEEE division,
                                                 floor 2^-126, 1 for zero rows, NaN if non-finite)
-    pass 2:  q[r, c] = sat(rne(x[r, c] / s_r))  (``div.rn.f32``, NaN-propagating clamp, RNE cast)
+    pass 2:  q[r, c] = sat(rne(x[r, c] · s_r⁻¹)) (s_r⁻¹ = RN(1 / s_r); ``mul.rn.f32``,
+                                                NaN-propagating clamp, RNE cast)
 
 The second pass re-reads the program's rows, mostly from L2. Health counts (saturated, flushed,
 elements) go to the program's own slot of a ``(P, 3)`` partials buffer and one PyTorch sum adds
@@ -27,7 +28,13 @@ import triton
 import triton.language as tl
 
 from mt_fp8.formats import FP8Format
-from mt_fp8.kernels.quantize import _div_rn, _scale_from_amax, _store_fp8, cast_arguments
+from mt_fp8.kernels.quantize import (
+    _mul_rn,
+    _reciprocal,
+    _scale_from_amax,
+    _store_fp8,
+    cast_arguments,
+)
 from mt_fp8.quantized import MIN_SCALE, ROWWISE, QuantizedTensor
 
 ROWS = 4
@@ -72,14 +79,14 @@ def _rowwise_quantize(
         amax = tl.maximum(amax, tl.max(magnitude, axis=1))
     scale = _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV)
     tl.store(scale_ptr + rows, scale, mask=in_rows)
-    scale_tile = tl.broadcast_to(scale[:, None], (ROWS, BLOCK_C))
+    inverse_scale_tile = tl.broadcast_to(_reciprocal(scale, EXACT_DIV)[:, None], (ROWS, BLOCK_C))
     saturated = tl.zeros([ROWS], dtype=tl.int64)
     flushed = tl.zeros([ROWS], dtype=tl.int64)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         mask = in_rows[:, None] & (cols[None, :] < C)
         x = tl.load(x_ptr + row_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scaled = _div_rn(x, scale_tile, EXACT_DIV)
+        scaled = _mul_rn(x, inverse_scale_tile, EXACT_DIV)
         if STATS:
             scaled_magnitude = tl.abs(scaled)  # masked elements are zeros: counted in neither
             saturated += tl.sum((scaled_magnitude >= saturation).to(tl.int64), axis=1)

@@ -2,7 +2,7 @@
 
 FP8 GEMMs need a tensor quantized along both axes (``x`` for one GEMM, ``xᵀ`` for the other).
 Given the dequantization scale ``s`` (delayed scaling: from the history), one pass over
-``x_RC`` writes ``q_RC = sat(rne(x / s))``, its transpose ``q_CR`` and ``amax = max|x|`` (for the
+``x_RC`` writes ``q_RC = sat(rne(x · s⁻¹))`` (``s⁻¹ = RN(1 / s)``), its transpose ``q_CR`` and ``amax = max|x|`` (for the
 next step's scale), reading ``x`` once. With ``scale=None`` (current scaling) the scale must be
 known before any cast (FP8 supports no arithmetic afterwards), so an amax reduction pass runs
 first, the amax is MAX-reduced over ``amax_group`` if one is given, and
@@ -10,13 +10,16 @@ first, the amax is MAX-reduced over ``amax_group`` if one is given, and
 non-finite → NaN). ``stats`` accumulates the health counts of
 :func:`mt_fp8.quantized.cast_to_fp8`.
 
-Both paths give the same bytes: ``x / s`` is an IEEE round-to-nearest fp32 division in each
-(PyTorch's tensor division; ``div.rn.f32`` in the kernel), followed by the same clamp and the
-same round-to-nearest-even cast. A NaN in ``x`` makes the returned amax ``+inf`` on both paths.
+Both paths give the same bytes: ``s⁻¹`` is an IEEE fp32 division and ``x · s⁻¹`` an IEEE
+round-to-nearest fp32 product in each (PyTorch's ``reciprocal`` and tensor product;
+``div.rn.f32`` and ``mul.rn.f32`` in the kernel), followed by the same clamp and the same
+round-to-nearest-even cast. A NaN in ``x`` makes the returned amax ``+inf`` on both paths.
 
 Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
 tensors whose gradient those layers compute themselves. CUDA tensors run
-:mod:`mt_fp8.kernels.quantize`; elsewhere the plain-PyTorch path below.
+:mod:`mt_fp8.kernels.quantize` (under ``torch.compile`` through its custom op,
+:mod:`mt_fp8.kernels.library`; a compiled call with an ``amax_group`` takes the PyTorch path, whose
+all-reduce the graph captures); elsewhere the plain-PyTorch path below.
 """
 
 from __future__ import annotations
@@ -54,7 +57,12 @@ def quantize_transpose_amax(
         )
     if amax_group is not None and scale is not None:
         raise ValueError("amax_group reduces the amax of current scaling; a scale was given")
-    if use_triton(x_RC):
+    compiling = torch.compiler.is_compiling()
+    if use_triton(x_RC) and compiling and amax_group is None:
+        from mt_fp8.kernels.library import quantize_transpose_amax_op
+
+        data_RC, data_CR, scale_11, amax = quantize_transpose_amax_op(x_RC, fmt.dtype, scale, stats)
+    elif use_triton(x_RC) and not compiling:
         from mt_fp8.kernels.quantize import quantize_transpose_amax_triton
 
         data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(
