@@ -84,6 +84,8 @@ def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: i
     def clear() -> None:
         for p in params:
             p.grad = None
+        with torch.no_grad():
+            x.add_(0)  # a new input each step: no FP8 copy of the last one is reused
 
     def bf16_loop() -> None:
         parts = [F.linear(x_e, weight[e]) for e, x_e in enumerate(torch.split(x, sizes))]

@@ -23,7 +23,7 @@ from test_fp8_block_fast import (
     fused_calls_of_a_layer_matching_the_pytorch_path,
 )
 
-from mt_fp8 import FP8Format, FP8Linear, RowwiseScaling, TensorwiseScaling, quantize
+from mt_fp8 import FP8Format, RowwiseScaling, quantize
 from mt_fp8.quantized import ROWWISE
 
 
@@ -85,34 +85,3 @@ def test_fp8_linear_rowwise_fused_matches_pytorch_path(device, dtype, monkeypatc
     # x and xᵀ, w and wᵀ, dy and dyᵀ: every operand through the kernel.
     shapes = [(200, 256), (256, 200), (384, 256), (256, 384), (200, 384), (384, 200)]
     assert calls == sorted(("quantize_rows", shape) for shape in shapes)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "recipe, name, calls",
-    [
-        (TensorwiseScaling(), "quantize_transpose_amax_triton", 3),  # x, w, dy (each with its ᵀ)
-        (RowwiseScaling(), "quantize_rows", 6),  # x, xᵀ, w, wᵀ, dy, dyᵀ
-    ],
-    ids=["tensorwise", "rowwise"],
-)
-def test_compiled_fp8_linear_runs_the_triton_quantizers(device, recipe, name, calls, monkeypatch):
-    """Under torch.compile the quantizers run as custom ops (:mod:`mt_fp8.kernels.library`) in
-    one graph, with the bytes of the eager layer (same kernels, same emulated GEMMs)."""
-    from mt_fp8.kernels import library
-
-    seen = []
-    original = getattr(library, name)
-    monkeypatch.setattr(library, name, lambda *args: seen.append(name) or original(*args))
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        layer = FP8Linear(256, 384, recipe=recipe, backend="emulate", device=device)
-        layer.to(torch.bfloat16)
-        x = torch.randn(200, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
-        run = torch.compile(layer, fullgraph=True) if compiled else layer
-        run(x).backward(torch.ones(200, 384, device=device, dtype=torch.bfloat16))
-        results.append((x.grad, layer.weight.grad, layer.fp8_meta.health.clone()))
-    assert len(seen) == calls  # the compiled run only: eager code calls the launchers directly
-    for eager, compiled in zip(*results, strict=True):
-        assert torch.equal(eager, compiled)

@@ -43,16 +43,19 @@ quantize.
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
 
-Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``): tensorwise roles go through one quantize + transpose + amax pass
+Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``; not under
+``torch.compile``): tensorwise roles go through one quantize + transpose + amax pass
 (:mod:`mt_fp8.ops.quantize_transpose`). Block scaling with 1×128 groups and 128×128 weight
 blocks goes through :mod:`mt_fp8.kernels.block_quantize`: ``x`` and ``dy`` are quantized along
 their last axis and, when the wgrad GEMM will need it, their transposes requantized along the
 tokens (zero-padded to a multiple of 128) in the same pass over the input; the weight's 128×128
 blocks in one pass, its transpose exact. Rowwise scales go through
 :mod:`mt_fp8.kernels.rowwise_quantize` (``xᵀ``: a transpose copy, then the same kernel). All give
-the same bytes as the PyTorch path. Under ``torch.compile`` the tensorwise and rowwise kernels run
-as custom ops (:mod:`mt_fp8.kernels.library`), so a compiled layer quantizes with the same
-kernels as an eager one; the block and MX quantizers are left to Inductor (plain-PyTorch path).
+the same bytes as the PyTorch path. Inside ``torch.compile`` graphs the plain-PyTorch path runs
+and Inductor fuses it with its neighbours. NOTE: the Triton quantizers wrapped as
+``torch.library`` custom ops were slower there on the H200 (2026-12-03, fwd+bwd at M = 8192,
+4096×14336: tensorwise 3.14 against 2.51 ms, rowwise 4.56 against 2.93 ms; the opaque calls
+add host time, and rowwise needs separate transpose copies Inductor otherwise fuses).
 
 Current tensorwise scaling under tensor parallelism: when the plan has an ``amax_group`` (the
 layer's ``fp8_meta.amax_group``, set by ``fp8_autocast(amax_group=...)`` or by the caller) and a
@@ -77,7 +80,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mt_fp8.formats import FP8Format, TensorRole
+from mt_fp8.formats import TensorRole
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.ops.dispatch import use_triton
 from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
@@ -145,7 +148,7 @@ class LinearPlan:
             q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed, layout)
             q_RC.transposed = q_CR
             return q_RC
-        if layout == TENSORWISE and use_triton(x_RC):
+        if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
             # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
             q_RC, q_CR, amax = quantize_transpose_amax(
                 x_RC, fmt, scale=scale, stats=stats, amax_group=group
@@ -155,7 +158,9 @@ class LinearPlan:
             q_RC.transposed = q_CR
             return q_RC
         if self._fused_rowwise(x_RC, layout):
-            return _quantize_rows(x_RC, fmt, stats)
+            from mt_fp8.kernels.rowwise_quantize import quantize_rows
+
+            return quantize_rows(x_RC, fmt, stats)
         if delayed and record:
             self.meta.record_amax(x_RC, role)
         return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
@@ -208,7 +213,9 @@ class LinearPlan:
             x_CR = _pad_columns(x_CR, self.row_multiple())
         fmt = self.recipe.formats.for_role(role)
         if self._fused_rowwise(x_CR, layout):
-            return _quantize_rows(x_CR, fmt)  # a high-precision transpose copy, then the kernel
+            from mt_fp8.kernels.rowwise_quantize import quantize_rows
+
+            return quantize_rows(x_CR, fmt)  # a high-precision transpose copy, then the kernel
         scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
         return quantize(x_CR, fmt, layout, scale=scale)
 
@@ -220,6 +227,7 @@ class LinearPlan:
             and x_RC.numel() > 0
             and x_RC.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and use_triton(x_RC)
+            and not torch.compiler.is_compiling()
         )
 
     def _fused_block_layout(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
@@ -282,20 +290,6 @@ class LinearPlan:
             # (key, weak reference to the weight's owner, FP8 w, FP8 wᵀ)
             self.weight_cache["entry"] = (key, weakref.ref(owner), weight_q, weight_t_q)
         return weight_q, weight_t_q
-
-
-def _quantize_rows(
-    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
-) -> QuantizedTensor:
-    """The Triton rowwise quantizer; under ``torch.compile`` through its custom op."""
-    if torch.compiler.is_compiling():
-        from mt_fp8.kernels.library import quantize_rows_op
-
-        data_RC, scale_R1 = quantize_rows_op(x_RC, fmt.dtype, stats)
-        return QuantizedTensor(data_RC, scale_R1, ROWWISE, fmt)
-    from mt_fp8.kernels.rowwise_quantize import quantize_rows
-
-    return quantize_rows(x_RC, fmt, stats)
 
 
 _last_input: dict[str, Any] = {}

@@ -17,9 +17,8 @@ round-to-nearest-even cast. A NaN in ``x`` makes the returned amax ``+inf`` on b
 
 Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
 tensors whose gradient those layers compute themselves. CUDA tensors run
-:mod:`mt_fp8.kernels.quantize` (under ``torch.compile`` through its custom op,
-:mod:`mt_fp8.kernels.library`; a compiled call with an ``amax_group`` takes the PyTorch path, whose
-all-reduce the graph captures); elsewhere the plain-PyTorch path below.
+:mod:`mt_fp8.kernels.quantize`; elsewhere, and inside ``torch.compile`` graphs (where Inductor
+fuses it; see :mod:`mt_fp8.functional`), the plain-PyTorch path below.
 """
 
 from __future__ import annotations
@@ -57,12 +56,7 @@ def quantize_transpose_amax(
         )
     if amax_group is not None and scale is not None:
         raise ValueError("amax_group reduces the amax of current scaling; a scale was given")
-    compiling = torch.compiler.is_compiling()
-    if use_triton(x_RC) and compiling and amax_group is None:
-        from mt_fp8.kernels.library import quantize_transpose_amax_op
-
-        data_RC, data_CR, scale_11, amax = quantize_transpose_amax_op(x_RC, fmt.dtype, scale, stats)
-    elif use_triton(x_RC) and not compiling:
+    if use_triton(x_RC) and not torch.compiler.is_compiling():
         from mt_fp8.kernels.quantize import quantize_transpose_amax_triton
 
         data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(
