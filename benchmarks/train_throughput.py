@@ -177,7 +177,9 @@ def ref_stack(
 
 
 # ---------------------------------------------------------------- our trainer
-def our_trainer(s: dict[str, int], device: str, out_dir: str, compile_: bool = False) -> Any:
+def our_trainer(
+    s: dict[str, int], device: str, out_dir: str, compile_: bool = False, optimizer: str = "auto"
+) -> Any:
     from mt_train import Trainer, compose_config, to_train_config
 
     overrides = [
@@ -190,12 +192,14 @@ def our_trainer(s: dict[str, int], device: str, out_dir: str, compile_: bool = F
         "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
         "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
         "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
-        f"trainer.compile={str(compile_).lower()}",
+        f"trainer.compile={str(compile_).lower()}", f"optimizer.impl={optimizer}",
     ]  # fmt: skip
     return Trainer(to_train_config(compose_config(overrides)), output_dir=out_dir)
 
 
-def enable_fp8(trainer: Any, recipe_name: str) -> None:
+def enable_fp8(trainer: Any, recipe_name: str, health: bool = True) -> None:
+    """``fp8=<recipe>`` on a built trainer; ``health=False`` turns the numerics-health counts
+    off in every FP8 layer (to measure what they cost)."""
     import mt_fp8
     import mt_parallel
     from mt_train.config.schema import FP8Config
@@ -205,6 +209,9 @@ def enable_fp8(trainer: Any, recipe_name: str) -> None:
     skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name))
     mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
     trainer.fp8_recipe = recipe
+    for module in trainer.module.modules():
+        if isinstance(module, mt_fp8.FP8Linear):
+            module.track_health = health
 
 
 # ---------------------------------------------------------------- timing
@@ -227,7 +234,7 @@ def measure(
     return done, time.perf_counter() - start
 
 
-def profile_step(step: Callable[[], Any], device: torch.device, top: int = 30) -> dict[str, Any]:
+def profile_step(step: Callable[[], Any], device: torch.device, top: int = 50) -> dict[str, Any]:
     """One profiled step: device ms by kernel category, wall ms, and the ``top`` kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -244,12 +251,14 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 30) -
     # "Optimizer.step#AdamW.step"): the CPU-side aten ops and the annotations report the device
     # time of the kernels under them, which would count those kernels twice.
     per_kernel: dict[str, list[float]] = {}
+    intervals: list[tuple[float, float, str]] = []
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
             continue
         entry = per_kernel.setdefault(event.name, [0, 0.0])
         entry[0] += 1
         entry[1] += event.device_time_total / 1e3
+        intervals.append((event.time_range.start, event.time_range.end, event.name))
     by_category: dict[str, float] = {}
     for name, (_, ms) in per_kernel.items():
         category = next(
@@ -258,12 +267,35 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 30) -
         )
         by_category[category] = by_category.get(category, 0.0) + ms
     kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
+    idle_ms, idle_before = device_idle(intervals)
     return {
         "wall_ms": wall_ms,
         "device_ms": sum(by_category.values()),
+        "device_idle_ms": idle_ms,
         "device_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [[name[:90], count, ms] for name, (count, ms) in kernels[:top]],
+        "idle_before_ms": idle_before[:top],
     }
+
+
+def device_idle(
+    intervals: list[tuple[float, float, str]],
+) -> tuple[float, list[list[Any]]]:
+    """Idle device time between the first and the last kernel (µs intervals, any stream): the
+    total in ms, and per kernel name the idle time right before its launches (``[name, gaps,
+    ms]``, largest first): the kernels the device waited for the host to launch."""
+    idle_us, before = 0.0, {}
+    busy_until = None
+    for start, end, name in sorted(intervals):
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle_us += gap
+            entry = before.setdefault(name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += gap / 1e3
+        busy_until = end if busy_until is None else max(busy_until, end)
+    ranked = sorted(before.items(), key=lambda kv: -kv[1][1])
+    return idle_us / 1e3, [[name, count, ms] for name, (count, ms) in ranked]
 
 
 def emit(row: dict[str, Any], out: str | None) -> None:
@@ -341,10 +373,12 @@ def run_in_process(
                 else:
                     compiled = name.startswith("ours_compiled_")
                     if trainer is None:
-                        trainer = our_trainer(s, device.type, out_dir, compile_=compiled)
+                        trainer = our_trainer(
+                            s, device.type, out_dir, compiled, args.optimizer_impl
+                        )
                     recipe = name.removeprefix("ours_compiled_").removeprefix("ours_")
                     if recipe.startswith("fp8_"):
-                        enable_fp8(trainer, recipe.removeprefix("fp8_"))
+                        enable_fp8(trainer, recipe.removeprefix("fp8_"), not args.no_fp8_health)
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
                 tps = done * s["batch"] * s["seq"] / seconds
@@ -384,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated stack names")
     parser.add_argument("--out", default=None, help="JSON lines file for the results")
     parser.add_argument("--profile", action="store_true", help="add one profiled step per stack")
+    parser.add_argument(
+        "--optimizer-impl", default="auto", help="our trainer's optimizer.impl (auto, triton, ...)"
+    )
+    parser.add_argument(
+        "--no-fp8-health", action="store_true", help="FP8 layers skip their health counts"
+    )
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8)")
@@ -438,9 +478,12 @@ def main(argv: list[str] | None = None) -> int:
             parts = ", ".join(f"{c} {ms:.1f}" for c, ms in prof["device_ms_by_category"].items())
             print(
                 f"\n{r['stack']}: step wall {prof['wall_ms']:.1f} ms, kernels "
-                f"{prof['device_ms']:.1f} ms ({parts})"
+                f"{prof['device_ms']:.1f} ms ({parts}), device idle {prof['device_idle_ms']:.1f} ms"
             )
             for kernel, count, ms in prof["top_kernels_ms"]:
+                print(f"    {ms:8.2f} ms  x{count:<4d} {kernel}")
+            print("  idle time before (the kernels the device waited for):")
+            for kernel, count, ms in prof["idle_before_ms"][:20]:
                 print(f"    {ms:8.2f} ms  x{count:<4d} {kernel}")
     return 0 if any("error" not in r for r in results) and not math.isnan(fpt) else 1
 

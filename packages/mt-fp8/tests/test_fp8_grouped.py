@@ -25,6 +25,7 @@ from mt_fp8 import (
     TensorRole,
     TensorwiseScaling,
     clear_fp8_weight_caches,
+    final_micro_batch,
     quantize,
 )
 from mt_fp8.grouped import (
@@ -295,6 +296,9 @@ def test_grouped_weight_cache():
     run(layer, x, dy, ALIGNED, emulated_grouped_mm)
     assert layer._grouped_weight_cache["entry"][0] != first[0]  # an optimizer step invalidates
     clear_fp8_weight_caches(layer)
+    assert layer._grouped_weight_cache == {}
+    with final_micro_batch():  # the last micro-batch's backward frees the entry
+        run(layer, x, dy, ALIGNED, emulated_grouped_mm)
     assert layer._grouped_weight_cache == {}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from mt_fp8 import (
@@ -23,9 +24,12 @@ from mt_fp8 import (
     FP8Format,
     FP8GroupedLinear,
     FP8Linear,
+    LinearPlan,
     MXFP8Scaling,
     RowwiseScaling,
+    TensorRole,
     TensorwiseScaling,
+    final_micro_batch,
     fp8_autocast,
     fp8_health,
     update_fp8_scales,
@@ -114,6 +118,45 @@ def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
     optimizer.step()  # in-place update bumps weight._version
     layer(x).sum().backward()
     assert layer._weight_cache["entry"][2] is not first
+
+
+def test_final_micro_batch_frees_the_cached_weight_after_backward():
+    layer = FP8Linear(K, N, recipe=TensorwiseScaling())
+    x = torch.randn(8, K)
+    layer(x).sum().backward()  # an earlier micro-batch: the entry stays for the next one
+    kept = layer._weight_cache["entry"][2]
+    with final_micro_batch():
+        y = layer(x)
+        assert layer._weight_cache["entry"][2] is kept  # the forward still reuses it
+        y.sum().backward()
+    assert layer._weight_cache == {}
+
+
+def test_final_micro_batch_under_recompute_quantizes_the_weight_once(monkeypatch):
+    # The recomputed forward runs right before the layer's backward and still finds the entry.
+    layer = FP8Linear(K, N, recipe=TensorwiseScaling())
+    x = torch.randn(8, K, requires_grad=True)
+    reference = layer(x)
+    reference.sum().backward()
+    expected_dx, expected_dw = x.grad.clone(), layer.weight.grad.clone()
+    x.grad, layer.weight.grad = None, None
+    layer._weight_cache.clear()
+    calls = []
+    original = LinearPlan.quantize
+
+    def counting(self, x_RC, role, record, transposed=False):
+        calls.append(role)
+        return original(self, x_RC, role, record, transposed)
+
+    monkeypatch.setattr(LinearPlan, "quantize", counting)
+    with final_micro_batch():
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        y.sum().backward()
+    assert calls.count(TensorRole.WEIGHT) == 1
+    assert layer._weight_cache == {}
+    torch.testing.assert_close(y, reference, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, expected_dx, rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight.grad, expected_dw, rtol=0, atol=0)
 
 
 def test_weight_cache_can_be_turned_off():

@@ -88,6 +88,11 @@ def test_issue_example_overrides_compose() -> None:
         ("fault.nan_at_step=0", "fault.nan_at_step must be an integer >= 1, got 0"),
         ("fault.rank=3", "fault.rank=3 is not a rank of this run (world size 1)"),
         ("model.dropout=1.5", "model.dropout must be in [0, 1), got 1.5"),
+        (
+            "optimizer.impl=adam8bit",
+            "optimizer.impl='adam8bit' is unknown; valid: auto, triton, fused, foreach",
+        ),
+        ("optimizer.impl=triton", "optimizer.impl=triton needs CUDA parameters, Triton installed"),
         ("parallel=cp2", "world size 1 is not divisible by tp·cp·pp = 1·2·1 = 2"),
         ("parallel=cp2 trainer.seq_len=250", "needs the sequence length 250 to be divisible by"),
         (

@@ -150,7 +150,8 @@ def test_fused_adamw_clips_inside_the_update(kjv_data: Path, tmp_path: Path) -> 
     moments = {}
     for fused in (False, True):
         overrides = tiny_overrides(
-            kjv_data, **{"optimizer.grad_clip": 0.05, "optimizer.fused": fused}
+            kjv_data,
+            **{"optimizer.grad_clip": 0.05, "optimizer.impl": "fused" if fused else "foreach"},
         )
         out = tmp_path / str(fused)
         trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=out)
@@ -173,8 +174,9 @@ def test_fp8_training_with_fused_adamw_matches_foreach(kjv_data: Path, tmp_path:
     # over 8 steps); serving the first step's FP8 weights moves them by percents.
     losses = {}
     for fused in (False, True):
+        impl = "fused" if fused else "foreach"
         overrides = tiny_overrides(
-            kjv_data, **{"fp8": "tensorwise", "optimizer.fused": fused, "optimizer.lr": 3e-3}
+            kjv_data, **{"fp8": "tensorwise", "optimizer.impl": impl, "optimizer.lr": 3e-3}
         )
         losses[fused] = run_losses(overrides, tmp_path / str(fused))
     assert losses[True] == pytest.approx(losses[False], rel=1e-4), losses

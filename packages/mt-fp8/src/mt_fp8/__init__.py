@@ -3,9 +3,10 @@
 from mt_fp8.autocast import FP8AutocastState, current_fp8_state, fp8_autocast
 from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
-from mt_fp8.functional import FP8LinearFunction, LinearPlan, fp8_linear
+from mt_fp8.functional import FP8LinearFunction, LinearPlan, final_micro_batch, fp8_linear
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear import FP8GroupedLinear, FP8Linear, clear_fp8_weight_caches
+from mt_fp8.optim import FusedAdamW
 from mt_fp8.quantized import (
     MIN_SCALE,
     ROWWISE,
@@ -44,6 +45,7 @@ __all__ = [
     "LinearPlan",
     "FP8Format",
     "FormatConfig",
+    "FusedAdamW",
     "MXFP8Scaling",
     "QuantizedTensor",
     "Recipe",
@@ -55,6 +57,7 @@ __all__ = [
     "clear_fp8_weight_caches",
     "convert_to_fp8",
     "current_fp8_state",
+    "final_micro_batch",
     "fp8_autocast",
     "fp8_health",
     "fp8_linear",

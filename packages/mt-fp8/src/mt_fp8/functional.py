@@ -31,6 +31,13 @@ kept serving the first step's FP8 weights. Writes outside a torch optimizer that
 ``_version`` either (``p.data.copy_(...)``, a custom fused update) need a call to
 :func:`mt_fp8.clear_fp8_weight_caches` afterwards. Under ``torch.compile`` the cache is bypassed
 (the weight is quantized inside the graph, where the compiler can fuse it).
+Inside :func:`final_micro_batch` (``mt_parallel.accumulate(model, is_last=True)`` enters it) a
+layer's backward drops its cache entry once it has run: no later call of this optimizer step
+needs it, and the entries would otherwise stay alive until the next step's forward, adding the
+FP8 ``w`` and ``wᵀ`` of every layer (2 bytes per weight element) to the memory peak at the end
+of backward, where all gradients exist. Under activation recompute the recomputed forward still
+finds the entry (it runs just before the layer's backward), so the weight is quantized once
+per step either way.
 Shared input quantization: layers that read the same tensor one after the other (q/k/v
 projections of one normalised input, gate/up of the MLP) quantize it once. With current scaling
 (every recipe but delayed) ``q = quantize(x)`` depends only on ``x``, the recipe and the amax
@@ -70,8 +77,10 @@ Other recipes ignore the group here (delayed scaling reduces in ``update_fp8_sca
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -292,6 +301,28 @@ class LinearPlan:
         return weight_q, weight_t_q
 
 
+_release_in_backward = [0]
+"""Open :func:`final_micro_batch` contexts. A plain global, not thread-local: the autograd
+engine runs CUDA backward functions on its own device threads."""
+
+
+@contextlib.contextmanager
+def final_micro_batch() -> Iterator[None]:
+    """Run the last micro-batch of an optimizer step: each FP8 layer's backward inside drops
+    the layer's cached FP8 weight after using it (module docstring: weight cache)."""
+    _release_in_backward[0] += 1
+    try:
+        yield
+    finally:
+        _release_in_backward[0] -= 1
+
+
+def release_weight_cache(cache: dict | None) -> None:
+    """Called by FP8 layers' backward: drop ``cache``'s entry inside :func:`final_micro_batch`."""
+    if cache is not None and _release_in_backward[0]:
+        cache.pop("entry", None)
+
+
 _last_input: dict[str, Any] = {}
 """The last FP8 input operand, for :meth:`LinearPlan.quantize_input` (one entry)."""
 
@@ -371,6 +402,7 @@ class FP8LinearFunction(torch.autograd.Function):
                 dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
             if ctx.needs_input_grad[2]:
                 db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+        release_weight_cache(plan.weight_cache)
         return dx, dw, db, None
 
 

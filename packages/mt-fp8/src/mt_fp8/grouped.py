@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from mt_fp8.formats import FP8Format, TensorRole
-from mt_fp8.functional import LinearPlan, _optimizer_steps
+from mt_fp8.functional import LinearPlan, _optimizer_steps, release_weight_cache
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
@@ -495,6 +495,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                 db = torch.stack(
                     [dy_TN[s:t].sum(0, dtype=torch.float32).to(b_dtype) for s, t in bounds]
                 )
+        release_weight_cache(lp.weight_cache)
         return dx, dw, db, None
 
 

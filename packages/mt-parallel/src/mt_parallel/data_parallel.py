@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import mt_comm
+import mt_fp8
 from mt_parallel.mappings import group_size
 from mt_parallel.model import DecoderBlock
 
@@ -76,17 +77,22 @@ def apply_data_parallel(
 
 @contextlib.contextmanager
 def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
-    """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``."""
+    """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``.
+
+    The last micro-batch also runs inside :func:`mt_fp8.final_micro_batch`: FP8 layers free
+    their cached FP8 weights as their backward finishes, not at the next step's forward.
+    """
     no_sync = getattr(model, "no_sync", None)
     set_sync = getattr(model, "set_requires_gradient_sync", None)
-    if set_sync is not None:
-        set_sync(is_last)
-        yield
-    elif no_sync is not None and not is_last:
-        with no_sync():
+    with mt_fp8.final_micro_batch() if is_last else contextlib.nullcontext():
+        if set_sync is not None:
+            set_sync(is_last)
             yield
-    else:
-        yield
+        elif no_sync is not None and not is_last:
+            with no_sync():
+                yield
+        else:
+            yield
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from mt_core import get_device
 from mt_train.config.store import compose_config, register_configs, to_train_config
+from mt_train.optim import optimizer_impl
 from mt_train.rewind.manager import RewindLimitError
 from mt_train.trainer import Trainer, TrainSummary
 
@@ -59,7 +60,9 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
     try:
         cfg = to_train_config(compose_config(overrides))
         cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
-        get_device(cfg.trainer.device)  # an unknown or absent device is a config error too
+        # An unknown or absent device is a config error too, as is a kernel it cannot run.
+        device = get_device(cfg.trainer.device)
+        optimizer_impl(cfg.optimizer.impl, device.type, cfg.parallel.data_parallel)
     except Exception as err:  # every failure here is a config error: report it in one line
         return one_line(err)
     return None

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import mt_fp8
+import mt_fp8.ops.dispatch
 import mt_parallel
 from mt_train.config.schema import OptimizerConfig, SchedulerConfig
 from mt_train.models.build import canonical_key
@@ -59,15 +61,35 @@ def build_optimizer(
     tp_group: Any = None,
 ) -> torch.optim.AdamW | Zero1AdamW:
     """AdamW (per parameter, FSDP2 DTensors included) or, for ``zero1``, :class:`Zero1AdamW`
-    over ``dp_cp_group``. Fused on accelerators unless ``cfg.fused`` says otherwise (never
-    by default under FSDP2, whose DTensor parameters the fused kernel does not take)."""
-    default_fused = device_type != "cpu" and data_parallel != "fsdp"
-    fused = cfg.fused if cfg.fused is not None else default_fused
-    hyper = {"lr": cfg.lr, "betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps, "fused": fused}
+    over ``dp_cp_group``, with the kernel :func:`optimizer_impl` picks."""
+    impl = optimizer_impl(cfg.impl, device_type, data_parallel)
+    hyper = {"lr": cfg.lr, "betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
     if data_parallel == "zero1":
         named = [(canonical_key(n), p) for n, p in model.named_parameters() if p.requires_grad]
-        return Zero1AdamW(named, cfg.weight_decay, dp_cp_group, tp_group, **hyper)
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **hyper)
+        return Zero1AdamW(
+            named, cfg.weight_decay, dp_cp_group, tp_group, fused=impl == "fused", **hyper
+        )
+    groups = param_groups(model, cfg.weight_decay)
+    if impl == "triton":
+        return mt_fp8.FusedAdamW(groups, **hyper)
+    return torch.optim.AdamW(groups, fused=impl == "fused", **hyper)
+
+
+def optimizer_impl(requested: str, device_type: str, data_parallel: str) -> str:
+    """``optimizer.impl`` resolved: ``auto`` becomes triton, fused or foreach (config docs);
+    ``triton`` where its kernel cannot run is refused with the reason."""
+    triton_ok = mt_fp8.ops.dispatch.triton_runs_on(device_type)
+    if requested == "auto":
+        if data_parallel == "fsdp" or device_type == "cpu":
+            return "foreach"
+        return "triton" if triton_ok and data_parallel != "zero1" else "fused"
+    if requested == "triton" and (data_parallel in ("fsdp", "zero1") or not triton_ok):
+        raise ValueError(
+            f"optimizer.impl=triton needs CUDA parameters, Triton installed and data_parallel "
+            f"ddp or none (got device {device_type}, data_parallel={data_parallel}); "
+            "use impl=fused or impl=foreach"
+        )
+    return requested
 
 
 @dataclass(frozen=True)

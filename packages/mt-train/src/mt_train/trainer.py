@@ -376,9 +376,17 @@ class Trainer:
                 p.grad.mul_(faults.grads)
         clip = self.cfg.optimizer.grad_clip
         zero1 = isinstance(self.optimizer, Zero1AdamW)
-        # Fused AdamW divides the gradients by ``optimizer.grad_scale`` inside its kernel (the
-        # hook GradScaler uses), so clipping costs no pass of its own over the gradients.
-        clip_in_update = not zero1 and clip > 0 and bool(self.optimizer.defaults.get("fused"))
+        # The fused AdamW kernels (PyTorch's and mt_fp8.FusedAdamW) divide the gradients by
+        # ``optimizer.grad_scale`` inside their pass (the hook GradScaler uses), so clipping
+        # costs no pass of its own over the gradients.
+        clip_in_update = (
+            not zero1
+            and clip > 0
+            and (
+                isinstance(self.optimizer, mt_fp8.FusedAdamW)
+                or bool(self.optimizer.defaults.get("fused"))
+            )
+        )
         if zero1:  # reduce-scatter now; clip and update in apply_update() once judged healthy
             norm_t = self.optimizer.reduce_gradients()
         else:

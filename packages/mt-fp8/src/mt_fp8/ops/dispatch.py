@@ -10,17 +10,20 @@ import torch
 _TRITON = importlib.util.find_spec("triton") is not None
 
 
+def triton_runs_on(device_type: str) -> bool:
+    """Whether Triton kernels run on tensors of ``device_type`` (see :func:`use_triton`)."""
+    if not _TRITON or os.environ.get("MT_FP8_DISABLE_TRITON") == "1":
+        return False
+    return device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when all tensors are on CUDA and Triton is installed (found without importing it).
 
     ``MT_FP8_DISABLE_TRITON=1`` forces the PyTorch path (for comparisons); ``TRITON_INTERPRET=1``
     lets CPU tensors run the Triton kernels in Triton's interpreter (kernel tests without a GPU).
     """
-    if not _TRITON or os.environ.get("MT_FP8_DISABLE_TRITON") == "1":
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return all(t.is_cuda for t in tensors)
+    return all(triton_runs_on(t.device.type) for t in tensors)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -147,6 +147,9 @@ class FP8Config:
         return self.recipe != "none"
 
 
+OPTIMIZER_IMPLS = ("auto", "triton", "fused", "foreach")
+
+
 @dataclass
 class OptimizerConfig:
     """AdamW with decoupled weight decay; norms, biases and embeddings' gains are not decayed."""
@@ -163,8 +166,11 @@ class OptimizerConfig:
     """Decoupled weight decay of 2-D weights (not norms or biases)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 turns clipping off."""
-    fused: bool | None = None
-    """Fused AdamW kernel; null: fused on accelerators, the default kernel on the CPU."""
+    impl: str = "auto"
+    """AdamW kernel: ``triton`` (:class:`mt_fp8.FusedAdamW`, one Triton pass per parameter),
+    ``fused`` (PyTorch's fused CUDA kernel), ``foreach`` (PyTorch's default); ``auto``: triton on
+    CUDA with Triton installed, fused on other accelerators and under ZeRO-1, foreach on the CPU
+    and under FSDP2 (whose DTensor parameters neither fused kernel takes)."""
 
     def __post_init__(self) -> None:
         if self.name != "adamw":
@@ -173,6 +179,10 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"optimizer.impl={self.impl!r} is unknown; valid: {', '.join(OPTIMIZER_IMPLS)}"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError(
                 f"optimizer.weight_decay={self.weight_decay} and optimizer.grad_clip="
