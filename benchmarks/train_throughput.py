@@ -383,6 +383,15 @@ def run_in_process(
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
                 tps = done * s["batch"] * s["seq"] / seconds
                 row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
+                if trainer is not None and not name.startswith("ref_"):
+                    # A step the trainer judged anomalous skips its update (and would rewind
+                    # under fit()): its time is not a training step's. Show the last loss too.
+                    metrics = trainer.train_step()
+                    row["last_loss"] = metrics["loss"]
+                    if "event" in metrics:
+                        row["error"] = (
+                            f"anomalous step ({metrics['event']}), loss {metrics['loss']}"
+                        )
                 if device.type == "cuda":
                     row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                     # Allocations that had to free cached blocks first (cudaFree synchronises).

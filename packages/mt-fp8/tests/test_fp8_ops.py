@@ -181,10 +181,14 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     # Bit-exact: both paths multiply by the IEEE inverse scale RN(1/s) with a round-to-nearest
     # product (div.rn.f32 once, mul.rn.f32 per element in the kernel), clamp and cast with
     # round-to-nearest-even; q and qᵀ are checked separately (fp32 qᵀ: the int32-code transpose).
-    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 7).to(device, dtype)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 7
+    x[0, :9] = 1e-9  # flushed to zero by every scale below (health counts)
+    x = x.to(device, dtype)
     stats = torch.zeros(3, dtype=torch.int64, device=device)
     q, q_t, amax = quantize_transpose_amax(x, fmt, stats=stats)
-    reference = quantize(x, fmt)
+    reference_stats = torch.zeros(3, dtype=torch.int64, device=device)
+    reference = quantize(x, fmt, stats=reference_stats)
+    assert stats.tolist() == reference_stats.tolist() and stats[1].item() >= 9
     assert amax.item() == x.abs().max().item()
     assert torch.equal(q.scale, reference.scale)
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)
@@ -198,7 +202,9 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     # The quantizers' own scaling, x · RN(1/s) (quantized.cast_to_fp8).
     saturated = int((x.float().abs() * torch.reciprocal(fixed) >= fmt.saturation_threshold).sum())
     assert stats[0].item() == saturated and stats[2].item() == x.numel()
-    reference = quantize(x, fmt, scale=fixed)
+    reference_stats.zero_()
+    reference = quantize(x, fmt, scale=fixed, stats=reference_stats)
+    assert stats.tolist() == reference_stats.tolist()
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)
     ref_t = reference.data.t().contiguous()
     assert not byte_mismatches(q_t.data, ref_t), byte_mismatches(q_t.data, ref_t)

@@ -167,13 +167,17 @@ def _block_quantize(
         )
     scaled = _mul_rn(x, inverse_full, EXACT_DIV)
     if STATS:
+        # int32 tile counts (at most TILE² each), added to the int64 counters only when
+        # non-zero: saturation and flushes are rare, and same-address atomics serialize.
         magnitude = tl.abs(scaled)  # padded rows are zeros: counted in neither
-        saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
+        saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int32), axis=1), axis=0)
         flushed = tl.sum(
-            tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int64), axis=1), axis=0
+            tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int32), axis=1), axis=0
         )
-        tl.atomic_add(stats_ptr, saturated)
-        tl.atomic_add(stats_ptr + 1, flushed)
+        if saturated > 0:
+            tl.atomic_add(stats_ptr, saturated.to(tl.int64))
+        if flushed > 0:
+            tl.atomic_add(stats_ptr + 1, flushed.to(tl.int64))
     clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
     _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
     if TRANSPOSE != 0:

@@ -2,8 +2,9 @@
 
 Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
 ``q`` and (bf16 inputs) its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and
-writes the tile's amax (and health counts: saturated, flushed, elements) to its own slot of a
-per-tile partials buffer, which one small PyTorch sum folds into the caller's counters. With no
+writes the tile's amax (and int32 health counts: saturated, flushed) to its own slot of a
+per-tile partials buffer; one single-program kernel (``_add_stats``) adds their sums and the
+element count to the caller's int64 counters. With no
 scale given, a first launch of the same kernel with ``WRITE=False`` only produces the amax
 partials; then one single-program kernel (``_amax_to_scale``) folds them (max) and computes the
 scale exactly as :func:`mt_fp8.quantized.scale_from_amax` does (``max(amax, fmt_max·2^-126) /
@@ -207,17 +208,16 @@ def _quantize_transpose(
         inverse_scale = tl.broadcast_to(_reciprocal(tl.load(scale_ptr), EXACT_DIV), (TILE, TILE))
         scaled = _mul_rn(x, inverse_scale, EXACT_DIV)
         if STATS:
+            # int32 tile counts (at most TILE² each); masked-out elements are 0 and count as
+            # neither. The element count is the caller's (rows · cols).
             magnitude = tl.abs(scaled)
-            saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int64), axis=1), axis=0)
+            saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int32), axis=1), axis=0)
             flushed = tl.sum(
-                tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int64), axis=1),
+                tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int32), axis=1),
                 axis=0,
             )
-            tl.store(stats_partial_ptr + 3 * tile, saturated)
-            tl.store(stats_partial_ptr + 3 * tile + 1, flushed)
-            tl.store(
-                stats_partial_ptr + 3 * tile + 2, tl.sum(tl.sum(mask.to(tl.int64), axis=1), axis=0)
-            )
+            tl.store(stats_partial_ptr + 2 * tile, saturated)
+            tl.store(stats_partial_ptr + 2 * tile + 1, flushed)
         clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
         _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
         if WRITE_T:
@@ -259,6 +259,21 @@ def _amax_to_scale(
     amax = tl.max(running, axis=0)
     tl.store(amax_ptr, amax)
     tl.store(scale_ptr, _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV))
+
+
+@triton.jit
+def _add_stats(stats_partial_ptr, tiles, stats_ptr, numel, BLOCK: tl.constexpr):
+    """One program: ``stats += (Σ saturated, Σ flushed, numel)`` over the per-tile partials."""
+    offs = tl.arange(0, BLOCK)
+    saturated = tl.zeros([BLOCK], dtype=tl.int64)
+    flushed = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, tiles, BLOCK):
+        mask = start + offs < tiles
+        saturated += tl.load(stats_partial_ptr + 2 * (start + offs), mask=mask, other=0)
+        flushed += tl.load(stats_partial_ptr + 2 * (start + offs) + 1, mask=mask, other=0)
+    tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(saturated, axis=0))
+    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(flushed, axis=0))
+    tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + numel)
 
 
 def quantize_transpose_amax_triton(
@@ -318,7 +333,7 @@ def quantize_transpose_amax_triton(
     else:
         scale_11 = scale.float().reshape(1, 1).clone()  # own allocation: cuBLAS scale alignment
     stats_partial = (
-        torch.empty(tiles, 3, device=x_RC.device, dtype=torch.int64)
+        torch.empty(tiles, 2, device=x_RC.device, dtype=torch.int32)
         if stats is not None
         else amax_partial
     )
@@ -339,6 +354,6 @@ def quantize_transpose_amax_triton(
     )
     if given_scale:
         amax = amax_partial.amax()
-    if stats is not None:
-        stats += stats_partial.sum(0)
+    if stats is not None and tiles:
+        _add_stats[(1,)](stats_partial, tiles, stats, rows * cols, BLOCK=1024)
     return q_RC, q_CR, scale_11, amax
