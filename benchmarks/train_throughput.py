@@ -191,6 +191,7 @@ def our_trainer(
         f"parallel.recompute={'full' if s['recompute'] else 'none'}",
         "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
         "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
+        "optimizer.lr=1e-4",  # the reference stacks' LR: a stable run, so last_loss means something
         "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
         f"trainer.compile={str(compile_).lower()}", f"optimizer.impl={optimizer}",
     ]  # fmt: skip
