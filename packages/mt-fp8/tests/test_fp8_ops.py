@@ -208,3 +208,34 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)
     ref_t = reference.data.t().contiguous()
     assert not byte_mismatches(q_t.data, ref_t), byte_mismatches(q_t.data, ref_t)
+
+
+def test_compiled_graphs_take_the_pytorch_paths(monkeypatch):
+    # Inside torch.compile the fused ops must not trace their Triton kernels (ops.dispatch's
+    # NOTE). Pretend Triton runs on this device: outside a compiled graph each op would then
+    # launch its Triton kernel on CPU tensors and fail, inside one it must take the PyTorch path
+    # and match the eager PyTorch result.
+    import mt_fp8.ops.dispatch as dispatch
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=generator, requires_grad=True)
+    weight = torch.rand(32, generator=generator) + 0.5
+    q = torch.randn(1, 4, 2, 16, generator=generator)
+    k = torch.randn(1, 4, 1, 16, generator=generator)
+    cos, sin = rope_tables(4, 16)
+    target = torch.tensor([1, 0, 31, 5])
+
+    def all_ops(x):
+        gate, up = x[:, :16], x[:, 16:]
+        rq, rk = apply_rotary(q, k, cos, sin)
+        return rms_norm(x, weight), swiglu(gate, up), rq, rk, cross_entropy(x, target)
+
+    expected = all_ops(x)
+    monkeypatch.setattr(dispatch, "triton_runs_on", lambda device_type: True)
+    compiled = torch.compile(all_ops, backend="eager", fullgraph=True)
+    for got, want in zip(compiled(x), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Eager, the pretence reaches Triton, which refuses CPU tensors (no driver without a GPU,
+    # a pointer error with one).
+    with pytest.raises((RuntimeError, ValueError)):
+        swiglu(x[:, :16], x[:, 16:])

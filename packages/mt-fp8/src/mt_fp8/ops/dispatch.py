@@ -18,11 +18,20 @@ def triton_runs_on(device_type: str) -> bool:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when all tensors are on CUDA and Triton is installed (found without importing it).
+    """True when all tensors are on CUDA, Triton is installed (found without importing it) and
+    no ``torch.compile`` graph is being traced.
 
     ``MT_FP8_DISABLE_TRITON=1`` forces the PyTorch path (for comparisons); ``TRITON_INTERPRET=1``
     lets CPU tensors run the Triton kernels in Triton's interpreter (kernel tests without a GPU).
+    Inside compiled graphs every op takes its plain-PyTorch path, which Inductor fuses.
+    NOTE: with the Triton-backed autograd functions traced into compiled decoder blocks, the FP8
+    trainer did not learn on the H200 (torch 2.11, 2026-12-03: no attention, RoPE or SwiGLU
+    backward kernels ran; ``docs/benchmarks.md``, session 7), while the PyTorch paths compile
+    and learn like eager on the CPU. The cause was not isolated; this keeps user Triton kernels
+    out of compiled graphs, as the quantizers already were (slower there, measured).
     """
+    if torch.compiler.is_compiling():
+        return False
     return all(triton_runs_on(t.device.type) for t in tensors)
 
 
