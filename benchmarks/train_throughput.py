@@ -11,9 +11,7 @@ and the reference) change the workload for all stacks alike. Stacks, in run orde
 * ``ours_fp8_<recipe>``: the same trainer after ``mt_parallel.apply_fp8`` with each mt_fp8 recipe
   (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does;
 * ``ours_compiled_bf16`` / ``ours_compiled_fp8_tensorwise``: the same with ``trainer.compile=true``
-  (``torch.compile`` on each decoder block). The trainer refuses ``trainer.compile`` with FP8 on
-  CUDA (``TrainConfig.check_device``: those blocks did not learn on the H200); this stack applies
-  FP8 after building, past that check, to reproduce the fault: read its ``last_loss``;
+  (``torch.compile`` on each decoder block; the FP8 layers inside run eagerly, between graphs);
 * ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
   ``torch.compile`` on each block;
 * ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's

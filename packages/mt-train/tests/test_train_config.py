@@ -139,13 +139,3 @@ def test_readme_rewind_commands_compose(args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith("hydra.")]
     cfg = to_train_config(compose_config(overrides))
     assert cfg.rewind.enabled
-
-
-def test_compiled_fp8_is_refused_on_cuda_only() -> None:
-    # Compiled FP8 blocks did not learn on the H200 (TrainConfig.check_device's NOTE).
-    cfg = to_train_config(compose_config(["fp8=tensorwise", "trainer.compile=true"]))
-    with pytest.raises(ValueError, match=r"trainer\.compile=true with fp8=tensorwise is refused"):
-        cfg.check_device("cuda")
-    cfg.check_device("cpu")
-    to_train_config(compose_config(["fp8=tensorwise"])).check_device("cuda")
-    to_train_config(compose_config(["trainer.compile=true"])).check_device("cuda")

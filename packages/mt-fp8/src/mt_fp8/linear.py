@@ -26,6 +26,14 @@ parameter: the cache key (storage pointer, ``_version``) could then match a new 
 rank and not on its TP peer (whose weight-amax all-reduce would wait alone), or match stale
 weights. ``mt_parallel.apply_data_parallel(mode="fsdp")`` turns it off.
 
+torch.compile: both layers' ``forward`` run eagerly inside compiled models (a graph break on
+either side; Dynamo compiles the code around them). Their quantizers and GEMMs are fused kernels
+already, so compiling through them gains little, and compiled through they trained wrongly.
+NOTE: measured on the H200 (torch 2.11, 2026-12-03, ``docs/benchmarks.md`` session 8): decoder
+blocks compiled with ``FP8Linear`` traced in gave all-zero weight gradients for every block
+parameter (the loss agreed with eager); with ``forward`` kept eager they match eager to 1e-7.
+On the CPU both ways matched; the cause inside the compiler stack was not isolated.
+
 Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_features.
 """
 
@@ -164,6 +172,7 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         layer.fp8_meta = FP8Meta(layer.recipe, device=linear.weight.device)
         return layer
 
+    @torch.compiler.disable  # eager inside compiled models (module docstring)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._plan(x, self._weight_cache)
         if plan is None:
@@ -228,6 +237,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             bound = 1 / self.in_features**0.5
             nn.init.uniform_(self.bias, -bound, bound)
 
+    @torch.compiler.disable  # eager inside compiled models (module docstring)
     def forward(
         self, x_TK: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
     ) -> torch.Tensor:

@@ -62,7 +62,6 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
         cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
         # An unknown or absent device is a config error too, as is a kernel it cannot run.
         device = get_device(cfg.trainer.device)
-        cfg.check_device(device.type)
         optimizer_impl(cfg.optimizer.impl, device.type, cfg.parallel.data_parallel)
     except Exception as err:  # every failure here is a config error: report it in one line
         return one_line(err)

@@ -143,7 +143,6 @@ class Trainer:
             self.model_cfg.n_heads, self.model_cfg.n_kv_heads, self.model_cfg.vocab_size or 1
         )
 
-        cfg.check_device(self.device.type)
         self.module = B.build_model(self.model_cfg, self.device, tr.seed)
         self.model = B.parallelize(self.module, p, self.pstate, cfg.fp8, tr.compile)
         self.tp_layout = TPLayout(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mt_fp8.ops.dispatch import compute_dtype, use_triton
+from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -61,6 +61,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad_RV, None, None, None
 
 
+_plain_cross_entropy = plain_apply(CrossEntropyFunction)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -81,4 +84,4 @@ def cross_entropy(
         from mt_fp8.kernels.cross_entropy import TritonCrossEntropyFunction
 
         return TritonCrossEntropyFunction.apply(logits, target, ignore_index)
-    return CrossEntropyFunction.apply(logits, target.long(), ignore_index, chunk_rows)
+    return _plain_cross_entropy(logits, target.long(), ignore_index, chunk_rows)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -18,21 +20,38 @@ def triton_runs_on(device_type: str) -> bool:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when all tensors are on CUDA, Triton is installed (found without importing it) and
-    no ``torch.compile`` graph is being traced.
+    """True when all tensors are on CUDA and Triton is installed (found without importing it).
 
     ``MT_FP8_DISABLE_TRITON=1`` forces the PyTorch path (for comparisons); ``TRITON_INTERPRET=1``
     lets CPU tensors run the Triton kernels in Triton's interpreter (kernel tests without a GPU).
-    Inside compiled graphs every op takes its plain-PyTorch path, which Inductor fuses.
-    NOTE: with the Triton-backed autograd functions traced into compiled decoder blocks, the FP8
-    trainer did not learn on the H200 (torch 2.11, 2026-12-03: no attention, RoPE or SwiGLU
-    backward kernels ran; ``docs/benchmarks.md``, session 7), while the PyTorch paths compile
-    and learn like eager on the CPU. The cause was not isolated; this keeps user Triton kernels
-    out of compiled graphs, as the quantizers already were (slower there, measured).
+    Inside ``torch.compile`` graphs the Triton-backed autograd functions are traced in as they
+    are (Dynamo's user-defined Triton kernel support); see :func:`plain_apply` for the others.
     """
-    if torch.compiler.is_compiling():
-        return False
     return all(triton_runs_on(t.device.type) for t in tensors)
+
+
+def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` for a plain-PyTorch autograd function, kept out of ``torch.compile``
+    graphs on devices other than the CPU (there it runs eagerly behind a graph break).
+
+    NOTE: measured on the H200 (torch 2.11, Triton 3.6, 2026-12-03, ``docs/benchmarks.md``
+    session 8): a compiled decoder block whose RMSNorm, RoPE and SwiGLU took these plain
+    autograd functions gave weight gradients up to 100% off the eager ones (the loss agreed),
+    while the same block with the Triton-backed functions traced in matched eager to bf16
+    rounding. On the CPU the plain functions compile and match eager (``test_fp8_ops.py``).
+    The cause inside the compiler stack was not isolated, so off the CPU they are not compiled.
+    """
+    eager_apply = torch.compiler.disable(function.apply)
+
+    def apply(*args: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                if arg.device.type != "cpu" and torch.compiler.is_compiling():
+                    return eager_apply(*args)
+                break
+        return function.apply(*args)
+
+    return apply
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mt_fp8.ops.dispatch import compute_dtype, use_triton
+from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -60,6 +60,9 @@ class RMSNormFunction(torch.autograd.Function):
         return dh, dw, dh if ctx.has_residual else None, None, None
 
 
+_plain_rmsnorm = plain_apply(RMSNormFunction)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -78,10 +81,12 @@ def rms_norm(
     x_RD = x.reshape(-1, x.shape[-1])
     residual_RD = None if residual is None else residual.reshape(x_RD.shape)
     if use_triton(x_RD, weight):
-        from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction as function
+        from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction
+
+        apply = TritonRMSNormFunction.apply
     else:
-        function = RMSNormFunction
-    y_RD, h_RD = function.apply(x_RD, weight, residual_RD, eps, out_dtype or x.dtype)
+        apply = _plain_rmsnorm
+    y_RD, h_RD = apply(x_RD, weight, residual_RD, eps, out_dtype or x.dtype)
     if residual is None:
         return y_RD.reshape(x.shape)
     return y_RD.reshape(x.shape), h_RD.reshape(x.shape)

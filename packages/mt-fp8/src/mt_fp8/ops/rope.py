@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mt_fp8.ops.dispatch import compute_dtype, use_triton
+from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
 
 
 def rotate(x_BTHD: torch.Tensor, cos_TP: torch.Tensor, sin_TP: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,9 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx: Any, dq_BTHD, dk_BTHD):  # type: ignore[override]
         cos_TP, sin_TP = ctx.saved_tensors
         return rotate(dq_BTHD, cos_TP, -sin_TP), rotate(dk_BTHD, cos_TP, -sin_TP), None, None
+
+
+_plain_rope = plain_apply(RotaryFunction)
 
 
 def rope_tables(
@@ -68,7 +71,9 @@ def apply_rotary(
     if cos_TP.shape != sin_TP.shape:
         raise ValueError(f"cos {tuple(cos_TP.shape)} and sin {tuple(sin_TP.shape)} shapes differ")
     if use_triton(q_BTHD, k_BTHD, cos_TP):
-        from mt_fp8.kernels.rope import TritonRotaryFunction as function
+        from mt_fp8.kernels.rope import TritonRotaryFunction
+
+        apply = TritonRotaryFunction.apply
     else:
-        function = RotaryFunction
-    return function.apply(q_BTHD, k_BTHD, cos_TP, sin_TP)
+        apply = _plain_rope
+    return apply(q_BTHD, k_BTHD, cos_TP, sin_TP)

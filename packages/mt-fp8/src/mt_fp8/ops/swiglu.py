@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mt_fp8.ops.dispatch import compute_dtype, use_triton
+from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -39,6 +39,9 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate.to(gate.dtype), dup.to(up.dtype)
 
 
+_plain_swiglu = plain_apply(SwiGLUFunction)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up``, elementwise; ``gate`` and ``up`` have the same shape and dtype."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
@@ -47,7 +50,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"and {tuple(up.shape)} {up.dtype}"
         )
     if use_triton(gate, up):
-        from mt_fp8.kernels.swiglu import TritonSwiGLUFunction as function
+        from mt_fp8.kernels.swiglu import TritonSwiGLUFunction
+
+        apply = TritonSwiGLUFunction.apply
     else:
-        function = SwiGLUFunction
-    return function.apply(gate, up)
+        apply = _plain_swiglu
+    return apply(gate, up)

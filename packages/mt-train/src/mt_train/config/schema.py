@@ -375,24 +375,6 @@ class TrainConfig:
         if self.fp8.enabled and self.fp8.min_features % 16:
             raise ValueError(f"fp8.min_features={self.fp8.min_features} must be a multiple of 16")
 
-    def check_device(self, device_type: str) -> None:
-        """Refuse combinations known to train wrongly on ``device_type``.
-
-        NOTE: ``trainer.compile`` with an FP8 recipe on CUDA: on the H200 (torch 2.11, Triton
-        3.6, 2026-12-03, ``benchmarks/train_throughput.py`` stack
-        ``ours_compiled_fp8_tensorwise``) the compiled FP8 blocks did not learn (loss 11.73 ≈
-        ln(vocab) after 7 steps at LR 1e-4, eager FP8 9.12) and the profiled step ran no
-        attention, RoPE or SwiGLU backward kernels. The same code learns like eager on the
-        CPU (toy sizes), so the cause is GPU-side and not yet found.
-        """
-        compiled = self.trainer.compile or self.parallel.compile
-        if compiled and self.fp8.enabled and device_type == "cuda":
-            raise ValueError(
-                f"trainer.compile=true with fp8={self.fp8.recipe} is refused on CUDA: compiled "
-                "FP8 blocks did not learn on the H200 (docs/benchmarks.md, session 7); use "
-                "trainer.compile=false (the eager FP8 path is the faster one measured) or fp8=none"
-            )
-
     def check_world(self, world_size: int) -> int:
         """The dp degree for ``world_size``; raises unless the global batch splits evenly."""
         dp = self.parallel.validate_world(world_size)
