@@ -136,14 +136,20 @@ def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt, layout)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
-def test_square_blocks_match_quantize(device, dtype, fmt):
+@pytest.mark.parametrize("transpose", [False, True], ids=["alone", "with_transpose"])
+def test_square_blocks_match_quantize(device, dtype, fmt, transpose):
     x = awkward_input(256, 384, dtype, device)
     stats = torch.zeros(3, dtype=torch.int64, device=device)
-    q = block_kernels().quantize_square_blocks(x, fmt, stats)
+    q = block_kernels().quantize_square_blocks(x, fmt, stats, transpose)
     expected_stats = torch.zeros(3, dtype=torch.int64, device=device)
     expected = quantize(x, fmt, BLOCKS_128X128, stats=expected_stats)
     assert_same_quantization(q, expected)
-    assert torch.equal(stats, expected_stats)
+    assert torch.equal(stats, expected_stats)  # the transposed store counts nothing twice
+    if transpose:  # the same pass wrote the exact transpose: transpose()'s bytes and scales
+        assert q.transposed is not None
+        assert_same_quantization(q.transposed, expected.transpose())
+    else:
+        assert q.transposed is None
     assert (expected.scale == 1).any() and expected.scale.isnan().any()
     with pytest.raises(ValueError, match="needs blocks of 128x128 to divide the tensor shape"):
         block_kernels().quantize_square_blocks(x[:200], fmt)

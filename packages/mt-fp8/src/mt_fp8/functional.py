@@ -153,7 +153,7 @@ class LinearPlan:
             )
 
             if layout == BLOCKS_128X128:
-                return quantize_square_blocks(x_RC, fmt, stats)
+                return quantize_square_blocks(x_RC, fmt, stats, transposed)
             q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed, layout)
             q_RC.transposed = q_CR
             return q_RC

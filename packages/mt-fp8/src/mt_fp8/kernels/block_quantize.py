@@ -23,7 +23,9 @@ scale sets come from the one load (``tl.reshape`` of the tile's magnitudes to
 Rows at or past R' are not stored (with g = 32 the last tile can reach beyond R'). Padded rows are zeros, so they add nothing to a column amax and quantize to zero, as the
 PyTorch path's ``F.pad`` of ``xᵀ`` does. :func:`quantize_square_blocks` is the same pass with one
 amax per tile (128×128 weight blocks); a square-block tensor's transpose is exact
-(:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so it writes ``q_RC`` only.
+(:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so with ``transpose`` the pass also
+stores the tile's bytes transposed into ``q_CR`` and its scale at ``s_HG[c, r]`` (the bytes and
+scales ``transpose()`` would copy, without a second pass over the FP8 weight).
 
 Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.quantized.quantize`,
 by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_reciprocal``, ``_mul_rn`` and
@@ -43,7 +45,9 @@ by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_reciprocal``, ``_mul_rn
 NOTE: the fused transposed store (``tl.trans`` of the FP8 tile) is used for bf16 inputs only,
 for the reason in :mod:`mt_fp8.kernels.quantize` (fp32 inputs gave garbage ``qᵀ`` bytes on the
 H200 there). Other input dtypes store the transposed-scaled tile untransposed into an
-``(R', C)`` buffer, and PyTorch's FP8 transpose copy makes ``q_CR'`` from it.
+``(R', C)`` buffer, and PyTorch's FP8 transpose copy makes ``q_CR'`` from it. The square-block
+transpose transposes int32 FP8 codes instead (as that module's fp32 path does), for any input
+dtype: those are the fp32 master weights.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import triton.language as tl
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.kernels.quantize import (
+    _fp8_codes,
     _mul_rn,
     _reciprocal,
     _scale_from_amax,
@@ -153,6 +158,9 @@ def _block_quantize(
         first = tl.arange(0, TILE) == 0
         scale_offs = pid_r * scales_per_row + pid_c + tl.arange(0, TILE) * 0
         tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
+        if TRANSPOSE != 0:  # the exact transpose's scale: s_HG[pid_c, pid_r]
+            scale_t_offs = pid_c * (R // TILE) + pid_r + tl.arange(0, TILE) * 0
+            tl.store(scale_t_ptr + scale_t_offs, scale_rows, mask=first)
         inverse_full = tl.broadcast_to(_reciprocal(scale_rows, EXACT_DIV)[:, None], (TILE, TILE))
     else:
         # (TILE, GROUPS) group amaxes along the columns, one scale each.
@@ -180,7 +188,17 @@ def _block_quantize(
             tl.atomic_add(stats_ptr + 1, flushed.to(tl.int64))
     clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
     _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
-    if TRANSPOSE != 0:
+    if SQUARE:
+        if TRANSPOSE != 0:
+            # qᵀ[c, r] = q[r, c]: int32 codes transposed (module docstring NOTE), then narrowed.
+            offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+            codes_t = tl.trans(_fp8_codes(clamped, MANTISSA, BIAS))
+            tl.store(
+                qt_ptr + offs_t,
+                codes_t.to(tl.uint8).to(qt_ptr.dtype.element_ty, bitcast=True),
+                mask=in_rows[None, :],
+            )
+    elif TRANSPOSE != 0:
         # (GROUPS, TILE) group amaxes along the rows (the transposed operand's groups).
         amax_t = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, TILE)), axis=1)
         scale_t = _group_scales(amax_t, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
@@ -248,11 +266,14 @@ def _launch(
     scale_rows = rows // TILE if square else rows
     scale = torch.empty(scale_rows, cols // group, device=device, dtype=torch.float32)
     q_t = scale_t = None
-    if transpose == _FUSED_TRANSPOSE:
+    if square and transpose != _NO_TRANSPOSE:
+        q_t = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
+        scale_t = torch.empty(cols // TILE, rows // TILE, device=device, dtype=torch.float32)
+    elif transpose == _FUSED_TRANSPOSE:
         q_t = torch.empty(cols, rows_padded, device=device, dtype=fmt.dtype)
     elif transpose == _BUFFERED_TRANSPOSE:
         q_t = torch.empty(rows_padded, cols, device=device, dtype=fmt.dtype)
-    if transpose != _NO_TRANSPOSE:
+    if transpose != _NO_TRANSPOSE and not square:
         scale_t = torch.empty(cols, rows_padded // group, device=device, dtype=torch.float32)
     grid = (triton.cdiv(rows_padded, TILE), cols // TILE)
     if rows_padded:  # an empty launch grid is an error
@@ -315,9 +336,17 @@ def quantize_groups_with_transpose(
 
 
 def quantize_square_blocks(
-    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
+    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None, transpose: bool = False
 ) -> QuantizedTensor:
-    """``x`` in 128×128 blocks; bit-identical to ``quantize(x, fmt, ScaleLayout((128, 128)))``."""
+    """``x`` in 128×128 blocks; bit-identical to ``quantize(x, fmt, ScaleLayout((128, 128)))``.
+
+    With ``transpose`` the result's ``transposed`` holds ``q.transpose()`` (``xᵀ`` in 128×128
+    blocks, the same bytes and scales), written by the same pass.
+    """
     x_RC = _check(x_RC, BLOCKS_128X128)
-    q_RC, scale_GH, _, _ = _launch(x_RC, fmt, stats, BLOCKS_128X128, transpose=_NO_TRANSPOSE)
-    return QuantizedTensor(q_RC, scale_GH, BLOCKS_128X128, fmt)
+    mode = _FUSED_TRANSPOSE if transpose else _NO_TRANSPOSE
+    q_RC, scale_GH, q_CR, scale_HG = _launch(x_RC, fmt, stats, BLOCKS_128X128, transpose=mode)
+    result = QuantizedTensor(q_RC, scale_GH, BLOCKS_128X128, fmt)
+    if q_CR is not None and scale_HG is not None:
+        result.transposed = QuantizedTensor(q_CR, scale_HG, BLOCKS_128X128, fmt)
+    return result
