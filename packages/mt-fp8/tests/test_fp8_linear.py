@@ -32,6 +32,7 @@ from mt_fp8 import (
     final_micro_batch,
     fp8_autocast,
     fp8_health,
+    reset_fp8_health,
     update_fp8_scales,
 )
 
@@ -239,6 +240,14 @@ def test_health_counts_saturation_under_delayed_scaling():
     expected = (x.abs() >= FP8Format.E4M3.saturation_threshold).double().mean().item()
     assert health["input"]["saturated"] == pytest.approx(expected)
     assert health["weight"]["saturated"] == 0.0
+    model = nn.Sequential(layer, FP8Linear(N, K, recipe=DelayedScaling()))
+    model(x)
+    assert all(
+        meta_counts.any() for meta_counts in (model[0].fp8_meta.health, model[1].fp8_meta.health)
+    )
+    reset_fp8_health(model)  # every layer's counters, in one call
+    assert not model[0].fp8_meta.health.any() and not model[1].fp8_meta.health.any()
+    assert fp8_health(model) == {"0": {}, "1": {}}
 
 
 def test_bad_dimensions_and_backend_messages():
