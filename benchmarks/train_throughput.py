@@ -198,9 +198,12 @@ def our_trainer(
     return Trainer(to_train_config(compose_config(overrides)), output_dir=out_dir)
 
 
-def enable_fp8(trainer: Any, recipe_name: str, health: bool = True) -> None:
+def enable_fp8(
+    trainer: Any, recipe_name: str, health: bool = True, cache_weight: bool = True
+) -> None:
     """``fp8=<recipe>`` on a built trainer; ``health=False`` turns the numerics-health counts
-    off in every FP8 layer (to measure what they cost)."""
+    off in every FP8 layer (to measure what they cost), ``cache_weight=False`` the FP8 weight
+    cache (``fp8.cache_weight=false``: less memory, a weight quantization per forward)."""
     import mt_fp8
     import mt_parallel
     from mt_train.config.schema import FP8Config
@@ -210,6 +213,7 @@ def enable_fp8(trainer: Any, recipe_name: str, health: bool = True) -> None:
     skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name))
     mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
     trainer.fp8_recipe = recipe
+    mt_parallel.set_fp8_weight_cache(trainer.module, cache_weight)
     for module in trainer.module.modules():
         if isinstance(module, mt_fp8.FP8Linear):
             module.track_health = health
@@ -379,7 +383,12 @@ def run_in_process(
                         )
                     recipe = name.removeprefix("ours_compiled_").removeprefix("ours_")
                     if recipe.startswith("fp8_"):
-                        enable_fp8(trainer, recipe.removeprefix("fp8_"), not args.no_fp8_health)
+                        enable_fp8(
+                            trainer,
+                            recipe.removeprefix("fp8_"),
+                            not args.no_fp8_health,
+                            not args.no_fp8_weight_cache,
+                        )
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
                 tps = done * s["batch"] * s["seq"] / seconds
@@ -433,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--no-fp8-health", action="store_true", help="FP8 layers skip their health counts"
+    )
+    parser.add_argument(
+        "--no-fp8-weight-cache",
+        action="store_true",
+        help="FP8 layers re-quantize their weight in every forward (fp8.cache_weight=false)",
     )
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")

@@ -37,6 +37,21 @@ def test_fp8_run_tracks_high_precision(recipe: str, kjv_data: Path, tmp_path: Pa
     assert losses == pytest.approx(reference, rel=2e-2)
 
 
+def test_fp8_weight_cache_off_trains_identically(kjv_data: Path, tmp_path: Path) -> None:
+    # The cache only saves re-quantizing the same weight: without it every forward quantizes
+    # the weight again, to the same bytes, so the run is bitwise the same.
+    cached_trainer, cached = _fit(kjv_data, tmp_path / "cached", fp8="tensorwise")
+    trainer, uncached = _fit(
+        kjv_data, tmp_path / "uncached", fp8="tensorwise", **{"fp8.cache_weight": False}
+    )
+    layers = [m._fp8 for m in trainer.module.modules() if getattr(m, "fp8_enabled", False)]
+    assert len(layers) == 2 * 7 and not any(layer.cache_weight for layer in layers)
+    assert not any(layer._weight_cache for layer in layers)  # nothing kept between calls
+    cached_layers = [m._fp8 for m in cached_trainer.module.modules() if getattr(m, "_fp8", None)]
+    assert all(layer.cache_weight for layer in cached_layers)
+    assert uncached == cached
+
+
 def test_delayed_scaling_state_round_trips(kjv_data: Path, tmp_path: Path) -> None:
     trainer, _ = _fit(kjv_data, tmp_path, fp8="delayed")
     state = {k: v.clone() for k, v in trainer.module.state_dict().items() if "fp8" in k}

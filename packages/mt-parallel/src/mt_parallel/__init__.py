@@ -16,7 +16,12 @@ from mt_parallel.context_parallel import (
     unshard_sequence,
 )
 from mt_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mt_parallel.data_parallel import accumulate, all_reduce_gradients, apply_data_parallel
+from mt_parallel.data_parallel import (
+    accumulate,
+    all_reduce_gradients,
+    apply_data_parallel,
+    set_fp8_weight_cache,
+)
 from mt_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -78,6 +83,7 @@ __all__ = [
     "apply_context_parallel",
     "apply_data_parallel",
     "apply_fp8",
+    "set_fp8_weight_cache",
     "apply_recompute",
     "apply_rope",
     "apply_tensor_parallel",

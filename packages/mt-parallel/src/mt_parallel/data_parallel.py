@@ -58,10 +58,7 @@ def apply_data_parallel(
         mesh = DeviceMesh.from_group(dp_cp_group, device_type)
         # FSDP2 re-materialises unsharded weights with their version counter preserved: FP8
         # layers must not cache FP8 weights keyed on it (mt_fp8.linear, "weight cache").
-        for module in model.modules():
-            fp8_layer = getattr(module, "_fp8", None) or module
-            if hasattr(fp8_layer, "cache_weight"):
-                fp8_layer.cache_weight = False
+        set_fp8_weight_cache(model, False)
         # fully_shard replaces the parameters by DTensor ones: carry our TP marks over.
         marked = {n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)}
         for module in model.modules():
@@ -93,6 +90,21 @@ def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
                 yield
         else:
             yield
+
+
+def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:
+    """Turn the FP8 weight cache of every FP8 layer in ``model`` on or off (``mt_fp8.FP8Linear``
+    and ``FP8GroupedLinear``, and the FP8 GEMM of the TP linears).
+
+    On (their default), a layer quantizes its weight once per optimizer step and keeps the FP8
+    ``w`` (and ``wᵀ``) from the first micro-batch's forward to its last backward; off, it
+    quantizes in every forward (and every recomputed forward), which saves that memory: two
+    FP8 bytes per weight element of each layer between its forward and its backward.
+    """
+    for module in model.modules():
+        fp8_layer = getattr(module, "_fp8", None) or module
+        if hasattr(fp8_layer, "cache_weight"):
+            fp8_layer.cache_weight = enabled
 
 
 @torch.no_grad()

@@ -133,6 +133,11 @@ class FP8Config:
     """mt_fp8 GEMM backend: auto, fast, scaled_mm, triton or emulate."""
     min_features: int = 0
     """Linear layers with in or out features below this stay in high precision."""
+    cache_weight: bool = True
+    """Keep each layer's FP8 weight from its first forward of a step to its last backward
+    (quantized once per step); false quantizes in every forward and recomputed forward, which
+    saves two bytes per weight element of every layer awaiting its backward
+    (``mt_parallel.set_fp8_weight_cache``)."""
 
     def __post_init__(self) -> None:
         if self.recipe != "none":

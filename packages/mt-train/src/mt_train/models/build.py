@@ -90,6 +90,7 @@ def parallelize(
         mt_parallel.apply_fp8(
             model, recipe, amax_group=tp_group, skip=fp8_skip_names(model, fp8), backend=fp8.backend
         )
+        mt_parallel.set_fp8_weight_cache(model, fp8.cache_weight)
     block_types = (mt_parallel.DecoderBlock,)
     mt_parallel.apply_recompute(
         model, parallel.recompute, parallel.recompute_every, parallel.recompute_targets, block_types
