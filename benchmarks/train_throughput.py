@@ -12,6 +12,9 @@ and the reference) change the workload for all stacks alike. Stacks, in run orde
   (tensorwise, rowwise, block, delayed, mxfp8) on the blocks' linears, as ``fp8=<recipe>`` does;
 * ``ours_compiled_bf16`` / ``ours_compiled_fp8_tensorwise``: the same with ``trainer.compile=true``
   (``torch.compile`` on each decoder block; the FP8 layers inside run eagerly, between graphs);
+* ``ours_graphed_bf16`` / ``ours_graphed_fp8_<recipe>``: the eager stacks with
+  ``trainer.cuda_graph=true`` (each step's forward and backward replayed as one CUDA graph,
+  captured at the second warm-up step; :mod:`mt_train.cuda_graph`);
 * ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
   ``torch.compile`` on each block;
 * ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
@@ -60,6 +63,12 @@ PEAK_BF16 = 989e12
 REF_STACKS = ("ref_compile_bf16", "ref_ao_tensorwise", "ref_ao_rowwise")
 OUR_RECIPES = ("tensorwise", "rowwise", "block", "delayed", "mxfp8")
 OUR_COMPILED = ("ours_compiled_bf16", "ours_compiled_fp8_tensorwise")
+OUR_GRAPHED = (
+    "ours_graphed_bf16",
+    "ours_graphed_fp8_tensorwise",
+    "ours_graphed_fp8_delayed",
+    "ours_graphed_fp8_block",
+)
 
 # Kernel-name patterns (lower case, first match wins) for the --profile breakdown.
 KERNEL_CATEGORIES = (
@@ -178,7 +187,12 @@ def ref_stack(
 
 # ---------------------------------------------------------------- our trainer
 def our_trainer(
-    s: dict[str, int], device: str, out_dir: str, compile_: bool = False, optimizer: str = "auto"
+    s: dict[str, int],
+    device: str,
+    out_dir: str,
+    compile_: bool = False,
+    optimizer: str = "auto",
+    cuda_graph: bool = False,
 ) -> Any:
     from mt_train import Trainer, compose_config, to_train_config
 
@@ -194,6 +208,7 @@ def our_trainer(
         "optimizer.lr=1e-4",  # the reference stacks' LR: a stable run, so last_loss means something
         "logging.progress_bar=false", "logging.jsonl=false", "scheduler.warmup_steps=10",
         f"trainer.compile={str(compile_).lower()}", f"optimizer.impl={optimizer}",
+        f"trainer.cuda_graph={str(cuda_graph).lower()}",
     ]  # fmt: skip
     return Trainer(to_train_config(compose_config(overrides)), output_dir=out_dir)
 
@@ -213,6 +228,7 @@ def enable_fp8(
     skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name))
     mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
     trainer.fp8_recipe = recipe
+    trainer.drop_step_graph()  # a graph captured before holds the high-precision layers
     mt_parallel.set_fp8_weight_cache(trainer.module, cache_weight)
     for module in trainer.module.modules():
         if isinstance(module, mt_fp8.FP8Linear):
@@ -356,7 +372,7 @@ def run_in_process(
     began: float,
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    trainer = None
+    trainer, variant = None, None
     out_dir = tempfile.mkdtemp(prefix="mt-bench-")
     for name in stacks:
         row: dict[str, Any] = {"stack": name}
@@ -377,11 +393,18 @@ def run_in_process(
                     step = ref_stack(name, s, device, compile_=not args.tiny)
                 else:
                     compiled = name.startswith("ours_compiled_")
+                    graphed = name.startswith("ours_graphed_")
+                    if trainer is not None and variant != (compiled, graphed):
+                        trainer.close()
+                        trainer = None
+                        gc.collect()
                     if trainer is None:
                         trainer = our_trainer(
-                            s, device.type, out_dir, compiled, args.optimizer_impl
+                            s, device.type, out_dir, compiled, args.optimizer_impl, graphed
                         )
-                    recipe = name.removeprefix("ours_compiled_").removeprefix("ours_")
+                        variant = (compiled, graphed)
+                    recipe = name.removeprefix("ours_").removeprefix("compiled_")
+                    recipe = recipe.removeprefix("graphed_")
                     if recipe.startswith("fp8_"):
                         enable_fp8(
                             trainer,
@@ -475,7 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     }
     fpt = flops_per_token(ModelConfig(**fields), s["seq"])
-    stacks = ["ours_bf16", *(f"ours_fp8_{r}" for r in OUR_RECIPES), *OUR_COMPILED, *REF_STACKS]
+    stacks = [
+        "ours_bf16",
+        *(f"ours_fp8_{r}" for r in OUR_RECIPES),
+        *OUR_COMPILED,
+        *OUR_GRAPHED,
+        *REF_STACKS,
+    ]
     if args.only:
         stacks = [n for n in args.only.split(",") if n in stacks]  # in the order given
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

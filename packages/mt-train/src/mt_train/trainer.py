@@ -72,6 +72,7 @@ from mt_train.checkpoint.files import CheckpointReader, discard, step_dir
 from mt_train.checkpoint.state import StateLayout, live_state
 from mt_train.config.schema import TrainConfig
 from mt_train.convert import checkpoint_folder
+from mt_train.cuda_graph import StepGraph, cuda_graph_blockers
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
 from mt_train.metrics import MetricsLogger
@@ -202,6 +203,19 @@ class Trainer:
         if ck.enabled or cfg.rewind.enabled:
             self.checkpointer.prepare()
         self.logger: MetricsLogger | None = None
+        self.step_graph: StepGraph | None = None
+        self._graph_warm = False
+        if tr.cuda_graph:
+            blockers = cuda_graph_blockers(
+                self.device.type, p.tp, p.cp, p.pp, self.model_cfg.dropout, p.data_parallel,
+                self.pstate.size("dp_cp"),
+            )  # fmt: skip
+            if blockers:
+                raise ValueError(
+                    "trainer.cuda_graph=true cannot capture this run's step: "
+                    + "; ".join(blockers)
+                    + " (mt_train.cuda_graph lists what a captured step needs)"
+                )
 
     def _build_faults(self) -> FaultInjector:
         """The fault injector, with the one-shot faults already recorded in this run disarmed."""
@@ -251,6 +265,7 @@ class Trainer:
         self.guard.load_state_dict(manifest.get("rewind", {}))
         self.recovery.load_decisions(self.sampler, self.guard)
         self._resumed_from = folder
+        self.drop_step_graph()
         self.events.emit("resume", self.step, path=str(folder))
 
     def save(self) -> None:
@@ -351,6 +366,37 @@ class Trainer:
                     worst, where = health["saturated"], f"{layer}:{role}"
         return worst, where
 
+    def forward_backward(
+        self, batches: list[Batch], loss_factors: list[float] | None = None
+    ) -> torch.Tensor:
+        """Forward and backward of one step's micro-batches (gradients accumulate, each loss
+        divided by their count, times its fault factor if any); returns the summed loss."""
+        total = torch.zeros((), device=self.device)
+        for m, batch in enumerate(batches):
+            with mt_parallel.accumulate(self.model, is_last=m == len(batches) - 1):
+                loss = self.micro_loss(batch)
+                if loss_factors is not None and loss_factors[m] != 1.0:
+                    loss = loss * loss_factors[m]
+                (loss / len(batches)).backward()
+            total += loss.detach()
+        return total
+
+    def _graphed_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """:meth:`forward_backward` by CUDA-graph replay (:mod:`mt_train.cuda_graph`): eager
+        the first time (warm-up), captured the next, replayed after."""
+        if not self._graph_warm:
+            self._graph_warm = True
+            return self.forward_backward(batches)
+        if self.step_graph is None:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self.step_graph = StepGraph.capture(self.forward_backward, batches, params)
+        return self.step_graph.run(batches)
+
+    def drop_step_graph(self) -> None:
+        """Forget the captured step (after the model or its state was replaced or reloaded);
+        the next step captures again."""
+        self.step_graph = None
+
     def train_step(self) -> dict[str, Any]:
         """One optimizer step, or an anomalous one that is not applied (``self.verdict`` and
         ``metrics["event"]`` say why)."""
@@ -358,16 +404,13 @@ class Trainer:
         if self.watch_fp8:
             mt_fp8.reset_fp8_health(self.module)
         micro = self.sampler.next_step()
-        total = torch.zeros((), device=self.device)
-        for m, indices in enumerate(micro):
-            batch = self.collate(self.data.train, indices)
-            with mt_parallel.accumulate(self.model, is_last=m == len(micro) - 1):
-                loss = self.micro_loss(batch)
-                factor = faults.loss * self.faults.micro_loss_factor(indices)
-                if factor != 1.0:
-                    loss = loss * factor
-                (loss / len(micro)).backward()
-            total += loss.detach()
+        batches = [self.collate(self.data.train, indices) for indices in micro]
+        factors = [faults.loss * self.faults.micro_loss_factor(indices) for indices in micro]
+        clean = all(f == 1.0 for f in factors) and faults.fp8_inputs == 1.0
+        if self.cfg.trainer.cuda_graph and clean:
+            total = self._graphed_forward_backward(batches)
+        else:
+            total = self.forward_backward(batches, factors)
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.cfg.parallel.data_parallel == "none":
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
@@ -451,6 +494,7 @@ class Trainer:
                 break
         else:
             raise self.guard.give_up(anomaly_at, verdict, "no readable checkpoint to rewind to")
+        self.drop_step_graph()
         skipped = self.guard.skip_range(target, draws)
         self.sampler.consumed = target.consumed
         if skipped is not None:
@@ -515,6 +559,9 @@ class Trainer:
         for indices in micro:
             total += self.micro_loss(self.collate(self.data.val, indices))
         self.model.train()
+        # The FP8 weights quantized here would otherwise stay cached until the next eager
+        # forward, i.e. for the whole run when the steps are replayed CUDA graphs.
+        mt_fp8.clear_fp8_weight_caches(self.module)
         return D.mean_scalar(total / len(micro), self.dp_cp_group).item()
 
     def generate(self, prompt: str, max_new_tokens: int) -> str:
@@ -637,6 +684,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
+        self.drop_step_graph()
         self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()

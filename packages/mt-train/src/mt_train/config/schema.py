@@ -316,6 +316,9 @@ class TrainerConfig:
     """auto (bf16 autocast on accelerators, fp32 on CPU), bf16 or fp32."""
     compile: bool = False
     """torch.compile each decoder block (the same as ``parallel.compile``; either turns it on)."""
+    cuda_graph: bool = False
+    """Replay each step's forward and backward as one CUDA graph, captured at the second step
+    (no collectives inside the backward, no dropout: :mod:`mt_train.cuda_graph`)."""
     output_dir: str | None = None
     """Run folder; null: Hydra's run directory."""
     sample_tokens: int = 160

@@ -1,0 +1,150 @@
+"""CUDA-graph replay of a training step's forward and backward passes (``trainer.cuda_graph``).
+
+An eager step launches every kernel from Python. When the kernels are short (FP8 GEMMs, the
+quantizers and fused ops around them) the device waits for the host: the 8-layer Llama3-8B FP8
+step on the H200 spent 27.0 of 214.6 ms idle (``docs/benchmarks.md``, session 8). A CUDA graph
+records the kernels once and replays them with one launch.
+
+What is captured, for the ``A`` micro-batches of one optimizer step::
+
+    total = 0
+    for m < A:  loss_m = micro_loss(batch_m);  backward(loss_m / A);  total += loss_m
+
+i.e. everything from the batches being on the device to the gradients being complete. What
+follows (the gradient all-reduce of ``data_parallel=none`` or ZeRO-1's reduce-scatter, the norm,
+the one host synchronisation the anomaly detectors need, the optimizer, the delayed-scaling
+update) runs eagerly after the replay, as in the eager step, so a step judged anomalous is still
+never applied.
+
+Invariants a replay relies on:
+
+* Fixed addresses. Each micro-batch is copied into an input buffer allocated at capture;
+  parameters are updated in place and never replaced (the trainer drops the graph whenever it
+  loads or restores state, and recaptures at the next step); the gradients are the tensors the
+  capture allocated, re-attached to ``p.grad`` after every replay (the step's
+  ``zero_grad(set_to_none=True)`` only drops the references; the graph keeps writing the same
+  memory, and the first micro-batch's gradient overwrites rather than adds, as in the capture).
+* No host synchronisation or host-side decision on device values inside the forward/backward.
+  FP8 scales, amax histories and health counters are device tensors updated in place. The FP8
+  layers' weight cache is Python state, but it does not change which kernels run: the capture
+  happens at a step's first forward after an optimizer step, so it records the weight
+  quantization, and every replay quantizes the new weights.
+* Same shapes every step (fixed ``seq_len`` and micro-batch size).
+* No collectives inside the forward/backward: ``parallel.tp = cp = pp = 1`` and no DDP/FSDP
+  wrapper (``data_parallel`` none or zero1, or a single data-parallel rank).
+* No dropout: its random streams would have to be registered with the graph.
+
+The first step of a run (or after a resume) runs eagerly: it compiles the Triton kernels and
+initialises cuBLAS, none of which may happen during capture. The capture then happens at the
+next step, after ``torch.cuda.empty_cache()`` so that the eager step's cached blocks do not sit
+beside the graph's private memory pool. A capture records without computing, so the capturing
+step replays the graph once to do its work. A step with an injected fault (``fault.*``: a loss
+or input factor that changes the kernels) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mt_train.data.dataset import Batch
+
+
+class StepGraph:
+    """A captured forward + backward of one step's micro-batches (module docstring)."""
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        inputs: list[Batch],
+        total: torch.Tensor,
+        grads: list[tuple[nn.Parameter, torch.Tensor]],
+    ) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.total = total
+        self.grads = grads
+
+    @classmethod
+    def capture(
+        cls,
+        micro_batches: Callable[[list[Batch]], torch.Tensor],
+        batches: list[Batch],
+        params: list[nn.Parameter],
+    ) -> StepGraph:
+        """Record ``micro_batches(inputs)`` (forward and backward of every micro-batch, returning
+        the summed loss) on input buffers shaped like ``batches``; computes nothing."""
+        inputs = [
+            Batch(
+                b.inputs.clone(),
+                b.targets.clone(),
+                None if b.document_ids is None else b.document_ids.clone(),
+            )
+            for b in batches
+        ]
+        for p in params:
+            p.grad = None  # the capture allocates the gradients in the graph's pool
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                total = micro_batches(inputs)
+        except Exception as err:
+            raise RuntimeError(
+                "trainer.cuda_graph=true: capturing the forward/backward failed "
+                f"({type(err).__name__}: {err}); something in the model synchronises with the "
+                "host or varies between steps; set trainer.cuda_graph=false"
+            ) from err
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        return cls(graph, inputs, total, grads)
+
+    def run(self, batches: list[Batch]) -> torch.Tensor:
+        """Copy ``batches`` into the input buffers, replay, re-attach the gradients; returns
+        the summed loss of the micro-batches (a tensor the next replay overwrites)."""
+        if len(batches) != len(self.inputs):
+            raise ValueError(
+                f"the step graph was captured for {len(self.inputs)} micro-batches, "
+                f"got {len(batches)}"
+            )
+        for static, batch in zip(self.inputs, batches, strict=True):
+            if (batch.document_ids is None) != (static.document_ids is None):
+                raise ValueError("document ids present in some steps and not in others")
+            static.inputs.copy_(batch.inputs, non_blocking=True)
+            static.targets.copy_(batch.targets, non_blocking=True)
+            if batch.document_ids is not None:
+                static.document_ids.copy_(batch.document_ids, non_blocking=True)
+        self.graph.replay()
+        for p, grad in self.grads:
+            p.grad = grad
+        return self.total
+
+
+def cuda_graph_blockers(
+    device_type: str,
+    tp: int,
+    cp: int,
+    pp: int,
+    dropout: float,
+    data_parallel: str,
+    dp_cp_size: int,
+) -> list[str]:
+    """Why a step of this run cannot be captured (module docstring: invariants); empty if it can."""
+    reasons = []
+    if device_type != "cuda":
+        reasons.append(f"device {device_type!r} is not cuda")
+    for name, degree in (("tp", tp), ("cp", cp), ("pp", pp)):
+        if degree > 1:
+            reasons.append(f"parallel.{name}={degree} puts collectives inside the backward")
+    if data_parallel in ("ddp", "fsdp") and dp_cp_size > 1:
+        reasons.append(
+            f"parallel.data_parallel={data_parallel} over {dp_cp_size} ranks reduces gradients "
+            "inside the backward (none and zero1 reduce after it)"
+        )
+    if dropout > 0:
+        reasons.append(f"model.dropout={dropout} draws random numbers the graph would repeat")
+    return reasons

@@ -1,0 +1,84 @@
+"""``trainer.cuda_graph``: what it refuses (CPU), and on a GPU that replayed steps train exactly
+as eager ones, through gradient accumulation, evaluation, FP8 recipes and a rewind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from train_checks import rewind_overrides, run_rewind, tiny_overrides
+
+from mt_train import Trainer, compose_config, to_train_config
+from mt_train.cuda_graph import cuda_graph_blockers
+
+
+def test_cuda_graph_refuses_a_cpu_run(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(kjv_data, **{"trainer.device": "cpu", "trainer.cuda_graph": True})
+    with pytest.raises(ValueError, match=r"trainer\.cuda_graph=true .*device 'cpu' is not cuda"):
+        Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
+
+
+def test_cuda_graph_blockers_name_each_reason() -> None:
+    assert cuda_graph_blockers("cuda", 1, 1, 1, 0.0, "ddp", 1) == []
+    assert cuda_graph_blockers("cuda", 1, 1, 1, 0.0, "none", 4) == []
+    assert cuda_graph_blockers("cuda", 1, 1, 1, 0.0, "zero1", 4) == []
+    reasons = cuda_graph_blockers("cuda", 2, 2, 1, 0.1, "fsdp", 4)
+    assert len(reasons) == 4
+    assert "parallel.tp=2" in reasons[0] and "parallel.cp=2" in reasons[1]
+    assert "parallel.data_parallel=fsdp over 4 ranks" in reasons[2]
+    assert "model.dropout=0.1" in reasons[3]
+
+
+def _losses(overrides: list[str], out: Path, graphed: bool) -> tuple[list[float], bool]:
+    """Per-step losses of a fit, and whether a step graph was captured."""
+    cfg = to_train_config(compose_config([*overrides, f"trainer.cuda_graph={graphed}"]))
+    trainer = Trainer(cfg, output_dir=out)
+    try:
+        summary = trainer.fit()
+        return summary.losses, trainer.step_graph is not None
+    finally:
+        trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", ["none", "tensorwise", "delayed", "blockwise"])
+def test_graphed_steps_train_as_eager_steps(kjv_data: Path, tmp_path: Path, fp8: str) -> None:
+    # Two micro-batches per step (accumulation inside the graph), an evaluation at step 6 (eager
+    # forwards between replays), FP8 scales and histories updated in place between replays.
+    # The replay runs the eager step's kernels on the same data; the bound allows for cuBLAS
+    # choosing another algorithm under capture (bf16 rounding of one GEMM, ~1e-3 relative,
+    # would show as ~1e-4 in the mean loss); a replay on stale inputs, weights or gradients
+    # moves the loss by percents after a few steps.
+    overrides = tiny_overrides(
+        kjv_data,
+        **{
+            "trainer.device": "cuda",
+            "fp8": fp8,
+            "fp8.min_features": 16,
+            "trainer.max_steps": 12,
+            "trainer.eval_interval": 6,
+            "optimizer.lr": 3e-3,
+        },
+    )
+    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
+    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
+    assert captured
+    assert eager[-1] < 0.9 * eager[0], eager  # it trains
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+
+
+@pytest.mark.gpu
+def test_a_graphed_run_rewinds_as_an_eager_run(kjv_data: Path, tmp_path: Path) -> None:
+    # The NaN step runs eagerly (a fault factor changes its kernels); the rewind restores the
+    # parameters in place and drops the graph, which the next step captures again. Bound as
+    # above, over a longer run.
+    overrides = rewind_overrides(
+        kjv_data, **{"trainer.device": "cuda", "fault.nan_at_step": 30, "fp8": "tensorwise"}
+    )
+    eager = run_rewind(overrides, tmp_path / "eager")
+    graphed = run_rewind([*overrides, "trainer.cuda_graph=true"], tmp_path / "graphed")
+    assert graphed["rewinds"] == eager["rewinds"] == 1
+    assert graphed["steps"] == eager["steps"]
+    assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-3, nan_ok=True)
+    assert torch.isfinite(torch.tensor(graphed["val_loss"]))
