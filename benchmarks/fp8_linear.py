@@ -7,7 +7,11 @@ Every iteration is one training step with one micro-batch: the gradients are cle
 and the input's version counter is bumped (both untimed), and our layers re-quantize the weight
 (``cache_weight=False``) and the input, as torchao does. In ``compiled`` mode our layers run
 eagerly behind ``torch.compile``'s wrapper (``FP8Linear.forward`` is kept out of compiled graphs:
-:mod:`mt_fp8.linear`), while torchao's are compiled.
+:mod:`mt_fp8.linear`), while torchao's are compiled. In ``graphed`` mode every stack's step
+(compiled for bf16 and torchao, eager for ours) is captured once as a CUDA graph and the graph's
+replays are timed: the GPU's time for the kernels with no host launch cost, the cost that
+dominates a single layer's eager step (``docs/benchmarks.md``), as the trainer's
+``trainer.cuda_graph`` runs it.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ RECIPES = [
 COMPILED = ("tensorwise", "rowwise")  # compile time budget: the recipes torchao also has
 
 
-def time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10) -> float:
+def time_ms(
+    layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10, graphed: bool = False
+) -> float:
     def clear_grads() -> None:
         x.grad = None
         for parameter in layer.parameters():
@@ -61,12 +67,22 @@ def time_ms(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int = 10
     for _ in range(3):
         clear_grads()
         layer(x).backward(dy)
+    step = lambda: layer(x).backward(dy)  # noqa: E731
+    if graphed:
+        # Gradients allocated by the capture and overwritten by each replay; x's fresh version
+        # makes our layers record x's quantization.
+        clear_grads()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x).backward(dy)
+        step = graph.replay
     times = []
     for _ in range(iters):
-        clear_grads()
+        if not graphed:
+            clear_grads()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        layer(x).backward(dy)
+        step()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -86,7 +102,9 @@ def torchao_layer(linear: nn.Linear, recipe_name: str) -> nn.Module | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--modes", default="eager,compiled", help="comma-separated: eager, compiled (default both)"
+        "--modes",
+        default="eager,compiled",
+        help="comma-separated: eager, compiled, graphed (default eager,compiled)",
     )
     modes = parser.parse_args().modes.split(",")
     torch.manual_seed(0)
@@ -105,8 +123,9 @@ def main() -> None:
         dy = torch.randn(M, n, device="cuda", dtype=torch.bfloat16)
         base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         for mode in modes:
-            wrap = (lambda m: torch.compile(m)) if mode == "compiled" else (lambda m: m)
-            row = [time_ms(wrap(base), x, dy)]
+            graphed = mode == "graphed"
+            wrap = (lambda m: torch.compile(m)) if mode != "eager" else (lambda m: m)
+            row = [time_ms(wrap(base), x, dy, graphed=graphed)]
             for label, recipe, backend in RECIPES:
                 if mode == "compiled" and label not in COMPILED:
                     row.append(float("nan"))
@@ -117,14 +136,17 @@ def main() -> None:
                     if isinstance(recipe, DelayedScaling):
                         layer(x).backward(dy)
                         update_fp8_scales(layer, recipe)
-                    row.append(time_ms(wrap(layer), x, dy))
+                    ours = layer if graphed else wrap(layer)
+                    row.append(time_ms(ours, x, dy, graphed=graphed))
                 except Exception as error:  # report, keep measuring the others
                     message = f"{type(error).__name__}: {str(error)[:200]}"
                     print(f"<!-- {label} {mode} {k}x{n} failed: {message} -->")
                     row.append(float("nan"))
             for name in ("tensorwise", "rowwise"):
                 ao = torchao_layer(base, name)
-                row.append(float("nan") if ao is None else time_ms(wrap(ao), x, dy))
+                row.append(
+                    float("nan") if ao is None else time_ms(wrap(ao), x, dy, graphed=graphed)
+                )
             print(f"| {k}x{n} | {mode} | " + " | ".join(f"{t:.3f}" for t in row) + " |")
 
 
