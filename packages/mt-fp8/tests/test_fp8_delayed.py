@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -9,10 +10,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
-from mt_fp8 import DelayedScaling, FP8Format, FP8Linear, fp8_autocast, update_fp8_scales
+from mt_fp8 import (
+    DelayedScaling,
+    FP8Format,
+    FP8Linear,
+    TensorRole,
+    fp8_autocast,
+    scale_from_amax,
+    update_fp8_scales,
+)
+from mt_fp8.state import FP8Meta
 
 E4M3_MAX, E5M2_MAX = FP8Format.E4M3.max, FP8Format.E5M2.max
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 def step(layer: FP8Linear, x: torch.Tensor, dy: torch.Tensor) -> None:
@@ -96,3 +108,61 @@ def test_amax_is_max_reduced_across_two_gloo_ranks(two_rank_results):
     fmt_max = torch.tensor([E4M3_MAX, E4M3_MAX, E5M2_MAX])
     assert torch.equal(rank0["scale"], rank1["scale"])
     assert torch.allclose(rank0["scale"], global_amax / fmt_max, rtol=1e-6)
+
+
+def update_layer_by_layer(metas: list[FP8Meta], recipe: DelayedScaling) -> None:
+    """The delayed-scaling update written out for one layer at a time (the reference)."""
+    fmt_max = torch.tensor([recipe.formats.for_role(role).max for role in TensorRole])
+    for meta in metas:
+        history = meta.amax_history
+        usable = torch.where(torch.isfinite(history), history, torch.zeros_like(history))
+        amax = usable.amax(dim=0) if recipe.amax_compute_algo == "max" else usable[0]
+        new_scale = scale_from_amax(amax, fmt_max, margin=recipe.margin)
+        meta.scale.copy_(torch.where(amax > 0, new_scale, meta.scale))
+        meta.amax_history.copy_(torch.roll(history, 1, dims=0))
+        meta.amax_history[0].zero_()
+
+
+def random_metas(seed: int, device: str) -> nn.ModuleList:
+    """FP8Metas of three history lengths with amaxes over fp32's whole range, inf, NaN and 0."""
+    generator = torch.Generator().manual_seed(seed)
+    metas = nn.ModuleList()
+    for length in (4, 1, 4, 7, 4, 1):
+        meta = FP8Meta(DelayedScaling(amax_history_len=length), device=device)
+        exponent = torch.randint(-149, 128, (length, 3), generator=generator).float()
+        history = torch.exp2(exponent) * (1 + torch.rand(length, 3, generator=generator))
+        special = torch.tensor([0.0, math.inf, math.nan, FP32_MAX, 2.0**-149, -math.inf])
+        pick = torch.randint(0, 2 * len(special), (length, 3), generator=generator)
+        history = torch.where(
+            pick < len(special), special[pick.clamp(max=len(special) - 1)], history
+        )
+        meta.amax_history.copy_(history)
+        meta.scale.copy_(torch.rand(3, generator=generator) + 0.5)
+        metas.append(meta)
+    # A role whose whole window is unusable (zero or non-finite) keeps its old scale.
+    metas[2].amax_history[:, 1] = torch.tensor([0.0, math.nan, math.inf, 0.0])
+    return metas
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_batched_update_is_bitwise_the_layer_by_layer_update(algo, margin, device):
+    recipe = DelayedScaling(amax_compute_algo=algo, margin=margin)
+    batched, reference = random_metas(margin, device), random_metas(margin, device)
+    for _ in range(3):  # the rolled histories feed the next update
+        versions = [meta.scale_version for meta in batched]
+        update_fp8_scales(batched, recipe)
+        update_layer_by_layer(list(reference), recipe)
+        for meta, expected in zip(batched, reference, strict=True):
+            # int32 views: bitwise, NaN included.
+            assert torch.equal(meta.scale.view(torch.int32), expected.scale.view(torch.int32))
+            assert torch.equal(
+                meta.amax_history.view(torch.int32), expected.amax_history.view(torch.int32)
+            )
+        assert [meta.scale_version for meta in batched] == [v + 1 for v in versions]
+        # New amaxes for the next step, as FP8 layers would record them.
+        for meta, expected in zip(batched, reference, strict=True):
+            row = torch.rand(3) * 100
+            meta.amax_history[0] = row
+            expected.amax_history[0] = row

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from mt_fp8 import FP8Format, quantize
 from mt_fp8.ops import apply_rotary, cross_entropy, quantize_transpose_amax, rms_norm, swiglu
+from mt_fp8.ops.dispatch import triton_runs_on, use_triton
 from mt_fp8.ops.rope import rope_tables
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -220,6 +221,94 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)
     ref_t = reference.data.t().contiguous()
     assert not byte_mismatches(q_t.data, ref_t), byte_mismatches(q_t.data, ref_t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [None, 4], ids=["group_default", "group4"])
+def test_quantize_transpose_amax_back_to_back_sizes(device, group, monkeypatch):
+    # The Triton kernels fold their per-tile partials in each launch's last programs, found with
+    # ticket counters shared by all launches on a stream; each fold must leave them at zero.
+    # Every quantization of a sequence of different tile counts (more and fewer than the one
+    # before; a 1×1 grid; given and computed scales) must then match its own reference. Groups
+    # of 4 tiles give these small tensors several groups (the last one partial) and let the
+    # counters grow.
+    if group is not None:
+        if not triton_runs_on(device):
+            pytest.skip("the group size is a setting of the Triton kernels")
+        from mt_fp8.kernels import quantize as kernels
+
+        monkeypatch.setattr(kernels, "GROUP", group)
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(256, 256), (96, 160), (1, 3), (200, 48), (320, 130)]:
+        x = (torch.randn(shape, generator=generator) * 7).to(device, torch.bfloat16)
+        for scale in (None, torch.tensor(0.01, device=device)):
+            stats = torch.tensor([5, 6, 7], device=device)  # accumulated into, not overwritten
+            q, q_t, amax = quantize_transpose_amax(x, FP8Format.E4M3, scale=scale, stats=stats)
+            reference_stats = torch.tensor([5, 6, 7], device=device)
+            reference = quantize(x, FP8Format.E4M3, scale=scale, stats=reference_stats)
+            assert amax.item() == x.abs().max().item(), (shape, scale)
+            assert torch.equal(q.scale, reference.scale), (shape, scale)
+            assert stats.tolist() == reference_stats.tolist(), (shape, scale)
+            assert not byte_mismatches(q.data, reference.data)
+            assert not byte_mismatches(q_t.data, reference.data.t().contiguous())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5), (70, 0), (0, 0)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantize_transpose_amax_empty_input(device, shape):
+    # An empty x (an expert with no tokens) runs one fully masked program: amax 0, scale 1 (or
+    # the given one), no health counts. The plain-PyTorch path takes no empty tensors.
+    x = torch.zeros(shape, device=device)
+    if not use_triton(x):
+        pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+    stats = torch.tensor([1, 2, 3], device=device)
+    q, q_t, amax = quantize_transpose_amax(x, FP8Format.E4M3, stats=stats)
+    assert amax.item() == 0.0 and q.scale.tolist() == [[1.0]]
+    assert q.data.shape == shape and q_t.data.shape == shape[::-1]
+    assert stats.tolist() == [1, 2, 3]
+    given = torch.tensor(0.25, device=device)
+    q, q_t, amax = quantize_transpose_amax(x, FP8Format.E5M2, scale=given, stats=stats)
+    assert amax.item() == 0.0 and q.scale.tolist() == [[0.25]] and q_t.scale.tolist() == [[0.25]]
+    assert stats.tolist() == [1, 2, 3]
+
+
+@pytest.mark.gpu
+def test_quantize_transpose_amax_replays_in_a_cuda_graph():
+    # Ticket counters first needed during capture are zeroed by the graph itself (module
+    # docstring of mt_fp8.kernels.quantize): every replay folds its own launch's partials.
+    x = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
+    given = torch.tensor(0.05, device="cuda")
+    stats = torch.zeros(2, 3, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the kernels compile outside the capture
+        quantize_transpose_amax(x, FP8Format.E4M3, stats=stats[0])
+        quantize_transpose_amax(x, FP8Format.E4M3, scale=given, stats=stats[1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        current = quantize_transpose_amax(x, FP8Format.E4M3, stats=stats[0])
+        delayed = quantize_transpose_amax(x, FP8Format.E4M3, scale=given, stats=stats[1])
+    generator = torch.Generator().manual_seed(2)
+    for magnitude in (1.0, 1e3, 1e-3):
+        x.copy_(torch.randn(x.shape, generator=generator) * magnitude)
+        stats.zero_()
+        graph.replay()
+        for (q, q_t, amax), scale, counts in (
+            (current, None, stats[0]),
+            (delayed, given, stats[1]),
+        ):
+            reference_stats = torch.zeros(3, dtype=torch.int64, device="cuda")
+            reference = quantize(x, FP8Format.E4M3, scale=scale, stats=reference_stats)
+            assert amax.item() == x.abs().max().item()
+            assert torch.equal(q.scale, reference.scale)
+            assert counts.tolist() == reference_stats.tolist()
+            assert not byte_mismatches(q.data, reference.data)
+            assert not byte_mismatches(q_t.data, reference.data.t().contiguous())
+    # Eager calls afterwards use their own stream's counters.
+    q, _, amax = quantize_transpose_amax(x, FP8Format.E4M3)
+    assert amax.item() == x.abs().max().item()
+    assert torch.equal(q.scale, quantize(x, FP8Format.E4M3).scale)
 
 
 @pytest.mark.skipif(INTERPRET, reason="Dynamo cannot trace the interpreter's Triton kernels")
