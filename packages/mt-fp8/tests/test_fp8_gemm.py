@@ -63,6 +63,8 @@ def test_emulated_gemm_within_propagated_bound(recipe, fmt_a):
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_scaled_mm_agrees_with_emulation(recipe, out_dtype):
+    if isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm():
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     _, _, qa, qb = quantized_pair(recipe, fmt_a=FP8Format.E5M2)
     bias = torch.randn(qb.shape[0]).to(out_dtype)
     fast = fp8_gemm(qa, qb, out_dtype, bias=bias, backend="scaled_mm").double()
@@ -81,6 +83,16 @@ def test_fast_backend_refuses_block_scaling_on_cpu():
     with pytest.raises(
         RuntimeError, match=r"cannot run here: torch\._scaled_mm takes tensorwise or rowwise"
     ):
+        fp8_gemm(qa, qb, backend="fast")
+
+
+def test_rowwise_on_a_cpu_without_rowwise_scaled_mm_is_emulated(monkeypatch):
+    # torch 2.11's CPU _scaled_mm asserts on rowwise scales (gemm._cpu_rowwise_scaled_mm): auto
+    # must emulate there (bit-identical to backend="emulate"), and the fast path must refuse.
+    monkeypatch.setattr(gemm_module, "_cpu_rowwise_scaled_mm", lambda: False)
+    _, _, qa, qb = quantized_pair(RowwiseScaling())
+    assert torch.equal(fp8_gemm(qa, qb), fp8_gemm(qa, qb, backend="emulate"))
+    with pytest.raises(RuntimeError, match=r"CPU torch\._scaled_mm takes tensorwise scales only"):
         fp8_gemm(qa, qb, backend="fast")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+import mt_fp8.gemm as gemm_module
 from mt_fp8 import (
     BlockScaling,
     DelayedScaling,
@@ -89,6 +90,8 @@ def test_forward_and_backward_against_float64_linear(recipe):
 
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
 def test_scaled_mm_and_emulated_paths_agree(recipe):
+    if isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm():
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     fast = run_layer(recipe, backend="scaled_mm")
     slow = run_layer(recipe, backend="emulate")
     # Identical FP8 operands; only fp32 summation order differs: K·2^-24 relative to Σ|ab|.

@@ -89,6 +89,26 @@ def _device_fp8_gemm(device_type: str, index: int | None) -> bool:
     return _capability_cache[key]
 
 
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes rowwise scales: a 16×16 probe, once.
+
+    NOTE: torch 2.13's does; torch 2.11's (oneDNN) stops at an internal assert that only
+    single-element scales are supported (seen on the GPU machine's torch, 2026-12-03), so there
+    rowwise operands on the CPU are emulated.
+    """
+    key = ("rowwise_scaled_mm", "cpu", None)
+    if key not in _capability_cache:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        try:
+            torch._scaled_mm(
+                a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32
+            )
+            _capability_cache[key] = True
+        except RuntimeError:
+            _capability_cache[key] = False
+    return _capability_cache[key]
+
+
 def _triton_block_gemm_available(index: int | None) -> bool:
     key = ("triton_block_gemm", "cuda", index)
     if key not in _capability_cache:
@@ -128,6 +148,8 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     device = a.data.device
     if not _device_fp8_gemm(device.type, device.index):
         return f"device {device} has no FP8 GEMM (needs CUDA compute capability >= 8.9)"
+    if device.type == "cpu" and kinds[0] == "rowwise" and not _cpu_rowwise_scaled_mm():
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise scales only"
     if device.type == "cuda":
         if a.shape[1] % 16 or b.shape[0] % 16:
             return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
