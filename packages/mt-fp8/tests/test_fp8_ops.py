@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from mt_fp8 import FP8Format, quantize
-from mt_fp8.ops import apply_rotary, cross_entropy, quantize_transpose_amax, rms_norm, swiglu
+from mt_fp8.ops import (
+    apply_rotary,
+    cross_entropy,
+    dispatch,
+    quantize_transpose_amax,
+    rms_norm,
+    swiglu,
+)
 from mt_fp8.ops.dispatch import triton_runs_on, use_triton
 from mt_fp8.ops.rope import rope_tables
 
@@ -311,11 +318,9 @@ def test_quantize_transpose_amax_replays_in_a_cuda_graph():
     assert torch.equal(q.scale, quantize(x, FP8Format.E4M3).scale)
 
 
-@pytest.mark.skipif(INTERPRET, reason="Dynamo cannot trace the interpreter's Triton kernels")
-def test_plain_paths_compile_into_one_graph_on_the_cpu():
-    # On the CPU the plain-PyTorch autograd functions are traced into compiled graphs
-    # (fullgraph: no graph break) and match eager exactly; off the CPU ops.dispatch.plain_apply
-    # keeps them eager (its NOTE; checked on the GPU by mt-parallel's test_parallel_gpu.py).
+def _compiled_plain_ops_match_eager(fullgraph: bool) -> None:
+    """All plain fused ops in one function: compiled (aot_eager) outputs and input gradient
+    equal the eager ones exactly."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, generator=generator, requires_grad=True)
     weight = torch.rand(32, generator=generator) + 0.5
@@ -331,9 +336,33 @@ def test_plain_paths_compile_into_one_graph_on_the_cpu():
 
     expected = all_ops(x)
     expected_grad = torch.autograd.grad(sum(t.sum() for t in expected), x)[0]
-    compiled = torch.compile(all_ops, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(all_ops, backend="aot_eager", fullgraph=fullgraph)
     got = compiled(x)
     for actual, want in zip(got, expected, strict=True):
         torch.testing.assert_close(actual, want, rtol=0, atol=0)
     grad = torch.autograd.grad(sum(t.sum() for t in got), x)[0]
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Dynamo cannot trace the interpreter's Triton kernels")
+@pytest.mark.skipif(
+    not dispatch.PLAIN_FUNCTIONS_COMPILE_ON_CPU, reason="this torch runs them eagerly"
+)
+def test_plain_paths_compile_into_one_graph_on_the_cpu():
+    # On the CPU (torch >= 2.13) the plain-PyTorch autograd functions are traced into compiled
+    # graphs (fullgraph: no graph break) and match eager exactly; elsewhere
+    # ops.dispatch.plain_apply keeps them eager (its NOTE; checked on the GPU by mt-parallel's
+    # test_parallel_gpu.py).
+    _compiled_plain_ops_match_eager(fullgraph=True)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Dynamo cannot trace the interpreter's Triton kernels")
+def test_plain_paths_run_eagerly_inside_compiled_code_on_older_torch(monkeypatch):
+    # With a torch whose compiled gradients of these functions were wrong (2.11: 100% off on the
+    # CPU), plain_apply keeps them out of the graph: the compiled function breaks around them
+    # and its gradient is eager's exactly.
+    monkeypatch.setattr(dispatch, "PLAIN_FUNCTIONS_COMPILE_ON_CPU", False)
+    with pytest.raises(Exception, match=r"(?i)graph break|skip|disable"):
+        _compiled_plain_ops_match_eager(fullgraph=True)
+    _compiled_plain_ops_match_eager(fullgraph=False)
