@@ -180,6 +180,9 @@ def test_non_finite_input_makes_its_block_nan(bad, layout_name, device):
 def test_non_finite_input_reaches_the_layer_output(recipe, backend):
     if backend == "scaled_mm" and isinstance(recipe, BlockScaling):
         pytest.skip("torch._scaled_mm takes no block scales")
+    rowwise_cpu = isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm()
+    if backend == "scaled_mm" and rowwise_cpu:
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     torch.manual_seed(0)
     layer = FP8Linear(128, 128, recipe=recipe, backend=backend)
     x = torch.randn(256, 128)
