@@ -5,24 +5,27 @@ operand), bit-identical to :func:`mt_fp8.quantized.quantize`.
 Shape suffixes: R rows, C columns (C % 128 == 0), g the group length (128 or 32), R' = R rounded
 up to a multiple of g, H = C / g, G = R' / g.
 
-:func:`quantize_groups_with_transpose` reads ``x_RC`` once and writes both operands the linear
-layer needs from it (see :mod:`mt_fp8.functional`):
+:func:`quantize_groups_with_transpose` writes both operands the linear layer needs from ``x_RC``
+(see :mod:`mt_fp8.functional`):
 
 * ``q_RC`` in 1×g groups along C, scales ``s_RH``: the forward (or dgrad) operand;
 * ``q_CR'``: ``xᵀ`` with R zero-padded to R', in 1×g groups along R', scales ``s_CG``: the
   wgrad operand, which contracts over the tokens R.
 
-Each program owns one 128×128 tile ``x[r0:r0+128, c0:c0+128]`` (rows past R read as zero). The
-tile's rows hold 128/g forward groups each and its columns 128/g transposed groups each, so both
-scale sets come from the one load (``tl.reshape`` of the tile's magnitudes to
-``(128, 128/g, g)`` and ``(128/g, g, 128)``, a max over the g axis):
-
     s_RH[r, h] = scale_from_amax(max_{c in group h} |x[r, c]|)    q_RC[r, c]  = sat(rne(x · s_RH⁻¹))
     s_CG[c, k] = scale_from_amax(max_{r in group k} |x[r, c]|)    q_CR'[c, r] = sat(rne(x · s_CG⁻¹))
 
-Rows at or past R' are not stored (with g = 32 the last tile can reach beyond R'). Padded rows are zeros, so they add nothing to a column amax and quantize to zero, as the
-PyTorch path's ``F.pad`` of ``xᵀ`` does. :func:`quantize_square_blocks` is the same pass with one
-amax per tile (128×128 weight blocks); a square-block tensor's transpose is exact
+Two kernels, each one read of ``x``: ``_group_rows`` owns ``ROWS_TILE`` (64 rows × 128 columns,
+whole row groups) and ``_group_columns`` owns ``COLUMNS_TILE`` (128 rows × 64 columns, whole
+column groups, stored transposed). Rows past R read as zero: padded rows add nothing to a column
+amax and quantize to zero, as the PyTorch path's ``F.pad`` of ``xᵀ`` does; rows at or past R'
+are not stored. NOTE: one kernel on 128×128 tiles that wrote both operands from one read was
+slower on the H200 (2026-12-03, 8192×14336 bf16: 383.7 µs at its best warp count, against
+124.6 + 123.9 µs for the two; 4,096 wide: 116.4 against 39.7 + 40.0 µs): holding the whole tile
+and both scalings left too few programs per SM to hide the memory latency.
+
+:func:`quantize_square_blocks` owns one 128×128 tile per program with one amax per tile (128×128
+weight blocks); a square-block tensor's transpose is exact
 (:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so with ``transpose`` the pass also
 stores the tile's bytes transposed into ``q_CR`` and its scale at ``s_HG[c, r]`` (the bytes and
 scales ``transpose()`` would copy, without a second pass over the FP8 weight).
@@ -42,9 +45,9 @@ by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_reciprocal``, ``_mul_rn
   integer arithmetic under ``TRITON_INTERPRET=1``, whose own FP8 cast is wrong).
 * Health counts (``stats``) cover ``q_RC`` only, as :func:`~mt_fp8.quantized.cast_to_fp8` does.
 
-NOTE: the fused transposed store (``tl.trans`` of the FP8 tile) is used for bf16 inputs only,
-for the reason in :mod:`mt_fp8.kernels.quantize` (fp32 inputs gave garbage ``qᵀ`` bytes on the
-H200 there). Other input dtypes store the transposed-scaled tile untransposed into an
+NOTE: the transposed store of ``_group_columns`` (``tl.trans`` of the FP8 tile) is used for bf16
+inputs only, for the reason in :mod:`mt_fp8.kernels.quantize` (fp32 inputs gave garbage ``qᵀ``
+bytes on the H200 there). Other input dtypes store the column-scaled tile untransposed into an
 ``(R', C)`` buffer, and PyTorch's FP8 transpose copy makes ``q_CR'`` from it. The square-block
 transpose transposes int32 FP8 codes instead (as that module's fp32 path does), for any input
 dtype: those are the fp32 master weights.
@@ -75,15 +78,20 @@ from mt_fp8.quantized import (
 )
 
 TILE = 128
-"""Side of the square tile one program owns: the 1×128 group length and weight block side."""
+"""Side of the square weight blocks (one program each) and the tiles' widest side."""
+
+ROWS_TILE = (64, 128, 4)
+"""``_group_rows``: rows, columns and warps per program (the fastest of a sweep on the H200)."""
+COLUMNS_TILE = (128, 64, 4)
+"""``_group_columns``: rows, columns and warps per program (the same sweep)."""
 
 GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
-"""Layouts the kernel writes."""
+"""Layouts the kernels write."""
 
 FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Input dtypes the kernels take (fp64 inputs stay on the PyTorch path, which divides in fp64)."""
 
-# Transposed-operand modes of the kernel (constexpr TRANSPOSE).
+# Transposed-operand modes of the kernels (constexpr TRANSPOSE).
 _NO_TRANSPOSE, _FUSED_TRANSPOSE, _BUFFERED_TRANSPOSE = 0, 1, 2
 
 
@@ -111,7 +119,125 @@ def _group_scales(
 
 
 @triton.jit
-def _block_quantize(
+def _health_counts(scaled, stats_ptr, saturation, half_subnormal):
+    """Add a tile's saturated and flushed counts to ``stats_ptr[0:2]`` (int32 tile counts, added
+    to the int64 counters only when non-zero: saturation and flushes are rare, and same-address
+    atomics serialize). Zeros (padded rows) count in neither."""
+    magnitude = tl.abs(scaled)
+    saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int32), axis=1), axis=0)
+    flushed = tl.sum(
+        tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int32), axis=1), axis=0
+    )
+    if saturated > 0:
+        tl.atomic_add(stats_ptr, saturated.to(tl.int64))
+    if flushed > 0:
+        tl.atomic_add(stats_ptr + 1, flushed.to(tl.int64))
+
+
+@triton.jit
+def _group_rows(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stats_ptr,
+    R,
+    C,
+    fmt_max,
+    min_scale,
+    saturation,
+    half_subnormal,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    STATS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUP_LEN: tl.constexpr,
+    POW2: tl.constexpr,
+    EMAX: tl.constexpr,
+):
+    """``q_RC`` and ``s_RH`` of one BLOCK_R × BLOCK_C tile: its rows' 1×GROUP_LEN groups."""
+    GROUPS: tl.constexpr = BLOCK_C // GROUP_LEN  # groups per tile row
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_rows = rows < R
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=in_rows[:, None], other=0.0).to(tl.float32)
+    magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
+    amax = tl.max(tl.reshape(magnitude_x, (BLOCK_R, GROUPS, GROUP_LEN)), axis=2)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+    group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
+    scale_offs = rows.to(tl.int64)[:, None] * (C // GROUP_LEN) + group_ids[None, :]
+    tl.store(scale_ptr + scale_offs, scale, mask=in_rows[:, None])
+    inverse = tl.reshape(
+        tl.broadcast_to(_reciprocal(scale, EXACT_DIV)[:, :, None], (BLOCK_R, GROUPS, GROUP_LEN)),
+        (BLOCK_R, BLOCK_C),
+    )
+    scaled = _mul_rn(x, inverse, EXACT_DIV)
+    if STATS:
+        _health_counts(scaled, stats_ptr, saturation, half_subnormal)
+    clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
+    _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+@triton.jit
+def _group_columns(
+    x_ptr,
+    qt_ptr,
+    scale_t_ptr,
+    R,
+    C,
+    R_padded,
+    fmt_max,
+    min_scale,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUP_LEN: tl.constexpr,
+    POW2: tl.constexpr,
+    EMAX: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """``q_CR'`` and ``s_CG`` of one BLOCK_R × BLOCK_C tile: its columns' GROUP_LEN×1 groups,
+    stored transposed (TRANSPOSE == _FUSED_TRANSPOSE) or into the ``(R', C)`` buffer."""
+    GROUPS: tl.constexpr = BLOCK_R // GROUP_LEN  # groups per tile column
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=(rows < R)[:, None], other=0.0).to(tl.float32)
+    magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
+    amax = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, BLOCK_C)), axis=1)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+    group_ids = pid_r * GROUPS + tl.arange(0, GROUPS)
+    groups_per_column = R_padded // GROUP_LEN
+    scale_offs = cols.to(tl.int64)[None, :] * groups_per_column + group_ids[:, None]
+    tl.store(scale_t_ptr + scale_offs, scale, mask=(group_ids < groups_per_column)[:, None])
+    inverse = tl.reshape(
+        tl.broadcast_to(_reciprocal(scale, EXACT_DIV)[:, None, :], (GROUPS, GROUP_LEN, BLOCK_C)),
+        (BLOCK_R, BLOCK_C),
+    )
+    clamped = tl.clamp(
+        _mul_rn(x, inverse, EXACT_DIV), -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL
+    )
+    in_padded = rows < R_padded
+    if TRANSPOSE == 1:
+        # qᵀ[c, r], stored with its own contiguous axis last; padded rows give zero columns.
+        offs_t = cols.to(tl.int64)[:, None] * R_padded + rows[None, :]
+        _store_fp8(
+            qt_ptr + offs_t, tl.trans(clamped), in_padded[None, :], MANTISSA, BIAS, SOFTWARE_CAST
+        )
+    else:
+        _store_fp8(qt_ptr + offs, clamped, in_padded[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+@triton.jit
+def _square_block_quantize(
     x_ptr,
     q_ptr,
     scale_ptr,
@@ -120,27 +246,20 @@ def _block_quantize(
     stats_ptr,
     R,
     C,
-    R_padded,
     fmt_max,
     min_scale,
     saturation,
     half_subnormal,
     MANTISSA: tl.constexpr,
     BIAS: tl.constexpr,
-    SQUARE: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     STATS: tl.constexpr,
     EXACT_DIV: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr,
     TILE: tl.constexpr,
-    GROUP_LEN: tl.constexpr,
-    POW2: tl.constexpr,
-    EMAX: tl.constexpr,
 ):
-    """One TILE×TILE tile: its 1×GROUP_LEN row groups of ``q`` (one TILE×TILE block if SQUARE)
-    and, with TRANSPOSE, the GROUP_LEN×1 column groups of the transposed operand (module
-    docstring). Rows at or past ``R_padded`` (a multiple of GROUP_LEN) are not stored."""
-    GROUPS: tl.constexpr = TILE // GROUP_LEN  # groups per tile side
+    """One TILE×TILE block of ``q`` with one scale and, with TRANSPOSE, its exact transpose
+    (module docstring)."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * TILE + tl.arange(0, TILE)
     cols = pid_c * TILE + tl.arange(0, TILE)
@@ -148,86 +267,32 @@ def _block_quantize(
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=in_rows[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
-    scales_per_row = C // GROUP_LEN
-    if SQUARE:
-        amax_block = tl.max(tl.max(magnitude_x, axis=1), axis=0)
-        scale_rows = _group_scales(
-            tl.zeros((TILE,), tl.float32) + amax_block, fmt_max, min_scale, EXACT_DIV, POW2, EMAX
-        )
-        # Every element of scale_rows is the block's scale; the first one is stored.
-        first = tl.arange(0, TILE) == 0
-        scale_offs = pid_r * scales_per_row + pid_c + tl.arange(0, TILE) * 0
-        tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
-        if TRANSPOSE != 0:  # the exact transpose's scale: s_HG[pid_c, pid_r]
-            scale_t_offs = pid_c * (R // TILE) + pid_r + tl.arange(0, TILE) * 0
-            tl.store(scale_t_ptr + scale_t_offs, scale_rows, mask=first)
-        inverse_full = tl.broadcast_to(_reciprocal(scale_rows, EXACT_DIV)[:, None], (TILE, TILE))
-    else:
-        # (TILE, GROUPS) group amaxes along the columns, one scale each.
-        amax_groups = tl.max(tl.reshape(magnitude_x, (TILE, GROUPS, GROUP_LEN)), axis=2)
-        scale_groups = _group_scales(amax_groups, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
-        group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
-        scale_offs = rows.to(tl.int64)[:, None] * scales_per_row + group_ids[None, :]
-        tl.store(scale_ptr + scale_offs, scale_groups, mask=in_rows[:, None])
-        inverse_groups = _reciprocal(scale_groups, EXACT_DIV)
-        inverse_full = tl.reshape(
-            tl.broadcast_to(inverse_groups[:, :, None], (TILE, GROUPS, GROUP_LEN)), (TILE, TILE)
-        )
+    amax_block = tl.max(tl.max(magnitude_x, axis=1), axis=0)
+    scale_rows = _scale_from_amax(
+        tl.zeros((TILE,), tl.float32) + amax_block, fmt_max, min_scale, EXACT_DIV
+    )
+    # Every element of scale_rows is the block's scale; the first one is stored.
+    first = tl.arange(0, TILE) == 0
+    scale_offs = pid_r * (C // TILE) + pid_c + tl.arange(0, TILE) * 0
+    tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
+    if TRANSPOSE != 0:  # the exact transpose's scale: s_HG[pid_c, pid_r]
+        scale_t_offs = pid_c * (R // TILE) + pid_r + tl.arange(0, TILE) * 0
+        tl.store(scale_t_ptr + scale_t_offs, scale_rows, mask=first)
+    inverse_full = tl.broadcast_to(_reciprocal(scale_rows, EXACT_DIV)[:, None], (TILE, TILE))
     scaled = _mul_rn(x, inverse_full, EXACT_DIV)
     if STATS:
-        # int32 tile counts (at most TILE² each), added to the int64 counters only when
-        # non-zero: saturation and flushes are rare, and same-address atomics serialize.
-        magnitude = tl.abs(scaled)  # padded rows are zeros: counted in neither
-        saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int32), axis=1), axis=0)
-        flushed = tl.sum(
-            tl.sum(((magnitude < half_subnormal) & (magnitude > 0)).to(tl.int32), axis=1), axis=0
-        )
-        if saturated > 0:
-            tl.atomic_add(stats_ptr, saturated.to(tl.int64))
-        if flushed > 0:
-            tl.atomic_add(stats_ptr + 1, flushed.to(tl.int64))
+        _health_counts(scaled, stats_ptr, saturation, half_subnormal)
     clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
     _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
-    if SQUARE:
-        if TRANSPOSE != 0:
-            # qᵀ[c, r] = q[r, c]: int32 codes transposed (module docstring NOTE), then narrowed.
-            offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-            codes_t = tl.trans(_fp8_codes(clamped, MANTISSA, BIAS))
-            tl.store(
-                qt_ptr + offs_t,
-                codes_t.to(tl.uint8).to(qt_ptr.dtype.element_ty, bitcast=True),
-                mask=in_rows[None, :],
-            )
-    elif TRANSPOSE != 0:
-        # (GROUPS, TILE) group amaxes along the rows (the transposed operand's groups).
-        amax_t = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, TILE)), axis=1)
-        scale_t = _group_scales(amax_t, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
-        group_ids_t = pid_r * GROUPS + tl.arange(0, GROUPS)
-        scale_t_offs = cols.to(tl.int64)[None, :] * (R_padded // GROUP_LEN) + group_ids_t[:, None]
+    if TRANSPOSE != 0:
+        # qᵀ[c, r] = q[r, c]: int32 codes transposed (module docstring NOTE), then narrowed.
+        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        codes_t = tl.trans(_fp8_codes(clamped, MANTISSA, BIAS))
         tl.store(
-            scale_t_ptr + scale_t_offs, scale_t, mask=(group_ids_t < R_padded // GROUP_LEN)[:, None]
+            qt_ptr + offs_t,
+            codes_t.to(tl.uint8).to(qt_ptr.dtype.element_ty, bitcast=True),
+            mask=in_rows[None, :],
         )
-        inverse_t = _reciprocal(scale_t, EXACT_DIV)
-        inverse_t_full = tl.reshape(
-            tl.broadcast_to(inverse_t[:, None, :], (GROUPS, GROUP_LEN, TILE)), (TILE, TILE)
-        )
-        scaled_t = _mul_rn(x, inverse_t_full, EXACT_DIV)
-        clamped_t = tl.clamp(scaled_t, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
-        in_padded = rows < R_padded
-        if TRANSPOSE == 1:
-            # qᵀ[c, r], stored with its own contiguous axis last; padded rows give zero columns.
-            offs_t = cols.to(tl.int64)[:, None] * R_padded + rows[None, :]
-            _store_fp8(
-                qt_ptr + offs_t,
-                tl.trans(clamped_t),
-                in_padded[None, :],
-                MANTISSA,
-                BIAS,
-                SOFTWARE_CAST,
-            )
-        else:
-            # The (R', C) buffer, transposed by PyTorch afterwards; padded rows are zeros.
-            _store_fp8(qt_ptr + offs, clamped_t, in_padded[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
 
 
 def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
@@ -250,57 +315,67 @@ def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     return x_RC.contiguous()
 
 
-def _launch(
+def _launch_groups(
     x_RC: torch.Tensor,
     fmt: FP8Format,
     stats: torch.Tensor | None,
     layout: ScaleLayout,
     transpose: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(q_RC, s_RH, q_t, s_CG)`` in 1×g groups; ``q_t`` is ``q_CR'``, or the ``(R', C)``
+    buffer under _BUFFERED_TRANSPOSE, or None."""
     rows, cols = x_RC.shape
-    square = layout == BLOCKS_128X128
     group = layout.block[1]
     rows_padded = triton.cdiv(rows, group) * group
     device = x_RC.device
     q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
-    scale_rows = rows // TILE if square else rows
-    scale = torch.empty(scale_rows, cols // group, device=device, dtype=torch.float32)
-    q_t = scale_t = None
-    if square and transpose != _NO_TRANSPOSE:
-        q_t = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
-        scale_t = torch.empty(cols // TILE, rows // TILE, device=device, dtype=torch.float32)
-    elif transpose == _FUSED_TRANSPOSE:
-        q_t = torch.empty(cols, rows_padded, device=device, dtype=fmt.dtype)
-    elif transpose == _BUFFERED_TRANSPOSE:
-        q_t = torch.empty(rows_padded, cols, device=device, dtype=fmt.dtype)
-    if transpose != _NO_TRANSPOSE and not square:
-        scale_t = torch.empty(cols, rows_padded // group, device=device, dtype=torch.float32)
-    grid = (triton.cdiv(rows_padded, TILE), cols // TILE)
-    if rows_padded:  # an empty launch grid is an error
-        _block_quantize[grid](
+    scale_RH = torch.empty(rows, cols // group, device=device, dtype=torch.float32)
+    constants = dict(min_scale=MIN_SCALE, **cast_arguments(fmt))
+    if rows:  # an empty launch grid is an error
+        block_r, block_c, warps = ROWS_TILE
+        _group_rows[(triton.cdiv(rows, block_r), cols // block_c)](
             x_RC,
             q_RC,
-            scale,
-            q_t if q_t is not None else q_RC,
-            scale_t if scale_t is not None else scale,
-            stats if stats is not None else scale,
+            scale_RH,
+            stats if stats is not None else scale_RH,
             rows,
             cols,
-            rows_padded,
-            min_scale=MIN_SCALE,
-            SQUARE=square,
-            TRANSPOSE=transpose,
             STATS=stats is not None,
-            **cast_arguments(fmt),
-            TILE=TILE,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
             GROUP_LEN=group,
             POW2=layout.power_of_two,
             EMAX=fmt.emax,
-            num_warps=8,
+            num_warps=warps,
+            **constants,
         )
     if stats is not None:
         stats[2] += x_RC.numel()
-    return q_RC, scale, q_t, scale_t
+    if transpose == _NO_TRANSPOSE:
+        return q_RC, scale_RH, None, None
+    shape_t = (cols, rows_padded) if transpose == _FUSED_TRANSPOSE else (rows_padded, cols)
+    q_t = torch.empty(shape_t, device=device, dtype=fmt.dtype)
+    scale_CG = torch.empty(cols, rows_padded // group, device=device, dtype=torch.float32)
+    if rows:
+        block_r, block_c, warps = COLUMNS_TILE
+        del constants["saturation"], constants["half_subnormal"]  # no health counts for xᵀ
+        _group_columns[(triton.cdiv(rows_padded, block_r), cols // block_c)](
+            x_RC,
+            q_t,
+            scale_CG,
+            rows,
+            cols,
+            rows_padded,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            GROUP_LEN=group,
+            POW2=layout.power_of_two,
+            EMAX=fmt.emax,
+            TRANSPOSE=transpose,
+            num_warps=warps,
+            **constants,
+        )
+    return q_RC, scale_RH, q_t, scale_CG
 
 
 def quantize_groups_with_transpose(
@@ -326,7 +401,7 @@ def quantize_groups_with_transpose(
         mode = _FUSED_TRANSPOSE
     else:
         mode = _BUFFERED_TRANSPOSE
-    q_RC, scale_RH, q_t, scale_CG = _launch(x_RC, fmt, stats, layout, transpose=mode)
+    q_RC, scale_RH, q_t, scale_CG = _launch_groups(x_RC, fmt, stats, layout, transpose=mode)
     forward = QuantizedTensor(q_RC, scale_RH, layout, fmt)
     if q_t is None or scale_CG is None:
         return forward, None
@@ -344,8 +419,33 @@ def quantize_square_blocks(
     blocks, the same bytes and scales), written by the same pass.
     """
     x_RC = _check(x_RC, BLOCKS_128X128)
-    mode = _FUSED_TRANSPOSE if transpose else _NO_TRANSPOSE
-    q_RC, scale_GH, q_CR, scale_HG = _launch(x_RC, fmt, stats, BLOCKS_128X128, transpose=mode)
+    rows, cols = x_RC.shape
+    device = x_RC.device
+    q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
+    scale_GH = torch.empty(rows // TILE, cols // TILE, device=device, dtype=torch.float32)
+    q_CR = scale_HG = None
+    if transpose:
+        q_CR = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
+        scale_HG = torch.empty(cols // TILE, rows // TILE, device=device, dtype=torch.float32)
+    if rows:  # an empty launch grid is an error
+        _square_block_quantize[(triton.cdiv(rows, TILE), cols // TILE)](
+            x_RC,
+            q_RC,
+            scale_GH,
+            q_CR if q_CR is not None else q_RC,
+            scale_HG if scale_HG is not None else scale_GH,
+            stats if stats is not None else scale_GH,
+            rows,
+            cols,
+            min_scale=MIN_SCALE,
+            TRANSPOSE=_FUSED_TRANSPOSE if transpose else _NO_TRANSPOSE,
+            STATS=stats is not None,
+            **cast_arguments(fmt),
+            TILE=TILE,
+            num_warps=8,
+        )
+    if stats is not None:
+        stats[2] += x_RC.numel()
     result = QuantizedTensor(q_RC, scale_GH, BLOCKS_128X128, fmt)
     if q_CR is not None and scale_HG is not None:
         result.transposed = QuantizedTensor(q_CR, scale_HG, BLOCKS_128X128, fmt)
