@@ -55,8 +55,8 @@ Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``; not und
 (:mod:`mt_fp8.ops.quantize_transpose`). Block scaling with 1×128 groups and 128×128 weight
 blocks goes through :mod:`mt_fp8.kernels.block_quantize`: ``x`` and ``dy`` are quantized along
 their last axis and, when the wgrad GEMM will need it, their transposes requantized along the
-tokens (zero-padded to a multiple of 128) in the same pass over the input; the weight's 128×128
-blocks in one pass, its transpose exact. Rowwise scales go through
+tokens (zero-padded to a multiple of 128) by a second kernel that stores them transposed; the
+weight's 128×128 blocks in one pass, its transpose exact. Rowwise scales go through
 :mod:`mt_fp8.kernels.rowwise_quantize` (``xᵀ``: a transpose copy, then the same kernel). All give
 the same bytes as the PyTorch path. Inside ``torch.compile`` graphs the plain-PyTorch path runs
 and Inductor fuses it with its neighbours. NOTE: the Triton quantizers wrapped as
