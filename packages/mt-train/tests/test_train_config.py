@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mt_train import compose_config, to_train_config
-from mt_train.cli import main
+from mt_train.cli import main, print_summary
+from mt_train.trainer import TrainSummary
 
 CONF = Path(str(resources.files("mt_train") / "conf"))
 GROUP_FILES = sorted(
@@ -139,3 +140,27 @@ def test_readme_rewind_commands_compose(args: list[str]) -> None:
     overrides = [a for a in args if not a.startswith("hydra.")]
     cfg = to_train_config(compose_config(overrides))
     assert cfg.rewind.enabled
+
+
+def _summary(**fields: object) -> TrainSummary:
+    base = dict(
+        steps=82, train_loss=2.1225, val_loss=float("nan"), wall_s=40.0, tokens_per_s=8000.0,
+        output_dir="/tmp/run", checkpoint=None, losses=[], rewinds=0, sample="", stopped="SIGTERM",
+    )  # fmt: skip
+    base.update(fields)
+    return TrainSummary(**base)  # type: ignore[arg-type]
+
+
+def test_summary_of_a_run_stopped_before_evaluating_or_checkpointing(capsys) -> None:
+    print_summary(_summary())
+    out = capsys.readouterr().out
+    assert "validation loss nan" not in out and "no validation (the run stopped" in out
+    assert "no checkpoint was written, so a new run starts from step 0" in out
+    assert "checkpoint.resume=auto" not in out
+
+
+def test_summary_of_a_preempted_run_with_a_checkpoint(capsys) -> None:
+    print_summary(_summary(val_loss=1.5, checkpoint="/tmp/run/checkpoints/step-00000082"))
+    out = capsys.readouterr().out
+    assert "validation loss 1.5000" in out
+    assert "stopped early by SIGTERM after step 82; continue with checkpoint.resume=auto" in out

@@ -12,6 +12,7 @@ checkpoint is on disk.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -69,9 +70,14 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
 
 
 def print_summary(summary: TrainSummary) -> None:
+    validation = (
+        "no validation (the run stopped before its first evaluation)"
+        if math.isnan(summary.val_loss)
+        else f"validation loss {summary.val_loss:.4f}"
+    )
     lines = [
         f"done: {summary.steps} steps in {summary.wall_s:.0f} s ({summary.tokens_per_s:,.0f} tokens/s); "
-        f"final train loss {summary.train_loss:.4f}, validation loss {summary.val_loss:.4f}",
+        f"final train loss {summary.train_loss:.4f}, {validation}",
         f"outputs: {summary.output_dir} (metrics.jsonl"
         + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "")
         + ")",
@@ -79,10 +85,12 @@ def print_summary(summary: TrainSummary) -> None:
     if summary.rewinds:
         lines.append(f"rewinds: {summary.rewinds} (see events.jsonl)")
     if summary.stopped:
-        lines.append(
-            f"stopped early by {summary.stopped} after step {summary.steps}; continue with "
-            "checkpoint.resume=auto and the same hydra.run.dir"
+        resume = (
+            "continue with checkpoint.resume=auto and the same hydra.run.dir"
+            if summary.checkpoint
+            else "no checkpoint was written, so a new run starts from step 0"
         )
+        lines.append(f"stopped early by {summary.stopped} after step {summary.steps}; {resume}")
     if summary.sample:
         lines.append("greedy sample:\n" + "\n".join("  " + s for s in summary.sample.splitlines()))
     print("\n".join(lines), flush=True)
