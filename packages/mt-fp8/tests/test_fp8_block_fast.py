@@ -460,3 +460,17 @@ def test_fp8_linear_block_scaling_runs_every_gemm_on_cublas(monkeypatch):
         # while a wrong scale layout or operand gives errors of order ‖slow‖.
         difference = (fast.float() - slow.float()).norm()
         assert difference <= 2**-6 * slow.float().norm(), difference / slow.float().norm()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("attribute", "tile"), [("ROWS_TILE", (64, 96, 4)), ("COLUMNS_TILE", (96, 64, 4))]
+)
+def test_group_kernels_refuse_tiles_that_do_not_cover_whole_groups(
+    device, attribute, tile, monkeypatch
+):
+    # A tile sweep (benchmarks/block_quantize.py --sweep) must not silently skip columns.
+    monkeypatch.setattr(block_kernels(), attribute, tile)
+    x = torch.randn(256, 384, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{attribute} = "):
+        block_kernels().quantize_groups_with_transpose(x, FP8Format.E4M3)

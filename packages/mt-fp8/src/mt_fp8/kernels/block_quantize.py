@@ -326,6 +326,15 @@ def _launch_groups(
     buffer under _BUFFERED_TRANSPOSE, or None."""
     rows, cols = x_RC.shape
     group = layout.block[1]
+    for name, (block_r, block_c, _) in (("ROWS_TILE", ROWS_TILE), ("COLUMNS_TILE", COLUMNS_TILE)):
+        # The kernels mask rows, not columns, and own whole groups.
+        group_side = block_c if name == "ROWS_TILE" else block_r
+        if cols % block_c or group_side % group:
+            raise ValueError(
+                f"{name} = {(block_r, block_c)} does not fit a {rows}x{cols} tensor in 1x{group} "
+                f"groups: the columns per tile must divide {cols} and the tile's "
+                f"{'columns' if name == 'ROWS_TILE' else 'rows'} must be a multiple of {group}"
+            )
     rows_padded = triton.cdiv(rows, group) * group
     device = x_RC.device
     q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
