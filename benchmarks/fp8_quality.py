@@ -13,8 +13,12 @@ Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tenso
 delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` in ``--recipes``
 trains that recipe with another seed (other initial weights and batch order), in
 ``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
-alone, the yardstick for the FP8 differences; seed runs are reported but not judged. Each run is
-``python -m mt_train ...`` in its own
+alone, the yardstick for the FP8 differences, and an FP8 ``<recipe>@<seed>`` is compared with
+``none@<seed>`` when that run is there (the same weights and batches), else with ``none``. A run
+may end in ``+key=value`` Hydra overrides of its own (``tensorwise+fp8.output_head=true``; folder
+``tensorwise+fp8.output_head-true``). Seed and override runs are reported but not judged; the
+``paired`` table averages each FP8 configuration's difference from bf16 over the seeds that
+have a same-seed bf16 run. Each run is ``python -m mt_train ...`` in its own
 subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
 (``metrics.jsonl``, Hydra's ``.hydra/``, and ``train.log`` with the run's stdout and stderr).
 ``--concurrent N`` runs N at once (default: all) on the one GPU: a small model's eager step
@@ -117,11 +121,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.recipes = [r for r in args.recipes.split(",") if r]
     for spec in args.recipes:
-        recipe, _, seed = spec.partition("@")
-        if recipe not in RECIPES or (seed and not seed.isdigit()):
+        base, *extra = spec.split("+")
+        recipe, _, seed = base.partition("@")
+        if (
+            recipe not in RECIPES
+            or (seed and not seed.isdigit())
+            or not all("=" in e for e in extra)
+        ):
             p.error(
                 f"bad run {spec!r}: give a recipe ({', '.join(RECIPES)}), optionally followed "
-                "by @<seed> (a non-negative int)"
+                "by @<seed> (a non-negative int) and +key=value overrides"
             )
     args.micro_batch = args.micro_batch or args.batch
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
@@ -132,20 +141,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- launching
-def split_spec(spec: str, default_seed: int) -> tuple[str, int]:
-    """``"none@5678"`` -> ``("none", 5678)``; ``"tensorwise"`` -> ``("tensorwise", default_seed)``."""
-    recipe, _, seed = spec.partition("@")
-    return recipe, int(seed) if seed else default_seed
+def split_spec(spec: str, default_seed: int) -> tuple[str, int, list[str]]:
+    """``"none@5678"`` -> ``("none", 5678, [])``; ``"tensorwise+fp8.output_head=true"`` ->
+    ``("tensorwise", default_seed, ["fp8.output_head=true"])``."""
+    base, *extra = spec.split("+")
+    recipe, _, seed = base.partition("@")
+    return recipe, int(seed) if seed else default_seed, extra
 
 
 def run_folder(out: Path, spec: str) -> Path:
-    recipe, _, seed = spec.partition("@")
-    return out / (f"{recipe}_seed{seed}" if seed else recipe)
+    base, *extra = spec.split("+")
+    recipe, _, seed = base.partition("@")
+    name = f"{recipe}_seed{seed}" if seed else recipe
+    return out / "+".join([name, *(re.sub(r"[^A-Za-z0-9_.-]", "-", e) for e in extra)])
+
+
+def reference_of(spec: str, specs: list[str]) -> str:
+    """The bf16 run ``spec`` is compared with: ``none@<seed>`` for an FP8 run at that seed when
+    it was run, else ``none`` (also for ``none@<seed>`` itself: the seed-noise yardstick)."""
+    base = spec.split("+")[0]
+    recipe, _, seed = base.partition("@")
+    same_seed = f"{REFERENCE}@{seed}"
+    if recipe != REFERENCE and seed and same_seed in specs:
+        return same_seed
+    return REFERENCE
 
 
 def overrides(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path) -> list[str]:
-    """The Hydra overrides of one run (the same for every run but ``fp8=`` and the seed)."""
-    recipe, seed = split_spec(spec, args.seed)
+    """The Hydra overrides of one run (the same for every run but ``fp8=``, the seed and the
+    run's own ``+key=value`` overrides, which come last)."""
+    recipe, seed, extra = split_spec(spec, args.seed)
     return [
         f"model={args.model}",
         f"fp8={recipe}",
@@ -166,6 +191,7 @@ def overrides(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path
         f"trainer.output_dir={_quoted(run_dir)}",
         f"hydra.run.dir={_quoted(run_dir)}",  # Hydra's files go there too, not to ./outputs
         *args.extra,
+        *extra,
     ]
 
 
@@ -373,10 +399,12 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
         if is_fp8 and described is not None and " linears)" not in described:
             entry["status"] += "; WARNING: the trainer reports no FP8 layers"
         per[run.recipe] = entry
-    ref = per.get(REFERENCE)
-    ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
     for recipe, entry in per.items():
+        reference = reference_of(recipe, list(per))
+        ref = per.get(reference)
+        ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
         common = sorted(set(ref_val) & {int(s) for s, _ in entry["val_loss"]})
+        entry["reference"] = reference
         entry["compare_step"] = common[-1] if common else None
         if not common or recipe == REFERENCE:
             entry.update(ratio_to_bf16=1.0 if common else None, vs_bf16_pct=None, within_1pct=None)
@@ -388,8 +416,11 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
             vs_bf16_pct=100.0 * (ratio - 1.0),
             within_1pct=abs(ratio - 1.0) <= TOLERANCE,
         )
-    # Judged: the FP8 recipes at the common seed (a "@seed" run is a noise yardstick).
-    verdicts = [e["within_1pct"] for r, e in per.items() if r != REFERENCE and "@" not in r]
+    # Judged: the FP8 recipes at the common seed, as configured (a "@seed" run is a noise
+    # yardstick, a "+override" run a variant).
+    verdicts = [
+        e["within_1pct"] for r, e in per.items() if r != REFERENCE and not set("@+") & set(r)
+    ]
     return {
         "issue": 7,
         "criterion": "final validation loss of every FP8 recipe within 1% of bf16",
@@ -408,7 +439,28 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
             "extra": args.extra,
         },
         "all_within_1pct": bool(verdicts) and all(v is True for v in verdicts),
+        "paired": paired(args, per),
         "runs": per,
+    }
+
+
+def paired(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per FP8 configuration (recipe and overrides), the difference from bf16 at each seed
+    that has its own bf16 run, and their mean: seed noise moves both runs of a pair alike."""
+    groups: dict[str, dict[int, float]] = {}
+    for spec, entry in per.items():
+        recipe, seed, extra = split_spec(spec, args.seed)
+        if recipe == REFERENCE or entry["vs_bf16_pct"] is None:
+            continue
+        if entry["reference"] != (f"{REFERENCE}@{seed}" if "@" in spec else REFERENCE):
+            continue  # compared across seeds: not a pair
+        groups.setdefault("+".join([recipe, *extra]), {})[seed] = entry["vs_bf16_pct"]
+    return {
+        name: {
+            "vs_bf16_pct_by_seed": by_seed,
+            "mean_vs_bf16_pct": sum(by_seed.values()) / len(by_seed),
+        }
+        for name, by_seed in groups.items()
     }
 
 
@@ -430,12 +482,13 @@ def table(result: dict[str, Any]) -> str:
     ]
     steps = result["settings"]["steps"]
     for recipe, e in result["runs"].items():
-        base, _, seed = recipe.partition("@")
-        name = base
+        base, *extra = recipe.split("+")
+        base, _, seed = base.partition("@")
+        name = "+".join([base, *extra])
         if base == REFERENCE:  # fp8=none trains in the trainer's precision: fp32 on a CPU
             name = "fp32" if " fp32" in (e["trainer"] or "") else "bf16"
-        if seed:
-            name += f" (seed {seed}; not judged)"
+        if seed or extra:
+            name += f" (seed {seed or result['settings']['seed']}; not judged)"
         loss = "—" if e["final_val_loss"] is None else f"{e['final_val_loss']:.4f}"
         if e["final_step"] not in (None, steps):
             loss += f" (step {e['final_step']})"
@@ -443,11 +496,20 @@ def table(result: dict[str, Any]) -> str:
         if e["compare_step"] not in (None, steps) and recipe != REFERENCE:
             pct += f" (at step {e['compare_step']})"
         within = {True: "yes", False: "**no**", None: "—"}[e["within_1pct"]]
-        if seed:
+        if seed or extra:
             within = "—"
         seconds = e["wall_s"] if e["wall_s"] is not None else e["train_loop_s"]  # --collect
         wall = "—" if seconds is None else f"{seconds:.0f}"
         rows.append(f"| {name} | {loss} | {pct} | {within} | {wall} | {e['status']} |")
+    if result.get("paired"):
+        rows += [
+            "",
+            "| FP8 configuration | vs same-seed bf16 (%) by seed | mean (%) |",
+            "| --- | --- | --- |",
+        ]
+        for name, p in result["paired"].items():
+            seeds = ", ".join(f"{s}: {v:+.2f}" for s, v in p["vs_bf16_pct_by_seed"].items())
+            rows.append(f"| {name} | {seeds} | {p['mean_vs_bf16_pct']:+.2f} |")
     return "\n".join(rows)
 
 

@@ -15,10 +15,13 @@ and the reference) change the workload for all stacks alike. Stacks, in run orde
 * ``ours_graphed_bf16`` / ``ours_graphed_fp8_<recipe>``: the eager stacks with
   ``trainer.cuda_graph=true`` (each step's forward and backward replayed as one CUDA graph,
   captured at the second warm-up step; :mod:`mt_train.cuda_graph`);
+* ``ours_graphed_fp8_<recipe>_head``: the same with ``fp8.output_head=true`` (the output head
+  in FP8 too);
 * ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
   ``torch.compile`` on each block;
 * ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
-  ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled.
+  ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled;
+  ``ref_ao_tensorwise_head`` converts and compiles the output head too.
 
 Each stack runs ``--warmup`` steps (compilation included), then up to ``--steps`` timed steps
 (fewer if they pass ``--stack-budget-s``) between two device synchronisations: ``tokens/s = steps · batch · seq / seconds``, ``MFU = tokens/s ·
@@ -60,7 +63,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 PEAK_BF16 = 989e12
-REF_STACKS = ("ref_compile_bf16", "ref_ao_tensorwise", "ref_ao_rowwise")
+REF_STACKS = ("ref_compile_bf16", "ref_ao_tensorwise", "ref_ao_rowwise", "ref_ao_tensorwise_head")
 OUR_RECIPES = ("tensorwise", "rowwise", "block", "delayed", "mxfp8")
 OUR_COMPILED = ("ours_compiled_bf16", "ours_compiled_fp8_tensorwise")
 OUR_GRAPHED = (
@@ -68,6 +71,8 @@ OUR_GRAPHED = (
     "ours_graphed_fp8_tensorwise",
     "ours_graphed_fp8_delayed",
     "ours_graphed_fp8_block",
+    "ours_graphed_fp8_tensorwise_head",
+    "ours_graphed_fp8_delayed_head",
 )
 
 # Kernel-name patterns (lower case, first match wins) for the --profile breakdown.
@@ -159,14 +164,17 @@ def ref_stack(
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         recipe = name.removeprefix("ref_ao_")
+        head = recipe.endswith("_head")
         convert_to_float8_training(
             model,
-            config=Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=lambda mod, fqn: fqn != "output",
+            config=Float8LinearConfig.from_recipe_name(recipe.removesuffix("_head")),
+            module_filter_fn=lambda mod, fqn: head or fqn != "output",
         )
     if compile_:
         for block in model.layers:
             block.compile()
+        if name.endswith("_head"):  # torchao's FP8 head quantizes in Inductor kernels too
+            model.output.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -214,18 +222,23 @@ def our_trainer(
 
 
 def enable_fp8(
-    trainer: Any, recipe_name: str, health: bool = True, cache_weight: bool = True
+    trainer: Any,
+    recipe_name: str,
+    health: bool = True,
+    cache_weight: bool = True,
+    output_head: bool = False,
 ) -> None:
     """``fp8=<recipe>`` on a built trainer; ``health=False`` turns the numerics-health counts
     off in every FP8 layer (to measure what they cost), ``cache_weight=False`` the FP8 weight
-    cache (``fp8.cache_weight=false``: less memory, a weight quantization per forward)."""
+    cache (``fp8.cache_weight=false``: less memory, a weight quantization per forward),
+    ``output_head=True`` puts the output head in FP8 too (``fp8.output_head=true``)."""
     import mt_fp8
     import mt_parallel
     from mt_train.config.schema import FP8Config
     from mt_train.models.build import fp8_skip_names
 
     recipe = mt_fp8.recipe_from_name(recipe_name)
-    skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name))
+    skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name, output_head=output_head))
     mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
     trainer.fp8_recipe = recipe
     trainer.drop_step_graph()  # a graph captured before holds the high-precision layers
@@ -408,9 +421,10 @@ def run_in_process(
                     if recipe.startswith("fp8_"):
                         enable_fp8(
                             trainer,
-                            recipe.removeprefix("fp8_"),
+                            recipe.removeprefix("fp8_").removesuffix("_head"),
                             not args.no_fp8_health,
                             not args.no_fp8_weight_cache,
+                            output_head=recipe.endswith("_head"),
                         )
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)

@@ -1,5 +1,5 @@
 """FP8 through the trainer on the CPU (mt_fp8's emulation path): the blocks' linears switch,
-the output head stays high precision, training tracks the high-precision run, and delayed
+the output head stays high precision unless ``fp8.output_head``, training tracks the high-precision run, and delayed
 scaling's state is checkpointed and restored. Also the other transforms: recompute, bf16
 autocast and torch.compile."""
 
@@ -34,6 +34,18 @@ def test_fp8_run_tracks_high_precision(recipe: str, kjv_data: Path, tmp_path: Pa
     assert not getattr(trainer.module.output, "fp8_enabled", False)
     # E4M3 keeps ~3 significant bits per element; after 8 steps of a 2-layer model the loss
     # differs from fp32 by well under 2%, while a broken scale or layout lands far off.
+    assert losses == pytest.approx(reference, rel=2e-2)
+
+
+def test_fp8_output_head_is_opt_in(kjv_data: Path, tmp_path: Path) -> None:
+    _, reference = _fit(kjv_data, tmp_path / "fp32")
+    trainer, losses = _fit(
+        kjv_data, tmp_path / "head", fp8="tensorwise", **{"fp8.output_head": True}
+    )
+    assert trainer.fp8_layers == 2 * 7 + 1  # the blocks' linears and the output head
+    assert trainer.module.output.fp8_enabled
+    # The logits and their gradient now carry E4M3/E5M2 rounding too; the same 2% bound as the
+    # blocks-only run holds (a wrong head scale or layout would move the loss by far more).
     assert losses == pytest.approx(reference, rel=2e-2)
 
 

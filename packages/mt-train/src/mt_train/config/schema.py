@@ -138,6 +138,12 @@ class FP8Config:
     (quantized once per step); false quantizes in every forward and recomputed forward, which
     saves two bytes per weight element of every layer awaiting its backward
     (``mt_parallel.set_fp8_weight_cache``)."""
+    output_head: bool = False
+    """Run the output head (the ``D × V`` logits GEMM) in FP8 too. Off by default, as in
+    Megatron, Transformer Engine recipes and DeepSeek-V3: the logits and their gradient are
+    the most precision-sensitive GEMM of the model. At Llama3-8B shapes the head is a third of
+    an 8-layer model's GEMM time, so this is the largest speed lever left; check its loss
+    against bf16 (``benchmarks/fp8_quality.py``) before relying on it."""
 
     def __post_init__(self) -> None:
         if self.recipe != "none":

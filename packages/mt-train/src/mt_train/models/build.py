@@ -10,8 +10,8 @@ never changes:
   attention core the cp group (all-gather K/V, or ring attention with
   ``parallel.cp_attention=ring``); the trainer feeds each rank its load-balanced chunks;
 * FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
-  with the configured recipe; the output head, and linears whose smaller side is below
-  ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
+  with the configured recipe; the output head (unless ``fp8.output_head``), and linears whose
+  smaller side is below ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
 * recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
 * compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
 * data parallel: ``mt_parallel.apply_data_parallel`` over dp×cp: DDP (``ddp``), FSDP2
@@ -63,8 +63,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str, seed: int | None =
 
 
 def fp8_skip_names(model: nn.Module, fp8: FP8Config) -> tuple[str, ...]:
-    """Names of TP linears that stay high precision: the output head and small layers."""
-    skip = ["output"]
+    """Names of TP linears that stay high precision: the output head (unless
+    ``fp8.output_head``) and the layers below ``fp8.min_features``."""
+    skip = [] if fp8.output_head else ["output"]
     for name, module in model.named_modules():
         if hasattr(module, "enable_fp8") and min(module.weight.shape) < fp8.min_features:
             skip.append(name)
