@@ -54,15 +54,28 @@ def test_rowwise_kernel_matches_quantize(device, dtype, shape, fmt):
         # The edge cases are really there: a zero row, NaN rows, a floored scale, flushes.
         assert (expected.scale == 1).any() and expected.scale.isnan().any()
         assert (expected.scale == 2.0**-126).any() and stats[1] > 0
-    # Columns of x are rows of xᵀ: the transposed operand is the kernel on the transpose copy.
-    q_t = rowwise_kernels().quantize_rows(x.t().contiguous(), fmt)
+    # Columns of x are rows of xᵀ: the transposed operand, from x's columns.
+    q_t = rowwise_kernels().quantize_columns_transposed(x, fmt)
     assert_same_quantization(q_t, quantize(x.t(), fmt, ROWWISE))
+    if shape[0] > 150:  # columns with inf and NaN: NaN scales
+        assert q_t.scale.isnan().any()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rowwise_quantizer_refuses_float64(device):
+@pytest.mark.parametrize("shape", [(0, 64), (5, 0)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_column_quantizer_takes_empty_inputs(device, shape):
+    x = torch.zeros(shape, device=device, dtype=torch.bfloat16)
+    q_t = rowwise_kernels().quantize_columns_transposed(x, FP8Format.E4M3)
+    assert q_t.data.shape == (shape[1], shape[0]) and q_t.scale.shape == (shape[1], 1)
+    expected = rowwise_kernels().quantize_rows(x.t().contiguous(), FP8Format.E4M3)
+    assert torch.equal(q_t.scale, expected.scale)  # rows of xᵀ with nothing in them: scale 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["quantize_rows", "quantize_columns_transposed"])
+def test_rowwise_quantizer_refuses_float64(device, name):
     with pytest.raises(ValueError, match="takes a 2-D bfloat16, float16 or float32 tensor"):
-        rowwise_kernels().quantize_rows(
+        getattr(rowwise_kernels(), name)(
             torch.randn(4, 64, device=device, dtype=torch.float64), FP8Format.E4M3
         )
 
@@ -74,14 +87,18 @@ def test_rowwise_kernel_matches_quantize_at_scale_on_cuda(dtype):
     x = awkward_input(4000, 5000, dtype, "cuda")
     q = rowwise_kernels().quantize_rows(x, FP8Format.E4M3)
     assert_same_quantization(q, quantize(x, FP8Format.E4M3, ROWWISE))
+    q_t = rowwise_kernels().quantize_columns_transposed(x, FP8Format.E4M3)
+    assert_same_quantization(q_t, quantize(x.t(), FP8Format.E4M3, ROWWISE))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_fp8_linear_rowwise_fused_matches_pytorch_path(device, dtype, monkeypatch):
+    names = ("quantize_rows", "quantize_columns_transposed")
     calls = fused_calls_of_a_layer_matching_the_pytorch_path(
-        device, dtype, RowwiseScaling(), rowwise_kernels(), ("quantize_rows",), monkeypatch
+        device, dtype, RowwiseScaling(), rowwise_kernels(), names, monkeypatch
     )
-    # x and xᵀ, w and wᵀ, dy and dyᵀ: every operand through the kernel.
-    shapes = [(200, 256), (256, 200), (384, 256), (256, 384), (200, 384), (384, 200)]
-    assert calls == sorted(("quantize_rows", shape) for shape in shapes)
+    # x, w and dy along their rows and, for xᵀ, wᵀ and dyᵀ, along their columns: every operand
+    # through the kernels.
+    shapes = [(200, 256), (384, 256), (200, 384)]
+    assert calls == sorted((name, shape) for name in names for shape in shapes)

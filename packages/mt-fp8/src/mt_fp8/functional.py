@@ -57,7 +57,8 @@ blocks goes through :mod:`mt_fp8.kernels.block_quantize`: ``x`` and ``dy`` are q
 their last axis and, when the wgrad GEMM will need it, their transposes requantized along the
 tokens (zero-padded to a multiple of 128) by a second kernel that stores them transposed; the
 weight's 128×128 blocks in one pass, its transpose exact. Rowwise scales go through
-:mod:`mt_fp8.kernels.rowwise_quantize` (``xᵀ``: a transpose copy, then the same kernel). All give
+:mod:`mt_fp8.kernels.rowwise_quantize` (``xᵀ``: column amaxes, then a kernel that scales
+``x``'s columns and stores them transposed). All give
 the same bytes as the PyTorch path. Inside ``torch.compile`` graphs the plain-PyTorch path runs
 and Inductor fuses it with its neighbours. NOTE: the Triton quantizers wrapped as
 ``torch.library`` custom ops were slower there on the H200 (2026-12-03, fwd+bwd at M = 8192,
@@ -217,14 +218,14 @@ class LinearPlan:
             return q_RC.transposed  # from a fused kernel: exact, or requantized and padded
         if q_RC is not None and ((br, bc) == (-1, -1) or br == bc):
             return q_RC.transpose()
+        fmt = self.recipe.formats.for_role(role)
+        if self._fused_rowwise(x_RC, layout):  # rowwise needs no padding (row_multiple 1)
+            from mt_fp8.kernels.rowwise_quantize import quantize_columns_transposed
+
+            return quantize_columns_transposed(x_RC, fmt)
         x_CR = x_RC.t()
         if role is not TensorRole.WEIGHT:
             x_CR = _pad_columns(x_CR, self.row_multiple())
-        fmt = self.recipe.formats.for_role(role)
-        if self._fused_rowwise(x_CR, layout):
-            from mt_fp8.kernels.rowwise_quantize import quantize_rows
-
-            return quantize_rows(x_CR, fmt)  # a high-precision transpose copy, then the kernel
         scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
         return quantize(x_CR, fmt, layout, scale=scale)
 

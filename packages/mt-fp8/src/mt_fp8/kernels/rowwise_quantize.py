@@ -15,10 +15,20 @@ The second pass re-reads the program's rows, mostly from L2. Health counts (satu
 elements) go to the program's own slot of a ``(P, 3)`` partials buffer and one PyTorch sum adds
 them to the caller's counters (no same-address atomics; see :mod:`mt_fp8.kernels.quantize`).
 
-The transposed operand of the rowwise recipe (``xᵀ`` with one scale per column of ``x``) is
-this kernel applied to ``x.t().contiguous()``: the transpose is a copy of the high-precision
-tensor, so no FP8 tile is ever transposed in registers (the fused transposed FP8 store is wrong
-for fp32 inputs on the H200; :mod:`mt_fp8.kernels.quantize`).
+The transposed operand of the rowwise recipe (``xᵀ`` with one scale per column of ``x``, the
+wgrad and dgrad GEMMs' operand) is :func:`quantize_columns_transposed`, two kernels on
+``COLUMN_TILE`` tiles of ``x`` itself (no high-precision transpose copy):
+
+    _column_amax_partials:  a[p, c] = max_{r in tile row p} |x[r, c]|     (P = ⌈R / 128⌉ partials)
+                            amax_c  = max_p a[p, c]                       (one PyTorch amax)
+    _quantize_columns:      s_c = scale_from_amax(amax_c),  qᵀ[c, r] = sat(rne(x[r, c] · s_c⁻¹))
+
+``qᵀ`` is stored transposed from registers for bf16 and fp16 inputs; fp32 inputs store the
+column-scaled tile untransposed into an ``(R, C)`` buffer and PyTorch's FP8 (byte) transpose
+copy makes ``qᵀ`` from it, because Triton's transposed FP8 store gave garbage for fp32 inputs on
+the H200 (:mod:`mt_fp8.kernels.quantize`). Before, ``xᵀ`` was ``x.t().contiguous()`` and then the
+row kernel: on the H200 (2026-12-03, one graphed FP8Linear step at M = 8192, 4096×14336) those
+three high-precision transpose copies took 1.341 of the step's 3.897 ms.
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ ROWS = 4
 """Rows per program."""
 BLOCK_C = 1024
 """Columns per tile of the two passes."""
+
+COLUMN_TILE = (128, 64, 4)
+"""Rows, columns and warps per program of the column kernels (the tile of
+:mod:`mt_fp8.kernels.block_quantize`'s ``_group_columns``, the fastest of its sweep)."""
 
 FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Input dtypes the kernel takes (fp64 stays on the PyTorch path, which divides in fp64)."""
@@ -103,6 +117,14 @@ def _rowwise_quantize(
         tl.store(stats_partial_ptr + 3 * pid + 2, elements)
 
 
+def _check_input(x_RC: torch.Tensor) -> None:
+    if x_RC.dim() != 2 or x_RC.dtype not in FUSED_INPUT_DTYPES:
+        raise ValueError(
+            "the Triton rowwise quantizer takes a 2-D bfloat16, float16 or float32 tensor, got "
+            f"{tuple(x_RC.shape)} {x_RC.dtype}"
+        )
+
+
 def quantize_rows(
     x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None
 ) -> QuantizedTensor:
@@ -111,11 +133,7 @@ def quantize_rows(
     ``stats`` (int64, 3 elements), if given, is incremented by the health counts of
     :func:`mt_fp8.quantized.cast_to_fp8`.
     """
-    if x_RC.dim() != 2 or x_RC.dtype not in FUSED_INPUT_DTYPES:
-        raise ValueError(
-            "the Triton rowwise quantizer takes a 2-D bfloat16, float16 or float32 tensor, got "
-            f"{tuple(x_RC.shape)} {x_RC.dtype}"
-        )
+    _check_input(x_RC)
     x_RC = x_RC.contiguous()
     rows, cols = x_RC.shape
     device = x_RC.device
@@ -142,3 +160,108 @@ def quantize_rows(
         if stats is not None and stats_partial is not None:
             stats += stats_partial.sum(0)
     return QuantizedTensor(q_RC, scale_R1, ROWWISE, fmt)
+
+
+@triton.jit
+def _column_amax_partials(x_ptr, partial_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``partial[pid_r, c]``: the amax of column ``c`` over this program's BLOCK_R rows (NaN
+    counted as +inf)."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_cols = cols < C
+    mask = (rows < R)[:, None] & in_cols[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    magnitude = tl.where(x != x, float("inf"), tl.abs(x))
+    tl.store(partial_ptr + pid_r.to(tl.int64) * C + cols, tl.max(magnitude, axis=0), mask=in_cols)
+
+
+@triton.jit
+def _quantize_columns(
+    x_ptr,
+    q_ptr,
+    amax_ptr,
+    scale_ptr,
+    R,
+    C,
+    fmt_max,
+    min_scale,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """One BLOCK_R × BLOCK_C tile of ``x`` scaled by its columns' scales, stored transposed
+    (TRANSPOSE) into ``qᵀ`` (C, R) or untransposed into the (R, C) buffer; the first row of
+    programs stores the scales."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_rows, in_cols = rows < R, cols < C
+    scale = _scale_from_amax(
+        tl.load(amax_ptr + cols, mask=in_cols, other=0.0), fmt_max, min_scale, EXACT_DIV
+    )
+    if pid_r == 0:
+        tl.store(scale_ptr + cols, scale, mask=in_cols)
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    mask = in_rows[:, None] & in_cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inverse = tl.broadcast_to(_reciprocal(scale, EXACT_DIV)[None, :], (BLOCK_R, BLOCK_C))
+    clamped = tl.clamp(
+        _mul_rn(x, inverse, EXACT_DIV), -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL
+    )
+    if TRANSPOSE:
+        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        mask_t = in_cols[:, None] & in_rows[None, :]
+        _store_fp8(q_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
+    else:
+        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+def quantize_columns_transposed(x_RC: torch.Tensor, fmt: FP8Format) -> QuantizedTensor:
+    """``xᵀ`` (C, R) with one scale per row of ``xᵀ`` (per column of ``x``); bit-identical to
+    ``quantize(x.t(), fmt, ROWWISE)`` and to ``quantize_rows(x.t().contiguous(), fmt)``, without
+    the high-precision transpose copy (module docstring). No health counts: as for every
+    transposed operand, they are counted on ``x``'s own quantization."""
+    _check_input(x_RC)
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    device = x_RC.device
+    q_CR = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
+    scale_C1 = torch.empty(cols, 1, device=device, dtype=torch.float32)
+    if rows == 0:  # empty rows of xᵀ: amax 0, scale 1 (as quantize_rows gives them)
+        scale_C1.fill_(1.0)
+        return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
+    if cols == 0:
+        return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
+    block_r, block_c, warps = COLUMN_TILE
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    partial = torch.empty(grid[0], cols, device=device, dtype=torch.float32)
+    _column_amax_partials[grid](x_RC, partial, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c)
+    amax_C = partial.amax(dim=0)
+    fused = x_RC.dtype != torch.float32  # see the module docstring
+    target = q_CR if fused else torch.empty(rows, cols, device=device, dtype=fmt.dtype)
+    arguments = {
+        k: v for k, v in cast_arguments(fmt).items() if k not in ("saturation", "half_subnormal")
+    }
+    _quantize_columns[grid](
+        x_RC,
+        target,
+        amax_C,
+        scale_C1,
+        rows,
+        cols,
+        min_scale=MIN_SCALE,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        TRANSPOSE=fused,
+        num_warps=warps,
+        **arguments,
+    )
+    if not fused:
+        q_CR.copy_(target.t())  # FP8 tensors support no arithmetic; a transpose is a copy
+    return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
