@@ -13,10 +13,11 @@ Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tenso
 delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` in ``--recipes``
 trains that recipe with another seed (other initial weights and batch order), in
 ``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
-alone, the yardstick for the FP8 differences, and an FP8 ``<recipe>@<seed>`` is compared with
-``none@<seed>`` when that run is there (the same weights and batches), else with ``none``. A run
-may end in ``+key=value`` Hydra overrides of its own (``tensorwise+fp8.output_head=true``; folder
-``tensorwise+fp8.output_head-true``). Seed and override runs are reported but not judged; the
+alone, the yardstick for the FP8 differences. A run may end in ``+key=value`` Hydra overrides of
+its own (``tensorwise+fp8.output_head=true``; folder ``tensorwise__fp8.output_head-true``). An FP8
+run is compared with the bf16 run of the same seed and the same non-``fp8.`` overrides when that
+run is there (``delayed@5678`` with ``none@5678``, ``tensorwise+fp8.output_head=true+model.vocab_size=32768``
+with ``none+model.vocab_size=32768``), else with ``none``. Seed and override runs are reported but not judged; the
 ``paired`` table averages each FP8 configuration's difference from bf16 over the seeds that
 have a same-seed bf16 run. Each run is ``python -m mt_train ...`` in its own
 subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
@@ -153,17 +154,19 @@ def run_folder(out: Path, spec: str) -> Path:
     base, *extra = spec.split("+")
     recipe, _, seed = base.partition("@")
     name = f"{recipe}_seed{seed}" if seed else recipe
-    return out / "+".join([name, *(re.sub(r"[^A-Za-z0-9_.-]", "-", e) for e in extra)])
+    return out / "__".join([name, *(re.sub(r"[^A-Za-z0-9_.-]", "-", e) for e in extra)])
 
 
 def reference_of(spec: str, specs: list[str]) -> str:
-    """The bf16 run ``spec`` is compared with: ``none@<seed>`` for an FP8 run at that seed when
-    it was run, else ``none`` (also for ``none@<seed>`` itself: the seed-noise yardstick)."""
-    base = spec.split("+")[0]
-    recipe, _, seed = base.partition("@")
-    same_seed = f"{REFERENCE}@{seed}"
-    if recipe != REFERENCE and seed and same_seed in specs:
-        return same_seed
+    """The bf16 run ``spec`` is compared with: the ``none`` run at the same seed with the same
+    non-FP8 overrides (``none@5678``, ``none+model.vocab_size=32768``) when it was run, else
+    ``none`` (also for a bf16 run itself: ``none@5678`` against ``none`` is the seed-noise
+    yardstick)."""
+    recipe, seed, extra = split_spec(spec, 0)
+    base = f"{REFERENCE}@{seed}" if "@" in spec.split("+")[0] else REFERENCE
+    same = "+".join([base, *(e for e in extra if not e.startswith("fp8."))])
+    if recipe != REFERENCE and same in specs:
+        return same
     return REFERENCE
 
 
@@ -452,8 +455,10 @@ def paired(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str
         recipe, seed, extra = split_spec(spec, args.seed)
         if recipe == REFERENCE or entry["vs_bf16_pct"] is None:
             continue
-        if entry["reference"] != (f"{REFERENCE}@{seed}" if "@" in spec else REFERENCE):
-            continue  # compared across seeds: not a pair
+        if entry["reference"] == REFERENCE and (
+            "@" in spec or any(not e.startswith("fp8.") for e in extra)
+        ):
+            continue  # compared across seeds or settings: not a pair
         groups.setdefault("+".join([recipe, *extra]), {})[seed] = entry["vs_bf16_pct"]
     return {
         name: {
@@ -484,9 +489,10 @@ def table(result: dict[str, Any]) -> str:
     for recipe, e in result["runs"].items():
         base, *extra = recipe.split("+")
         base, _, seed = base.partition("@")
-        name = "+".join([base, *extra])
+        name = base
         if base == REFERENCE:  # fp8=none trains in the trainer's precision: fp32 on a CPU
             name = "fp32" if " fp32" in (e["trainer"] or "") else "bf16"
+        name = "+".join([name, *extra])
         if seed or extra:
             name += f" (seed {seed or result['settings']['seed']}; not judged)"
         loss = "—" if e["final_val_loss"] is None else f"{e['final_val_loss']:.4f}"
