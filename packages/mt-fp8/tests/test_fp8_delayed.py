@@ -1,4 +1,5 @@
-"""Delayed scaling: amax history update, state-dict round trip, amax reduction over 2 gloo ranks."""
+"""Delayed scaling: amax history update, current scales until the first update, state-dict round
+trip, amax reduction over 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from mt_fp8 import (
     FP8Format,
     FP8Linear,
     TensorRole,
+    TensorwiseScaling,
     fp8_autocast,
     scale_from_amax,
     update_fp8_scales,
@@ -69,6 +71,48 @@ def test_history_and_scales_round_trip_through_state_dict():
     assert torch.equal(restored.fp8_meta.scale, layer.fp8_meta.scale)
     x = torch.randn(16, 64)
     assert torch.equal(restored(x), layer(x))
+
+
+def test_first_step_quantizes_with_current_scales():
+    # Before any update the scales are the initial 1s: E5M2 with s = 1 flushes every gradient
+    # below 2^-16 to zero, and a first step's output gradients (about 1/tokens) mostly are.
+    # Until its first update a delayed layer therefore scales as tensorwise does, bit for bit.
+    torch.manual_seed(0)
+    delayed = FP8Linear(64, 32, recipe=DelayedScaling(amax_history_len=4), bias=False)
+    current = FP8Linear(64, 32, recipe=TensorwiseScaling(), bias=False)
+    current.load_state_dict({"weight": delayed.weight.detach().clone()}, strict=False)
+    x = torch.randn(16, 64)
+    dy = torch.randn(16, 32) * 1e-7  # every value below E5M2's smallest subnormal at s = 1
+    grads = []
+    for layer in (delayed, current):
+        x_in = x.clone().requires_grad_()
+        y = layer(x_in)
+        y.backward(dy)
+        grads.append((y.detach(), x_in.grad, layer.weight.grad))
+    assert not delayed.fp8_meta.scales_ready
+    for got, want in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(got, want)
+    x_grad = grads[0][1]
+    reference = dy.double() @ delayed.weight.detach().double()
+    # E5M2 dy (2 mantissa bits: relative rounding <= 2^-3) times E4M3 w (<= 2^-4), summed
+    # over 32 outputs: the error stays well inside 0.25 of the reference's largest value,
+    # while the flushed gradient of s = 1 would be zero (error 1.0).
+    assert (x_grad.double() - reference).abs().max() <= 0.25 * reference.abs().max()
+    update_fp8_scales(delayed, delayed.recipe)
+    assert delayed.fp8_meta.scales_ready  # from now on the history's scales
+
+
+def test_loading_recorded_history_uses_its_scales():
+    recipe = DelayedScaling(amax_history_len=4)
+    trained = FP8Linear(64, 32, recipe=recipe)
+    step(trained, torch.randn(16, 64), torch.randn(16, 32))
+    update_fp8_scales(trained, recipe)
+    fresh = FP8Linear(64, 32, recipe=recipe)
+    restored = FP8Linear(64, 32, recipe=recipe)
+    restored.load_state_dict(trained.state_dict())
+    assert restored.fp8_meta.scales_ready
+    restored.load_state_dict(fresh.state_dict())  # an untouched history: nothing recorded yet
+    assert not restored.fp8_meta.scales_ready
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:

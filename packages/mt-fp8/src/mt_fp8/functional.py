@@ -133,6 +133,13 @@ class LinearPlan:
             return None
         return self.amax_group
 
+    def delayed_scale(self, role: TensorRole) -> torch.Tensor | None:
+        """The delayed-scaling scale of ``role``, or None for current scaling: other recipes,
+        and delayed scaling before its first update (:mod:`mt_fp8.state`)."""
+        if isinstance(self.recipe, DelayedScaling) and self.meta.scales_ready:
+            return self.meta.scale[int(role)]
+        return None
+
     def quantize(
         self, x_RC: torch.Tensor, role: TensorRole, record: bool, transposed: bool = False
     ) -> QuantizedTensor:
@@ -142,7 +149,7 @@ class LinearPlan:
         1×128 kernel writes it in the same pass (module docstring).
         """
         delayed = isinstance(self.recipe, DelayedScaling)
-        scale = self.meta.scale[int(role)] if delayed else None
+        scale = self.delayed_scale(role)
         stats = self.meta.health[int(role)] if (record and self.track_health) else None
         fmt = self.recipe.formats.for_role(role)
         layout = self.recipe.layout(role)
@@ -226,8 +233,7 @@ class LinearPlan:
         x_CR = x_RC.t()
         if role is not TensorRole.WEIGHT:
             x_CR = _pad_columns(x_CR, self.row_multiple())
-        scale = self.meta.scale[int(role)] if isinstance(self.recipe, DelayedScaling) else None
-        return quantize(x_CR, fmt, layout, scale=scale)
+        return quantize(x_CR, fmt, layout, scale=self.delayed_scale(role))
 
     @staticmethod
     def _fused_rowwise(x_RC: torch.Tensor, layout: ScaleLayout) -> bool:

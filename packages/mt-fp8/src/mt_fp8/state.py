@@ -18,8 +18,18 @@ the caller's process group (one all-reduce for all modules; NaN travels as ``+in
 (``most_recent``), then rolls the history by one and clears row 0. Non-finite history entries
 (a step whose tensor held ``inf`` or NaN) are ignored: they carry no usable range, and one of
 them would otherwise make the scale infinite, i.e. every later value quantize to zero for the
-whole window. Where no finite nonzero amax is left, the old scale is kept. Initial scales are 1,
-so the first step saturates values above ``fmt.max``.
+whole window. Where no finite nonzero amax is left, the old scale is kept.
+
+Until the first update (``scales_ready`` false: a new layer, or one whose history was reset),
+the layer quantizes with *current* scales, ``s = max|x| / fmt.max`` of each tensor now, and
+records the amaxes as usual, so the first update starts from real ranges. Without this the
+initial scales of 1 would saturate every value above ``fmt.max`` and, worse, flush to zero
+every gradient below E5M2's smallest subnormal (2^-16): a first step's output gradients
+(about ``1/tokens``) mostly are. float8_experimental, torchao's predecessor, initialised its
+delayed scales from the first tensors the same way. ``update_fp8_scales`` sets
+``scales_ready``; ``load_state_dict`` sets it when the loaded history holds a recorded amax,
+and code that copies the buffers in directly (mt-train's checkpoint loader) calls
+:meth:`FP8Meta.after_load` for the same.
 
 Health (always): ``health`` ``(3, 3)`` int64, not persistent: per role the counts of values
 clipped at the format maximum, nonzero values flushed to zero, and all values, accumulated on the
@@ -27,6 +37,8 @@ device without a sync; :func:`fp8_health` reads them as fractions.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +64,9 @@ class FP8Meta(nn.Module):
         self.amax_group: dist.ProcessGroup | None = None
         """The amax-reduction group of the last ``fp8_autocast`` this module ran under."""
         self.history_len = 0
+        self.scales_ready = False
+        """Whether ``scale`` holds scales from recorded amaxes (module docstring); until then
+        the layer uses current scaling."""
         self.ensure_delayed(recipe)
 
     def ensure_delayed(self, recipe: Recipe) -> None:
@@ -63,7 +78,22 @@ class FP8Meta(nn.Module):
         self.register_buffer("amax_history", history)
         self.register_buffer("scale", torch.ones(3, device=device))
         self.history_len = recipe.amax_history_len
+        self.scales_ready = False
         self.scale_version += 1
+
+    def after_load(self) -> None:
+        """After the buffers were overwritten: cached FP8 weights are stale, and the loaded
+        scales are used if the loaded history holds a recorded amax (one host sync)."""
+        self.scale_version += 1
+        if self.has_delayed_state:
+            history = self.amax_history
+            self.scales_ready = bool((torch.isfinite(history) & (history > 0)).any())
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.after_load()
 
     @property
     def has_delayed_state(self) -> bool:
@@ -152,6 +182,7 @@ def update_fp8_scales(
     torch._foreach_copy_(targets, results)
     for meta in metas:
         meta.scale_version += 1
+        meta.scales_ready = True
 
 
 def fp8_health(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:

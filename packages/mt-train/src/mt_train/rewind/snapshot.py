@@ -52,9 +52,10 @@ def restore(host: dict[str, torch.Tensor], module: nn.Module, optimizer: Any, de
 
 
 def after_load(module: nn.Module) -> None:
-    """FP8 layers requantize cached weights with the restored scales; health starts afresh."""
+    """FP8 layers requantize cached weights with the restored scales (and delayed scaling
+    uses them once they come from recorded amaxes); health starts afresh."""
     for _, meta in mt_fp8.state.fp8_metas(module):
-        meta.scale_version += 1
+        meta.after_load()
     mt_fp8.reset_fp8_health(module)
 
 
