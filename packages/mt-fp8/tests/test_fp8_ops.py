@@ -231,6 +231,41 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "write_tile, amax_tile",
+    [((32, 128, 4), (128, 32, 2)), ((128, 16, 8), (16, 256, 4))],
+    ids=["wide_write", "tall_write"],
+)
+def test_quantize_transpose_amax_other_tiles(device, dtype, write_tile, amax_tile, monkeypatch):
+    # benchmarks/quantize_transpose.py --sweep times other tiles than the shipped 64 × 64; each
+    # must give the same bytes, scales, amax and health counts, with different tile counts in
+    # the two launches (so per-launch partials and tickets) and non-square transposed tiles.
+    if not triton_runs_on(device):
+        pytest.skip("the tiles are settings of the Triton kernels")
+    from mt_fp8.kernels import quantize as kernels
+
+    monkeypatch.setattr(kernels, "WRITE_TILE", write_tile)
+    monkeypatch.setattr(kernels, "AMAX_TILE", amax_tile)
+    generator = torch.Generator().manual_seed(2)
+    for shape in [(96, 160), (200, 48), (256, 256)]:
+        x = (torch.randn(shape, generator=generator) * 7).to(device, dtype)
+        for scale in (None, torch.tensor(0.01, device=device)):
+            stats = torch.zeros(3, dtype=torch.int64, device=device)
+            q, q_t, amax = quantize_transpose_amax(x, FP8Format.E4M3, scale=scale, stats=stats)
+            reference_stats = torch.zeros(3, dtype=torch.int64, device=device)
+            reference = quantize(x, FP8Format.E4M3, scale=scale, stats=reference_stats)
+            assert amax.item() == x.abs().max().item(), (shape, scale)
+            assert torch.equal(q.scale, reference.scale), (shape, scale)
+            assert stats.tolist() == reference_stats.tolist(), (shape, scale)
+            assert not byte_mismatches(q.data, reference.data)
+            assert not byte_mismatches(q_t.data, reference.data.t().contiguous())
+    monkeypatch.setattr(kernels, "WRITE_TILE", (48, 64, 4))
+    with pytest.raises(ValueError, match=r"WRITE_TILE=\(48, 64, 4\).*powers of two"):
+        quantize_transpose_amax(x, FP8Format.E4M3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("group", [None, 4], ids=["group_default", "group4"])
 def test_quantize_transpose_amax_back_to_back_sizes(device, group, monkeypatch):
     # The Triton kernels fold their per-tile partials in each launch's last programs, found with

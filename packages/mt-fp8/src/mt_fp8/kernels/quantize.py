@@ -1,6 +1,7 @@
 """Triton quantize + transpose + amax (contract in :mod:`mt_fp8.ops.quantize_transpose`).
 
-Each program loads one ``TILE × TILE`` tile of ``x``, scales, clamps and casts it, stores it to
+Each program loads one ``TILE_R × TILE_C`` tile of ``x`` (``WRITE_TILE``, or ``AMAX_TILE`` for
+the amax-only launch below; 64 × 64 with 4 warps both), scales, clamps and casts it, stores it to
 ``q`` and (bf16 inputs) its transpose (``tl.trans`` of the tile, stored row-major) to ``qᵀ``, and
 writes the tile's amax (and int32 health counts: saturated, flushed) to its own slot of a
 per-tile partials buffer. The launch's last programs fold the partials (below):
@@ -105,7 +106,12 @@ import triton.language as tl
 from mt_fp8.formats import FP8Format
 from mt_fp8.quantized import MIN_SCALE, reduce_amax_, scale_from_amax
 
-TILE = 64
+WRITE_TILE = (64, 64, 4)
+"""(rows, columns, warps) of a program of the launch that writes ``q`` and ``qᵀ``."""
+AMAX_TILE = (64, 64, 4)
+"""(rows, columns, warps) of a program of the amax-only launch (current scaling). Both are
+module constants so that ``benchmarks/quantize_transpose.py --sweep`` can time others; rows and
+columns must be powers of two (``tl.arange``)."""
 GROUP = 256
 """Tiles whose partials one program folds into a group partial (module docstring: the fold)."""
 COUNTER_STRIDE = 32
@@ -257,14 +263,15 @@ def _quantize_transpose(
     MANTISSA: tl.constexpr,
     BIAS: tl.constexpr,
     SOFTWARE_CAST: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
     GROUP: tl.constexpr,
     COUNTER_STRIDE: tl.constexpr,
 ):
     tiles = tl.num_programs(0) * tl.num_programs(1)
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
+    cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -272,10 +279,12 @@ def _quantize_transpose(
         magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
         tl.store(amax_partial_ptr + tile, tl.max(tl.max(magnitude_x, axis=1), axis=0))
     if WRITE:
-        inverse_scale = tl.broadcast_to(_reciprocal(tl.load(scale_ptr), EXACT_DIV), (TILE, TILE))
+        inverse_scale = tl.broadcast_to(
+            _reciprocal(tl.load(scale_ptr), EXACT_DIV), (TILE_R, TILE_C)
+        )
         scaled = _mul_rn(x, inverse_scale, EXACT_DIV)
         if STATS:
-            # int32 tile counts (at most TILE² each); masked-out elements are 0 and count as
+            # int32 tile counts (at most TILE_R·TILE_C each); masked-out elements are 0 and count as
             # neither. The element count is the caller's (rows · cols).
             magnitude = tl.abs(scaled)
             saturated = tl.sum(tl.sum((magnitude >= saturation).to(tl.int32), axis=1), axis=0)
@@ -326,7 +335,7 @@ def _quantize_transpose(
                 )
                 tl.store(amax_partial_ptr + tiles + group, tl.max(part, axis=0))
             if STATS:
-                # At most GROUP · TILE² per count (2^20): int32 holds it.
+                # At most GROUP · TILE_R · TILE_C per count (2^20 at 64 × 64): int32 holds it.
                 block = tl.load(
                     stats_partial_ptr + 2 * members[:, None] + pair[None, :],
                     mask=(members < tiles)[:, None],
@@ -406,11 +415,11 @@ def quantize_transpose_amax_triton(
     x_RC = x_RC.contiguous()
     device = x_RC.device
     rows, cols = x_RC.shape
-    # At least one program: an empty x then has one fully masked tile, whose amax is 0.
-    grid = (max(triton.cdiv(rows, TILE), 1), max(triton.cdiv(cols, TILE), 1))
-    tiles = grid[0] * grid[1]
+    _check_tiles()
+    write_grid, amax_grid = _grid(rows, cols, WRITE_TILE), _grid(rows, cols, AMAX_TILE)
+    tiles = max(write_grid[0] * write_grid[1], amax_grid[0] * amax_grid[1])
     groups = triton.cdiv(tiles, GROUP)
-    # Per-tile partials, then per-group partials.
+    # Per-tile partials, then per-group partials (sized for the launch with more tiles).
     amax_partial = torch.empty(tiles + groups, device=device, dtype=torch.float32)
     stats_partial = (
         torch.empty(tiles + groups, 2, device=device, dtype=torch.int32)
@@ -431,7 +440,6 @@ def quantize_transpose_amax_triton(
         C=cols,
         numel=rows * cols,
         min_scale=MIN_SCALE,
-        TILE=TILE,
         GROUP=GROUP,
         COUNTER_STRIDE=COUNTER_STRIDE,
         # See the NOTE in the module docstring: only bf16 tiles were seen transposed right as FP8.
@@ -442,7 +450,7 @@ def quantize_transpose_amax_triton(
     reduced = scale is None and amax_group is not None
     scale_11 = None if reduced else torch.empty(1, 1, device=device, dtype=torch.float32)
     if scale is None:
-        _quantize_transpose[grid](
+        _quantize_transpose[amax_grid](
             x_RC,
             q_RC,
             q_CR,
@@ -453,12 +461,15 @@ def quantize_transpose_amax_triton(
             AMAX=True,
             STATS=False,
             SCALE_OUT=not reduced,
+            TILE_R=AMAX_TILE[0],
+            TILE_C=AMAX_TILE[1],
+            num_warps=AMAX_TILE[2],
             **common,
         )
         if reduced:
             reduce_amax_(amax, amax_group)
             scale_11 = scale_from_amax(amax, fmt).reshape(1, 1)
-    _quantize_transpose[grid](
+    _quantize_transpose[write_grid](
         x_RC,
         q_RC,
         q_CR,
@@ -469,6 +480,24 @@ def quantize_transpose_amax_triton(
         AMAX=scale is not None,  # with a computed scale the first launch already has the amax
         STATS=stats is not None,
         SCALE_OUT=scale is not None,
+        TILE_R=WRITE_TILE[0],
+        TILE_C=WRITE_TILE[1],
+        num_warps=WRITE_TILE[2],
         **common,
     )
     return q_RC, q_CR, scale_11, amax
+
+
+def _grid(rows: int, cols: int, tile: tuple[int, int, int]) -> tuple[int, int]:
+    """Programs along rows and columns; at least one, so an empty ``x`` has one fully masked
+    tile, whose amax is 0."""
+    return max(triton.cdiv(rows, tile[0]), 1), max(triton.cdiv(cols, tile[1]), 1)
+
+
+def _check_tiles() -> None:
+    for name, (tile_r, tile_c, warps) in (("WRITE_TILE", WRITE_TILE), ("AMAX_TILE", AMAX_TILE)):
+        if not all(v > 0 and v & (v - 1) == 0 for v in (tile_r, tile_c, warps)):
+            raise ValueError(
+                f"quantize.{name}={(tile_r, tile_c, warps)}: rows, columns and warps must be "
+                "powers of two"
+            )
