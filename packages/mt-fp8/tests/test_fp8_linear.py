@@ -34,6 +34,7 @@ from mt_fp8 import (
     fp8_autocast,
     fp8_health,
     reset_fp8_health,
+    tie_input_scales,
     update_fp8_scales,
 )
 
@@ -182,7 +183,7 @@ def test_weight_cache_can_be_turned_off():
 def test_layers_reading_one_input_share_its_quantization(recipe):
     """q/k/v-style layers on one tensor: outputs, every gradient and the health counts equal
     those of layers fed separate copies, and (current scaling) the FP8 ``xᵀ`` they save for
-    backward is one tensor; delayed scaling (per-layer scales) never shares."""
+    backward is one tensor; delayed scaling with per-layer scales (untied) never shares."""
     torch.manual_seed(0)
     layers = [FP8Linear(K, N, recipe=recipe) for _ in range(3)]
     twins = [FP8Linear(K, N, recipe=recipe) for _ in range(3)]
@@ -207,6 +208,63 @@ def test_layers_reading_one_input_share_its_quantization(recipe):
     fp8_input_t = [t for t in saved if t.dtype == torch.float8_e4m3fn and t.shape[1] != N]
     distinct = {t.data_ptr() for t in fp8_input_t}
     assert len(distinct) == (3 if isinstance(recipe, DelayedScaling) else 1)
+
+
+def test_tied_delayed_input_scales_quantize_the_shared_input_once(monkeypatch):
+    """Delayed scaling with tied INPUT scales (mt_fp8.state): q/k/v-style layers quantize their
+    common input once per forward and give the same bits as untied layers fed separate copies,
+    also on later steps whose scales come from the amax history (the input grows each step, so
+    the history's scale differs from the current one)."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling()
+    layers = nn.ModuleList(FP8Linear(K, N, recipe=recipe) for _ in range(3))
+    twins = nn.ModuleList(FP8Linear(K, N, recipe=recipe) for _ in range(3))
+    twins.load_state_dict(layers.state_dict())
+    tie_input_scales([layer.fp8_meta for layer in layers])
+    assert all(layer.fp8_meta.input_meta is layers[0].fp8_meta for layer in layers)
+    input_calls: list[object] = []
+    quantize = LinearPlan.quantize
+
+    def counting_quantize(plan, x, role, record, transposed=False):
+        if role is TensorRole.INPUT:
+            input_calls.append(plan.meta)
+        return quantize(plan, x, role, record, transposed)
+
+    monkeypatch.setattr(LinearPlan, "quantize", counting_quantize)
+    for step in range(3):
+        x = (torch.randn(M, K) * (1 + step)).requires_grad_()
+        x_copies = [x.detach().clone().requires_grad_() for _ in range(3)]
+        input_calls.clear()
+        outputs = [layer(x) for layer in layers]
+        assert len(input_calls) == 1
+        sum(out.square().sum() for out in outputs).backward()
+        twin_outputs = [twin(xc) for twin, xc in zip(twins, x_copies, strict=True)]
+        sum(out.square().sum() for out in twin_outputs).backward()
+        for layer, twin, out, twin_out in zip(layers, twins, outputs, twin_outputs, strict=True):
+            assert torch.equal(out, twin_out)
+            assert torch.equal(layer.weight.grad, twin.weight.grad)
+        # The same three fp32 terms, possibly added in another order (fp32 rounding).
+        torch.testing.assert_close(x.grad, sum(xc.grad for xc in x_copies), rtol=1e-6, atol=1e-6)
+        update_fp8_scales(layers, recipe)
+        update_fp8_scales(twins, recipe)
+    owner = layers[0].fp8_meta
+    assert torch.equal(owner.scale, twins[0].fp8_meta.scale)
+    assert all(torch.equal(owner.scale[0], twin.fp8_meta.scale[0]) for twin in twins)
+    # The other layers keep their own WEIGHT and GRAD_OUTPUT state and leave INPUT's unused.
+    for layer, twin in zip(layers[1:], twins[1:], strict=True):
+        assert torch.equal(layer.fp8_meta.scale[1:], twin.fp8_meta.scale[1:])
+        assert not layer.fp8_meta.amax_history[:, int(TensorRole.INPUT)].any()
+
+
+def test_tie_input_scales_rejects_mismatched_metas():
+    short = FP8Linear(K, N, recipe=DelayedScaling(amax_history_len=4)).fp8_meta
+    long = FP8Linear(K, N, recipe=DelayedScaling(amax_history_len=16)).fp8_meta
+    with pytest.raises(ValueError, match=r"amax history lengths differ \(16 and 4\)"):
+        tie_input_scales([short, long])
+    other = FP8Linear(K, N, recipe=DelayedScaling(amax_history_len=4)).fp8_meta
+    tie_input_scales([short, other])
+    with pytest.raises(ValueError, match="tied to another meta already"):
+        tie_input_scales([other, short])
 
 
 def test_autocast_bf16_and_bf16_parameters():

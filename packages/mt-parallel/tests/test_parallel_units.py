@@ -128,6 +128,39 @@ def test_recompute_changes_no_gradient_bit(
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
+def test_apply_fp8_ties_the_input_scales_of_layers_reading_one_input() -> None:
+    """q/k/v and gate/up share one delayed INPUT scale after ``apply_fp8``; training with the
+    tie gives the same bits as layers with scales of their own (equal inputs, equal amaxes)."""
+    from mt_fp8 import DelayedScaling, update_fp8_scales
+
+    recipe = DelayedScaling(amax_history_len=4)
+    tied, untied = _tiny_lm(), _tiny_lm()
+    mp.apply_fp8(tied, recipe, skip=("lm_head",))
+    for name, module in untied.named_modules():
+        if hasattr(module, "enable_fp8") and "lm_head" not in name:
+            module.enable_fp8(recipe)
+    attention, mlp = tied.layers[0].attention, tied.layers[0].mlp
+    assert attention.k_proj.fp8_meta.input_meta is attention.q_proj.fp8_meta
+    assert attention.v_proj.fp8_meta.input_meta is attention.q_proj.fp8_meta
+    assert mlp.up_proj.fp8_meta.input_meta is mlp.gate_proj.fp8_meta
+    assert attention.o_proj.fp8_meta.input_meta is attention.o_proj.fp8_meta
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 17), generator=generator)
+        losses = []
+        for model in (tied, untied):
+            model.zero_grad()
+            loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            losses.append(loss)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param -= 0.5 * param.grad
+            update_fp8_scales(model, recipe)
+        assert torch.equal(*losses)
+    assert all(torch.equal(a, b) for a, b in zip(tied.parameters(), untied.parameters(), strict=True))
+
+
 def test_vocab_parallel_ce_equals_torch_on_one_rank() -> None:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, dtype=torch.float64, generator=generator, requires_grad=True)

@@ -26,7 +26,13 @@ from mt_fp8.recipes import (
     TensorwiseScaling,
     recipe_from_name,
 )
-from mt_fp8.state import FP8Meta, fp8_health, reset_fp8_health, update_fp8_scales
+from mt_fp8.state import (
+    FP8Meta,
+    fp8_health,
+    reset_fp8_health,
+    tie_input_scales,
+    update_fp8_scales,
+)
 
 __version__ = "0.1.0"
 
@@ -66,5 +72,6 @@ __all__ = [
     "recipe_from_name",
     "reset_fp8_health",
     "scale_from_amax",
+    "tie_input_scales",
     "update_fp8_scales",
 ]

@@ -45,8 +45,9 @@ group, so the last input's FP8 operands (``x`` and ``xᵀ``) are kept, keyed lik
 (same owner tensor by weak reference, storage pointer, shape, strides, dtype and ``_version``, plus
 recipe, amax group and whether ``xᵀ`` is needed), and reused on a match; the layers then also
 save the same FP8 ``xᵀ`` for backward. Health counts are added to each layer's own counters as
-if it had quantized ``x`` itself. Delayed scaling (per-layer scales) and compiled graphs always
-quantize.
+if it had quantized ``x`` itself. Delayed scaling shares only between layers whose INPUT scales
+are tied (:func:`mt_fp8.state.tie_input_scales`; the key then also holds the owning meta and its
+``scale_version``): untied layers have scales of their own. Compiled graphs always quantize.
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
 
@@ -136,8 +137,9 @@ class LinearPlan:
     def delayed_scale(self, role: TensorRole) -> torch.Tensor | None:
         """The delayed-scaling scale of ``role``, or None for current scaling: other recipes,
         and delayed scaling before its first update (:mod:`mt_fp8.state`)."""
-        if isinstance(self.recipe, DelayedScaling) and self.meta.scales_ready:
-            return self.meta.scale[int(role)]
+        meta = self.meta.meta_for(role)
+        if isinstance(self.recipe, DelayedScaling) and meta.scales_ready:
+            return meta.scale[int(role)]
         return None
 
     def quantize(
@@ -171,7 +173,7 @@ class LinearPlan:
                 x_RC, fmt, scale=scale, stats=stats, amax_group=group
             )
             if delayed and record:
-                self.meta.record_amax_value(amax, role)
+                self.meta.meta_for(role).record_amax_value(amax, role)
             q_RC.transposed = q_CR
             return q_RC
         if self._fused_rowwise(x_RC, layout):
@@ -179,15 +181,20 @@ class LinearPlan:
 
             return quantize_rows(x_RC, fmt, stats)
         if delayed and record:
-            self.meta.record_amax(x_RC, role)
+            self.meta.meta_for(role).record_amax(x_RC, role)
         return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
 
     def quantize_input(self, x_MK: torch.Tensor, transposed: bool) -> QuantizedTensor:
         """The INPUT operand, reused from the previous layer when it read the same tensor
         (module docstring: shared input quantization)."""
         role = TensorRole.INPUT
-        if isinstance(self.recipe, DelayedScaling) or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return self.quantize(x_MK, role, record=True, transposed=transposed)
+        scales: tuple[int, int, bool] | None = None
+        if isinstance(self.recipe, DelayedScaling):
+            # Layers share a delayed-scaling operand only through one INPUT meta (tied scales).
+            scale_meta = self.meta.input_meta
+            scales = (id(scale_meta), scale_meta.scale_version, scale_meta.scales_ready)
         owner = x_MK._base if x_MK._base is not None else x_MK
         key = (
             x_MK.data_ptr(),
@@ -199,6 +206,7 @@ class LinearPlan:
             self.recipe,
             self.reduction_group(role),
             transposed,
+            scales,
         )
         health = self.meta.health[int(role)] if self.track_health else None
         cached = _last_input.get("entry")

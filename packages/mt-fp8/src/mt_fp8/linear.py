@@ -90,6 +90,7 @@ class _FP8LayerMixin:
         if state is not None and state.amax_group is not None:
             self.fp8_meta.amax_group = state.amax_group
         self.fp8_meta.ensure_delayed(recipe)
+        self.fp8_meta.input_meta.ensure_delayed(recipe)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)

@@ -31,6 +31,14 @@ delayed scales from the first tensors the same way. ``update_fp8_scales`` sets
 and code that copies the buffers in directly (mt-train's checkpoint loader) calls
 :meth:`FP8Meta.after_load` for the same.
 
+Tied input scales (:func:`tie_input_scales`): layers that read the same tensor (q/k/v of one
+normalised input, gate/up of the MLP) record equal INPUT amaxes and so would compute equal
+INPUT scales, but a layer cannot know that without a host sync. Tying makes it structural: the
+tied layers' INPUT role uses the first layer's history and scale (``FP8Meta.input_meta``), so
+they quantize the shared input once (:mod:`mt_fp8.functional`, shared input quantization), as a
+fused QKV or gate/up layer would. The INPUT column of the other layers' history stays zero and
+their own INPUT scale unused; their WEIGHT and GRAD_OUTPUT roles keep their own state.
+
 Health (always): ``health`` ``(3, 3)`` int64, not persistent: per role the counts of values
 clipped at the format maximum, nonzero values flushed to zero, and all values, accumulated on the
 device without a sync; :func:`fp8_health` reads them as fractions.
@@ -38,6 +46,7 @@ device without a sync; :func:`fp8_health` reads them as fractions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,6 +73,9 @@ class FP8Meta(nn.Module):
         self.amax_group: dist.ProcessGroup | None = None
         """The amax-reduction group of the last ``fp8_autocast`` this module ran under."""
         self.history_len = 0
+        self._input_meta: tuple[FP8Meta, ...] = ()
+        """The meta whose INPUT scale this one uses (:func:`tie_input_scales`); a tuple so that
+        ``nn.Module`` does not register it as a submodule."""
         self.scales_ready = False
         """Whether ``scale`` holds scales from recorded amaxes (module docstring); until then
         the layer uses current scaling."""
@@ -96,6 +108,15 @@ class FP8Meta(nn.Module):
         self.after_load()
 
     @property
+    def input_meta(self) -> FP8Meta:
+        """The meta holding this layer's INPUT history and scale: itself unless tied."""
+        return self._input_meta[0] if self._input_meta else self
+
+    def meta_for(self, role: TensorRole) -> FP8Meta:
+        """The meta holding ``role``'s delayed-scaling history and scale."""
+        return self.input_meta if role is TensorRole.INPUT else self
+
+    @property
     def has_delayed_state(self) -> bool:
         return self.history_len > 0
 
@@ -110,6 +131,27 @@ class FP8Meta(nn.Module):
 
     def extra_repr(self) -> str:
         return f"amax_history_len={self.history_len}" if self.has_delayed_state else ""
+
+
+def tie_input_scales(metas: Sequence[FP8Meta]) -> None:
+    """Make every meta of ``metas`` use the first one's INPUT history and scale (module
+    docstring). Only for layers that always read the same input tensor; the first meta must
+    not itself be tied to another one."""
+    if not metas:
+        return
+    owner = metas[0]
+    if owner._input_meta:
+        raise ValueError("the first meta of tie_input_scales is tied to another meta already")
+    for meta in metas[1:]:
+        if meta is owner:
+            continue
+        if meta.history_len != owner.history_len:
+            raise ValueError(
+                f"tie_input_scales: amax history lengths differ ({meta.history_len} and "
+                f"{owner.history_len}); tie layers that run the same recipe"
+            )
+        meta._input_meta = (owner,)
+        meta.scale_version += 1
 
 
 def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:

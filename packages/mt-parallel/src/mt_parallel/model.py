@@ -180,6 +180,11 @@ class Attention(nn.Module):
         )
         self.core = CoreAttention(dropout)
 
+    def shared_input_linears(self) -> tuple[ColumnParallelLinear, ...]:
+        """The projections that read one normalised input (:func:`mt_parallel.apply_fp8`
+        ties their FP8 input scales)."""
+        return (self.q_proj, self.k_proj, self.v_proj)
+
     def check_tp(self, tp: int) -> None:
         """Raise unless ``tp`` divides the query and the key/value heads."""
         for name, value in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads)):
@@ -236,6 +241,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(
             ffn_dim, dim, bias=False, init_std=scaled_init_std(init_std, num_layers)
         )
+
+    def shared_input_linears(self) -> tuple[ColumnParallelLinear, ...]:
+        """The projections that read one normalised input (see :class:`Attention`)."""
+        return (self.gate_proj, self.up_proj)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         m_BSD = self.gate_proj.prepare_input(x_BTD)

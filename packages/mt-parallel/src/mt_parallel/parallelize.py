@@ -14,6 +14,9 @@ Order (each step assumes the previous ones; none edits model code):
    comes after TP so the FP8 layers see the local shard shapes, and records the TP group as the
    amax-reduction group of each layer: delayed scaling agrees on one scale per layer at the
    update, current tensorwise scaling reduces the amax of each sharded tensor as it quantizes.
+   The FP8 layers a module lists in ``shared_input_linears()`` (q/k/v, gate/up) get tied
+   input scales (``mt_fp8.tie_input_scales``), so delayed scaling quantizes their common input
+   once per forward, as current scaling already does.
 4. **Recompute** (:func:`mt_parallel.apply_recompute`): wraps whole blocks or their parts, so it
    sees the final (TP, FP8) modules it recomputes.
 5. **Compile**: ``module.compile()`` on each block in place (after recompute, so the checkpoint
@@ -83,13 +86,20 @@ def apply_fp8(
 
     ``recipe`` is an ``mt_fp8`` recipe (default: mt-fp8's default); ``amax_group`` (usually
     the TP group) is where ``mt_fp8.update_fp8_scales`` MAX-reduces delayed-scaling amaxes and
-    current tensorwise scaling the amaxes of each layer's ``fp8_sharded_roles``.
+    current tensorwise scaling the amaxes of each layer's ``fp8_sharded_roles``. The FP8
+    layers of each module's ``shared_input_linears()`` get tied input scales (module docstring).
     """
+    from mt_fp8 import tie_input_scales
+
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
             module.enable_fp8(recipe, **fp8_kwargs)
             if amax_group is not None and group_size(amax_group) > 1:
                 module.fp8_meta.amax_group = amax_group
+    for module in model.modules():
+        if hasattr(module, "shared_input_linears"):
+            readers = [linear for linear in module.shared_input_linears() if linear.fp8_enabled]
+            tie_input_scales([linear.fp8_meta for linear in readers])
     return model
 
 
