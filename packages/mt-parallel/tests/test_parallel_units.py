@@ -158,7 +158,9 @@ def test_apply_fp8_ties_the_input_scales_of_layers_reading_one_input() -> None:
                     param -= 0.5 * param.grad
             update_fp8_scales(model, recipe)
         assert torch.equal(*losses)
-    assert all(torch.equal(a, b) for a, b in zip(tied.parameters(), untied.parameters(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(tied.parameters(), untied.parameters(), strict=True)
+    )
 
 
 def test_vocab_parallel_ce_equals_torch_on_one_rank() -> None:
