@@ -7,11 +7,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 
 from mt_train.data import ByteTokenizer, PackedDataset, ResumableSampler, load_tokenizer
-from mt_train.data.dataset import Batch
 from mt_train.data.prepare import main as prepare_main
 from mt_train.data.prepare import write_prepared
 
@@ -103,21 +100,3 @@ def test_prepare_cli_reports_bad_input(tmp_path: Path, capsys) -> None:
     assert prepare_main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mt-prepare-data: error: ") and "missing.txt" in err
-
-
-@pytest.mark.gpu
-def test_batches_reach_the_gpu_without_waiting_for_queued_kernels() -> None:
-    """``Batch.to`` queues its copies behind the kernels already running (pinned host memory):
-    the host gets control back while an earlier kernel still runs. A copy from pageable
-    memory returns only after the queue has drained, and the GPU then idles until the host
-    launches the next step."""
-    batch = Batch(torch.arange(8).view(2, 4), torch.arange(8, 16).view(2, 4))
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
-    queued = torch.cuda.Event()
-    queued.record()
-    moved = batch.to(torch.device("cuda"))
-    assert not queued.query(), "the copy waited for the kernel queued before it"
-    torch.cuda.synchronize()
-    assert torch.equal(moved.inputs.cpu(), batch.inputs)
-    assert torch.equal(moved.targets.cpu(), batch.targets)

@@ -50,17 +50,12 @@ class Batch:
     document_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        """The batch on ``device``. CUDA copies go through pinned host memory: a copy from
-        pageable memory waits for every kernel queued before it (the previous step's
-        optimizer), which would leave the GPU idle until the host has launched the next step;
-        from pinned memory it is queued without waiting."""
-        pin = torch.device(device).type == "cuda"
-
-        def move(tensor: torch.Tensor) -> torch.Tensor:
-            return (tensor.pin_memory() if pin else tensor).to(device, non_blocking=True)
-
         docs = self.document_ids
-        return Batch(move(self.inputs), move(self.targets), None if docs is None else move(docs))
+        return Batch(
+            self.inputs.to(device, non_blocking=True),
+            self.targets.to(device, non_blocking=True),
+            None if docs is None else docs.to(device, non_blocking=True),
+        )
 
 
 class PackedDataset:
