@@ -203,7 +203,7 @@ def update_fp8_scales(
     results: list[torch.Tensor] = []
     for (_, _, _, device), batch in batches.items():
         # Made on the scales' device once per batch: a host tensor would be copied to the GPU
-        # per use, and each pageable host-to-device copy waits for the queue (it made the
+        # per use, and each such (blocking) host-to-device copy waits for the queue (it made the
         # delayed-scaling step host-bound on the H200: 306 ms wall for 205 ms of kernels,
         # 2026-12-02).
         fmt_max = torch.tensor(
