@@ -37,6 +37,7 @@ from mt_fp8 import (
     tie_input_scales,
     update_fp8_scales,
 )
+from mt_fp8.ops import swiglu
 
 RECIPES = [DelayedScaling(), TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()]
 M, K, N = 200, 256, 384  # M is not a multiple of 128: exercises the wgrad padding
@@ -254,6 +255,52 @@ def test_tied_delayed_input_scales_quantize_the_shared_input_once(monkeypatch):
     for layer, twin in zip(layers[1:], twins[1:], strict=True):
         assert torch.equal(layer.fp8_meta.scale[1:], twin.fp8_meta.scale[1:])
         assert not layer.fp8_meta.amax_history[:, int(TensorRole.INPUT)].any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_swiglu_down_projection_matches_swiglu_then_linear(recipe, device):
+    """``forward_swiglu(g, u)`` gives the bits of ``layer(swiglu(g, u))``: output, the gradients
+    of g, u, weight and bias, health counts and delayed-scaling state, over three steps (delayed:
+    the later ones with history scales); of high-precision tensors it saves only g and u. On
+    CUDA (and under ``TRITON_INTERPRET=1``) tensorwise scales take the fused SwiGLU quantizer."""
+    torch.manual_seed(0)
+    layer, twin = FP8Linear(K, N, recipe=recipe), FP8Linear(K, N, recipe=recipe)
+    twin.load_state_dict(layer.state_dict())
+    layer, twin = layer.to(device), twin.to(device)
+    saved: list[torch.Tensor] = []
+    for step in range(3):
+        gate = (torch.randn(M, K) * (1 + step)).to(device).requires_grad_()
+        up = torch.randn(M, K).to(device).requires_grad_()
+        gate_copy, up_copy = (t.detach().clone().requires_grad_() for t in (gate, up))
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = layer.forward_swiglu(gate, up)
+        y_twin = twin(swiglu(gate_copy, up_copy))
+        dy = torch.randn(M, N).to(device)
+        y.backward(dy)
+        y_twin.backward(dy)
+        assert torch.equal(y, y_twin)
+        assert torch.equal(gate.grad, gate_copy.grad) and torch.equal(up.grad, up_copy.grad)
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        assert torch.equal(layer.bias.grad, twin.bias.grad)
+        assert torch.equal(layer.fp8_meta.health, twin.fp8_meta.health)
+        # (M, K) tensors saved in more than one byte per element: gate and up, no product.
+        activations = {t.data_ptr() for t in saved if t.shape == (M, K) and t.element_size() > 1}
+        assert activations == {gate.data_ptr(), up.data_ptr()}
+        if isinstance(recipe, DelayedScaling):
+            update_fp8_scales(layer, recipe)
+            update_fp8_scales(twin, recipe)
+            assert torch.equal(layer.fp8_meta.scale, twin.fp8_meta.scale)
+            assert torch.equal(layer.fp8_meta.amax_history, twin.fp8_meta.amax_history)
+
+
+def test_swiglu_down_projection_rejects_mismatched_inputs():
+    layer = FP8Linear(K, N)
+    with pytest.raises(ValueError, match=r"gate and up of one shape and dtype with 256 features"):
+        layer.forward_swiglu(torch.randn(M, K), torch.randn(M, K + 16))
+    with pytest.raises(ValueError, match=r"gate and up of one shape and dtype with 256 features"):
+        layer.forward_swiglu(torch.randn(M, 2 * K), torch.randn(M, 2 * K))
 
 
 def test_tie_input_scales_rejects_mismatched_metas():

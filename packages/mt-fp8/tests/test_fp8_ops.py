@@ -22,6 +22,7 @@ from mt_fp8.ops import (
     quantize_transpose_amax,
     rms_norm,
     swiglu,
+    swiglu_quantize_transpose_amax,
 )
 from mt_fp8.ops.dispatch import triton_runs_on, use_triton
 from mt_fp8.ops.rope import rope_tables
@@ -228,6 +229,36 @@ def test_quantize_transpose_amax_matches_quantize(device, dtype, shape, fmt):
     assert not byte_mismatches(q.data, reference.data), byte_mismatches(q.data, reference.data)
     ref_t = reference.data.t().contiguous()
     assert not byte_mismatches(q_t.data, ref_t), byte_mismatches(q_t.data, ref_t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_swiglu_quantize_transpose_amax_matches_swiglu_then_quantize(device, dtype, shape, scaling):
+    # Bit-exact: the kernel computes each tile of silu(g)·u as the SwiGLU kernel does, rounds it
+    # to g's dtype as that kernel stores it, then quantizes it as quantize_transpose_amax does.
+    generator = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(shape, generator=generator).mul(4).to(device, dtype) for _ in "gu")
+    fmt = FP8Format.E4M3
+    scale = torch.tensor(0.004, device=device) if scaling == "delayed" else None  # saturates some
+    stats, reference_stats = (torch.zeros(3, dtype=torch.int64, device=device) for _ in "sr")
+    q, q_t, amax = swiglu_quantize_transpose_amax(gate, up, fmt, scale=scale, stats=stats)
+    product = swiglu(gate, up)
+    ref, ref_t, ref_amax = quantize_transpose_amax(product, fmt, scale=scale, stats=reference_stats)
+    assert amax.item() == ref_amax.item() == product.abs().max().item()
+    assert torch.equal(q.scale, ref.scale) and stats.tolist() == reference_stats.tolist()
+    assert not byte_mismatches(q.data, ref.data), byte_mismatches(q.data, ref.data)
+    assert not byte_mismatches(q_t.data, ref_t.data), byte_mismatches(q_t.data, ref_t.data)
+    if scaling == "delayed":
+        assert stats[0].item() > 0  # the fixed scale saturated some values
+
+
+def test_swiglu_quantize_transpose_amax_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match=r"gate and up of one shape and dtype, got \(4, 8\)"):
+        swiglu_quantize_transpose_amax(torch.ones(4, 8), torch.ones(4, 16), FP8Format.E4M3)
+    with pytest.raises(ValueError, match="2-D float32/bfloat16/float16 tensor"):
+        swiglu_quantize_transpose_amax(torch.ones(8), torch.ones(8), FP8Format.E4M3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -233,3 +233,30 @@ def test_distributed_optimizer_split_step_and_decay_filter_equal_adamw() -> None
             torch.testing.assert_close(ours, theirs, rtol=FP64_VS_FP64, atol=FP64_VS_FP64)
     with pytest.raises(RuntimeError, match=r"needs reduce_gradients\(\) first"):
         zero1.apply_update()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_row_parallel_swiglu_forward_matches_swiglu_then_forward(fp8: bool) -> None:
+    """``forward_swiglu(g, u)`` (what the MLP calls; FP8 quantizes the product straight from g
+    and u) gives the bits of ``forward(swiglu(g, u))``: output and the gradients of g, u and the
+    weight."""
+    from mt_fp8.ops import swiglu
+
+    torch.manual_seed(0)
+    layer = mp.RowParallelLinear(64, 32, bias=True)
+    twin = copy.deepcopy(layer)
+    if fp8:
+        mp.apply_fp8(layer)
+        mp.apply_fp8(twin)
+    gate, up = (torch.randn(2, 8, 64, requires_grad=True) for _ in range(2))
+    gate_copy, up_copy = (t.detach().clone().requires_grad_() for t in (gate, up))
+    y = layer.forward_swiglu(gate, up)
+    y_twin = twin(swiglu(gate_copy, up_copy))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y_twin.backward(dy)
+    assert torch.equal(y, y_twin)
+    assert torch.equal(gate.grad, gate_copy.grad) and torch.equal(up.grad, up_copy.grad)
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    with pytest.raises(ValueError, match="forward_swiglu needs input_is_parallel=True"):
+        mp.RowParallelLinear(64, 32, input_is_parallel=False).forward_swiglu(gate, up)

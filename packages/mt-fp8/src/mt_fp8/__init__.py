@@ -3,7 +3,14 @@
 from mt_fp8.autocast import FP8AutocastState, current_fp8_state, fp8_autocast
 from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
-from mt_fp8.functional import FP8LinearFunction, LinearPlan, final_micro_batch, fp8_linear
+from mt_fp8.functional import (
+    FP8LinearFunction,
+    FP8SwiGLULinearFunction,
+    LinearPlan,
+    final_micro_batch,
+    fp8_linear,
+    fp8_swiglu_linear,
+)
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear import FP8GroupedLinear, FP8Linear, clear_fp8_weight_caches
 from mt_fp8.optim import FusedAdamW
@@ -48,6 +55,7 @@ __all__ = [
     "FP8Linear",
     "FP8LinearFunction",
     "FP8Meta",
+    "FP8SwiGLULinearFunction",
     "LinearPlan",
     "FP8Format",
     "FormatConfig",
@@ -67,6 +75,7 @@ __all__ = [
     "fp8_autocast",
     "fp8_health",
     "fp8_linear",
+    "fp8_swiglu_linear",
     "fp8_gemm",
     "quantize",
     "recipe_from_name",

@@ -51,6 +51,17 @@ are tied (:func:`mt_fp8.state.tie_input_scales`; the key then also holds the own
 Delayed-scaling scales come from :class:`~mt_fp8.state.FP8Meta`; amaxes of x, w and dy are
 recorded there, as are the health counts.
 
+SwiGLU into FP8 (:class:`FP8SwiGLULinearFunction`, ``FP8Linear.forward_swiglu``): the down
+projection of a SwiGLU MLP, ``y = (silu(g)·u) wᵀ + b``, as one autograd function. Its input
+``x = silu(g)·u`` is needed only as a GEMM operand, so with tensorwise scales (current or
+delayed) on the fused path the quantizer computes it tile by tile from ``g`` and ``u``
+(:func:`mt_fp8.ops.quantize_transpose.swiglu_quantize_transpose_amax`) and ``x`` never exists
+in high precision: the SwiGLU write and the quantizer's read of ``x`` (2 + 2 bytes per element
+in bf16) are gone. Other layouts compute ``x`` in the forward, quantize it and drop it. The
+function saves ``g``, ``u`` (what SwiGLU's backward needs anyway) and the FP8 ``xᵀ``; its
+backward is the linear's, then ``dg, du`` from ``dx`` (:func:`mt_fp8.ops.swiglu.swiglu_gradients`).
+Same bytes, outputs and gradients as ``fp8_linear(swiglu(g, u))``.
+
 Fused quantization (CUDA tensors with Triton, or ``TRITON_INTERPRET=1``; not under
 ``torch.compile``): tensorwise roles go through one quantize + transpose + amax pass
 (:mod:`mt_fp8.ops.quantize_transpose`). Block scaling with 1×128 groups and 128×128 weight
@@ -94,7 +105,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from mt_fp8.formats import TensorRole
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.ops.dispatch import use_triton
-from mt_fp8.ops.quantize_transpose import quantize_transpose_amax
+from mt_fp8.ops.quantize_transpose import quantize_transpose_amax, swiglu_quantize_transpose_amax
+from mt_fp8.ops.swiglu import swiglu, swiglu_gradients
 from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
@@ -167,15 +179,8 @@ class LinearPlan:
             q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed, layout)
             q_RC.transposed = q_CR
             return q_RC
-        if layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling():
-            # One fused pass writes x, xᵀ and amax (the amax doubles as the delayed-scaling record).
-            q_RC, q_CR, amax = quantize_transpose_amax(
-                x_RC, fmt, scale=scale, stats=stats, amax_group=group
-            )
-            if delayed and record:
-                self.meta.meta_for(role).record_amax_value(amax, role)
-            q_RC.transposed = q_CR
-            return q_RC
+        if self._fused_tensorwise(x_RC, layout):
+            return self._quantize_tensorwise(x_RC, None, role, record)
         if self._fused_rowwise(x_RC, layout):
             from mt_fp8.kernels.rowwise_quantize import quantize_rows
 
@@ -183,6 +188,39 @@ class LinearPlan:
         if delayed and record:
             self.meta.meta_for(role).record_amax(x_RC, role)
         return quantize(x_RC, fmt, layout, scale=scale, stats=stats, amax_group=group)
+
+    def _fused_tensorwise(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
+        """Whether the Triton quantize + transpose + amax kernel takes ``x`` (tensorwise)."""
+        return layout == TENSORWISE and use_triton(x_RC) and not torch.compiler.is_compiling()
+
+    def _quantize_tensorwise(
+        self, x_RC: torch.Tensor, up_RC: torch.Tensor | None, role: TensorRole, record: bool
+    ) -> QuantizedTensor:
+        """``x`` (or ``silu(x)·up`` with ``up``) with its transpose, from one fused pass; the
+        amax it returns doubles as the delayed-scaling record."""
+        stats = self.meta.health[int(role)] if (record and self.track_health) else None
+        fmt = self.recipe.formats.for_role(role)
+        scale, group = self.delayed_scale(role), self.reduction_group(role)
+        if up_RC is None:
+            q_RC, q_CR, amax = quantize_transpose_amax(x_RC, fmt, scale, stats, group)
+        else:
+            q_RC, q_CR, amax = swiglu_quantize_transpose_amax(x_RC, up_RC, fmt, scale, stats, group)
+        if isinstance(self.recipe, DelayedScaling) and record:
+            self.meta.meta_for(role).record_amax_value(amax, role)
+        q_RC.transposed = q_CR
+        return q_RC
+
+    def quantize_swiglu_input(
+        self, gate_MK: torch.Tensor, up_MK: torch.Tensor, transposed: bool
+    ) -> tuple[QuantizedTensor, torch.Tensor | None]:
+        """The INPUT operand ``silu(gate)·up`` and, where it had to be computed in high
+        precision first (every path but the fused tensorwise kernel), that tensor (module
+        docstring: SwiGLU into FP8)."""
+        role = TensorRole.INPUT
+        if self._fused_tensorwise(gate_MK, self.recipe.layout(role)):
+            return self._quantize_tensorwise(gate_MK, up_MK, role, record=True), None
+        x_MK = swiglu(gate_MK, up_MK)
+        return self.quantize(x_MK, role, record=True, transposed=transposed), x_MK
 
     def quantize_input(self, x_MK: torch.Tensor, transposed: bool) -> QuantizedTensor:
         """The INPUT operand, reused from the previous layer when it read the same tensor
@@ -366,6 +404,68 @@ def _pack(q: QuantizedTensor | None) -> tuple[torch.Tensor | None, torch.Tensor 
     return (q.data, q.scale.clone() if torch.compiler.is_compiling() else q.scale)
 
 
+def _forward_gemm(
+    ctx: Any,
+    plan: LinearPlan,
+    x_MK: torch.Tensor | None,
+    x_q: QuantizedTensor,
+    weight_NK: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``y = x wᵀ + b`` from the quantized input ``x_q``; returns ``y`` and the tensors the
+    backward needs (``xᵀ`` and ``wᵀ`` in FP8, for :func:`_backward_gemms`), and records the
+    rest on ``ctx``. ``x_MK`` (high precision) is read only when ``xᵀ`` must be requantized; it
+    may be None when ``x_q.transposed`` holds ``xᵀ``."""
+    weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
+    bias = None if bias_N is None else bias_N.to(plan.out_dtype)
+    y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
+    x_t_q = None
+    if need_dw:
+        x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT)  # type: ignore[arg-type]
+        x_q.transposed = x_t_q  # the next layer reading the same x reuses it too
+    ctx.plan = plan
+    ctx.layouts = (
+        None if x_t_q is None else (x_t_q.layout, x_t_q.fmt),
+        None if weight_t_q is None else (weight_t_q.layout, weight_t_q.fmt),
+    )
+    ctx.dtypes = (weight_NK.dtype, None if bias_N is None else bias_N.dtype)
+    return y_MN, [*_pack(x_t_q), *_pack(weight_t_q)]
+
+
+def _backward_gemms(
+    ctx: Any,
+    dy_MN: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    x_dtype: torch.dtype,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dw, db)`` from ``dy`` and the FP8 ``xᵀ``, ``wᵀ`` of :func:`_forward_gemm`."""
+    plan: LinearPlan = ctx.plan
+    x_t_data, x_t_scale, w_t_data, w_t_scale = saved
+    w_dtype, b_dtype = ctx.dtypes
+    with torch.autocast(dy_MN.device.type, enabled=False):
+        dy_MN = dy_MN.contiguous()
+        dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=need_dw)
+        dx = dw = db = None
+        if need_dx:
+            layout, fmt = ctx.layouts[1]
+            weight_t_q = QuantizedTensor(w_t_data, w_t_scale, layout, fmt)
+            dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)
+        if need_dw:
+            layout, fmt = ctx.layouts[0]
+            x_t_q = QuantizedTensor(x_t_data, x_t_scale, layout, fmt)
+            dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
+            dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
+        if need_db:
+            db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+    release_weight_cache(plan.weight_cache)
+    return dx, dw, db
+
+
 class FP8LinearFunction(torch.autograd.Function):
     """``y = x wᵀ + b`` with FP8 GEMMs in forward and backward (module docstring)."""
 
@@ -379,46 +479,51 @@ class FP8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_q = plan.quantize_input(x_MK, transposed=need_dw)
-        weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
-        bias = None if bias_N is None else bias_N.to(plan.out_dtype)
-        y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
-        x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT) if need_dw else None
-        if x_t_q is not None:
-            x_q.transposed = x_t_q  # the next layer reading the same x reuses it too
-        ctx.save_for_backward(*_pack(x_t_q), *_pack(weight_t_q))
-        ctx.plan = plan
-        ctx.layouts = (
-            None if x_t_q is None else (x_t_q.layout, x_t_q.fmt),
-            None if weight_t_q is None else (weight_t_q.layout, weight_t_q.fmt),
-        )
-        ctx.dtypes = (x_MK.dtype, weight_NK.dtype, None if bias_N is None else bias_N.dtype)
-        ctx.num_tokens = x_MK.shape[0]
+        y_MN, saved = _forward_gemm(ctx, plan, x_MK, x_q, weight_NK, bias_N, need_dx, need_dw)
+        ctx.save_for_backward(*saved)
+        ctx.x_dtype = x_MK.dtype
         return y_MN
 
     @staticmethod
     def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        plan: LinearPlan = ctx.plan
-        x_t_data, x_t_scale, w_t_data, w_t_scale = ctx.saved_tensors
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        with torch.autocast(dy_MN.device.type, enabled=False):
-            dy_MN = dy_MN.contiguous()
-            dy_q = plan.quantize(
-                dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=ctx.needs_input_grad[1]
-            )
-            dx = dw = db = None
-            if ctx.needs_input_grad[0]:
-                layout, fmt = ctx.layouts[1]
-                weight_t_q = QuantizedTensor(w_t_data, w_t_scale, layout, fmt)
-                dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)
-            if ctx.needs_input_grad[1]:
-                layout, fmt = ctx.layouts[0]
-                x_t_q = QuantizedTensor(x_t_data, x_t_scale, layout, fmt)
-                dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
-                dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
-            if ctx.needs_input_grad[2]:
-                db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
-        release_weight_cache(plan.weight_cache)
+        dx, dw, db = _backward_gemms(
+            ctx, dy_MN, ctx.saved_tensors, ctx.x_dtype, *ctx.needs_input_grad[:3]
+        )
         return dx, dw, db, None
+
+
+class FP8SwiGLULinearFunction(torch.autograd.Function):
+    """``y = swiglu(gate, up) wᵀ + b`` with FP8 GEMMs; ``swiglu(gate, up)`` exists only in FP8
+    (module docstring: SwiGLU into FP8)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        gate_MK: torch.Tensor,
+        up_MK: torch.Tensor,
+        weight_NK: torch.Tensor,
+        bias_N: torch.Tensor | None,
+        plan: LinearPlan,
+    ) -> torch.Tensor:
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_dw = ctx.needs_input_grad[2]
+        x_q, x_MK = plan.quantize_swiglu_input(gate_MK, up_MK, transposed=need_dw)
+        y_MN, saved = _forward_gemm(ctx, plan, x_MK, x_q, weight_NK, bias_N, need_dx, need_dw)
+        ctx.save_for_backward(*saved, gate_MK, up_MK)
+        return y_MN
+
+    @staticmethod
+    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        *saved, gate_MK, up_MK = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_dw, need_db = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dx, dw, db = _backward_gemms(
+            ctx, dy_MN, tuple(saved), gate_MK.dtype, need_dx, need_dw, need_db
+        )
+        dgate = dup = None
+        if dx is not None:
+            dgate, dup = swiglu_gradients(dx, gate_MK, up_MK)
+        return dgate, dup, dw, db, None
 
 
 def fp8_linear(
@@ -437,6 +542,27 @@ def fp8_linear(
     with torch.autocast(x.device.type, enabled=False):
         y_MN = FP8LinearFunction.apply(x_MK, weight_NK, bias_N, plan)
     return y_MN.reshape(*x.shape[:-1], weight_NK.shape[0])
+
+
+def fp8_swiglu_linear(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight_NK: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    plan: LinearPlan,
+) -> torch.Tensor:
+    """``fp8_linear(swiglu(gate, up), weight, bias, plan)`` without storing ``swiglu(gate, up)``
+    in high precision where the fused quantizer applies (module docstring)."""
+    in_features = weight_NK.shape[1]
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.shape[-1] != in_features:
+        raise ValueError(
+            f"fp8_swiglu_linear needs gate and up of one shape and dtype with {in_features} "
+            f"features last, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
+    gate_MK, up_MK = gate.reshape(-1, in_features), up.reshape(-1, in_features)
+    with torch.autocast(gate.device.type, enabled=False):
+        y_MN = FP8SwiGLULinearFunction.apply(gate_MK, up_MK, weight_NK, bias_N, plan)
+    return y_MN.reshape(*gate.shape[:-1], weight_NK.shape[0])
 
 
 def check_dims(recipe: Recipe, in_features: int, out_features: int) -> str | None:

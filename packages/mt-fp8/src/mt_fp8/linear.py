@@ -47,9 +47,10 @@ from torch import nn
 
 from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
-from mt_fp8.functional import LinearPlan, check_dims, fp8_linear
+from mt_fp8.functional import LinearPlan, check_dims, fp8_linear, fp8_swiglu_linear
 from mt_fp8.gemm import BACKENDS
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.ops.swiglu import swiglu
 from mt_fp8.recipes import Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 
@@ -179,6 +180,16 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         if plan is None:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, plan)
+
+    @torch.compiler.disable  # eager inside compiled models (module docstring)
+    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``self(swiglu(gate, up))``, the down projection of a SwiGLU MLP, without storing
+        ``swiglu(gate, up)`` in high precision where the fused quantizer applies
+        (:mod:`mt_fp8.functional`: SwiGLU into FP8). Same outputs and gradients."""
+        plan = self._plan(gate, self._weight_cache)
+        if plan is None:
+            return F.linear(swiglu(gate, up), self.weight, self.bias)
+        return fp8_swiglu_linear(gate, up, self.weight, self.bias, plan)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"

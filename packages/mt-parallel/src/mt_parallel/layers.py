@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mt_fp8.ops import swiglu
 from mt_parallel.mappings import (
     all_gather_grad_rs,
     copy_to_group,
@@ -321,7 +322,24 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x_BTK_l: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x_BTK_l = scatter_to_group(x_BTK_l, x_BTK_l.dim() - 1, self.tp_group)
-        partial_BTN = self.gemm(x_BTK_l)
+        return self._reduce(self.gemm(x_BTK_l))
+
+    def forward_swiglu(self, gate_BTK_l: torch.Tensor, up_BTK_l: torch.Tensor) -> torch.Tensor:
+        """``forward(swiglu(gate, up))`` for the local (column-parallel) ``gate`` and ``up``.
+
+        In FP8 the local GEMM runs ``mt_fp8.FP8Linear.forward_swiglu``: ``swiglu(gate, up)`` is
+        quantized straight from ``gate`` and ``up`` and never stored in high precision.
+        """
+        if not self.input_is_parallel:
+            raise ValueError("RowParallelLinear.forward_swiglu needs input_is_parallel=True")
+        if self._fp8 is None:
+            return self._reduce(F.linear(swiglu(gate_BTK_l, up_BTK_l), self.weight))
+        if self._fp8.weight is not self.weight:
+            self._fp8.weight = self.weight
+        return self._reduce(self._fp8.forward_swiglu(gate_BTK_l, up_BTK_l))
+
+    def _reduce(self, partial_BTN: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (reduce-scatter under SP), then add the bias."""
         if self.sequence_parallel:
             y_BTN = reduce_scatter_grad_ag(partial_BTN, SEQUENCE_DIM, self.tp_group)
         else:

@@ -16,6 +16,9 @@ row-parallel. RMSNorm (with the fused residual add), RoPE (on q and k together) 
 ``mt_fp8.ops``: Triton kernels on CUDA, the same math in PyTorch on the CPU, computed in fp32
 (fp64 for fp64 inputs, so fp64 references stay exact). The block's second residual add stays
 outside: fusing it into the next block's norm would change the block's ``x -> y`` interface.
+With FP8 on ``down_proj`` the SwiGLU product is quantized straight from ``gate`` and ``up``
+(``RowParallelLinear.forward_swiglu``): it is never stored in high precision, and the ``act``
+module (the target of selective ``mlp`` recompute) is not called, as nothing of it is saved.
 
 Norms and dropout run on whatever the rank holds (the sequence shard under SP); under SP the
 norm weight's gradient is summed over TP because each rank saw different tokens, and the
@@ -250,6 +253,8 @@ class MLP(nn.Module):
         m_BSD = self.gate_proj.prepare_input(x_BTD)
         gate_BSF = self.gate_proj.forward_prepared(m_BSD)
         up_BSF = self.up_proj.forward_prepared(m_BSD)
+        if self.down_proj.fp8_enabled:  # SwiGLU into FP8 (module docstring)
+            return self.down_proj.forward_swiglu(gate_BSF, up_BSF)
         return self.down_proj(self.act(gate_BSF, up_BSF))
 
 

@@ -237,6 +237,7 @@ def _last_of(counter_ptr, count):
 @triton.jit
 def _quantize_transpose(
     x_ptr,
+    up_ptr,
     q_ptr,
     qt_ptr,
     scale_ptr,
@@ -259,6 +260,7 @@ def _quantize_transpose(
     AMAX: tl.constexpr,
     STATS: tl.constexpr,
     SCALE_OUT: tl.constexpr,
+    SWIGLU: tl.constexpr,
     EXACT_DIV: tl.constexpr,
     MANTISSA: tl.constexpr,
     BIAS: tl.constexpr,
@@ -275,6 +277,11 @@ def _quantize_transpose(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        # x is the gate: the tile of silu(gate)·up as mt_fp8.kernels.swiglu computes it, rounded
+        # to the input dtype as that kernel stores it (masked elements stay 0).
+        up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     if AMAX:
         magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
         tl.store(amax_partial_ptr + tile, tl.max(tl.max(magnitude_x, axis=1), axis=0))
@@ -410,9 +417,16 @@ def quantize_transpose_amax_triton(
     scale: torch.Tensor | None,
     stats: torch.Tensor | None,
     amax_group: dist.ProcessGroup | None = None,
+    up_RC: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q_RC, q_CR, scale (1, 1) fp32, amax)``."""
+    """``(q_RC, q_CR, scale (1, 1) fp32, amax)``.
+
+    With ``up_RC`` (same shape and dtype), ``x_RC`` is a SwiGLU gate and the tensor quantized is
+    ``silu(x)·up`` in ``x``'s dtype, computed in each launch's tiles and never stored
+    (:func:`mt_fp8.ops.quantize_transpose.swiglu_quantize_transpose_amax`).
+    """
     x_RC = x_RC.contiguous()
+    up_RC = None if up_RC is None else up_RC.contiguous()
     device = x_RC.device
     rows, cols = x_RC.shape
     _check_tiles()
@@ -444,6 +458,8 @@ def quantize_transpose_amax_triton(
         COUNTER_STRIDE=COUNTER_STRIDE,
         # See the NOTE in the module docstring: only bf16 tiles were seen transposed right as FP8.
         TRANSPOSE_CODES=x_RC.dtype != torch.bfloat16,
+        up_ptr=up_RC,
+        SWIGLU=up_RC is not None,
     )
     # The returned scale is an own allocation (cuBLAS scale alignment) that a kernel's last
     # program writes; with an amax group scale_from_amax makes it after the all-reduce.
@@ -452,8 +468,8 @@ def quantize_transpose_amax_triton(
     if scale is None:
         _quantize_transpose[amax_grid](
             x_RC,
-            q_RC,
-            q_CR,
+            q_ptr=q_RC,
+            qt_ptr=q_CR,
             scale_ptr=None,
             scale_out_ptr=scale_11,
             WRITE=False,
@@ -471,8 +487,8 @@ def quantize_transpose_amax_triton(
             scale_11 = scale_from_amax(amax, fmt).reshape(1, 1)
     _quantize_transpose[write_grid](
         x_RC,
-        q_RC,
-        q_CR,
+        q_ptr=q_RC,
+        qt_ptr=q_CR,
         scale_ptr=scale_11 if scale is None else scale.float(),
         scale_out_ptr=scale_11,
         WRITE=True,

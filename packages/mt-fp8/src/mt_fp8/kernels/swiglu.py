@@ -50,9 +50,17 @@ class TritonSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](
-            dy.contiguous(), gate, up, dgate, dup, n, BLOCK=BLOCK, num_warps=8
-        )
-        return dgate, dup
+        return swiglu_backward_triton(dy, gate, up)
+
+
+def swiglu_backward_triton(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)``; ``gate`` and ``up`` contiguous, ``dy`` of their shape."""
+    gate, up = gate.contiguous(), up.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    _swiglu_bwd[(triton.cdiv(n, BLOCK),)](
+        dy.contiguous(), gate, up, dgate, dup, n, BLOCK=BLOCK, num_warps=8
+    )
+    return dgate, dup

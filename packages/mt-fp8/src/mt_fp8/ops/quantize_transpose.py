@@ -15,6 +15,12 @@ round-to-nearest fp32 product in each (PyTorch's ``reciprocal`` and tensor produ
 ``div.rn.f32`` and ``mul.rn.f32`` in the kernel), followed by the same clamp and the same
 round-to-nearest-even cast. A NaN in ``x`` makes the returned amax ``+inf`` on both paths.
 
+:func:`swiglu_quantize_transpose_amax` quantizes ``x = silu(gate)·up`` (in ``gate``'s dtype,
+as :func:`mt_fp8.ops.swiglu.swiglu` returns it) the same way without ever storing ``x``: the
+kernel computes each tile of ``x`` from tiles of ``gate`` and ``up`` (in both launches under
+current scaling). Same bytes, scale and amax as ``quantize_transpose_amax(swiglu(gate, up))``;
+it saves the write and the read of ``x`` (2 bytes each per element for bf16).
+
 Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
 tensors whose gradient those layers compute themselves. CUDA tensors run
 :mod:`mt_fp8.kernels.quantize`; elsewhere, and inside ``torch.compile`` graphs (where Inductor
@@ -28,6 +34,7 @@ import torch.distributed as dist
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.ops.dispatch import use_triton
+from mt_fp8.ops.swiglu import swiglu_values
 from mt_fp8.quantized import (
     TENSORWISE,
     QuantizedTensor,
@@ -49,20 +56,57 @@ def quantize_transpose_amax(
     The returned ``amax`` is the one the scale was computed from: reduced over ``amax_group``
     when one is given (current scaling only; with a given ``scale`` the group is refused).
     """
+    _check_operand("quantize_transpose_amax", x_RC)
+    return _quantize_transpose_amax(x_RC, None, fmt, scale, stats, amax_group)
+
+
+def swiglu_quantize_transpose_amax(
+    gate_RC: torch.Tensor,
+    up_RC: torch.Tensor,
+    fmt: FP8Format,
+    scale: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    amax_group: dist.ProcessGroup | None = None,
+) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """:func:`quantize_transpose_amax` of ``silu(gate)·up``, which is never stored (module
+    docstring); ``gate`` and ``up`` have one shape and dtype."""
+    _check_operand("swiglu_quantize_transpose_amax", gate_RC)
+    if up_RC.shape != gate_RC.shape or up_RC.dtype != gate_RC.dtype:
+        raise ValueError(
+            f"swiglu_quantize_transpose_amax needs gate and up of one shape and dtype, got "
+            f"{tuple(gate_RC.shape)} {gate_RC.dtype} and {tuple(up_RC.shape)} {up_RC.dtype}"
+        )
+    return _quantize_transpose_amax(gate_RC, up_RC, fmt, scale, stats, amax_group)
+
+
+def _check_operand(name: str, x_RC: torch.Tensor) -> None:
     if x_RC.dim() != 2 or not x_RC.is_floating_point() or x_RC.element_size() == 1:
         raise ValueError(
-            f"quantize_transpose_amax takes a 2-D float32/bfloat16/float16 tensor, got "
+            f"{name} takes a 2-D float32/bfloat16/float16 tensor, got "
             f"{tuple(x_RC.shape)} {x_RC.dtype}"
         )
+
+
+def _quantize_transpose_amax(
+    x_RC: torch.Tensor,
+    up_RC: torch.Tensor | None,
+    fmt: FP8Format,
+    scale: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    amax_group: dist.ProcessGroup | None,
+) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """``x_RC`` quantized, or ``silu(x_RC)·up_RC`` when ``up_RC`` is given."""
     if amax_group is not None and scale is not None:
         raise ValueError("amax_group reduces the amax of current scaling; a scale was given")
     if use_triton(x_RC) and not torch.compiler.is_compiling():
         from mt_fp8.kernels.quantize import quantize_transpose_amax_triton
 
         data_RC, data_CR, scale_11, amax = quantize_transpose_amax_triton(
-            x_RC, fmt, scale, stats, amax_group
+            x_RC, fmt, scale, stats, amax_group, up_RC
         )
     else:
+        if up_RC is not None:
+            x_RC = swiglu_values(x_RC, up_RC)
         amax = x_RC.abs().amax().float()
         amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
         if scale is None:

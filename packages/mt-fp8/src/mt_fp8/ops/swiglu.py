@@ -19,24 +19,48 @@ import torch
 from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
 
 
+def swiglu_values(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The forward value in plain PyTorch (no autograd record)."""
+    g = gate.to(compute_dtype(gate))
+    return (g * torch.sigmoid(g) * up.to(g.dtype)).to(gate.dtype)
+
+
+def swiglu_gradients(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)`` for the output gradient ``dy`` (module docstring); the Triton kernel on
+    CUDA tensors. For autograd functions that consume ``silu(gate)·up`` themselves
+    (:func:`mt_fp8.functional.fp8_swiglu_linear`)."""
+    if use_triton(dy, gate, up):
+        from mt_fp8.kernels.swiglu import swiglu_backward_triton
+
+        return swiglu_backward_triton(dy, gate, up)
+    return _plain_gradients(dy, gate, up)
+
+
+def _plain_gradients(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    work = compute_dtype(gate)
+    g, u, d = gate.to(work), up.to(work), dy.to(work)
+    sig = torch.sigmoid(g)
+    dgate = d * u * sig * (1 + g * (1 - sig))
+    dup = d * g * sig
+    return dgate.to(gate.dtype), dup.to(up.dtype)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Plain-PyTorch SwiGLU with the explicit backward above."""
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        g = gate.to(compute_dtype(gate))
-        return (g * torch.sigmoid(g) * up.to(g.dtype)).to(gate.dtype)
+        return swiglu_values(gate, up)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         gate, up = ctx.saved_tensors
-        work = compute_dtype(gate)
-        g, u, d = gate.to(work), up.to(work), dy.to(work)
-        sig = torch.sigmoid(g)
-        dgate = d * u * sig * (1 + g * (1 - sig))
-        dup = d * g * sig
-        return dgate.to(gate.dtype), dup.to(up.dtype)
+        return _plain_gradients(dy, gate, up)
 
 
 _plain_swiglu = plain_apply(SwiGLUFunction)
