@@ -85,3 +85,27 @@ def test_a_graphed_run_rewinds_as_an_eager_run(kjv_data: Path, tmp_path: Path) -
     assert graphed["steps"] == eager["steps"]
     assert graphed["losses"] == pytest.approx(eager["losses"], rel=1e-3, nan_ok=True)
     assert torch.isfinite(torch.tensor(graphed["val_loss"]))
+
+
+@pytest.mark.gpu
+def test_the_graph_computes_the_gradient_norm_the_eager_step_computes(
+    kjv_data: Path, tmp_path: Path
+) -> None:
+    # One data-parallel rank: the norm is captured with the backward (mt_train.cuda_graph).
+    # The per-step norms are the clipping's input, so a stale or wrong captured norm (e.g. of
+    # the capture's gradients) would differ by far more than the bound above allows.
+    overrides = tiny_overrides(
+        kjv_data, **{"trainer.device": "cuda", "fp8": "tensorwise", "optimizer.lr": 3e-3}
+    )
+    norms = {}
+    for graphed in (False, True):
+        cfg = to_train_config(compose_config([*overrides, f"trainer.cuda_graph={graphed}"]))
+        trainer = Trainer(cfg, output_dir=tmp_path / str(graphed))
+        try:
+            norms[graphed] = [trainer.train_step()["grad_norm"] for _ in range(5)]
+            if graphed:
+                assert trainer.step_graph is not None and trainer.step_graph.norm is not None
+        finally:
+            trainer.close()
+    assert len(set(norms[True])) == 5  # a new norm every step
+    assert norms[True] == pytest.approx(norms[False], rel=1e-4), norms

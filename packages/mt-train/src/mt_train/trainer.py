@@ -51,11 +51,13 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 import mt_comm
 import mt_fp8
@@ -381,16 +383,19 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def _graphed_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+    def _graphed_forward_backward(
+        self, batches: list[Batch], grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward_backward` by CUDA-graph replay (:mod:`mt_train.cuda_graph`): eager
-        the first time (warm-up), captured the next, replayed after."""
+        the first time (warm-up), captured the next, replayed after. Returns the summed loss and
+        the captured ``grad_norm`` of the gradients (None when not captured, or eager)."""
         if not self._graph_warm:
             self._graph_warm = True
-            return self.forward_backward(batches)
+            return self.forward_backward(batches), None
         if self.step_graph is None:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self.step_graph = StepGraph.capture(self.forward_backward, batches, params)
-        return self.step_graph.run(batches)
+            self.step_graph = StepGraph.capture(self.forward_backward, batches, params, grad_norm)
+        return self.step_graph.run(batches), self.step_graph.norm
 
     def drop_step_graph(self) -> None:
         """Forget the captured step (after the model or its state was replaced or reloaded);
@@ -407,16 +412,6 @@ class Trainer:
         batches = [self.collate(self.data.train, indices) for indices in micro]
         factors = [faults.loss * self.faults.micro_loss_factor(indices) for indices in micro]
         clean = all(f == 1.0 for f in factors) and faults.fp8_inputs == 1.0
-        if self.cfg.trainer.cuda_graph and clean:
-            total = self._graphed_forward_backward(batches)
-        else:
-            total = self.forward_backward(batches, factors)
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.cfg.parallel.data_parallel == "none":
-            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
-        if faults.grads != 1.0:
-            for p in params:
-                p.grad.mul_(faults.grads)
         clip = self.cfg.optimizer.grad_clip
         zero1 = isinstance(self.optimizer, Zero1AdamW)
         # The fused AdamW kernels (PyTorch's and mt_fp8.FusedAdamW) divide the gradients by
@@ -430,15 +425,37 @@ class Trainer:
                 or bool(self.optimizer.defaults.get("fused"))
             )
         )
-        if zero1:  # reduce-scatter now; clip and update in apply_update() once judged healthy
-            norm_t = self.optimizer.reduce_gradients()
-        else:
-            norm_t = mt_parallel.clip_grad_norm_(
+
+        def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+            return mt_parallel.clip_grad_norm_(
                 params,
                 0.0 if clip_in_update else clip,
                 tp_group=self.tp_group,
                 dp_cp_group=self.dp_cp_group,
             )
+
+        graph_norm = None
+        if self.cfg.trainer.cuda_graph and clean:
+            # The norm joins the graph when nothing runs between the backward and it.
+            capturable = not zero1 and self.pstate.size("dp_cp") == 1
+            total, graph_norm = self._graphed_forward_backward(
+                batches, grad_norm if capturable else None
+            )
+        else:
+            total = self.forward_backward(batches, factors)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.cfg.parallel.data_parallel == "none":
+            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+        if faults.grads != 1.0:
+            graph_norm = None  # the fault changed the gradients after the graph's norm
+            for p in params:
+                p.grad.mul_(faults.grads)
+        if zero1:  # reduce-scatter now; clip and update in apply_update() once judged healthy
+            norm_t = self.optimizer.reduce_gradients()
+        elif graph_norm is not None:
+            norm_t = graph_norm
+        else:
+            norm_t = grad_norm(params)
         mean_loss = D.mean_scalar(total / len(micro), self.dp_cp_group)
         # One host synchronisation per step for the three numbers the detectors judge.
         local_loss, loss, norm = torch.stack(
