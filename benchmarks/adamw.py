@@ -8,9 +8,8 @@ around one whole step, the median of ``--reps``; the copy bandwidth is a 4 GiB �
 
 Rows: ``torch.optim.AdamW(fused=True)`` with and without a ``grad_scale`` (the trainer folds
 its gradient clip into it), ``torch._foreach_norm`` of the gradients (the clip's norm), and
-:class:`mt_fp8.FusedAdamW`'s Triton pass (all 75 tensors in one launch) for each
-``(elements, warps)`` per program in ``--sweep`` (default: the shipped setting), with the host
-time of that call.
+:class:`mt_fp8.FusedAdamW`'s Triton pass for each ``(elements, warps)`` per program in
+``--sweep`` (default: the shipped setting).
 
 Run: ``python benchmarks/adamw.py`` (CUDA GPU with Triton; about 40 GB of device memory).
 """
@@ -18,10 +17,10 @@ Run: ``python benchmarks/adamw.py`` (CUDA GPU with Triton; about 40 GB of device
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
+import triton
 
 from mt_fp8.kernels import adamw as kernels
 
@@ -45,17 +44,6 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def wall_ms(fn: Callable[[], object], reps: int) -> float:
-    """Host time of one ``fn()`` call (its launches), the median of ``reps``."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -101,27 +89,20 @@ def main() -> None:
     rows.append(("torch._foreach_norm (the clip's norm)", ms, 4 * n / ms / 1e9))
 
     scale = torch.tensor(1.3, device="cuda")
-    scalars = [(1 - 1e-5, 1e-3, 0.3, 0.9, 0.95, 1e-8)] * len(params)
-    defaults = kernels.BLOCK, kernels.WARPS
     for setting in args.sweep.split(","):
-        kernels.BLOCK, kernels.WARPS = (int(v) for v in setting.split("x"))
-        tables = kernels.BlockTables()
+        block, warps = (int(v) for v in setting.split("x"))
 
-        def step(tables: kernels.BlockTables = tables) -> None:
-            kernels.adamw_update_(params, grads, exp_avgs, exp_avg_sqs, scalars, scale, tables)
+        def step(block: int = block, warps: int = warps) -> None:
+            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+                kernels._adamw[(triton.cdiv(p.numel(), block),)](
+                    p, g, m, v, scale, p.numel(), 1 - 1e-5, 0.9, 0.95, 1e-3, 0.3, 1e-8,
+                    HAS_GRAD_SCALE=True, BLOCK=block, num_warps=warps,
+                )  # fmt: skip
 
         ms = median_ms(step, args.reps)
         rows.append(
-            (
-                f"mt_fp8 Triton AdamW, one launch, {kernels.BLOCK} elements × "
-                f"{kernels.WARPS} warps",
-                ms,
-                moved / ms / 1e9,
-            )
+            (f"mt_fp8 Triton AdamW, {block} elements × {warps} warps", ms, moved / ms / 1e9)
         )
-        wall = wall_ms(step, args.reps)
-        rows.append((f"  the same, host time of the call (µs: {wall * 1e3:.0f})", wall, 0.0))
-    kernels.BLOCK, kernels.WARPS = defaults
 
     print(f"# {torch.cuda.get_device_name()}, {n / 1e9:.3f} B parameters, {moved / 1e9:.1f} GB")
     print("\n| kernel | ms | TB/s |\n| --- | --- | --- |")

@@ -95,41 +95,6 @@ def test_kernel_updates_bf16_parameters_and_moments_in_their_dtype(device):
     assert error <= bound, (error, bound)
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_one_launch_updates_many_tensors_as_separate_optimizers_do(device):
-    """All tensors of a step in one launch (per dtype combination): the same bits as one
-    optimizer per tensor, with two param groups of their own hyperparameters, an fp32 and a bf16
-    group of tensors, an empty tensor, sizes off the kernel's block, a parameter without a
-    gradient, and per-parameter step counts that differ (one parameter misses a step)."""
-    generator = torch.Generator().manual_seed(3)
-    shapes = [(5000,), (1,), (0,), (30, 100), (1024,), (7, 3)]
-    dtypes = [torch.float32] * 4 + [torch.bfloat16] * 2
-    params = [
-        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype))
-        for shape, dtype in zip(shapes, dtypes, strict=True)
-    ]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    other = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)
-    ours = FusedAdamW([{"params": params[:3], **other}, {"params": params[3:]}], **HYPER)
-    singles = [FusedAdamW([twin], **(other if i < 3 else HYPER)) for i, twin in enumerate(twins)]
-    frozen = 2  # never gets a gradient
-    for step in range(STEPS):
-        for i, (param, twin) in enumerate(zip(params, twins, strict=True)):
-            skip = i == frozen or (i == 4 and step == 0)  # param 4 starts a step late
-            grad = None if skip else torch.randn(param.shape, generator=generator).to(param)
-            param.grad, twin.grad = grad, None if grad is None else grad.clone()
-        ours.step()
-        for single in singles:
-            single.step()
-    for param, twin, single in zip(params, twins, singles, strict=True):
-        assert torch.equal(param, twin)
-        if param in ours.state:
-            for name in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(ours.state[param][name], single.state[twin][name])
-    assert float(ours.state[params[4]]["step"]) == STEPS - 1
-    assert params[frozen] not in ours.state
-
-
 @pytest.mark.gpu
 def test_kernel_matches_torch_fused_adamw_on_cuda():
     param, grads = make_param("cuda", numel=1 << 20)

@@ -1,4 +1,4 @@
-"""``FusedAdamW``: ``torch.optim.AdamW`` whose update is one Triton pass over all parameters.
+"""``FusedAdamW``: ``torch.optim.AdamW`` whose update is one Triton pass per parameter.
 
 The math is AdamW's (decoupled weight decay ``λ``, step ``t`` counted per parameter)::
 
@@ -57,8 +57,6 @@ class FusedAdamW(torch.optim.AdamW):
         if isinstance(lr, torch.Tensor):
             raise TypeError("FusedAdamW takes a float learning rate, got a tensor")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._block_tables: dict[tuple, Any] = {}
-        """The kernel's program tables per launch key (:class:`~mt_fp8.kernels.adamw.BlockTables`)."""
 
     def kernel_takes(self, param: torch.Tensor) -> bool:
         """Whether the Triton pass can update ``param`` (module docstring)."""
@@ -95,11 +93,8 @@ class FusedAdamW(torch.optim.AdamW):
             finally:
                 self.grad_scale = grad_scale
             return loss
-        from mt_fp8.kernels.adamw import BlockTables, adamw_update_
+        from mt_fp8.kernels.adamw import adamw_update_
 
-        # One launch per (device, dtypes) combination: the tensors and their scalars
-        # (mt_fp8.kernels.adamw.SCALARS) in parameter order.
-        launches: dict[tuple, tuple[list[list[torch.Tensor]], list[tuple[float, ...]]]] = {}
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("FusedAdamW supports neither amsgrad nor maximize")
@@ -116,22 +111,17 @@ class FusedAdamW(torch.optim.AdamW):
                     state["step"] = state["step"].cpu()
                 state["step"] += 1
                 t = float(state["step"])
-                tensors = (param, param.grad, state["exp_avg"], state["exp_avg_sq"])
-                key = (param.device, *(tensor.dtype for tensor in tensors))
-                lists, scalars = launches.setdefault(key, ([[], [], [], []], []))
-                for tensor_list, tensor in zip(lists, tensors, strict=True):
-                    tensor_list.append(tensor)
-                scalars.append(
-                    (
-                        1.0 - lr * group["weight_decay"],
-                        lr / (1.0 - beta1**t),
-                        math.sqrt(1.0 - beta2**t),
-                        beta1,
-                        beta2,
-                        group["eps"],
-                    )
+                adamw_update_(
+                    param,
+                    param.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    grad_scale,
+                    decay=1.0 - lr * group["weight_decay"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    step_size=lr / (1.0 - beta1**t),
+                    bc2_sqrt=math.sqrt(1.0 - beta2**t),
+                    eps=group["eps"],
                 )
-        for key, (lists, scalars) in launches.items():
-            tables = self._block_tables.setdefault(key, BlockTables())
-            adamw_update_(*lists, scalars, grad_scale, tables)
         return loss
