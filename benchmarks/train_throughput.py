@@ -235,12 +235,15 @@ def enable_fp8(
     import mt_fp8
     import mt_parallel
     from mt_train.config.schema import FP8Config
-    from mt_train.models.build import fp8_skip_names
+    from mt_train.models.build import fp8_layer_count, fp8_skip_names
 
     recipe = mt_fp8.recipe_from_name(recipe_name)
     skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name, output_head=output_head))
     mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
     trainer.fp8_recipe = recipe
+    # As the trainer counts them at build: steps then watch the FP8 health counters for the
+    # fp8_overflow detector, as an fp8= run does.
+    trainer.fp8_layers = fp8_layer_count(trainer.module)
     trainer.drop_step_graph()  # a graph captured before holds the high-precision layers
     mt_parallel.set_fp8_weight_cache(trainer.module, cache_weight)
     for module in trainer.module.modules():

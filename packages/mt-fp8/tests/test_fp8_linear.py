@@ -33,6 +33,7 @@ from mt_fp8 import (
     final_micro_batch,
     fp8_autocast,
     fp8_health,
+    fp8_saturation_summary,
     reset_fp8_health,
     tie_input_scales,
     update_fp8_scales,
@@ -361,6 +362,31 @@ def test_health_counts_saturation_under_delayed_scaling():
     reset_fp8_health(model)  # every layer's counters, in one call
     assert not model[0].fp8_meta.health.any() and not model[1].fp8_meta.health.any()
     assert fp8_health(model) == {"0": {}, "1": {}}
+
+
+def test_saturation_summary_finds_the_worst_place_without_a_host_scan():
+    """``fp8_saturation_summary`` gives the largest saturated fraction of :func:`fp8_health` and
+    the first place holding it, and zeros when nothing saturated or there is no FP8 layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(FP8Linear(K, K, recipe=DelayedScaling()) for _ in range(3)))
+    model(torch.randn(M, K))
+    update_fp8_scales(model, DelayedScaling())
+    reset_fp8_health(model)
+    summary, places = fp8_saturation_summary(model)
+    assert summary.tolist() == [0.0, 0.0] and len(places) == 9
+    model[1].fp8_meta.health[int(TensorRole.WEIGHT)] = torch.tensor([3, 0, 10])
+    model[2].fp8_meta.health[int(TensorRole.INPUT)] = torch.tensor([3, 0, 10])  # a tie: later
+    model[0].fp8_meta.health[int(TensorRole.GRAD_OUTPUT)] = torch.tensor([1, 0, 10])
+    summary, places = fp8_saturation_summary(model)
+    fraction, index = summary.tolist()
+    scanned = max(
+        (health["saturated"], f"{name}:{role}")
+        for name, roles in fp8_health(model).items()
+        for role, health in roles.items()
+    )
+    assert fraction == scanned[0] == 0.3
+    assert places[int(index)] == "1:weight"
+    assert fp8_saturation_summary(nn.Linear(4, 4))[1] == []
 
 
 def test_bad_dimensions_and_backend_messages():

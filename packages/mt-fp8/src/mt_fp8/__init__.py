@@ -36,6 +36,7 @@ from mt_fp8.recipes import (
 from mt_fp8.state import (
     FP8Meta,
     fp8_health,
+    fp8_saturation_summary,
     reset_fp8_health,
     tie_input_scales,
     update_fp8_scales,
@@ -74,6 +75,7 @@ __all__ = [
     "final_micro_batch",
     "fp8_autocast",
     "fp8_health",
+    "fp8_saturation_summary",
     "fp8_linear",
     "fp8_swiglu_linear",
     "fp8_gemm",

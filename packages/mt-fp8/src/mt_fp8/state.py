@@ -251,6 +251,27 @@ def fp8_health(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
     return report
 
 
+def fp8_saturation_summary(model: nn.Module) -> tuple[torch.Tensor, list[str]]:
+    """The largest saturated fraction over FP8 layers and roles since the last reset, computed
+    on the device without a host sync: ``(summary, places)``, ``summary`` a float64 tensor
+    ``[fraction, index]`` and ``places[index]`` the ``"layer:role"`` it belongs to (the first
+    such place on ties, as a scan of :func:`fp8_health` would find it). Roles never quantized
+    count as 0. Without FP8 layers: ``(tensor([0., 0.]), [])`` on the CPU.
+
+    For a training loop that already synchronises once per step for its loss: stacking
+    ``summary`` into that transfer makes the saturation check cost no sync of its own.
+    """
+    entries = fp8_metas(model)
+    if not entries:
+        return torch.zeros(2, dtype=torch.float64), []
+    counts_L33 = torch.stack([meta.health for _, meta in entries])  # (layer, role, count)
+    saturated, total = counts_L33[..., 0].double(), counts_L33[..., 2].double()
+    fraction = torch.where(total > 0, saturated / total.clamp(min=1), 0.0).flatten()
+    index = torch.argmax(fraction)  # the first maximum
+    places = [f"{name}:{role.name.lower()}" for name, _ in entries for role in TensorRole]
+    return torch.stack([fraction[index], index.double()]), places
+
+
 def reset_fp8_health(model: nn.Module) -> None:
     """Zero the health counters (e.g. after each logging interval): one multi-tensor kernel
     launch for the whole model where the device has one, not one memset per layer."""

@@ -180,9 +180,6 @@ class Trainer:
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
         self.guard = RewindManager(cfg.rewind, self.events, self.device)
         self.faults = self._build_faults()
-        self.watch_fp8 = (
-            self.fp8_layers > 0 and cfg.rewind.enabled and "fp8_overflow" in cfg.rewind.detectors
-        )
 
         ck = cfg.checkpoint
         self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
@@ -359,15 +356,6 @@ class Trainer:
         """A micro-batch on this rank's device (with document ids if masking is on)."""
         return dataset.collate(indices, self.cfg.data.document_masking).to(self.device)
 
-    def _fp8_saturation(self) -> tuple[float, str]:
-        """The largest saturated fraction over FP8 layers and roles since the last reset."""
-        worst, where = 0.0, ""
-        for layer, roles in mt_fp8.fp8_health(self.module).items():
-            for role, health in roles.items():
-                if health["saturated"] > worst:
-                    worst, where = health["saturated"], f"{layer}:{role}"
-        return worst, where
-
     def forward_backward(
         self, batches: list[Batch], loss_factors: list[float] | None = None
     ) -> torch.Tensor:
@@ -396,6 +384,12 @@ class Trainer:
             params = [p for p in self.module.parameters() if p.requires_grad]
             self.step_graph = StepGraph.capture(self.forward_backward, batches, params, grad_norm)
         return self.step_graph.run(batches), self.step_graph.norm
+
+    @property
+    def watch_fp8(self) -> bool:
+        """Whether steps read the FP8 health counters (for the ``fp8_overflow`` detector)."""
+        rewind = self.cfg.rewind
+        return self.fp8_layers > 0 and rewind.enabled and "fp8_overflow" in rewind.detectors
 
     def drop_step_graph(self) -> None:
         """Forget the captured step (after the model or its state was replaced or reloaded);
@@ -457,10 +451,14 @@ class Trainer:
         else:
             norm_t = grad_norm(params)
         mean_loss = D.mean_scalar(total / len(micro), self.dp_cp_group)
-        # One host synchronisation per step for the three numbers the detectors judge.
-        local_loss, loss, norm = torch.stack(
-            [(total / len(micro)).float(), mean_loss.float(), norm_t.float()]
-        ).tolist()
+        # One host synchronisation per step for the numbers the detectors judge (with FP8 health
+        # watched, also the worst saturated fraction and its place, summarised on the device).
+        judged = [(total / len(micro)).double(), mean_loss.double(), norm_t.double()]
+        places: list[str] = []
+        if self.watch_fp8:
+            saturation, places = mt_fp8.fp8_saturation_summary(self.module)
+            judged += saturation.unbind()
+        local_loss, loss, norm, *fp8_worst = torch.stack(judged).tolist()
         lr = self.cfg.optimizer.lr * lr_multiplier(
             self.step, self.cfg.trainer.max_steps, self.cfg.scheduler
         )
@@ -468,8 +466,10 @@ class Trainer:
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr}
         signals = StepSignals(loss, norm, local_loss)
         if self.watch_fp8:
-            signals.fp8_saturation, signals.fp8_worst = self._fp8_saturation()
-            metrics["fp8_saturated"] = signals.fp8_saturation
+            worst, place = fp8_worst
+            signals.fp8_saturation = worst
+            signals.fp8_worst = places[int(place)] if worst > 0 else ""
+            metrics["fp8_saturated"] = worst
         self.signals = signals
         self.verdict = self.guard.judge(self.step, signals, self._stop.requested)
         if not self.verdict.anomalous:
