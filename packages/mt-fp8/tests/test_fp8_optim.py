@@ -95,6 +95,31 @@ def test_kernel_updates_bf16_parameters_and_moments_in_their_dtype(device):
     assert error <= bound, (error, bound)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_one_parameter_the_kernel_cannot_take_sends_the_whole_step_to_pytorch(device):
+    # The second gradient is a transposed view (not contiguous): the step must not update the
+    # first parameter with the kernel and the second with PyTorch, but both with PyTorch.
+    generator = torch.Generator().manual_seed(5)
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device))
+        for shape in ((64, 32), (32, 48))
+    ]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours, theirs = FusedAdamW(params, **HYPER), torch.optim.AdamW(twins, **HYPER)
+    for _ in range(STEPS):
+        grads = [
+            torch.randn(64, 32, generator=generator).to(device),
+            torch.randn(48, 32, generator=generator).to(device).t(),
+        ]
+        for param, twin, grad in zip(params, twins, grads, strict=True):
+            param.grad, twin.grad = grad, grad.clone()
+        assert ours.kernel_takes(params[0]) and not ours.kernel_takes(params[1])
+        ours.step()
+        theirs.step()
+    for param, twin in zip(params, twins, strict=True):
+        torch.testing.assert_close(param, twin, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_kernel_matches_torch_fused_adamw_on_cuda():
     param, grads = make_param("cuda", numel=1 << 20)
