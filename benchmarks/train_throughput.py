@@ -34,9 +34,10 @@ memory is reported with its error and the run goes on; ``--budget-s`` skips the 
 start after that many seconds. Results go to stdout as a Markdown table
 and, one JSON object per stack, to ``--out``.
 
-``--profile`` adds, per stack, one profiled step (PyTorch profiler): the device time by kernel
-category (:data:`KERNEL_CATEGORIES`), the step's wall time, and the top kernels; this is where
-the performance log in ``docs/benchmarks.md`` gets its breakdowns.
+``--profile`` adds, per stack, ``--profile-steps`` consecutive profiled steps (PyTorch profiler,
+after the timed ones): per step, the device time by kernel category (:data:`KERNEL_CATEGORIES`),
+the wall time, the device's idle time (between steps included), the top kernels and the largest
+gaps; this is where the performance log in ``docs/benchmarks.md`` gets its breakdowns.
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
 ``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.
@@ -271,8 +272,14 @@ def measure(
     return done, time.perf_counter() - start
 
 
-def profile_step(step: Callable[[], Any], device: torch.device, top: int = 50) -> dict[str, Any]:
-    """One profiled step: device ms by kernel category, wall ms, and the ``top`` kernels."""
+def profile_step(
+    step: Callable[[], Any], device: torch.device, steps: int = 2, top: int = 50
+) -> dict[str, Any]:
+    """``steps`` consecutive profiled steps, per step: device ms by kernel category, wall ms,
+    device idle, the ``top`` kernels and the largest single gaps. Consecutive steps in one window
+    show the device idling between steps too (a step that blocks the host on the previous one's
+    kernels leaves the device idle while the host prepares the next), which one profiled step
+    starting from an idle device cannot show."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -280,10 +287,11 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 50) -
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        step()
+        for _ in range(steps):
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     # Device-side events only (kernels, memcpy/memset), without GPU user annotations (such as
     # "Optimizer.step#AdamW.step"): the CPU-side aten ops and the annotations report the device
     # time of the kernels under them, which would count those kernels twice.
@@ -302,27 +310,32 @@ def profile_step(step: Callable[[], Any], device: torch.device, top: int = 50) -
             (c for c, patterns in KERNEL_CATEGORIES if any(p in name.lower() for p in patterns)),
             "other (elementwise, copies, reductions)",
         )
-        by_category[category] = by_category.get(category, 0.0) + ms
+        by_category[category] = by_category.get(category, 0.0) + ms / steps
     kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
-    idle_ms, idle_before = device_idle(intervals)
+    idle_ms, idle_before, gaps = device_idle(intervals)
     return {
+        "steps": steps,
         "wall_ms": wall_ms,
         "device_ms": sum(by_category.values()),
-        "device_idle_ms": idle_ms,
+        "device_idle_ms": idle_ms / steps,
         "device_ms_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
-        "top_kernels_ms": [[name[:90], count, ms] for name, (count, ms) in kernels[:top]],
-        "idle_before_ms": idle_before[:top],
+        "top_kernels_ms": [
+            [name[:90], count / steps, ms / steps] for name, (count, ms) in kernels[:top]
+        ],
+        "idle_before_ms": [[name, n / steps, ms / steps] for name, n, ms in idle_before[:top]],
+        "largest_gaps_ms": gaps[:12],
     }
 
 
 def device_idle(
     intervals: list[tuple[float, float, str]],
-) -> tuple[float, list[list[Any]]]:
+) -> tuple[float, list[list[Any]], list[list[Any]]]:
     """Idle device time between the first and the last kernel (µs intervals, any stream): the
-    total in ms, and per kernel name the idle time right before its launches (``[name, gaps,
-    ms]``, largest first): the kernels the device waited for the host to launch."""
-    idle_us, before = 0.0, {}
-    busy_until = None
+    total in ms; per kernel name the idle time right before its launches (``[name, gaps, ms]``,
+    largest first): the kernels the device waited for the host to launch; and the single gaps,
+    largest first, as ``[ms, kernel before, kernel after]``."""
+    idle_us, before, gaps = 0.0, {}, []
+    busy_until, last_name = None, ""
     for start, end, name in sorted(intervals):
         if busy_until is not None and start > busy_until:
             gap = start - busy_until
@@ -330,9 +343,12 @@ def device_idle(
             entry = before.setdefault(name[:90], [0, 0.0])
             entry[0] += 1
             entry[1] += gap / 1e3
-        busy_until = end if busy_until is None else max(busy_until, end)
+            gaps.append([gap / 1e3, last_name[:60], name[:60]])
+        if busy_until is None or end >= busy_until:
+            busy_until, last_name = end, name
     ranked = sorted(before.items(), key=lambda kv: -kv[1][1])
-    return idle_us / 1e3, [[name, count, ms] for name, (count, ms) in ranked]
+    gaps.sort(key=lambda g: -g[0])
+    return idle_us / 1e3, [[name, count, ms] for name, (count, ms) in ranked], gaps
 
 
 def emit(row: dict[str, Any], out: str | None) -> None:
@@ -447,7 +463,7 @@ def run_in_process(
                     # Allocations that had to free cached blocks first (cudaFree synchronises).
                     row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
                 if args.profile:
-                    row["profile"] = profile_step(step, device)
+                    row["profile"] = profile_step(step, device, args.profile_steps)
             except Exception as err:  # report and go on: one broken stack must not hide the rest
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             step = None  # type: ignore[assignment]
@@ -476,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="no subprocess per stack")
     parser.add_argument("--only", default="", help="comma-separated stack names")
     parser.add_argument("--out", default=None, help="JSON lines file for the results")
-    parser.add_argument("--profile", action="store_true", help="add one profiled step per stack")
+    parser.add_argument("--profile", action="store_true", help="add profiled steps per stack")
+    parser.add_argument(
+        "--profile-steps", type=int, default=2, help="consecutive steps in the profile window"
+    )
     parser.add_argument(
         "--optimizer-impl", default="auto", help="our trainer's optimizer.impl (auto, triton, ...)"
     )
@@ -547,14 +566,18 @@ def main(argv: list[str] | None = None) -> int:
             prof = r["profile"]
             parts = ", ".join(f"{c} {ms:.1f}" for c, ms in prof["device_ms_by_category"].items())
             print(
-                f"\n{r['stack']}: step wall {prof['wall_ms']:.1f} ms, kernels "
-                f"{prof['device_ms']:.1f} ms ({parts}), device idle {prof['device_idle_ms']:.1f} ms"
+                f"\n{r['stack']}, per step of {prof['steps']} profiled: wall "
+                f"{prof['wall_ms']:.1f} ms, kernels {prof['device_ms']:.1f} ms ({parts}), "
+                f"device idle {prof['device_idle_ms']:.1f} ms"
             )
             for kernel, count, ms in prof["top_kernels_ms"]:
-                print(f"    {ms:8.2f} ms  x{count:<4d} {kernel}")
+                print(f"    {ms:8.2f} ms  x{count:<6g} {kernel}")
             print("  idle time before (the kernels the device waited for):")
             for kernel, count, ms in prof["idle_before_ms"][:20]:
-                print(f"    {ms:8.2f} ms  x{count:<4d} {kernel}")
+                print(f"    {ms:8.2f} ms  x{count:<6g} {kernel}")
+            print("  largest single gaps (kernel before -> kernel after):")
+            for ms, previous, following in prof["largest_gaps_ms"]:
+                print(f"    {ms:8.3f} ms  {previous} -> {following}")
     return 0 if any("error" not in r for r in results) and not math.isnan(fpt) else 1
 
 

@@ -3,6 +3,7 @@ as eager ones, through gradient accumulation, evaluation, FP8 recipes and a rewi
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,49 @@ def test_the_graph_computes_the_gradient_norm_the_eager_step_computes(
             trainer.close()
     assert len(set(norms[True])) == 5  # a new norm every step
     assert norms[True] == pytest.approx(norms[False], rel=1e-4), norms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_delayed_fp8_step_synchronises_with_the_host_once(
+    kjv_data: Path, tmp_path: Path, graphed: bool
+) -> None:
+    # The one intended sync is the transfer of the numbers the detectors judge (loss, norm, FP8
+    # saturation). Any other (a blocking host-to-device copy, an .item()) holds the host until
+    # the queued kernels finish, and the device then idles while the host launches what follows;
+    # the delayed-scaling update made one per step until session 15. PyTorch's sync debug mode
+    # warns once per synchronising call.
+    overrides = tiny_overrides(
+        kjv_data,
+        **{
+            "trainer.device": "cuda",
+            "trainer.cuda_graph": graphed,
+            "fp8": "delayed",
+            "fp8.min_features": 128,
+            "model.dim": 128,
+            "model.ffn_dim": 256,
+            "rewind": "default",
+        },
+    )
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
+    try:
+        assert trainer.watch_fp8
+        for _ in range(3):  # graphed: eager warm-up, capture, first replay
+            trainer.train_step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [
+            f"{w.filename}:{w.lineno}: {w.message}"
+            for w in caught
+            if "synchroniz" in str(w.message)
+        ]
+        assert graphed == (trainer.step_graph is not None)
+        assert len(syncs) == 1, syncs
+    finally:
+        trainer.close()

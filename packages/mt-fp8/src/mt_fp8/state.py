@@ -46,6 +46,7 @@ device without a sync; :func:`fp8_health` reads them as fractions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,6 +164,17 @@ def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:
     ]
 
 
+@functools.cache
+def format_maxima_on(device: torch.device, maxima: tuple[float, ...]) -> torch.Tensor:
+    """The per-role format maxima as an fp32 tensor on ``device``, made once per device and
+    formats. Why cached: creating it from Python numbers is a blocking host-to-device copy, which
+    waits for every kernel queued before it. Made per update, it held the host after each
+    optimizer step until the AdamW pass had finished, so the device then idled while the host
+    launched the rest of the update and the next step (``docs/benchmarks.md``, session 15).
+    Callers must not modify the returned tensor."""
+    return torch.tensor(maxima, dtype=torch.float32, device=device)
+
+
 @torch.no_grad()
 def update_fp8_scales(
     model: nn.Module, recipe: DelayedScaling, amax_group: dist.ProcessGroup | None = None
@@ -202,14 +214,8 @@ def update_fp8_scales(
     targets: list[torch.Tensor] = []
     results: list[torch.Tensor] = []
     for (_, _, _, device), batch in batches.items():
-        # Made on the scales' device once per batch: a host tensor would be copied to the GPU
-        # per use, and each such (blocking) host-to-device copy waits for the queue (it made the
-        # delayed-scaling step host-bound on the H200: 306 ms wall for 205 ms of kernels,
-        # 2026-12-02).
-        fmt_max = torch.tensor(
-            [recipe.formats.for_role(role).max for role in TensorRole],
-            dtype=torch.float32,
-            device=device,
+        fmt_max = format_maxima_on(
+            device, tuple(recipe.formats.for_role(role).max for role in TensorRole)
         )
         history_BL3 = torch.stack([meta.amax_history for meta in batch])
         usable_BL3 = torch.where(torch.isfinite(history_BL3), history_BL3, 0.0)

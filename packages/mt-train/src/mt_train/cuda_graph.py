@@ -107,11 +107,14 @@ class StepGraph:
                 if grad_norm is not None:
                     norm = grad_norm([p for p in params if p.grad is not None])
         except torch.cuda.OutOfMemoryError as err:
-            # NOTE: measured on the H200 (2026-12-03): the 32-layer Llama3-8B with full
-            # recompute trains eagerly at 120.2 GiB peak, and its capture ran out of memory.
+            # NOTE: measured on the H200 (2026-12-04, session 15): the 32-layer Llama3-8B with
+            # full recompute trains eagerly at 119.8 GiB peak; its capture ran out of memory with
+            # 10.3 GiB reserved but unallocated (fragmentation), and captured at 120.1 GiB peak
+            # with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
             raise RuntimeError(
                 "trainer.cuda_graph=true: the captured step needs its own memory pool beside the "
-                f"weights and optimizer state, and it did not fit ({err}); set "
+                f"weights and optimizer state, and it did not fit ({err}); start the run with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation) or set "
                 "trainer.cuda_graph=false (eager steps share the allocator's cached blocks)"
             ) from err
         except Exception as err:
