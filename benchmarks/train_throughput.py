@@ -3,7 +3,8 @@
 Model: the Llama 3.1 8B shapes cut to 8 layers (width 4096, FFN 14336, 32 query / 8 KV heads,
 vocab 128256), sequence 8192, batch 1, AdamW (fused), bf16 autocast; ``--seq``, ``--batch``,
 ``--layers`` and ``--recompute`` (full activation recompute of every block, in both our trainer
-and the reference) change the workload for all stacks alike. Stacks, in run order
+and the reference) change the workload for all stacks alike; ``--keep-attention`` makes our
+stacks' recomputation reuse the attention output (``parallel.recompute_keep=[attention]``). Stacks, in run order
 (ours first; the trainer is freed before the reference models are built):
 
 * ``ours_bf16``: mt-train's :class:`~mt_train.Trainer` (model from mt_parallel's layers, its data
@@ -212,6 +213,7 @@ def our_trainer(
         f"trainer.seq_len={s['seq']}", f"trainer.global_batch_size={s['batch']}",
         f"trainer.micro_batch_size={s['batch']}",
         f"parallel.recompute={'full' if s['recompute'] else 'none'}",
+        f"parallel.recompute_keep=[{'attention' if s.get('keep_attention') else ''}]",
         "trainer.max_steps=100000", "trainer.eval_interval=100000", "trainer.sample_tokens=0",
         "trainer.precision=bf16", f"trainer.device={device}", "checkpoint=disabled",
         "optimizer.lr=1e-4",  # the reference stacks' LR: a stable run, so last_loss means something
@@ -514,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         "--recompute", action="store_true", help="full activation recompute of every block"
     )
     parser.add_argument(
+        "--keep-attention",
+        action="store_true",
+        help="with --recompute, our stacks keep the attention output (parallel.recompute_keep)",
+    )
+    parser.add_argument(
         "--alloc-conf",
         default=None,
         help="PYTORCH_CUDA_ALLOC_CONF for every stack (e.g. expandable_segments:True)",
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     s["seq"] = args.seq or s["seq"]
     s["n_layers"] = args.layers or s["n_layers"]
     s.update(batch=args.batch, recompute=int(args.recompute))
+    if args.keep_attention:
+        s["keep_attention"] = 1
     device = torch.device("cpu" if args.tiny else "cuda")
     fields = {
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parallel_tolerances import FP64_VS_FP64
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mt_parallel as mp
 
@@ -24,6 +25,11 @@ import mt_parallel as mp
             r"recompute_targets=\['norm'\]",
         ),
         ({"pp": 2}, "pipeline parallelism is not implemented yet"),
+        (
+            {"recompute": "full", "recompute_keep": ["mlp"]},
+            r"recompute_keep=\['mlp'\]; valid entries: attention",
+        ),
+        ({"recompute_keep": ["attention"]}, r"needs parallel.recompute=full \(got 'none'\)"),
         ({"cp_attention": "ulysses"}, r"cp_attention='ulysses'; valid: all_gather, ring"),
     ],
 )
@@ -126,6 +132,81 @@ def test_recompute_changes_no_gradient_bit(
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators that run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] = self.counts.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradients(
+    fp8: bool,
+) -> None:
+    # Full recompute runs the attention forward twice per block (forward, then the
+    # recomputation); keeping its output runs it once, and the backward sees the same values,
+    # so every gradient keeps its bits (with FP8 too: the recomputation re-quantizes the same
+    # inputs with the same scales).
+    base = mp.DecoderLM(64, 128, 2, 4, 2, 256)
+    mp.init_weights(base, 0)
+    if fp8:
+        from mt_fp8 import recipe_from_name
+
+        mp.apply_fp8(base, recipe_from_name("tensorwise"), skip=("lm_head",))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads, attention_forwards = {}, {}
+    for keep in (None, (), ("attention",)):
+        model = copy.deepcopy(base)
+        if keep is not None:
+            mp.apply_recompute(model, "full", keep=keep)
+        counter = _OpCounter()
+        with counter:
+            model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads[keep] = [p.grad for p in model.parameters()]
+        attention_forwards[keep] = counter.counts[
+            "aten._scaled_dot_product_flash_attention_for_cpu.default"
+        ]
+    assert attention_forwards == {None: 2, (): 4, ("attention",): 2}
+    for keep in ((), ("attention",)):
+        assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[keep], strict=True))
+
+
+@pytest.mark.parametrize("keep", [(), ("attention",)])
+def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...]) -> None:
+    # parallel.compile compiles each block after recompute wraps it: torch.compile must trace
+    # the checkpoint (it refused an explicitly passed default context_fn, and accepts the
+    # selective one). fp64, so that the compiled kernels' other summation order stays at
+    # rounding level (FP64_VS_FP64, parallel_tolerances) against the eager, unwrapped model.
+    base = mp.DecoderLM(64, 32, 2, 4, 2, 64).double()
+    mp.init_weights(base, 0)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        if compiled:
+            mp.apply_recompute(model, "full", keep=keep)
+            for block in model.layers:
+                block.compile()
+        model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for eager, compiled in zip(*grads, strict=True):
+        assert (compiled - eager).abs().max() <= FP64_VS_FP64 * eager.abs().max()
+
+
+def test_recompute_keep_is_refused_with_dropout_or_without_full_recompute() -> None:
+    with pytest.raises(ValueError, match=r"keep=\['attention'\] with dropout in DecoderBlock"):
+        mp.apply_recompute(_tiny_lm(dropout=0.1), "full", keep=["attention"])
+    with pytest.raises(ValueError, match=r"needs the full policy, got 'selective'"):
+        mp.apply_recompute(_tiny_lm(), "selective", keep=["attention"])
+    with pytest.raises(ValueError, match=r"valid entries: attention"):
+        mp.apply_recompute(_tiny_lm(), "full", keep=["everything"])
 
 
 def test_apply_fp8_ties_the_input_scales_of_layers_reading_one_input() -> None:

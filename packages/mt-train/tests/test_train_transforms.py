@@ -87,7 +87,17 @@ def test_delayed_scaling_state_round_trips(kjv_data: Path, tmp_path: Path) -> No
 def test_recompute_is_bitwise_neutral(kjv_data: Path, tmp_path: Path) -> None:
     _, plain = _fit(kjv_data, tmp_path / "plain")
     _, recomputed = _fit(kjv_data, tmp_path / "recompute", parallel="recompute")
-    assert recomputed == plain  # recompute replays the same ops, so the losses are identical
+    trainer, kept = _fit(
+        kjv_data,
+        tmp_path / "keep",
+        parallel="recompute",
+        **{"parallel.recompute_keep": "[attention]"},
+    )
+    assert all(block.forward.args[1:] == (("attention",),) for block in trainer.module.layers)
+    # Recompute replays the same ops (keeping the attention output reuses what the forward
+    # computed), so the losses are identical.
+    assert recomputed == plain
+    assert kept == plain
 
 
 def test_bf16_autocast_on_cpu_tracks_fp32(kjv_data: Path, tmp_path: Path) -> None:

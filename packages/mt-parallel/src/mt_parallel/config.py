@@ -14,6 +14,7 @@ DATA_PARALLEL_MODES = ("ddp", "fsdp", "zero1", "none")
 CP_ATTENTION_MODES = ("all_gather", "ring")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 SELECTIVE_TARGETS = ("attention", "mlp")
+RECOMPUTE_KEEP_TARGETS = ("attention",)
 
 
 @dataclass
@@ -48,6 +49,10 @@ class ParallelConfig:
     recompute_targets: list[str] = field(default_factory=lambda: ["attention"])
     """With ``recompute="selective"``: ``attention`` (the softmax core) and/or ``mlp`` (the
     SwiGLU activation)."""
+    recompute_keep: list[str] = field(default_factory=list)
+    """With ``recompute="full"``: outputs the recomputation reuses instead of computing again.
+    ``attention``: the attention core's output and softmax statistics (2·B·S·D bytes in bf16
+    per recomputed block), so the backward recomputes everything but the attention forward."""
     compile: bool = False
     """``torch.compile`` each decoder block (after recompute, before data parallel)."""
 
@@ -84,6 +89,17 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.recompute_targets={list(self.recompute_targets)!r}: selective "
                 f"recompute needs one or more of {', '.join(SELECTIVE_TARGETS)}"
+            )
+        unknown_keep = [t for t in self.recompute_keep if t not in RECOMPUTE_KEEP_TARGETS]
+        if unknown_keep:
+            raise ValueError(
+                f"parallel.recompute_keep={list(self.recompute_keep)!r}; valid entries: "
+                f"{', '.join(RECOMPUTE_KEEP_TARGETS)}"
+            )
+        if self.recompute_keep and self.recompute != "full":
+            raise ValueError(
+                f"parallel.recompute_keep={list(self.recompute_keep)!r} needs "
+                f"parallel.recompute=full (got {self.recompute!r})"
             )
         if self.pp != 1:
             raise ValueError(

@@ -129,7 +129,12 @@ def parallelize(
     if fp8_recipe is not None:
         apply_fp8(model, fp8_recipe, amax_group=tp_group)
     apply_recompute(
-        model, config.recompute, config.recompute_every, config.recompute_targets, block_types
+        model,
+        config.recompute,
+        config.recompute_every,
+        config.recompute_targets,
+        block_types,
+        config.recompute_keep,
     )
     if config.compile:
         for module in model.modules():

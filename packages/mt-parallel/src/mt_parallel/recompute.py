@@ -7,6 +7,17 @@ Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
   every :class:`~mt_parallel.model.CoreAttention` (the ``S×S`` softmax probabilities are not
   kept), ``mlp`` every :class:`~mt_parallel.model.SwiGLU` (the ``S×F`` activation product).
 * ``full``: recompute whole blocks, block ``i`` when ``i % every == 0`` (``every=1``: all).
+  ``keep`` names outputs the recomputation reuses instead of computing again (PyTorch's
+  selective activation checkpointing: the forward stores the outputs of the chosen operators,
+  and the recomputation returns them in the same order instead of running the operators).
+  ``attention`` keeps the attention core's output and log-sum-exp: 2·B·S·D bytes in bf16 per
+  block for one attention forward less per block in the backward. At long sequences that is the
+  block's best trade of memory for time: the attention forward costs O(S²·D), its output is
+  O(S·D), while each projection's output costs as many bytes per FLOP as its GEMM.
+  The kept operators are the fused ``scaled_dot_product_attention`` kernels (flash, efficient,
+  cuDNN, CPU flash); attention that runs through PyTorch's math fallback is recomputed.
+  Refused with dropout in the block: an operator that is not run again does not advance the
+  random generator, so the recomputation's later dropout masks would differ.
 
 Wrapping replaces the module's ``forward`` on the instance by a call through
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; parameters, their names and the
@@ -23,12 +34,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from mt_parallel.config import RECOMPUTE_POLICIES, SELECTIVE_TARGETS
+from mt_parallel.config import RECOMPUTE_KEEP_TARGETS, RECOMPUTE_POLICIES, SELECTIVE_TARGETS
 from mt_parallel.model import CoreAttention, DecoderBlock, SwiGLU
-from mt_parallel.rng import recompute_rng_contexts
+from mt_parallel.rng import Dropout, recompute_rng_contexts
 
 _SELECTIVE_TYPES: dict[str, type[nn.Module]] = {"attention": CoreAttention, "mlp": SwiGLU}
 
@@ -37,20 +53,72 @@ def _forks_rng(module: nn.Module) -> bool:
     return any(m.forks_rng() for m in module.modules() if hasattr(m, "forks_rng"))
 
 
-def _recomputed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    # The plain context otherwise: torch.compile accepts no other context_fn.
-    context_fn = recompute_rng_contexts if _forks_rng(module) else noop_context_fn
-    return checkpoint(
-        type(module).forward, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+@functools.cache
+def _kept_ops(keep: tuple[str, ...]) -> frozenset[Any]:
+    """The operators whose outputs a recomputation with ``keep`` reuses (module docstring)."""
+    names = {
+        "attention": (
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+    }
+    return frozenset(
+        getattr(torch.ops.aten, name).default
+        for target in keep
+        for name in names[target]
+        if hasattr(torch.ops.aten, name)  # which kernels exist depends on the torch build
     )
 
 
-def recompute_module(module: nn.Module) -> None:
-    """Make ``module`` recompute its forward in backward instead of keeping activations."""
+def _keep_context_fn(keep: tuple[str, ...]) -> Any:
+    ops = _kept_ops(keep)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _recomputed_forward(module: nn.Module, keep: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+    if keep:
+        contexts = {"context_fn": _keep_context_fn(keep)}
+    elif _forks_rng(module):
+        contexts = {"context_fn": recompute_rng_contexts}
+    else:  # no context_fn: torch.compile traces no other (not even the default, passed in)
+        contexts = {}
+    return checkpoint(
+        type(module).forward, module, *args, use_reentrant=False, **contexts, **kwargs
+    )
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    return any(
+        (isinstance(m, Dropout) and m.p > 0) or (isinstance(m, CoreAttention) and m.dropout > 0)
+        for m in module.modules()
+    )
+
+
+def recompute_module(module: nn.Module, keep: tuple[str, ...] | list[str] = ()) -> None:
+    """Make ``module`` recompute its forward in backward instead of keeping activations,
+    except the outputs named in ``keep`` (module docstring)."""
+    keep = tuple(keep)
+    unknown = [t for t in keep if t not in RECOMPUTE_KEEP_TARGETS]
+    if unknown:
+        raise ValueError(
+            f"recompute keep={list(keep)}; valid entries: {', '.join(RECOMPUTE_KEEP_TARGETS)}"
+        )
+    if keep and _has_dropout(module):
+        raise ValueError(
+            f"recompute keep={list(keep)} with dropout in {type(module).__name__}: a kept "
+            "operator is not run again, so the recomputation's dropout masks would differ; "
+            "set the dropout to 0 or keep nothing"
+        )
     if is_recomputed(module):
         return
     # A partial of the module itself (not a closure) so copy.deepcopy rebinds it to the copy.
-    module.forward = functools.partial(_recomputed_forward, module)  # type: ignore[method-assign]
+    module.forward = functools.partial(_recomputed_forward, module, keep)  # type: ignore[method-assign]
 
 
 def is_recomputed(module: nn.Module) -> bool:
@@ -64,17 +132,21 @@ def apply_recompute(
     every: int = 1,
     targets: tuple[str, ...] | list[str] = ("attention",),
     block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+    keep: tuple[str, ...] | list[str] = (),
 ) -> nn.Module:
-    """Apply ``policy`` to ``model`` in place (module docstring); returns ``model``."""
+    """Apply ``policy`` to ``model`` in place (module docstring); returns ``model``. ``keep``
+    applies to ``full`` only."""
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute policy {policy!r}; valid: {', '.join(RECOMPUTE_POLICIES)}")
+    if keep and policy != "full":
+        raise ValueError(f"recompute keep={list(keep)} needs the full policy, got {policy!r}")
     if every < 1:
         raise ValueError(f"recompute every={every} must be a positive integer")
     if policy == "full":
         blocks = [m for m in model.modules() if isinstance(m, block_types)]
         for index, block in enumerate(blocks):
             if index % every == 0:
-                recompute_module(block)
+                recompute_module(block, keep)
     elif policy == "selective":
         unknown = [t for t in targets if t not in SELECTIVE_TARGETS]
         if unknown or not targets:

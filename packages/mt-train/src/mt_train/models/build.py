@@ -94,7 +94,12 @@ def parallelize(
         mt_parallel.set_fp8_weight_cache(model, fp8.cache_weight)
     block_types = (mt_parallel.DecoderBlock,)
     mt_parallel.apply_recompute(
-        model, parallel.recompute, parallel.recompute_every, parallel.recompute_targets, block_types
+        model,
+        parallel.recompute,
+        parallel.recompute_every,
+        parallel.recompute_targets,
+        block_types,
+        parallel.recompute_keep,
     )
     if compile_blocks or parallel.compile:
         for block in model.layers:
