@@ -172,7 +172,10 @@ def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradien
         if keep is not None:
             mp.apply_recompute(model, "full", keep=keep)
         counter = _OpCounter()
-        with counter:
+        # bf16 on CUDA, as the trainer runs: fp32 attention there takes PyTorch's math path,
+        # which has no fused operator to keep.
+        autocast = torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda")
+        with counter, autocast:
             model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         grads[keep] = [p.grad for p in model.parameters()]
         attention_forwards[keep] = sum(

@@ -273,9 +273,11 @@ def fp8_saturation_summary(model: nn.Module) -> tuple[torch.Tensor, list[str]]:
     counts_L33 = torch.stack([meta.health for _, meta in entries])  # (layer, role, count)
     saturated, total = counts_L33[..., 0].double(), counts_L33[..., 2].double()
     fraction = torch.where(total > 0, saturated / total.clamp(min=1), 0.0).flatten()
-    index = torch.argmax(fraction)  # the first maximum
+    # max over a dim returns the first maximum's index, as a device tensor (indexing with a 0-d
+    # tensor instead, fraction[index], reads the index on the host: a sync).
+    worst, index = fraction.max(dim=0)
     places = [f"{name}:{role.name.lower()}" for name, _ in entries for role in TensorRole]
-    return torch.stack([fraction[index], index.double()]), places
+    return torch.stack([worst, index.double()]), places
 
 
 def reset_fp8_health(model: nn.Module) -> None:

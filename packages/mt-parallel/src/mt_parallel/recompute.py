@@ -16,6 +16,12 @@ Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
   O(S·D), while each projection's output costs as many bytes per FLOP as its GEMM.
   The kept operators are the fused ``scaled_dot_product_attention`` kernels (flash, efficient,
   cuDNN, CPU flash); attention that runs through PyTorch's math fallback is recomputed.
+  In eager mode the dispatch modes that store and return the outputs are entered around each
+  :class:`~mt_parallel.model.CoreAttention` call only, not around the whole block: a Python
+  dispatch mode costs host time on every operator under it, and around the block it made the
+  32-layer FP8 step on the H200 host-bound, 31% slower (``docs/benchmarks.md``, session 15).
+  Under ``torch.compile`` (which traces such modes away) they cover the block, as PyTorch's
+  selective checkpointing is documented.
   Refused with dropout in the block: an operator that is not run again does not advance the
   random generator, so the recomputation's later dropout masks would differ.
 
@@ -31,7 +37,9 @@ backward, in the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,18 +80,51 @@ def _kept_ops(keep: tuple[str, ...]) -> frozenset[Any]:
     )
 
 
-def _keep_context_fn(keep: tuple[str, ...]) -> Any:
+def _keep_policy(keep: tuple[str, ...]) -> Any:
     ops = _kept_ops(keep)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+    return policy
+
+
+# The dispatch mode (storing in the forward, returning in the recomputation) that the kept
+# modules of the running checkpoint enter; a stack, as checkpoints may nest. The forward runs on
+# the caller's thread and the recomputation on the autograd engine's, one at a time.
+_ACTIVE_KEEP_MODES: list[Any] = []
+
+
+@contextlib.contextmanager
+def _publish(mode: Any) -> Iterator[None]:
+    _ACTIVE_KEEP_MODES.append(mode)
+    try:
+        yield
+    finally:
+        _ACTIVE_KEEP_MODES.pop()
+
+
+def _scoped_keep_contexts(keep: tuple[str, ...]) -> tuple[Any, Any]:
+    """``context_fn``: PyTorch's selective-checkpoint modes, published for the kept modules to
+    enter instead of being entered around the whole region (module docstring)."""
+    forward_mode, recompute_mode = create_selective_checkpoint_contexts(_keep_policy(keep))
+    return _publish(forward_mode), _publish(recompute_mode)
+
+
+def _kept_module_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module whose operators' outputs a recomputation reuses."""
+    if not _ACTIVE_KEEP_MODES:
+        return type(module).forward(module, *args, **kwargs)
+    with _ACTIVE_KEEP_MODES[-1]:
+        return type(module).forward(module, *args, **kwargs)
 
 
 def _recomputed_forward(module: nn.Module, keep: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
-    if keep:
-        contexts = {"context_fn": _keep_context_fn(keep)}
+    if keep and torch.compiler.is_compiling():
+        policy = _keep_policy(keep)
+        contexts = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    elif keep:
+        contexts = {"context_fn": functools.partial(_scoped_keep_contexts, keep)}
     elif _forks_rng(module):
         contexts = {"context_fn": recompute_rng_contexts}
     else:  # no context_fn: torch.compile traces no other (not even the default, passed in)
@@ -117,6 +158,10 @@ def recompute_module(module: nn.Module, keep: tuple[str, ...] | list[str] = ()) 
         )
     if is_recomputed(module):
         return
+    if "attention" in keep:
+        for core in module.modules():
+            if isinstance(core, CoreAttention):
+                core.forward = functools.partial(_kept_module_forward, core)  # type: ignore[method-assign]
     # A partial of the module itself (not a closure) so copy.deepcopy rebinds it to the copy.
     module.forward = functools.partial(_recomputed_forward, module, keep)  # type: ignore[method-assign]
 

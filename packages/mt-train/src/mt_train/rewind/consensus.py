@@ -9,7 +9,8 @@ all ranks rewind, or stop, at the same step.
 
 Only when ``F`` is not all zero (rare), a second all-reduce (SUM) of a ``(world, D, 2)``
 table, row ``r`` filled by rank ``r`` with its flag and headline value, tells every rank who
-saw what, for the event log. A single process skips both collectives.
+saw what, for the event log. A single process skips both collectives and makes no device
+tensor at all (each is a host-device copy that blocks the host).
 """
 
 from __future__ import annotations
@@ -59,13 +60,21 @@ def agree(findings: list[Finding], stop: bool, device: torch.device) -> Verdict:
     """Reduce this rank's ``findings`` and ``stop`` over the world (see the module docstring)."""
     rank, world = _world()
     own = {f.detector: f for f in findings}
+    if world == 1:
+        # Nothing to reduce, so no device tensors: each would cost a blocking copy per step.
+        fired = [d for d in PRIORITY if d in own]
+        verdict = Verdict(detectors=fired, stop=stop)
+        for d in fired:
+            verdict.ranks[d] = [0]
+            verdict.values[d] = {**own[d].details, "by_rank": {"0": float(own[d].value)}}
+        return verdict
     flags = torch.tensor(
         [float(d in own) for d in PRIORITY] + [float(stop)], dtype=torch.float32, device=device
     )
-    if world > 1:
-        mt_comm.all_reduce(flags, op="max")
-    fired = [d for d, flag in zip(PRIORITY, flags.tolist(), strict=False) if flag > 0]
-    verdict = Verdict(stop=bool(flags[-1].item() > 0))
+    mt_comm.all_reduce(flags, op="max")
+    *detector_flags, stop_flag = flags.tolist()  # the one host sync of a healthy step
+    fired = [d for d, flag in zip(PRIORITY, detector_flags, strict=True) if flag > 0]
+    verdict = Verdict(stop=stop_flag > 0)
     if not fired:
         return verdict
     table = torch.zeros(world, len(PRIORITY), 2, dtype=torch.float64, device=device)
@@ -73,8 +82,7 @@ def agree(findings: list[Finding], stop: bool, device: torch.device) -> Verdict:
         if d in own:
             table[rank, i, 0] = 1.0
             table[rank, i, 1] = own[d].value
-    if world > 1:
-        mt_comm.all_reduce(table, op="sum")
+    mt_comm.all_reduce(table, op="sum")
     table = table.cpu()
     verdict.detectors = fired
     for d in fired:
