@@ -467,7 +467,8 @@ def run_in_process(
                 if args.profile:
                     row["profile"] = profile_step(step, device, args.profile_steps)
             except Exception as err:  # report and go on: one broken stack must not hide the rest
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                # 600 characters: enough for an out-of-memory message's allocator figures.
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:600]}"
             step = None  # type: ignore[assignment]
             gc.collect()
             if device.type == "cuda":

@@ -15,7 +15,8 @@ Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
   block's best trade of memory for time: the attention forward costs O(S²·D), its output is
   O(S·D), while each projection's output costs as many bytes per FLOP as its GEMM.
   The kept operators are the fused ``scaled_dot_product_attention`` kernels (flash, efficient,
-  cuDNN, CPU flash); attention that runs through PyTorch's math fallback is recomputed.
+  cuDNN, CPU flash); attention that runs through PyTorch's math fallback is recomputed, and ring
+  attention (``cp_attention="ring"``) keeps the partial output of every ring step.
   In eager mode the dispatch modes that store and return the outputs are entered around each
   :class:`~mt_parallel.model.CoreAttention` call only, not around the whole block: a Python
   dispatch mode costs host time on every operator under it: around the block, the 32-layer FP8
