@@ -14,7 +14,8 @@ delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` 
 trains that recipe with another seed (other initial weights and batch order), in
 ``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
 alone, the yardstick for the FP8 differences. A run may end in ``+key=value`` Hydra overrides of
-its own (``tensorwise+fp8.output_head=true``; folder ``tensorwise__fp8.output_head-true``). An FP8
+its own (``tensorwise+fp8.output_head=true``; folder ``tensorwise__fp8.output_head-true``; a list
+value keeps its commas: ``+fp8.output_head_gemms=[forward,dgrad]``). An FP8
 run is compared with the bf16 run of the same seed and the same non-``fp8.`` overrides when that
 run is there (``delayed@5678`` with ``none@5678``, ``tensorwise+fp8.output_head=true+model.vocab_size=32768``
 with ``none+model.vocab_size=32768``), else with ``none``. Seed and override runs are reported but not judged; the
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--recipes",
         default=",".join(RECIPES),
-        help="comma-separated fp8= configs; 'none' (bf16) is the reference",
+        help="comma-separated fp8= configs (commas inside [...] belong to a list override, as in tensorwise+fp8.output_head_gemms=[forward,dgrad]); 'none' (bf16) is the reference",
     )
     p.add_argument("--concurrent", type=int, default=0, help="runs at once (0: all of them)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only rebuild the JSON from --out (pass the options of the run that wrote it)",
     )
     args = p.parse_args(argv)
-    args.recipes = [r for r in args.recipes.split(",") if r]
+    args.recipes = [r for r in re.split(r",(?![^\[]*\])", args.recipes) if r]
     for spec in args.recipes:
         base, *extra = spec.split("+")
         recipe, _, seed = base.partition("@")

@@ -17,7 +17,7 @@ stacks' recomputation reuse the attention output (``parallel.recompute_keep=[att
   ``trainer.cuda_graph=true`` (each step's forward and backward replayed as one CUDA graph,
   captured at the second warm-up step; :mod:`mt_train.cuda_graph`);
 * ``ours_graphed_fp8_<recipe>_head``: the same with ``fp8.output_head=true`` (the output head
-  in FP8 too);
+  in FP8 too; ``--head-gemms forward,dgrad`` keeps its weight-gradient GEMM in bf16);
 * ``ref_compile_bf16``: a plain-PyTorch Llama (nn.Linear, nn.RMSNorm, SDPA with GQA) with
   ``torch.compile`` on each block;
 * ``ref_ao_tensorwise`` / ``ref_ao_rowwise``: the same model converted with torchao's
@@ -230,20 +230,24 @@ def enable_fp8(
     health: bool = True,
     cache_weight: bool = True,
     output_head: bool = False,
+    head_gemms: tuple[str, ...] = ("forward", "dgrad", "wgrad"),
 ) -> None:
     """``fp8=<recipe>`` on a built trainer; ``health=False`` turns the numerics-health counts
     off in every FP8 layer (to measure what they cost), ``cache_weight=False`` the FP8 weight
     cache (``fp8.cache_weight=false``: less memory, a weight quantization per forward),
-    ``output_head=True`` puts the output head in FP8 too (``fp8.output_head=true``)."""
+    ``output_head=True`` puts the output head in FP8 too (``fp8.output_head=true``) with
+    ``head_gemms`` in FP8 (``fp8.output_head_gemms``)."""
     import mt_fp8
     import mt_parallel
     from mt_train.config.schema import FP8Config
-    from mt_train.models.build import fp8_layer_count, fp8_skip_names
+    from mt_train.models.build import apply_fp8_config, fp8_layer_count
 
-    recipe = mt_fp8.recipe_from_name(recipe_name)
-    skip = fp8_skip_names(trainer.module, FP8Config(recipe=recipe_name, output_head=output_head))
-    mt_parallel.apply_fp8(trainer.module, recipe, amax_group=trainer.tp_group, skip=skip)
-    trainer.fp8_recipe = recipe
+    fp8 = FP8Config(
+        recipe=recipe_name,
+        output_head=output_head,
+        output_head_gemms=list(head_gemms) if output_head else list(mt_fp8.FP8_GEMMS),
+    )
+    trainer.fp8_recipe = apply_fp8_config(trainer.module, fp8, trainer.tp_group)
     # As the trainer counts them at build: steps then watch the FP8 health counters for the
     # fp8_overflow detector, as an fp8= run does.
     trainer.fp8_layers = fp8_layer_count(trainer.module)
@@ -446,6 +450,7 @@ def run_in_process(
                             not args.no_fp8_health,
                             not args.no_fp8_weight_cache,
                             output_head=recipe.endswith("_head"),
+                            head_gemms=tuple(args.head_gemms.split(",")),
                         )
                     step = trainer.train_step
                 done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
@@ -520,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         "--keep-attention",
         action="store_true",
         help="with --recompute, our stacks keep the attention output (parallel.recompute_keep)",
+    )
+    parser.add_argument(
+        "--head-gemms",
+        default="forward,dgrad,wgrad",
+        help="the output head's GEMMs in FP8 for the _head stacks (fp8.output_head_gemms)",
     )
     parser.add_argument(
         "--alloc-conf",

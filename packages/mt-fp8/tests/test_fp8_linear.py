@@ -296,6 +296,74 @@ def test_swiglu_down_projection_matches_swiglu_then_linear(recipe, device):
             assert torch.equal(layer.fp8_meta.amax_history, twin.fp8_meta.amax_history)
 
 
+GEMM_SUBSETS = [
+    ("forward",),
+    ("dgrad",),
+    ("wgrad",),
+    ("forward", "dgrad"),
+    ("forward", "wgrad"),
+    ("dgrad", "wgrad"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("gemms", GEMM_SUBSETS, ids="+".join)
+@pytest.mark.parametrize(
+    "recipe", [TensorwiseScaling(), RowwiseScaling(), DelayedScaling()], ids=lambda r: r.name
+)
+def test_high_precision_gemms_match_nn_linear_and_fp8_ones_the_fp8_layer(recipe, gemms, device):
+    """With ``fp8_gemms`` a subset, each FP8 GEMM gives the bits of an all-FP8 twin and each
+    other GEMM the bits of ``nn.Linear`` under the same bf16 autocast; over two steps (delayed:
+    the second with scales from the first's amaxes). SwiGLU input goes the unfused way."""
+    torch.manual_seed(0)
+    layer = FP8Linear(K, N, recipe=recipe, fp8_gemms=gemms)
+    twin = FP8Linear(K, N, recipe=recipe)
+    plain = nn.Linear(K, N)
+    twin.load_state_dict(layer.state_dict())
+    plain.load_state_dict({k: layer.state_dict()[k] for k in ("weight", "bias")})
+    layer, twin, plain = layer.to(device), twin.to(device), plain.to(device)
+    for step in range(2):
+        gate = (torch.randn(M, K) * (1 + step)).to(device).requires_grad_()
+        up = torch.randn(M, K).to(device).requires_grad_()
+        dy = torch.randn(M, N).to(device)
+        outputs, grads = [], []
+        for module in (layer, twin, plain):
+            g, u = (t.detach().clone().requires_grad_() for t in (gate, up))
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = layer.forward_swiglu(g, u) if module is layer else module(swiglu(g, u))
+            y.backward(dy.to(y.dtype))
+            outputs.append(y)
+            grads.append((g.grad, module.weight.grad))
+            module.zero_grad()
+        twin_index = 1 if "forward" in gemms else 2
+        assert torch.equal(outputs[0], outputs[twin_index])
+        twin_index = 1 if "dgrad" in gemms else 2
+        assert torch.equal(grads[0][0], grads[twin_index][0])
+        twin_index = 1 if "wgrad" in gemms else 2
+        assert torch.equal(grads[0][1], grads[twin_index][1])
+        if isinstance(recipe, DelayedScaling):
+            update_fp8_scales(layer, recipe)
+            update_fp8_scales(twin, recipe)
+
+
+def test_high_precision_wgrad_saves_the_input_and_names_bad_gemms():
+    x = torch.randn(M, K, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    for gemms, saves_x in ((("forward", "dgrad"), True), (("forward", "dgrad", "wgrad"), False)):
+        saved.clear()
+        layer = FP8Linear(K, N, recipe=TensorwiseScaling(), fp8_gemms=gemms)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            layer(x)
+        assert any(t.data_ptr() == x.data_ptr() and t.dtype == x.dtype for t in saved) == saves_x
+    assert "fp8_gemms=['dgrad', 'forward']" in repr(FP8Linear(K, N, fp8_gemms=["forward", "dgrad"]))
+    with pytest.raises(
+        ValueError, match=r"unknown GEMM names \['fwd'\]; valid: .*forward, dgrad, wgrad"
+    ):
+        FP8Linear(K, N, fp8_gemms=["fwd", "dgrad"])
+    with pytest.raises(ValueError, match="names no GEMM"):
+        FP8Linear(K, N, fp8_gemms=[])
+
+
 def test_swiglu_down_projection_rejects_mismatched_inputs():
     layer = FP8Linear(K, N)
     with pytest.raises(ValueError, match=r"gate and up of one shape and dtype with 256 features"):

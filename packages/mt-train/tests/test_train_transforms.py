@@ -49,6 +49,39 @@ def test_fp8_output_head_is_opt_in(kjv_data: Path, tmp_path: Path) -> None:
     assert losses == pytest.approx(reference, rel=2e-2)
 
 
+def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_path: Path) -> None:
+    _, reference = _fit(kjv_data, tmp_path / "fp32")
+    trainer, losses = _fit(
+        kjv_data,
+        tmp_path / "head",
+        fp8="tensorwise",
+        **{"fp8.output_head": True, "fp8.output_head_gemms": "[forward,dgrad]"},
+    )
+    head = trainer.module.output._fp8
+    assert head.fp8_gemms == {"forward", "dgrad"}
+    assert all(
+        m._fp8.fp8_gemms == {"forward", "dgrad", "wgrad"}
+        for m in trainer.module.layers[0].modules()
+        if getattr(m, "fp8_enabled", False)
+    )
+    # Fewer FP8 GEMMs than the all-FP8 head: the same 2% bound holds.
+    assert losses == pytest.approx(reference, rel=2e-2)
+    with pytest.raises(
+        ValueError, match=r"fp8.output_head_gemms=\['forward'\] applies to an FP8 output head only"
+    ):
+        to_train_config(
+            compose_config(tiny_overrides(kjv_data, **{"fp8.output_head_gemms": "[forward]"}))
+        )
+    with pytest.raises(ValueError, match=r"fp8.output_head_gemms: .*unknown GEMM names \['fwd'\]"):
+        to_train_config(
+            compose_config(
+                tiny_overrides(
+                    kjv_data, **{"fp8.output_head": True, "fp8.output_head_gemms": "[fwd]"}
+                )
+            )
+        )
+
+
 def test_fp8_weight_cache_off_trains_identically(kjv_data: Path, tmp_path: Path) -> None:
     # The cache only saves re-quantizing the same weight: without it every forward quantizes
     # the weight again, to the same bytes, so the run is bitwise the same.

@@ -4,12 +4,14 @@ from mt_fp8.autocast import FP8AutocastState, current_fp8_state, fp8_autocast
 from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
 from mt_fp8.functional import (
+    FP8_GEMMS,
     FP8LinearFunction,
     FP8SwiGLULinearFunction,
     LinearPlan,
     final_micro_batch,
     fp8_linear,
     fp8_swiglu_linear,
+    parse_fp8_gemms,
 )
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear import FP8GroupedLinear, FP8Linear, clear_fp8_weight_caches
@@ -55,6 +57,7 @@ __all__ = [
     "FP8GroupedLinear",
     "FP8Linear",
     "FP8LinearFunction",
+    "FP8_GEMMS",
     "FP8Meta",
     "FP8SwiGLULinearFunction",
     "LinearPlan",
@@ -78,6 +81,7 @@ __all__ = [
     "fp8_saturation_summary",
     "fp8_linear",
     "fp8_swiglu_linear",
+    "parse_fp8_gemms",
     "fp8_gemm",
     "quantize",
     "recipe_from_name",

@@ -77,6 +77,16 @@ and Inductor fuses it with its neighbours. NOTE: the Triton quantizers wrapped a
 4096×14336: tensorwise 3.14 against 2.51 ms, rowwise 4.56 against 2.93 ms; the opaque calls
 add host time, and rowwise needs separate transpose copies Inductor otherwise fuses).
 
+Per-GEMM precision (``LinearPlan.fp8_gemms``, ``FP8Linear(fp8_gemms=...)``): any of the three
+GEMMs (``forward``, ``dgrad``, ``wgrad``) can run in high precision instead, in the plan's
+``out_dtype`` (the autocast dtype, as ``F.linear`` would) from the high-precision operands:
+``forward`` reads ``x`` and ``w``; ``dgrad`` saves ``w`` (the parameter itself, no copy) and
+reads ``dy``; ``wgrad`` saves ``x`` in high precision (instead of ``xᵀ`` in FP8) and reads ``dy``.
+A role is quantized only where an FP8 GEMM reads it (``dy`` not at all when both backward GEMMs
+are high precision). This is torchao's per-GEMM configuration and Megatron's ``--fp8-wgrad``,
+meant for the most precision-sensitive layer, the output head; the FP8 GEMMs give the same
+bytes as in an all-FP8 layer.
+
 Current tensorwise scaling under tensor parallelism: when the plan has an ``amax_group`` (the
 layer's ``fp8_meta.amax_group``, set by ``fp8_autocast(amax_group=...)`` or by the caller) and a
 role is in ``amax_reduction_roles``, that role's amax is MAX-reduced over the group before its
@@ -93,7 +103,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +130,24 @@ from mt_fp8.quantized import (
 from mt_fp8.recipes import DelayedScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 
+FP8_GEMMS = ("forward", "dgrad", "wgrad")
+"""The three GEMMs of a linear layer (:mod:`mt_fp8.recipes`), in the names ``fp8_gemms`` takes."""
+
+
+def parse_fp8_gemms(gemms: Iterable[str]) -> frozenset[str]:
+    """``gemms`` as a set of :data:`FP8_GEMMS` names; raises on an unknown name or no name."""
+    if isinstance(gemms, str):
+        gemms = (gemms,)
+    parsed = frozenset(gemms)
+    unknown = sorted(parsed - set(FP8_GEMMS))
+    if unknown or not parsed:
+        what = f"unknown GEMM names {unknown}" if unknown else "no GEMM"
+        raise ValueError(
+            f"fp8_gemms={sorted(parsed)} names {what}; valid: a non-empty subset of "
+            f"{', '.join(FP8_GEMMS)} (a layer with no FP8 GEMM is a plain nn.Linear)"
+        )
+    return parsed
+
 
 @dataclass
 class LinearPlan:
@@ -135,6 +163,16 @@ class LinearPlan:
     """Process group for current tensorwise amax reduction (module docstring), or None."""
     amax_reduction_roles: frozenset[TensorRole] = field(default_factory=lambda: frozenset())
     """Roles whose current tensorwise amax is MAX-reduced over ``amax_group``."""
+    fp8_gemms: frozenset[str] = frozenset(FP8_GEMMS)
+    """The GEMMs that run in FP8; the others run in ``out_dtype`` (module docstring)."""
+
+    def in_fp8(self, gemm: str, needed: bool = True) -> bool:
+        """Whether ``gemm`` runs, in FP8 (``needed``: whether the call runs it at all)."""
+        return needed and gemm in self.fp8_gemms
+
+    @property
+    def all_fp8(self) -> bool:
+        return len(self.fp8_gemms) == len(FP8_GEMMS)
 
     def reduction_group(self, role: TensorRole) -> dist.ProcessGroup | None:
         """The group to reduce ``role``'s amax over, or None (current tensorwise scaling only)."""
@@ -408,30 +446,40 @@ def _forward_gemm(
     ctx: Any,
     plan: LinearPlan,
     x_MK: torch.Tensor | None,
-    x_q: QuantizedTensor,
+    x_q: QuantizedTensor | None,
     weight_NK: torch.Tensor,
     bias_N: torch.Tensor | None,
     need_dx: bool,
     need_dw: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """``y = x wᵀ + b`` from the quantized input ``x_q``; returns ``y`` and the tensors the
-    backward needs (``xᵀ`` and ``wᵀ`` in FP8, for :func:`_backward_gemms`), and records the
-    rest on ``ctx``. ``x_MK`` (high precision) is read only when ``xᵀ`` must be requantized; it
-    may be None when ``x_q.transposed`` holds ``xᵀ``."""
-    weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=need_dx)
+    """``y = x wᵀ + b`` from the quantized input ``x_q`` (or, with a high-precision forward,
+    from ``x_MK``); returns ``y`` and the tensors the backward needs (``xᵀ`` and ``wᵀ`` in FP8
+    for FP8 GEMMs, ``x`` and ``w`` for high-precision ones, for :func:`_backward_gemms`), and
+    records the rest on ``ctx``. ``x_MK`` (high precision) is read only when ``xᵀ`` must be
+    requantized or a GEMM reads it; it may be None when ``x_q.transposed`` holds ``xᵀ``."""
+    fp8_forward = plan.in_fp8("forward")
+    fp8_dx, fp8_dw = plan.in_fp8("dgrad", need_dx), plan.in_fp8("wgrad", need_dw)
+    weight_q = weight_t_q = None
+    if fp8_forward or fp8_dx:
+        weight_q, weight_t_q = plan.weight_operands(weight_NK, need_transpose=fp8_dx)
     bias = None if bias_N is None else bias_N.to(plan.out_dtype)
-    y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)
+    if fp8_forward:
+        y_MN = fp8_gemm(x_q, weight_q, plan.out_dtype, bias, plan.backend)  # type: ignore[arg-type]
+    else:
+        y_MN = F.linear(x_MK.to(plan.out_dtype), weight_NK.to(plan.out_dtype), bias)  # type: ignore[union-attr]
     x_t_q = None
-    if need_dw:
+    if fp8_dw:
         x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT)  # type: ignore[arg-type]
-        x_q.transposed = x_t_q  # the next layer reading the same x reuses it too
+        x_q.transposed = x_t_q  # type: ignore[union-attr]  # the next layer reading x reuses it
     ctx.plan = plan
     ctx.layouts = (
         None if x_t_q is None else (x_t_q.layout, x_t_q.fmt),
         None if weight_t_q is None else (weight_t_q.layout, weight_t_q.fmt),
     )
     ctx.dtypes = (weight_NK.dtype, None if bias_N is None else bias_N.dtype)
-    return y_MN, [*_pack(x_t_q), *_pack(weight_t_q)]
+    x_hp = x_MK if need_dw and not fp8_dw else None
+    weight_hp = weight_NK if need_dx and not fp8_dx else None
+    return y_MN, [*_pack(x_t_q), *_pack(weight_t_q), x_hp, weight_hp]
 
 
 def _backward_gemms(
@@ -443,23 +491,30 @@ def _backward_gemms(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dw, db)`` from ``dy`` and the FP8 ``xᵀ``, ``wᵀ`` of :func:`_forward_gemm`."""
+    """``(dx, dw, db)`` from ``dy`` and what :func:`_forward_gemm` saved."""
     plan: LinearPlan = ctx.plan
-    x_t_data, x_t_scale, w_t_data, w_t_scale = saved
+    x_t_data, x_t_scale, w_t_data, w_t_scale, x_MK, weight_NK = saved
     w_dtype, b_dtype = ctx.dtypes
+    fp8_dx, fp8_dw = plan.in_fp8("dgrad", need_dx), plan.in_fp8("wgrad", need_dw)
     with torch.autocast(dy_MN.device.type, enabled=False):
         dy_MN = dy_MN.contiguous()
-        dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=need_dw)
+        dy_q = None
+        if fp8_dx or fp8_dw:
+            dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=fp8_dw)
         dx = dw = db = None
-        if need_dx:
+        if fp8_dx:
             layout, fmt = ctx.layouts[1]
             weight_t_q = QuantizedTensor(w_t_data, w_t_scale, layout, fmt)
-            dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)
-        if need_dw:
+            dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)  # type: ignore[arg-type]
+        elif need_dx:
+            dx = (dy_MN.to(plan.out_dtype) @ weight_NK.to(plan.out_dtype)).to(x_dtype)
+        if fp8_dw:
             layout, fmt = ctx.layouts[0]
             x_t_q = QuantizedTensor(x_t_data, x_t_scale, layout, fmt)
             dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
             dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
+        elif need_dw:
+            dw = (dy_MN.to(plan.out_dtype).t() @ x_MK.to(plan.out_dtype)).to(w_dtype)
         if need_db:
             db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
     release_weight_cache(plan.weight_cache)
@@ -478,7 +533,10 @@ class FP8LinearFunction(torch.autograd.Function):
         plan: LinearPlan,
     ) -> torch.Tensor:
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_q = plan.quantize_input(x_MK, transposed=need_dw)
+        fp8_dw = plan.in_fp8("wgrad", need_dw)
+        x_q = None
+        if plan.in_fp8("forward") or fp8_dw:
+            x_q = plan.quantize_input(x_MK, transposed=fp8_dw)
         y_MN, saved = _forward_gemm(ctx, plan, x_MK, x_q, weight_NK, bias_N, need_dx, need_dw)
         ctx.save_for_backward(*saved)
         ctx.x_dtype = x_MK.dtype
@@ -559,6 +617,8 @@ def fp8_swiglu_linear(
             f"fp8_swiglu_linear needs gate and up of one shape and dtype with {in_features} "
             f"features last, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
         )
+    if not plan.all_fp8:  # the fused SwiGLU quantizer feeds FP8 GEMMs only
+        return fp8_linear(swiglu(gate, up), weight_NK, bias_N, plan)
     gate_MK, up_MK = gate.reshape(-1, in_features), up.reshape(-1, in_features)
     with torch.autocast(gate.device.type, enabled=False):
         y_MN = FP8SwiGLULinearFunction.apply(gate_MK, up_MK, weight_NK, bias_N, plan)

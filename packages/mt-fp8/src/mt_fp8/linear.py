@@ -47,7 +47,14 @@ from torch import nn
 
 from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
-from mt_fp8.functional import LinearPlan, check_dims, fp8_linear, fp8_swiglu_linear
+from mt_fp8.functional import (
+    FP8_GEMMS,
+    LinearPlan,
+    check_dims,
+    fp8_linear,
+    fp8_swiglu_linear,
+    parse_fp8_gemms,
+)
 from mt_fp8.gemm import BACKENDS
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.ops.swiglu import swiglu
@@ -65,6 +72,8 @@ class _FP8LayerMixin:
     amax_reduction_roles: frozenset[TensorRole]
     cache_weight: bool = True
     """Reuse the FP8 weight while the weight is unchanged (module docstring: weight cache)."""
+    fp8_gemms: frozenset[str] = frozenset(FP8_GEMMS)
+    """The GEMMs that run in FP8 (:mod:`mt_fp8.functional`: per-GEMM precision)."""
 
     def _init_fp8(
         self,
@@ -106,6 +115,7 @@ class _FP8LayerMixin:
             cache if self.cache_weight else None,
             amax_group=self.fp8_meta.amax_group,
             amax_reduction_roles=self.amax_reduction_roles,
+            fp8_gemms=self.fp8_gemms,
         )
 
 
@@ -134,6 +144,9 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
     counts saturated and flushed values per role (:func:`mt_fp8.fp8_health`).
     ``amax_reduction_roles`` (``TensorRole`` s or their names, default all three): roles whose
     current tensorwise amax is MAX-reduced over ``fp8_meta.amax_group`` when one is set.
+    ``fp8_gemms`` (default all three): which of ``forward``, ``dgrad``, ``wgrad`` run in FP8;
+    the others run in the autocast dtype from high-precision operands (:mod:`mt_fp8.functional`:
+    per-GEMM precision), e.g. ``("forward", "dgrad")`` keeps the weight gradient's GEMM exact.
     """
 
     def __init__(
@@ -147,9 +160,11 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         backend: str = "auto",
         track_health: bool = True,
         amax_reduction_roles: Iterable[TensorRole | str] = tuple(TensorRole),
+        fp8_gemms: Iterable[str] = FP8_GEMMS,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(recipe, backend, track_health, amax_reduction_roles)
+        self.fp8_gemms = parse_fp8_gemms(fp8_gemms)
         reason = check_dims(self.recipe, in_features, out_features)
         if reason is not None:
             raise ValueError(f"FP8Linear: {reason}")
@@ -192,7 +207,10 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         return fp8_swiglu_linear(gate, up, self.weight, self.bias, plan)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}"
+        gemms = (
+            "" if len(self.fp8_gemms) == len(FP8_GEMMS) else f", fp8_gemms={sorted(self.fp8_gemms)}"
+        )
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, backend={self.backend}{gemms}"
 
 
 class FP8GroupedLinear(_FP8LayerMixin, nn.Module):

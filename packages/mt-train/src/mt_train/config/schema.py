@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from mt_fp8 import RECIPES, recipe_from_name
+from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
 from mt_parallel import ParallelConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
@@ -144,6 +144,10 @@ class FP8Config:
     the most precision-sensitive GEMM of the model. At Llama3-8B shapes the head is a third of
     an 8-layer model's GEMM time, so this is the largest speed lever left; check its loss
     against bf16 (``benchmarks/fp8_quality.py``) before relying on it."""
+    output_head_gemms: list[str] = field(default_factory=lambda: list(FP8_GEMMS))
+    """With ``output_head``: which of the head's GEMMs (``forward``, ``dgrad``, ``wgrad``) run in
+    FP8; the others run in bf16 from high-precision operands (``mt_fp8.FP8Linear(fp8_gemms=...)``),
+    e.g. ``[forward,dgrad]`` keeps the head's weight gradient exact."""
 
     def __post_init__(self) -> None:
         if self.recipe != "none":
@@ -152,6 +156,15 @@ class FP8Config:
                     f"fp8.recipe={self.recipe!r} is unknown; valid: none, {', '.join(RECIPES)}"
                 )
             recipe_from_name(self.recipe, **dict(self.recipe_args))
+        try:
+            gemms = parse_fp8_gemms(self.output_head_gemms)
+        except ValueError as error:
+            raise ValueError(f"fp8.output_head_gemms: {error}") from None
+        if gemms != set(FP8_GEMMS) and not self.output_head:
+            raise ValueError(
+                f"fp8.output_head_gemms={list(self.output_head_gemms)} applies to an FP8 output "
+                "head only; set fp8.output_head=true too, or leave the default"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -12,6 +12,7 @@ never changes:
 * FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
   with the configured recipe; the output head (unless ``fp8.output_head``), and linears whose
   smaller side is below ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
+  an FP8 head runs the GEMMs of ``fp8.output_head_gemms`` in FP8 and the others in bf16;
 * recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
 * compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
 * data parallel: ``mt_parallel.apply_data_parallel`` over dp×cp: DDP (``ddp``), FSDP2
@@ -72,6 +73,26 @@ def fp8_skip_names(model: nn.Module, fp8: FP8Config) -> tuple[str, ...]:
     return tuple(skip)
 
 
+def apply_fp8_config(model: nn.Module, fp8: FP8Config, tp_group: Any) -> mt_fp8.Recipe:
+    """Run ``model``'s TP linears in FP8 as ``fp8`` says (``mt_parallel.apply_fp8``): the blocks'
+    with every GEMM in FP8, the head (with ``fp8.output_head``) with ``fp8.output_head_gemms``;
+    returns the recipe."""
+    recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
+    skip = fp8_skip_names(model, fp8)
+    mt_parallel.apply_fp8(
+        model, recipe, amax_group=tp_group, skip=(*skip, "output"), backend=fp8.backend
+    )
+    if "output" not in skip:
+        mt_parallel.apply_fp8(
+            model.output,
+            recipe,
+            amax_group=tp_group,
+            backend=fp8.backend,
+            fp8_gemms=tuple(fp8.output_head_gemms),
+        )
+    return recipe
+
+
 def parallelize(
     model: Llama,
     parallel: mt_parallel.ParallelConfig,
@@ -87,10 +108,7 @@ def parallelize(
             model, state.group("cp"), ring=parallel.cp_attention == "ring"
         )
     if fp8.enabled:
-        recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
-        mt_parallel.apply_fp8(
-            model, recipe, amax_group=tp_group, skip=fp8_skip_names(model, fp8), backend=fp8.backend
-        )
+        apply_fp8_config(model, fp8, tp_group)
         mt_parallel.set_fp8_weight_cache(model, fp8.cache_weight)
     block_types = (mt_parallel.DecoderBlock,)
     mt_parallel.apply_recompute(
