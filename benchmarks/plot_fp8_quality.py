@@ -47,6 +47,23 @@ def reference_label(run: dict[str, Any]) -> str:
     return "fp32" if " fp32" in (run.get("trainer") or "") else "bf16"
 
 
+def common_overrides(runs: dict[str, Any]) -> list[str]:
+    """The ``+key=value`` overrides every run has (``+model.vocab_size=128256``): the title
+    names them once and the run labels leave them out."""
+    parts = [spec.split("+")[1:] for spec in runs]
+    return [e for e in parts[0] if all(e in other for other in parts[1:])] if parts else []
+
+
+def run_name(spec: str, run: dict[str, Any], common: list[str]) -> str:
+    """``spec`` without the common overrides, ``none`` shown as bf16 (or fp32), ``@seed`` as
+    `` seed N``."""
+    base, *extra = spec.split("+")
+    recipe, _, seed = base.partition("@")
+    name = reference_label(run) if recipe == REFERENCE else recipe
+    name = "+".join([name, *(e for e in extra if e not in common)])
+    return f"{name} seed {seed}" if seed else name
+
+
 def title(result: dict[str, Any]) -> str:
     s = result["settings"]
     text = f"{s['model']}"
@@ -58,6 +75,9 @@ def title(result: dict[str, Any]) -> str:
     text += f", {s['steps']} steps of {s['global_batch']}×{s['seq_len']} tokens, lr {s['lr']:g}"
     if device:
         text += f", {device.group(1)}"
+    common = common_overrides(result["runs"])
+    if common:
+        text += f"; every run: {' '.join(common)}"
     return text
 
 
@@ -84,21 +104,23 @@ def plot(result: dict[str, Any], out: Path, beta: float) -> None:
         ) from err
 
     runs = result["runs"]
-    ref = runs.get(REFERENCE)
+    common = common_overrides(runs)
+    # Each FP8 run against its own bf16 run (fp8_quality.py's "reference": same seed and
+    # non-FP8 overrides); the black curve is the reference of the default seed.
+    references = {run.get("reference") or REFERENCE for run in runs.values()}
+    ref_spec = next((r for r in references if r in runs and "@" not in r), REFERENCE)
+    ref = runs.get(ref_spec)
     fig, (ax_val, ax_rel, ax_train) = plt.subplots(1, 3, figsize=(17, 5.2))
     colors = plt.get_cmap("tab10").colors
     rel_seen: list[float] = []
     train_seen: list[float] = []
     max_step = result["settings"]["steps"]
     for i, (recipe, run) in enumerate(runs.items()):
-        is_ref = recipe == REFERENCE
-        base, _, seed = recipe.partition("@")
-        name = reference_label(run) if base == REFERENCE else base
-        if seed:
-            name += f" seed {seed}"
+        is_ref = recipe == ref_spec
+        name = run_name(recipe, run, common)
         if is_ref:
             style = {"color": "black", "linewidth": 2.2, "zorder": 5}
-        elif base == REFERENCE:  # the reference at another seed: its own noise
+        elif recipe.partition("@")[0].split("+")[0] == REFERENCE:  # bf16 at another seed: noise
             style = {"color": "dimgray", "linewidth": 1.4, "linestyle": "--"}
         else:
             style = {"color": colors[i % len(colors)], "linewidth": 1.4}
@@ -117,8 +139,9 @@ def plot(result: dict[str, Any], out: Path, beta: float) -> None:
             smooth = ema(list(values), beta)
             ax_train.plot(steps, smooth, label=name, **style)
             train_seen += [v for s, v in zip(steps, smooth, strict=True) if s >= max_step / 20]
-        if not is_ref and ref is not None and run["val_loss"]:
-            steps, pct = relative_pct(run, ref)
+        own_ref = runs.get(run.get("reference") or ref_spec)
+        if not is_ref and own_ref is not None and run["val_loss"]:
+            steps, pct = relative_pct(run, own_ref)
             ax_rel.plot(steps, pct, marker="o", markersize=2.5, label=name, **style)
             rel_seen += [p for s, p in zip(steps, pct, strict=True) if s >= max_step / 4]
 
