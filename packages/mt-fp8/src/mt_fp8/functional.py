@@ -167,11 +167,12 @@ class LinearPlan:
     """The GEMMs that run in FP8; the others run in ``out_dtype`` (module docstring)."""
 
     def in_fp8(self, gemm: str, needed: bool = True) -> bool:
-        """Whether ``gemm`` runs, in FP8 (``needed``: whether the call runs it at all)."""
+        """Whether this call runs ``gemm`` in FP8 (``needed``: whether it runs ``gemm`` at all)."""
         return needed and gemm in self.fp8_gemms
 
     @property
     def all_fp8(self) -> bool:
+        """Whether every GEMM runs in FP8 (the default)."""
         return len(self.fp8_gemms) == len(FP8_GEMMS)
 
     def reduction_group(self, role: TensorRole) -> dist.ProcessGroup | None:
