@@ -82,6 +82,26 @@ def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_
         )
 
 
+def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(kjv_data: Path, tmp_path: Path) -> None:
+    _, reference = _fit(kjv_data, tmp_path / "fp32")
+    trainer, losses = _fit(
+        kjv_data, tmp_path / "no_wgrad", fp8="rowwise", **{"fp8.gemms": "[forward,dgrad]"}
+    )
+    fp8_layers = [m for m in trainer.module.modules() if getattr(m, "fp8_enabled", False)]
+    assert len(fp8_layers) == 2 * 7  # the blocks' linears; the head stays bf16
+    assert all(m._fp8.fp8_gemms == {"forward", "dgrad"} for m in fp8_layers)
+    # Fewer FP8 GEMMs than the all-FP8 blocks of test_fp8_run_tracks_high_precision: the same 2% bound.
+    assert losses == pytest.approx(reference, rel=2e-2)
+    with pytest.raises(ValueError, match=r"fp8.gemms=\['wgrad'\] needs an FP8 recipe"):
+        to_train_config(compose_config(tiny_overrides(kjv_data, **{"fp8.gemms": "[wgrad]"})))
+    with pytest.raises(ValueError, match=r"fp8.gemms: .*unknown GEMM names \['bwd'\]"):
+        to_train_config(
+            compose_config(
+                tiny_overrides(kjv_data, **{"fp8": "rowwise", "fp8.gemms": "[forward,bwd]"})
+            )
+        )
+
+
 def test_fp8_weight_cache_off_trains_identically(kjv_data: Path, tmp_path: Path) -> None:
     # The cache only saves re-quantizing the same weight: without it every forward quantizes
     # the weight again, to the same bytes, so the run is bitwise the same.

@@ -138,6 +138,11 @@ class FP8Config:
     (quantized once per step); false quantizes in every forward and recomputed forward, which
     saves two bytes per weight element of every layer awaiting its backward
     (``mt_parallel.set_fp8_weight_cache``)."""
+    gemms: list[str] = field(default_factory=lambda: list(FP8_GEMMS))
+    """Which of the blocks' GEMMs (``forward``, ``dgrad``, ``wgrad``) run in FP8; the others run
+    in bf16 from high-precision operands (``mt_fp8.FP8Linear(fp8_gemms=...)``). ``[forward,dgrad]``
+    is Megatron's ``--no-fp8-wgrad``: exact weight gradients for the cost of one bf16 GEMM and
+    of saving the layer input in bf16."""
     output_head: bool = False
     """Run the output head (the ``D × V`` logits GEMM) in FP8 too. Off by default, as in
     Megatron, Transformer Engine recipes and DeepSeek-V3: the logits and their gradient are
@@ -158,6 +163,15 @@ class FP8Config:
                     f"fp8.recipe={self.recipe!r} is unknown; valid: none, {', '.join(RECIPES)}"
                 )
             recipe_from_name(self.recipe, **dict(self.recipe_args))
+        try:
+            block_gemms = parse_fp8_gemms(self.gemms)
+        except ValueError as error:
+            raise ValueError(f"fp8.gemms: {error}") from None
+        if block_gemms != set(FP8_GEMMS) and not self.enabled:
+            raise ValueError(
+                f"fp8.gemms={list(self.gemms)} needs an FP8 recipe; choose fp8=<recipe> "
+                f"({', '.join(RECIPES)}) or leave the default"
+            )
         try:
             gemms = parse_fp8_gemms(self.output_head_gemms)
         except ValueError as error:

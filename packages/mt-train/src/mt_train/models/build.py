@@ -12,7 +12,7 @@ never changes:
 * FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
   with the configured recipe; the output head (unless ``fp8.output_head``), and linears whose
   smaller side is below ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
-  an FP8 head runs the GEMMs of ``fp8.output_head_gemms`` in FP8 and the others in bf16;
+  the blocks run the GEMMs of ``fp8.gemms`` (default all three) in FP8; an FP8 head runs the GEMMs of ``fp8.output_head_gemms`` in FP8 and the others in bf16;
 * recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
 * compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
 * data parallel: ``mt_parallel.apply_data_parallel`` over dp×cp: DDP (``ddp``), FSDP2
@@ -75,12 +75,17 @@ def fp8_skip_names(model: nn.Module, fp8: FP8Config) -> tuple[str, ...]:
 
 def apply_fp8_config(model: nn.Module, fp8: FP8Config, tp_group: Any) -> mt_fp8.Recipe:
     """Run ``model``'s TP linears in FP8 as ``fp8`` says (``mt_parallel.apply_fp8``): the blocks'
-    with every GEMM in FP8, the head (with ``fp8.output_head``) with ``fp8.output_head_gemms``;
-    returns the recipe."""
+    with the GEMMs of ``fp8.gemms`` in FP8, the head (with ``fp8.output_head``) with those of
+    ``fp8.output_head_gemms``; returns the recipe."""
     recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
     skip = fp8_skip_names(model, fp8)
     mt_parallel.apply_fp8(
-        model, recipe, amax_group=tp_group, skip=(*skip, "output"), backend=fp8.backend
+        model,
+        recipe,
+        amax_group=tp_group,
+        skip=(*skip, "output"),
+        backend=fp8.backend,
+        fp8_gemms=tuple(fp8.gemms),
     )
     if "output" not in skip:
         mt_parallel.apply_fp8(
