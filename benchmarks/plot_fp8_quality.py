@@ -10,6 +10,12 @@ Three panels, step on every x axis:
 * training loss (one step's loss every log interval) smoothed by a bias-corrected exponential
   moving average, ``m_i = β·m_{i−1} + (1−β)·x_i``, shown as ``m_i / (1 − β^i)``.
 
+``--seeds`` draws instead, for results with several seeds per recipe (``fp8_quality.py
+--merge``), what the verdict judges: each plain FP8 recipe's final difference from the bf16 run
+of the same seed, one marker per seed, their mean as a bar and the ±1% band; a bf16 row shows
+how far bf16 moves from the default seed's bf16 by seed alone. The second panel is each
+recipe's relative validation curve averaged over its seeds (steps every seed evaluated).
+
 Needs matplotlib, which no mt package depends on (``pip install matplotlib``); it is imported
 only when plotting.
 
@@ -17,6 +23,8 @@ Run (repository root)::
 
     python benchmarks/plot_fp8_quality.py results/fp8_quality/fp8_quality.json
     python benchmarks/plot_fp8_quality.py /tmp/q/fp8_quality.json --out /tmp/q/fp8_vs_bf16.png
+    python benchmarks/plot_fp8_quality.py docs/data/fp8_quality_seeds.json --seeds \
+        --out docs/img/fp8_vs_bf16_seeds.png
 """
 
 from __future__ import annotations
@@ -92,17 +100,7 @@ def relative_pct(run: dict[str, Any], ref: dict[str, Any]) -> tuple[list[int], l
 
 
 def plot(result: dict[str, Any], out: Path, beta: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise SystemExit(
-            "plot_fp8_quality.py needs matplotlib (no mt package depends on it): "
-            "pip install matplotlib"
-        ) from err
-
+    plt = _pyplot()
     runs = result["runs"]
     common = common_overrides(runs)
     # Each FP8 run against its own bf16 run (fp8_quality.py's "reference": same seed and
@@ -176,14 +174,117 @@ def plot(result: dict[str, Any], out: Path, beta: float) -> None:
     plt.close(fig)
 
 
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SystemExit(
+            "plot_fp8_quality.py needs matplotlib (no mt package depends on it): "
+            "pip install matplotlib"
+        ) from err
+    return plt
+
+
+def plot_seeds(result: dict[str, Any], out: Path) -> None:
+    """The ``--seeds`` figure (module docstring)."""
+    plt = _pyplot()
+    runs = result["runs"]
+    recipes = [name for name in result["paired"] if "+" not in name]
+    if not recipes:
+        raise SystemExit("--seeds: the results pair no plain FP8 recipe with a bf16 run")
+    fig, (ax_final, ax_curve) = plt.subplots(1, 2, figsize=(14, 5.2))
+    colors = plt.get_cmap("tab10").colors
+    markers = "osD^v<>"
+    seeds = sorted(
+        {int(s) for name in recipes for s in result["paired"][name]["vs_bf16_pct_by_seed"]}
+    )
+    ref = runs.get(REFERENCE)
+    rows = list(recipes)
+    noise = {}
+    if ref is not None:  # bf16 at each other seed against bf16 at the default seed
+        for spec, run in runs.items():
+            recipe, _, seed = spec.partition("@")
+            if recipe == REFERENCE and seed.isdigit() and run["final_val_loss"] is not None:
+                noise[int(seed)] = 100.0 * (run["final_val_loss"] / ref["final_val_loss"] - 1.0)
+        if noise:
+            rows.append("bf16 (seed noise)")
+    ax_final.axvspan(-TOLERANCE_PCT, TOLERANCE_PCT, color="tab:green", alpha=0.12, label="±1%")
+    ax_final.axvline(0.0, color="black", linewidth=1.0)
+    for y, name in enumerate(rows):
+        if name in result["paired"]:
+            by_seed = {int(k): v for k, v in result["paired"][name]["vs_bf16_pct_by_seed"].items()}
+            mean = result["paired"][name]["mean_vs_bf16_pct"]
+            ax_final.barh(y, mean, height=0.5, color=colors[y % len(colors)], alpha=0.45)
+            ax_final.annotate(f"mean {mean:+.2f}%", (mean, y + 0.3), fontsize=8, ha="center")
+        else:
+            by_seed = noise
+        for seed, pct in by_seed.items():
+            index = seeds.index(seed) if seed in seeds else len(seeds) % len(markers)
+            label = f"seed {seed}" if y == 0 or name not in result["paired"] else None
+            ax_final.plot(pct, y, markers[index % len(markers)], color="black", label=label)
+    seen = [abs(v) for n in recipes for v in result["paired"][n]["vs_bf16_pct_by_seed"].values()]
+    lim = max(1.5 * TOLERANCE_PCT, 1.15 * max([*seen, *map(abs, noise.values())]))
+    ax_final.set_xlim(-lim, lim)
+    ax_final.set_yticks(range(len(rows)), rows)
+    ax_final.invert_yaxis()
+    handles, labels = ax_final.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax_final.legend(unique.values(), unique.keys(), fontsize=8, loc="lower right")
+    ax_final.set(
+        title="final validation loss vs bf16 of the same seed",
+        xlabel="100·(loss / bf16 loss − 1)  [%]",
+    )
+    max_step = result["settings"]["steps"]
+    for y, name in enumerate(recipes):
+        curves = []
+        for spec, run in runs.items():
+            recipe_seed, *extra = spec.split("+")
+            own_ref = runs.get(run.get("reference") or "")
+            if "+".join([recipe_seed.partition("@")[0], *extra]) != name or own_ref is None:
+                continue
+            if run.get("reference") == REFERENCE and "@" in spec:
+                continue  # no bf16 run of its own seed
+            curves.append(dict(zip(*relative_pct(run, own_ref), strict=True)))
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
+        ax_curve.plot(steps, mean, marker="o", markersize=2.5, color=colors[y % len(colors)],
+                      label=f"{name} ({len(curves)} seeds)")  # fmt: skip
+    ax_curve.axhspan(-TOLERANCE_PCT, TOLERANCE_PCT, color="tab:green", alpha=0.12)
+    ax_curve.axhline(0.0, color="black", linewidth=1.0)
+    ax_curve.set_xlim(max_step // 10, max_step * 1.02)
+    ax_curve.set_ylim(-2.5 * TOLERANCE_PCT, 2.5 * TOLERANCE_PCT)
+    ax_curve.set(
+        title="validation loss vs bf16, mean over seeds",
+        xlabel="step",
+        ylabel="100·(loss / bf16 loss − 1)  [%]",
+    )
+    ax_curve.legend(fontsize=8)
+    for ax in (ax_final, ax_curve):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title(result) + f"; seeds {', '.join(map(str, seeds))}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results", type=Path, help="fp8_quality.json written by fp8_quality.py")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"PNG (default {DEFAULT_OUT})")
     p.add_argument("--beta", type=float, default=0.9, help="EMA factor of the training loss")
+    p.add_argument(
+        "--seeds", action="store_true", help="the per-seed verdict figure (module docstring)"
+    )
     args = p.parse_args(argv)
     result = json.loads(args.results.read_text())
-    plot(result, args.out, args.beta)
+    if args.seeds:
+        plot_seeds(result, args.out)
+    else:
+        plot(result, args.out, args.beta)
     print(f"wrote {args.out}")
     return 0
 
