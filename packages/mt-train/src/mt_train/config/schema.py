@@ -163,24 +163,24 @@ class FP8Config:
                     f"fp8.recipe={self.recipe!r} is unknown; valid: none, {', '.join(RECIPES)}"
                 )
             recipe_from_name(self.recipe, **dict(self.recipe_args))
-        try:
-            block_gemms = parse_fp8_gemms(self.gemms)
-        except ValueError as error:
-            raise ValueError(f"fp8.gemms: {error}") from None
-        if block_gemms != set(FP8_GEMMS) and not self.enabled:
-            raise ValueError(
-                f"fp8.gemms={list(self.gemms)} needs an FP8 recipe; choose fp8=<recipe> "
-                f"({', '.join(RECIPES)}) or leave the default"
-            )
-        try:
-            gemms = parse_fp8_gemms(self.output_head_gemms)
-        except ValueError as error:
-            raise ValueError(f"fp8.output_head_gemms: {error}") from None
-        if gemms != set(FP8_GEMMS) and not self.output_head:
-            raise ValueError(
-                f"fp8.output_head_gemms={list(self.output_head_gemms)} applies to an FP8 output "
-                "head only; set fp8.output_head=true too, or leave the default"
-            )
+        needs = {
+            "gemms": (
+                self.enabled,
+                f"needs an FP8 recipe; choose fp8=<recipe> ({', '.join(RECIPES)})",
+            ),
+            "output_head_gemms": (
+                self.output_head,
+                "applies to an FP8 output head only; set fp8.output_head=true too",
+            ),
+        }
+        for name, (applies, requirement) in needs.items():
+            value = getattr(self, name)
+            try:
+                gemms = parse_fp8_gemms(value)
+            except ValueError as error:
+                raise ValueError(f"fp8.{name}: {error}") from None
+            if gemms != set(FP8_GEMMS) and not applies:
+                raise ValueError(f"fp8.{name}={list(value)} {requirement}, or leave the default")
 
     @property
     def enabled(self) -> bool:
