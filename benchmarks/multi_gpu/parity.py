@@ -577,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{passed} passed, {failures} failed, {skipped} not applicable, "
               f"{time.perf_counter() - began:.0f} s: {'PASS' if not failures else 'FAIL'}",
               flush=True)  # fmt: skip
+    # Every rank tears down together, after rank 0's table: a rank that exits while rank 0 still
+    # holds live gloo connections can make rank 0 abort at exit ("terminate called without an
+    # active exception", seen once in CI after every check had passed).
+    dist.barrier()
     mt_comm.destroy_distributed()
     return 1 if failures else 0
 
