@@ -81,7 +81,8 @@ def _test_package(session: nox.Session, package: str) -> None:
         "pytest",
         f"packages/{package}/tests",
         *session.posargs,
-        env={"OMP_NUM_THREADS": "1"},
+        # The fixtures above are installed: a test that needs one must not skip.
+        env={"OMP_NUM_THREADS": "1", "MT_REQUIRE_TEST_FIXTURES": "1"},
     )
 
 

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from mt_comm.testing import DistributedPool
+from mt_core.testing import require_test_fixture
 
 
 @pytest.fixture(scope="module")
 def fake_pool():
-    if importlib.util.find_spec("mt_fakeaccel") is None:
-        pytest.fail(
-            "the test plugin is not installed: pip install packages/mt-core/tests/fake_plugin "
-            "(nox does this for you)"
-        )
+    require_test_fixture(
+        importlib.util.find_spec("mt_fakeaccel") is not None,
+        "the test plugin mt-fakeaccel",
+        "pip install packages/mt-core/tests/fake_plugin (nox installs it)",
+    )
     # device/backend "auto": the plugin must win auto-detection by itself.
     with DistributedPool(
         world_size=2, device="auto", backend="auto", env={"MT_FAKEACCEL_AVAILABLE": "1"}

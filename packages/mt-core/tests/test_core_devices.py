@@ -119,14 +119,16 @@ def test_cuda_fp8_capability_follows_compute_capability(
     assert caps.bf16
 
 
-def test_third_party_device_selected_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_third_party_device_selected_by_name(
+    fake_plugin: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("MT_FAKEACCEL_AVAILABLE", "1")
     device = mt_core.get_device("fakeaccel")
     assert device.preferred_backend == "fakeccl"
     assert device.device_name() == "Fake Accelerator 1000"
 
 
-def test_unavailable_third_party_device_is_a_clear_error() -> None:
+def test_unavailable_third_party_device_is_a_clear_error(fake_plugin: None) -> None:
     with pytest.raises(RuntimeError, match="'fakeaccel' is registered but not available"):
         mt_core.get_device("fakeaccel")
 

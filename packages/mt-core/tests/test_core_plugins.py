@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 
 import pytest
@@ -22,20 +21,6 @@ def fresh_plugin_manager(monkeypatch: pytest.MonkeyPatch):
     mt_core.reset_plugin_manager()
     yield
     mt_core.reset_plugin_manager()
-
-
-def _fake_plugin_installed() -> bool:
-    entry_points = importlib.metadata.entry_points(group=mt_core.ENTRY_POINT_GROUP)
-    return any(ep.name == FAKE_PLUGIN for ep in entry_points)
-
-
-@pytest.fixture
-def fake_plugin() -> None:
-    if not _fake_plugin_installed():
-        pytest.fail(
-            "the test plugin is not installed: pip install packages/mt-core/tests/fake_plugin "
-            "(nox does this for you)"
-        )
 
 
 def test_builtin_devices_are_plugins() -> None:

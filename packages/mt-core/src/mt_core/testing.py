@@ -6,11 +6,17 @@ visible, so GPU-only tests skip cleanly on CPU machines and CI. A package's
 
     from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
 
+``require_test_fixture`` is for tests that need something installed beside the package (the
+third-party test plugin in ``packages/mt-core/tests/fake_plugin``): a plain ``pytest`` run skips
+them with a reason that says how to install it; ``MT_REQUIRE_TEST_FIXTURES=1`` (nox sets it, since
+it installs the fixtures) turns the skip into a failure, so CI never skips them silently.
+
 Importing this module does not import pytest; the hook only receives pytest objects.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,3 +32,20 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+REQUIRE_FIXTURES_ENV = "MT_REQUIRE_TEST_FIXTURES"
+"""Set to ``1`` to fail, rather than skip, tests whose fixture is not installed."""
+
+
+def require_test_fixture(installed: bool, what: str, how: str) -> None:
+    """Skip the calling test when ``installed`` is False, saying ``how`` to install ``what``;
+    under ``MT_REQUIRE_TEST_FIXTURES=1`` fail it instead (module docstring)."""
+    if installed:
+        return
+    import pytest
+
+    message = f"{what} is not installed: {how}"
+    if os.environ.get(REQUIRE_FIXTURES_ENV) == "1":
+        pytest.fail(f"{message} ({REQUIRE_FIXTURES_ENV}=1)")
+    pytest.skip(message)
