@@ -24,6 +24,7 @@ a second rounding when a bias is added afterwards as much again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -320,7 +321,7 @@ BLOCKWISE_CASES = {
 )
 def test_blockwise_rule_takes_only_the_measured_cases(kwargs, out_dtype, message):
     qa, qb = operands(**kwargs)
-    reason = gemm_module._blockwise_layout_reason(qa, qb, out_dtype)
+    reason = gemm_module.blockwise_layout_reason(qa, qb, out_dtype)
     if message is None:
         assert reason is None
     else:
@@ -333,13 +334,13 @@ def test_blockwise_rule_needs_1x128_groups_for_a():
     qb = quantize(x, FP8Format.E4M3, BLOCKS_128X128)
     for layout in (BLOCKS_128X128, ScaleLayout((1, 32), power_of_two=True), ScaleLayout((1, 64))):
         qa = quantize(x, FP8Format.E4M3, layout)
-        reason = gemm_module._blockwise_layout_reason(qa, qb, torch.bfloat16)
+        reason = gemm_module.blockwise_layout_reason(qa, qb, torch.bfloat16)
         assert reason is not None and "take a in 1x128 groups" in reason
 
 
 def test_blockwise_path_is_not_taken_on_cpu():
     qa, qb = operands()
-    assert "compute capability 9.x" in gemm_module._blockwise_reason(qa, qb, torch.bfloat16)
+    assert "compute capability 9.x" in gemm_module.blockwise_reason(qa, qb, torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"cuBLAS blockwise GEMMs .* need a CUDA GPU"):
         fp8_gemm(qa, qb, torch.bfloat16, backend="scaled_mm")
 
@@ -348,14 +349,14 @@ def test_dispatch_routes_block_operands_to_cublas(monkeypatch):
     # Pretend the device passes: block operands take the blockwise path under "auto", "fast"
     # and "scaled_mm", never under "triton"/"emulate"; tensorwise ones keep torch._scaled_mm.
     calls = []
-    monkeypatch.setattr(gemm_module, "_blockwise_reason", lambda a, b, out_dtype: None)
-    monkeypatch.setattr(
-        gemm_module,
-        "blockwise_scaled_mm",
-        lambda a, b, out_dtype, bias: (
+    pretend = dataclasses.replace(
+        gemm_module.IMPLEMENTATIONS["blockwise_scaled_mm"],
+        reason=lambda a, b, out_dtype: None,
+        run=lambda a, b, out_dtype, bias: (
             calls.append(out_dtype) or gemm_module.emulated_mm(a, b, out_dtype, bias)
         ),
     )
+    monkeypatch.setitem(gemm_module.IMPLEMENTATIONS, "blockwise_scaled_mm", pretend)
     qa, qb = operands()
     for backend in ("auto", "fast", "scaled_mm"):
         fp8_gemm(qa, qb, torch.bfloat16, backend=backend)
@@ -397,7 +398,7 @@ def assert_within_bound(out, qa, qb, bias=None):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_blockwise_gemm_on_cuda(layout_b, with_bias):
     qa, qb = cuda_operands(rows_a=512, rows_b=384, depth=1024, layout_b=layout_b)
-    assert gemm_module._blockwise_reason(qa, qb, torch.bfloat16) is None  # taken on this GPU
+    assert gemm_module.blockwise_reason(qa, qb, torch.bfloat16) is None  # taken on this GPU
     bias = torch.randn(384, device="cuda").bfloat16() if with_bias else None
     out = fp8_gemm(qa, qb, torch.bfloat16, bias, backend="scaled_mm")
     assert out.dtype == torch.bfloat16 and out.shape == (512, 384)
@@ -412,12 +413,12 @@ def test_blockwise_rule_matches_the_hardware(case):
     kwargs, out_dtype, message = BLOCKWISE_CASES[case]
     qa, qb = cuda_operands(**kwargs)
     if message is None:
-        assert gemm_module._blockwise_reason(qa, qb, out_dtype) is None
+        assert gemm_module.blockwise_reason(qa, qb, out_dtype) is None
         out = gemm_module.blockwise_scaled_mm(qa, qb, out_dtype, None)
         assert out.dtype == out_dtype
         assert_within_bound(out, qa, qb)
     else:
-        assert message in gemm_module._blockwise_reason(qa, qb, out_dtype)
+        assert message in gemm_module.blockwise_reason(qa, qb, out_dtype)
         with pytest.raises((ValueError, RuntimeError)):
             gemm_module.blockwise_scaled_mm(qa, qb, out_dtype, None)
             torch.cuda.synchronize()
@@ -428,12 +429,12 @@ def test_fp8_linear_block_scaling_runs_every_gemm_on_cublas(monkeypatch):
     # All-E4M3 block scaling with bf16 parameters and dims the rule takes: forward, dgrad and
     # wgrad all take the blockwise path; results match the emulated layer.
     calls = []
-    original = gemm_module.blockwise_scaled_mm
-    monkeypatch.setattr(
-        gemm_module,
-        "blockwise_scaled_mm",
-        lambda a, b, *rest: calls.append((a.shape, b.shape)) or original(a, b, *rest),
+    blockwise = gemm_module.IMPLEMENTATIONS["blockwise_scaled_mm"]
+    counting = dataclasses.replace(
+        blockwise,
+        run=lambda a, b, *rest: calls.append((a.shape, b.shape)) or blockwise.run(a, b, *rest),
     )
+    monkeypatch.setitem(gemm_module.IMPLEMENTATIONS, "blockwise_scaled_mm", counting)
     recipe = BlockScaling(formats=FormatConfig.all_e4m3())
     results = {}
     for backend in ("auto", "emulate"):

@@ -63,7 +63,7 @@ def test_emulated_gemm_within_propagated_bound(recipe, fmt_a):
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_scaled_mm_agrees_with_emulation(recipe, out_dtype):
-    if isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm():
+    if isinstance(recipe, RowwiseScaling) and not gemm_module.cpu_scaled_mm_takes_rowwise():
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     _, _, qa, qb = quantized_pair(recipe, fmt_a=FP8Format.E5M2)
     bias = torch.randn(qb.shape[0]).to(out_dtype)
@@ -87,9 +87,9 @@ def test_fast_backend_refuses_block_scaling_on_cpu():
 
 
 def test_rowwise_on_a_cpu_without_rowwise_scaled_mm_is_emulated(monkeypatch):
-    # torch 2.11's CPU _scaled_mm asserts on rowwise scales (gemm._cpu_rowwise_scaled_mm): auto
+    # torch 2.11's CPU _scaled_mm asserts on rowwise scales (gemm.cpu_scaled_mm_takes_rowwise): auto
     # must emulate there (bit-identical to backend="emulate"), and the fast path must refuse.
-    monkeypatch.setattr(gemm_module, "_cpu_rowwise_scaled_mm", lambda: False)
+    monkeypatch.setattr(gemm_module, "cpu_scaled_mm_takes_rowwise", lambda: False)
     _, _, qa, qb = quantized_pair(RowwiseScaling())
     assert torch.equal(fp8_gemm(qa, qb), fp8_gemm(qa, qb, backend="emulate"))
     with pytest.raises(RuntimeError, match=r"CPU torch\._scaled_mm takes tensorwise scales only"):
@@ -97,8 +97,8 @@ def test_rowwise_on_a_cpu_without_rowwise_scaled_mm_is_emulated(monkeypatch):
 
 
 def test_auto_backend_warns_once_without_fp8_hardware(monkeypatch):
-    monkeypatch.setattr(gemm_module, "_device_fp8_gemm", lambda device_type, index: False)
-    monkeypatch.setattr(gemm_module, "_warned", set())
+    monkeypatch.setattr(gemm_module, "device_has_fp8_gemm", lambda device_type, index: False)
+    monkeypatch.setattr(gemm_module, "warned_devices", set())
     _, _, qa, qb = quantized_pair(TensorwiseScaling())
     with pytest.warns(UserWarning, match="no FP8 GEMM support; FP8 GEMMs are emulated"):
         fp8_gemm(qa, qb)
@@ -122,13 +122,13 @@ def test_triton_block_gemm_takes_fixed_groups_only():
     # Rowwise operands look like "1xK groups", but K-wide steps outgrow shared memory (256 KiB
     # for K = 256 on the H200) and K need not be a power of two: they must not be routed there.
     _, _, qa, qb = quantized_pair(RowwiseScaling())
-    assert "fixed-size groups" in gemm_module._triton_layout_reason(qa, qb)
+    assert "fixed-size groups" in gemm_module.triton_layout_reason(qa, qb)
     _, _, qa, qb = quantized_pair(BlockScaling())
-    assert gemm_module._triton_layout_reason(qa, qb) is None
+    assert gemm_module.triton_layout_reason(qa, qb) is None
     _, _, qa, qb = quantized_pair(MXFP8Scaling())
-    assert gemm_module._triton_layout_reason(qa, qb) is None
+    assert gemm_module.triton_layout_reason(qa, qb) is None
     _, _, qa, qb = quantized_pair(BlockScaling(group=256, weight_block=256), m=256, k=512)
-    assert "g in 32, 64, 128" in gemm_module._triton_layout_reason(qa, qb)
+    assert "g in 32, 64, 128" in gemm_module.triton_layout_reason(qa, qb)
 
 
 def test_power_of_two_operands_dequantize_exactly_in_bf16():
@@ -142,7 +142,7 @@ def test_power_of_two_operands_dequantize_exactly_in_bf16():
     for fmt in (FP8Format.E4M3, FP8Format.E5M2):
         q = quantize(x, fmt, MXFP8Scaling().layout(TensorRole.INPUT))
         exact = q.dequantize(torch.float64)
-        assert torch.equal(gemm_module._dequantize_bf16(q).double(), exact)
+        assert torch.equal(gemm_module.dequantize_bf16(q).double(), exact)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)

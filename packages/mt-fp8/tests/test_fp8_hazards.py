@@ -180,7 +180,9 @@ def test_non_finite_input_makes_its_block_nan(bad, layout_name, device):
 def test_non_finite_input_reaches_the_layer_output(recipe, backend):
     if backend == "scaled_mm" and isinstance(recipe, BlockScaling):
         pytest.skip("torch._scaled_mm takes no block scales")
-    rowwise_cpu = isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm()
+    rowwise_cpu = (
+        isinstance(recipe, RowwiseScaling) and not gemm_module.cpu_scaled_mm_takes_rowwise()
+    )
     if backend == "scaled_mm" and rowwise_cpu:
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     torch.manual_seed(0)
@@ -300,7 +302,7 @@ def test_weight_cache_follows_optimizer_steps(fused):
 
 
 def test_rowwise_single_token_runs_the_fast_path():
-    if not gemm_module._cpu_rowwise_scaled_mm():
+    if not gemm_module.cpu_scaled_mm_takes_rowwise():
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     torch.manual_seed(0)
     layer = FP8Linear(64, 32, recipe=RowwiseScaling(), backend="fast")

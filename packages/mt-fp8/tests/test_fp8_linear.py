@@ -93,7 +93,7 @@ def test_forward_and_backward_against_float64_linear(recipe):
 
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
 def test_scaled_mm_and_emulated_paths_agree(recipe):
-    if isinstance(recipe, RowwiseScaling) and not gemm_module._cpu_rowwise_scaled_mm():
+    if isinstance(recipe, RowwiseScaling) and not gemm_module.cpu_scaled_mm_takes_rowwise():
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
     fast = run_layer(recipe, backend="scaled_mm")
     slow = run_layer(recipe, backend="emulate")

@@ -24,7 +24,7 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
       (torch 2.11, CUDA 13.0): E4M3 operands (E5M2 is refused), a bf16 or fp32 output (a bias
       is added afterwards), rows of ``a`` divisible by 8; with 128×128 ``b`` ``Z`` divisible by
       512 (whole groups of four scales), with 1×128 ``b`` its rows by 16 and ``Z`` by 128; see
-      :func:`_blockwise_layout_reason`. There it ran the Llama-8B shapes in 1.15–1.22× (1×128
+      :func:`blockwise_layout_reason`. There it ran the Llama-8B shapes in 1.15–1.22× (1×128
       by 128×128) and 1.45–1.63× (1×128 by 1×128) the time of a tensorwise GEMM.
 ``"triton"``
     A Triton kernel for block-scaled operands (``a`` in 1×g groups, ``b`` in 1×g groups or g×g
@@ -46,16 +46,22 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.
 
-``backend="auto"`` takes the first fast path that applies (in the order above, with ``"bf16"``
-before ``"triton"`` and only off the CPU) and otherwise emulates; on a non-CPU device without
-FP8 GEMM support it warns once. ``backend="fast"`` raises instead of emulating, for users who
-demanded the fast path.
+Dispatch is a table: :data:`IMPLEMENTATIONS` names each implementation with the function that
+says why it cannot run given operands (``None`` when it can) and the function that runs it, and
+:data:`BACKEND_IMPLEMENTATIONS` lists, per ``backend`` argument, the implementations tried in
+order. ``backend="auto"`` takes the first fast path that applies (in the order above, with
+``"bf16"`` before ``"triton"`` and only off the CPU) and otherwise emulates; on a non-CPU device
+without FP8 GEMM support it warns once. ``backend="fast"`` raises instead of emulating, for users
+who demanded the fast path; so does a named backend that cannot run the operands, with every
+tried implementation's reason.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +69,8 @@ import torch.nn.functional as F
 from mt_fp8.formats import FP8Format
 from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, QuantizedTensor
 
-BACKENDS = ("auto", "fast", "scaled_mm", "bf16", "triton", "emulate")
-
-_warned: set[str] = set()
-
+warned_devices: set[str] = set()
+"""Devices ``backend="auto"`` has already warned about emulating on (the warning is once each)."""
 
 _capability_cache: dict[tuple[str, str, int | None], bool] = {}
 
@@ -74,7 +78,7 @@ _MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 """Whether ``torch.mm`` takes ``out_dtype`` (fp32 output of bf16 inputs; CUDA, torch >= 2.8)."""
 
 
-def _device_fp8_gemm(device_type: str, index: int | None) -> bool:
+def device_has_fp8_gemm(device_type: str, index: int | None) -> bool:
     """Whether ``torch._scaled_mm`` has FP8 hardware (or, on CPU, a kernel) on this device."""
     key = ("fp8_gemm", device_type, index)
     if key not in _capability_cache:
@@ -89,7 +93,7 @@ def _device_fp8_gemm(device_type: str, index: int | None) -> bool:
     return _capability_cache[key]
 
 
-def _cpu_rowwise_scaled_mm() -> bool:
+def cpu_scaled_mm_takes_rowwise() -> bool:
     """Whether this torch's CPU ``torch._scaled_mm`` takes rowwise scales: a 16×16 probe, once.
 
     NOTE: torch 2.13's does; torch 2.11's (oneDNN) stops at an internal assert that only
@@ -138,7 +142,7 @@ def _kind(q: QuantizedTensor) -> str:
     return "block"
 
 
-def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
+def scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
     """Why ``torch._scaled_mm`` cannot run these operands, or None if it can."""
     kinds = (_kind(a), _kind(b))
     if kinds not in (("tensorwise", "tensorwise"), ("rowwise", "rowwise")):
@@ -146,9 +150,9 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     if a.layout.power_of_two or b.layout.power_of_two:
         return "power-of-two (MX) layouts go through the block path"
     device = a.data.device
-    if not _device_fp8_gemm(device.type, device.index):
+    if not device_has_fp8_gemm(device.type, device.index):
         return f"device {device} has no FP8 GEMM (needs CUDA compute capability >= 8.9)"
-    if device.type == "cpu" and kinds[0] == "rowwise" and not _cpu_rowwise_scaled_mm():
+    if device.type == "cpu" and kinds[0] == "rowwise" and not cpu_scaled_mm_takes_rowwise():
         return f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise scales only"
     if device.type == "cuda":
         if a.shape[1] % 16 or b.shape[0] % 16:
@@ -158,7 +162,7 @@ def _scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     return None
 
 
-def _blockwise_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
+def blockwise_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
     """Why cuBLAS's blockwise GEMM cannot run these operands here, or None if it can."""
     device = a.data.device
     if device.type != "cuda" or not _blockwise_scaled_mm_available(device.index):
@@ -166,10 +170,10 @@ def _blockwise_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
             "cuBLAS blockwise GEMMs (torch.nn.functional.scaled_mm) need a CUDA GPU of compute "
             "capability 9.x and a torch with torch.nn.functional.ScalingType"
         )
-    return _blockwise_layout_reason(a, b, out_dtype)
+    return blockwise_layout_reason(a, b, out_dtype)
 
 
-def _blockwise_layout_reason(
+def blockwise_layout_reason(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
 ) -> str | None:
     """Why cuBLAS's blockwise GEMM is not taken for these layouts, formats and dims, or None.
@@ -208,16 +212,17 @@ def _blockwise_layout_reason(
     return None
 
 
-def _triton_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+def triton_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
+    """Why the Triton block-scaled GEMM cannot run these operands here, or None if it can."""
     device = a.data.device
     if device.type != "cuda" or not _triton_block_gemm_available(device.index):
         return (
             "the Triton block-scaled GEMM needs a CUDA GPU of compute capability >= 9.0 with Triton"
         )
-    return _triton_layout_reason(a, b)
+    return triton_layout_reason(a, b)
 
 
-def _triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+def triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     """Why the Triton block GEMM cannot take these layouts, or None if it can."""
     # NOTE: fixed-size groups only: a rowwise operand has "1xK groups" too, but with g = K the
     # kernel's K-step tiles outgrow shared memory (rowwise FP8Linear with K = 256 asked for
@@ -233,7 +238,7 @@ def _triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     return None
 
 
-def _bf16_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+def bf16_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> str | None:
     """Why the exact bf16 GEMM cannot take these operands, or None if it can."""
     if not (a.layout.power_of_two and b.layout.power_of_two):
         return (
@@ -314,7 +319,7 @@ def blockwise_scaled_mm(
     return out
 
 
-def _dequantize_bf16(q: QuantizedTensor) -> torch.Tensor:
+def dequantize_bf16(q: QuantizedTensor) -> torch.Tensor:
     """``data · scale`` in bf16 for power-of-two scales (exact; see the module docstring)."""
     rows, cols = q.data.shape
     groups, hgroups = q.scale.shape
@@ -328,7 +333,7 @@ def bf16_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The exact bf16 GEMM of power-of-two-scaled operands (no checks; see the dispatcher)."""
-    a_bf16, b_bf16 = _dequantize_bf16(a), _dequantize_bf16(b)
+    a_bf16, b_bf16 = dequantize_bf16(a), dequantize_bf16(b)
     if out_dtype == torch.float32 and a.data.is_cuda and _MM_HAS_OUT_DTYPE:
         out = torch.mm(a_bf16, b_bf16.t(), out_dtype=torch.float32)
     else:
@@ -350,6 +355,68 @@ def emulated_mm(
     return out.to(out_dtype)
 
 
+def triton_block_scaled_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The Triton block-scaled GEMM (:mod:`mt_fp8.kernels.block_gemm`, imported on first use)."""
+    from mt_fp8.kernels.block_gemm import block_scaled_mm
+
+    return block_scaled_mm(a, b, out_dtype, bias)
+
+
+def _always_considered(a: QuantizedTensor, named: bool) -> bool:
+    return True
+
+
+def _no_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class GemmImplementation:
+    """One way to run an FP8 GEMM: a row of the dispatch table (module docstring)."""
+
+    run: Callable[
+        [QuantizedTensor, QuantizedTensor, torch.dtype, torch.Tensor | None], torch.Tensor
+    ]
+    """``run(a, b, out_dtype, bias)``, called only when :attr:`reason` gave None."""
+    reason: Callable[[QuantizedTensor, QuantizedTensor, torch.dtype], str | None] = _no_reason
+    """``reason(a, b, out_dtype)``: why it cannot run these operands here, or None if it can."""
+    considered: Callable[[QuantizedTensor, bool], bool] = _always_considered
+    """``considered(a, named)``: whether it is tried at all for ``a`` (``named``: the caller
+    passed a backend other than ``"auto"``/``"fast"``); one not considered adds no reason."""
+
+
+IMPLEMENTATIONS: dict[str, GemmImplementation] = {
+    "scaled_mm": GemmImplementation(scaled_mm, scaled_mm_reason),
+    "blockwise_scaled_mm": GemmImplementation(
+        blockwise_scaled_mm, blockwise_reason, lambda a, named: _kind(a) == "block"
+    ),
+    # Under "auto" and "fast" off the CPU only (module docstring).
+    "bf16": GemmImplementation(
+        bf16_mm, bf16_reason, lambda a, named: named or a.data.device.type != "cpu"
+    ),
+    "triton": GemmImplementation(triton_block_scaled_mm, triton_reason),
+    "emulate": GemmImplementation(emulated_mm),
+}
+"""Every FP8 GEMM implementation by name (module docstring)."""
+
+_FAST_PATHS = ("scaled_mm", "blockwise_scaled_mm", "bf16", "triton")
+
+BACKEND_IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {
+    "auto": _FAST_PATHS,  # then the emulation, with a warning where FP8 hardware is missing
+    "fast": _FAST_PATHS,
+    "scaled_mm": ("scaled_mm", "blockwise_scaled_mm"),
+    "bf16": ("bf16",),
+    "triton": ("triton",),
+    "emulate": ("emulate",),
+}
+"""``backend`` argument -> the :data:`IMPLEMENTATIONS` it tries, in order."""
+
+BACKENDS = tuple(BACKEND_IMPLEMENTATIONS)
+"""The valid ``backend`` arguments."""
+
+
 def fp8_gemm(
     a: QuantizedTensor,
     b: QuantizedTensor,
@@ -367,37 +434,21 @@ def fp8_gemm(
             f"FP8 GEMM contracts the last axis of both operands, got a {tuple(a.shape)} and "
             f"b {tuple(b.shape)}"
         )
-    if backend == "emulate":
-        return emulated_mm(a, b, out_dtype, bias)
+    named = backend not in ("auto", "fast")
     reasons = []
-    if backend in ("auto", "fast", "scaled_mm"):
-        reason = _scaled_mm_reason(a, b, out_dtype)
+    for name in BACKEND_IMPLEMENTATIONS[backend]:
+        implementation = IMPLEMENTATIONS[name]
+        if not implementation.considered(a, named):
+            continue
+        reason = implementation.reason(a, b, out_dtype)
         if reason is None:
-            return scaled_mm(a, b, out_dtype, bias)
-        reasons.append(reason)
-        if _kind(a) == "block":
-            reason = _blockwise_reason(a, b, out_dtype)
-            if reason is None:
-                return blockwise_scaled_mm(a, b, out_dtype, bias)
-            reasons.append(reason)
-    explicit_bf16 = backend == "bf16"
-    if explicit_bf16 or (backend in ("auto", "fast") and a.data.device.type != "cpu"):
-        reason = _bf16_reason(a, b)
-        if reason is None:
-            return bf16_mm(a, b, out_dtype, bias)
-        reasons.append(reason)
-    if backend in ("auto", "fast", "triton"):
-        reason = _triton_reason(a, b)
-        if reason is None:
-            from mt_fp8.kernels.block_gemm import block_scaled_mm
-
-            return block_scaled_mm(a, b, out_dtype, bias)
+            return implementation.run(a, b, out_dtype, bias)
         reasons.append(reason)
     if backend != "auto":
         raise RuntimeError(f"FP8 GEMM backend {backend!r} cannot run here: {'; '.join(reasons)}")
     device = a.data.device
-    if not _device_fp8_gemm(device.type, device.index) and str(device) not in _warned:
-        _warned.add(str(device))
+    if not device_has_fp8_gemm(device.type, device.index) and str(device) not in warned_devices:
+        warned_devices.add(str(device))
         warnings.warn(
             f"device {device} has no FP8 GEMM support; FP8 GEMMs are emulated in fp32 "
             "(numerically FP8, not faster). Pass backend='fast' to make this an error.",
