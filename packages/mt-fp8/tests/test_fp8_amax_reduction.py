@@ -70,7 +70,7 @@ def column_parallel_run(rank: int, roles: tuple[TensorRole, ...]) -> dict[str, t
     with fp8_autocast(amax_group=dist.group.WORLD):
         y = layer(x)
         y.backward(t["dy"][:, rows])
-    weight_q = layer._weight_cache["entry"][2]
+    weight_q = layer.fp8_weight_cache.entry.weight
     return {
         "y": y.detach(),
         "dx_partial": x.grad,
@@ -156,7 +156,7 @@ def test_column_parallel_layer_matches_the_unsharded_layer(results):
     x = t["x"].clone().requires_grad_()
     y = layer(x)
     y.backward(t["dy"])
-    whole_w = layer._weight_cache["entry"][2]
+    whole_w = layer.fp8_weight_cache.entry.weight
     for rank_result in results:
         r = rank_result["column_parallel"]
         assert torch.equal(r["weight_bytes"], whole_w.data.view(torch.uint8))

@@ -64,7 +64,7 @@ def run(layer, x, dy, sizes, grouped_gemm=None, autocast=None):
         if grouped_gemm is None:
             y = layer(x, sizes)
         else:
-            plan = layer._plan(x, layer._grouped_weight_cache)
+            plan = layer.linear_plan(x, layer.grouped_weight_cache)
             y = fp8_grouped_linear(x, layer.weight, layer.bias, sizes, plan, grouped_gemm)
     y.backward(dy.to(y.dtype))
     return {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
@@ -276,7 +276,7 @@ def test_empty_groups_and_bad_group_sizes():
     for e in (0, 1, 3):
         assert torch.equal(grouped["dw"][e], torch.zeros(N, K))
         assert torch.equal(grouped["db"][e], torch.zeros(N))
-    plan = layer._plan(x, None)
+    plan = layer.linear_plan(x, None)
     with pytest.raises(ValueError, match="must be 4 non-negative ints summing to the 96 tokens"):
         fp8_grouped_linear(x, layer.weight, None, [48, 48, 0], plan, emulated_grouped_mm)
     with pytest.raises(ValueError, match="got \\[100, -4, 0, 0\\]"):
@@ -289,17 +289,17 @@ def test_grouped_weight_cache():
     layer = make_layer(TensorwiseScaling(formats=E4M3), torch.bfloat16)
     x, dy = inputs(ALIGNED, torch.bfloat16)
     run(layer, x, dy, ALIGNED, emulated_grouped_mm)
-    first = layer._grouped_weight_cache["entry"]
+    first = layer.grouped_weight_cache.entry
     run(layer, x, dy, ALIGNED, emulated_grouped_mm)
-    assert layer._grouped_weight_cache["entry"] is first  # same micro-step: reused
+    assert layer.grouped_weight_cache.entry is first  # same micro-step: reused
     torch.optim.SGD(layer.parameters(), lr=0.1).step()
     run(layer, x, dy, ALIGNED, emulated_grouped_mm)
-    assert layer._grouped_weight_cache["entry"][0] != first[0]  # an optimizer step invalidates
+    assert layer.grouped_weight_cache.entry.key != first.key  # an optimizer step invalidates
     clear_fp8_weight_caches(layer)
-    assert layer._grouped_weight_cache == {}
+    assert layer.grouped_weight_cache.entry is None
     with final_micro_batch():  # the last micro-batch's backward frees the entry
         run(layer, x, dy, ALIGNED, emulated_grouped_mm)
-    assert layer._grouped_weight_cache == {}
+    assert layer.grouped_weight_cache.entry is None
 
 
 # ---------------------------------------------------------------------------------------------

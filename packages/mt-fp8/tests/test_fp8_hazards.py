@@ -11,6 +11,8 @@ so the non-finite value shows up in the GEMM output instead of being saturated a
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -296,9 +298,35 @@ def test_weight_cache_follows_optimizer_steps(fused):
         optimizer.zero_grad()
         fresh = FP8Linear.from_linear(layer, recipe=TensorwiseScaling())  # same weights, no cache
         assert torch.equal(layer(x), fresh(x))
-    cached = layer._weight_cache["entry"][2]
+    cached = layer.fp8_weight_cache.entry.weight
     layer(x)  # no step since: the same cached FP8 weight object is served
-    assert layer._weight_cache["entry"][2] is cached
+    assert layer.fp8_weight_cache.entry.weight is cached
+
+
+HOOK_CHECK = """
+import torch
+import mt_fp8
+from mt_fp8.weight_cache import optimizer_steps
+
+param = torch.nn.Parameter(torch.ones(16, 16))
+param.grad = torch.ones(16, 16)
+optimizer = torch.optim.SGD([param], lr=0.1)
+optimizer.step()
+after_import = optimizer_steps()
+mt_fp8.FP8Linear(16, 16)
+mt_fp8.FP8Linear(16, 16)  # a second layer must not register a second hook
+optimizer.step()
+print(after_import, optimizer_steps())
+"""
+
+
+def test_optimizer_step_hook_is_installed_by_the_first_layer_not_by_import():
+    # A fresh interpreter: importing mt_fp8 must register no global hook; creating FP8 layers
+    # installs exactly one, which counts every step of any torch optimizer.
+    result = subprocess.run(
+        [sys.executable, "-c", HOOK_CHECK], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["0", "1"]
 
 
 def test_rowwise_single_token_runs_the_fast_path():

@@ -119,24 +119,24 @@ def test_fp8_weight_is_cached_across_microbatches_and_refreshed_after_step():
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     x = torch.randn(8, K)
     layer(x).sum().backward()
-    first = layer._weight_cache["entry"][2]
+    first = layer.fp8_weight_cache.entry.weight
     layer(x).sum().backward()  # second micro-batch: same FP8 weight object
-    assert layer._weight_cache["entry"][2] is first
+    assert layer.fp8_weight_cache.entry.weight is first
     optimizer.step()  # in-place update bumps weight._version
     layer(x).sum().backward()
-    assert layer._weight_cache["entry"][2] is not first
+    assert layer.fp8_weight_cache.entry.weight is not first
 
 
 def test_final_micro_batch_frees_the_cached_weight_after_backward():
     layer = FP8Linear(K, N, recipe=TensorwiseScaling())
     x = torch.randn(8, K)
     layer(x).sum().backward()  # an earlier micro-batch: the entry stays for the next one
-    kept = layer._weight_cache["entry"][2]
+    kept = layer.fp8_weight_cache.entry.weight
     with final_micro_batch():
         y = layer(x)
-        assert layer._weight_cache["entry"][2] is kept  # the forward still reuses it
+        assert layer.fp8_weight_cache.entry.weight is kept  # the forward still reuses it
         y.sum().backward()
-    assert layer._weight_cache == {}
+    assert layer.fp8_weight_cache.entry is None
 
 
 def test_final_micro_batch_under_recompute_quantizes_the_weight_once(monkeypatch):
@@ -147,7 +147,7 @@ def test_final_micro_batch_under_recompute_quantizes_the_weight_once(monkeypatch
     reference.sum().backward()
     expected_dx, expected_dw = x.grad.clone(), layer.weight.grad.clone()
     x.grad, layer.weight.grad = None, None
-    layer._weight_cache.clear()
+    layer.fp8_weight_cache.clear()
     calls = []
     original = LinearPlan.quantize
 
@@ -160,7 +160,7 @@ def test_final_micro_batch_under_recompute_quantizes_the_weight_once(monkeypatch
         y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
         y.sum().backward()
     assert calls.count(TensorRole.WEIGHT) == 1
-    assert layer._weight_cache == {}
+    assert layer.fp8_weight_cache.entry is None
     torch.testing.assert_close(y, reference, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, expected_dx, rtol=0, atol=0)
     torch.testing.assert_close(layer.weight.grad, expected_dw, rtol=0, atol=0)
@@ -177,7 +177,7 @@ def test_weight_cache_can_be_turned_off():
         # twice the scale), so the output doubles exactly.
         layer.weight.data.mul_(2)
         after = layer(x)
-    assert not layer._weight_cache
+    assert layer.fp8_weight_cache.entry is None
     torch.testing.assert_close(after, 2 * before, rtol=0, atol=0)
 
 

@@ -162,10 +162,10 @@ def test_steps_invalidate_the_fp8_weight_cache():
     optimizer = FusedAdamW(layer.parameters(), **HYPER)
     x = torch.randn(8, 64)
     layer(x).sum().backward()
-    cached = layer._weight_cache["entry"][0]
+    cached = layer.fp8_weight_cache.entry.key
     optimizer.step()
     layer(x).sum().backward()
-    assert layer._weight_cache["entry"][0] != cached
+    assert layer.fp8_weight_cache.entry.key != cached
 
 
 def test_bad_arguments_are_refused():

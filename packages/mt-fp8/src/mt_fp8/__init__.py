@@ -4,17 +4,14 @@ from mt_fp8.autocast import FP8AutocastState, current_fp8_state, fp8_autocast
 from mt_fp8.convert import convert_to_fp8
 from mt_fp8.formats import FormatConfig, FP8Format, TensorRole
 from mt_fp8.functional import (
-    FP8_GEMMS,
     FP8LinearFunction,
     FP8SwiGLULinearFunction,
-    LinearPlan,
-    final_micro_batch,
     fp8_linear,
     fp8_swiglu_linear,
-    parse_fp8_gemms,
 )
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear import FP8GroupedLinear, FP8Linear, clear_fp8_weight_caches
+from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, parse_fp8_gemms
 from mt_fp8.optim import FusedAdamW
 from mt_fp8.quantized import (
     MIN_SCALE,
@@ -43,6 +40,7 @@ from mt_fp8.state import (
     tie_input_scales,
     update_fp8_scales,
 )
+from mt_fp8.weight_cache import final_micro_batch
 
 __version__ = "0.1.0"
 

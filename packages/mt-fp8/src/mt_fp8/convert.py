@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from mt_fp8.functional import check_dims
 from mt_fp8.linear import FP8Linear
+from mt_fp8.linear_plan import check_dims
 from mt_fp8.recipes import Recipe
 
 logger = logging.getLogger("mt_fp8")

@@ -35,7 +35,7 @@ Both recipes give exactly the loop path's FP8 bytes and scale values:
 * Tensorwise: one scale per group for each of ``x_e``, ``W_e``, ``dy_e`` (their transposes are
   exact), expanded to the rowwise vectors above: the same values the loop's scalars have.
 
-The operands come from the same :class:`~mt_fp8.functional.LinearPlan` quantizers as the loop
+The operands come from the same :class:`~mt_fp8.linear_plan.LinearPlan` quantizers as the loop
 (Triton kernels on CUDA), so health counts (``track_health``) are the loop's too.
 
 Where the kernel cannot take a GEMM, that GEMM runs per group through
@@ -53,9 +53,9 @@ its offsets and scales and their ``dW_e`` are zeros. Its non-empty groups must e
 multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad is per expert.
 
 Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
-stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like :mod:`mt_fp8.functional`'s per-expert
-cache on the weight tensor (weak reference), storage pointer, ``_version``, recipe, scale state
-and the count of torch optimizer steps; a miss quantizes each expert as the loop does. The loop
+stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
+(:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer, ``_version``,
+recipe, scale state and the count of torch optimizer steps; a miss quantizes each expert as the loop does. The loop
 path's per-expert caches are separate (a layer that switches path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
@@ -63,7 +63,6 @@ path's per-expert caches are separate (a layer that switches path quantizes once
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,10 +70,11 @@ from typing import Any
 import torch
 
 from mt_fp8.formats import FP8Format, TensorRole
-from mt_fp8.functional import LinearPlan, _optimizer_steps, release_weight_cache
 from mt_fp8.gemm import fp8_gemm
+from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
+from mt_fp8.weight_cache import weight_key
 
 GroupedGemm = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -357,25 +357,16 @@ def _weight_operands(
     """Stacked FP8 ``W`` and (if needed) ``Wᵀ``, cached (module docstring: weight cache)."""
     cache, key = plan.weight_cache, None
     if cache is not None and not torch.compiler.is_compiling():
-        key = (
-            _optimizer_steps[0],
-            weight_ENK._version,
-            weight_ENK.data_ptr(),
-            weight_ENK.device,
-            plan.recipe,
-            plan.meta.scale_version,
-            need_transpose,
-        )
-        owner = weight_ENK._base if weight_ENK._base is not None else weight_ENK
-        cached = cache.get("entry")
-        if cached is not None and cached[0] == key and cached[1]() is owner:
-            return cached[2], cached[3]
+        key = weight_key(weight_ENK, (plan.recipe, plan.meta.scale_version, need_transpose))
+        cached = cache.lookup(key, weight_ENK)
+        if cached is not None:
+            return cached.weight, cached.weight_transposed
     per_expert = dataclasses.replace(plan, weight_cache=None)
     pairs = [per_expert.weight_operands(w_NK, need_transpose) for w_NK in weight_ENK.unbind(0)]
     weight = _stack([w for w, _ in pairs])
     weight_t = _stack([wt for _, wt in pairs if wt is not None]) if need_transpose else None
     if key is not None:
-        cache["entry"] = (key, weakref.ref(owner), weight, weight_t)
+        cache.store(key, weight_ENK, weight, weight_t)  # type: ignore[union-attr]
     return weight, weight_t
 
 
@@ -495,7 +486,8 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                 db = torch.stack(
                     [dy_TN[s:t].sum(0, dtype=torch.float32).to(b_dtype) for s, t in bounds]
                 )
-        release_weight_cache(lp.weight_cache)
+        if lp.weight_cache is not None:
+            lp.weight_cache.release_after_backward()
         return dx, dw, db, None
 
 

@@ -2,7 +2,7 @@
 
 Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and backward GEMMs,
 FP8-saved input, cached FP8 weight; ``FP8GroupedLinear`` once per expert); see
-:mod:`mt_fp8.functional` for the math. Where PyTorch's grouped FP8 GEMM can take them,
+:mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where PyTorch's grouped FP8 GEMM can take them,
 ``FP8GroupedLinear`` runs all experts at once instead, with the same FP8 operands
 (:mod:`mt_fp8.grouped`). Parameters keep
 their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast
@@ -11,16 +11,19 @@ region to high precision or override the recipe.
 
 Under tensor parallelism, ``FP8Linear(amax_reduction_roles=...)`` names the roles whose current
 tensorwise amax is MAX-reduced over the layer's amax group (``fp8_meta.amax_group``, set by
-``fp8_autocast(amax_group=...)`` or by the caller); see :mod:`mt_fp8.functional`. The default is
+``fp8_autocast(amax_group=...)`` or by the caller); see :mod:`mt_fp8.linear_plan`. The default is
 all three roles, which is always correct (replicated tensors reduce to their own amax); a
 parallel layer can list only the roles it shards to save collectives. ``FP8GroupedLinear``
 never reduces: experts with no tokens skip their GEMMs, so the ranks' all-reduces would not
 line up.
 
 Weight cache: ``cache_weight`` (default True) keeps the FP8 weight across the micro-batches of
-one optimizer step (:mod:`mt_fp8.functional`: any torch optimizer's step invalidates it; after
-other in-place writes that do not bump the weight's version, call :func:`clear_fp8_weight_caches`).
-Set it False when something else re-materialises
+one optimizer step in the layer's :class:`~mt_fp8.weight_cache.WeightCache` (``fp8_weight_cache``;
+``FP8GroupedLinear``: ``expert_weight_caches`` and ``grouped_weight_cache``). Any torch
+optimizer's step invalidates it, through a global optimizer step post-hook that creating the
+first FP8 layer installs (:func:`mt_fp8.weight_cache.install_optimizer_step_hook`; importing
+:mod:`mt_fp8` registers nothing); after other in-place writes that do not bump the weight's
+version, call :func:`clear_fp8_weight_caches`. Set it False when something else re-materialises
 the weight without bumping its version counter, as FSDP2 does when it all-gathers the unsharded
 parameter: the cache key (storage pointer, ``_version``) could then match a new all-gather on one
 rank and not on its TP peer (whose weight-amax all-reduce would wait alone), or match stale
@@ -47,19 +50,14 @@ from torch import nn
 
 from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
-from mt_fp8.functional import (
-    FP8_GEMMS,
-    LinearPlan,
-    check_dims,
-    fp8_linear,
-    fp8_swiglu_linear,
-    parse_fp8_gemms,
-)
+from mt_fp8.functional import fp8_linear, fp8_swiglu_linear
 from mt_fp8.gemm import BACKENDS
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
 from mt_fp8.ops.swiglu import swiglu
 from mt_fp8.recipes import Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
+from mt_fp8.weight_cache import WeightCache
 
 
 class _FP8LayerMixin:
@@ -91,8 +89,10 @@ class _FP8LayerMixin:
         self.track_health = track_health
         self.amax_reduction_roles = _parse_roles(amax_reduction_roles)
 
-    def _plan(self, x: torch.Tensor, cache: dict | None) -> LinearPlan | None:
-        """The call's plan, or None when an ``fp8_autocast(enabled=False)`` region is active."""
+    def linear_plan(self, x: torch.Tensor, weight_cache: WeightCache | None) -> LinearPlan | None:
+        """The plan of a call on ``x`` that keeps its FP8 weight in ``weight_cache`` (None:
+        quantize it afresh), or None when an ``fp8_autocast(enabled=False)`` region is active.
+        Also records the autocast region's amax group on ``fp8_meta``, as a call does."""
         state = current_fp8_state()
         if state is not None and not state.enabled:
             return None
@@ -112,7 +112,7 @@ class _FP8LayerMixin:
             self.backend,
             out_dtype,
             self.track_health,
-            cache if self.cache_weight else None,
+            weight_cache if self.cache_weight else None,
             amax_group=self.fp8_meta.amax_group,
             amax_reduction_roles=self.amax_reduction_roles,
             fp8_gemms=self.fp8_gemms,
@@ -169,7 +169,12 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         if reason is not None:
             raise ValueError(f"FP8Linear: {reason}")
         self.fp8_meta = FP8Meta(self.recipe, device=self.weight.device)
-        self._weight_cache: dict = {}
+        self._weight_cache = WeightCache()
+
+    @property
+    def fp8_weight_cache(self) -> WeightCache:
+        """The cached FP8 weight (module docstring: weight cache); read-only for callers."""
+        return self._weight_cache
 
     @classmethod
     def from_linear(
@@ -191,7 +196,7 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
 
     @torch.compiler.disable  # eager inside compiled models (module docstring)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self._plan(x, self._weight_cache)
+        plan = self.linear_plan(x, self._weight_cache)
         if plan is None:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, plan)
@@ -201,7 +206,7 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         """``self(swiglu(gate, up))``, the down projection of a SwiGLU MLP, without storing
         ``swiglu(gate, up)`` in high precision where the fused quantizer applies
         (:mod:`mt_fp8.functional`: SwiGLU into FP8). Same outputs and gradients."""
-        plan = self._plan(gate, self._weight_cache)
+        plan = self.linear_plan(gate, self._weight_cache)
         if plan is None:
             return F.linear(swiglu(gate, up), self.weight, self.bias)
         return fp8_swiglu_linear(gate, up, self.weight, self.bias, plan)
@@ -256,9 +261,19 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(num_groups, out_features, **factory)) if bias else None
         self.fp8_meta = FP8Meta(self.recipe, device=self.weight.device)
-        self._weight_caches: list[dict] = [{} for _ in range(num_groups)]
-        self._grouped_weight_cache: dict = {}
+        self._weight_caches = tuple(WeightCache() for _ in range(num_groups))
+        self._grouped_weight_cache = WeightCache()
         self.reset_parameters()
+
+    @property
+    def expert_weight_caches(self) -> tuple[WeightCache, ...]:
+        """Each expert's cached FP8 weight, for the per-expert loop (class docstring)."""
+        return self._weight_caches
+
+    @property
+    def grouped_weight_cache(self) -> WeightCache:
+        """All experts' cached FP8 weights, stacked, for the grouped path (class docstring)."""
+        return self._grouped_weight_cache
 
     def reset_parameters(self) -> None:
         for expert in range(self.num_groups):
@@ -279,7 +294,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 f"group_sizes must be {self.num_groups} non-negative ints summing to the "
                 f"{x_TK.shape[0]} tokens, got {sizes}"
             )
-        plan = self._plan(x_TK, self._grouped_weight_cache)
+        plan = self.linear_plan(x_TK, self._grouped_weight_cache)
         if plan is not None:
             reason = grouped_gemm_reason(
                 x_TK, self.weight, sizes, plan.recipe, self.backend, plan.out_dtype
@@ -292,7 +307,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 outputs.append(x_e.new_empty(0, self.out_features))
                 continue
             bias = None if self.bias is None else self.bias[expert]
-            plan = self._plan(x_e, self._weight_caches[expert])
+            plan = self.linear_plan(x_e, self._weight_caches[expert])
             if plan is None:
                 outputs.append(F.linear(x_e, self.weight[expert], bias))
             else:
@@ -310,13 +325,12 @@ def clear_fp8_weight_caches(model: nn.Module) -> None:
     """Drop every cached FP8 weight in ``model`` (after writing weights outside a torch optimizer).
 
     The caches key on the weight's ``_version`` and on the count of torch optimizer steps;
-    ``p.data.copy_(...)`` changes neither; see
-    :mod:`mt_fp8.functional`.
+    ``p.data.copy_(...)`` changes neither; see :mod:`mt_fp8.weight_cache`.
     """
     for module in model.modules():
         if isinstance(module, FP8Linear):
-            module._weight_cache.clear()
+            module.fp8_weight_cache.clear()
         elif isinstance(module, FP8GroupedLinear):
-            for cache in module._weight_caches:
+            for cache in module.expert_weight_caches:
                 cache.clear()
-            module._grouped_weight_cache.clear()
+            module.grouped_weight_cache.clear()
