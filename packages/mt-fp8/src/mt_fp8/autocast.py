@@ -8,7 +8,7 @@ scaling: :func:`~mt_fp8.state.update_fp8_scales` then MAX-reduces the step's ama
 Current tensorwise scaling: each quantization of a role in the layer's
 ``amax_reduction_roles`` MAX-reduces its amax over it before computing the scale, so every rank
 of a tensor-parallel layer uses the scale of the whole (unsharded) tensor
-(:mod:`mt_fp8.functional`).
+(:mod:`mt_fp8.linear_plan`).
 The state is thread-local, like ``torch.autocast``'s.
 """
 

@@ -20,12 +20,12 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
       GEMMs, on CUDA compute capability 9.x with a torch that has ``F.ScalingType``. cuBLAS
       wants the 1×128 scales "outer-dim-major" (strides ``(1, rows)``, a transposed copy of our
       row-major scales) and the 128×128 scales as the ``(Z/128, Y/128)`` view ``s_bᵀ``; fast
-      accumulation is not offered in these modes. Taken only where measured on the H200
-      (torch 2.11, CUDA 13.0): E4M3 operands (E5M2 is refused), a bf16 or fp32 output (a bias
-      is added afterwards), rows of ``a`` divisible by 8; with 128×128 ``b`` ``Z`` divisible by
-      512 (whole groups of four scales), with 1×128 ``b`` its rows by 16 and ``Z`` by 128; see
-      :func:`blockwise_layout_reason`. There it ran the Llama-8B shapes in 1.15–1.22× (1×128
-      by 128×128) and 1.45–1.63× (1×128 by 1×128) the time of a tensorwise GEMM.
+      accumulation is not offered in these modes. Taken only where it was seen to run
+      correctly on the H200 (torch 2.11, CUDA 13.0): E4M3 operands (E5M2 is refused), a bf16
+      or fp32 output (a bias is added afterwards), rows of ``a`` divisible by 8; with 128×128
+      ``b`` ``Z`` divisible by 512 (whole groups of four scales), with 1×128 ``b`` its rows by
+      16 and ``Z`` by 128; see :func:`blockwise_layout_reason`. Its speed against a tensorwise
+      GEMM: docs/performance.md, "FP8 linear layer".
 ``"triton"``
     A Triton kernel for block-scaled operands (``a`` in 1×g groups, ``b`` in 1×g groups or g×g
     blocks, g = 32, 64 or 128) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g
@@ -41,7 +41,7 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     flush). The products of two bf16 values are exact in the GEMM's fp32 accumulator, so the
     result is the MX GEMM's up to summation order, then one rounding into the output dtype
     (fp32 outputs are written directly where ``torch.mm`` has ``out_dtype``, on CUDA).
-    Measured on the H200 against the Triton 1×32 kernel: ``benchmarks/fp8_linear.py``.
+    Against the Triton 1×32 kernel on the H200: docs/performance.md, "FP8 linear layer".
 ``"emulate"``
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.
@@ -97,7 +97,7 @@ def cpu_scaled_mm_takes_rowwise() -> bool:
     """Whether this torch's CPU ``torch._scaled_mm`` takes rowwise scales: a 16×16 probe, once.
 
     NOTE: torch 2.13's does; torch 2.11's (oneDNN) stops at an internal assert that only
-    single-element scales are supported (seen on the GPU machine's torch, 2026-12-03), so there
+    single-element scales are supported, so there
     rowwise operands on the CPU are emulated.
     """
     key = ("rowwise_scaled_mm", "cpu", None)
@@ -178,7 +178,7 @@ def blockwise_layout_reason(
 ) -> str | None:
     """Why cuBLAS's blockwise GEMM is not taken for these layouts, formats and dims, or None.
 
-    Only what was measured correct and fast on the H200 is taken (module docstring); the gpu
+    Only what was seen to run correctly on the H200 is taken (module docstring); the gpu
     tests of test_fp8_block_fast.py probe the rest.
     """
     if a.layout != GROUPS_1X128 or b.layout not in (GROUPS_1X128, BLOCKS_128X128):
@@ -198,9 +198,9 @@ def blockwise_layout_reason(
         )
     (rows_a, depth), rows_b = a.shape, b.shape[0]
     square_b = b.layout == BLOCKS_128X128
-    # Measured on the H200 (2026-12-02): rows of a = 200 ran and 202 did not
-    # (CUBLAS_STATUS_NOT_SUPPORTED); 1x128 b with 208 rows and Z = 384 ran; 128x128 b with
-    # Z/128 = 3 was refused (torch wants its scales padded to a multiple of 4 K-blocks).
+    # Seen on the H200: rows of a = 200 ran and 202 did not (CUBLAS_STATUS_NOT_SUPPORTED);
+    # 1x128 b with 208 rows and Z = 384 ran; 128x128 b with Z/128 = 3 was refused (torch wants
+    # its scales padded to a multiple of 4 K-blocks).
     depth_multiple, rows_b_multiple = (512, 128) if square_b else (128, 16)
     if rows_a % 8 or rows_b % rows_b_multiple or depth % depth_multiple:
         return (
@@ -225,8 +225,8 @@ def triton_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
 def triton_layout_reason(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
     """Why the Triton block GEMM cannot take these layouts, or None if it can."""
     # NOTE: fixed-size groups only: a rowwise operand has "1xK groups" too, but with g = K the
-    # kernel's K-step tiles outgrow shared memory (rowwise FP8Linear with K = 256 asked for
-    # 256 KiB on the H200, 2026-12-02) and g need not be a power of two.
+    # kernel's K-step tiles outgrow shared memory (a rowwise FP8Linear with K = 256 already
+    # asked for more than the H200 has) and g need not be a power of two.
     if a.layout.block[1] < 0 or b.layout.block[1] < 0:
         return "the Triton block-scaled GEMM takes fixed-size groups, not whole-row scales"
     ga, gb = a.block, b.block

@@ -32,10 +32,10 @@ weights. ``mt_parallel.apply_data_parallel(mode="fsdp")`` turns it off.
 torch.compile: both layers' ``forward`` run eagerly inside compiled models (a graph break on
 either side; Dynamo compiles the code around them). Their quantizers and GEMMs are fused kernels
 already, so compiling through them gains little, and compiled through they trained wrongly.
-NOTE: measured on the H200 (torch 2.11, 2026-12-03, ``docs/benchmarks.md`` session 8): decoder
-blocks compiled with ``FP8Linear`` traced in gave all-zero weight gradients for every block
-parameter (the loss agreed with eager); with ``forward`` kept eager they match eager to 1e-7.
-On the CPU both ways matched; the cause inside the compiler stack was not isolated.
+NOTE: seen with torch 2.11 on the H200: decoder blocks compiled with ``FP8Linear`` traced in
+gave all-zero weight gradients for every block parameter (the loss agreed with eager); with
+``forward`` kept eager their gradients match eager's. On the CPU both ways matched; the cause
+inside the compiler stack was not isolated.
 
 Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_features.
 """

@@ -22,7 +22,7 @@ with Triton installed, non-contiguous, sparse gradients, or ``MT_FP8_DISABLE_TRI
 the whole step fall back to ``torch.optim.AdamW.step`` (gradients divided by ``grad_scale``
 first, in place). ``amsgrad``, ``maximize`` and tensor learning rates are refused.
 Why: PyTorch's fused AdamW moves its bytes at a lower rate than a plain streaming pass on the
-H200 (``docs/benchmarks.md``, session 7).
+H200 (docs/performance.md, "AdamW").
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class FusedAdamW(torch.optim.AdamW):
     def _kernel_takes_all(params: list[torch.Tensor]) -> bool:
         """:meth:`kernel_takes` for every parameter. Whether Triton runs on a device type is read
         once per type (it reads environment variables), not once per tensor: the check runs
-        after the trainer's host sync, while the device waits for the first launch.
-        NOTE: measured on this project's 2-core CPU machine (2026-12-03, 75 parameters, kernel
-        launches stubbed out): the per-tensor ``use_triton`` check took 0.43 ms per step."""
+        after the trainer's host sync, while the device waits for the first launch; per
+        tensor it was a visible part of the step's host time (``benchmarks/adamw_host.py``;
+        docs/performance.md, "AdamW")."""
         runs_on: dict[str, bool] = {}
         for param in params:
             grad = param.grad

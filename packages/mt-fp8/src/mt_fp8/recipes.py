@@ -23,7 +23,7 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
 * **Tensorwise (current) scaling**: ``s = max|x| / fmt.max`` of this tensor, now. For a tensor
   sharded over tensor-parallel ranks, the layer can MAX-reduce ``max|x|`` over the caller's
   process group first (as Transformer Engine's current scaling does), so that all ranks share
-  the whole tensor's scale; see :mod:`mt_fp8.functional`.
+  the whole tensor's scale; see :mod:`mt_fp8.linear_plan`.
 * **Rowwise scaling**: one scale per row of the left operand and per column of the right
   (per output row/column of the GEMM): ``s_r = max_k |x_rk| / fmt.max``.
 * **Block scaling** (DeepSeek-V3): activations and gradients in 1×128 groups along the

@@ -35,7 +35,7 @@ Tied input scales (:func:`tie_input_scales`): layers that read the same tensor (
 normalised input, gate/up of the MLP) record equal INPUT amaxes and so would compute equal
 INPUT scales, but a layer cannot know that without a host sync. Tying makes it structural: the
 tied layers' INPUT role uses the first layer's history and scale (``FP8Meta.input_meta``), so
-they quantize the shared input once (:mod:`mt_fp8.functional`, shared input quantization), as a
+they quantize the shared input once (:mod:`mt_fp8.input_cache`), as a
 fused QKV or gate/up layer would. The INPUT column of the other layers' history stays zero and
 their own INPUT scale unused; their WEIGHT and GRAD_OUTPUT roles keep their own state.
 
@@ -170,7 +170,8 @@ def format_maxima_on(device: torch.device, maxima: tuple[float, ...]) -> torch.T
     formats. Why cached: creating it from Python numbers is a blocking host-to-device copy, which
     waits for every kernel queued before it. Made per update, it held the host after each
     optimizer step until the AdamW pass had finished, so the device then idled while the host
-    launched the rest of the update and the next step (``docs/benchmarks.md``, session 15).
+    launched the rest of the update and the next step (docs/performance.md, "Dense Llama
+    slice").
     Callers must not modify the returned tensor."""
     return torch.tensor(maxima, dtype=torch.float32, device=device)
 

@@ -24,14 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-# A sweep on the H200 (2026-12-03, 2.8 B fp32 elements, 75 tensors): 1024 elements and 4 warps
-# per program took 18.9 ms (4.14 TB/s, 97% of the measured copy bandwidth); 4096 × 8 took 19.3,
-# 8192 × 8 26.9; PyTorch's fused AdamW with a grad_scale 26.5.
+# Elements and warps per program: the fastest of the sweep of ``benchmarks/adamw.py --sweep``
+# on the H200, near copy bandwidth (docs/performance.md, "AdamW").
 # NOTE: one launch for all tensors instead (programs mapped to (tensor, block) by int32 tables,
-# tensor addresses and scalars uploaded per step) was slower on the H200 (2026-12-03, session 13,
-# benchmarks/adamw.py): 22.1 ms for the pass (the dependent table loads in every program) and
-# 0.72 ms of host time per step to build the uploads; in the seq-4096 step the device then idled
-# 4.2 ms before the uploads against 1.2 ms before the 75 launches here. Reverted.
+# tensor addresses and scalars uploaded per step) was slower, both on the device (the dependent
+# table loads in every program) and on the host (building the uploads), so it was reverted
+# (docs/performance.md, "AdamW").
 BLOCK = 1024
 WARPS = 4
 

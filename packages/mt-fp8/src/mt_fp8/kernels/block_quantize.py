@@ -6,7 +6,7 @@ Shape suffixes: R rows, C columns (C % 128 == 0), g the group length (128 or 32)
 up to a multiple of g, H = C / g, G = R' / g.
 
 :func:`quantize_groups_with_transpose` writes both operands the linear layer needs from ``x_RC``
-(see :mod:`mt_fp8.functional`):
+(see :mod:`mt_fp8.linear_plan`):
 
 * ``q_RC`` in 1×g groups along C, scales ``s_RH``: the forward (or dgrad) operand;
 * ``q_CR'``: ``xᵀ`` with R zero-padded to R', in 1×g groups along R', scales ``s_CG``: the
@@ -20,9 +20,8 @@ whole row groups) and ``_group_columns`` owns ``COLUMNS_TILE`` (128 rows × 64 c
 column groups, stored transposed). Rows past R read as zero: padded rows add nothing to a column
 amax and quantize to zero, as the PyTorch path's ``F.pad`` of ``xᵀ`` does; rows at or past R'
 are not stored. NOTE: one kernel on 128×128 tiles that wrote both operands from one read was
-slower on the H200 (2026-12-03, 8192×14336 bf16: 383.7 µs at its best warp count, against
-124.6 + 123.9 µs for the two; 4,096 wide: 116.4 against 39.7 + 40.0 µs): holding the whole tile
-and both scalings left too few programs per SM to hide the memory latency.
+slower than the two: holding the whole tile and both scalings left too few programs per SM to
+hide the memory latency (docs/performance.md, "FP8 quantizers").
 
 :func:`quantize_square_blocks` owns one 128×128 tile per program with one amax per tile (128×128
 weight blocks); a square-block tensor's transpose is exact
@@ -81,7 +80,8 @@ TILE = 128
 """Side of the square weight blocks (one program each) and the tiles' widest side."""
 
 ROWS_TILE = (64, 128, 4)
-"""``_group_rows``: rows, columns and warps per program (the fastest of a sweep on the H200)."""
+"""``_group_rows``: rows, columns and warps per program (the fastest of the tile sweep of
+``benchmarks/block_quantize.py --sweep`` on the H200; docs/performance.md, "FP8 quantizers")."""
 COLUMNS_TILE = (128, 64, 4)
 """``_group_columns``: rows, columns and warps per program (the same sweep)."""
 

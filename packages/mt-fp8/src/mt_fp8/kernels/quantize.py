@@ -20,8 +20,9 @@ Launches per call:
   writes the amax, adds the health counts and copies the scale into the returned ``(1, 1)``
   tensor (an own allocation, for cuBLAS's scale alignment).
 
-Why in-kernel folds: host launch overhead. An FP8 training step on the H200 waited about 27 ms
-of 215 ms for the host to issue kernels; before, a quantization with health counts launched 4
+Why in-kernel folds: host launch overhead. In an FP8 training step the device waited a
+noticeable share of the step for the host to issue kernels (docs/performance.md, "Dense Llama
+slice"); before, a quantization with health counts launched 4
 kernels: the two passes and one-program kernels that folded the amax into the scale and the
 counts into ``stats`` (with a given scale: a scale copy, the pass, a PyTorch ``amax`` and the
 counts fold).
@@ -39,11 +40,8 @@ with ``.cg`` (from L2, never a stale L1 line), and each last program stores 0 ba
 counter it emptied. Why two levels: with one counter for all 28,672 tiles of an 8192×14336
 gradient, 28,672 same-address atomics serialize and one program folds 28,672 partials in a loop
 of dependent L2 round trips; groups spread the atomics over 113 addresses (one 128-byte line
-each) and keep each fold short. Measured on the H200 (Triton 3.6.0, 2026-12-03, profiler kernel
-times, that gradient in bf16 with health counts): without a scale the four launches before took
-61.5 + 10.5 + 162.4 + 22.9 µs, one counter 88.0 + 188.6 µs, the groups 67.4 + 172.4 µs; with a
-scale 203.6 µs in four launches, 221.3 µs with one counter, 192.9 µs with the groups. Host time
-of a launch-bound call (256×512): 121 → 102 µs without a scale, 108 → 74 µs with one.
+each) and keep each fold short. The groups beat both one counter and the four launches they
+replaced, in kernel and in host time (docs/performance.md, "FP8 quantizers").
 
 Counters: zeroed int32s, one set per (device, stream), allocated on first use, grown when a
 launch has more groups, and kept: launches on one stream run one after another, so each finds
@@ -53,9 +51,9 @@ graph). Under ``TRITON_INTERPRET=1`` programs run one at a time, so the last of 
 its highest id. An empty ``x`` runs one fully masked program (amax 0, scale 1, no counts).
 
 NOTE: per-tile partials rather than atomics on one global accumulator: an 8192×14336 gradient
-has 28,672 tiles, and same-address atomics serialize in L2 (profile of the 8-layer Llama3-8B
-step on the H200, 2026-12-02: 224 launches took 16.7 ms, about 45% of the copy bandwidth their
-bytes need, with three same-address atomics per tile).
+has 28,672 tiles, and same-address atomics serialize in L2; with three of them per tile the
+quantizers of a training step ran at less than half the copy bandwidth their bytes need
+(docs/performance.md, "FP8 quantizers").
 
 NOTE: for inputs other than bf16 the transposed tile is moved as int32 FP8 codes. On the H200
 (Triton 3.6.0, 2026-12-02) a transposed store of the FP8 tile itself was wrong for fp32 inputs:
@@ -67,9 +65,8 @@ for every shape tested. Garbage in the saved ``xᵀ`` and ``wᵀ`` made the grad
 with fp32 weights or inputs NaN while their outputs stayed right. So for fp32 (and fp16) the
 kernel computes the FP8 bit patterns in integer arithmetic (``_fp8_codes``, round to nearest
 even as the hardware cast), transposes the int32 tile and narrows it at the store: bit-exact on
-the H200 (2026-12-03, 14336×4096 and 4096×14336 fp32, 94.7 µs against 91.7 µs for the wrong
-FP8-tile version). It replaced PyTorch's FP8 transpose copy, which ran at 344 GB/s
-(341 µs for a 14336×4096 weight; 10.1 ms of the 8-layer Llama3-8B FP8 step, fp32 weights).
+the H200 and about as fast as the wrong FP8-tile version. It replaced PyTorch's FP8 transpose
+copy, which ran far below copy bandwidth (docs/performance.md, "FP8 quantizers").
 
 Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
 
@@ -79,9 +76,9 @@ Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
   subnormals kept. Triton's ``/`` lowers to ``div.full.f32`` (an approximation within 2 ulp, so
   values next to an FP8 rounding boundary can land on the other side), and ``tl.div_rn`` calls
   libdevice's ``__nv_fdiv_rn``, which Triton links flush-to-zero. Under ``TRITON_INTERPRET=1``
-  (numpy) the plain operators are already IEEE. NOTE: a division per element, ``x / s``, held
-  the bf16 write pass at 195 µs for an 8192×14336 gradient (2.4 TB/s on the H200, 2026-12-03);
-  the approximate division took 130 µs.
+  (numpy) the plain operators are already IEEE. NOTE: one division per scale, not per
+  element: ``x / s`` per element made the bf16 write pass markedly slower than the
+  approximate division (docs/performance.md, "FP8 quantizers").
 * The clamp propagates NaN (``PropagateNan.ALL``) as ``torch.clamp`` does; without it the
   ``min.xorsign.abs`` clamp Triton emits on Hopper turns NaN into ``±fmt.max``.
 * The amax counts NaN as ``+inf`` (Triton's float ``max`` and ``atomic_max`` skip NaN), so a NaN

@@ -99,10 +99,10 @@ BWD_STAGES = 3
 """Software-pipelining depth of the backward's row loop: the loads of the next rows are issued
 while the current ones are reduced."""
 
-# NOTE: measured on the H200 (2026-12-03, 8192×4096 bf16, kernel time by CUDA events): forward
-# 40.6 µs with 16 warps per row, 36.6 µs with 8 (86% of copy bandwidth; 2 or 4 rows per program
-# no better); backward 63.1 µs with one row per iteration, 2 programs per SM and no pipelining,
-# 53.2 µs with the settings above (2 rows, 1 program per SM, 3 stages; 88%).
+# NOTE: the settings above were the fastest tried on the H200, near copy bandwidth: 8 warps per
+# row beat 16 in the forward, and the backward's two rows per iteration, one program per SM and
+# three stages beat one row, two programs per SM and no pipelining (docs/performance.md,
+# "Fused ops").
 
 
 @functools.cache

@@ -40,14 +40,13 @@ def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` for a plain-PyTorch autograd function, kept out of ``torch.compile``
     graphs (run eagerly behind a graph break) except on the CPU with torch >= 2.13.
 
-    NOTE: measured on the H200 (torch 2.11, Triton 3.6, 2026-12-03, ``docs/benchmarks.md``
-    session 8): a compiled decoder block whose RMSNorm, RoPE and SwiGLU took these plain
-    autograd functions gave weight gradients up to 100% off the eager ones (the loss agreed),
-    while the same block with the Triton-backed functions traced in matched eager to bf16
-    rounding. On the CPU with torch 2.13 the plain functions compile and match eager exactly
-    (``test_fp8_ops.py``); with torch 2.11 the same CPU test's compiled gradient was 100% off
-    (forward exact; seen on the GPU machine's torch, 2026-12-03). The cause inside the compiler
-    stack was not isolated, so elsewhere they are not compiled.
+    NOTE: seen with torch 2.11 and Triton 3.6 on the H200: a compiled decoder block whose
+    RMSNorm, RoPE and SwiGLU took these plain autograd functions gave weight gradients entirely
+    unlike the eager ones (the loss agreed), while the same block with the Triton-backed
+    functions traced in matched eager to bf16 rounding. On the CPU with torch 2.13 the plain
+    functions compile and match eager exactly (``test_fp8_ops.py``); with torch 2.11 the same
+    CPU test's compiled gradient was wrong (forward exact). The cause inside the compiler stack
+    was not isolated, so elsewhere they are not compiled.
     """
     eager_apply = torch.compiler.disable(function.apply)
 

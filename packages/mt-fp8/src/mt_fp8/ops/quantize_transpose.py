@@ -24,7 +24,7 @@ it saves the write and the read of ``x`` (2 bytes each per element for bf16).
 Not differentiable: it produces GEMM operands inside FP8 layers' forward and backward, on
 tensors whose gradient those layers compute themselves. CUDA tensors run
 :mod:`mt_fp8.kernels.quantize`; elsewhere, and inside ``torch.compile`` graphs (where Inductor
-fuses it; see :mod:`mt_fp8.functional`), the plain-PyTorch path below.
+fuses it; see :mod:`mt_fp8.linear_plan`), the plain-PyTorch path below.
 """
 
 from __future__ import annotations
