@@ -4,7 +4,8 @@ Parameters: the embedding and output head (128256 × 4096), per layer q/k/v/o (4
 1024×4096 twice, 4096×4096), gate/up/down (14336×4096 twice, 4096×14336) and two norm gains,
 plus the final norm: 2.796 B fp32 elements in 75 tensors, with random gradients and moments.
 An update moves 28 bytes per element (reads θ, g, m, v; writes θ, m, v). Times are CUDA events
-around one whole step, the median of ``--reps``; the copy bandwidth is a 4 GiB → 4 GiB ``copy_``.
+around one whole step, the median of ``--reps`` (``harness.median_ms``); the copy bandwidth is a
+4 GiB → 4 GiB ``copy_``.
 
 Rows: ``torch.optim.AdamW(fused=True)`` with and without a ``grad_scale`` (the trainer folds
 its gradient clip into it), ``torch._foreach_norm`` of the gradients (the clip's norm), and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+import harness
 import torch
 import triton
 
@@ -34,17 +36,7 @@ def shapes() -> list[tuple[int, ...]]:
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return harness.median_ms(fn, repeats=reps, warmup=1)
 
 
 def copy_ms(reps: int) -> float:
@@ -62,6 +54,7 @@ def main() -> None:
         help="comma-separated ELEMENTSxWARPS per program, e.g. 1024x4,4096x8",
     )
     args = parser.parse_args()
+    harness.require_cuda()
     torch.manual_seed(0)
     params = [torch.randn(s, device="cuda") * 0.02 for s in shapes()]
     grads = [torch.randn_like(p) * 1e-3 for p in params]

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # before mt_fp8 reads it: CPU tensors take the kernel path
 
+import harness
 import torch
 
 import mt_fp8.kernels.adamw as kernels
@@ -50,17 +50,10 @@ def main() -> None:
         param.grad = torch.randn_like(param)
     optimizer = FusedAdamW(params, lr=1e-4, weight_decay=0.1)
     optimizer.grad_scale = torch.tensor(1.0)
-    for _ in range(10):
-        optimizer.step()
-    times = []
-    for _ in range(args.reps):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    times.sort()
+    ms = harness.median_ms(optimizer.step, repeats=args.reps, warmup=10, device="cpu")
     print(
         f"FusedAdamW.step host time, {len(params)} parameters, launches stubbed "
-        f"({stub.calls // (args.reps + 10)} per step): median {times[len(times) // 2] * 1e3:.3f} ms"
+        f"({stub.calls // (args.reps + 10)} per step): median {ms:.3f} ms"
     )
 
 

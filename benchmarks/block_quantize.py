@@ -13,13 +13,15 @@ call as the FP8 linear layers make it, with health counts on:
 Bytes counted: the input read once and each FP8 operand written once (the minimum); GB/s is
 that over the device time of one call (mean over ``--iters`` calls), beside the
 GB/s of a device-to-device copy of the same input (read + write), both timed as replays of a
-CUDA graph of ``--iters`` calls (kernel time, no launch cost).
+CUDA graph of ``--iters`` calls (``harness.graph_ms``: kernel time, no launch cost, as in the
+trainer's graphed step; timed call by call, the smaller calls are launch-bound).
 """
 
 from __future__ import annotations
 
 import argparse
 
+import harness
 import torch
 
 from mt_fp8.formats import FP8Format
@@ -40,25 +42,8 @@ SWEEP_COLUMNS = [(128, 32, 2), (128, 32, 4), (128, 64, 4), (128, 64, 8)]
 
 
 def time_us(fn, iters: int) -> float:
-    """Device µs per call: ``iters`` calls captured in one CUDA graph, replayed and timed with
-    CUDA events, so the host's launch cost is not counted, as in the trainer's graphed step
-    (timed call by call, every group call took at least 123 µs on the H200, an 8192×1024
-    one included: launch-bound)."""
-    for _ in range(3):  # compile the Triton kernels before the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+    """Device µs per call, from a CUDA graph of ``iters`` calls (module docstring)."""
+    return harness.graph_ms(fn, calls=iters) * 1e3
 
 
 def quantize_call(x: torch.Tensor, fmt: FP8Format, square: bool):
@@ -73,6 +58,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="time the group kernels' tiles")
     args = parser.parse_args()
+    harness.require_cuda()
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}, µs per call")
     print("| call | µs | GB/s | copy GB/s |\n| --- | --- | --- | --- |")

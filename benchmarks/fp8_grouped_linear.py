@@ -16,16 +16,16 @@ Columns: "bf16 loop" (``F.linear`` per expert), "bf16 grouped_mm" (``torch._grou
 then per FP8 recipe the per-expert loop (backend ``"scaled_mm"``: cuBLAS per expert) and the
 grouped path (backend ``"auto"``). With the default hybrid formats only the forward GEMM is
 grouped (``torch._scaled_grouped_mm`` takes E4M3 only); the ``_e4m3`` recipes (all roles E4M3)
-group all three GEMMs. Times are medians of CUDA-event timings (wall clock on CPU), in ms.
+group all three GEMMs. Times are medians of CUDA-event timings (wall clock on CPU), in ms
+(``harness.median_ms``).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -52,24 +52,7 @@ def routing(tokens: int, experts: int, seed: int = 0) -> list[int]:
 
 
 def time_ms(step: Callable[[], None], clear: Callable[[], None], device: str, iters: int) -> float:
-    for _ in range(2):
-        clear()
-        step()
-    times = []
-    for _ in range(iters):
-        clear()
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
+    return harness.median_ms(step, repeats=iters, warmup=2, before=clear, device=device)
 
 
 def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: int) -> dict:

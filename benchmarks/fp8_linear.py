@@ -1,8 +1,8 @@
 """FP8Linear fwd+bwd time per recipe vs torchao Float8Linear and bf16 nn.Linear (Llama3-8B shapes).
 
 Run on a CUDA GPU: ``python benchmarks/fp8_linear.py`` (torchao optional: its columns are
-skipped when it is not importable). Times are medians of CUDA-event timings of
-``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
+skipped when it is not importable). Times are medians of CUDA-event timings
+(``harness.median_ms``) of ``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
 Every iteration is one training step with one micro-batch: the gradients are cleared before it
 and the input's version counter is bumped (both untimed), and our layers re-quantize the weight
 (``cache_weight=False``) and the input, as torchao does. In ``compiled`` mode our layers run
@@ -10,16 +10,16 @@ eagerly behind ``torch.compile``'s wrapper (``FP8Linear.forward`` is kept out of
 :mod:`mt_fp8.linear`), while torchao's are compiled. In ``graphed`` mode every stack's step
 (compiled for bf16 and torchao, eager for ours) is captured once as a CUDA graph and the graph's
 replays are timed: the GPU's time for the kernels with no host launch cost, the cost that
-dominates a single layer's eager step (``docs/benchmarks.md``), as the trainer's
-``trainer.cuda_graph`` runs it.
+dominates a single layer's eager step (docs/performance.md, "FP8 linear layer"), as the
+trainer's ``trainer.cuda_graph`` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 
+import harness
 import torch
 from torch import nn
 
@@ -64,29 +64,19 @@ def time_ms(
         with torch.no_grad():
             x.add_(0)
 
+    def step() -> None:
+        layer(x).backward(dy)
+
+    if not graphed:
+        return harness.median_ms(step, repeats=iters, warmup=3, before=clear_grads)
     for _ in range(3):
         clear_grads()
-        layer(x).backward(dy)
-    step = lambda: layer(x).backward(dy)  # noqa: E731
-    if graphed:
-        # Gradients allocated by the capture and overwritten by each replay; x's fresh version
-        # makes our layers record x's quantization.
-        clear_grads()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            layer(x).backward(dy)
-        step = graph.replay
-    times = []
-    for _ in range(iters):
-        if not graphed:
-            clear_grads()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    # Gradients allocated by the capture and overwritten by each replay; x's fresh version
+    # makes our layers record x's quantization.
+    clear_grads()
+    graph = harness.capture_graph(step)
+    return harness.median_ms(graph.replay, repeats=iters, warmup=0)
 
 
 def torchao_layer(linear: nn.Linear, recipe_name: str) -> nn.Module | None:
@@ -107,6 +97,7 @@ def main() -> None:
         help="comma-separated: eager, compiled, graphed (default eager,compiled)",
     )
     modes = parser.parse_args().modes.split(",")
+    harness.require_cuda()
     torch.manual_seed(0)
     torch._dynamo.config.cache_size_limit = 64
     print(

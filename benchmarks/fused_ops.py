@@ -11,17 +11,19 @@ Copy bandwidth: a device-to-device copy of 4 GiB, counting read + write.
 Two times per op and implementation:
 
 * **device**: the summed GPU time of the kernels of one forward + backward (PyTorch profiler,
-  median-free mean over 10 steps). In a training step the host queues work ahead of the GPU, so
+  mean over 10 steps: ``harness.kernel_ms``). In a training step the host queues work ahead of the GPU, so
   this is what the op costs the step; the bandwidth targets are judged on it.
-* **wall**: CUDA-event time of one forward + backward issued from an idle queue, so it also
+* **wall**: CUDA-event time of one forward + backward issued from an idle queue (median of 10:
+  ``harness.median_ms``), so it also
   contains the host's launch overhead (autograd, Python, kernel launch); for small ops this
   dominates and says nothing about the kernels.
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
 
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -29,40 +31,9 @@ from mt_fp8.ops import apply_rotary, cross_entropy, rms_norm, swiglu
 from mt_fp8.ops.rope import rope_tables
 
 
-def bench(fn, iters: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / 1e3
-
-
-def device_seconds(fn, steps: int = 10) -> float:
-    """Mean summed kernel time of one ``fn()`` call, from the PyTorch profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(event.self_device_time_total for event in prof.key_averages())
-    return total_us / steps / 1e6
-
-
 def copy_bandwidth() -> float:
-    src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / seconds
+    """Bytes/s of a device-to-device copy of 4 GiB of bf16, read + write."""
+    return harness.copy_gbps(2**31) * 1e9
 
 
 def eager_rms(x, w):
@@ -95,6 +66,8 @@ def liger():
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    harness.require_cuda()
     bandwidth = copy_bandwidth()
     print(
         f"# {torch.cuda.get_device_name()} torch {torch.__version__}; copy bandwidth {bandwidth / 1e12:.2f} TB/s"
@@ -157,8 +130,8 @@ def main() -> None:
                 continue
             try:
                 fwd_bwd = run(fn)
-                device_rates[label] = nbytes / device_seconds(fwd_bwd)
-                wall_rates[label] = nbytes / bench(fwd_bwd)
+                device_rates[label] = nbytes / (harness.kernel_ms(fwd_bwd) / 1e3)
+                wall_rates[label] = nbytes / (harness.median_ms(fwd_bwd) / 1e3)
             except Exception as error:
                 print(f"<!-- {name} {label} failed: {type(error).__name__}: {str(error)[:200]} -->")
         print(

@@ -12,17 +12,17 @@ with health counts on:
 
 Bytes counted: ``x`` read once per launch and each FP8 operand written once; GB/s is that over
 the device time of one call, beside the GB/s of a device-to-device copy of the same input, all
-timed as replays of a CUDA graph of ``--iters`` calls (``block_quantize.time_us``: kernel time,
-no launch cost). In the 8-layer Llama3-8B trainer these calls take 14.5 of the 167.6 ms of
-kernels of a step (delayed scaling, sequence 4096; ``docs/benchmarks.md``, session 11).
+timed as replays of a CUDA graph of ``--iters`` calls (``harness.graph_ms``: kernel time, no
+launch cost). Their share of a training step's kernel time: docs/performance.md, "FP8
+quantizers".
 """
 
 from __future__ import annotations
 
 import argparse
 
+import harness
 import torch
-from block_quantize import time_us
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.kernels import quantize as kernels
@@ -42,6 +42,10 @@ SWEEP_WRITE = [
 SWEEP_AMAX = [(64, 64, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 256, 8), (16, 512, 4)]
 
 
+def time_us(fn, iters: int) -> float:
+    return harness.graph_ms(fn, calls=iters) * 1e3
+
+
 def quantize_call(x: torch.Tensor, fmt: FP8Format, given_scale: bool):
     stats = torch.zeros(3, dtype=torch.int64, device=x.device)
     scale = (x.abs().amax().float() / fmt.max).reshape(()) if given_scale else None
@@ -53,6 +57,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="time other tiles")
     args = parser.parse_args()
+    harness.require_cuda()
     torch.manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}, µs per call")
     print(

@@ -4,7 +4,7 @@ SwiGLU then quantize, on one GPU.
 The tensor is the SwiGLU product of the Llama3-8B MLP at 8192 tokens (R×F = 8192×14336 bf16),
 as the FP8 down projection needs it: FP8 ``x`` and ``xᵀ`` with one tensorwise scale, plus the
 amax. Four rows, each the summed kernel time of one call (PyTorch profiler, mean of 10 calls,
-:func:`fused_ops.device_seconds`):
+``harness.kernel_ms``):
 
 * ``separate, delayed``: ``swiglu(g, u)`` (reads g and u, writes x), then
   ``quantize_transpose_amax(x, scale=s)`` (reads x, writes x and xᵀ in FP8 and the amax):
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 
+import harness
 import torch
-from fused_ops import copy_bandwidth, device_seconds
 
 from mt_fp8 import FP8Format
 from mt_fp8.ops import quantize_transpose_amax, swiglu, swiglu_quantize_transpose_amax
@@ -34,8 +34,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--cols", type=int, default=14336)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("swiglu_fp8.py needs a CUDA GPU")
+    harness.require_cuda()
     shape = (args.rows, args.cols)
     gate, up = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fmt = FP8Format.E4M3
@@ -53,13 +52,13 @@ def main() -> None:
         ("separate", "current"): (lambda: quantize_transpose_amax(swiglu(gate, up), fmt), 12),
         ("fused", "current"): (lambda: swiglu_quantize_transpose_amax(gate, up, fmt), 10),
     }
-    copy = copy_bandwidth()
+    copy = harness.copy_gbps(2**31) * 1e9
     print(f"SwiGLU into FP8, {args.rows}×{args.cols} bf16, {torch.cuda.get_device_name()}")
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s\n")
     print("| path | scaling | µs | bytes/element | GB/s | % copy |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for (path, scaling), (fn, bytes_per_element) in cases.items():
-        seconds = device_seconds(fn)
+        seconds = harness.kernel_ms(fn) / 1e3
         rate = bytes_per_element * elements / seconds
         print(
             f"| {path} | {scaling} | {seconds * 1e6:.1f} | {bytes_per_element} | "

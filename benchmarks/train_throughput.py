@@ -49,16 +49,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import harness
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -258,26 +257,7 @@ def enable_fp8(
             module.track_health = health
 
 
-# ---------------------------------------------------------------- timing
-def measure(
-    step: Callable[[], Any], warmup: int, steps: int, budget_s: float, device: torch.device
-) -> tuple[int, float]:
-    """(timed steps, seconds): stops early once the timed steps pass ``budget_s``."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    sync()
-    start = time.perf_counter()
-    done = 0
-    while done < steps:
-        step()
-        done += 1
-        if time.perf_counter() - start > budget_s:
-            break
-    sync()
-    return done, time.perf_counter() - start
-
-
+# ---------------------------------------------------------------- profiling
 def profile_step(
     step: Callable[[], Any], device: torch.device, steps: int = 2, top: int = 50
 ) -> dict[str, Any]:
@@ -357,13 +337,6 @@ def device_idle(
     return idle_us / 1e3, [[name, count, ms] for name, (count, ms) in ranked], gaps
 
 
-def emit(row: dict[str, Any], out: str | None) -> None:
-    print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def run_isolated(
     stacks: list[str], argv: list[str], args: argparse.Namespace, began: float
 ) -> list[dict[str, Any]]:
@@ -383,21 +356,14 @@ def run_isolated(
             row["error"] = "skipped: time budget"
         else:
             cmd = [sys.executable, __file__, *passthrough, "--in-process", f"--only={name}"]
-            try:
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=args.stack_timeout_s
-                )
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"stack"')]
-                if lines:
-                    row = json.loads(lines[-1])
-                else:
-                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    row["error"] = f"exit {proc.returncode}: {tail[:200]}"
-            except subprocess.TimeoutExpired:
-                row["error"] = f"timeout: no result within {args.stack_timeout_s:.0f} s"
+            run = harness.run_isolated(cmd, timeout_s=args.stack_timeout_s, marker='{"stack"')
+            if run.result is not None:
+                row = run.result
+            else:
+                row["error"] = run.error
         row["elapsed_s"] = time.perf_counter() - began
         results.append(row)
-        emit(row, args.out)
+        harness.emit(row, args.out)
     return results
 
 
@@ -453,7 +419,13 @@ def run_in_process(
                             head_gemms=tuple(args.head_gemms.split(",")),
                         )
                     step = trainer.train_step
-                done, seconds = measure(step, args.warmup, args.steps, args.stack_budget_s, device)
+                done, seconds = harness.timed_steps(
+                    step,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    budget_s=args.stack_budget_s,
+                    sync=lambda: harness.synchronize(device),
+                )
                 tps = done * s["batch"] * s["seq"] / seconds
                 row.update(tokens_per_s=tps, mfu=tps * fpt / PEAK_BF16, timed_steps=done)
                 if trainer is not None and not name.startswith("ref_"):
@@ -480,7 +452,7 @@ def run_in_process(
                 torch.cuda.empty_cache()
         row["elapsed_s"] = time.perf_counter() - began
         results.append(row)
-        emit(row, args.out)
+        harness.emit(row, args.out)
     if trainer is not None:
         with contextlib.suppress(Exception):
             trainer.close()

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import re
@@ -58,6 +57,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the shared harness
+import harness  # noqa: E402
+
 TESTS = REPO / "packages" / "mt-parallel" / "tests"
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -556,10 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             row["seconds"] = round(seconds, 2)
             rows.append(row)
             if rank == 0:
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                harness.emit(row, args.out)
     failures = sum(r["result"] == "FAIL" for r in rows)
     if rank == 0:
         print("\n| layout | check | result | worst error | bound | where | s |\n"

@@ -35,13 +35,15 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared harness
+import harness  # noqa: E402
+
 # Lines that name what went wrong, most telling first (a rank's collective mismatch or refusal
 # before the "connection reset" its peers report as a consequence).
 ERROR_PATTERNS = [
@@ -108,34 +110,24 @@ def launch(nproc: int, argv: list[str], args: argparse.Namespace) -> dict[str, A
     env = {**os.environ, **NO_MULTICAST}
     if args.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=args.run_timeout_s, env=env
-        )
-    except subprocess.TimeoutExpired:
+    run = harness.run_isolated(command, timeout_s=args.run_timeout_s, marker="RESULT ", env=env)
+    if run.returncode is None:
         row = {"tag": " ".join(argv), "world": nproc, "error": "timeout"}
-        _append(args.out, row)
+        harness.append_jsonl(args.out, row)
         return row
-    results = [ln.removeprefix("RESULT ") for ln in proc.stdout.splitlines() if ln[:7] == "RESULT "]
-    if results:
-        return json.loads(results[-1])  # throughput.py appended it to --out itself
-    row = {"tag": " ".join(argv), "world": nproc, "error": f"exit {proc.returncode}: "}
-    ranks = [json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines() if ln[:4] == "RANK"]
-    lines = proc.stderr.splitlines()
+    if run.result is not None:
+        return run.result  # throughput.py appended it to --out itself
+    row = {"tag": " ".join(argv), "world": nproc, "error": f"exit {run.returncode}: "}
+    ranks = [json.loads(ln.split(" ", 1)[1]) for ln in run.stdout.splitlines() if ln[:4] == "RANK"]
+    lines = run.stderr.splitlines()
     first = next(
         (ln.strip() for pattern in ERROR_PATTERNS for ln in lines if pattern.search(ln)), ""
     )
     if ranks:
         row.update({k: v for k, v in ranks[0].items() if k != "error"})
     row["error"] += first[:300] or (ranks[0]["error"] if ranks else "no output")
-    _append(args.out, row)
+    harness.append_jsonl(args.out, row)
     return row
-
-
-def _append(path: str | None, row: dict[str, Any]) -> None:
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 def _group(row: dict[str, Any]) -> tuple:

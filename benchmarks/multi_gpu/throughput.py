@@ -51,16 +51,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: the shared harness
+import harness  # noqa: E402
+
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -247,13 +248,10 @@ def timed(step, steps: int, ctx) -> float:
 
     ctx.device.synchronize()
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    ctx.device.synchronize()
-    seconds = torch.tensor([time.perf_counter() - start], device=ctx.torch_device)
-    mt_comm.all_reduce(seconds, op="max")
-    return float(seconds.item())
+    _, seconds = harness.timed_steps(step, warmup=0, steps=steps, sync=ctx.device.synchronize)
+    slowest = torch.tensor([seconds], device=ctx.torch_device)
+    mt_comm.all_reduce(slowest, op="max")
+    return float(slowest.item())
 
 
 def profile(args, step, ctx, tag: str) -> dict[str, Any]:
@@ -354,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         code = 1
     if ctx.rank == 0 or code:
-        line = json.dumps(row)
-        print(("RESULT " if ctx.rank == 0 else f"RANK{ctx.rank} ") + line, flush=True)
-        if args.out and ctx.rank == 0:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        prefix = "RESULT " if ctx.rank == 0 else f"RANK{ctx.rank} "
+        harness.emit(row, args.out if ctx.rank == 0 else None, prefix=prefix)
     if code == 0:
         mt_comm.destroy_parallel_state()
         mt_comm.destroy_distributed()
