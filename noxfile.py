@@ -1,9 +1,14 @@
-"""Sessions for the mt monorepo: ``nox -l`` lists them, ``nox`` runs lint and every package's tests.
+"""Sessions for the mt monorepo: ``nox -l`` lists them; ``nox`` runs lint, every package's tests
+(the default tier) and mt-fp8's Triton kernels in Triton's interpreter.
 
 Each package is tested in its own virtual environment holding only that
 package and what its pyproject declares (plus pytest), installed from the
 source tree as a normal (non-editable) install, so a missing dependency or
 missing package data fails here rather than for a user.
+
+Two tiers: ``tests`` (and ``tests-<package>``) run ``pytest -m "not slow"``, the default tier
+CI runs on two CPU cores; ``tests-full`` runs every test, ``slow`` ones included. A test is
+marked ``slow`` only where a faster test of the default tier covers the same code.
 
 torch: ``MT_TORCH_REQUIREMENT`` (default ``torch==2.13.0``) is installed first
 in every session; set it to match your machine (for example a CUDA build).
@@ -21,10 +26,13 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "tests-mt-fp8-triton"]
 
 TORCH_REQUIREMENT = os.environ.get("MT_TORCH_REQUIREMENT", "torch==2.13.0")
+TRITON_REQUIREMENT = os.environ.get("MT_TRITON_REQUIREMENT", "triton==3.9.0")
 FAKE_PLUGIN = "packages/mt-core/tests/fake_plugin"
+DEFAULT_TIER = ("-m", "not slow")
+"""pytest's marker filter for the default tier; ``-m ""`` after it (``tests-full``) clears it."""
 
 # package -> the mt packages it depends on (its own pyproject says the same;
 # packages/mt-core/tests/test_core_layering.py checks both agree).
@@ -37,6 +45,16 @@ PACKAGES: dict[str, list[str]] = {
 }
 # Packages whose tests use the third-party test plugin (a fake accelerator).
 USES_FAKE_PLUGIN = {"mt-core", "mt-comm"}
+# The mt-fp8 tests that call every Triton kernel against its PyTorch reference (bit for bit, or
+# float64 with a stated bound): tensorwise quantize + transpose + amax, RMSNorm, RoPE, SwiGLU,
+# cross-entropy (test_fp8_ops); the 1x128, MXFP8 1x32 and 128x128 block quantizers and the block
+# GEMM (test_fp8_block_fast); the rowwise quantizer (test_fp8_rowwise_fast); AdamW
+# (test_fp8_optim). The other mt-fp8 tests reach the same kernels through the layers and run
+# under the interpreter too (pass them as arguments), in several times the time.
+KERNEL_TESTS = tuple(
+    f"packages/mt-fp8/tests/test_fp8_{name}.py"
+    for name in ("ops", "block_fast", "rowwise_fast", "optim")
+)
 
 
 def _pip_find_links() -> str | None:
@@ -65,10 +83,11 @@ def _install(session: nox.Session, *requirements: str) -> None:
     session.install(*requirements, env=env)
 
 
-def _test_package(session: nox.Session, package: str) -> None:
+def _install_package(session: nox.Session, package: str, *extra: str) -> None:
+    """``package`` with its mt dependencies (and ``extra`` requirements) into the session."""
     local = [f"./packages/{dependency}" for dependency in PACKAGES[package]]
     extras = [FAKE_PLUGIN] if package in USES_FAKE_PLUGIN else []
-    _install(session, TORCH_REQUIREMENT, "numpy", "pytest")
+    _install(session, TORCH_REQUIREMENT, "numpy", "pytest", *extra)
     # --reinstall-package: the version never changes between edits, so force a rebuild.
     _install(
         session,
@@ -77,13 +96,22 @@ def _test_package(session: nox.Session, package: str) -> None:
         f"./packages/{package}[test]",
         *extras,
     )
+
+
+def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     session.run(
         "pytest",
-        f"packages/{package}/tests",
+        *DEFAULT_TIER,
+        *args,
         *session.posargs,
-        # The fixtures above are installed: a test that needs one must not skip.
-        env={"OMP_NUM_THREADS": "1", "MT_REQUIRE_TEST_FIXTURES": "1"},
+        # The test fixtures are installed: a test that needs one must not skip.
+        env={"OMP_NUM_THREADS": "1", "MT_REQUIRE_TEST_FIXTURES": "1", **(env or {})},
     )
+
+
+def _test_package(session: nox.Session, package: str) -> None:
+    _install_package(session, package)
+    _pytest(session, f"packages/{package}/tests")
 
 
 def _make_package_session(package: str) -> None:
@@ -93,7 +121,8 @@ def _make_package_session(package: str) -> None:
 
     tests_package.__doc__ = (
         f"Test {package} alone, with only its declared dependencies "
-        f"({', '.join(PACKAGES[package]) or 'torch and pluggy'}). Extra args go to pytest."
+        f"({', '.join(PACKAGES[package]) or 'torch and pluggy'}); default tier. "
+        "Extra args go to pytest (-m '' for the full tier)."
     )
 
 
@@ -103,9 +132,28 @@ for _package in PACKAGES:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's tests, each in its own environment (tests-mt-core, ...)."""
+    """Run every package's default-tier tests, each in its own environment (tests-mt-core, ...)."""
     for package in PACKAGES:
         session.notify(f"tests-{package}", session.posargs)
+
+
+@nox.session(name="tests-full")
+def tests_full(session: nox.Session) -> None:
+    """Run every package's tests, slow ones included, each in its own environment."""
+    for package in PACKAGES:
+        session.notify(f"tests-{package}", ["-m", "", *session.posargs])
+
+
+@nox.session(name="tests-mt-fp8-triton")
+def tests_mt_fp8_triton(session: nox.Session) -> None:
+    """mt-fp8's Triton kernels on the CPU, in Triton's interpreter (TRITON_INTERPRET=1).
+
+    Installs the CPU wheel of Triton (``MT_TRITON_REQUIREMENT``, default the version checked
+    here) and runs the tests that call each kernel (KERNEL_TESTS) against its PyTorch reference.
+    Extra args go to pytest.
+    """
+    _install_package(session, "mt-fp8", TRITON_REQUIREMENT)
+    _pytest(session, *KERNEL_TESTS, env={"TRITON_INTERPRET": "1"})
 
 
 @nox.session

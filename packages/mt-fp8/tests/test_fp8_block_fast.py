@@ -475,3 +475,42 @@ def test_group_kernels_refuse_tiles_that_do_not_cover_whole_groups(
     x = torch.randn(256, 384, device=device, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"{attribute} = "):
         block_kernels().quantize_groups_with_transpose(x, FP8Format.E4M3)
+
+
+# ---- The Triton block-scaled GEMM (mt_fp8.kernels.block_gemm) ----
+
+BLOCK_GEMM_CASES = {
+    # (b's block, a's format, group length g)
+    "act-x-weight": ((128, 128), FP8Format.E4M3, 128),
+    "act-x-act": ((1, 128), FP8Format.E4M3, 128),
+    "grad-x-act": ((1, 128), FP8Format.E5M2, 128),
+    "mx": ((1, 32), FP8Format.E4M3, 32),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BLOCK_GEMM_CASES, ids=str)
+def test_triton_block_gemm_within_the_bound(device, case, request):
+    # Called directly (the dispatcher takes it on Hopper GPUs only): 160 rows leave a partial
+    # 128-row tile, and a bias exercises the epilogue. Same bound as cuBLAS's blockwise GEMM.
+    block_b, fmt_a, group = BLOCK_GEMM_CASES[case]
+    if device == "cpu" and fmt_a is not FP8Format.E4M3:
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="mixed formats go through a bf16 tl.dot, which Triton 3.9's interpreter "
+                "gets wrong (every bf16 dot, not this kernel); test_fp8_gpu.py checks the GPU",
+            )
+        )
+    from mt_fp8.kernels.block_gemm import block_scaled_mm
+
+    power_of_two = group == 32
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(160, 256, generator=generator).to(device)
+    b = (torch.randn(256, 256, generator=generator) * 0.05).to(device)
+    bias = torch.randn(256, generator=generator).to(device)
+    qa = quantize(a, fmt_a, ScaleLayout((1, group), power_of_two))
+    qb = quantize(b, FP8Format.E4M3, ScaleLayout(block_b, power_of_two))
+    out = block_scaled_mm(qa, qb, torch.float32, bias)
+    assert out.dtype == torch.float32 and out.shape == (160, 256)
+    assert_within_bound(out, qa, qb, bias)
