@@ -54,9 +54,10 @@ multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad 
 
 Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
 stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
-(:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer, ``_version``,
-recipe, scale state and the count of torch optimizer steps; a miss quantizes each expert as the loop does. The loop
-path's per-expert caches are separate (a layer that switches path quantizes once more).
+(:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer,
+``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes each
+expert as the loop does. The loop path's per-expert caches are separate (a layer that switches
+path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
 

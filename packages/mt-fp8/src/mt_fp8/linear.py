@@ -2,11 +2,11 @@
 
 Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and backward GEMMs,
 FP8-saved input, cached FP8 weight; ``FP8GroupedLinear`` once per expert); see
-:mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where PyTorch's grouped FP8 GEMM can take them,
-``FP8GroupedLinear`` runs all experts at once instead, with the same FP8 operands
-(:mod:`mt_fp8.grouped`). Parameters keep
-their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast
-region and the input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
+:mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where
+PyTorch's grouped FP8 GEMM can take them, ``FP8GroupedLinear`` runs all experts at once
+instead, with the same FP8 operands (:mod:`mt_fp8.grouped`). Parameters keep their dtype (fp32
+or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast region and the
+input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
 region to high precision or override the recipe.
 
 Under tensor parallelism, ``FP8Linear(amax_reduction_roles=...)`` names the roles whose current
