@@ -2,8 +2,8 @@
 
 Run on a CUDA GPU: ``python benchmarks/fp8_linear.py`` (torchao optional: its columns are
 skipped when it is not importable). Times are medians of CUDA-event timings
-(``harness.median_ms``) of ``y = layer(x); y.backward(dy)`` with bf16 parameters and activations, tokens M = 8192.
-Every iteration is one training step with one micro-batch: the gradients are cleared before it
+(``harness.median_ms``) of ``y = layer(x); y.backward(dy)`` with bf16 parameters and
+activations, tokens M = 8192. Every iteration is one training step with one micro-batch: the gradients are cleared before it
 and the input's version counter is bumped (both untimed), and our layers re-quantize the weight
 (``cache_weight=False``) and the input, as torchao does. In ``compiled`` mode our layers run
 eagerly behind ``torch.compile``'s wrapper (``FP8Linear.forward`` is kept out of compiled graphs:

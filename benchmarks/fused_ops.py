@@ -11,12 +11,11 @@ Copy bandwidth: a device-to-device copy of 4 GiB, counting read + write.
 Two times per op and implementation:
 
 * **device**: the summed GPU time of the kernels of one forward + backward (PyTorch profiler,
-  mean over 10 steps: ``harness.kernel_ms``). In a training step the host queues work ahead of the GPU, so
-  this is what the op costs the step; the bandwidth targets are judged on it.
+  mean over 10 steps: ``harness.kernel_ms``). In a training step the host queues work ahead of
+  the GPU, so this is what the op costs the step; the bandwidth targets are judged on it.
 * **wall**: CUDA-event time of one forward + backward issued from an idle queue (median of 10:
-  ``harness.median_ms``), so it also
-  contains the host's launch overhead (autograd, Python, kernel launch); for small ops this
-  dominates and says nothing about the kernels.
+  ``harness.median_ms``), so it also contains the host's launch overhead (autograd, Python,
+  kernel launch); for small ops this dominates and says nothing about the kernels.
 """
 
 from __future__ import annotations
