@@ -301,6 +301,8 @@ def plain_command(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: 
     argv = [str(REPO / "benchmarks" / "plain_llama.py")]
     for key, value in flags.items():
         argv += [f"--{key}", str(value)]
+    if name != PLAIN:  # torchao's float8 runs compiled (eager, its scaling is host-bound)
+        argv.append("--compile")
     return Launch([args.python, *argv], {})
 
 
@@ -532,10 +534,11 @@ def judge(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str,
     for recipe, entry in per.items():
         counterpart = counterpart_of(recipe, list(per))
         entry["plain_reference"] = counterpart
-        entry["vs_plain_pct"] = None
+        entry["vs_plain_pct"] = entry["vs_plain_step"] = None
         if counterpart is not None:
             pct = difference_pct(entry, per[counterpart])
-            entry["vs_plain_pct"] = None if pct is None else pct[1]
+            if pct is not None:
+                entry["vs_plain_step"], entry["vs_plain_pct"] = pct
         reference = reference_of(recipe, list(per))
         ref = per.get(reference)
         ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
@@ -612,7 +615,7 @@ def plain_parity(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> di
         name = "+".join([recipe, *extra])
         if entry["final_val_loss"] is not None and entry["final_step"] == args.steps:
             finals.setdefault(name, {})[seed] = entry["final_val_loss"]
-        if entry["vs_plain_pct"] is not None:
+        if entry["vs_plain_pct"] is not None and entry["vs_plain_step"] == args.steps:
             diffs.setdefault(name, {})[seed] = entry["vs_plain_pct"]
         elif recipe in FP8_TARGETS and not extra and is_pair(spec, entry):
             diffs.setdefault(name, {})[seed] = entry["vs_bf16_pct"]
@@ -748,6 +751,8 @@ def table(result: dict[str, Any]) -> str:
         if e["compare_step"] not in (None, steps) and e["vs_bf16_pct"] is not None:
             pct += f" (at step {e['compare_step']})"
         plain = "—" if e.get("vs_plain_pct") is None else f"{e['vs_plain_pct']:+.2f}"
+        if e.get("vs_plain_step") not in (None, steps):
+            plain += f" (at step {e['vs_plain_step']})"
         within = {True: "yes", False: "no", None: "—"}[e["within_1pct"]]
         if not is_pair(recipe, e):
             within = "—"
