@@ -140,7 +140,7 @@ class Trainer:
         if cfg.data.path is None and self.rank == 0:
             prepare_bundled(data_dir, cfg.data.val_every)
         D.barrier()
-        self.data = DataModule(data_dir, tr.seq_len)
+        self.data = DataModule(data_dir, tr.seq_len, train_stride=self.train_stride)
         self.model_cfg = B.resolve_vocab(cfg.model, self.data.vocab_size)
         p.validate_model(
             self.model_cfg.n_heads, self.model_cfg.n_kv_heads, self.model_cfg.vocab_size or 1
@@ -167,7 +167,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if bf16 else None
         self.sampler = ResumableSampler(
             len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
-            self.dp_rank, self.dp_size,
+            self.dp_rank, self.dp_size, independent=self.independent_draws,
         )  # fmt: skip
         self.flops_per_token = flops_per_token(self.model_cfg, tr.seq_len)
         self.peak_flops = self.ctx.device.capabilities().peak_bf16_flops
@@ -223,13 +223,27 @@ class Trainer:
         bad: list[int] = []
         if fault.bad_batch_at_step is not None:
             G = self.cfg.trainer.global_batch_size
-            order = ResumableSampler(len(self.data.train), self.cfg.trainer.seed, G, G)
+            order = ResumableSampler(
+                len(self.data.train), self.cfg.trainer.seed, G, G,
+                independent=self.independent_draws,
+            )  # fmt: skip
             order.consumed = (fault.bad_batch_at_step - 1) * G
             bad = order.next_step()[0].tolist()
         injector = FaultInjector(fault, self.rank, fired, bad, self.events)
         if fault.fp8_overflow_at_step is not None:
             injector.install_fp8_hooks(self.module)
         return injector
+
+    @property
+    def independent_draws(self) -> bool:
+        """``data.sampling=random``: independent draws over windows at every token."""
+        return self.cfg.data.sampling == "random"
+
+    @property
+    def train_stride(self) -> int | None:
+        """Token stride between training windows: 1 for ``data.sampling=random``, else the
+        sequence length (non-overlapping windows)."""
+        return 1 if self.independent_draws else None
 
     # ------------------------------------------------------------------ state
     def seed_rng(self, seed: int) -> None:

@@ -24,6 +24,7 @@ from mt_parallel import ParallelConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
+SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto")
 
@@ -83,7 +84,11 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     """Llama 3.1 long-context frequency scaling."""
     init_std: float = 0.02
-    """Standard deviation of the normal weight init (output projections scaled by 1/sqrt(2L))."""
+    """Standard deviation of the normal init of every matrix (embedding, projections, head)."""
+    scaled_residual_init: bool = False
+    """Draw the two projections that write into the residual stream (``o_proj``, ``down_proj``)
+    with ``init_std / sqrt(2·n_layers)`` (Megatron's output-layer init, GPT-2's scaled init);
+    false draws them with ``init_std`` like every other matrix."""
     dropout: float = 0.0
     """Dropout probability of the attention probabilities and of both residual branches of
     every block (mt_parallel's ``DecoderBlock``); masks come from ``mt_parallel``'s RNG tracker,
@@ -204,6 +209,9 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay of 2-D weights (not norms or biases)."""
+    embedding_weight_decay: bool = True
+    """Whether the input embedding is decayed with the other matrices; false leaves it undecayed
+    like the norms (the output head, a linear layer, is decayed either way)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 turns clipping off."""
     impl: str = "auto"
@@ -271,8 +279,19 @@ class DataConfig:
     ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
     attention over the packed window keeps the fused causal kernels (an explicit mask is slower
     on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
+    sampling: str = "permutation"
+    """How training windows are drawn (:mod:`mt_train.data.dataset`): ``permutation``, the
+    split cut into non-overlapping windows visited in a new random order every epoch (every
+    token once per epoch, the same cut every epoch); ``random``, every draw a window starting at
+    an independent, uniformly random token (nanoGPT's sampler; windows overlap and differ
+    between epochs). Both are deterministic in the seed and the draw number, so resume and
+    every parallel layout see the same samples."""
 
     def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(
+                f"data.sampling={self.sampling!r} is unknown; valid: {', '.join(SAMPLINGS)}"
+            )
         if self.path is not None and not os.path.isdir(os.path.expanduser(self.path)):
             raise ValueError(
                 f"data.path={self.path!r} is not a folder; write one with `mt-prepare-data` "

@@ -81,12 +81,16 @@ class LlamaAttention(mt_parallel.Attention):
 
 
 def llama_block(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    """mt_parallel's DecoderBlock with :class:`LlamaAttention` in place of its attention."""
+    """mt_parallel's DecoderBlock with :class:`LlamaAttention` in place of its attention; the
+    residual output projections drawn with ``init_std`` unless ``cfg.scaled_residual_init``."""
     block = mt_parallel.DecoderBlock(
         cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta,
         cfg.dropout, cfg.n_layers,
     )  # fmt: skip
     block.attention = LlamaAttention(cfg)
+    if not cfg.scaled_residual_init:
+        block.attention.o_proj.init_std = cfg.init_std
+        block.mlp.down_proj.init_std = cfg.init_std
     return block
 
 
