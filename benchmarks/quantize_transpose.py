@@ -13,8 +13,9 @@ with health counts on:
 Bytes counted: ``x`` read once per launch and each FP8 operand written once; GB/s is that over
 the device time of one call, beside the GB/s of a device-to-device copy of the same input, all
 timed as replays of a CUDA graph of ``--iters`` calls (``block_quantize.time_us``: kernel time,
-no launch cost). In the 8-layer Llama3-8B trainer these calls take 14.5 of the 167.6 ms of
-kernels of a step (delayed scaling, sequence 4096; ``docs/benchmarks.md``, session 11).
+no launch cost). In the 8-layer Llama3-8B trainer these calls are a sizeable share of a step's
+kernel time (the step profiles in ``docs/benchmarks-log.md``; current timings in
+``docs/performance.md``, "Quantizers").
 """
 
 from __future__ import annotations

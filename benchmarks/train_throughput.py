@@ -38,7 +38,8 @@ and, one JSON object per stack, to ``--out``.
 ``--profile`` adds, per stack, ``--profile-steps`` consecutive profiled steps (PyTorch profiler,
 after the timed ones): per step, the device time by kernel category (:data:`KERNEL_CATEGORIES`),
 the wall time, the device's idle time (between steps included), the top kernels and the largest
-gaps; this is where the performance log in ``docs/benchmarks.md`` gets its breakdowns.
+gaps; this is where ``docs/benchmarks-log.md`` gets its breakdowns (current figures:
+``docs/performance.md``).
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
 ``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.

@@ -34,9 +34,9 @@ activity) on rank 0 (``--profile-ranks all``: every rank), writes ``trace_<tag>_
 (``overlap.py``) to the row.
 
 ``--pg device+gloo`` initialises the default process group as ``cpu:gloo,cuda:nccl`` before
-mt_comm adopts it, so collectives on CPU tensors have a backend; mt_parallel.clip_grad_norm_
-all-reduces its partial sums on the CPU, which a pure NCCL group refuses (read from the code, not
-yet seen on a GPU: see docs/multi_gpu.md). The default, ``device``, is mt_comm's own init.
+mt_comm adopts it, so collectives on CPU tensors have a backend too (``mt_parallel``'s own
+collectives, clipping included, run on the device and need none). The default, ``device``, is
+mt_comm's own init.
 
 Run (one line of JSON per configuration on rank 0, appended to ``--out``)::
 
