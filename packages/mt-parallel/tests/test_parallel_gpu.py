@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toy_lm import DecoderLM
 
 import mt_parallel as mp
 
@@ -26,9 +27,9 @@ def _max_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def run_block_on_gpu(fp8: bool, compiled: bool = False) -> dict[str, object]:
     from mt_fp8 import TensorwiseScaling
 
-    reference = mp.DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
+    reference = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
     mp.init_weights(reference, 0)  # CPU generators: the GPU model starts from the same weights
-    model = mp.DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN).cuda()
+    model = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN).cuda()
     mp.init_weights(model, 0)
     reference = reference.double()
     if fp8:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from train_checks import tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
-from mt_train.convert import load_model, main
+from mt_train.hf_checkpoints import load_model, main
 
 transformers = pytest.importorskip(
     "transformers", reason="the test extra: pip install 'mt-train[test]'"

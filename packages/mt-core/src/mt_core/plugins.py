@@ -147,3 +147,8 @@ class Plugins:
 
     def select_backend(self, device: Device) -> str | None:
         return self.pm.hook.mt_select_backend(device=device)
+
+    def register_model_families(self) -> Registry[Any]:
+        registry: Registry[Any] = Registry("model family")
+        self.pm.hook.mt_register_model_families(registry=registry)
+        return registry
