@@ -70,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,16 @@ SOURCES = sorted(str(p) for p in (REPO / "packages").glob("*/src"))
 RECIPES = ("none", "tensorwise", "rowwise", "delayed", "blockwise", "mxfp8")
 """``fp8=`` config names; ``none`` is the bf16 reference."""
 REFERENCE = "none"
+PLAIN = "plain"
+PLAIN_RUNS = {"plain": "none", "torchao-tensorwise": "tensorwise", "torchao-rowwise": "rowwise"}
+"""Runs of ``benchmarks/plain_llama.py`` (plain PyTorch; torchao's float8 recipes on it) -> the
+mt recipe each is the reference of."""
 TOLERANCE = 0.01
+PARITY_TARGETS = {"none": 0.3, "tensorwise": 0.3, "rowwise": 0.3}
+"""mt recipe -> bound (%) on the seed-mean difference from its plain-PyTorch counterpart."""
+FP8_TARGETS = {"blockwise": 0.5, "delayed": 0.5, "mxfp8": 0.5}
+"""mt recipe without a plain counterpart -> bound (%) on its seed-mean difference from mt bf16."""
+MIN_SEEDS = 3
 RESULTS = "fp8_quality.json"
 LOG = "train.log"
 
@@ -104,6 +114,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=21, help="validation micro-batches")
     p.add_argument("--log-interval", type=int, default=None, help="default: min(10, steps)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds: every run of --recipes at each of them (recipe@seed)",
+    )
     p.add_argument(
         "--extra",
         nargs="+",
@@ -140,16 +155,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.recipes_given = args.recipes is not None
     args.recipes = [r for r in re.split(r",(?![^\[]*\])", args.recipes or ",".join(RECIPES)) if r]
+    if args.seeds:
+        args.recipes = [
+            "+".join([f"{base.partition('@')[0]}@{seed}", *extra])
+            for base, *extra in (spec.split("+") for spec in args.recipes)
+            for seed in args.seeds.split(",")
+        ]
     for spec in args.recipes:
         base, *extra = spec.split("+")
         recipe, _, seed = base.partition("@")
         if (
-            recipe not in RECIPES
+            recipe not in (*RECIPES, *PLAIN_RUNS)
             or (seed and not seed.isdigit())
             or not all("=" in e for e in extra)
         ):
             p.error(
-                f"bad run {spec!r}: give a recipe ({', '.join(RECIPES)}), optionally followed "
+                f"bad run {spec!r}: give a recipe ({', '.join([*RECIPES, *PLAIN_RUNS])}), optionally followed "
                 "by @<seed> (a non-negative int) and +key=value overrides"
             )
     args.micro_batch = args.micro_batch or args.batch
@@ -177,16 +198,35 @@ def run_folder(out: Path, spec: str) -> Path:
 
 
 def reference_of(spec: str, specs: list[str]) -> str:
-    """The bf16 run ``spec`` is compared with: the ``none`` run at the same seed with the same
-    non-FP8 overrides (``none@5678``, ``none+model.vocab_size=32768``) when it was run, else
+    """The bf16 run ``spec`` is compared with: for mt runs the ``none`` run at the same seed with
+    the same non-FP8 overrides (``none@5678``, ``none+model.vocab_size=32768``) when it was run,
+    for a bf16 run with overrides (an ablation) the bf16 run of its seed without them, else
     ``none`` (also for a bf16 run itself: ``none@5678`` against ``none`` is the seed-noise
-    yardstick)."""
-    recipe, seed, extra = split_spec(spec, 0)
-    base = f"{REFERENCE}@{seed}" if "@" in spec.split("+")[0] else REFERENCE
-    same = "+".join([base, *(e for e in extra if not e.startswith("fp8."))])
-    if recipe != REFERENCE and same in specs:
-        return same
-    return REFERENCE
+    yardstick). Plain-PyTorch runs likewise against ``plain``."""
+    recipe, _, extra = split_spec(spec, 0)
+    ref = PLAIN if recipe in PLAIN_RUNS else REFERENCE
+    seed = spec.split("+")[0].partition("@")[2]
+    seeded = f"{ref}@{seed}" if seed else ref
+    if recipe != ref:
+        same = "+".join([seeded, *(e for e in extra if not e.startswith("fp8."))])
+        if same in specs:
+            return same
+    elif extra and seeded in specs:
+        return seeded
+    return ref
+
+
+def counterpart_of(spec: str, specs: list[str]) -> str | None:
+    """The plain-PyTorch run an mt run is held to (``none@5678`` -> ``plain@5678``,
+    ``tensorwise`` -> ``torchao-tensorwise``), overrides of the mt run notwithstanding; None
+    when there is none or it was not run."""
+    recipe, _, _ = split_spec(spec, 0)
+    plain = {mt: name for name, mt in PLAIN_RUNS.items()}.get(recipe)
+    if plain is None or recipe in PLAIN_RUNS:
+        return None
+    seed = spec.split("+")[0].partition("@")[2]
+    name = f"{plain}@{seed}" if seed else plain
+    return name if name in specs else None
 
 
 def overrides(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path) -> list[str]:
@@ -217,6 +257,53 @@ def overrides(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path
     ]
 
 
+def mt_command(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path) -> Launch:
+    """``python -m mt_train`` with :func:`overrides`; ``+env.NAME=value`` overrides of the run
+    set environment variables instead (``+env.MT_FP8_DISABLE_TRITON=1``: the fused ops and
+    AdamW in plain PyTorch)."""
+    argv = overrides(args, spec, run_dir, data_dir)
+    env = {e[4:].partition("=")[0]: e.partition("=")[2] for e in argv if e.startswith("env.")}
+    argv = [e for e in argv if not e.startswith("env.")]
+    return Launch([args.python, "-m", "mt_train", *argv], env)
+
+
+def plain_command(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: Path) -> Launch:
+    """``benchmarks/plain_llama.py`` with the shapes of ``model=<args.model>`` (and any
+    ``model.*`` of ``--extra``), the same budget and seed; the run's ``+key=value`` overrides
+    become ``--key value`` (``plain+sampler=permutation``)."""
+    sys.path[:0] = [s for s in SOURCES if s not in sys.path]
+    from mt_train import compose_config, to_train_config
+
+    model = to_train_config(
+        compose_config([f"model={args.model}", *(e for e in args.extra if e.startswith("model."))])
+    ).model
+    vocab = model.vocab_size
+    meta = data_dir / "meta.json"
+    if vocab is None:  # mt-train's rule: the tokenizer's size rounded up to a multiple of 64
+        tokens = json.loads(meta.read_text())["vocab_size"] if meta.is_file() else 257
+        vocab = (tokens + 63) // 64 * 64
+    name, seed, extra = split_spec(spec, args.seed)
+    flags = {
+        "data": data_dir, "out": run_dir, "steps": args.steps, "seq-len": args.seq_len,
+        "batch": args.batch, "lr": args.lr, "warmup": args.warmup,
+        "eval-interval": args.eval_interval, "eval-batches": args.eval_batches,
+        "log-interval": args.log_interval, "seed": seed, "vocab-size": vocab, "dim": model.dim,
+        "layers": model.n_layers, "heads": model.n_heads, "kv-heads": model.n_kv_heads,
+        "ffn-dim": model.ffn_dim, "rope-theta": model.rope_theta,
+        "rope-factor": model.rope_scaling.factor, "norm-eps": model.norm_eps,
+        "float8": PLAIN_RUNS[name] if name != PLAIN else "none",
+    }  # fmt: skip
+    if args.micro_batch != args.batch:
+        raise SystemExit("fp8_quality: plain runs take no --micro-batch (no accumulation)")
+    for e in extra:
+        key, _, value = e.partition("=")
+        flags[key.replace("_", "-")] = value
+    argv = [str(REPO / "benchmarks" / "plain_llama.py")]
+    for key, value in flags.items():
+        argv += [f"--{key}", str(value)]
+    return Launch([args.python, *argv], {})
+
+
 def _quoted(path: Path) -> str:
     text = str(path.resolve())
     if "'" in text:
@@ -242,11 +329,20 @@ def prepare_data(folder: Path) -> None:
     prepare_bundled(folder)
 
 
-class Run:
-    """One ``python -m mt_train`` subprocess and what became of it."""
+@dataclass
+class Launch:
+    """A run's command line and the environment variables it sets."""
 
-    def __init__(self, recipe: str, folder: Path, command: list[str], steps: int) -> None:
-        self.recipe, self.folder, self.command = recipe, folder, command
+    command: list[str]
+    env: dict[str, str]
+
+
+class Run:
+    """One training subprocess (``python -m mt_train`` or the plain loop) and what became of it."""
+
+    def __init__(self, recipe: str, folder: Path, launch: Launch, steps: int) -> None:
+        self.recipe, self.folder = recipe, folder
+        self.command, self.env = launch.command, launch.env
         self.steps = steps  # the run's trainer.max_steps
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = self.ended = 0.0
@@ -259,7 +355,11 @@ class Run:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / LOG, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**env, **self.env},
+                cwd=REPO,
             )
         self.started = time.perf_counter()
 
@@ -388,7 +488,9 @@ def log_lines(folder: Path) -> tuple[str | None, float | None]:
     loop's seconds from its ``done: N steps in S s`` line (None where missing)."""
     described, train_s = None, None
     for line in _read(folder / LOG).splitlines():
-        if line.startswith("mt-train: ") and " Llama, " in line:
+        if (line.startswith("mt-train: ") and " Llama, " in line) or line.startswith(
+            "plain_llama: "
+        ):
             described = line
         elif line.startswith("done: ") and " steps in " in line:
             with contextlib.suppress(ValueError, IndexError):
@@ -417,7 +519,7 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
             "log": str(run.folder / LOG),
             "command": run.command,
         }
-        is_fp8 = split_spec(run.recipe, args.seed)[0] != REFERENCE
+        is_fp8 = split_spec(run.recipe, args.seed)[0] not in (REFERENCE, *PLAIN_RUNS)
         if is_fp8 and described is not None and " linears)" not in described:
             entry["status"] += "; WARNING: the trainer reports no FP8 layers"
         per[run.recipe] = entry
@@ -428,13 +530,19 @@ def judge(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str,
     """Compare every run of ``per`` (spec -> entry with its ``val_loss`` curve) with its bf16
     reference, pair and average them, and judge the criterion (module docstring)."""
     for recipe, entry in per.items():
+        counterpart = counterpart_of(recipe, list(per))
+        entry["plain_reference"] = counterpart
+        entry["vs_plain_pct"] = None
+        if counterpart is not None:
+            pct = difference_pct(entry, per[counterpart])
+            entry["vs_plain_pct"] = None if pct is None else pct[1]
         reference = reference_of(recipe, list(per))
         ref = per.get(reference)
         ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
         common = sorted(set(ref_val) & {int(s) for s, _ in entry["val_loss"]})
         entry["reference"] = reference
         entry["compare_step"] = common[-1] if common else None
-        if not common or recipe == REFERENCE:
+        if not common or recipe == reference:
             entry.update(ratio_to_bf16=1.0 if common else None, vs_bf16_pct=None, within_1pct=None)
             continue
         v = dict((int(s), x) for s, x in entry["val_loss"])[common[-1]]
@@ -445,16 +553,23 @@ def judge(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str,
             within_1pct=abs(ratio - 1.0) <= TOLERANCE,
         )
     pairs = paired(args, per)
+    parity = plain_parity(args, per)
     # Judged: each FP8 recipe as configured (a "+override" run is a variant), by its difference
     # from bf16 averaged over the seeds that have their own bf16 run. bf16 alone moves by about
     # 1% between seeds at this size, as much as the band, so one seed's pair is mostly noise.
     verdicts = [p["within_1pct"] for name, p in pairs.items() if "+" not in name]
     return {
-        "issue": 7,
         "criterion": (
             "final validation loss of every FP8 recipe within 1% of bf16, averaged over the "
             "seeds run (each against the bf16 run of its seed)"
         ),
+        "parity_criteria": (
+            f"mt bf16, tensorwise and rowwise within {PARITY_TARGETS['none']}% of their plain "
+            "PyTorch / torchao counterparts, blockwise, delayed and mxfp8 within "
+            f"{FP8_TARGETS['blockwise']}% of mt bf16, each averaged over >= {MIN_SEEDS} seeds of "
+            "same-seed pairs; mt bf16's seed spread no wider than the plain loop's"
+        ),
+        "parity": parity,
         "settings": {
             "model": args.model,
             "steps": args.steps,
@@ -475,11 +590,66 @@ def judge(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str,
     }
 
 
+def difference_pct(entry: dict[str, Any], ref: dict[str, Any]) -> tuple[int, float] | None:
+    """(step, 100·(v/v_ref − 1)) at the last step both runs evaluated, or None."""
+    mine = {int(s): v for s, v in entry["val_loss"]}
+    theirs = {int(s): v for s, v in ref["val_loss"]}
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return None
+    return common[-1], 100.0 * (mine[common[-1]] / theirs[common[-1]] - 1.0)
+
+
+def plain_parity(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per mt configuration with plain-PyTorch counterparts: its same-seed differences from
+    them and their mean; per configuration with a bf16 reference only (blockwise, delayed,
+    mxfp8), the same against mt bf16; per configuration run at several seeds, the final losses
+    and their spread ``100·(max − min)/mean``; and the targets judged (module docstring)."""
+    diffs: dict[str, dict[int, float]] = {}
+    finals: dict[str, dict[int, float]] = {}
+    for spec, entry in per.items():
+        recipe, seed, extra = split_spec(spec, args.seed)
+        name = "+".join([recipe, *extra])
+        if entry["final_val_loss"] is not None and entry["final_step"] == args.steps:
+            finals.setdefault(name, {})[seed] = entry["final_val_loss"]
+        if entry["vs_plain_pct"] is not None:
+            diffs.setdefault(name, {})[seed] = entry["vs_plain_pct"]
+        elif recipe in FP8_TARGETS and not extra and is_pair(spec, entry):
+            diffs.setdefault(name, {})[seed] = entry["vs_bf16_pct"]
+    configs = {}
+    for name, by_seed in diffs.items():
+        bound = PARITY_TARGETS.get(name, FP8_TARGETS.get(name))
+        mean = sum(by_seed.values()) / len(by_seed)
+        configs[name] = {
+            "against": "mt bf16" if name in FP8_TARGETS else "plain PyTorch counterpart",
+            "pct_by_seed": dict(sorted(by_seed.items())),
+            "mean_pct": mean,
+            "bound_pct": bound,
+            "met": None if bound is None else len(by_seed) >= MIN_SEEDS and abs(mean) <= bound,
+        }
+    spreads = {
+        name: {
+            "final_by_seed": dict(sorted(by_seed.items())),
+            "mean": sum(by_seed.values()) / len(by_seed),
+            "spread_pct": 100.0
+            * (max(by_seed.values()) - min(by_seed.values()))
+            / (sum(by_seed.values()) / len(by_seed)),
+        }
+        for name, by_seed in finals.items()
+        if len(by_seed) > 1
+    }
+    if "none" in spreads and PLAIN in spreads:
+        spreads["none"]["no_wider_than_plain"] = (
+            spreads["none"]["spread_pct"] <= spreads[PLAIN]["spread_pct"]
+        )
+    return {"configs": configs, "spreads": spreads}
+
+
 def is_pair(spec: str, entry: dict[str, Any]) -> bool:
     """Whether FP8 run ``spec`` was compared with a bf16 run of its own seed and settings (not
     ``none`` across seeds or settings)."""
     recipe, _, extra = split_spec(spec, 0)
-    if recipe == REFERENCE or entry["vs_bf16_pct"] is None:
+    if recipe in (REFERENCE, *PLAIN_RUNS) or entry["vs_bf16_pct"] is None:
         return False
     return entry["reference"] != REFERENCE or not (
         "@" in spec or any(not e.startswith("fp8.") for e in extra)
@@ -558,8 +728,8 @@ def write_results(args: argparse.Namespace, runs: list[Run]) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     rows = [
-        "| run | final val loss | vs bf16 (%) | pair within 1% | wall s | status |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| run | final val loss | vs bf16 (%) | pair within 1% | vs plain (%) | wall s | status |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     steps = result["settings"]["steps"]
     for recipe, e in result["runs"].items():
@@ -575,14 +745,15 @@ def table(result: dict[str, Any]) -> str:
         if e["final_step"] not in (None, steps):
             loss += f" (step {e['final_step']})"
         pct = "—" if e["vs_bf16_pct"] is None else f"{e['vs_bf16_pct']:+.2f}"
-        if e["compare_step"] not in (None, steps) and recipe != REFERENCE:
+        if e["compare_step"] not in (None, steps) and e["vs_bf16_pct"] is not None:
             pct += f" (at step {e['compare_step']})"
+        plain = "—" if e.get("vs_plain_pct") is None else f"{e['vs_plain_pct']:+.2f}"
         within = {True: "yes", False: "no", None: "—"}[e["within_1pct"]]
         if not is_pair(recipe, e):
             within = "—"
         seconds = e["wall_s"] if e["wall_s"] is not None else e["train_loop_s"]  # --collect
         wall = "—" if seconds is None else f"{seconds:.0f}"
-        rows.append(f"| {name} | {loss} | {pct} | {within} | {wall} | {e['status']} |")
+        rows.append(f"| {name} | {loss} | {pct} | {within} | {plain} | {wall} | {e['status']} |")
     if result.get("paired"):
         rows += [
             "",
@@ -593,6 +764,29 @@ def table(result: dict[str, Any]) -> str:
             seeds = ", ".join(f"{s}: {v:+.2f}" for s, v in p["vs_bf16_pct_by_seed"].items())
             within = "—" if "+" in name else {True: "yes", False: "**no**"}[p["within_1pct"]]
             rows.append(f"| {name} | {seeds} | {p['mean_vs_bf16_pct']:+.2f} | {within} |")
+    parity = result.get("parity") or {}
+    if parity.get("configs"):
+        rows += [
+            "",
+            "| mt configuration | against | difference (%) by seed | mean (%) | target |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for name, p in parity["configs"].items():
+            seeds = ", ".join(f"{s}: {v:+.2f}" for s, v in p["pct_by_seed"].items())
+            met = {True: "met", False: "**missed**", None: "—"}[p["met"]]
+            bound = "" if p["bound_pct"] is None else f"±{p['bound_pct']}% "
+            rows.append(
+                f"| {name} | {p['against']} | {seeds} | {p['mean_pct']:+.2f} | {bound}{met} |"
+            )
+    if parity.get("spreads"):
+        rows += [
+            "",
+            "| configuration | final loss by seed | mean | spread (%) |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, sp in parity["spreads"].items():
+            seeds = ", ".join(f"{s}: {v:.4f}" for s, v in sp["final_by_seed"].items())
+            rows.append(f"| {name} | {seeds} | {sp['mean']:.4f} | {sp['spread_pct']:.2f} |")
     return "\n".join(rows)
 
 
@@ -614,14 +808,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp_data = tempfile.TemporaryDirectory(prefix="fp8_quality_data_")
         args.data_dir = Path(tmp_data.name) / "kjv"
     data_dir = (args.data_dir or args.out / "data").resolve()
+    if not args.collect:
+        prepare_data(data_dir)  # first: plain runs read the vocabulary from it
     runs = []
     for recipe in args.recipes:
         folder = run_folder(args.out, recipe)
-        command = [args.python, "-m", "mt_train", *overrides(args, recipe, folder, data_dir)]
-        runs.append(Run(recipe, folder, command, args.steps))
+        build = plain_command if split_spec(recipe, 0)[0] in PLAIN_RUNS else mt_command
+        runs.append(Run(recipe, folder, build(args, recipe, folder, data_dir), args.steps))
     if args.dry_run:
         for run in runs:
-            print(" ".join(run.command))
+            print(" ".join(f"{k}={v}" for k, v in run.env.items()), " ".join(run.command))
         return 0
     if args.collect:
         for run in runs:
@@ -632,7 +828,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.batch}x{args.seq_len} tokens, {args.concurrent} at once, into {args.out}",
             flush=True,
         )
-        prepare_data(data_dir)
         try:
             launch_all(args, runs)
         finally:

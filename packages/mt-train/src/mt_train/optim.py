@@ -3,6 +3,7 @@
 AdamW (Loshchilov & Hutter) with decoupled weight decay: ``θ ← θ - lr·(m̂/(√v̂+ε) + λ·θ)``.
 Only matrices are decayed (``p.dim() >= 2``: linear weights and embeddings); norm gains and
 biases (1-D) are not, since shrinking them toward zero changes the function, not its scale.
+``optimizer.embedding_weight_decay=false`` leaves the input embedding undecayed too.
 
 ZeRO-1 (``parallel.data_parallel=zero1``): :class:`Zero1AdamW` is mt_parallel's
 :class:`~mt_parallel.DistributedOptimizer` (flat fp32 master shard and AdamW moments for
@@ -26,6 +27,7 @@ Schedules give the LR multiplier at step ``s`` (0-based, the step about to be ta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +41,30 @@ from mt_train.config.schema import OptimizerConfig, SchedulerConfig
 from mt_train.models.build import canonical_key
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def decay_filter(model: nn.Module, embedding_weight_decay: bool) -> Callable[[nn.Parameter], bool]:
+    """Whether a parameter of ``model`` is decayed: matrices, without the input embedding's
+    table unless ``embedding_weight_decay``."""
+    embeddings = set()
+    if not embedding_weight_decay:
+        embeddings = {
+            id(p)
+            for m in model.modules()
+            if isinstance(m, (nn.Embedding, mt_parallel.VocabParallelEmbedding))
+            for p in m.parameters()
+        }
+    return lambda param: param.dim() >= 2 and id(param) not in embeddings
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, embedding_weight_decay: bool = True
+) -> list[dict]:
     """Two groups: decayed matrices and undecayed vectors (names kept for checkpoints)."""
+    decayed = decay_filter(model, embedding_weight_decay)
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.dim() >= 2 else no_decay).append(param)
+        (decay if decayed(param) else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -67,9 +86,10 @@ def build_optimizer(
     if data_parallel == "zero1":
         named = [(canonical_key(n), p) for n, p in model.named_parameters() if p.requires_grad]
         return Zero1AdamW(
-            named, cfg.weight_decay, dp_cp_group, tp_group, fused=impl == "fused", **hyper
-        )
-    groups = param_groups(model, cfg.weight_decay)
+            named, cfg.weight_decay, dp_cp_group, tp_group, fused=impl == "fused",
+            decay=decay_filter(model, cfg.embedding_weight_decay), **hyper,
+        )  # fmt: skip
+    groups = param_groups(model, cfg.weight_decay, cfg.embedding_weight_decay)
     if impl == "triton":
         return mt_fp8.FusedAdamW(groups, **hyper)
     return torch.optim.AdamW(groups, fused=impl == "fused", **hyper)
@@ -105,8 +125,9 @@ class ShardView:
 
 
 class Zero1AdamW(mt_parallel.DistributedOptimizer):
-    """ZeRO-1 AdamW over ``group`` (dp×cp) with matrix-only decay (module docstring). ``named``
-    lists ``(name, parameter)`` in the flat layout's order."""
+    """ZeRO-1 AdamW over ``group`` (dp×cp) with matrix-only decay (module docstring; ``decay``
+    narrows it, see :func:`decay_filter`). ``named`` lists ``(name, parameter)`` in the flat
+    layout's order."""
 
     def __init__(
         self,
@@ -114,11 +135,12 @@ class Zero1AdamW(mt_parallel.DistributedOptimizer):
         weight_decay: float,
         group: Any,
         tp_group: Any,
+        decay: Callable[[nn.Parameter], bool] | None = None,
         **adamw: Any,
     ) -> None:
         super().__init__(
             [p for _, p in named], group, tp_group, optimizer_cls=torch.optim.AdamW,
-            decay=lambda param: param.dim() >= 2, weight_decay=weight_decay, **adamw,
+            decay=decay or (lambda param: param.dim() >= 2), weight_decay=weight_decay, **adamw,
         )  # fmt: skip
         self.names = [name for name, _ in named]
         wrong = sorted({str(p.dtype) for p in self.params if p.dtype != self.master_dtype})

@@ -132,10 +132,10 @@ class Trainer:
         if cfg.data.path is None and self.rank == 0:
             prepare_bundled(data_dir, cfg.data.val_every)
         ranks.barrier()
-        self.data = DataModule(data_dir, tr.seq_len)
+        self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
         self.sampler = ResumableSampler(
             len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
-            self.dp_rank, self.dp_size,
+            self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
         )  # fmt: skip
 
         # Model and parallelism: the family builds, mt_parallel's one path parallelizes.
@@ -179,7 +179,8 @@ class Trainer:
         self.guard = RewindManager(cfg.rewind, self.events, self.device)
         self.faults = fault_injector(
             cfg.fault, self.rank, fired_faults(self.output_dir, self.rank, self.device),
-            len(self.data.train), tr.seed, tr.global_batch_size, self.events, self.module,
+            len(self.data.train), tr.seed, tr.global_batch_size, cfg.data.independent_draws,
+            self.events, self.module,
         )  # fmt: skip
 
         # State: checkpoints, resume (or init_from), rewind targets.

@@ -24,6 +24,7 @@ from mt_parallel import ParallelConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
+SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto")
 
@@ -149,6 +150,9 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay of 2-D weights (not norms or biases)."""
+    embedding_weight_decay: bool = True
+    """Whether the input embedding is decayed with the other matrices; false leaves it undecayed
+    like the norms (the output head, a linear layer, is decayed either way)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 turns clipping off."""
     impl: str = "auto"
@@ -216,14 +220,36 @@ class DataConfig:
     ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
     attention over the packed window keeps the fused causal kernels (an explicit mask is slower
     on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
+    sampling: str = "permutation"
+    """How training windows are drawn (:mod:`mt_train.data.dataset`): ``permutation``, the
+    split cut into non-overlapping windows visited in a new random order every epoch (every
+    token once per epoch, the same cut every epoch); ``random``, every draw a window starting at
+    an independent, uniformly random token (nanoGPT's sampler; windows overlap and differ
+    between epochs). Both are deterministic in the seed and the draw number, so resume and
+    every parallel layout see the same samples."""
 
     def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(
+                f"data.sampling={self.sampling!r} is unknown; valid: {', '.join(SAMPLINGS)}"
+            )
         if self.path is not None and not os.path.isdir(os.path.expanduser(self.path)):
             raise ValueError(
                 f"data.path={self.path!r} is not a folder; write one with `mt-prepare-data` "
                 "or set data.path=null for the bundled corpus"
             )
         positive("data", val_every=self.val_every)
+
+    @property
+    def independent_draws(self) -> bool:
+        """``sampling=random``: independent draws over windows at every token."""
+        return self.sampling == "random"
+
+    @property
+    def train_stride(self) -> int | None:
+        """Token stride between training windows: 1 for ``sampling=random``, else the
+        sequence length (non-overlapping windows)."""
+        return 1 if self.independent_draws else None
 
 
 @dataclass

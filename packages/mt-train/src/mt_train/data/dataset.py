@@ -1,13 +1,15 @@
 """Packed sequences from a prepared folder and the deterministic, resumable, DP-aware sampler.
 
-Packing. A split is one stream of ``N`` tokens (documents each followed by EOS). Sample
-``i`` (``0 ≤ i < S = (N-1) // T``) is the window ``tokens[i·T : i·T+T+1]``: inputs are its
-first ``T`` tokens, targets its last ``T``. Windows do not overlap, so an epoch reads every
-token once. Documents stay visible as boundaries: each ends with EOS, and the split's
-document offsets (``<split>.idx``) are loaded as ``doc_starts``.
+Packing. A split is one stream of ``N`` tokens (documents each followed by EOS). With stride
+``R`` (``T`` by default), sample ``i`` (``0 ≤ i < S = (N-1-T) // R + 1``) is the window
+``tokens[i·R : i·R+T+1]``: inputs are its first ``T`` tokens, targets its last ``T``. With
+``R = T`` windows do not overlap (``S = (N-1) // T``), so an epoch reads every token once;
+``R = 1`` makes every token a window start (``data.sampling=random``). Documents stay visible
+as boundaries: each ends with EOS, and the split's document offsets (``<split>.idx``) are
+loaded as ``doc_starts``.
 
 Document ids (``collate(..., documents=True)``). Input token ``j`` of sample ``i`` sits at
-stream position ``p = i·T + j`` and belongs to document ``k`` with
+stream position ``p = i·R + j`` and belongs to document ``k`` with
 ``doc_starts[k] ≤ p < doc_starts[k+1]`` (an EOS belongs to the document it ends, so the EOS
 input, whose target is the next document's first token, still attends to its own document,
 Megatron's ``reset_attention_mask`` rule). Ids are renumbered from 0 in each row; only
@@ -15,7 +17,10 @@ equality matters to the attention mask.
 
 Sampling. The sampler's whole state is ``consumed``, the number of samples drawn over all
 ranks. Global draw ``g`` is sample ``perm_e[g mod S]`` with ``e = g div S`` and
-``perm_e`` the permutation of ``range(S)`` from ``numpy.random.default_rng([seed, e])``.
+``perm_e`` the permutation of ``range(S)`` from ``numpy.random.default_rng([seed, e])``
+(``data.sampling=permutation``), or, with independent draws (``data.sampling=random``),
+sample ``h(seed, g) mod S`` for the 64-bit SplitMix64 hash ``h`` (a bias below ``S / 2⁶⁴``),
+so no permutation of all samples is ever built.
 Step ``s`` draws ``g ∈ [s·G, (s+1)·G)`` (``G`` the global batch); data-parallel rank
 ``r`` of ``dp`` takes, for micro-batch ``m`` of ``A = G / (b·dp)``, the draws
 ``s·G + (m·dp + r)·b + j`` for ``j < b``. Every layout with the same ``G`` therefore
@@ -61,7 +66,9 @@ class Batch:
 class PackedDataset:
     """Fixed-length windows over one split of a prepared folder (memory-mapped)."""
 
-    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
+    def __init__(
+        self, folder: str | Path, split: str, seq_len: int, stride: int | None = None
+    ) -> None:
         folder = Path(folder)
         meta_path = folder / "meta.json"
         if not meta_path.is_file():
@@ -76,8 +83,9 @@ class PackedDataset:
         self.tokens = np.memmap(folder / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
         self.doc_starts = np.fromfile(folder / f"{split}.idx", dtype=np.int64)[:-1]
         self.seq_len = seq_len
-        self.num_samples = (len(self.tokens) - 1) // seq_len
-        if self.num_samples < 1:
+        self.stride = stride or seq_len
+        self.num_samples = max(0, (len(self.tokens) - 1 - seq_len) // self.stride + 1)
+        if len(self.tokens) < seq_len + 1:
             raise ValueError(
                 f"the {split} split of {folder} has {len(self.tokens)} tokens, fewer than one "
                 f"sequence of trainer.seq_len={seq_len} + 1"
@@ -88,17 +96,28 @@ class PackedDataset:
 
     def collate(self, indices: np.ndarray, documents: bool = False) -> Batch:
         """Samples ``indices`` as a batch; ``documents``: with per-token document ids."""
-        T = self.seq_len
+        T, R = self.seq_len, self.stride
         rows = np.stack(
-            [np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in indices]
+            [np.asarray(self.tokens[i * R : i * R + T + 1], dtype=np.int64) for i in indices]
         )
         window = torch.from_numpy(rows)
         docs = None
         if documents:
-            positions = np.asarray(indices, dtype=np.int64)[:, None] * T + np.arange(T)
+            positions = np.asarray(indices, dtype=np.int64)[:, None] * R + np.arange(T)
             ids = np.searchsorted(self.doc_starts, positions, side="right") - 1
             docs = torch.from_numpy(ids - ids[:, :1])
         return Batch(window[:, :-1].contiguous(), window[:, 1:].contiguous(), docs)
+
+
+def splitmix64(seed: int, draws: np.ndarray) -> np.ndarray:
+    """SplitMix64 of ``seed·2³² + g`` for every draw ``g`` (uint64; Steele et al. 2014): a fixed
+    function of the seed and the draw number, whatever the rank, layout or resume point."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(draws, dtype=np.uint64) + np.uint64((seed << 32) & (2**64 - 1))
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 class ResumableSampler:
@@ -113,6 +132,7 @@ class ResumableSampler:
         dp_rank: int = 0,
         dp_size: int = 1,
         shuffle: bool = True,
+        independent: bool = False,
     ) -> None:
         if global_batch % (micro_batch * dp_size):
             raise ValueError(
@@ -122,6 +142,8 @@ class ResumableSampler:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self.independent = independent
+        """Independent uniform draws (``data.sampling=random``) instead of epoch permutations."""
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed = 0
@@ -138,6 +160,8 @@ class ResumableSampler:
     def _sample(self, draws: np.ndarray) -> np.ndarray:
         if not self.shuffle:
             return draws % self.num_samples
+        if self.independent:
+            return (splitmix64(self.seed, draws) % np.uint64(self.num_samples)).astype(np.int64)
         out = np.empty_like(draws)
         for i, g in enumerate(draws):
             epoch = int(g) // self.num_samples
@@ -201,9 +225,9 @@ class ResumableSampler:
 class DataModule:
     """The train and validation datasets of a prepared folder, plus its tokenizer."""
 
-    def __init__(self, folder: str | Path, seq_len: int) -> None:
+    def __init__(self, folder: str | Path, seq_len: int, train_stride: int | None = None) -> None:
         self.folder = Path(folder)
-        self.train = PackedDataset(folder, "train", seq_len)
+        self.train = PackedDataset(folder, "train", seq_len, train_stride)
         self.val = PackedDataset(folder, "val", seq_len)
         meta = self.train.meta
         self.tokenizer: Tokenizer = load_tokenizer(folder, meta["tokenizer"], meta["eos_token"])

@@ -155,15 +155,20 @@ def fault_injector(
     train_samples: int,
     seed: int,
     global_batch_size: int,
+    independent_draws: bool,
     events: EventLog,
     model: nn.Module,
 ) -> FaultInjector:
     """This run's injector: the one-shot faults in ``fired`` (already recorded in the run
-    folder) disarmed, the bad batch's samples drawn from the fault-free data order, and the FP8
+    folder) disarmed, the bad batch's samples drawn from the fault-free data order (the run's
+    ``independent_draws`` sampling), and the FP8
     input hooks installed on ``model`` when ``fp8_overflow_at_step`` is set."""
     bad: list[int] = []
     if cfg.bad_batch_at_step is not None:
-        order = ResumableSampler(train_samples, seed, global_batch_size, global_batch_size)
+        order = ResumableSampler(
+            train_samples, seed, global_batch_size, global_batch_size,
+            independent=independent_draws,
+        )  # fmt: skip
         order.consumed = (cfg.bad_batch_at_step - 1) * global_batch_size
         bad = order.next_step()[0].tolist()
     injector = FaultInjector(cfg, rank, fired, bad, events)

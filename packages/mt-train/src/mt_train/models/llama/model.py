@@ -82,9 +82,13 @@ class LlamaAttention(mt_parallel.Attention):
 
 
 def llama_block(cfg: LlamaConfig, layer_id: int) -> nn.Module:
-    """mt_parallel's pre-norm DecoderBlock around a :class:`LlamaAttention` and a SwiGLU MLP."""
+    """mt_parallel's pre-norm DecoderBlock around a :class:`LlamaAttention` and a SwiGLU MLP;
+    the residual output projections drawn with ``init_std`` unless ``cfg.scaled_residual_init``."""
+    attention = LlamaAttention(cfg)
     mlp = mt_parallel.MLP(cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.init_std)
-    return mt_parallel.DecoderBlock(LlamaAttention(cfg), mlp, cfg.dim, cfg.norm_eps, cfg.dropout)
+    if not cfg.scaled_residual_init:
+        attention.o_proj.init_std = mlp.down_proj.init_std = cfg.init_std
+    return mt_parallel.DecoderBlock(attention, mlp, cfg.dim, cfg.norm_eps, cfg.dropout)
 
 
 BlockFactory = Callable[[LlamaConfig, int], nn.Module]
