@@ -96,7 +96,7 @@ def test_block_on_gpu_matches_the_cpu_reference(fp8: bool) -> None:
 def test_compiled_blocks_on_gpu_match_the_cpu_reference(
     fp8: bool, triton: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # On the H200 compiled blocks once gave all-zero (FP8) or wrong (plain fused ops) weight
+    # On a GPU compiled blocks once gave all-zero (FP8) or wrong (plain fused ops) weight
     # gradients with a correct loss (mt_fp8.linear's and mt_fp8.ops.dispatch's NOTEs).
     if not triton:
         monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
-from mt_parallel import ParallelConfig
+from mt_parallel import ParallelConfig, validate_cp_sequence
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -60,8 +60,15 @@ class ModelConfig:
             positive("model", vocab_size=self.vocab_size)
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Raise if the model cannot be split as ``parallel`` says (a family adds its shapes)."""
-        parallel.validate_model(1, 1, self.vocab_size or parallel.tp, seq_len)
+        """Raise if the model cannot be split as ``parallel`` says: the vocabulary over tp, the
+        sequence over cp (a family adds its own shapes: heads, FFN width)."""
+        if self.vocab_size is not None and self.vocab_size % parallel.tp:
+            raise ValueError(
+                f"tensor parallel size tp={parallel.tp} does not divide vocab_size={self.vocab_size}"
+            )
+        if seq_len is not None:
+            sp_tp = parallel.tp if parallel.sequence_parallel else 1
+            validate_cp_sequence(parallel.cp, seq_len, sp_tp)
 
     def summary(self) -> str:
         """The shapes a log line shows (a family names its own)."""

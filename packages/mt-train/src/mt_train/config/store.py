@@ -26,9 +26,10 @@ CONFIG_NAME = "train"
 
 
 def register_configs() -> None:
-    """Store ``train_schema`` and every model size (idempotent: storing again replaces)."""
+    """Store ``train_schema`` and every registered model size (idempotent)."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
+    store.repo.pop("model", None)  # exactly the sizes of the families registered now
     for name, cfg in model_sizes().items():
         store.store(group="model", name=name, node=cfg)
 
