@@ -72,6 +72,19 @@ def test_toy_family_trains_logs_its_extra_loss_and_reloads(
     )
 
 
+def test_readme_family_example_trains(kjv_data: Path, tmp_path: Path, monkeypatch) -> None:
+    readme = Path(__file__).parents[1] / "README.md"
+    section = readme.read_text().split("## Adding a model family", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace('"model=mlp_lm_tiny",', f'"model=mlp_lm_tiny", "data.path={kjv_data}",')
+    monkeypatch.chdir(tmp_path)
+    try:
+        exec(compile(code, str(readme), "exec", dont_inherit=True), {"__name__": "readme_example"})
+    finally:
+        reset_plugin_manager()
+    assert (tmp_path / "outputs" / "mlp_lm" / "metrics.jsonl").is_file()
+
+
 def test_toy_family_under_tensor_parallel_layouts_validates(toy_registered: None) -> None:
     # The toy config has no heads: its base check_parallel still divides the vocabulary.
     with pytest.raises(ValueError, match="tensor parallel size tp=3 does not divide vocab_size"):
