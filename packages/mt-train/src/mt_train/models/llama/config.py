@@ -62,7 +62,7 @@ class LlamaConfig(ModelConfig):
     """Llama 3.1 long-context frequency scaling."""
     init_std: float = 0.02
     """Standard deviation of the normal init of every matrix (embedding, projections, head)."""
-    scaled_residual_init: bool = True
+    scaled_residual_init: bool = False
     """Draw the two projections that write into the residual stream (``o_proj``, ``down_proj``)
     with ``init_std / sqrt(2·n_layers)`` (Megatron's output-layer init, GPT-2's scaled init);
     false draws them with ``init_std`` like every other matrix."""
