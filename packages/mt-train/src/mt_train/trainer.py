@@ -72,7 +72,7 @@ from mt_train.data.prepare import prepare_bundled
 from mt_train.evaluation import Evaluator
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
-from mt_train.models.build import warn_if_fp8_emulated
+from mt_train.models.build import fp8_layer_count, warn_if_fp8_emulated
 from mt_train.optim import build_optimizer, lr_multiplier
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
@@ -144,7 +144,7 @@ class Trainer:
         self.family = family_of(self.model_cfg)
         self.module = build_model(self.model_cfg, self.device, tr.seed)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
-        self.fp8_layers = sum(1 for m in self.module.modules() if getattr(m, "fp8_enabled", 0))
+        self.fp8_layers = fp8_layer_count(self.module)
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
