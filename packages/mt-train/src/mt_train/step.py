@@ -175,7 +175,7 @@ class EagerStep:
         batches: list[Batch],
         loss_factors: list[float] | None = None,
         grad_norm: GradNorm | None = None,
-        eager: bool = True,
+        eager: bool = False,
     ) -> StepResult:
         """Forward and backward; ``grad_norm`` is left to the caller (computed after)."""
         return self.runner.forward_backward(batches, loss_factors)
