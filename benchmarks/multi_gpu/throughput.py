@@ -123,11 +123,12 @@ def build(args: argparse.Namespace, ctx: Any, deg: dict[str, Any], shapes: dict[
     import mt_comm
     import mt_fp8
     import mt_parallel as mp
-    from mt_train.config.schema import FP8Config, ModelConfig
-    from mt_train.models.build import build_model, fp8_skip_names
+    from mt_train.config.schema import FP8Config
+    from mt_train.models.build import build_model, fp8_options
+    from mt_train.models.llama import PLAN, LlamaConfig
     from mt_train.optim import param_groups
 
-    cfg = ModelConfig(
+    cfg = LlamaConfig(
         name="llama3_8b" if not args.tiny else "tiny",
         vocab_size=shapes["vocab_size"],
         dim=shapes["dim"],
@@ -157,7 +158,7 @@ def build(args: argparse.Namespace, ctx: Any, deg: dict[str, Any], shapes: dict[
             module,
             mt_fp8.recipe_from_name(args.fp8_recipe),
             amax_group=tp_group,
-            skip=fp8_skip_names(module, fp8),
+            skip=mp.high_precision_linears(module, PLAN, fp8_options(fp8)),
             backend=args.fp8_backend,
         )
     mp.apply_recompute(module, args.recompute, 1, ["attention"], (mp.DecoderBlock,))
@@ -295,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import mt_comm
-    from mt_train.models.llama import flops_per_token, num_params
+    from mt_train.models import get_family
+    from mt_train.models.llama import flops_per_token
+
+    num_params = get_family("llama").num_params
 
     ctx = init(args)
     shapes = dict(TINY if args.tiny else LLAMA3_8B)

@@ -108,7 +108,7 @@ def plain_losses(trainer: Trainer, model: PlainLlama, steps: int) -> list[float]
     )
     G = tr.global_batch_size
     sampler = ResumableSampler(
-        len(trainer.data.train), tr.seed, G, G, independent=trainer.independent_draws
+        len(trainer.data.train), tr.seed, G, G, independent=trainer.cfg.data.independent_draws
     )
     losses = []
     for step in range(steps):
