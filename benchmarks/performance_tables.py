@@ -47,6 +47,33 @@ SEEDS_FILE = "fp8_quality_seeds.json"
 HEAD_128K_FILE = "fp8_quality_2026-12-04_5f7f294.json"
 HEAD_128K_CALLS = ("call_1", "call_3")
 VOCAB_128K = "+model.vocab_size=128256"
+PARITY_FILE = "loss_parity_2026-12-04.json"
+PARITY_1B_FILE = "loss_parity_1b_2026-12-04.json"
+OLD_INIT = "+model.scaled_residual_init=true"
+PARITY_ROWS = (
+    ("mt bf16", "none", "plain bf16 (same windows, same order)", "plain"),
+    ("mt tensorwise", "tensorwise", "torchao tensorwise on the plain loop", "torchao-tensorwise"),
+    ("torchao tensorwise", "torchao-tensorwise", "plain bf16", "plain"),
+    ("mt tensorwise", "tensorwise", "mt bf16", "none"),
+    ("mt bf16, scaled residual init", "none" + OLD_INIT, "plain bf16", "plain"),
+    ("plain bf16, random windows", "plain+sampler=random", "plain bf16", "plain"),
+)
+"""(run label, its spec without the seed, reference label, the reference's spec) of the parity
+table: each cell is the run's final validation loss against the reference of the same seed."""
+ABLATIONS = (
+    ("model.scaled_residual_init=false (now the default)", "none"),
+    ("data.sampling=random", "none+data.sampling=random" + OLD_INIT),
+    (
+        "optimizer.embedding_weight_decay=false",
+        "none+optimizer.embedding_weight_decay=false" + OLD_INIT,
+    ),
+    (
+        "MT_FP8_DISABLE_TRITON=1 (plain-PyTorch fused ops and AdamW)",
+        "none+env.MT_FP8_DISABLE_TRITON=1" + OLD_INIT,
+    ),
+)
+"""(change, spec without the seed) of the ablation table, each against the old default
+``none+model.scaled_residual_init=true`` of the same seed."""
 
 
 def signed_pct(value: float) -> str:
@@ -138,7 +165,98 @@ def head_gemms(overrides: str) -> str:
     return ", ".join(match.group(1).split(",")) if match else "all three"
 
 
+def _seeded(spec: str, seed: str) -> str:
+    """``none+x`` at seed 5678 -> ``none@5678+x``."""
+    base, plus, rest = spec.partition("+")
+    return f"{base}@{seed}{plus}{rest}"
+
+
+def _final(runs: dict, spec: str, steps: int) -> float | None:
+    run = runs.get(spec)
+    if run is None or run["final_step"] != steps:
+        return None
+    return run["final_val_loss"]
+
+
+def _paired_rows(
+    runs: dict, steps: int, seeds: list[str], pairs: list[tuple[str, str, str, str]]
+) -> list[list[str]]:
+    rows = []
+    for label, spec, ref_label, ref in pairs:
+        cells, diffs = [], []
+        for seed in seeds:
+            mine, theirs = (
+                _final(runs, _seeded(spec, seed), steps),
+                _final(runs, _seeded(ref, seed), steps),
+            )
+            if mine is None or theirs is None:
+                cells.append("—")
+                continue
+            diffs.append(100.0 * (mine / theirs - 1.0))
+            cells.append(f"{mine:.4f} ({signed_pct(diffs[-1])})")
+        mean = f"**{signed_pct(sum(diffs) / len(diffs))}**" if diffs else "—"
+        rows.append([label, ref_label, *cells, mean])
+    return rows
+
+
+def loss_parity(data: Path) -> str:
+    """mt against the plain-PyTorch loop and torchao, final validation losses per seed.
+
+    From ``loss_parity_2026-12-04.json`` (``fp8_quality.py --merge`` of three runs): each cell
+    is a run's final validation loss and, in parentheses, its difference from the reference
+    run of the same seed; the last column is the mean of those differences.
+    """
+    result = _load(data, PARITY_FILE)
+    runs, steps = result["runs"], result["settings"]["steps"]
+    seeds = ["1234", "5678", "9999"]
+    rows = _paired_rows(runs, steps, seeds, list(PARITY_ROWS))
+    header = ["run", "against", *(f"seed {s}" for s in seeds), "mean difference"]
+    spreads = []
+    for name, spread in result["parity"]["spreads"].items():
+        if name in ("none", "plain", "tensorwise", "torchao-tensorwise"):
+            spreads.append(f"{name} {spread['spread_pct']:.2f}%")
+    return table(header, rows) + (
+        "\nSeed spread, 100·(max − min)/mean of the final losses: " + ", ".join(spreads) + ".\n"
+    )
+
+
+def loss_ablation(data: Path) -> str:
+    """One change at a time from the old default (scaled residual init), per seed.
+
+    From ``loss_parity_2026-12-04.json``; the old default at seeds 5678 and 9999 comes from
+    ``fp8_quality_seeds.json`` (its ``source`` says so).
+    """
+    result = _load(data, PARITY_FILE)
+    runs, steps = result["runs"], result["settings"]["steps"]
+    seeds = ["1234", "5678", "9999"]
+    base = "none" + OLD_INIT
+    old = [_final(runs, _seeded(base, seed), steps) for seed in seeds]
+    pairs = [(label, spec, "old default", base) for label, spec in ABLATIONS]
+    rows = [["old default: scaled residual init", "", *(f"{v:.4f}" for v in old), ""]]
+    rows += _paired_rows(runs, steps, seeds, pairs)
+    header = ["change", "against", *(f"seed {s}" for s in seeds), "mean difference"]
+    return table(header, rows)
+
+
+def loss_parity_1b(data: Path) -> str:
+    """The same check at the Llama 3.2 1B shapes, one seed, from ``loss_parity_1b_2026-12-04.json``."""
+    result = _load(data, PARITY_1B_FILE)
+    runs, steps = result["runs"], result["settings"]["steps"]
+    pairs = [
+        ("mt bf16", "none", "plain bf16", "plain"),
+        ("mt bf16, scaled residual init", "none" + OLD_INIT, "plain bf16", "plain"),
+        ("mt bf16, scaled residual init", "none" + OLD_INIT, "mt bf16", "none"),
+    ]
+    rows = _paired_rows(runs, steps, ["1234"], pairs)
+    plain = _final(runs, "plain@1234", steps)
+    rows.append(["plain bf16", "", f"{plain:.4f}", ""])
+    return table(["run", "against", "seed 1234", "difference"], rows)
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {
+    "loss_parity": loss_parity,
+    "loss_ablation": loss_ablation,
+    "loss_parity_1b": loss_parity_1b,
     "quality_seeds": quality_seeds,
     "quality_head_128k": quality_head_128k,
 }
