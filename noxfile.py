@@ -100,11 +100,26 @@ for _package in PACKAGES:
     _make_package_session(_package)
 
 
+@nox.session(name="tests-benchmarks")
+def tests_benchmarks(session: nox.Session) -> None:
+    """CPU tests of the benchmark scripts' own logic (verdicts, generated doc tables), with every
+    package installed (the quality harness reads model shapes through mt-train)."""
+    _install(session, TORCH_REQUIREMENT, "numpy", "pytest")
+    _install(
+        session,
+        *(f"--reinstall-package={name}" for name in PACKAGES),
+        *(f"./packages/{name}" for name in PACKAGES),
+    )
+    session.run("pytest", "benchmarks/tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's tests, each in its own environment (tests-mt-core, ...)."""
+    """Run every package's tests, each in its own environment (tests-mt-core, ...), and the
+    benchmark scripts' tests."""
     for package in PACKAGES:
         session.notify(f"tests-{package}", session.posargs)
+    session.notify("tests-benchmarks", session.posargs)
 
 
 @nox.session

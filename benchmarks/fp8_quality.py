@@ -1,4 +1,4 @@
-"""Issue 7's quality check: every FP8 recipe against bf16, trained with ``mt-train`` on one GPU.
+"""Training-quality runs: every FP8 recipe against bf16, and mt-train against plain PyTorch.
 
 Workload (defaults): ``model=llama_125m`` (121,624,320 parameters: 14 layers, width 768, GQA 12:4,
 FFN 3072, byte vocabulary padded to 320) on the bundled King James corpus, 2,000 optimizer steps
@@ -10,7 +10,13 @@ every 100 steps and at the end on the same 21 micro-batches of 16 (336 of the 35
 windows, 86,016 tokens); no checkpoints.
 
 Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tensorwise, rowwise,
-delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` in ``--recipes``
+delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). Reference runs of
+``benchmarks/plain_llama.py``, a plain PyTorch loop with the same model shapes, budget, windows
+and order: ``plain`` (bf16) and ``torchao-tensorwise`` / ``torchao-rowwise`` (torchao's float8
+on it, blocks compiled); their ``+key=value`` overrides become ``--key value`` of that script
+(``plain+sampler=random``). An mt run's ``+env.NAME=value`` sets an environment variable
+(``none+env.MT_FP8_DISABLE_TRITON=1``: fused ops and AdamW in plain PyTorch). ``--seeds A,B,C``
+runs every ``--recipes`` entry at each seed. A run ``<recipe>@<seed>`` in ``--recipes``
 trains that recipe with another seed (other initial weights and batch order), in
 ``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
 alone, the yardstick for the FP8 differences. A run may end in ``+key=value`` Hydra overrides of
@@ -21,10 +27,16 @@ with the bf16 run of the same seed and the same non-``fp8.`` overrides when that
 with ``none+model.vocab_size=32768``), else with ``none``. Such same-seed comparisons are
 *pairs*: the ``paired`` table averages each FP8 configuration's pair differences over its seeds.
 
-Verdict: every FP8 recipe (without ``+`` overrides; those are variants, reported only) is
+Verdicts: every FP8 recipe (without ``+`` overrides; those are variants, reported only) is
 within 1% of bf16 when the mean of its pair differences is. With one seed that is the plain
 comparison; with several, seed noise averages out: bf16 alone moved by 1.2% between seeds 1234,
-5678 and 9999 at the default size (``docs/benchmarks.md``, session 17), as much as the band.
+5678 and 9999 at the default size (``docs/benchmarks-log.md``, 2026-12-04), as much as the band.
+Parity (the ``parity`` table): each mt run against its plain counterpart of the same seed
+(``none`` against ``plain``, ``tensorwise`` against ``torchao-tensorwise``, ``rowwise`` against
+``torchao-rowwise``), and blockwise, delayed and mxfp8 against mt bf16; a target
+(:data:`PARITY_TARGETS`, :data:`FP8_TARGETS`) is met when the mean over at least
+:data:`MIN_SEEDS` seeds is within its bound. The final losses' spread over seeds is reported
+per configuration.
 Each run is ``python -m mt_train ...`` in its own
 subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
 (``metrics.jsonl``, Hydra's ``.hydra/``, and ``train.log`` with the run's stdout and stderr).
@@ -41,10 +53,10 @@ step unless a run was stopped), "within 1%" meaning ``|ratio − 1| ≤ 0.01`` (
 the mean of a configuration's pairs, ``|mean| ≤ 1%``), and the run's wall
 seconds. A failed run is reported with the tail of its log; the others go on. ``--time-limit``
 stops the runs still going at that many seconds (SIGTERM: the trainer finishes its step and
-exits), so a bounded device session still returns every curve so far; ``--collect`` rebuilds the
+exits), so a run under a time budget still returns every curve so far; ``--collect`` rebuilds the
 JSON and the table from an existing ``--out`` folder without training; ``--merge`` judges the
-runs of several such JSON files together (runs of one training setup spread over device
-sessions; ``--recipes`` picks runs; a run in several files is taken from the last).
+runs of several such JSON files together (runs of one training setup made at different
+times; ``--recipes`` picks runs; a run in several files is taken from the last).
 
 Run (repository root; GPU)::
 
@@ -150,7 +162,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON[:KEY]",
         default=None,
         help="judge together the runs of these fp8_quality.json files (KEY: a result nested "
-        "under that key), e.g. from several device sessions; writes --out/fp8_quality.json",
+        "under that key), e.g. from several machines or days; writes --out/fp8_quality.json",
     )
     args = p.parse_args(argv)
     args.recipes_given = args.recipes is not None
@@ -679,7 +691,7 @@ def paired(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str
     return result
 
 
-SESSION_SETTINGS = ("concurrent",)
+RUN_SETTINGS = ("concurrent",)
 """Settings that may differ between merged results: they do not change what a run computes."""
 
 
@@ -695,7 +707,7 @@ def merge_results(args: argparse.Namespace, sources: list[str]) -> dict[str, Any
         result = json.loads(Path(path).read_text())
         if key:
             result = result[key]
-        these = {k: v for k, v in result["settings"].items() if k not in SESSION_SETTINGS}
+        these = {k: v for k, v in result["settings"].items() if k not in RUN_SETTINGS}
         if settings is None:
             settings = these
         elif these != settings:
