@@ -14,7 +14,10 @@ delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). Reference runs of
 ``benchmarks/plain_llama.py``, a plain PyTorch loop with the same model shapes, budget, windows
 and order: ``plain`` (bf16) and ``torchao-tensorwise`` / ``torchao-rowwise`` (torchao's float8
 on it, blocks compiled); their ``+key=value`` overrides become ``--key value`` of that script
-(``plain+sampler=random``). An mt run's ``+env.NAME=value`` sets an environment variable
+(``plain+sampler=random``). With ``--plain-init mt`` (the default) a plain run starts from
+mt-train's initial weights of its seed, written once per seed to
+``<out>/init_<model>_seed<seed>.safetensors``, so a same-seed pair shares weights, windows and
+order and differs only in the training code. An mt run's ``+env.NAME=value`` sets an environment variable
 (``none+env.MT_FP8_DISABLE_TRITON=1``: fused ops and AdamW in plain PyTorch). ``--seeds A,B,C``
 runs every ``--recipes`` entry at each seed. A run ``<recipe>@<seed>`` in ``--recipes``
 trains that recipe with another seed (other initial weights and batch order), in
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -149,6 +153,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--grace", type=float, default=20.0, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--data-dir", type=Path, default=None, help="prepared corpus (default: temp)")
+    p.add_argument(
+        "--plain-init",
+        choices=("mt", "own"),
+        default="mt",
+        help="plain runs start from mt-train's initial weights of their seed (mt: a pair then "
+        "differs only in the training code) or draw their own (own; also when a run sets +init=)",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter for the runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument(
@@ -310,12 +321,34 @@ def plain_command(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: 
     for e in extra:
         key, _, value = e.partition("=")
         flags[key.replace("_", "-")] = value
+    init = None
+    if args.plain_init == "mt" and "init" not in flags:
+        init = args.out / f"init_{args.model}_seed{seed}.safetensors"
+        flags["init-from"] = init
     argv = [str(REPO / "benchmarks" / "plain_llama.py")]
     for key, value in flags.items():
         argv += [f"--{key}", str(value)]
     if name != PLAIN:  # torchao's float8 runs compiled (eager, its scaling is host-bound)
         argv.append("--compile")
-    return Launch([args.python, *argv], {})
+    launch = Launch([args.python, *argv], {})
+    if init is not None:
+        launch.init = (init, dataclasses.replace(model, vocab_size=vocab), seed)
+    return launch
+
+
+def write_initial_weights(path: Path, model: Any, seed: int) -> None:
+    """mt-train's initial weights of ``model`` at ``seed`` (its full tp=1 state dict), which
+    the plain run of that seed loads (``--plain-init mt``)."""
+    if path.is_file():
+        return
+    from safetensors.torch import save_file
+
+    from mt_train.models.build import build_model
+
+    state = build_model(model, "cpu", seed).state_dict()
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(path)
 
 
 def _quoted(path: Path) -> str:
@@ -345,10 +378,12 @@ def prepare_data(folder: Path) -> None:
 
 @dataclass
 class Launch:
-    """A run's command line and the environment variables it sets."""
+    """A run's command line, the environment variables it sets, and for a plain run that
+    starts from mt's weights, (file, model config, seed) of those weights."""
 
     command: list[str]
     env: dict[str, str]
+    init: tuple[Path, Any, int] | None = None
 
 
 class Run:
@@ -356,7 +391,7 @@ class Run:
 
     def __init__(self, recipe: str, folder: Path, launch: Launch, steps: int) -> None:
         self.recipe, self.folder = recipe, folder
-        self.command, self.env = launch.command, launch.env
+        self.command, self.env, self.init = launch.command, launch.env, launch.init
         self.steps = steps  # the run's trainer.max_steps
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = self.ended = 0.0
@@ -845,6 +880,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.batch}x{args.seq_len} tokens, {args.concurrent} at once, into {args.out}",
             flush=True,
         )
+        for run in runs:
+            if run.init is not None:
+                write_initial_weights(*run.init)
         try:
             launch_all(args, runs)
         finally:

@@ -25,7 +25,9 @@ on every matrix (``p.dim() >= 2``: the embedding and the head included; ``--deca
 no_embedding`` spares the embedding), ``clip_grad_norm_(1.0)``, LR ``peak·m(s)`` at step
 ``s`` with ``m = (s+1)/W`` for ``s < W`` then ``r + (1-r)·½(1 + cos(π(s-W)/(S-W)))``,
 ``r = 0.1``. Init: every matrix N(0, 0.02) (GPT-2's), ``--init scaled`` draws ``o`` and
-``down`` with ``0.02/sqrt(2L)``, norms 1. Batches (``--sampler``): ``permutation`` (default)
+``down`` with ``0.02/sqrt(2L)``, norms 1; ``--init-from FILE`` loads initial weights saved in
+mt-train's names instead (the quality harness passes mt's own initial weights of the seed, so a
+pair of runs differs only in the training code). Batches (``--sampler``): ``permutation`` (default)
 visits the non-overlapping windows ``i·T`` in the order
 ``numpy.random.default_rng([seed, epoch]).permutation``, mt-train's default sampler, so that
 both train on the same windows in the same order and a difference between them is the
@@ -78,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rope-factor", type=float, default=8.0, help="1 turns Llama 3.1 scaling off")
     p.add_argument("--norm-eps", type=float, default=1e-5)
     p.add_argument("--init", choices=("normal", "scaled"), default="normal")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="safetensors file of initial weights in mt-train's names (replaces --init)",
+    )
     p.add_argument("--sampler", choices=("permutation", "random"), default="permutation")
     p.add_argument("--decay", choices=("matrices", "no_embedding"), default="matrices")
     p.add_argument("--float8", choices=("none", "tensorwise", "rowwise"), default="none")
@@ -160,6 +168,35 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+MT_NAMES = {
+    "attention_norm": "attn_norm",
+    "attention.q_proj": "q",
+    "attention.k_proj": "k",
+    "attention.v_proj": "v",
+    "attention.o_proj": "o",
+    "ffn_norm": "mlp_norm",
+    "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up",
+    "mlp.down_proj": "down",
+}
+"""mt-train's module names inside a block -> this model's."""
+
+
+def plain_name(mt_name: str) -> str:
+    """``layers.3.attention.q_proj.weight`` -> ``layers.3.q.weight``; top-level names agree."""
+    for mt, plain in MT_NAMES.items():
+        mt_name = mt_name.replace(f".{mt}.", f".{plain}.")
+    return mt_name
+
+
+def load_mt_weights(model: nn.Module, path: Path) -> None:
+    """Start from mt-train's initial weights (so a same-seed pair differs only in its code)."""
+    from safetensors.torch import load_file
+
+    state = {plain_name(name): tensor for name, tensor in load_file(path).items()}
+    model.load_state_dict(state, strict=True)
+
+
 def load_split(folder: Path, split: str) -> np.ndarray:
     meta = json.loads((folder / "meta.json").read_text())
     return np.memmap(folder / f"{split}.bin", dtype=meta["dtype"], mode="r")
@@ -208,7 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(a.seed)
-    model = Llama(a).to(device)
+    model = Llama(a)
+    if a.init_from is not None:
+        load_mt_weights(model, a.init_from)
+    model = model.to(device)
     if a.float8 != "none":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
