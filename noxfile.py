@@ -1,5 +1,6 @@
 """Sessions for the mt monorepo: ``nox -l`` lists them; ``nox`` runs lint, every package's tests
-(the default tier) and mt-fp8's Triton kernels in Triton's interpreter.
+(the default tier), the benchmark scripts' tests and mt-fp8's Triton kernels in Triton's
+interpreter.
 
 Each package is tested in its own virtual environment holding only that
 package and what its pyproject declares (plus pytest), installed from the
@@ -130,18 +131,35 @@ for _package in PACKAGES:
     _make_package_session(_package)
 
 
+@nox.session(name="tests-benchmarks")
+def tests_benchmarks(session: nox.Session) -> None:
+    """CPU tests of the benchmark scripts' own logic (verdicts, generated doc tables), with every
+    package installed (the quality harness reads model shapes through mt-train)."""
+    _install(session, TORCH_REQUIREMENT, "numpy", "pytest")
+    _install(
+        session,
+        *(f"--reinstall-package={name}" for name in PACKAGES),
+        *(f"./packages/{name}" for name in PACKAGES),
+    )
+    session.run("pytest", "benchmarks/tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's default-tier tests, each in its own environment (tests-mt-core, ...)."""
+    """Run every package's default-tier tests, each in its own environment (tests-mt-core, ...),
+    and the benchmark scripts' tests."""
     for package in PACKAGES:
         session.notify(f"tests-{package}", session.posargs)
+    session.notify("tests-benchmarks", session.posargs)
 
 
 @nox.session(name="tests-full")
 def tests_full(session: nox.Session) -> None:
-    """Run every package's tests, slow ones included, each in its own environment."""
+    """Run every package's tests, slow ones included, each in its own environment, and the
+    benchmark scripts' tests."""
     for package in PACKAGES:
         session.notify(f"tests-{package}", ["-m", "", *session.posargs])
+    session.notify("tests-benchmarks", session.posargs)
 
 
 @nox.session(name="tests-mt-fp8-triton")

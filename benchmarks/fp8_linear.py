@@ -10,8 +10,8 @@ eagerly behind ``torch.compile``'s wrapper (``FP8Linear.forward`` is kept out of
 :mod:`mt_fp8.linear`), while torchao's are compiled. In ``graphed`` mode every stack's step
 (compiled for bf16 and torchao, eager for ours) is captured once as a CUDA graph and the graph's
 replays are timed: the GPU's time for the kernels with no host launch cost, the cost that
-dominates a single layer's eager step (docs/performance.md, "FP8 linear layer"), as the
-trainer's ``trainer.cuda_graph`` runs it.
+dominates a single layer's eager step (``docs/benchmarks-log.md``), as the trainer's
+``trainer.cuda_graph`` runs it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7's quality check: every FP8 recipe against bf16, trained with ``mt-train`` on one GPU.
+"""Training-quality runs: every FP8 recipe against bf16, and mt-train against plain PyTorch.
 
 Workload (defaults): ``model=llama_125m`` (121,624,320 parameters: 14 layers, width 768, GQA 12:4,
 FFN 3072, byte vocabulary padded to 320) on the bundled King James corpus, 2,000 optimizer steps
@@ -10,7 +10,16 @@ every 100 steps and at the end on the same 21 micro-batches of 16 (336 of the 35
 windows, 86,016 tokens); no checkpoints.
 
 Runs: ``fp8=none`` (bf16 autocast; fp32 on a CPU) and ``fp8=<recipe>`` for tensorwise, rowwise,
-delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). A run ``<recipe>@<seed>`` in ``--recipes``
+delayed, blockwise and mxfp8 (``mt_train/conf/fp8``). Reference runs of
+``benchmarks/plain_llama.py``, a plain PyTorch loop with the same model shapes, budget, windows
+and order: ``plain`` (bf16) and ``torchao-tensorwise`` / ``torchao-rowwise`` (torchao's float8
+on it, blocks compiled); their ``+key=value`` overrides become ``--key value`` of that script
+(``plain+sampler=random``). With ``--plain-init mt`` (the default) a plain run starts from
+mt-train's initial weights of its seed, written once per seed to
+``<out>/init_<model>_seed<seed>.safetensors``, so a same-seed pair shares weights, windows and
+order and differs only in the training code. An mt run's ``+env.NAME=value`` sets an environment variable
+(``none+env.MT_FP8_DISABLE_TRITON=1``: fused ops and AdamW in plain PyTorch). ``--seeds A,B,C``
+runs every ``--recipes`` entry at each seed. A run ``<recipe>@<seed>`` in ``--recipes``
 trains that recipe with another seed (other initial weights and batch order), in
 ``<out>/<recipe>_seed<seed>/``: ``none@5678`` measures how far bf16 moves from itself by seed
 alone, the yardstick for the FP8 differences. A run may end in ``+key=value`` Hydra overrides of
@@ -21,10 +30,16 @@ with the bf16 run of the same seed and the same non-``fp8.`` overrides when that
 with ``none+model.vocab_size=32768``), else with ``none``. Such same-seed comparisons are
 *pairs*: the ``paired`` table averages each FP8 configuration's pair differences over its seeds.
 
-Verdict: every FP8 recipe (without ``+`` overrides; those are variants, reported only) is
+Verdicts: every FP8 recipe (without ``+`` overrides; those are variants, reported only) is
 within 1% of bf16 when the mean of its pair differences is. With one seed that is the plain
 comparison; with several, seed noise averages out: bf16 alone moved by 1.2% between seeds 1234,
-5678 and 9999 at the default size (``docs/benchmarks.md``, session 17), as much as the band.
+5678 and 9999 at the default size (``docs/benchmarks-log.md``, 2026-12-04), as much as the band.
+Parity (the ``parity`` table): each mt run against its plain counterpart of the same seed
+(``none`` against ``plain``, ``tensorwise`` against ``torchao-tensorwise``, ``rowwise`` against
+``torchao-rowwise``), and blockwise, delayed and mxfp8 against mt bf16; a target
+(:data:`PARITY_TARGETS`, :data:`FP8_TARGETS`) is met when the mean over at least
+:data:`MIN_SEEDS` seeds is within its bound. The final losses' spread over seeds is reported
+per configuration.
 Each run is ``python -m mt_train ...`` in its own
 subprocess, exactly as a user runs ``mt-train`` with Hydra overrides, in ``<out>/<recipe>/``
 (``metrics.jsonl``, Hydra's ``.hydra/``, and ``train.log`` with the run's stdout and stderr).
@@ -41,10 +56,10 @@ step unless a run was stopped), "within 1%" meaning ``|ratio − 1| ≤ 0.01`` (
 the mean of a configuration's pairs, ``|mean| ≤ 1%``), and the run's wall
 seconds. A failed run is reported with the tail of its log; the others go on. ``--time-limit``
 stops the runs still going at that many seconds (SIGTERM: the trainer finishes its step and
-exits), so a bounded device session still returns every curve so far; ``--collect`` rebuilds the
+exits), so a run under a time budget still returns every curve so far; ``--collect`` rebuilds the
 JSON and the table from an existing ``--out`` folder without training; ``--merge`` judges the
-runs of several such JSON files together (runs of one training setup spread over device
-sessions; ``--recipes`` picks runs; a run in several files is taken from the last).
+runs of several such JSON files together (runs of one training setup made at different
+times; ``--recipes`` picks runs; a run in several files is taken from the last).
 
 Run (repository root; GPU)::
 
@@ -62,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -137,6 +153,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--grace", type=float, default=20.0, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--data-dir", type=Path, default=None, help="prepared corpus (default: temp)")
+    p.add_argument(
+        "--plain-init",
+        choices=("mt", "own"),
+        default="mt",
+        help="plain runs start from mt-train's initial weights of their seed (mt: a pair then "
+        "differs only in the training code) or draw their own (own; also when a run sets +init=)",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter for the runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument(
@@ -150,7 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON[:KEY]",
         default=None,
         help="judge together the runs of these fp8_quality.json files (KEY: a result nested "
-        "under that key), e.g. from several device sessions; writes --out/fp8_quality.json",
+        "under that key), e.g. from several machines or days; writes --out/fp8_quality.json",
     )
     args = p.parse_args(argv)
     args.recipes_given = args.recipes is not None
@@ -298,10 +321,34 @@ def plain_command(args: argparse.Namespace, spec: str, run_dir: Path, data_dir: 
     for e in extra:
         key, _, value = e.partition("=")
         flags[key.replace("_", "-")] = value
+    init = None
+    if args.plain_init == "mt" and "init" not in flags:
+        init = args.out / f"init_{args.model}_seed{seed}.safetensors"
+        flags["init-from"] = init
     argv = [str(REPO / "benchmarks" / "plain_llama.py")]
     for key, value in flags.items():
         argv += [f"--{key}", str(value)]
-    return Launch([args.python, *argv], {})
+    if name != PLAIN:  # torchao's float8 runs compiled (eager, its scaling is host-bound)
+        argv.append("--compile")
+    launch = Launch([args.python, *argv], {})
+    if init is not None:
+        launch.init = (init, dataclasses.replace(model, vocab_size=vocab), seed)
+    return launch
+
+
+def write_initial_weights(path: Path, model: Any, seed: int) -> None:
+    """mt-train's initial weights of ``model`` at ``seed`` (its full tp=1 state dict), which
+    the plain run of that seed loads (``--plain-init mt``)."""
+    if path.is_file():
+        return
+    from safetensors.torch import save_file
+
+    from mt_train.models.build import build_model
+
+    state = build_model(model, "cpu", seed).state_dict()
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(path)
 
 
 def _quoted(path: Path) -> str:
@@ -331,10 +378,12 @@ def prepare_data(folder: Path) -> None:
 
 @dataclass
 class Launch:
-    """A run's command line and the environment variables it sets."""
+    """A run's command line, the environment variables it sets, and for a plain run that
+    starts from mt's weights, (file, model config, seed) of those weights."""
 
     command: list[str]
     env: dict[str, str]
+    init: tuple[Path, Any, int] | None = None
 
 
 class Run:
@@ -342,7 +391,7 @@ class Run:
 
     def __init__(self, recipe: str, folder: Path, launch: Launch, steps: int) -> None:
         self.recipe, self.folder = recipe, folder
-        self.command, self.env = launch.command, launch.env
+        self.command, self.env, self.init = launch.command, launch.env, launch.init
         self.steps = steps  # the run's trainer.max_steps
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = self.ended = 0.0
@@ -532,10 +581,11 @@ def judge(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str,
     for recipe, entry in per.items():
         counterpart = counterpart_of(recipe, list(per))
         entry["plain_reference"] = counterpart
-        entry["vs_plain_pct"] = None
+        entry["vs_plain_pct"] = entry["vs_plain_step"] = None
         if counterpart is not None:
             pct = difference_pct(entry, per[counterpart])
-            entry["vs_plain_pct"] = None if pct is None else pct[1]
+            if pct is not None:
+                entry["vs_plain_step"], entry["vs_plain_pct"] = pct
         reference = reference_of(recipe, list(per))
         ref = per.get(reference)
         ref_val = dict((int(s), v) for s, v in ref["val_loss"]) if ref else {}
@@ -612,7 +662,7 @@ def plain_parity(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> di
         name = "+".join([recipe, *extra])
         if entry["final_val_loss"] is not None and entry["final_step"] == args.steps:
             finals.setdefault(name, {})[seed] = entry["final_val_loss"]
-        if entry["vs_plain_pct"] is not None:
+        if entry["vs_plain_pct"] is not None and entry["vs_plain_step"] == args.steps:
             diffs.setdefault(name, {})[seed] = entry["vs_plain_pct"]
         elif recipe in FP8_TARGETS and not extra and is_pair(spec, entry):
             diffs.setdefault(name, {})[seed] = entry["vs_bf16_pct"]
@@ -676,7 +726,7 @@ def paired(args: argparse.Namespace, per: dict[str, dict[str, Any]]) -> dict[str
     return result
 
 
-SESSION_SETTINGS = ("concurrent",)
+RUN_SETTINGS = ("concurrent",)
 """Settings that may differ between merged results: they do not change what a run computes."""
 
 
@@ -692,7 +742,7 @@ def merge_results(args: argparse.Namespace, sources: list[str]) -> dict[str, Any
         result = json.loads(Path(path).read_text())
         if key:
             result = result[key]
-        these = {k: v for k, v in result["settings"].items() if k not in SESSION_SETTINGS}
+        these = {k: v for k, v in result["settings"].items() if k not in RUN_SETTINGS}
         if settings is None:
             settings = these
         elif these != settings:
@@ -748,6 +798,8 @@ def table(result: dict[str, Any]) -> str:
         if e["compare_step"] not in (None, steps) and e["vs_bf16_pct"] is not None:
             pct += f" (at step {e['compare_step']})"
         plain = "—" if e.get("vs_plain_pct") is None else f"{e['vs_plain_pct']:+.2f}"
+        if e.get("vs_plain_step") not in (None, steps):
+            plain += f" (at step {e['vs_plain_step']})"
         within = {True: "yes", False: "no", None: "—"}[e["within_1pct"]]
         if not is_pair(recipe, e):
             within = "—"
@@ -828,6 +880,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.batch}x{args.seq_len} tokens, {args.concurrent} at once, into {args.out}",
             flush=True,
         )
+        for run in runs:
+            if run.init is not None:
+                write_initial_weights(*run.init)
         try:
             launch_all(args, runs)
         finally:

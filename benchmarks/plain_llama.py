@@ -17,17 +17,22 @@ RoPE is rotate-half with base ``--rope-theta`` and Llama 3.1 frequency scaling (
 low/high frequency factors 1 and 4, original context 8192: ``llama_125m``'s), angles in fp64.
 bf16 autocast on CUDA (fp32 master weights), fp32 on the CPU; logits cast to fp32 before the
 loss. ``--float8 tensorwise|rowwise`` converts every block linear (not the output head) with
-torchao's ``convert_to_float8_training`` and that recipe name.
+torchao's ``convert_to_float8_training`` and that recipe name; ``--compile`` compiles each
+block (torchao's float8 is meant to run compiled: eager, its scaling is host-bound).
 
 Training (defaults = ``benchmarks/fp8_quality.py``'s): AdamW β (0.9, 0.95), ε 1e-8, decay 0.1
 on every matrix (``p.dim() >= 2``: the embedding and the head included; ``--decay
 no_embedding`` spares the embedding), ``clip_grad_norm_(1.0)``, LR ``peak·m(s)`` at step
 ``s`` with ``m = (s+1)/W`` for ``s < W`` then ``r + (1-r)·½(1 + cos(π(s-W)/(S-W)))``,
 ``r = 0.1``. Init: every matrix N(0, 0.02) (GPT-2's), ``--init scaled`` draws ``o`` and
-``down`` with ``0.02/sqrt(2L)``, norms 1. Batches (``--sampler``): ``random`` draws each
-window's start uniformly from the whole split with a torch generator seeded by ``--seed``
-(nanoGPT's ``get_batch``); ``permutation`` visits the non-overlapping windows ``i·T`` in the
-order ``numpy.random.default_rng([seed, epoch]).permutation`` (mt-train's default sampler).
+``down`` with ``0.02/sqrt(2L)``, norms 1; ``--init-from FILE`` loads initial weights saved in
+mt-train's names instead (the quality harness passes mt's own initial weights of the seed, so a
+pair of runs differs only in the training code). Batches (``--sampler``): ``permutation`` (default)
+visits the non-overlapping windows ``i·T`` in the order
+``numpy.random.default_rng([seed, epoch]).permutation``, mt-train's default sampler, so that
+both train on the same windows in the same order and a difference between them is the
+training code's; ``random`` draws each window's start uniformly from the whole split with a
+torch generator seeded by ``--seed`` (nanoGPT's ``get_batch``).
 Validation: the first ``eval_batches · batch`` non-overlapping windows of the val split, the
 mean of the per-batch mean losses (mt-train's evaluation).
 
@@ -75,7 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rope-factor", type=float, default=8.0, help="1 turns Llama 3.1 scaling off")
     p.add_argument("--norm-eps", type=float, default=1e-5)
     p.add_argument("--init", choices=("normal", "scaled"), default="normal")
-    p.add_argument("--sampler", choices=("random", "permutation"), default="random")
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="safetensors file of initial weights in mt-train's names (replaces --init)",
+    )
+    p.add_argument("--sampler", choices=("permutation", "random"), default="permutation")
     p.add_argument("--decay", choices=("matrices", "no_embedding"), default="matrices")
     p.add_argument("--float8", choices=("none", "tensorwise", "rowwise"), default="none")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
@@ -157,6 +168,35 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+MT_NAMES = {
+    "attention_norm": "attn_norm",
+    "attention.q_proj": "q",
+    "attention.k_proj": "k",
+    "attention.v_proj": "v",
+    "attention.o_proj": "o",
+    "ffn_norm": "mlp_norm",
+    "mlp.gate_proj": "gate",
+    "mlp.up_proj": "up",
+    "mlp.down_proj": "down",
+}
+"""mt-train's module names inside a block -> this model's."""
+
+
+def plain_name(mt_name: str) -> str:
+    """``layers.3.attention.q_proj.weight`` -> ``layers.3.q.weight``; top-level names agree."""
+    for mt, plain in MT_NAMES.items():
+        mt_name = mt_name.replace(f".{mt}.", f".{plain}.")
+    return mt_name
+
+
+def load_mt_weights(model: nn.Module, path: Path) -> None:
+    """Start from mt-train's initial weights (so a same-seed pair differs only in its code)."""
+    from safetensors.torch import load_file
+
+    state = {plain_name(name): tensor for name, tensor in load_file(path).items()}
+    model.load_state_dict(state, strict=True)
+
+
 def load_split(folder: Path, split: str) -> np.ndarray:
     meta = json.loads((folder / "meta.json").read_text())
     return np.memmap(folder / f"{split}.bin", dtype=meta["dtype"], mode="r")
@@ -205,7 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(a.seed)
-    model = Llama(a).to(device)
+    model = Llama(a)
+    if a.init_from is not None:
+        load_mt_weights(model, a.init_from)
+    model = model.to(device)
     if a.float8 != "none":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -13,8 +13,9 @@ with health counts on:
 Bytes counted: ``x`` read once per launch and each FP8 operand written once; GB/s is that over
 the device time of one call, beside the GB/s of a device-to-device copy of the same input, all
 timed as replays of a CUDA graph of ``--iters`` calls (``harness.graph_ms``: kernel time, no
-launch cost). Their share of a training step's kernel time: docs/performance.md, "FP8
-quantizers".
+launch cost). In the 8-layer Llama3-8B trainer these calls are a sizeable share of a step's
+kernel time (the step profiles in ``docs/benchmarks-log.md``; current timings in
+``docs/performance.md``, "Quantizers").
 """
 
 from __future__ import annotations

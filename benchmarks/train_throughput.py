@@ -38,7 +38,8 @@ and, one JSON object per stack, to ``--out``.
 ``--profile`` adds, per stack, ``--profile-steps`` consecutive profiled steps (PyTorch profiler,
 after the timed ones): per step, the device time by kernel category (:data:`KERNEL_CATEGORIES`),
 the wall time, the device's idle time (between steps included), the top kernels and the largest
-gaps; this is where the performance log in ``docs/benchmarks.md`` gets its breakdowns.
+gaps; this is where ``docs/benchmarks-log.md`` gets its breakdowns (current figures:
+``docs/performance.md``).
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
 ``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.
@@ -246,7 +247,7 @@ def enable_fp8(
         output_head=output_head,
         output_head_gemms=list(head_gemms) if output_head else list(mt_fp8.FP8_GEMMS),
     )
-    trainer.fp8_recipe = apply_fp8_config(trainer.module, fp8, trainer.tp_group)
+    trainer.fp8_recipe = apply_fp8_config(trainer.module, trainer.model_cfg, fp8, trainer.tp_group)
     # As the trainer counts them at build: steps then watch the FP8 health counters for the
     # fp8_overflow detector, as an fp8= run does.
     trainer.fp8_layers = fp8_layer_count(trainer.module)
@@ -512,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.alloc_conf is not None:  # before the first CUDA allocation; subprocesses inherit it
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
 
-    from mt_train.config.schema import ModelConfig
-    from mt_train.models.llama import flops_per_token
+    from mt_train.models.llama import LlamaConfig, flops_per_token
 
     s = shapes(args.tiny)
     s["seq"] = args.seq or s["seq"]
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     fields = {
         k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     }
-    fpt = flops_per_token(ModelConfig(**fields), s["seq"])
+    fpt = flops_per_token(LlamaConfig(**fields), s["seq"])
     stacks = [
         "ours_bf16",
         *(f"ours_fp8_{r}" for r in OUR_RECIPES),

@@ -1,14 +1,13 @@
-# Source this from the repository root on a lent GPU machine (the device tool's `run`) before any
-# command of docs/multi_gpu.md:
+# Source this from the repository root before running the benchmarks/multi_gpu scripts from a
+# source checkout on a GPU machine where the packages are not installed:
 #
 #   . benchmarks/multi_gpu/device_env.sh && torchrun --nproc-per-node 8 benchmarks/multi_gpu/parity.py
 #
-# * NVLink multicast off in NCCL, PyTorch and NVSHMEM (/work/.library/device/KINDS.md: a program
-#   that uses it can put the host's shared GPUs out of service); the scripts refuse other values.
+# * NVLink multicast off in NCCL, PyTorch and NVSHMEM (the scripts refuse other values, so their
+#   figures never depend on it).
 # * The mt packages from this checkout on PYTHONPATH (pure Python: nothing to build).
-# * mt-train's dependencies that the machine's image lacks (hydra-core, omegaconf, antlr4) from
-#   wheels carried in .whl/train (`carry: [".whl/train"]`); torch, numpy, safetensors,
-#   tokenizers, tqdm, pluggy and pyyaml are in the image.
+# * mt-train's config dependencies (hydra-core, omegaconf, antlr4), if the machine lacks them,
+#   from wheels placed in .whl/train, installed once into /tmp/mt-site.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 _mt_site=/tmp/mt-site

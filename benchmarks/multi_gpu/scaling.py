@@ -17,12 +17,12 @@ tokens per step, see throughput.py). Targets (issue 8): ≥ 90% for pure data pa
 tp=2 with sequence parallel. Rows without a one-device baseline (it failed or was not run) show
 no efficiency.
 
-Runs are started in matrix order until ``--budget-s`` has passed (the device tool allows 10 min a
-command), each under ``--run-timeout-s``; every row (or its error) is appended to ``--out``, and
+Runs are started in matrix order until ``--budget-s`` has passed (for a job with a time limit),
+each under ``--run-timeout-s``; every row (or its error) is appended to ``--out``, and
 ``--report FILE`` prints the table of everything in FILE, so a matrix can be spread over several
 commands. ``--dry-run`` prints the commands only.
 
-    # on N GPUs (docs/multi_gpu.md has the batches that fit the device tool's limits)
+    # on N GPUs (docs/multi_gpu.md says how to read the report)
     python3 benchmarks/multi_gpu/scaling.py --gpus 8 --models L8 --precisions bf16 --out s.jsonl
     python3 benchmarks/multi_gpu/scaling.py --report s.jsonl
     # CPU rehearsal

@@ -34,9 +34,9 @@ activity) on rank 0 (``--profile-ranks all``: every rank), writes ``trace_<tag>_
 (``overlap.py``) to the row.
 
 ``--pg device+gloo`` initialises the default process group as ``cpu:gloo,cuda:nccl`` before
-mt_comm adopts it, so collectives on CPU tensors have a backend; mt_parallel.clip_grad_norm_
-all-reduces its partial sums on the CPU, which a pure NCCL group refuses (read from the code, not
-yet seen on a GPU: see docs/multi_gpu.md). The default, ``device``, is mt_comm's own init.
+mt_comm adopts it, so collectives on CPU tensors have a backend too (``mt_parallel``'s own
+collectives, clipping included, run on the device and need none). The default, ``device``, is
+mt_comm's own init.
 
 Run (one line of JSON per configuration on rank 0, appended to ``--out``)::
 
@@ -124,11 +124,12 @@ def build(args: argparse.Namespace, ctx: Any, deg: dict[str, Any], shapes: dict[
     import mt_comm
     import mt_fp8
     import mt_parallel as mp
-    from mt_train.config.schema import FP8Config, ModelConfig
-    from mt_train.models.build import build_model, fp8_skip_names
+    from mt_train.config.schema import FP8Config
+    from mt_train.models.build import build_model, fp8_options
+    from mt_train.models.llama import PLAN, LlamaConfig
     from mt_train.optim import param_groups
 
-    cfg = ModelConfig(
+    cfg = LlamaConfig(
         name="llama3_8b" if not args.tiny else "tiny",
         vocab_size=shapes["vocab_size"],
         dim=shapes["dim"],
@@ -158,7 +159,7 @@ def build(args: argparse.Namespace, ctx: Any, deg: dict[str, Any], shapes: dict[
             module,
             mt_fp8.recipe_from_name(args.fp8_recipe),
             amax_group=tp_group,
-            skip=fp8_skip_names(module, fp8),
+            skip=mp.high_precision_linears(module, PLAN, fp8_options(fp8)),
             backend=args.fp8_backend,
         )
     mp.apply_recompute(module, args.recompute, 1, ["attention"], (mp.DecoderBlock,))
@@ -293,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import mt_comm
-    from mt_train.models.llama import flops_per_token, num_params
+    from mt_train.models import get_family
+    from mt_train.models.llama import flops_per_token
+
+    num_params = get_family("llama").num_params
 
     ctx = init(args)
     shapes = dict(TINY if args.tiny else LLAMA3_8B)

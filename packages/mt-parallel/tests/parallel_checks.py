@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from toy_lm import PLAN, DecoderLM
 
 import mt_comm
 import mt_parallel as mp
@@ -177,8 +178,8 @@ def cp_attention(
 # --------------------------------------------------------------------------- decoder block / LM
 def _lm(
     dropout: float = 0.0, layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS
-) -> mp.DecoderLM:
-    return mp.DecoderLM(VOCAB, DIM, layers, heads, kv_heads, FFN, dropout=dropout)
+) -> DecoderLM:
+    return DecoderLM(VOCAB, DIM, layers, heads, kv_heads, FFN, dropout=dropout)
 
 
 def _batch(seed: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +238,7 @@ def decoder_lm(
     reference = reference.double()
     model = _lm(heads=heads, kv_heads=kv_heads)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model.to(dev), config, state)
+    model = mp.parallelize(model.to(dev), config, state, PLAN)
 
     tokens, targets = _batch(seed + 1, 2 * dp, 16)
     ref_logits = reference(tokens)
@@ -280,7 +281,7 @@ def dp_accumulation(
     reference = reference.double()
     model = _lm(layers=1)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model.to(dev), mp.ParallelConfig(dp=world), state)
+    model = mp.parallelize(model.to(dev), mp.ParallelConfig(dp=world), state, PLAN)
 
     tokens, targets = _batch(seed + 1, world * micro_batches, 16)
     ref_loss = mp.vocab_parallel_cross_entropy(reference(tokens), targets)
@@ -335,7 +336,9 @@ def zero1_steps(
     model = _lm(layers=1)
     mp.init_weights(model, seed)
     model = model.to(device=dev, dtype=getattr(torch, dtype))
-    model = mp.parallelize(model, mp.ParallelConfig(tp=tp, dp=dp, data_parallel="zero1"), state)
+    model = mp.parallelize(
+        model, mp.ParallelConfig(tp=tp, dp=dp, data_parallel="zero1"), state, PLAN
+    )
     hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
     ref_opt = torch.optim.AdamW(reference.parameters(), **hyper)
     opt = mp.DistributedOptimizer(
@@ -397,7 +400,7 @@ def clip_norm(
     model = _lm(layers=1)
     mp.init_weights(model, seed)
     config = mp.ParallelConfig(tp=tp, dp=dp, sequence_parallel=sp, data_parallel=data_parallel)
-    model = mp.parallelize(model.to(dev), config, state)
+    model = mp.parallelize(model.to(dev), config, state, PLAN)
     inner = model.module if hasattr(model, "module") else model
     tokens, targets = _batch(seed + 1, 2 * dp, 16)
     mp.vocab_parallel_cross_entropy(reference(tokens), targets).backward()
@@ -439,7 +442,7 @@ def recompute_bits(
             recompute=recompute,
             recompute_targets=["attention", "mlp"],
         )
-        model = mp.parallelize(model.to(dev), config, state)
+        model = mp.parallelize(model.to(dev), config, state, PLAN)
         tokens, targets = _batch(seed + 1, 2, 16)
         mp.manual_seed(seed + 2, state.rank("tp"))
         model.loss(model(tokens.to(dev)), targets.to(dev)).backward()
@@ -456,12 +459,10 @@ def errors_at_tp2() -> dict[str, str]:
     state = mt_comm.init_parallel_state(tp=2, dp=dist.get_world_size() // 2)
     tp_group = state.group("tp")
     cases = {
-        "heads": lambda: mp.apply_tensor_parallel(mp.DecoderLM(VOCAB, 24, 1, 3, 1, FFN), tp_group),
-        "kv_heads": lambda: mp.apply_tensor_parallel(
-            mp.DecoderLM(VOCAB, DIM, 1, 4, 1, FFN), tp_group
-        ),
+        "heads": lambda: mp.apply_tensor_parallel(DecoderLM(VOCAB, 24, 1, 3, 1, FFN), tp_group),
+        "kv_heads": lambda: mp.apply_tensor_parallel(DecoderLM(VOCAB, DIM, 1, 4, 1, FFN), tp_group),
         "vocab": lambda: mp.apply_tensor_parallel(
-            mp.DecoderLM(33, DIM, 1, HEADS, KV_HEADS, FFN), tp_group
+            DecoderLM(33, DIM, 1, HEADS, KV_HEADS, FFN), tp_group
         ),
         "vocab_layer": lambda: mp.VocabParallelEmbedding(33, DIM, tp_group=tp_group),
         "cp_sequence": lambda: mp.shard_sequence(torch.zeros(1, 6), 1, tp_group),

@@ -24,6 +24,7 @@ from parallel_checks import (
     device_of,
     rel_err,
 )
+from toy_lm import PLAN, DecoderLM
 
 import mt_comm
 import mt_parallel as mp
@@ -137,7 +138,7 @@ def ring_attention(
 
 
 def lm_by_document(
-    reference: mp.DecoderLM, tokens_BT: torch.Tensor, ids_BT: torch.Tensor
+    reference: DecoderLM, tokens_BT: torch.Tensor, ids_BT: torch.Tensor
 ) -> torch.Tensor:
     """The reference's logits with every document run as its own sequence (positions from 0)."""
     rows = [
@@ -171,7 +172,7 @@ def decoder_lm_documents(
     reference = reference.double()
     model = _lm(heads=heads, kv_heads=kv_heads)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model.to(dev), config, state)
+    model = mp.parallelize(model.to(dev), config, state, PLAN)
 
     tokens, targets = _batch(seed + 1, 2 * dp, 16)
     ids = document_ids(seed + 2, 2 * dp, 16)

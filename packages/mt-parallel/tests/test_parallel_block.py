@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64
 from sequence_checks import document_ids, lm_by_document
+from toy_lm import DecoderLM
 
 import mt_parallel as mp
 
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN = 64, 32, 2, 4, 2, 64
 
 
-def _model() -> mp.DecoderLM:
-    model = mp.DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
+def _model() -> DecoderLM:
+    model = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
     mp.init_weights(model, 0)
     with torch.no_grad():  # non-trivial norm weights, so their use is checked too
         for name, param in model.named_parameters():
@@ -36,7 +37,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def _plain_logits(model: mp.DecoderLM, tokens_BT: torch.Tensor) -> torch.Tensor:
+def _plain_logits(model: DecoderLM, tokens_BT: torch.Tensor) -> torch.Tensor:
     """The Llama forward written with plain PyTorch ops on ``model``'s parameters."""
     B, T = tokens_BT.shape
     x = F.embedding(tokens_BT, model.embed.weight)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toy_lm import DecoderLM
 
 import mt_parallel as mp
 
@@ -26,9 +27,9 @@ def _max_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def run_block_on_gpu(fp8: bool, compiled: bool = False) -> dict[str, object]:
     from mt_fp8 import TensorwiseScaling
 
-    reference = mp.DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
+    reference = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
     mp.init_weights(reference, 0)  # CPU generators: the GPU model starts from the same weights
-    model = mp.DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN).cuda()
+    model = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN).cuda()
     mp.init_weights(model, 0)
     reference = reference.double()
     if fp8:
@@ -95,7 +96,7 @@ def test_block_on_gpu_matches_the_cpu_reference(fp8: bool) -> None:
 def test_compiled_blocks_on_gpu_match_the_cpu_reference(
     fp8: bool, triton: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # On the H200 compiled blocks once gave all-zero (FP8) or wrong (plain fused ops) weight
+    # On a GPU compiled blocks once gave all-zero (FP8) or wrong (plain fused ops) weight
     # gradients with a correct loss (mt_fp8.linear's and mt_fp8.ops.dispatch's NOTEs).
     if not triton:
         monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from parallel_tolerances import FP64_VS_FP64
 from torch.utils._python_dispatch import TorchDispatchMode
+from toy_lm import PLAN, DecoderLM
 
 import mt_parallel as mp
 
@@ -60,7 +61,7 @@ def test_config_checks_the_model_and_the_world() -> None:
 
 def test_ring_attention_without_attention_dropout_or_cp_is_refused() -> None:
     with pytest.raises(ValueError, match="ring attention has no attention dropout"):
-        mp.apply_context_parallel(mp.DecoderLM(16, 16, 1, 2, 1, 16, dropout=0.1), None, ring=True)
+        mp.apply_context_parallel(DecoderLM(16, 16, 1, 2, 1, 16, dropout=0.1), None, ring=True)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="needs a cp group of more than one rank"):
         mp.ring_attention(q, q, q, None)
@@ -72,11 +73,11 @@ def test_sequence_parallel_without_tp_is_refused_by_layers_and_transform() -> No
     with pytest.raises(ValueError, match="sequence_parallel=True needs a tensor-parallel group"):
         mp.ColumnParallelLinear(8, 8, sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence parallel needs tensor parallelism"):
-        mp.apply_tensor_parallel(mp.DecoderLM(16, 16, 1, 2, 1, 16), None, sequence_parallel=True)
+        mp.apply_tensor_parallel(DecoderLM(16, 16, 1, 2, 1, 16), None, sequence_parallel=True)
 
 
-def _tiny_lm(dropout: float = 0.0) -> mp.DecoderLM:
-    model = mp.DecoderLM(64, 32, 3, 4, 2, 64, dropout=dropout)
+def _tiny_lm(dropout: float = 0.0) -> DecoderLM:
+    model = DecoderLM(64, 32, 3, 4, 2, 64, dropout=dropout)
     mp.init_weights(model, 0)
     return model
 
@@ -126,7 +127,7 @@ def test_recompute_changes_no_gradient_bit(
     for apply in (False, True):
         model = copy.deepcopy(base)
         if apply:
-            mp.apply_recompute(model, policy, every, targets)
+            mp.apply_recompute(model, policy, every, targets, PLAN.block_types)
             assert sum(mp.is_recomputed(m) for m in model.modules()) == recomputed
         torch.manual_seed(7)  # dropout masks: drawn again on recompute, must be the same
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -157,7 +158,7 @@ def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradien
     # recomputation); keeping its output runs it once, and the backward sees the same values,
     # so every gradient keeps its bits (with FP8 too: the recomputation re-quantizes the same
     # inputs with the same scales; on CUDA with mt_fp8's Triton kernels).
-    base = mp.DecoderLM(64, 128, 2, 4, 2, 256)
+    base = DecoderLM(64, 128, 2, 4, 2, 256)
     mp.init_weights(base, 0)
     if fp8:
         from mt_fp8 import recipe_from_name
@@ -170,7 +171,7 @@ def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradien
     for keep in (None, (), ("attention",)):
         model = copy.deepcopy(base)
         if keep is not None:
-            mp.apply_recompute(model, "full", keep=keep)
+            mp.apply_recompute(model, "full", block_types=PLAN.block_types, keep=keep)
         counter = _OpCounter()
         # bf16 on CUDA, as the trainer runs: fp32 attention there takes PyTorch's math path,
         # which has no fused operator to keep.
@@ -194,14 +195,14 @@ def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...]) ->
     # the checkpoint (it refused an explicitly passed default context_fn, and accepts the
     # selective one). fp64, so that the compiled kernels' other summation order stays at
     # rounding level (FP64_VS_FP64, parallel_tolerances) against the eager, unwrapped model.
-    base = mp.DecoderLM(64, 32, 2, 4, 2, 64).double()
+    base = DecoderLM(64, 32, 2, 4, 2, 64).double()
     mp.init_weights(base, 0)
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
     grads = []
     for compiled in (False, True):
         model = copy.deepcopy(base)
         if compiled:
-            mp.apply_recompute(model, "full", keep=keep)
+            mp.apply_recompute(model, "full", block_types=PLAN.block_types, keep=keep)
             for block in model.layers:
                 block.compile()
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -212,11 +213,13 @@ def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...]) ->
 
 def test_recompute_keep_is_refused_with_dropout_or_without_full_recompute() -> None:
     with pytest.raises(ValueError, match=r"keep=\['attention'\] with dropout in DecoderBlock"):
-        mp.apply_recompute(_tiny_lm(dropout=0.1), "full", keep=["attention"])
+        mp.apply_recompute(
+            _tiny_lm(dropout=0.1), "full", block_types=PLAN.block_types, keep=["attention"]
+        )
     with pytest.raises(ValueError, match=r"needs the full policy, got 'selective'"):
         mp.apply_recompute(_tiny_lm(), "selective", keep=["attention"])
     with pytest.raises(ValueError, match=r"valid entries: attention"):
-        mp.apply_recompute(_tiny_lm(), "full", keep=["everything"])
+        mp.apply_recompute(_tiny_lm(), "full", block_types=PLAN.block_types, keep=["everything"])
 
 
 def test_apply_fp8_ties_the_input_scales_of_layers_reading_one_input() -> None:

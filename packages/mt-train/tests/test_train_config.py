@@ -12,14 +12,19 @@ import pytest
 
 from mt_train import compose_config, to_train_config
 from mt_train.cli import main, print_summary
+from mt_train.models import model_sizes
 from mt_train.trainer import TrainSummary
 
 CONF = Path(str(resources.files("mt_train") / "conf"))
+# The model group's options are the registered families' named sizes; the others are YAML files.
 GROUP_FILES = sorted(
-    (group.name, path.stem)
-    for group in CONF.iterdir()
-    if group.is_dir() and not group.name.startswith("_")
-    for path in group.glob("*.yaml")
+    [
+        (group.name, path.stem)
+        for group in CONF.iterdir()
+        if group.is_dir() and not group.name.startswith("_")
+        for path in group.glob("*.yaml")
+    ]
+    + [("model", name) for name in model_sizes()]
 )
 
 

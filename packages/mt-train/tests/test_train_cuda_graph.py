@@ -120,8 +120,8 @@ def test_a_delayed_fp8_step_synchronises_with_the_host_once(
     # The one intended sync is the transfer of the numbers the detectors judge (loss, norm, FP8
     # saturation). Any other (a blocking host-to-device copy, an .item()) holds the host until
     # the queued kernels finish, and the device then idles while the host launches what follows;
-    # the delayed-scaling update made one per step until session 15. PyTorch's sync debug mode
-    # warns once per synchronising call.
+    # the delayed-scaling update once made one per step. PyTorch's sync debug mode warns once
+    # per synchronising call.
     overrides = tiny_overrides(
         kjv_data,
         **{

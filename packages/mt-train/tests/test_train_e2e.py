@@ -66,16 +66,16 @@ def test_resume_is_bitwise_identical(kjv_data: Path, tmp_path: Path) -> None:
 
 def _inject_nan_at(trainer: Trainer, step: int) -> list[int]:
     """Make the loss non-finite once, while computing step ``step`` (1-based)."""
-    real, fired = trainer.micro_loss, []
+    real, fired = trainer.runner.micro_loss, []
 
     def faulty(batch):
-        loss = real(batch)
+        loss, extras = real(batch)
         if trainer.step + 1 == step and not fired:
             fired.append(trainer.step)
-            return loss * float("nan")
-        return loss
+            return loss * float("nan"), extras
+        return loss, extras
 
-    trainer.micro_loss = faulty  # type: ignore[method-assign]
+    trainer.runner.micro_loss = faulty  # type: ignore[method-assign]
     return fired
 
 

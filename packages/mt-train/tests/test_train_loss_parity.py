@@ -16,6 +16,7 @@ a wrong schedule step, decay group, clipping coefficient or loss scale moves the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from train_checks import tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.data.dataset import ResumableSampler
+from mt_train.models.build import build_model
 from mt_train.models.llama import rope_frequencies
 
 STEPS = 24
@@ -108,7 +110,7 @@ def plain_losses(trainer: Trainer, model: PlainLlama, steps: int) -> list[float]
     )
     G = tr.global_batch_size
     sampler = ResumableSampler(
-        len(trainer.data.train), tr.seed, G, G, independent=trainer.independent_draws
+        len(trainer.data.train), tr.seed, G, G, independent=trainer.cfg.data.independent_draws
     )
     losses = []
     for step in range(steps):
@@ -157,3 +159,24 @@ def test_fp32_training_equals_a_plain_pytorch_loop(
     # The first losses must be far apart from each other for the comparison to mean anything.
     assert reference[0] - reference[-1] > 1.0
     np.testing.assert_allclose(mt_losses, reference, rtol=0, atol=LOSS_BOUND)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_default_init_draws_every_matrix_at_init_std(scaled: bool) -> None:
+    """The init that trains as well as the plain loop: every matrix N(0, init_std), norms 1
+    (``model.scaled_residual_init=true`` draws o_proj and down_proj with init_std/sqrt(2L)).
+    A drawn std over n ≥ 8,192 values is off by 1/sqrt(2n) < 0.8% relative (one standard
+    error), so the 5% bound fails only for a wrong init."""
+    cfg = to_train_config(
+        compose_config(["model=llama_125m", f"model.scaled_residual_init={scaled}"])
+    ).model
+    cfg = dataclasses.replace(cfg, n_layers=2, vocab_size=320)
+    model = build_model(cfg, "cpu", seed=3)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if scaled else cfg.init_std
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            assert torch.equal(param, torch.ones_like(param)), name
+            continue
+        residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+        expected = residual_std if residual else cfg.init_std
+        assert param.float().std().item() == pytest.approx(expected, rel=0.05), name

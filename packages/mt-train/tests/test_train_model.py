@@ -12,10 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from mt_train import compose_config, to_train_config
-from mt_train.config import ModelConfig, RopeScalingConfig
 from mt_train.data import ByteTokenizer, PackedDataset
 from mt_train.data.prepare import write_prepared
-from mt_train.models import build_model, flops_per_token, num_params, rope_frequencies
+from mt_train.models import build_model, get_family
+from mt_train.models.llama import LlamaConfig, RopeScalingConfig, flops_per_token, rope_frequencies
+
+LLAMA = get_family("llama")
 
 # Parameter counts Meta publishes (Llama 3.2 1B is counted untied: +128256·2048 for the head).
 PUBLISHED = {
@@ -29,7 +31,7 @@ PUBLISHED = {
 def test_large_models_build_on_meta(name: str) -> None:
     cfg = to_train_config(compose_config([f"model={name}"])).model
     model = build_model(cfg, "meta")
-    assert num_params(model) == PUBLISHED[name]
+    assert LLAMA.num_params(model) == PUBLISHED[name]
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.embed.weight is not model.output.weight  # untied
 
@@ -84,7 +86,7 @@ def test_document_masking_loss_is_the_sum_of_per_document_losses(tmp_path: Path)
     write_prepared(tmp_path, docs * 4, ByteTokenizer(), val_every=16)
     batch = PackedDataset(tmp_path, "train", seq_len=48).collate(np.arange(2), documents=True)
     assert batch.document_ids is not None and int(batch.document_ids.max()) >= 2
-    cfg = ModelConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    cfg = LlamaConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
     model = build_model(cfg, "cpu", seed=5).double()
 
     def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import train_checks
 from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool
-from mt_train.convert import load_model
+from mt_train.hf_checkpoints import load_model
 
 # fp32 on CPU; the layouts differ only in summation order (gradient all-reduce / reduce-scatter,
 # TP partial sums, CP's split softmax), which moves each loss by a few ulps per step; 8 AdamW

@@ -14,6 +14,7 @@ from train_checks import tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.checkpoint import CheckpointReader
+from mt_train.models.build import fp8_emulation_warning
 
 
 def _fit(data: Path, out: Path, **extra: object) -> tuple[Trainer, list[float]]:
@@ -181,8 +182,8 @@ def test_compiled_blocks_track_eager(kjv_data: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_compiled_blocks_with_fp8_track_eager_fp8(kjv_data: Path, tmp_path: Path) -> None:
     # FP8 layers run eagerly between the compiled pieces of each block (mt_fp8.linear), so the
-    # compiled FP8 trainer must train as the eager one does (on the H200 it once trained with
-    # all-zero block gradients: docs/benchmarks.md, session 8).
+    # compiled FP8 trainer must train as the eager one does (on a GPU it once trained with
+    # all-zero block gradients; docs/benchmarks-log.md).
     small = {
         "model.n_layers": 1, "model.dim": 32, "model.ffn_dim": 64, "trainer.max_steps": 6,
         "trainer.eval_interval": 6, "checkpoint.enabled": False, "fp8": "tensorwise",
@@ -197,3 +198,14 @@ def test_compiled_blocks_with_fp8_track_eager_fp8(kjv_data: Path, tmp_path: Path
     # norms and RoPE matched in fp32 here). 1e-5 leaves room for a last-bit change in fused
     # kernels; zero block gradients would leave the blocks untrained and move it far more.
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_mxfp8_without_mx_tensor_cores_warns_naming_the_faster_recipes() -> None:
+    # On Hopper (compute capability 9.0) MXFP8 runs mt_fp8's exact bf16 emulation, slower than
+    # bf16 itself; the start-up line must say so and name the recipes with FP8 GEMMs there.
+    line = fp8_emulation_warning("mxfp8", (9, 0), "NVIDIA H200")
+    assert line is not None and "exact bf16 emulation, slower than bf16" in line
+    assert "compute capability 9.0" in line and "NVIDIA H200" in line
+    assert all(f"fp8={r}" in line for r in ("tensorwise", "rowwise", "delayed", "blockwise"))
+    assert fp8_emulation_warning("mxfp8", (10, 0), "NVIDIA B200") is None
+    assert fp8_emulation_warning("tensorwise", (9, 0), "NVIDIA H200") is None

@@ -8,6 +8,7 @@ from mt_core.plugins import (
     get_plugin_manager,
     hookimpl,
     register_builtin_plugin,
+    register_plugin,
     reset_plugin_manager,
 )
 from mt_core.registry import Registry
@@ -32,5 +33,6 @@ __all__ = [
     "list_devices",
     "lookup_peak_flops",
     "register_builtin_plugin",
+    "register_plugin",
     "reset_plugin_manager",
 ]

@@ -15,10 +15,14 @@ Collective backends (used by mt-comm; specified here so there is one spec file)
     3. ``mt_register_backends(registry)``  -- every plugin adds its backends.
     4. ``mt_select_backend(device)``       -- firstresult; the backend for a device.
 
+Model families (used by mt-train)
+    5. ``mt_register_model_families(registry)`` -- every plugin adds its model families.
+
 Registration hooks receive a :class:`mt_core.registry.Registry` and call
 ``registry.add(name, factory, ...)``; duplicate names raise. Registration must
-be cheap and must not import vendor libraries (``torch_musa``, a vendor CCL):
-those are imported when the device or backend is selected.
+be cheap and must not import vendor libraries (``torch_musa``, a vendor CCL)
+or model code: those are imported when the device, backend or model family is
+used.
 """
 
 from __future__ import annotations
@@ -79,4 +83,20 @@ def mt_select_backend(device: Device) -> str | None:
     Return the name of a registered backend for ``device``, or None to defer.
     Stops at the first non-None result; the built-in implementation runs last
     and answers ``device.preferred_backend``.
+    """
+
+
+# --------------------------------------------------------------------------- model families
+
+
+@hookspec
+def mt_register_model_families(registry: Registry[Any]) -> None:
+    """Called once per plugin manager to collect model families (mt-train).
+
+    Add each family with ``registry.add(name, factory)``, where ``factory()``
+    returns an ``mt_train.ModelFamily`` (its config dataclass, model builder,
+    parallelize plan, FLOP and parameter counts, named sizes and Hugging Face
+    adapter). mt-train's built-in families (``llama``) register through this
+    hook too. The factory runs when mt-train first needs the families, so the
+    plugin module itself should import no model code.
     """

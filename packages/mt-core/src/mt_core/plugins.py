@@ -93,8 +93,17 @@ def register_builtin_plugin(name: str, module: str) -> None:
     pm = get_plugin_manager()
     with _lock:
         if not pm.is_blocked(name) and not pm.has_plugin(name):
-            _register(pm, importlib.import_module(module), name)
-            _clear_caches()
+            register_plugin(importlib.import_module(module), name)
+
+
+def register_plugin(plugin: ModuleType | object, name: str) -> None:
+    """Register a plugin module or object under ``name`` without an entry point (a notebook,
+    a test); idempotent, and a name in ``MT_DISABLED_PLUGINS`` stays unregistered. Caches
+    built from hooks are dropped, so the next lookup sees the plugin."""
+    pm = get_plugin_manager()
+    with _lock:
+        _register(pm, plugin, name)
+        _clear_caches()
 
 
 def reset_plugin_manager() -> None:
@@ -147,3 +156,8 @@ class Plugins:
 
     def select_backend(self, device: Device) -> str | None:
         return self.pm.hook.mt_select_backend(device=device)
+
+    def register_model_families(self) -> Registry[Any]:
+        registry: Registry[Any] = Registry("model family")
+        self.pm.hook.mt_register_model_families(registry=registry)
+        return registry

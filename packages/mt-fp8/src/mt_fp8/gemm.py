@@ -25,7 +25,7 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
       or fp32 output (a bias is added afterwards), rows of ``a`` divisible by 8; with 128×128
       ``b`` ``Z`` divisible by 512 (whole groups of four scales), with 1×128 ``b`` its rows by
       16 and ``Z`` by 128; see :func:`blockwise_layout_reason`. Its speed against a tensorwise
-      GEMM: docs/performance.md, "FP8 linear layer".
+      GEMM: docs/performance.md, "FP8 linear layers".
 ``"triton"``
     A Triton kernel for block-scaled operands (``a`` in 1×g groups, ``b`` in 1×g groups or g×g
     blocks, g = 32, 64 or 128) on CUDA compute capability ≥ 9.0 (Hopper): each K-tile of g
@@ -41,7 +41,7 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
     flush). The products of two bf16 values are exact in the GEMM's fp32 accumulator, so the
     result is the MX GEMM's up to summation order, then one rounding into the output dtype
     (fp32 outputs are written directly where ``torch.mm`` has ``out_dtype``, on CUDA).
-    Against the Triton 1×32 kernel on the H200: docs/performance.md, "FP8 linear layer".
+    Against the Triton 1×32 kernel on the H200: docs/benchmarks-log.md.
 ``"emulate"``
     Dequantize both operands to fp32 and multiply: ``(q_a · s_a)(q_b · s_b)ᵀ``. Every layout on
     every device; the reference the fast paths are tested against.

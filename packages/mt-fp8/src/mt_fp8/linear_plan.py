@@ -23,7 +23,7 @@ plain-PyTorch :func:`mt_fp8.quantized.quantize`; all give the same bytes:
 Inside ``torch.compile`` graphs the plain-PyTorch path runs and Inductor fuses it with its
 neighbours. NOTE: the Triton quantizers wrapped as ``torch.library`` custom ops were slower
 there: the opaque calls add host time, and rowwise needs separate transpose copies Inductor
-otherwise fuses (docs/performance.md, "FP8 linear layer").
+otherwise fuses (docs/benchmarks-log.md).
 
 Transposed operands (``quantize_transposed``): the exact transpose of the forward copy for
 tensorwise and square-block scales, a requantization otherwise. Row-group layouts (1×g) pad the

@@ -6,7 +6,7 @@ scale ``s_b`` and FP8 data ``q = sat(rne(x · s_b⁻¹))`` so that ``x ≈ q · 
 ``s_b⁻¹ = RN(1 / s_b)`` is the fp32 inverse scale (one IEEE division per block, then one
 round-to-nearest product per element: the same bytes in the PyTorch path here and every Triton
 kernel, which multiply because a division per element held the fused quantizer well below copy
-bandwidth (docs/performance.md, "FP8 quantizers"); fp64 inputs divide in fp64, so the FP8 cast
+bandwidth (docs/benchmarks-log.md); fp64 inputs divide in fp64, so the FP8 cast
 is their only rounding):
 
     amax_b = max |x| over block b                 (computed in high precision, before the cast)

@@ -170,8 +170,7 @@ def format_maxima_on(device: torch.device, maxima: tuple[float, ...]) -> torch.T
     formats. Why cached: creating it from Python numbers is a blocking host-to-device copy, which
     waits for every kernel queued before it. Made per update, it held the host after each
     optimizer step until the AdamW pass had finished, so the device then idled while the host
-    launched the rest of the update and the next step (docs/performance.md, "Dense Llama
-    slice").
+    launched the rest of the update and the next step (docs/benchmarks-log.md).
     Callers must not modify the returned tensor."""
     return torch.tensor(maxima, dtype=torch.float32, device=device)
 

@@ -1,5 +1,8 @@
-"""mt-parallel: tensor, sequence, context and data parallelism, recompute, a Llama decoder block."""
+"""mt-parallel: tensor, sequence, context and data parallelism, recompute, and the decoder layers
+(attention, SwiGLU MLP, RMSNorm, a pre-norm block) that model families are built from."""
 
+from mt_parallel.attention import Attention, CoreAttention, apply_rope, rope_cos_sin
+from mt_parallel.block import DecoderBlock
 from mt_parallel.checkpoint import (
     init_weights,
     layer_generator,
@@ -36,22 +39,17 @@ from mt_parallel.mappings import (
     reduce_scatter_grad_ag,
     scatter_to_group,
 )
-from mt_parallel.model import (
-    MLP,
-    Attention,
-    CoreAttention,
-    DecoderBlock,
-    DecoderLM,
-    RMSNorm,
-    SwiGLU,
-    apply_rope,
-    rope_cos_sin,
-)
+from mt_parallel.mlp import MLP, SwiGLU
+from mt_parallel.norm import RMSNorm
 from mt_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from mt_parallel.parallelize import (
+    FP8Options,
+    ParallelizePlan,
     apply_context_parallel,
     apply_fp8,
+    apply_fp8_options,
     apply_tensor_parallel,
+    high_precision_linears,
     parallelize,
 )
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
@@ -66,10 +64,11 @@ __all__ = [
     "ColumnParallelLinear",
     "CoreAttention",
     "DecoderBlock",
-    "DecoderLM",
     "DistributedOptimizer",
     "Dropout",
+    "FP8Options",
     "ParallelConfig",
+    "ParallelizePlan",
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
@@ -83,6 +82,7 @@ __all__ = [
     "apply_context_parallel",
     "apply_data_parallel",
     "apply_fp8",
+    "apply_fp8_options",
     "set_fp8_weight_cache",
     "apply_recompute",
     "apply_rope",
@@ -93,6 +93,7 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "gather_from_group",
     "get_rng_tracker",
+    "high_precision_linears",
     "init_weights",
     "is_recomputed",
     "layer_generator",

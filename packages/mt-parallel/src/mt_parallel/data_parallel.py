@@ -9,8 +9,8 @@ Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
 
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the dp×cp process group. It only
   hooks parameter gradients, so it composes with our TP layers (plain local tensors) and FP8.
-* ``fsdp``: FSDP2 ``fully_shard`` on every decoder block and the root, over a 1-D mesh of the
-  dp×cp group (parameters sharded along dim 0 of the local TP shard). FP8 layers already in the
+* ``fsdp``: FSDP2 ``fully_shard`` on every block (the ``block_types`` the caller names) and
+  the root, over a 1-D mesh of the dp×cp group (parameters sharded along dim 0 of the local TP shard). FP8 layers already in the
   model stop caching FP8 weights (``cache_weight=False``): FSDP2 re-materialises the unsharded
   weights without bumping their version counter, which the cache key relies on.
 * ``zero1``: no wrapper; :class:`~mt_parallel.DistributedOptimizer` reduce-scatters at the step.
@@ -34,7 +34,6 @@ from torch import nn
 import mt_comm
 import mt_fp8
 from mt_parallel.mappings import group_size
-from mt_parallel.model import DecoderBlock
 
 
 def apply_data_parallel(
@@ -42,9 +41,11 @@ def apply_data_parallel(
     mode: str,
     dp_cp_group: Any,
     device_type: str = "cpu",
-    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+    block_types: tuple[type[nn.Module], ...] = (),
 ) -> nn.Module:
-    """Wrap (``ddp``) or shard (``fsdp``) ``model`` over ``dp_cp_group``; see the module doc."""
+    """Wrap (``ddp``) or shard (``fsdp``) ``model`` over ``dp_cp_group``; see the module doc.
+
+    ``fsdp`` shards every module of ``block_types`` (the model's blocks) and then the root."""
     if mode in ("zero1", "none") or (group_size(dp_cp_group) == 1 and mode == "ddp"):
         return model
     if mode == "ddp":

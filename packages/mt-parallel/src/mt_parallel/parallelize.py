@@ -1,46 +1,87 @@
-"""Transforms that turn a plain (tp=1) model into its parallel form, and the function that applies
-them in order.
+"""Transforms that turn a plain (tp=1) model into its parallel form, and the one function that
+applies them in order, driven by the caller's :class:`ParallelizePlan`.
 
 Order (each step assumes the previous ones; none edits model code):
 
 1. **Tensor parallel** (:func:`apply_tensor_parallel`): check every module's divisibility first
    (``check_tp``), then cut each TP layer's full parameters to this rank's shard, switch the
    layers to SP if asked, and give every other module with a ``set_tensor_parallel(tp_group,
-   sequence_parallel)`` hook (norms, dropouts, the attention core) the TP group. Parameters are *replaced*, so build
-   optimizers after this step.
-2. **Context parallel** (:func:`apply_context_parallel`): give every core attention the cp group
-   (and the all-gather or ring algorithm).
-3. **FP8** (:func:`apply_fp8`): route the TP layers' local GEMMs through ``mt_fp8.FP8Linear``;
-   comes after TP so the FP8 layers see the local shard shapes, and records the TP group as the
-   amax-reduction group of each layer: delayed scaling agrees on one scale per layer at the
-   update, current tensorwise scaling reduces the amax of each sharded tensor as it quantizes.
-   The FP8 layers a module lists in ``shared_input_linears()`` (q/k/v, gate/up) get tied
-   input scales (``mt_fp8.tie_input_scales``), so delayed scaling quantizes their common input
-   once per forward, as current scaling already does.
-4. **Recompute** (:func:`mt_parallel.apply_recompute`): wraps whole blocks or their parts, so it
-   sees the final (TP, FP8) modules it recomputes.
+   sequence_parallel)`` hook (norms, dropouts, the attention core) the TP group. Parameters are
+   *replaced*, so build optimizers after this step.
+2. **Context parallel** (:func:`apply_context_parallel`): give every module with a
+   ``set_context_parallel(cp_group, ring)`` hook (the attention cores) the cp group (and the
+   all-gather or ring algorithm).
+3. **FP8** (:func:`apply_fp8`, :func:`apply_fp8_options`): route the TP layers' local GEMMs
+   through ``mt_fp8.FP8Linear``; comes after TP so the FP8 layers see the local shard shapes,
+   and records the TP group as the amax-reduction group of each layer: delayed scaling agrees
+   on one scale per layer at the update, current tensorwise scaling reduces the amax of each
+   sharded tensor as it quantizes. The FP8 layers a module lists in ``shared_input_linears()``
+   (q/k/v, gate/up) get tied input scales (``mt_fp8.tie_input_scales``), so delayed scaling
+   quantizes their common input once per forward, as current scaling already does. The plan's
+   output head stays high precision unless :attr:`FP8Options.output_head`, and then runs its
+   own choice of FP8 GEMMs.
+4. **Recompute** (:func:`mt_parallel.apply_recompute`): wraps the plan's blocks or the parts
+   that declare a ``recompute_target``, so it sees the final (TP, FP8) modules it recomputes.
 5. **Compile**: ``module.compile()`` on each block in place (after recompute, so the checkpoint
    region is inside the compiled block).
 6. **Data parallel** (:func:`mt_parallel.apply_data_parallel`): last, because DDP/FSDP2 capture
-   the parameters and module structure the earlier steps produce.
+   the parameters and module structure the earlier steps produce (FSDP2 shards each block).
 
-Pipeline parallelism will split the block list before step 1; expert parallelism will shard the
-MoE layers in step 1 using the ``ep`` group.
+What a model contributes is data, not code: the :class:`ParallelizePlan` names its block types
+and output head, and its layers carry the hooks above (``check_tp``, ``set_tensor_parallel``,
+``set_context_parallel``, ``shared_input_linears``, ``recompute_target``), so a new model family
+reuses this function unchanged. Pipeline parallelism will split the block list before step 1;
+expert parallelism will shard the MoE layers in step 1 using the ``ep`` group.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from mt_comm import ParallelState
+from mt_fp8 import FP8_GEMMS
 from mt_parallel.config import ParallelConfig
-from mt_parallel.data_parallel import apply_data_parallel
+from mt_parallel.data_parallel import apply_data_parallel, set_fp8_weight_cache
 from mt_parallel.layers import TensorParallelModule, _ParallelLinear
 from mt_parallel.mappings import group_size
-from mt_parallel.model import CoreAttention, DecoderBlock
 from mt_parallel.recompute import apply_recompute
+
+
+@dataclass(frozen=True)
+class ParallelizePlan:
+    """What :func:`parallelize` needs to know about a model (module docstring)."""
+
+    block_types: tuple[type[nn.Module], ...]
+    """The repeated units: each is recomputed whole (``recompute=full``), compiled and sharded
+    by FSDP2 on its own."""
+    output_head: str | None = None
+    """Qualified name of the output (logits) linear: high precision unless
+    :attr:`FP8Options.output_head`, which then runs :attr:`FP8Options.output_head_gemms`."""
+    fp8_skip: tuple[str, ...] = ()
+    """Module-name fragments whose TP linears always stay in high precision (a router, say)."""
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    """Which linears run in FP8 and how (step 3 of the module docstring)."""
+
+    recipe: Any
+    """An ``mt_fp8`` recipe (``mt_fp8.recipe_from_name``)."""
+    backend: str = "auto"
+    """mt_fp8 GEMM backend: auto, fast, scaled_mm, triton or emulate."""
+    gemms: tuple[str, ...] = FP8_GEMMS
+    """Which GEMMs of the blocks' linears (``forward``, ``dgrad``, ``wgrad``) run in FP8."""
+    min_features: int = 0
+    """Linears whose smaller side is below this stay high precision (FP8 pays on large GEMMs)."""
+    output_head: bool = False
+    """Run the plan's output head in FP8 too."""
+    output_head_gemms: tuple[str, ...] = FP8_GEMMS
+    """With ``output_head``: which of the head's GEMMs run in FP8."""
+    cache_weight: bool = True
+    """Keep each layer's FP8 weight from its first forward of a step to its last backward."""
 
 
 def apply_tensor_parallel(
@@ -65,13 +106,12 @@ def apply_tensor_parallel(
 
 
 def apply_context_parallel(model: nn.Module, cp_group: Any, ring: bool = False) -> nn.Module:
-    """Make every :class:`CoreAttention` attend over the sequence split across ``cp_group``,
-    by all-gathering K/V or (``ring``) with :func:`mt_parallel.ring_attention`."""
-    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
-    if ring and any(core.dropout > 0 for core in cores):
-        raise ValueError("ring attention has no attention dropout: use cp_attention=all_gather")
-    for core in cores:
-        core.cp_group, core.cp_ring = cp_group, ring
+    """Make every module with a ``set_context_parallel`` hook (the attention cores) attend over
+    the sequence split across ``cp_group``, by all-gathering K/V or (``ring``) with
+    :func:`mt_parallel.ring_attention` (a core refuses the ring when it has dropout)."""
+    for module in model.modules():
+        if hasattr(module, "set_context_parallel"):
+            module.set_context_parallel(cp_group, ring)
     return model
 
 
@@ -103,17 +143,59 @@ def apply_fp8(
     return model
 
 
+def high_precision_linears(
+    model: nn.Module, plan: ParallelizePlan, fp8: FP8Options
+) -> tuple[str, ...]:
+    """Names of the TP linears that stay high precision: the plan's ``fp8_skip``, the output
+    head (unless ``fp8.output_head``) and the layers below ``fp8.min_features``."""
+    skip = list(plan.fp8_skip)
+    if plan.output_head is not None and not fp8.output_head:
+        skip.append(plan.output_head)
+    for name, module in model.named_modules():
+        if isinstance(module, _ParallelLinear) and min(module.weight.shape) < fp8.min_features:
+            skip.append(name)
+    return tuple(skip)
+
+
+def apply_fp8_options(
+    model: nn.Module, plan: ParallelizePlan, fp8: FP8Options, amax_group: Any = None
+) -> nn.Module:
+    """Run ``model``'s TP linears in FP8 as ``fp8`` says (:func:`apply_fp8`): the blocks' with
+    the GEMMs of ``fp8.gemms``, the plan's output head (with ``fp8.output_head``) with those of
+    ``fp8.output_head_gemms``, the :func:`high_precision_linears` not at all."""
+    skip = high_precision_linears(model, plan, fp8)
+    head = plan.output_head
+    apply_fp8(
+        model,
+        fp8.recipe,
+        amax_group=amax_group,
+        skip=skip if head is None else (*skip, head),
+        backend=fp8.backend,
+        fp8_gemms=tuple(fp8.gemms),
+    )
+    if head is not None and head not in skip:
+        apply_fp8(
+            model.get_submodule(head),
+            fp8.recipe,
+            amax_group=amax_group,
+            backend=fp8.backend,
+            fp8_gemms=tuple(fp8.output_head_gemms),
+        )
+    return model
+
+
 def parallelize(
     model: nn.Module,
     config: ParallelConfig,
     state: ParallelState,
-    fp8_recipe: Any = None,
-    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+    plan: ParallelizePlan,
+    fp8: FP8Options | None = None,
 ) -> nn.Module:
-    """Apply TP/SP → CP → FP8 (if ``fp8_recipe``) → recompute → compile → DP, in that order.
+    """Apply TP/SP → CP → FP8 (if ``fp8``) → recompute → compile → DP, in that order.
 
-    ``state`` is ``mt_comm``'s parallel state with the same degrees as ``config``. Returns the
-    model to train (a DDP wrapper in ``ddp`` mode when dp×cp > 1, else ``model`` itself).
+    ``state`` is ``mt_comm``'s parallel state with the same degrees as ``config``; ``plan``
+    names the model's blocks and output head. Returns the model to train (a DDP wrapper in
+    ``ddp`` mode when dp×cp > 1, else ``model`` itself).
     """
     config.validate_world(state.dims.world_size)
     for dim in ("tp", "cp", "pp"):
@@ -126,20 +208,21 @@ def parallelize(
     apply_tensor_parallel(model, tp_group, config.sequence_parallel)
     if config.cp > 1:
         apply_context_parallel(model, state.group("cp"), config.cp_attention == "ring")
-    if fp8_recipe is not None:
-        apply_fp8(model, fp8_recipe, amax_group=tp_group)
+    if fp8 is not None:
+        apply_fp8_options(model, plan, fp8, amax_group=tp_group)
+        set_fp8_weight_cache(model, fp8.cache_weight)
     apply_recompute(
         model,
         config.recompute,
         config.recompute_every,
         config.recompute_targets,
-        block_types,
+        plan.block_types,
         config.recompute_keep,
     )
     if config.compile:
         for module in model.modules():
-            if isinstance(module, block_types):
+            if isinstance(module, plan.block_types):
                 module.compile()
     return apply_data_parallel(
-        model, config.data_parallel, state.group("dp_cp"), state.device_type, block_types
+        model, config.data_parallel, state.group("dp_cp"), state.device_type, plan.block_types
     )

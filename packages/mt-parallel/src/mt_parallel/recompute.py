@@ -3,10 +3,14 @@
 Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
 
 * ``none``: keep every activation.
-* ``selective``: recompute only the cheap-to-redo, expensive-to-keep parts: ``attention`` wraps
-  every :class:`~mt_parallel.model.CoreAttention` (the ``S×S`` softmax probabilities are not
-  kept), ``mlp`` every :class:`~mt_parallel.model.SwiGLU` (the ``S×F`` activation product).
-* ``full``: recompute whole blocks, block ``i`` when ``i % every == 0`` (``every=1``: all).
+* ``selective``: recompute only the cheap-to-redo, expensive-to-keep parts: every module whose
+  class declares ``recompute_target`` equal to a requested target. ``attention``:
+  :class:`~mt_parallel.CoreAttention` (the ``S×S`` softmax probabilities are not kept);
+  ``mlp``: :class:`~mt_parallel.SwiGLU` (the ``S×F`` activation product). A model family's own
+  attention core or activation declares the same attribute.
+* ``full``: recompute whole blocks (the ``block_types`` the caller names, e.g. a
+  :class:`~mt_parallel.ParallelizePlan`'s), block ``i`` when ``i % every == 0`` (``every=1``:
+  all).
   ``keep`` names outputs the recomputation reuses instead of computing again (PyTorch's
   selective activation checkpointing: the forward stores the outputs of the chosen operators,
   and the recomputation returns them in the same order instead of running the operators).
@@ -18,10 +22,8 @@ Policies (:class:`~mt_parallel.ParallelConfig` ``recompute``):
   cuDNN, CPU flash); attention that runs through PyTorch's math fallback is recomputed, and ring
   attention (``cp_attention="ring"``) keeps the partial output of every ring step.
   In eager mode the dispatch modes that store and return the outputs are entered around each
-  :class:`~mt_parallel.model.CoreAttention` call only, not around the whole block: a Python
-  dispatch mode costs host time on every operator under it: around the block, the 32-layer FP8
-  step on the H200 ran at 7,266 tokens/s, against 10,271 with the modes around the attention
-  call (``docs/benchmarks.md``, session 15).
+  attention-core call only, not around the whole block, because a Python dispatch mode costs
+  host time on every operator under it (docs/performance.md, "32 layers").
   Under ``torch.compile`` (which traces such modes away) they cover the block, as PyTorch's
   selective checkpointing is documented.
   Refused with dropout in the block: an operator that is not run again does not advance the
@@ -53,10 +55,7 @@ from torch.utils.checkpoint import (
 )
 
 from mt_parallel.config import RECOMPUTE_KEEP_TARGETS, RECOMPUTE_POLICIES, SELECTIVE_TARGETS
-from mt_parallel.model import CoreAttention, DecoderBlock, SwiGLU
 from mt_parallel.rng import Dropout, recompute_rng_contexts
-
-_SELECTIVE_TYPES: dict[str, type[nn.Module]] = {"attention": CoreAttention, "mlp": SwiGLU}
 
 
 def _forks_rng(module: nn.Module) -> bool:
@@ -136,10 +135,15 @@ def _recomputed_forward(module: nn.Module, keep: tuple[str, ...], *args: Any, **
     )
 
 
+def _targets(module: nn.Module, name: str) -> list[nn.Module]:
+    """The submodules (``module`` included) whose class declares ``recompute_target = name``."""
+    return [m for m in module.modules() if getattr(m, "recompute_target", None) == name]
+
+
 def _has_dropout(module: nn.Module) -> bool:
-    return any(
-        (isinstance(m, Dropout) and m.p > 0) or (isinstance(m, CoreAttention) and m.dropout > 0)
-        for m in module.modules()
+    """A residual :class:`~mt_parallel.Dropout` or an attention core with dropout inside."""
+    return any(isinstance(m, Dropout) and m.p > 0 for m in module.modules()) or any(
+        core.dropout > 0 for core in _targets(module, "attention")
     )
 
 
@@ -161,9 +165,8 @@ def recompute_module(module: nn.Module, keep: tuple[str, ...] | list[str] = ()) 
     if is_recomputed(module):
         return
     if "attention" in keep:
-        for core in module.modules():
-            if isinstance(core, CoreAttention):
-                core.forward = functools.partial(_kept_module_forward, core)  # type: ignore[method-assign]
+        for core in _targets(module, "attention"):
+            core.forward = functools.partial(_kept_module_forward, core)  # type: ignore[method-assign]
     # A partial of the module itself (not a closure) so copy.deepcopy rebinds it to the copy.
     module.forward = functools.partial(_recomputed_forward, module, keep)  # type: ignore[method-assign]
 
@@ -178,11 +181,11 @@ def apply_recompute(
     policy: str,
     every: int = 1,
     targets: tuple[str, ...] | list[str] = ("attention",),
-    block_types: tuple[type[nn.Module], ...] = (DecoderBlock,),
+    block_types: tuple[type[nn.Module], ...] = (),
     keep: tuple[str, ...] | list[str] = (),
 ) -> nn.Module:
     """Apply ``policy`` to ``model`` in place (module docstring); returns ``model``. ``keep``
-    applies to ``full`` only."""
+    applies to ``full`` only, which needs the ``block_types`` it recomputes."""
     if policy not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute policy {policy!r}; valid: {', '.join(RECOMPUTE_POLICIES)}")
     if keep and policy != "full":
@@ -190,6 +193,8 @@ def apply_recompute(
     if every < 1:
         raise ValueError(f"recompute every={every} must be a positive integer")
     if policy == "full":
+        if not block_types:
+            raise ValueError("full recompute needs the block types to recompute (block_types)")
         blocks = [m for m in model.modules() if isinstance(m, block_types)]
         for index, block in enumerate(blocks):
             if index % every == 0:
@@ -200,8 +205,7 @@ def apply_recompute(
             raise ValueError(
                 f"selective recompute targets {list(targets)}; valid: {', '.join(SELECTIVE_TARGETS)}"
             )
-        kinds = tuple(_SELECTIVE_TYPES[t] for t in targets)
-        for module in model.modules():
-            if isinstance(module, kinds):
+        for target in targets:
+            for module in _targets(model, target):
                 recompute_module(module)
     return model

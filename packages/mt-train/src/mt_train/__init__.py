@@ -1,4 +1,5 @@
-"""mt-train: the Hydra trainer (Llama models, packed data, checkpoints, metrics, HF interop)."""
+"""mt-train: the Hydra trainer (model families as plug-ins, Llama built in; packed data,
+checkpoints, rewind, metrics, HF interop)."""
 
 from mt_train.config import TrainConfig, compose_config, to_train_config
 from mt_train.trainer import Trainer, TrainSummary

@@ -1,9 +1,9 @@
 """CUDA-graph replay of a training step's forward and backward passes (``trainer.cuda_graph``).
 
 An eager step launches every kernel from Python. When the kernels are short (FP8 GEMMs, the
-quantizers and fused ops around them) the device waits for the host: the 8-layer Llama3-8B FP8
-step on the H200 spent 27.0 of 214.6 ms idle (``docs/benchmarks.md``, session 8). A CUDA graph
-records the kernels once and replays them with one launch.
+quantizers and fused ops around them) the device waits for the host (docs/performance.md,
+"dense Llama slice"). A CUDA graph records the kernels once and replays them with one launch.
+:class:`GraphedStep` is the step object (:mod:`mt_train.step`) that does this.
 
 What is captured, for the ``A`` micro-batches of one optimizer step::
 
@@ -13,8 +13,7 @@ What is captured, for the ``A`` micro-batches of one optimizer step::
 i.e. everything from the batches being on the device to the gradients being complete, and,
 when nothing has to happen between the backward and the norm (one data-parallel rank, no
 ZeRO-1), the global gradient norm (``mt_parallel.clip_grad_norm_``, as the eager step calls it):
-its multi-tensor kernels (about 134 launches over the 2.8 B gradients of the 8-layer Llama3-8B)
-then replay with the rest. What follows (the gradient all-reduce of ``data_parallel=none`` or
+its multi-tensor kernels then replay with the rest. What follows (the gradient all-reduce of ``data_parallel=none`` or
 ZeRO-1's reduce-scatter and the norm when they are not captured, the one host synchronisation
 the anomaly detectors need, the optimizer, the delayed-scaling update) runs eagerly after the
 replay, as in the eager step, so a step judged anomalous is still never applied. A step with an
@@ -50,11 +49,13 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from mt_train.data.dataset import Batch
+from mt_train.step import BatchRunner, GradNorm, StepResult
 
 
 class StepGraph:
@@ -64,28 +65,32 @@ class StepGraph:
         self,
         graph: torch.cuda.CUDAGraph,
         inputs: list[Batch],
-        total: torch.Tensor,
+        result: StepResult,
         grads: list[tuple[nn.Parameter, torch.Tensor]],
-        norm: torch.Tensor | None = None,
     ) -> None:
         self.graph = graph
         self.inputs = inputs
-        self.total = total
+        self.result = result
+        """The captured loss, extras and norm (tensors each replay overwrites)."""
         self.grads = grads
-        self.norm = norm
-        """The captured gradient norm (a tensor each replay overwrites), or None."""
+
+    @property
+    def norm(self) -> torch.Tensor | None:
+        """The captured gradient norm, or None when it is computed after the replay."""
+        return self.result.norm
 
     @classmethod
     def capture(
         cls,
-        micro_batches: Callable[[list[Batch]], torch.Tensor],
+        micro_batches: Callable[[list[Batch]], StepResult],
         batches: list[Batch],
         params: list[nn.Parameter],
-        grad_norm: Callable[[list[nn.Parameter]], torch.Tensor] | None = None,
+        grad_norm: GradNorm | None = None,
     ) -> StepGraph:
         """Record ``micro_batches(inputs)`` (forward and backward of every micro-batch, returning
-        the summed loss) on input buffers shaped like ``batches``, then ``grad_norm(parameters
-        with a gradient)`` if given (module docstring); computes nothing."""
+        the summed loss and extras) on input buffers shaped like ``batches``, then
+        ``grad_norm(parameters with a gradient)`` if given (module docstring); computes
+        nothing."""
         inputs = [
             Batch(
                 b.inputs.clone(),
@@ -102,15 +107,12 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                total = micro_batches(inputs)
-                norm = None
+                result = micro_batches(inputs)
                 if grad_norm is not None:
-                    norm = grad_norm([p for p in params if p.grad is not None])
+                    result.norm = grad_norm([p for p in params if p.grad is not None])
         except torch.cuda.OutOfMemoryError as err:
-            # NOTE: measured on the H200 (2026-12-04, session 15): the 32-layer Llama3-8B with
-            # full recompute trains eagerly at 119.8 GiB peak; its capture ran out of memory with
-            # 10.3 GiB reserved but unallocated (fragmentation), and captured at 120.1 GiB peak
-            # with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.
+            # A capture can fail on fragmentation alone where the eager step fits, and expandable
+            # segments fixed it (docs/performance.md, "32 layers").
             raise RuntimeError(
                 "trainer.cuda_graph=true: the captured step needs its own memory pool beside the "
                 f"weights and optimizer state, and it did not fit ({err}); start the run with "
@@ -124,11 +126,11 @@ class StepGraph:
                 "host or varies between steps; set trainer.cuda_graph=false"
             ) from err
         grads = [(p, p.grad) for p in params if p.grad is not None]
-        return cls(graph, inputs, total, grads, norm)
+        return cls(graph, inputs, result, grads)
 
-    def run(self, batches: list[Batch]) -> torch.Tensor:
+    def run(self, batches: list[Batch]) -> StepResult:
         """Copy ``batches`` into the input buffers, replay, re-attach the gradients; returns
-        the summed loss of the micro-batches (a tensor the next replay overwrites)."""
+        the captured result (tensors the next replay overwrites)."""
         if len(batches) != len(self.inputs):
             raise ValueError(
                 f"the step graph was captured for {len(self.inputs)} micro-batches, "
@@ -144,7 +146,56 @@ class StepGraph:
         self.graph.replay()
         for p, grad in self.grads:
             p.grad = grad
-        return self.total
+        return self.result
+
+
+class GraphedStep:
+    """The step by CUDA-graph replay (module docstring): eager the first time (warm-up) and
+    for fault steps, captured the next, replayed after; :meth:`reset` drops the graph (after
+    a load or a rewind) so the next step captures again."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+        self.graph: StepGraph | None = None
+        self._warm = False
+
+    @classmethod
+    def for_run(
+        cls, runner: BatchRunner, parallel: Any, dropout: float, dp_cp_size: int
+    ) -> GraphedStep:
+        """The graphed step of a run, or a ValueError naming every reason it cannot capture."""
+        blockers = cuda_graph_blockers(
+            runner.device.type, parallel.tp, parallel.cp, parallel.pp, dropout,
+            parallel.data_parallel, dp_cp_size,
+        )  # fmt: skip
+        if blockers:
+            raise ValueError(
+                "trainer.cuda_graph=true cannot capture this run's step: "
+                + "; ".join(blockers)
+                + " (mt_train.cuda_graph lists what a captured step needs)"
+            )
+        return cls(runner)
+
+    def run(
+        self,
+        batches: list[Batch],
+        loss_factors: list[float] | None = None,
+        grad_norm: GradNorm | None = None,
+        eager: bool = False,
+    ) -> StepResult:
+        """Forward and backward (and ``grad_norm``, captured with them when given)."""
+        if eager:
+            return self.runner.forward_backward(batches, loss_factors)
+        if not self._warm:
+            self._warm = True
+            return self.runner.forward_backward(batches)
+        if self.graph is None:
+            params = [p for p in self.runner.module.parameters() if p.requires_grad]
+            self.graph = StepGraph.capture(self.runner.forward_backward, batches, params, grad_norm)
+        return self.graph.run(batches)
+
+    def reset(self) -> None:
+        self.graph = None
 
 
 def cuda_graph_blockers(

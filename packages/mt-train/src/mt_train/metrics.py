@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,32 @@ class MetricsLogger:
 
 
 DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "event")
+
+
+class Throughput:
+    """Tokens/s, MFU and peak memory between two log points (module docstring)."""
+
+    def __init__(
+        self, device: Any, tokens_per_step: int, flops_per_token: float, world_size: int
+    ) -> None:
+        self.device, self.tokens_per_step = device, tokens_per_step
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak_flops = device.capabilities().peak_bf16_flops
+        self.start()
+
+    def start(self) -> None:
+        """Start measuring now (the run's first step, or after a log point)."""
+        self.since, self.steps = time.perf_counter(), 0
+
+    def measure(self) -> dict[str, float]:
+        """``tok/s``, ``mfu`` (when the peak is known) and ``mem_gib`` over the healthy steps
+        since the last call (``steps`` is counted by the caller)."""
+        self.device.synchronize()
+        now = time.perf_counter()
+        tps = self.steps * self.tokens_per_step / (now - self.since)
+        out = {"tok/s": tps}
+        if self.peak_flops:
+            out["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
+        out["mem_gib"] = self.device.memory_stats().get("peak_allocated", 0) / 2**30
+        self.since, self.steps = now, 0
+        return out

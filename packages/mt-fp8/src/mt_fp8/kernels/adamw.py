@@ -25,11 +25,12 @@ import triton
 import triton.language as tl
 
 # Elements and warps per program: the fastest of the sweep of ``benchmarks/adamw.py --sweep``
-# on the H200, near copy bandwidth (docs/performance.md, "AdamW").
+# on the H200, near copy bandwidth (docs/benchmarks-log.md; current figures: docs/performance.md,
+# "AdamW").
 # NOTE: one launch for all tensors instead (programs mapped to (tensor, block) by int32 tables,
 # tensor addresses and scalars uploaded per step) was slower, both on the device (the dependent
 # table loads in every program) and on the host (building the uploads), so it was reverted
-# (docs/performance.md, "AdamW").
+# (docs/benchmarks-log.md).
 BLOCK = 1024
 WARPS = 4
 

@@ -21,7 +21,7 @@ column groups, stored transposed). Rows past R read as zero: padded rows add not
 amax and quantize to zero, as the PyTorch path's ``F.pad`` of ``xᵀ`` does; rows at or past R'
 are not stored. NOTE: one kernel on 128×128 tiles that wrote both operands from one read was
 slower than the two: holding the whole tile and both scalings left too few programs per SM to
-hide the memory latency (docs/performance.md, "FP8 quantizers").
+hide the memory latency (docs/benchmarks-log.md).
 
 :func:`quantize_square_blocks` owns one 128×128 tile per program with one amax per tile (128×128
 weight blocks); a square-block tensor's transpose is exact
@@ -81,7 +81,7 @@ TILE = 128
 
 ROWS_TILE = (64, 128, 4)
 """``_group_rows``: rows, columns and warps per program (the fastest of the tile sweep of
-``benchmarks/block_quantize.py --sweep`` on the H200; docs/performance.md, "FP8 quantizers")."""
+``benchmarks/block_quantize.py --sweep`` on the H200; docs/benchmarks-log.md)."""
 COLUMNS_TILE = (128, 64, 4)
 """``_group_columns``: rows, columns and warps per program (the same sweep)."""
 

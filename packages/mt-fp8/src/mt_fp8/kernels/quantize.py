@@ -21,11 +21,10 @@ Launches per call:
   tensor (an own allocation, for cuBLAS's scale alignment).
 
 Why in-kernel folds: host launch overhead. In an FP8 training step the device waited a
-noticeable share of the step for the host to issue kernels (docs/performance.md, "Dense Llama
-slice"); before, a quantization with health counts launched 4
-kernels: the two passes and one-program kernels that folded the amax into the scale and the
-counts into ``stats`` (with a given scale: a scale copy, the pass, a PyTorch ``amax`` and the
-counts fold).
+noticeable share of the step for the host to issue kernels (docs/benchmarks-log.md); before,
+a quantization with health counts launched 4 kernels: the two passes and one-program kernels
+that folded the amax into the scale and the counts into ``stats`` (with a given scale: a scale
+copy, the pass, a PyTorch ``amax`` and the counts fold).
 
 The fold ("last program finishes"), in two levels. Tiles form groups of ``GROUP`` (256) in
 program order. Each program stores its partials, ``tl.debug_barrier()`` (``bar.sync``: every
@@ -41,7 +40,7 @@ counter it emptied. Why two levels: with one counter for all 28,672 tiles of an 
 gradient, 28,672 same-address atomics serialize and one program folds 28,672 partials in a loop
 of dependent L2 round trips; groups spread the atomics over 113 addresses (one 128-byte line
 each) and keep each fold short. The groups beat both one counter and the four launches they
-replaced, in kernel and in host time (docs/performance.md, "FP8 quantizers").
+replaced, in kernel and in host time (docs/benchmarks-log.md).
 
 Counters: zeroed int32s, one set per (device, stream), allocated on first use, grown when a
 launch has more groups, and kept: launches on one stream run one after another, so each finds
@@ -53,7 +52,7 @@ its highest id. An empty ``x`` runs one fully masked program (amax 0, scale 1, n
 NOTE: per-tile partials rather than atomics on one global accumulator: an 8192×14336 gradient
 has 28,672 tiles, and same-address atomics serialize in L2; with three of them per tile the
 quantizers of a training step ran at less than half the copy bandwidth their bytes need
-(docs/performance.md, "FP8 quantizers").
+(docs/benchmarks-log.md).
 
 NOTE: for inputs other than bf16 the transposed tile is moved as int32 FP8 codes. On the H200
 (Triton 3.6.0, 2026-12-02) a transposed store of the FP8 tile itself was wrong for fp32 inputs:
@@ -66,7 +65,7 @@ with fp32 weights or inputs NaN while their outputs stayed right. So for fp32 (a
 kernel computes the FP8 bit patterns in integer arithmetic (``_fp8_codes``, round to nearest
 even as the hardware cast), transposes the int32 tile and narrows it at the store: bit-exact on
 the H200 and about as fast as the wrong FP8-tile version. It replaced PyTorch's FP8 transpose
-copy, which ran far below copy bandwidth (docs/performance.md, "FP8 quantizers").
+copy, which ran far below copy bandwidth (docs/benchmarks-log.md).
 
 Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
 
@@ -78,7 +77,7 @@ Bit-exactness with the PyTorch path (:func:`mt_fp8.quantized.quantize`):
   libdevice's ``__nv_fdiv_rn``, which Triton links flush-to-zero. Under ``TRITON_INTERPRET=1``
   (numpy) the plain operators are already IEEE. NOTE: one division per scale, not per
   element: ``x / s`` per element made the bf16 write pass markedly slower than the
-  approximate division (docs/performance.md, "FP8 quantizers").
+  approximate division (docs/benchmarks-log.md).
 * The clamp propagates NaN (``PropagateNan.ALL``) as ``torch.clamp`` does; without it the
   ``min.xorsign.abs`` clamp Triton emits on Hopper turns NaN into ``±fmt.max``.
 * The amax counts NaN as ``+inf`` (Triton's float ``max`` and ``atomic_max`` skip NaN), so a NaN

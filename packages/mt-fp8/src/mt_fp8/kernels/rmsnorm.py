@@ -101,8 +101,8 @@ while the current ones are reduced."""
 
 # NOTE: the settings above were the fastest tried on the H200, near copy bandwidth: 8 warps per
 # row beat 16 in the forward, and the backward's two rows per iteration, one program per SM and
-# three stages beat one row, two programs per SM and no pipelining (docs/performance.md,
-# "Fused ops").
+# three stages beat one row, two programs per SM and no pipelining (docs/benchmarks-log.md;
+# current figures: docs/performance.md, "Fused ops").
 
 
 @functools.cache

@@ -28,7 +28,7 @@ column-scaled tile untransposed into an ``(R, C)`` buffer and PyTorch's FP8 (byt
 copy makes ``qᵀ`` from it, because Triton's transposed FP8 store gave garbage for fp32 inputs on
 the H200 (:mod:`mt_fp8.kernels.quantize`). Before, ``xᵀ`` was ``x.t().contiguous()`` and then the
 row kernel: those high-precision transpose copies took about a third of a graphed FP8Linear
-step (docs/performance.md, "FP8 linear layer").
+step (docs/benchmarks-log.md).
 """
 
 from __future__ import annotations

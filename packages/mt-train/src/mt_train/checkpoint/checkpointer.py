@@ -20,7 +20,7 @@ TP slice, and under FSDP2 / ZeRO-1 its piece. Replicas over dp×cp are not store
 the data position is global (samples consumed over all ranks), so a checkpoint loads at any
 dp, cp, tp and data-parallel mode. RNG states are restored only into the layout that saved
 them (same world size and tp, cp, dp); a run resumed at another layout re-seeds instead
-(:meth:`mt_train.trainer.Trainer.load`).
+(:meth:`mt_train.run_state.RunState.load`).
 
 Async saving: :meth:`Checkpointer.save` first waits for the previous save, copies the state
 to host memory (the snapshot: training may change the live tensors right after), and hands

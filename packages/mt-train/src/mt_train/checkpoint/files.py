@@ -313,3 +313,13 @@ class CheckpointReader:
                 for name in wanted:
                     out[name] = f.get_tensor(name)
         return out
+
+
+def checkpoint_folder(path: Path) -> Path:
+    """A checkpoint folder, or the newest one under a checkpoint root."""
+    if (path / "manifest.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{str(path)!r} is neither an mt checkpoint nor a folder of them")
+    return latest

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
-from mt_parallel import ParallelConfig
+from mt_parallel import ParallelConfig, validate_cp_sequence
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -29,66 +29,25 @@ PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto")
 
 
-def _positive(owner: str, **values: Any) -> None:
+def positive(owner: str, **values: Any) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
-class RopeScalingConfig:
-    """Llama 3.1 RoPE frequency scaling; ``factor=1`` turns it off."""
-
-    factor: float = 8.0
-    """How much longer than ``original_max_position`` the context may be."""
-    low_freq_factor: float = 1.0
-    """Wavelengths above ``original_max_position / low_freq_factor`` are divided by ``factor``."""
-    high_freq_factor: float = 4.0
-    """Wavelengths below ``original_max_position / high_freq_factor`` are kept."""
-    original_max_position: int = 8192
-    """Context length the model was pre-trained at before scaling."""
-
-    def __post_init__(self) -> None:
-        if self.factor < 1.0:
-            raise ValueError(f"model.rope_scaling.factor must be >= 1, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                f"{self.low_freq_factor} and {self.high_freq_factor}"
-            )
-        _positive("model.rope_scaling", original_max_position=self.original_max_position)
-
-
-@dataclass
 class ModelConfig:
-    """A Llama 3 decoder: GQA attention with RoPE, SwiGLU MLP, RMSNorm, untied embeddings."""
+    """What every model family's config has; each family's config dataclass extends it
+    (:class:`mt_train.models.llama.LlamaConfig`) and is the ``model`` group's schema.
 
-    name: str = "debug"
+    The ``model`` group's options are the named sizes of the registered families
+    (:mod:`mt_train.models.registry`); which family builds a config is read off its class.
+    """
+
+    name: str = "model"
     """Label used in logs and run directories."""
     vocab_size: int | None = None
     """Embedding rows; ``null`` takes the tokenizer's size rounded up to a multiple of 64."""
-    dim: int = 128
-    """Hidden size."""
-    n_layers: int = 4
-    """Number of decoder blocks."""
-    n_heads: int = 4
-    """Query heads; ``dim`` must be divisible by it."""
-    n_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); must divide ``n_heads``."""
-    ffn_dim: int = 384
-    """Hidden size of the SwiGLU MLP."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 500000.0
-    """RoPE base."""
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    """Llama 3.1 long-context frequency scaling."""
-    init_std: float = 0.02
-    """Standard deviation of the normal init of every matrix (embedding, projections, head)."""
-    scaled_residual_init: bool = False
-    """Draw the two projections that write into the residual stream (``o_proj``, ``down_proj``)
-    with ``init_std / sqrt(2·n_layers)`` (Megatron's output-layer init, GPT-2's scaled init);
-    false draws them with ``init_std`` like every other matrix."""
     dropout: float = 0.0
     """Dropout probability of the attention probabilities and of both residual branches of
     every block (mt_parallel's ``DecoderBlock``); masks come from ``mt_parallel``'s RNG tracker,
@@ -97,33 +56,23 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        _positive(
-            "model",
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            ffn_dim=self.ffn_dim,
-        )
         if self.vocab_size is not None:
-            _positive("model", vocab_size=self.vocab_size)
-        if self.dim % self.n_heads:
-            raise ValueError(
-                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"model head dim {self.dim}/{self.n_heads}={self.dim // self.n_heads} must be "
-                "even for RoPE"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
-            )
+            positive("model", vocab_size=self.vocab_size)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
+        """Raise if the model cannot be split as ``parallel`` says: the vocabulary over tp, the
+        sequence over cp (a family adds its own shapes: heads, FFN width)."""
+        if self.vocab_size is not None and self.vocab_size % parallel.tp:
+            raise ValueError(
+                f"tensor parallel size tp={parallel.tp} does not divide vocab_size={self.vocab_size}"
+            )
+        if seq_len is not None:
+            sp_tp = parallel.tp if parallel.sequence_parallel else 1
+            validate_cp_sequence(parallel.cp, seq_len, sp_tp)
+
+    def summary(self) -> str:
+        """The shapes a log line shows (a family names its own)."""
+        return f"vocab {self.vocab_size}"
 
 
 @dataclass
@@ -152,10 +101,9 @@ class FP8Config:
     """Run the output head (the ``D × V`` logits GEMM) in FP8 too. Off by default, as in
     Megatron, Transformer Engine recipes and DeepSeek-V3: the logits and their gradient are
     the most precision-sensitive GEMM of the model. At Llama3-8B shapes the head is a third of
-    an 8-layer model's GEMM time, so this is the largest speed lever left (1.370× bf16 against
-    1.259× with the head in bf16, on an H200). Its loss against bf16 depends on the recipe: in
-    ``benchmarks/fp8_quality.py`` runs at a 128k vocabulary, delayed scaling stayed within 0.05%
-    and tensorwise was 1.2% worse (``docs/benchmarks.md``, sessions 12 and 16); check yours."""
+    an 8-layer model's GEMM time, so this is the largest speed lever left; its loss against
+    bf16 depends on the recipe (docs/performance.md, "dense Llama slice" and "quality"): check
+    yours."""
     output_head_gemms: list[str] = field(default_factory=lambda: list(FP8_GEMMS))
     """With ``output_head``: which of the head's GEMMs (``forward``, ``dgrad``, ``wgrad``) run in
     FP8; the others run in bf16 from high-precision operands (``mt_fp8.FP8Linear(fp8_gemms=...)``),
@@ -297,7 +245,18 @@ class DataConfig:
                 f"data.path={self.path!r} is not a folder; write one with `mt-prepare-data` "
                 "or set data.path=null for the bundled corpus"
             )
-        _positive("data", val_every=self.val_every)
+        positive("data", val_every=self.val_every)
+
+    @property
+    def independent_draws(self) -> bool:
+        """``sampling=random``: independent draws over windows at every token."""
+        return self.sampling == "random"
+
+    @property
+    def train_stride(self) -> int | None:
+        """Token stride between training windows: 1 for ``sampling=random``, else the
+        sequence length (non-overlapping windows)."""
+        return 1 if self.independent_draws else None
 
 
 @dataclass
@@ -319,7 +278,7 @@ class CheckpointConfig:
     ignored when resuming."""
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", keep_last=self.keep_last)
+        positive("checkpoint", keep_last=self.keep_last)
         if self.resume not in RESUME_MODES and not os.path.isdir(self.resume):
             raise ValueError(
                 f"checkpoint.resume={self.resume!r} must be none, auto or an existing "
@@ -381,7 +340,7 @@ class TrainerConfig:
     """Prompt of that sample."""
 
     def __post_init__(self) -> None:
-        _positive(
+        positive(
             "trainer",
             max_steps=self.max_steps,
             global_batch_size=self.global_batch_size,
@@ -416,9 +375,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         model, par, tr = self.model, self.parallel, self.trainer
-        par.validate_model(
-            model.n_heads, model.n_kv_heads, model.vocab_size or par.tp, tr.seq_len, model.ffn_dim
-        )
+        model.check_parallel(par, tr.seq_len)
         if par.cp > 1 and par.cp_attention == "ring" and model.dropout > 0:
             raise ValueError(
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "

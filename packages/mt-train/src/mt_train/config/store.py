@@ -2,6 +2,9 @@
 
 ``train.yaml``'s defaults list starts with ``train_schema`` (:class:`TrainConfig`), so every
 group file merges into a typed node: a misspelt key or a wrong type fails while composing.
+The ``model`` group's options are the registered model families' named sizes
+(:func:`mt_train.models.model_sizes`), stored here as typed nodes of their family's config
+dataclass: ``model=llama3_8b`` selects one, ``model.dim=...`` overrides its keys.
 :func:`to_train_config` then builds the dataclasses, which runs their ``__post_init__``
 validation (values, and rules across groups).
 """
@@ -16,14 +19,19 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from mt_train.config.schema import TrainConfig
+from mt_train.models.registry import model_sizes
 
 CONFIG_MODULE = "mt_train.conf"
 CONFIG_NAME = "train"
 
 
 def register_configs() -> None:
-    """Store ``train_schema`` (idempotent: storing again replaces the same node)."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    """Store ``train_schema`` and every registered model size (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.repo.pop("model", None)  # exactly the sizes of the families registered now
+    for name, cfg in model_sizes().items():
+        store.store(group="model", name=name, node=cfg)
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:

@@ -1,23 +1,19 @@
-"""The Llama model (on mt_parallel's layers), its builder and the transforms applied to it."""
+"""Model families (one folder each, registered as plugins) and the build path every family
+shares: build the plain model, then :func:`mt_parallel.parallelize` it with the family's plan."""
 
-from mt_train.models.build import build_model, parallelize, resolve_vocab
-from mt_train.models.llama import (
-    Llama,
-    LlamaAttention,
-    flops_per_token,
-    llama_block,
-    num_params,
-    rope_frequencies,
-)
+from mt_train.models.build import build_model, fp8_options, parallelize, resolve_vocab
+from mt_train.models.family import HFAdapter, ModelFamily
+from mt_train.models.registry import family_of, get_family, model_families, model_sizes
 
 __all__ = [
-    "Llama",
-    "LlamaAttention",
+    "HFAdapter",
+    "ModelFamily",
     "build_model",
-    "flops_per_token",
-    "llama_block",
-    "num_params",
+    "family_of",
+    "fp8_options",
+    "get_family",
+    "model_families",
+    "model_sizes",
     "parallelize",
     "resolve_vocab",
-    "rope_frequencies",
 ]

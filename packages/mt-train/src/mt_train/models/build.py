@@ -1,33 +1,24 @@
-"""Build the Llama for a run and apply mt_parallel's transforms, in the documented order.
+"""Build a run's model through its family and make it parallel through mt_parallel's one path.
 
-Order (mt_parallel's and torchtitan's): tensor parallel → context parallel → FP8 →
-recompute → compile → data parallel. Each is a function of the plain model, so the model code
-never changes:
+* :func:`build_model`: the family's plain (tp=1) model on ``device``, initialised with
+  ``mt_parallel.init_weights(model, seed)`` before any transform: each module draws its full
+  tensors from a generator seeded by (seed, module name), so every TP degree and device starts
+  from the same full weights. Building on ``meta`` allocates nothing.
+* :func:`parallelize`: :func:`mt_parallel.parallelize` (TP → CP → FP8 → recompute → compile →
+  DP, documented there) with the family's :class:`~mt_parallel.ParallelizePlan` and the
+  ``fp8`` group as :class:`mt_parallel.FP8Options`: the blocks' linears run the GEMMs of
+  ``fp8.gemms`` in FP8; the output head stays high precision unless ``fp8.output_head`` (then
+  ``fp8.output_head_gemms``), and linears whose smaller side is below ``fp8.min_features``
+  stay high precision too (FP8 pays only on large GEMMs).
 
-* tensor (and sequence) parallel: ``mt_parallel.apply_tensor_parallel`` shards the full
-  weights of every TP layer; parameters are replaced, so the optimizer is built afterwards;
-* context parallel (``parallel.cp > 1``): ``mt_parallel.apply_context_parallel`` gives every
-  attention core the cp group (all-gather K/V, or ring attention with
-  ``parallel.cp_attention=ring``); the trainer feeds each rank its load-balanced chunks;
-* FP8: ``mt_parallel.apply_fp8`` routes the blocks' TP linears through ``mt_fp8.FP8Linear``
-  with the configured recipe; the output head (unless ``fp8.output_head``), and linears whose
-  smaller side is below ``fp8.min_features``, stay high precision (FP8 pays only on large GEMMs);
-  the blocks run the GEMMs of ``fp8.gemms`` (default all three) in FP8; an FP8 head runs the GEMMs of ``fp8.output_head_gemms`` in FP8 and the others in bf16;
-* recompute: ``mt_parallel.apply_recompute`` with the ``parallel.recompute`` policy;
-* compile: ``module.compile()`` on each block (``trainer.compile`` or ``parallel.compile``);
-* data parallel: ``mt_parallel.apply_data_parallel`` over dp×cp: DDP (``ddp``), FSDP2
-  ``fully_shard`` of every block and the root (``fsdp``: parameters become DTensors sharded
-  along dim 0), or nothing (``zero1``, ``none``: the optimizer or the trainer reduces).
-
-Weights are initialised with ``mt_parallel.init_weights(model, seed)`` before any transform:
-each module draws its full tensors from a generator seeded by (seed, module name), so every
-TP degree and device starts from the same full weights. ``vocab_size: null`` resolves to the
-tokenizer's size rounded up to a multiple of 64. Building on ``meta`` allocates nothing.
+``vocab_size: null`` resolves to the tokenizer's size rounded up to a multiple of 64
+(:func:`resolve_vocab`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -37,9 +28,38 @@ import mt_fp8
 import mt_parallel
 from mt_comm import ParallelState
 from mt_train.config.schema import FP8Config, ModelConfig
-from mt_train.models.llama import Llama
+from mt_train.models.registry import family_of
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+FASTER_ON_HOPPER = ("tensorwise", "rowwise", "delayed", "blockwise")
+"""The fp8 config options that run FP8 tensor-core GEMMs on CUDA GPUs before MX (sm_89/sm_90)."""
+
+
+def fp8_emulation_warning(recipe: str, capability: tuple[int, int], device: str) -> str | None:
+    """The start-up warning for an FP8 recipe that a CUDA GPU of ``capability`` only emulates.
+
+    MXFP8 needs MX tensor cores (compute capability >= 10.0); below that mt_fp8 runs its exact
+    emulation (bf16 GEMMs of the dequantized operands), which is slower than plain bf16
+    (packages/mt-train/README.md, FP8 recipes).
+    """
+    if recipe != "mxfp8" or capability >= (10, 0):
+        return None
+    major, minor = capability
+    return (
+        f"fp8=mxfp8 on {device} (compute capability {major}.{minor}, no MX tensor cores) runs an "
+        "exact bf16 emulation, slower than bf16; "
+        + ", ".join(f"fp8={name}" for name in FASTER_ON_HOPPER)
+        + " run FP8 GEMMs on this GPU"
+    )
+
+
+def warn_if_fp8_emulated(fp8: FP8Config, device: torch.device, device_name: str) -> None:
+    """Print :func:`fp8_emulation_warning`'s line to stderr when it applies to this device."""
+    if fp8.enabled and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        warning = fp8_emulation_warning(fp8.recipe, capability, device_name)
+        if warning:
+            print(f"mt-train: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
@@ -53,83 +73,55 @@ def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, seed: int | None = None) -> Llama:
-    """The plain (tp=1) Llama on ``device``; initialised from ``seed`` unless on ``meta``."""
+def build_model(cfg: ModelConfig, device: torch.device | str, seed: int | None = None) -> nn.Module:
+    """The family's plain (tp=1) model on ``device``; initialised from ``seed`` unless on
+    ``meta``."""
+    if cfg.vocab_size is None:
+        raise ValueError("model.vocab_size must be resolved (from the tokenizer) before building")
     device = torch.device(device)
     with torch.device(device):
-        model = Llama(cfg)
+        model = family_of(cfg).build(cfg)
     if device.type != "meta" and seed is not None:
         mt_parallel.init_weights(model, seed)
     return model
 
 
-def fp8_skip_names(model: nn.Module, fp8: FP8Config) -> tuple[str, ...]:
-    """Names of TP linears that stay high precision: the output head (unless
-    ``fp8.output_head``) and the layers below ``fp8.min_features``."""
-    skip = [] if fp8.output_head else ["output"]
-    for name, module in model.named_modules():
-        if hasattr(module, "enable_fp8") and min(module.weight.shape) < fp8.min_features:
-            skip.append(name)
-    return tuple(skip)
-
-
-def apply_fp8_config(model: nn.Module, fp8: FP8Config, tp_group: Any) -> mt_fp8.Recipe:
-    """Run ``model``'s TP linears in FP8 as ``fp8`` says (``mt_parallel.apply_fp8``): the blocks'
-    with the GEMMs of ``fp8.gemms`` in FP8, the head (with ``fp8.output_head``) with those of
-    ``fp8.output_head_gemms``; returns the recipe."""
-    recipe = mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args))
-    skip = fp8_skip_names(model, fp8)
-    mt_parallel.apply_fp8(
-        model,
-        recipe,
-        amax_group=tp_group,
-        skip=(*skip, "output"),
+def fp8_options(fp8: FP8Config) -> mt_parallel.FP8Options:
+    """The ``fp8`` config group as mt_parallel's :class:`~mt_parallel.FP8Options`."""
+    return mt_parallel.FP8Options(
+        recipe=mt_fp8.recipe_from_name(fp8.recipe, **dict(fp8.recipe_args)),
         backend=fp8.backend,
-        fp8_gemms=tuple(fp8.gemms),
+        gemms=tuple(fp8.gemms),
+        min_features=fp8.min_features,
+        output_head=fp8.output_head,
+        output_head_gemms=tuple(fp8.output_head_gemms),
+        cache_weight=fp8.cache_weight,
     )
-    if "output" not in skip:
-        mt_parallel.apply_fp8(
-            model.output,
-            recipe,
-            amax_group=tp_group,
-            backend=fp8.backend,
-            fp8_gemms=tuple(fp8.output_head_gemms),
-        )
-    return recipe
 
 
 def parallelize(
-    model: Llama,
+    model: nn.Module,
+    cfg: ModelConfig,
     parallel: mt_parallel.ParallelConfig,
     state: ParallelState,
     fp8: FP8Config,
-    compile_blocks: bool,
+    compile_blocks: bool = False,
 ) -> nn.Module:
     """Apply the transforms of the module docstring; returns the module to run forward on."""
-    tp_group = state.group("tp")
-    mt_parallel.apply_tensor_parallel(model, tp_group, parallel.sequence_parallel)
-    if parallel.cp > 1:
-        mt_parallel.apply_context_parallel(
-            model, state.group("cp"), ring=parallel.cp_attention == "ring"
-        )
-    if fp8.enabled:
-        apply_fp8_config(model, fp8, tp_group)
-        mt_parallel.set_fp8_weight_cache(model, fp8.cache_weight)
-    block_types = (mt_parallel.DecoderBlock,)
-    mt_parallel.apply_recompute(
-        model,
-        parallel.recompute,
-        parallel.recompute_every,
-        parallel.recompute_targets,
-        block_types,
-        parallel.recompute_keep,
-    )
-    if compile_blocks or parallel.compile:
-        for block in model.layers:
-            block.compile()
-    return mt_parallel.apply_data_parallel(
-        model, parallel.data_parallel, state.group("dp_cp"), state.device_type, block_types
-    )
+    if compile_blocks and not parallel.compile:
+        parallel = dataclasses.replace(parallel, compile=True)
+    options = fp8_options(fp8) if fp8.enabled else None
+    return mt_parallel.parallelize(model, parallel, state, family_of(cfg).plan(cfg), options)
+
+
+def apply_fp8_config(
+    model: nn.Module, cfg: ModelConfig, fp8: FP8Config, tp_group: Any
+) -> mt_fp8.Recipe:
+    """Run an already parallel ``model``'s linears in FP8 as ``fp8`` says (step 3 of
+    :func:`mt_parallel.parallelize` on its own); returns the recipe."""
+    options = fp8_options(fp8)
+    mt_parallel.apply_fp8_options(model, family_of(cfg).plan(cfg), options, tp_group)
+    return options.recipe
 
 
 def fp8_layer_count(model: nn.Module) -> int:
@@ -144,5 +136,5 @@ def canonical_key(key: str) -> str:
 
 
 def unwrap(model: nn.Module) -> Any:
-    """The Llama inside a DDP wrapper (or the model itself)."""
+    """The model inside a DDP wrapper (or the model itself)."""
     return getattr(model, "module", model)

@@ -40,9 +40,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from mt_train import distributed as D
+from mt_train import ranks
 from mt_train.checkpoint.files import latest_checkpoint
 from mt_train.config.rewind import FaultConfig
+from mt_train.data.dataset import ResumableSampler
 from mt_train.rewind.events import EventLog
 
 
@@ -104,13 +105,13 @@ class FaultInjector:
         self.fired.add(name)
         shard = corrupt_latest(root) if self.events.path is not None else None
         self.events.emit("fault", 0, fault=name, at_step=0, shard=str(shard) if shard else None)
-        D.barrier()
+        ranks.barrier()
 
     def begin_step(self, step: int) -> StepFaults:
         """Fire the faults of step ``step`` (1-based); returns what they do to it."""
         F = self.cfg.spike_factor
         if self._fire("kill", step):
-            D.barrier()  # the event is on disk before any rank dies
+            ranks.barrier()  # the event is on disk before any rank dies
             if self.acts:
                 os.kill(os.getpid(), signal.SIGKILL)
         if self._fire("sigterm", step) and self.acts:
@@ -145,3 +146,32 @@ class FaultInjector:
         for module in model.modules():
             if getattr(module, "fp8_enabled", False):
                 module.register_forward_pre_hook(hook)
+
+
+def fault_injector(
+    cfg: FaultConfig,
+    rank: int,
+    fired: Iterable[str],
+    train_samples: int,
+    seed: int,
+    global_batch_size: int,
+    independent_draws: bool,
+    events: EventLog,
+    model: nn.Module,
+) -> FaultInjector:
+    """This run's injector: the one-shot faults in ``fired`` (already recorded in the run
+    folder) disarmed, the bad batch's samples drawn from the fault-free data order (the run's
+    ``independent_draws`` sampling), and the FP8
+    input hooks installed on ``model`` when ``fp8_overflow_at_step`` is set."""
+    bad: list[int] = []
+    if cfg.bad_batch_at_step is not None:
+        order = ResumableSampler(
+            train_samples, seed, global_batch_size, global_batch_size,
+            independent=independent_draws,
+        )  # fmt: skip
+        order.consumed = (cfg.bad_batch_at_step - 1) * global_batch_size
+        bad = order.next_step()[0].tolist()
+    injector = FaultInjector(cfg, rank, fired, bad, events)
+    if cfg.fp8_overflow_at_step is not None:
+        injector.install_fp8_hooks(model)
+    return injector

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mt_train import distributed as D
+from mt_train import ranks
 from mt_train.checkpoint.files import (
     checkpoint_step,
     newest_valid_checkpoint,
@@ -44,7 +44,7 @@ def fired_faults(output_dir: Path, rank: int, device: torch.device) -> list[str]
     fired = ""
     if rank == 0:
         fired = ",".join(r["fault"] for r in read_events(output_dir) if r["event"] == "fault")
-    return [f for f in D.broadcast_str(fired, device).split(",") if f]
+    return [f for f in ranks.broadcast_str(fired, device).split(",") if f]
 
 
 class Recovery:
@@ -60,7 +60,7 @@ class Recovery:
     def verify(self, folder: Path) -> str | None:
         """Why ``folder`` cannot be trusted, or None (rank 0 checks; every rank gets it)."""
         reason = (verify_checkpoint(folder) or "") if self.rank == 0 else ""
-        return D.broadcast_str(reason, self.device) or None
+        return ranks.broadcast_str(reason, self.device) or None
 
     def reject(self, folder: Path, reason: str) -> None:
         """Move ``folder`` out of the way (rank 0) and log why."""
@@ -89,7 +89,7 @@ class Recovery:
             for bad, reason in rejected:
                 self.reject(bad, reason)
             chosen = str(folder) if folder is not None else ""
-        chosen = D.broadcast_str(chosen, self.device)
+        chosen = ranks.broadcast_str(chosen, self.device)
         if not chosen:
             self.forget_decisions()
         return Path(chosen) if chosen else None
@@ -107,7 +107,7 @@ class Recovery:
         text = ""
         if self.rank == 0 and self.decisions_path.is_file():
             text = self.decisions_path.read_text()
-        text = D.broadcast_str(text, self.device)
+        text = ranks.broadcast_str(text, self.device)
         if text:
             state = json.loads(text)
             for start, end in state["skipped"]:

@@ -1,4 +1,4 @@
-"""The Llama 3 model of mt-train, assembled from mt_parallel's layers.
+"""The Llama 3 model, assembled from mt_parallel's layers.
 
 Shape suffixes: B batch, T/S sequence, D model width, H query heads, K key/value heads,
 d head dim (D / H), F FFN width, V vocabulary (``V_l`` the local slice under TP).
@@ -18,11 +18,12 @@ Hugging Face one): the pair ``(x_i, x_{i+d/2})`` at position ``p`` is rotated by
 ``(1-s)·f/factor + s·f`` with ``s = (L0/λ - low)/(high - low)`` (``L0`` =
 ``original_max_position``). Frequencies and angles are float64, then cast.
 
-The only piece mt-train adds to mt_parallel's block is :class:`LlamaAttention`, whose
+The only layer this family adds to mt_parallel's is :class:`LlamaAttention`, whose
 :meth:`~LlamaAttention.rope_tables` gives those scaled frequencies (mt_parallel's uses plain
 θ); everything else (column/row-parallel projections, the fused RoPE rotation, RMSNorm,
 SwiGLU, dropout regions, the context-parallel core) is mt_parallel's, so its transforms
-(tensor/sequence/context parallel, FP8, recompute, data parallel) apply unchanged.
+(tensor/sequence/context parallel, FP8, recompute, data parallel) apply unchanged. Each block
+is built once from its parts (:func:`llama_block`).
 Embeddings are untied: ``embed`` (vocab-parallel) and ``output`` (column-parallel, logits
 sharded over the vocabulary under TP) are separate matrices. ``block_factory`` is the one
 swappable piece: any module with ``forward(x_BTD, positions_S, document_ids_BT)`` works.
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 import mt_parallel
-from mt_train.config.schema import ModelConfig, RopeScalingConfig
+from mt_train.models.llama.config import LlamaConfig, RopeScalingConfig
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig) -> torch.Tensor:
@@ -64,7 +65,7 @@ class LlamaAttention(mt_parallel.Attention):
     :class:`mt_parallel.Attention`'s.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__(
             cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.dropout, cfg.n_layers,
             cfg.init_std,
@@ -80,27 +81,23 @@ class LlamaAttention(mt_parallel.Attention):
         return angles_SP.cos().to(dtype), angles_SP.sin().to(dtype)
 
 
-def llama_block(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    """mt_parallel's DecoderBlock with :class:`LlamaAttention` in place of its attention; the
-    residual output projections drawn with ``init_std`` unless ``cfg.scaled_residual_init``."""
-    block = mt_parallel.DecoderBlock(
-        cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.norm_eps, cfg.rope_theta,
-        cfg.dropout, cfg.n_layers,
-    )  # fmt: skip
-    block.attention = LlamaAttention(cfg)
+def llama_block(cfg: LlamaConfig, layer_id: int) -> nn.Module:
+    """mt_parallel's pre-norm DecoderBlock around a :class:`LlamaAttention` and a SwiGLU MLP;
+    the residual output projections drawn with ``init_std`` unless ``cfg.scaled_residual_init``."""
+    attention = LlamaAttention(cfg)
+    mlp = mt_parallel.MLP(cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.init_std)
     if not cfg.scaled_residual_init:
-        block.attention.o_proj.init_std = cfg.init_std
-        block.mlp.down_proj.init_std = cfg.init_std
-    return block
+        attention.o_proj.init_std = mlp.down_proj.init_std = cfg.init_std
+    return mt_parallel.DecoderBlock(attention, mlp, cfg.dim, cfg.norm_eps, cfg.dropout)
 
 
-BlockFactory = Callable[[ModelConfig, int], nn.Module]
+BlockFactory = Callable[[LlamaConfig, int], nn.Module]
 
 
 class Llama(nn.Module):
     """Vocab-parallel embedding → ``n_layers`` blocks → RMSNorm → column-parallel output."""
 
-    def __init__(self, cfg: ModelConfig, block_factory: BlockFactory = llama_block) -> None:
+    def __init__(self, cfg: LlamaConfig, block_factory: BlockFactory = llama_block) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError(
@@ -140,14 +137,12 @@ class Llama(nn.Module):
         )
 
 
-def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
-    total = sum(p.numel() for p in model.parameters())
-    if exclude_embedding and isinstance(model, Llama):
-        total -= model.embed.weight.numel()
-    return total
+def embedding_parameters(model: nn.Module) -> int:
+    """The input embedding's parameters (a lookup, not a GEMM: excluded from ``6·N``)."""
+    return model.embed.weight.numel() if isinstance(model, Llama) else 0
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: ``6·N + 12·L·D·T`` (N without the input embedding).
 
     The attention term counts QKᵀ and AV forward and backward without halving for causality

@@ -1,6 +1,7 @@
-"""The trainer's own small collectives: barriers, scalar means, string broadcasts.
+"""How the trainer's ranks agree on small things: barriers, scalar means, string broadcasts.
 
-(Gradient reduction is mt_parallel's: DDP or ``all_reduce_gradients``.) Strings (the run folder, the run id) are broadcast as uint8 tensors, not pickled objects.
+(Gradient reduction is mt_parallel's: DDP or ``all_reduce_gradients``.) Strings (the run
+folder, the run id) are broadcast as uint8 tensors, not pickled objects.
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""``mt-convert``: Hugging Face checkpoints (config.json + safetensors) ⇄ mt checkpoints.
+
+Import reads ``config.json``'s ``architectures`` and hands the folder to the registered model
+family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads that architecture
+(``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`, which documents the name map and the
+config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
+tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
+``checkpoint.init_from=<root>`` trains from. Export goes back through the family named in the
+manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s
+``torch_dtype`` with the dtype of the tensors it writes: the checkpoint's, or float32 when a
+checkpoint mixes dtypes (every weight then upcast, losslessly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mt_train.checkpoint.checkpointer import TPLayout, read_resharded
+from mt_train.checkpoint.files import (
+    CheckpointReader,
+    checkpoint_folder,
+    publish,
+    tmp_dir,
+    write_shard,
+)
+from mt_train.config.schema import ModelConfig
+from mt_train.models.build import build_model
+from mt_train.models.family import HFAdapter, ModelFamily
+from mt_train.models.registry import DEFAULT_FAMILY, family_of, get_family, model_families
+
+
+def family_for_architectures(hf: dict[str, Any]) -> tuple[ModelFamily, HFAdapter]:
+    """The registered family whose adapter reads ``config.json``'s ``architectures`` (or, in a
+    config saved without them, its ``model_type``)."""
+    adapters = [(f, f.hf) for f in model_families().values() if f.hf is not None]
+    wanted = list(hf.get("architectures") or [])
+    for family, adapter in adapters:
+        if set(wanted) & set(adapter.architectures) or (
+            not wanted and hf.get("model_type") in adapter.model_types
+        ):
+            return family, adapter
+    readable = sorted(arch for _, adapter in adapters for arch in adapter.architectures)
+    raise ValueError(
+        f"architectures={wanted} (model_type={hf.get('model_type')!r}) has no registered model "
+        f"family; readable: {', '.join(readable) or '(none)'}"
+    )
+
+
+def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def import_hf(hf_dir: str | Path, out_root: str | Path) -> Path:
+    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it."""
+    hf_dir, out_root = Path(hf_dir), Path(out_root)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")
+    hf_cfg = json.loads(config_path.read_text())
+    family, adapter = family_for_architectures(hf_cfg)
+    cfg = adapter.config_from_hf(hf_cfg, hf_dir.name)
+    state = adapter.tensors_from_hf(_read_hf_tensors(hf_dir), hf_cfg)
+    tensors = {f"model/{k}": v for k, v in state.items()}
+    expected = {f"model/{k}" for k in build_model(cfg, "meta").state_dict()}
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(
+            f"tensor names do not match the config: missing {missing[:3]}, extra {extra[:3]}"
+        )
+    run_id = uuid.uuid4().hex
+    write_shard(tmp_dir(out_root, 0), 0, run_id, tensors)
+    manifest = {
+        "step": 0,
+        "config": {"model": dataclasses.asdict(cfg)},
+        "model": dataclasses.asdict(cfg),
+        "model_family": family.name,
+        "data": None,
+        "world_size": 1,
+        "parallel": {"tp": 1, "dp": 1},
+        "tp_plan": {},
+        "source": {"huggingface": str(hf_dir)},
+    }
+    return publish(out_root, 0, 1, run_id, manifest, keep_last=1)
+
+
+def model_config_of(reader: CheckpointReader) -> ModelConfig:
+    """The model config a checkpoint's manifest records, as its family's dataclass."""
+    manifest = reader.manifest
+    raw = dict(manifest.get("model") or manifest["config"]["model"])
+    family = get_family(manifest.get("model_family", DEFAULT_FAMILY))
+    typed = OmegaConf.merge(OmegaConf.structured(family.config), raw)
+    return OmegaConf.to_object(typed)  # type: ignore[return-value]
+
+
+def full_model_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """Every model tensor at tp=1 (TP slices and FSDP2 pieces re-joined)."""
+    plan = reader.manifest.get("tp_plan", {})
+    keys = {n.removeprefix("model/").split("@")[0] for n in reader.names("model/")}
+    single = TPLayout(plan, 0, 1)
+    return {k: read_resharded(reader, f"model/{k}", plan.get(k), single) for k in sorted(keys)}
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """An mt checkpoint (folder or root) as its family's plain tp=1 model."""
+    reader = CheckpointReader(checkpoint_folder(Path(path)))
+    model = build_model(model_config_of(reader), device)
+    model.load_state_dict(full_model_tensors(reader))
+    return model
+
+
+def export_hf(path: str | Path, out_dir: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint."""
+    reader = CheckpointReader(checkpoint_folder(Path(path)))
+    cfg = model_config_of(reader)
+    family = family_of(cfg)
+    if family.hf is None:
+        raise ValueError(f"model family {family.name!r} has no Hugging Face adapter")
+    tensors = family.hf.tensors_to_hf(full_model_tensors(reader))
+    dtypes = {t.dtype for t in tensors.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_config = family.hf.config_to_hf(cfg, dtype)
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mt-convert",
+        description="Convert checkpoints between Hugging Face and mt (any registered family).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face folder -> mt checkpoint root")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("out", type=Path)
+    exp = sub.add_parser("export", help="mt checkpoint (folder or root) -> Hugging Face folder")
+    exp.add_argument("checkpoint", type=Path)
+    exp.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import":
+            written = import_hf(args.hf_dir, args.out)
+        else:
+            written = export_hf(args.checkpoint, args.out)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"mt-convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""What a model family gives mt-train: one :class:`ModelFamily` spec, registered through the
+``mt_register_model_families`` hook (:mod:`mt_core.hookspecs`).
+
+A family is one folder (``mt_train/models/llama/`` for the built-in one) holding its config
+dataclass, its model, its parallelize plan, its named sizes and, if it has one, its Hugging Face
+adapter. The trainer, the checkpoints and ``mt-convert`` use only this spec, so a new family
+(an MoE, a vision-language model) adds a folder and one registration and touches nothing else.
+
+The model a family builds is a plain (tp=1) ``nn.Module`` with::
+
+    logits_BTV_l = model(tokens_BT, positions_S, document_ids_BT)
+    loss = model.loss(logits_BTV_l, targets_BT)          # a 0-d fp32 tensor, or
+    loss, extras = model.loss(logits_BTV_l, targets_BT)  # plus named 0-d tensors to log
+
+``loss`` is what the backward runs on (an MoE family folds its auxiliary loss in); each tensor
+in ``extras`` (an auxiliary loss, a load-balance statistic) is averaged over the step's
+micro-batches and logged under its name, read in the step's one host synchronisation. Its
+layers are mt-parallel's (or carry the same hooks), so ``plan`` is all
+:func:`mt_parallel.parallelize` needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_parallel import ParallelizePlan
+from mt_train.config.schema import ModelConfig
+
+
+class HFAdapter:
+    """Converts a family's checkpoints to and from Hugging Face's layout (``mt-convert``).
+
+    ``architectures`` are the ``config.json`` ``architectures`` entries it reads (``model_types``
+    the ``model_type`` values, for configs saved without architectures); the rest are the
+    conversions, each of which raises ``ValueError`` with one line naming what it cannot
+    represent.
+    """
+
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+
+    def config_from_hf(self, hf: dict[str, Any], name: str) -> ModelConfig:
+        """The family's config of a Hugging Face ``config.json``; refuses what it cannot build."""
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: Any, dtype: torch.dtype) -> dict[str, Any]:
+        """The ``config.json`` of ``cfg``, whose tensors are written in ``dtype``."""
+        raise NotImplementedError
+
+    def tensors_from_hf(
+        self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """Hugging Face tensors (by HF name) as the family's state dict (by mt name)."""
+        raise NotImplementedError
+
+    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The family's full (tp=1) state dict as Hugging Face tensors."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family (module docstring)."""
+
+    name: str
+    """Registry name (``llama``); recorded in checkpoint manifests."""
+    label: str
+    """What logs call a model of this family (``Llama``)."""
+    config: type[ModelConfig]
+    """The ``model`` group's schema for this family's sizes."""
+    build: Callable[[Any], nn.Module]
+    """The plain tp=1 model of a config (vocabulary resolved), on the current default device."""
+    plan: Callable[[Any], ParallelizePlan]
+    """Its :class:`mt_parallel.ParallelizePlan` (block types, output head, FP8 exclusions)."""
+    flops_per_token: Callable[[Any, int], float]
+    """Training FLOPs per token of a config at a sequence length (for MFU)."""
+    embedding_parameters: Callable[[nn.Module], int]
+    """How many of a model's parameters are embedding lookups (excluded from ``6·N``)."""
+    sizes: Mapping[str, Any] = field(default_factory=dict)
+    """Named configs: the ``model=<name>`` options (``model=debug``, ``model=llama3_8b``)."""
+    hf: HFAdapter | None = None
+    """Hugging Face import/export, or None when the family has no HF counterpart."""
+
+    def num_params(self, model: nn.Module, exclude_embedding: bool = False) -> int:
+        """Parameters of ``model`` (without the embedding lookups if asked)."""
+        total = sum(p.numel() for p in model.parameters())
+        return total - self.embedding_parameters(model) if exclude_embedding else total

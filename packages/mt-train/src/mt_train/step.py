@@ -1,0 +1,184 @@
+"""The forward and backward of one optimizer step's micro-batches, as objects the trainer calls.
+
+:class:`BatchRunner` is the model side: one micro-batch's loss on the parallel model (under CP,
+this rank's load-balanced part of the tokens and their global positions; autocast if asked)
+and the accumulation loop over a step's micro-batches::
+
+    for m < A:  loss_m, extras_m = model.loss(model(x_m), y_m);  backward(loss_m · f_m / A)
+
+(``f_m`` a fault drill's loss factor, 1 otherwise; gradients reduced over dp×cp only at the
+last micro-batch, :func:`mt_parallel.accumulate`). A step object runs it and returns a
+:class:`StepResult`: :class:`EagerStep` launches every kernel from Python;
+:class:`mt_train.cuda_graph.GraphedStep` replays a captured CUDA graph. Both share
+``run(batches, loss_factors, grad_norm, eager) -> StepResult`` and ``reset()``, so the trainer
+does not know which one it calls (a pipeline-parallel schedule is a third). ``extras`` are the
+model's named extra values (:mod:`mt_train.models.family`), summed over micro-batches like
+the loss; none of this synchronises with the host.
+
+Context parallelism (``parallel.cp > 1``). The ``cp`` ranks of one dp index draw the same
+samples; each keeps its load-balanced part of the inputs, targets and document ids
+(``mt_parallel.shard_sequence``: chunks ``r`` and ``2·cp−1−r`` of ``2·cp``) and passes the
+global positions of those tokens to the model. Every rank holds ``T/cp`` tokens of each
+sample, so its mean loss averaged over dp×cp is the mean over the global batch, and DDP /
+FSDP2 / ZeRO-1 averaging gradients over dp×cp gives that loss's gradient.
+
+Document masking (``data.document_masking``): batches carry per-token document ids and
+attention stays inside each packed document (:mod:`mt_train.data.dataset`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import mt_fp8
+import mt_parallel
+from mt_train import ranks
+from mt_train.data.dataset import Batch
+
+GradNorm = Callable[[list[nn.Parameter]], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What a step's forward and backward leave on the device."""
+
+    total: torch.Tensor
+    """Sum of the micro-batches' losses (0-d)."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Sum over the micro-batches of each extra value the model reports."""
+    norm: torch.Tensor | None = None
+    """The gradient norm, when the step computed it (captured with a CUDA graph)."""
+
+
+@dataclass
+class StepNumbers:
+    """A step's numbers on the host (what the detectors judge and the logs show)."""
+
+    local_loss: float
+    """This rank's mean micro-batch loss."""
+    loss: float
+    """The mean over dp×cp ranks: the global batch's loss."""
+    grad_norm: float
+    extras: dict[str, float]
+    """The model's extra values, averaged over the micro-batches."""
+    fp8_saturation: float | None = None
+    """The worst saturated fraction of any FP8 tensor (when FP8 health is watched)."""
+    fp8_worst: str = ""
+    """Where it happened (empty when nothing saturated)."""
+
+
+def read_step_numbers(
+    result: StepResult,
+    micro_batches: int,
+    norm: torch.Tensor,
+    dp_cp_group: Any,
+    fp8_model: nn.Module | None = None,
+) -> StepNumbers:
+    """Everything a step reports, moved to the host in one synchronisation: the losses, the
+    gradient norm, the model's extras and (with ``fp8_model``) the FP8 saturation summary
+    (``mt_fp8.fp8_saturation_summary``, reduced on the device)."""
+    local = result.total / micro_batches
+    names = sorted(result.extras)
+    judged = [local.double(), ranks.mean_scalar(local, dp_cp_group).double(), norm.double()]
+    judged += [(result.extras[n] / micro_batches).double() for n in names]
+    places: list[str] = []
+    if fp8_model is not None:
+        saturation, places = mt_fp8.fp8_saturation_summary(fp8_model)
+        judged += saturation.unbind()
+    values = torch.stack(judged).tolist()
+    numbers = StepNumbers(*values[:3], dict(zip(names, values[3 : 3 + len(names)], strict=True)))
+    if fp8_model is not None:
+        worst, place = values[3 + len(names) :]
+        numbers.fp8_saturation = worst
+        numbers.fp8_worst = places[int(place)] if worst > 0 else ""
+    return numbers
+
+
+class BatchRunner:
+    """One micro-batch's loss and a step's forward/backward on the parallel model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        device: torch.device,
+        cp_group: Any,
+        cp: int,
+        cp_rank: int,
+        autocast_dtype: torch.dtype | None,
+    ) -> None:
+        self.model, self.module, self.device = model, module, device
+        self.cp_group, self.cp, self.cp_rank = cp_group, cp, cp_rank
+        self.autocast_dtype = autocast_dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def micro_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):
+        all of them, or under CP its load-balanced part; and the model's extra values."""
+        inputs, targets, docs = batch.inputs, batch.targets, batch.document_ids
+        positions = None
+        if self.cp > 1:
+            seq_len = inputs.shape[1]
+            inputs, targets, docs = (
+                None if x is None else mt_parallel.shard_sequence(x, 1, self.cp_group)
+                for x in (inputs, targets, docs)
+            )
+            positions = mt_parallel.load_balanced_positions(seq_len, self.cp, self.cp_rank)
+            positions = positions.to(self.device)
+        with self.autocast():
+            logits = self.model(inputs, positions, docs)
+        # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient
+        # in their dtype: no fp32 copy of the (tokens × vocab) logits is ever materialised.
+        loss = self.module.loss(logits, targets)
+        return loss if isinstance(loss, tuple) else (loss, {})
+
+    def forward_backward(
+        self, batches: list[Batch], loss_factors: list[float] | None = None
+    ) -> StepResult:
+        """Forward and backward of one step's micro-batches (module docstring)."""
+        total = torch.zeros((), device=self.device)
+        extras: dict[str, torch.Tensor] = {}
+        for m, batch in enumerate(batches):
+            with mt_parallel.accumulate(self.model, is_last=m == len(batches) - 1):
+                loss, values = self.micro_loss(batch)
+                if loss_factors is not None and loss_factors[m] != 1.0:
+                    loss = loss * loss_factors[m]
+                (loss / len(batches)).backward()
+            total += loss.detach()
+            for name, value in values.items():
+                extras[name] = extras.get(name, 0) + value.detach().float()
+        return StepResult(total, extras)
+
+
+class EagerStep:
+    """The step as plain PyTorch calls (module docstring)."""
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    @property
+    def graph(self) -> None:
+        return None
+
+    def run(
+        self,
+        batches: list[Batch],
+        loss_factors: list[float] | None = None,
+        grad_norm: GradNorm | None = None,
+        eager: bool = False,
+    ) -> StepResult:
+        """Forward and backward; ``grad_norm`` is left to the caller (computed after)."""
+        return self.runner.forward_backward(batches, loss_factors)
+
+    def reset(self) -> None:
+        """Nothing is cached between steps."""
