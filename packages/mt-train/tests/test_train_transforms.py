@@ -58,10 +58,10 @@ def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_
         fp8="tensorwise",
         **{"fp8.output_head": True, "fp8.output_head_gemms": "[forward,dgrad]"},
     )
-    head = trainer.module.output._fp8
+    head = trainer.module.output.fp8_linear
     assert head.fp8_gemms == {"forward", "dgrad"}
     assert all(
-        m._fp8.fp8_gemms == {"forward", "dgrad", "wgrad"}
+        m.fp8_linear.fp8_gemms == {"forward", "dgrad", "wgrad"}
         for m in trainer.module.layers[0].modules()
         if getattr(m, "fp8_enabled", False)
     )
@@ -90,7 +90,7 @@ def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(kjv_data: Path, tmp_path: Path
     )
     fp8_layers = [m for m in trainer.module.modules() if getattr(m, "fp8_enabled", False)]
     assert len(fp8_layers) == 2 * 7  # the blocks' linears; the head stays bf16
-    assert all(m._fp8.fp8_gemms == {"forward", "dgrad"} for m in fp8_layers)
+    assert all(m.fp8_linear.fp8_gemms == {"forward", "dgrad"} for m in fp8_layers)
     # Fewer FP8 GEMMs than the all-FP8 blocks of test_fp8_run_tracks_high_precision: the same 2% bound.
     assert losses == pytest.approx(reference, rel=2e-2)
     with pytest.raises(ValueError, match=r"fp8.gemms=\['wgrad'\] needs an FP8 recipe"):
@@ -110,10 +110,12 @@ def test_fp8_weight_cache_off_trains_identically(kjv_data: Path, tmp_path: Path)
     trainer, uncached = _fit(
         kjv_data, tmp_path / "uncached", fp8="tensorwise", **{"fp8.cache_weight": False}
     )
-    layers = [m._fp8 for m in trainer.module.modules() if getattr(m, "fp8_enabled", False)]
+    layers = [m.fp8_linear for m in trainer.module.modules() if getattr(m, "fp8_enabled", False)]
     assert len(layers) == 2 * 7 and not any(layer.cache_weight for layer in layers)
-    assert not any(layer._weight_cache for layer in layers)  # nothing kept between calls
-    cached_layers = [m._fp8 for m in cached_trainer.module.modules() if getattr(m, "_fp8", None)]
+    assert not any(layer.fp8_weight_cache for layer in layers)  # nothing kept between calls
+    cached_layers = [
+        m.fp8_linear for m in cached_trainer.module.modules() if getattr(m, "fp8_enabled", False)
+    ]
     assert all(layer.cache_weight for layer in cached_layers)
     assert uncached == cached
 

@@ -224,6 +224,11 @@ class _ParallelLinear(TensorParallelModule):
     def fp8_enabled(self) -> bool:
         return self._fp8 is not None
 
+    @property
+    def fp8_linear(self) -> Any:
+        """The ``mt_fp8.FP8Linear`` running this layer's local GEMM, or None without FP8."""
+        return self._fp8
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
