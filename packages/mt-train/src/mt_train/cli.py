@@ -92,7 +92,7 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
     overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))]
     try:
         composed = compose_config(overrides, with_hydra=True)
-        unknown = unknown_keys(composed)
+        unknown = sorted(unknown_keys(composed))
         if unknown:
             return (
                 f"unknown config key(s) {', '.join(unknown)}; `mt-train --cfg job` lists every "

@@ -240,7 +240,8 @@ class Trainer:
         except OSError as err:
             raise DiskError("the run folder", self.output_dir, err) from err
         check_writable(self.output_dir, "the run folder")
-        self.lock = RunLock([self.output_dir, self.ckpt_dir])
+        inside = self.ckpt_dir.resolve().is_relative_to(self.output_dir)
+        self.lock = RunLock([self.output_dir] if inside else [self.output_dir, self.ckpt_dir])
         for path, holder in self.lock.took_over:
             print(
                 f"mt-train: took over {path} from pid {holder.get('pid')}, which is gone "

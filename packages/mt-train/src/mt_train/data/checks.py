@@ -17,7 +17,8 @@ model is built, :func:`check_prepared` verifies:
   it), else computed from the token files; ``m < vocab_size`` of the tokenizer.
 
 :func:`check_vocab` then holds the model to the data: ``model.vocab_size`` must cover the
-tokenizer's ids (``≥ vocab_size``) and therefore every token id (``> m``).
+tokenizer's ids (``≥ vocab_size``), and therefore every token id (``> m``): no id can reach
+past the embedding.
 """
 
 from __future__ import annotations
@@ -132,14 +133,10 @@ def check_prepared(folder: str | Path, seq_len: int) -> dict[str, Any]:
 
 
 def check_vocab(meta: dict[str, Any], vocab_size: int, folder: str | Path) -> None:
-    """Raise unless a model of ``vocab_size`` embeddings covers the data's tokenizer and ids."""
+    """Raise unless a model of ``vocab_size`` embeddings covers the data's tokenizer (and so,
+    by :func:`check_prepared`, every token id)."""
     if vocab_size < meta["vocab_size"]:
         raise DataError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer of {folder} "
             f"({meta['vocab_size']} ids); use model.vocab_size >= {meta['vocab_size']} or null"
-        )
-    if meta["max_token_id"] >= vocab_size:
-        raise DataError(
-            f"{folder} holds token id {meta['max_token_id']} >= model.vocab_size={vocab_size}; "
-            f"use model.vocab_size > {meta['max_token_id']} or null"
         )
