@@ -151,6 +151,16 @@ def test_bad_data_is_one_line_from_the_cli(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_run_folder_that_cannot_be_created_is_refused_before_hydra_writes(
+    tmp_path: Path, capsys
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    status, err = run_cli(capsys, [f"hydra.run.dir={blocker / 'run'}"])
+    assert_one_error_line(status, err, "cannot write the run folder (hydra.run.dir)")
+    assert "ENOTDIR" in err
+
+
 def test_unknown_top_level_key_is_refused(capsys) -> None:
     status, err = run_cli(capsys, ["+foo=1", "+trainer.bar=2"])
     assert_one_error_line(status, err, "unknown config key(s) foo, trainer.bar")

@@ -248,3 +248,25 @@ def test_second_writer_is_refused_and_a_dead_holder_taken_over(
     assert f"took over {out / LOCK_FILE} from pid {holder.pid}, which is gone" in err
     assert not (out / LOCK_FILE).exists()  # released at the end
     assert os.getpid() != holder.pid
+
+
+def test_safetensors_io_error_is_raised_as_the_oserror_it_names(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # safetensors formats a failed write as "Error while serializing: {io::Error:?}"; the
+    # shard writer hands the caller the OSError inside (ENOSPC here), path included.
+    import torch
+    from safetensors import SafetensorError
+
+    from mt_train.checkpoint import files
+
+    def full_disk(*_args: object, **_kwargs: object) -> None:
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+            'space left on device" })'
+        )
+
+    monkeypatch.setattr(files, "save_file", full_disk)
+    with pytest.raises(OSError) as err:
+        files.write_shard(tmp_path / ".tmp-step-00000001", 0, "run", {"w": torch.zeros(2)}, 1)
+    assert err.value.errno == 28 and err.value.filename.endswith("rank-00000.safetensors")

@@ -31,7 +31,7 @@ from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder, disca
 from mt_train.checkpoint.state import StateLayout, live_state
 from mt_train.config.schema import ModelConfig, TrainConfig
 from mt_train.data.dataset import ResumableSampler
-from mt_train.errors import CheckpointError
+from mt_train.errors import CheckpointError, DiskError
 from mt_train.models.registry import family_of
 from mt_train.optim import Zero1AdamW
 from mt_train.rewind import snapshot as snap
@@ -81,6 +81,12 @@ class RunState:
         """Open the checkpoint folder and resume (``checkpoint.resume``) or load the weights of
         ``checkpoint.init_from``; returns the step the run starts at. A drill's corruption of
         the newest checkpoint happens first, so resuming must survive it."""
+        try:
+            return self._start(faults, reseed)
+        except OSError as err:  # a read-only or full checkpoint folder
+            raise DiskError("the checkpoint folder", err.filename or self.ckpt_dir, err) from err
+
+    def _start(self, faults: FaultInjector, reseed: Callable[[int], None]) -> int:
         ck = self.cfg.checkpoint
         faults.corrupt_at_start(self.ckpt_dir)
         self.checkpointer.restore_replaced()
