@@ -59,3 +59,17 @@ def assert_one_error_line(status: int, err: str, expected: str, tool: str = "mt-
     errors = [line for line in lines if line.startswith(f"{tool}: error: ")]
     assert errors == [lines[-1]], err[-3000:]
     assert expected in lines[-1], lines[-1]
+
+
+def start_error(overrides: list[str], output_dir: str | Path) -> tuple[str, str]:
+    """Build a trainer on this rank; the kind and message of the error it stops with (for
+    spawned ranks, so module level)."""
+    from mt_train import Trainer, compose_config, to_train_config
+    from mt_train.errors import UserError
+
+    try:
+        trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    except UserError as err:
+        return type(err).__name__, str(err)
+    trainer.close()
+    return "", ""

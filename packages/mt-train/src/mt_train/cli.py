@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mt_core import get_device
 from mt_train.config.store import compose_config, register_configs, to_train_config
-from mt_train.errors import UserError, check_writable, report
+from mt_train.errors import EXIT_USER_ERROR, RankZeroError, UserError, check_writable, report
 from mt_train.optim import optimizer_impl
 from mt_train.rewind.manager import RewindLimitError
 from mt_train.trainer import Trainer, TrainSummary
@@ -146,6 +146,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     global _exit_status
     try:
         _train(cfg)
+    except RankZeroError:  # rank 0 stopped on it and reports it
+        _exit_status = EXIT_USER_ERROR
     except UserError as err:  # Hydra would print a traceback: one line instead
         rank = int(os.environ.get("RANK", "0"))
         _exit_status = report("mt-train", f"rank {rank}: {err}" if rank else err)

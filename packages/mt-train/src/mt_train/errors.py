@@ -35,6 +35,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be used for what was asked (wrong model, not a checkpoint)."""
 
 
+class RankZeroError(UserError):
+    """Rank 0's error as the other ranks see it: they stop too, and only rank 0 reports it."""
+
+
 class RunLockedError(UserError):
     """Another live process holds the run folder."""
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mt_comm
-from mt_train.errors import UserError
+from mt_train.errors import RankZeroError, UserError
 
 
 def active(group: Any = None) -> bool:
@@ -49,8 +49,8 @@ def mean_scalar(value: torch.Tensor, group: Any) -> torch.Tensor:
 
 def on_rank0(action: Callable[[], None], rank: int, device: torch.device) -> None:
     """Run ``action`` on rank 0 only; a :class:`~mt_train.errors.UserError` it raises stops
-    every rank (the others raise one with rank 0's message), so no rank waits for one that
-    stopped."""
+    every rank (the others raise a :class:`~mt_train.errors.RankZeroError` with rank 0's
+    message), so no rank waits for one that stopped."""
     failure: UserError | None = None
     if rank == 0:
         try:
@@ -61,4 +61,4 @@ def on_rank0(action: Callable[[], None], rank: int, device: torch.device) -> Non
     if failure is not None:
         raise failure
     if message:
-        raise UserError(message)
+        raise RankZeroError(message)
