@@ -5,10 +5,16 @@ ranks, after synchronising the device so queued GPU work is counted. Model FLOPs
 utilisation is ``MFU = flops_per_token · tokens/s / (peak · world_size)`` with the device's
 dense bf16 peak from ``mt_core`` (``Capabilities.peak_bf16_flops``); on a device without a
 known peak (the CPU) MFU is left out rather than guessed.
+
+Metrics are not worth stopping a run for: when ``metrics.jsonl`` cannot be written (a full or
+read-only disk), one warning line names the path and the error and the file is no longer
+written; training, checkpoints and the console go on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import sys
@@ -18,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mt_train import fault_points
 from mt_train.config.schema import LoggingConfig
 
 
@@ -45,8 +52,12 @@ class MetricsLogger:
             self.bar = tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
             )
+        self.jsonl_path = output_dir / "metrics.jsonl"
         if cfg.jsonl:
-            self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+            try:
+                self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            except OSError as err:
+                self._stop_jsonl(err)
         if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -55,6 +66,18 @@ class MetricsLogger:
                     "logging.tensorboard=true needs TensorBoard: pip install 'mt-train[tensorboard]'"
                 ) from err
             self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def _stop_jsonl(self, err: OSError) -> None:
+        """Warn once and stop writing ``metrics.jsonl`` (module docstring)."""
+        if self.jsonl is not None:
+            with contextlib.suppress(OSError):  # what it cannot flush is lost with the file
+                self.jsonl.close()
+        self.jsonl = None
+        code = errno.errorcode.get(err.errno or 0, "no errno")
+        self.write(
+            f"mt-train: warning: cannot write {self.jsonl_path}: {err.strerror or err} ({code}); "
+            "metrics.jsonl is not written from here on, training goes on"
+        )
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -71,8 +94,12 @@ class MetricsLogger:
             return
         finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, **finite}) + "\n")
-            self.jsonl.flush()
+            try:
+                fault_points.disk_write("metrics", self.jsonl_path)
+                self.jsonl.write(json.dumps({"kind": kind, "step": step, **finite}) + "\n")
+                self.jsonl.flush()
+            except OSError as err:
+                self._stop_jsonl(err)
         if self.tb is not None:
             for key, value in finite.items():
                 if isinstance(value, int | float):

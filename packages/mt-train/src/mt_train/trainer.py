@@ -35,8 +35,14 @@ same on every TP rank, different per CP rank) and the tracker stream that TP-sha
 (attention dropout, sequence-parallel residual dropout) draw from; checkpoints and snapshots
 hold both, so a resumed run draws the same dropout masks.
 
+Start-up refuses, with one :class:`~mt_train.errors.UserError` line, what would fail later:
+a run folder that cannot be written or that another live run holds (:mod:`mt_train.run_lock`),
+a data folder that does not match its ``meta.json`` or the model's vocabulary
+(:mod:`mt_train.data.checks`), a checkpoint that does not fit the model.
+
 The reported loss is the mean over the global batch. An anomalous step is never applied:
-with ``rewind`` off a non-finite loss or norm stops the run; with it on the trainer restores
+with ``rewind`` off a non-finite loss or norm stops the run with the report rewind's bound
+gives (:class:`~mt_train.rewind.manager.RewindLimitError`); with it on the trainer restores
 the newest stable checkpoint (from memory or disk), skips data, cools the LR and carries on
 (:mod:`mt_train.rewind.manager`). A SIGTERM/SIGINT ends the run after the step in progress
 with a checkpoint (:mod:`mt_train.rewind.preemption`).
@@ -62,13 +68,15 @@ import torch
 import mt_comm
 import mt_fp8
 import mt_parallel
-from mt_train import ranks
+from mt_train import fault_points, ranks
 from mt_train.checkpoint.checkpointer import TPLayout, resolve_resume
 from mt_train.checkpoint.files import step_dir
 from mt_train.config.schema import TrainConfig
 from mt_train.cuda_graph import GraphedStep
+from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
+from mt_train.errors import DiskError, check_writable
 from mt_train.evaluation import Evaluator
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
@@ -81,6 +89,7 @@ from mt_train.rewind.faults import fault_injector
 from mt_train.rewind.manager import RewindManager
 from mt_train.rewind.preemption import StopRequest
 from mt_train.rewind.recovery import fired_faults
+from mt_train.run_lock import RunLock
 from mt_train.run_state import RunState
 from mt_train.step import BatchRunner, EagerStep, read_step_numbers
 from mt_train.update import update_policy
@@ -108,6 +117,18 @@ class Trainer:
     """Builds the run (distributed init, data, model, optimizer, checkpoints) and trains it."""
 
     def __init__(self, cfg: TrainConfig, output_dir: str | Path | None = None) -> None:
+        self.lock: RunLock | None = None
+        fault = cfg.fault
+        fault_points.arm(fault.disk_error, fault.disk_errno, fault.kill_in_save, fault.save_step)
+        try:
+            self._build(cfg, output_dir)
+        except BaseException:  # a refused start leaves no lock and no armed fault behind
+            if self.lock is not None:
+                self.lock.release()
+            fault_points.arm()
+            raise
+
+    def _build(self, cfg: TrainConfig, output_dir: str | Path | None) -> None:
         self.cfg = cfg
         tr, p = cfg.trainer, cfg.parallel
         self.ctx = mt_comm.init_distributed(device=tr.device)
@@ -125,13 +146,19 @@ class Trainer:
         out = str(output_dir or tr.output_dir or Path.cwd() / "outputs" / cfg.model.name)
         self.output_dir = Path(ranks.broadcast_str(str(Path(out).resolve()), self.device))
         run_id = ranks.broadcast_str(uuid.uuid4().hex, self.device)
-        if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+        ck = cfg.checkpoint
+        self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
+        ranks.on_rank0(self._open_run_folder, self.rank, self.device)
 
         data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
-        if cfg.data.path is None and self.rank == 0:
-            prepare_bundled(data_dir, cfg.data.val_every)
+        if cfg.data.path is None:
+            ranks.on_rank0(
+                lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
+            )
         ranks.barrier()
+        data_meta = check_prepared(data_dir, tr.seq_len)
+        if cfg.model.vocab_size is not None:
+            check_vocab(data_meta, cfg.model.vocab_size, data_dir)
         self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
         self.sampler = ResumableSampler(
             len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
@@ -183,9 +210,11 @@ class Trainer:
             self.events, self.module,
         )  # fmt: skip
 
+        fault_points.enable_kill(
+            self.faults.fired, lambda phase, step: self._record_kill_in_save(phase, step)
+        )
+
         # State: checkpoints, resume (or init_from), rewind targets.
-        ck = cfg.checkpoint
-        self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
         tp_layout = TPLayout(
             mt_parallel.tp_shard_plan(self.module), self.pstate.rank("tp"), self.pstate.size("tp")
         )
@@ -202,6 +231,31 @@ class Trainer:
             warn_if_fp8_emulated(cfg.fp8, self.device, self.ctx.device.name)
 
     # ------------------------------------------------------------------ state
+    def _open_run_folder(self) -> None:
+        """Rank 0: create the run folder, check it can be written, take its lock (and the
+        checkpoint folder's, when it lies elsewhere)."""
+        try:
+            fault_points.disk_write("run_dir", self.output_dir)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskError("the run folder", self.output_dir, err) from err
+        check_writable(self.output_dir, "the run folder")
+        inside = self.ckpt_dir.resolve().is_relative_to(self.output_dir)
+        self.lock = RunLock([self.output_dir] if inside else [self.output_dir, self.ckpt_dir])
+        for path, holder in self.lock.took_over:
+            print(
+                f"mt-train: took over {path} from pid {holder.get('pid')}, which is gone "
+                "(a crashed or killed run)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _record_kill_in_save(self, phase: str, step: int) -> None:
+        """The ``fault`` event of ``fault.kill_in_save`` (written before the kill)."""
+        self.events.emit(
+            "fault", self.step, fault=fault_points.KILL_IN_SAVE, at_step=step, phase=phase
+        )
+
     def seed_rng(self, seed: int) -> None:
         """Seed the default generators and mt_parallel's RNG tracker for this rank's TP and CP
         coordinates (``mt_parallel.manual_seed``), and the device's generator alike."""
@@ -295,12 +349,14 @@ class Trainer:
         return metrics
 
     def rewind(self, verdict: Verdict) -> None:
-        """Go back to the newest stable target and skip data (:mod:`mt_train.rewind.manager`)."""
+        """Go back to the newest stable target and skip data (:mod:`mt_train.rewind.manager`);
+        with rewind off, stop with the report rewind's bound gives."""
         if not self.cfg.rewind.enabled:
-            s = self.signals
-            raise FloatingPointError(
-                f"step {self.step}: non-finite loss {s.loss} or grad norm {s.grad_norm} "
-                "(rewind is off: rewind=default turns it on)"
+            raise self.guard.give_up(
+                self.step,
+                verdict,
+                "rewind is off (rewind=disabled), so the run stops; rewind=default would have "
+                "restored the newest stable checkpoint and skipped the data that led here",
             )
         self.step = self.state.rewind(self.step, verdict)
         self.drop_step_graph()
@@ -427,8 +483,13 @@ class Trainer:
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
         self.drop_step_graph()
-        self.checkpointer.close()
-        if self.logger is not None:
-            self.logger.close()
-        with contextlib.suppress(RuntimeError):
-            mt_comm.destroy_parallel_state()
+        try:
+            self.checkpointer.close()
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            if self.lock is not None:
+                self.lock.release()
+            fault_points.arm()
+            with contextlib.suppress(RuntimeError):
+                mt_comm.destroy_parallel_state()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mt_train.fault_points import DISK_ERRNOS, DISK_SITES, SAVE_PHASES
+
 DETECTORS = ("non_finite", "loss_spike", "grad_norm_spike", "fp8_overflow")
 SKIP_POLICIES = ("window", "batches", "none")
 
@@ -121,6 +123,18 @@ class FaultConfig:
     """The process sends itself SIGTERM as this step begins (a preemption drill)."""
     corrupt_latest_checkpoint: bool = False
     """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
+    disk_error: str | None = None
+    """The first write at this site fails with ``disk_errno`` (a full or read-only disk):
+    run_dir, data, checkpoint, manifest, publish, events, metrics, decisions
+    (:mod:`mt_train.fault_points`)."""
+    disk_errno: str = "ENOSPC"
+    """The error of ``disk_error``: ENOSPC, EROFS, EACCES, EIO or EDQUOT."""
+    kill_in_save: str | None = None
+    """The process SIGKILLs itself after this phase of a checkpoint save: shard, manifest,
+    replace, publish or prune (one-shot per run folder, like ``kill_at_step``)."""
+    save_step: int | None = None
+    """The checkpoint step whose save ``kill_in_save`` and the checkpoint sites of
+    ``disk_error`` hit; null: the first save."""
     rank: int | None = None
     """Only this rank injects the step faults; null: every rank."""
 
@@ -134,6 +148,16 @@ class FaultConfig:
                 _check_int("fault", name, value, 1)
         if self.rank is not None:
             _check_int("fault", "rank", self.rank, 0)
+        if self.save_step is not None:
+            _check_int("fault", "save_step", self.save_step, 1)
+        choices = (
+            ("disk_error", self.disk_error, DISK_SITES),
+            ("disk_errno", self.disk_errno, DISK_ERRNOS),
+            ("kill_in_save", self.kill_in_save, SAVE_PHASES),
+        )
+        for name, value, valid in choices:
+            if value is not None and value not in valid:
+                raise ValueError(f"fault.{name}={value!r} is unknown; valid: {', '.join(valid)}")
         if not self.spike_factor > 1:
             raise ValueError(f"fault.spike_factor must be > 1, got {self.spike_factor}")
 

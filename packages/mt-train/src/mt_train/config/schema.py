@@ -26,7 +26,7 @@ from mt_train.config.rewind import FaultConfig, RewindConfig
 SCHEDULES = ("cosine", "wsd", "constant")
 SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
-RESUME_MODES = ("none", "auto")
+RESUME_MODES = ("none", "auto", "must")
 
 
 def positive(owner: str, **values: Any) -> None:
@@ -272,19 +272,22 @@ class CheckpointConfig:
     async_save: bool = True
     """Write in a background thread; the next save (or the end of training) waits for it."""
     resume: str = "none"
-    """none, auto (newest complete checkpoint in ``dir``, if any) or a checkpoint folder."""
+    """none; auto (the newest checkpoint in ``dir`` that verifies; damaged newer ones are
+    set aside with a logged reason; none left: start fresh, saying so); must (as auto, but
+    refuse to start fresh); or a path: a ``step-*`` checkpoint folder, or a folder of them
+    (the newest that verifies)."""
     init_from: str | None = None
     """Start from these weights only (an ``mt-convert import`` root or any checkpoint folder);
     ignored when resuming."""
 
     def __post_init__(self) -> None:
         positive("checkpoint", keep_last=self.keep_last)
-        if self.resume not in RESUME_MODES and not os.path.isdir(self.resume):
+        if self.resume not in RESUME_MODES and not os.path.isdir(os.path.expanduser(self.resume)):
             raise ValueError(
-                f"checkpoint.resume={self.resume!r} must be none, auto or an existing "
-                "checkpoint folder"
+                f"checkpoint.resume={self.resume!r} must be none, auto, must or an existing "
+                "checkpoint folder (or a folder of them)"
             )
-        if self.init_from is not None and not os.path.isdir(self.init_from):
+        if self.init_from is not None and not os.path.isdir(os.path.expanduser(self.init_from)):
             raise ValueError(f"checkpoint.init_from={self.init_from!r} is not a folder")
 
 
