@@ -20,6 +20,7 @@ from mt_parallel.pipeline import (
     minimum_microbatches,
     schedule_actions,
     simulate,
+    split_layers,
     stage_to_rank,
 )
 
@@ -203,3 +204,18 @@ def test_simulator_reports_a_deadlock() -> None:
     order = {0: [Action(0, F, 0), Action(0, B, 0)], 1: [Action(1, B, 0), Action(1, F, 0)]}
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(order, 2)
+
+
+def test_layer_splits() -> None:
+    """Automatic: the remainder goes to the middle chunks first (the ends hold the embedding
+    and the head); a user list must have one entry per chunk and sum to the layer count."""
+    assert [len(r) for r in split_layers(10, 4)] == [2, 3, 3, 2]
+    assert [len(r) for r in split_layers(11, 4)] == [3, 3, 3, 2]
+    assert [len(r) for r in split_layers(5, 2)] == [3, 2]
+    assert split_layers(4, 2, [3, 1]) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ValueError, match=r"sums to 5, the model has 4 layers"):
+        split_layers(4, 2, [3, 2])
+    with pytest.raises(ValueError, match="has 3 entries; the pipeline has 2 chunks"):
+        split_layers(4, 2, [1, 1, 2])
+    with pytest.raises(ValueError, match="3 layers cannot be split into 4 pipeline chunks"):
+        split_layers(3, 4)

@@ -52,6 +52,7 @@ from mt_parallel.parallelize import (
     high_precision_linears,
     parallelize,
 )
+from mt_parallel.pipeline import PipelineLayout, PipelineSchedule, pipeline_chunks
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
 from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
@@ -69,6 +70,8 @@ __all__ = [
     "FP8Options",
     "ParallelConfig",
     "ParallelizePlan",
+    "PipelineLayout",
+    "PipelineSchedule",
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
@@ -101,6 +104,7 @@ __all__ = [
     "manual_seed",
     "merge_state_dicts",
     "parallelize",
+    "pipeline_chunks",
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",

@@ -1,6 +1,8 @@
 """Pipeline parallelism: schedules as torch action lists, their simulator, model splitting and
 the runtime that executes them (``torch.distributed.pipelining``)."""
 
+from mt_parallel.pipeline.parallelize import pipeline_chunks
+from mt_parallel.pipeline.runtime import PipelineSchedule, PipelineStepResult, StageShapes
 from mt_parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -16,21 +18,30 @@ from mt_parallel.pipeline.schedules import (
     stage_to_rank,
 )
 from mt_parallel.pipeline.simulate import ChunkCosts, Simulation, simulate
+from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout, split_layers, split_model
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "ActionKind",
     "ChunkCosts",
+    "PipelineChunk",
+    "PipelineLayout",
+    "PipelineSchedule",
+    "PipelineStepResult",
     "ScheduleSpec",
     "Simulation",
+    "StageShapes",
     "check_actions",
     "check_microbatches",
     "chunks_per_rank",
     "lower_with_comms",
     "minimum_microbatches",
+    "pipeline_chunks",
     "rank_stages",
     "schedule_actions",
     "simulate",
+    "split_layers",
+    "split_model",
     "stage_to_rank",
 ]

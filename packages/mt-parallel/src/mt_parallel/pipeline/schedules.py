@@ -92,6 +92,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 }  # fmt: skip
 
 
+SPLIT_BACKWARD_REFUSES_COMPILE = tuple(n for n, spec in SCHEDULES.items() if spec.split_backward)
+"""Schedules whose torch classes refuse compiled stages (``_check_torch_compile_compatibility``)."""
+
+
 def spec_of(schedule: str) -> ScheduleSpec:
     """The :class:`ScheduleSpec` named ``schedule``; an unknown name lists the valid ones."""
     if schedule not in SCHEDULES:
