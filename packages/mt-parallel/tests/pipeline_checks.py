@@ -105,3 +105,26 @@ def pipeline_lm(
         "names": sorted(grads),
         "all_names": sorted(expected),
     }
+
+
+def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
+    """:class:`mt_parallel.PipelineModule`'s forward-only pipeline: every rank gets the whole
+    model's logits and loss; its state dict keys are the whole model's for its chunks."""
+    pp = dist.get_world_size()
+    config = mp.ParallelConfig(pp=pp, pp_schedule=schedule, data_parallel="none")
+    state = mt_comm.init_parallel_state(pp=pp)
+    layers = pp * chunks_per_rank(schedule, 1)
+    reference = _reference(layers, seed, torch.float64, False)
+    module = mp.pipeline_module(_reference(layers, seed, torch.float64, False), config, state, PLAN)
+    tokens, targets = _batch(seed + 1, BATCH, SEQ)
+    with torch.no_grad():
+        logits = module(tokens)
+        loss = module.loss(logits, targets)
+        expected = reference(tokens)
+        expected_loss = reference.loss(expected, targets)
+    return {
+        "logits": rel_err(logits, expected),
+        "loss": rel_err(loss, expected_loss),
+        "keys": sorted(module.state_dict()),
+        "all_keys": sorted(reference.state_dict()),
+    }

@@ -81,3 +81,13 @@ def test_fp8_split_backward_defers_weight_gradients(pool: DistributedPool, sched
     check(results, 4, FP32_VS_FP64)
     split = schedule != "1f1b"
     assert all((r["weight_grad_sinks"] > 0) == split for r in results)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_module_forward_and_names(pool: DistributedPool, schedule: str) -> None:
+    results = pool.run(checks.pipeline_module_forward, schedule=schedule)
+    for result in results:
+        assert result["logits"] < FP64_VS_FP64 and result["loss"] < FP64_VS_FP64
+    keys = [set(r["keys"]) for r in results]
+    assert not keys[0] & keys[1]  # each parameter and buffer lives on one pipeline rank
+    assert keys[0] | keys[1] == set(results[0]["all_keys"])

@@ -1,7 +1,8 @@
 """Pipeline parallelism: schedules as torch action lists, their simulator, model splitting and
 the runtime that executes them (``torch.distributed.pipelining``)."""
 
-from mt_parallel.pipeline.parallelize import pipeline_chunks
+from mt_parallel.pipeline.module import PipelineModule
+from mt_parallel.pipeline.parallelize import pipeline_chunks, pipeline_module
 from mt_parallel.pipeline.runtime import PipelineSchedule, PipelineStepResult, StageShapes
 from mt_parallel.pipeline.schedules import (
     SCHEDULES,
@@ -27,6 +28,7 @@ __all__ = [
     "ChunkCosts",
     "PipelineChunk",
     "PipelineLayout",
+    "PipelineModule",
     "PipelineSchedule",
     "PipelineStepResult",
     "ScheduleSpec",
@@ -38,6 +40,7 @@ __all__ = [
     "lower_with_comms",
     "minimum_microbatches",
     "pipeline_chunks",
+    "pipeline_module",
     "rank_stages",
     "schedule_actions",
     "simulate",

@@ -9,6 +9,8 @@ path on each (TP/SP → CP → FP8 → recompute → compile) with no data-paral
 caller reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``,
 ZeRO-1's reduce-scatter for ``zero1``; torch's zero-bubble schedules skip DDP's hooks,
 pytorch#144530). The output head is named in the plan only on the last chunk.
+:func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
+parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch import nn
 from mt_comm import ParallelState
 from mt_parallel.config import ParallelConfig
 from mt_parallel.parallelize import FP8Options, ParallelizePlan, parallelize
-from mt_parallel.pipeline.schedules import chunks_per_rank, rank_stages
+from mt_parallel.pipeline.module import PipelineModule
+from mt_parallel.pipeline.schedules import chunks_per_rank, rank_stages, stage_to_rank
 from mt_parallel.pipeline.split import PipelineChunk, split_model
 
 
@@ -46,3 +49,20 @@ def pipeline_chunks(
         chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)
         parallelize(chunk, chunk_config, state, chunk_plan, fp8)
     return chunks
+
+
+def pipeline_module(
+    model: nn.Module,
+    config: ParallelConfig,
+    state: ParallelState,
+    plan: ParallelizePlan,
+    fp8: FP8Options | None = None,
+) -> PipelineModule:
+    """:func:`pipeline_chunks` as one :class:`PipelineModule` (the whole model's names)."""
+    chunks = pipeline_chunks(model, config, state, plan, fp8)
+    v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
+    assert plan.pipeline is not None
+    return PipelineModule(
+        chunks, plan.pipeline, rank_stages(config.pp_schedule, config.pp, v, state.rank("pp")),
+        stage_to_rank(config.pp_schedule, config.pp, v), state.ranks("pp"), state.group("pp"),
+    )  # fmt: skip
