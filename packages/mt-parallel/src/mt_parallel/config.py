@@ -163,6 +163,23 @@ class ParallelConfig:
                 "interleaved_1f1b, or compile=false)"
             )
 
+    def pipeline_microbatches(self, accumulation: int) -> int:
+        """The pipeline's micro-batches per step when a step accumulates ``accumulation``
+        micro-batches per rank; raises unless ``pp_microbatches`` (if set) equals it and the
+        schedule runs that many."""
+        if self.pp_microbatches is not None and self.pp_microbatches != accumulation:
+            raise ValueError(
+                f"parallel.pp_microbatches={self.pp_microbatches} but a step has {accumulation} "
+                "micro-batches per rank (global_batch_size / (micro_batch_size·dp)); set them equal "
+                "or leave pp_microbatches unset"
+            )
+        from mt_parallel.pipeline.schedules import check_microbatches, chunks_per_rank
+
+        if self.pp > 1:
+            chunks = chunks_per_rank(self.pp_schedule, self.pp_chunks)
+            check_microbatches(self.pp_schedule, self.pp, accumulation, chunks)
+        return accumulation
+
     def validate_world(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` processes; raises if it does not fit."""
         model_parallel = self.tp * self.cp * self.pp
