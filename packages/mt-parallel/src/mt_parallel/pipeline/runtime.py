@@ -15,11 +15,12 @@ What this module adds around it:
   factor, ``M`` the micro-batch count) for the backward, as the accumulation loop of a pp=1
   step does, so the runtime's own gradient scaling is off (``scale_grads=False``); the
   unscaled ``loss_m`` and the model's extra values are kept per micro-batch.
-* Split backward (``I``/``W``): chunks holding ``mt_fp8.FP8Linear`` layers get one
-  ``mt_fp8.WeightGradSink`` shared by those layers and handed to torch as the stage's
-  ``dw_builder``: ``I`` runs the chunk's autograd backward with the FP8 weight-gradient GEMMs
-  queued, ``W`` runs the queue. Other parameters (norms, embedding, high-precision linears)
-  get their gradients in ``I``. Chunks without FP8 layers use torch's own split
+* Split backward (``I``/``W``): chunks holding layers with a ``wgrad_sink`` attribute
+  (``mt_fp8.FP8Linear``; any layer may declare one) get one ``mt_fp8.WeightGradSink`` shared by
+  those layers and handed to torch as the stage's ``dw_builder``: ``I`` runs the chunk's
+  autograd backward with their weight-gradient GEMMs queued, ``W`` runs the queue. Other
+  parameters (norms, embedding, high-precision linears) get their gradients in ``I``. Chunks
+  without such layers use torch's own split
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
   is run from the saved intermediate gradients).
 * Data-parallel gradients are never reduced by the runtime: stages hold plain modules (no DDP
@@ -128,11 +129,11 @@ class PipelineSchedule:
 
     def _weight_grad_sink(self, chunk: nn.Module) -> Callable[[], Callable[[], None]] | None:
         """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; None without."""
-        fp8_linears = [m for m in chunk.modules() if isinstance(m, mt_fp8.FP8Linear)]
-        if not fp8_linears:
+        deferring = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
+        if not deferring:
             return None
         sink = mt_fp8.WeightGradSink()
-        for layer in fp8_linears:
+        for layer in deferring:
             layer.wgrad_sink = sink
         self.sinks.append(sink)
         return sink.take
