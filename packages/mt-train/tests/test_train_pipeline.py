@@ -129,3 +129,29 @@ def test_pp1_checkpoint_loads_at_pp2(pool, kjv_data: Path, tmp_path: Path) -> No
         tmp_path / "split",
     )
     assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
+
+
+# FP8 emulation makes a CPU step of the tiny model take seconds: three steps, no checkpoints.
+FP8_SHORT = {"trainer.max_steps": 3, "trainer.eval_interval": 3, "trainer.eval_batches": 1,
+             "checkpoint.enabled": False}  # fmt: skip
+
+
+@pytest.mark.slow  # the FP8 sink path is covered in the default tier by mt-parallel's world-2 test
+@pytest.mark.parametrize(
+    "extra",
+    [{"fp8": "delayed", "parallel.recompute": "full", **FP8_SHORT}],
+    ids=["fp8-delayed-recompute"],
+)
+def test_fp8_and_recompute_under_zero_bubble_match_single_process(
+    extra: dict, pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """FP8 weight-gradient GEMMs deferred to W (the sink), delayed scaling's amax history and
+    full recompute inside the chunks: the same curve as one process with the same options."""
+    single = train_checks.run_losses(tiny_overrides(kjv_data, **PIPELINE, **extra), tmp_path / "1")
+    per_rank = pool.run(
+        train_checks.run_losses,
+        tiny_overrides(kjv_data, **pp2("zero_bubble", **extra)),
+        tmp_path / "pp2",
+    )
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == pytest.approx(single, rel=RTOL)

@@ -37,8 +37,14 @@ def reference(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         {"parallel": "tp2", "parallel.pp_schedule": "1f1b"},
         {"parallel.pp_schedule": "zero_bubble"},
         {"parallel": "zero1", "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_chunks": 2},
+        {"parallel": "cp2", "parallel.pp_schedule": "dualpipev"},
     ],
-    ids=["pp2-tp2-sp-1f1b", "pp2-dp2-zero_bubble", "pp2-dp2-zero1-interleaved"],
+    ids=[
+        "pp2-tp2-sp-1f1b",
+        "pp2-dp2-zero_bubble",
+        "pp2-dp2-zero1-interleaved",
+        "pp2-cp2-dualpipev",
+    ],
 )
 def test_pp2_composed_matches_single_process(
     layout: dict, pool, kjv_data: Path, reference: dict, tmp_path: Path
