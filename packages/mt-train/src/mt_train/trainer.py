@@ -22,8 +22,9 @@ The trainer composes parts through narrow interfaces and knows no model family:
   :class:`~mt_train.data.dataset.ResumableSampler`;
 * model and parallelism: the config's family builds the plain model
   (:mod:`mt_train.models`), :func:`mt_parallel.parallelize` applies the family's plan;
-* the step: :class:`~mt_train.step.EagerStep` or :class:`~mt_train.cuda_graph.GraphedStep`
-  (``run(batches, ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
+* the step: :class:`~mt_train.step.EagerStep`, :class:`~mt_train.cuda_graph.GraphedStep` or,
+  with ``parallel.pp > 1``, :class:`~mt_train.pipeline_step.PipelineStep` (``run(batches,
+  ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
 * the update policy (:mod:`mt_train.update`): ZeRO-1's split step, the clip folded into a
   fused AdamW, or clip then step;
 * state: :class:`~mt_train.run_state.RunState` (checkpoints, resume, rewind); anomaly
@@ -82,6 +83,7 @@ from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
 from mt_train.models.build import fp8_layer_count, warn_if_fp8_emulated
 from mt_train.optim import build_optimizer, lr_multiplier
+from mt_train.pipeline_step import pipeline_step
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
 from mt_train.rewind.events import EVENTS_FILE, EventLog
@@ -171,18 +173,21 @@ class Trainer:
         self.family = family_of(self.model_cfg)
         self.module = build_model(self.model_cfg, self.device, tr.seed)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
+        if p.pp > 1:  # this rank's chunks, under the whole model's names
+            self.module = self.model
         self.fp8_layers = fp8_layer_count(self.module)
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
             else None
         )
+        mp_group = self.pstate.group("mp") if p.pp > 1 else None
         self.optimizer = build_optimizer(
             self.module, cfg.optimizer, self.device.type, p.data_parallel, self.dp_cp_group,
-            self.tp_group,
+            self.tp_group, mp_group,
         )  # fmt: skip
         self.update = update_policy(
-            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group
+            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group, mp_group
         )
         bf16 = tr.precision == "bf16" or (tr.precision == "auto" and self.device.type != "cpu")
         self.autocast_dtype = torch.bfloat16 if bf16 else None
@@ -193,6 +198,8 @@ class Trainer:
         self.step_runner = (
             GraphedStep.for_run(self.runner, p, self.model_cfg.dropout, self.pstate.size("dp_cp"))
             if tr.cuda_graph
+            else pipeline_step(self.runner, cfg, self.model_cfg, self.pstate, self.dp)
+            if p.pp > 1
             else EagerStep(self.runner)
         )
         self.flops_per_token = self.family.flops_per_token(self.model_cfg, tr.seq_len)
@@ -263,9 +270,10 @@ class Trainer:
         self.ctx.device.manual_seed(torch.initial_seed())
 
     def layout(self) -> dict[str, int]:
-        """What RNG states depend on: the world size and the tp, cp, dp degrees."""
+        """What RNG states depend on: the world size and the tp, cp, dp (and pp) degrees."""
         p = self.cfg.parallel
-        return {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        layout = {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        return {**layout, "pp": p.pp} if p.pp > 1 else layout
 
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any layout; :meth:`mt_train.run_state.RunState.load`)."""
@@ -467,6 +475,8 @@ class Trainer:
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
         fp8 = f", fp8 {self.cfg.fp8.recipe} ({self.fp8_layers} linears)" if self.fp8_layers else ""
         sp = "+sp" if p.sequence_parallel else ""
+        if p.pp > 1:
+            sp += f" pp={p.pp} {p.pp_schedule}"
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
         docs = ", document masking" if self.cfg.data.document_masking else ""
         params = self.family.num_params(self.module) / 1e6

@@ -21,6 +21,7 @@ from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
 from mt_parallel import ParallelConfig, validate_cp_sequence
+from mt_parallel.pipeline import chunks_per_rank, split_layers
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -394,6 +395,9 @@ class TrainConfig:
                 f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds "
                 f"trainer.max_steps={tr.max_steps}"
             )
+        if par.pp > 1 and hasattr(model, "n_layers"):  # the layers split as asked
+            chunks = chunks_per_rank(par.pp_schedule, par.pp_chunks)
+            split_layers(model.n_layers, par.pp * chunks, par.pp_layers or None)
         if self.fp8.enabled and self.fp8.min_features % 16:
             raise ValueError(f"fp8.min_features={self.fp8.min_features} must be a multiple of 16")
 
@@ -406,6 +410,7 @@ class TrainConfig:
                 f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
                 f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{dp} = {per_step}"
             )
+        self.parallel.pipeline_microbatches(self.trainer.global_batch_size // per_step)
         if self.fault.rank is not None and self.fault.rank >= world_size:
             raise ValueError(
                 f"fault.rank={self.fault.rank} is not a rank of this run (world size {world_size})"
