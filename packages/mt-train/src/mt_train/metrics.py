@@ -1,4 +1,7 @@
-"""Metrics sinks: a progress bar (or log lines), a JSONL file and optional TensorBoard.
+"""Metrics on rank 0: a progress bar (or log lines) and the run's metric loggers.
+
+The loggers (JSONL, TensorBoard, W&B and any plugin's) share one interface and registry,
+:mod:`mt_train.loggers`; :class:`MetricsLogger` hands every record to each of them.
 
 Throughput is measured between two log points: ``tokens/s = tokens / wall seconds`` over all
 ranks, after synchronising the device so queued GPU work is counted. Model FLOPs
@@ -9,7 +12,6 @@ known peak (the CPU) MFU is left out rather than guessed.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -19,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from mt_train.config.schema import LoggingConfig
+from mt_train.loggers import RunInfo, build_sinks
 
 
 def _fmt(value: Any) -> str:
@@ -33,28 +36,24 @@ class MetricsLogger:
     """Rank 0 writes; other ranks' calls are no-ops."""
 
     def __init__(
-        self, cfg: LoggingConfig, output_dir: Path, total_steps: int, start_step: int, enabled: bool
+        self,
+        cfg: LoggingConfig,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        run: RunInfo | None = None,
     ) -> None:
         self.enabled = enabled
         self.bar = None
-        self.jsonl = None
-        self.tb = None
+        self.sinks: list = []
         if not enabled:
             return
+        self.sinks = build_sinks(cfg, run or RunInfo(output_dir))
         if cfg.progress_bar:
             self.bar = tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
             )
-        if cfg.jsonl:
-            self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError(
-                    "logging.tensorboard=true needs TensorBoard: pip install 'mt-train[tensorboard]'"
-                ) from err
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -70,13 +69,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, **finite}) + "\n")
-            self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in finite.items():
-                if isinstance(value, int | float):
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+        for sink in self.sinks:
+            sink.log(step, kind, finite)
         shown = {k: _fmt(v) for k, v in finite.items() if k in DISPLAY}
         if self.bar is not None:
             if kind == "train":
@@ -102,10 +96,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "event")

@@ -121,26 +121,33 @@ class FaultConfig:
     """The process sends itself SIGTERM as this step begins (a preemption drill)."""
     corrupt_latest_checkpoint: bool = False
     """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
+    hang_at_step: int | None = None
+    """This step sleeps ``hang_s`` seconds before it starts (a hang drill for
+    ``trainer.step_timeout_s`` and ``comm.timeout_s``)."""
+    hang_s: float = 3600.0
+    """How long ``hang_at_step`` sleeps."""
     rank: int | None = None
     """Only this rank injects the step faults; null: every rank."""
 
     def __post_init__(self) -> None:
         for name in (
             "nan_at_step", "spike_at_step", "grad_spike_at_step", "fp8_overflow_at_step",
-            "bad_batch_at_step", "kill_at_step", "sigterm_at_step",
+            "bad_batch_at_step", "kill_at_step", "sigterm_at_step", "hang_at_step",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 _check_int("fault", name, value, 1)
         if self.rank is not None:
             _check_int("fault", "rank", self.rank, 0)
+        if not self.hang_s > 0:
+            raise ValueError(f"fault.hang_s must be > 0 seconds, got {self.hang_s}")
         if not self.spike_factor > 1:
             raise ValueError(f"fault.spike_factor must be > 1, got {self.spike_factor}")
 
     @property
     def step_faults(self) -> dict[str, int]:
         """The one-shot step faults that are set, by name."""
-        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm")
+        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm", "hang")
         return {
             n: getattr(self, f"{n}_at_step")
             for n in names

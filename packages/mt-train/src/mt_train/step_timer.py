@@ -1,0 +1,126 @@
+"""Where a step's time goes: named phases between boundaries, summed over a log interval.
+
+The trainer calls :meth:`StepTimer.start` with a phase name at fixed points of the loop; each
+phase lasts until the next one starts, so the phases partition the time between two log points
+exactly::
+
+    data | forward_backward | grad_sync | optimizer | logging | eval | checkpoint | rewind
+
+* ``data``: drawing and collating the step's micro-batches and copying them to the device (on
+  an accelerator: the time the device waited for them);
+* ``forward_backward``: the micro-batches' forward and backward, with the gradient reduction
+  that DDP / FSDP2 overlap with the backward (its exposed tail is inside this phase);
+* ``grad_sync``: from the end of the backward to the gradient norm: the flat all-reduce
+  (``data_parallel=none``), ZeRO-1's reduce-scatter, and the norm's own all-reduces;
+* ``optimizer``: the step's one host read-out, the anomaly judgement and the update;
+* ``logging``, ``eval``, ``checkpoint``, ``rewind``: the stalls of writing metrics, of
+  validation, of (the synchronous part of) a checkpoint save and of a rewind.
+
+On a device with streams each boundary is an event recorded on the current stream, so a phase
+is device time between two points of the stream: nothing synchronises until the log point
+(which synchronises anyway to measure throughput). On the CPU boundaries are host clock
+readings. Either way ``sum(phases) = wall time between log points`` up to the launch latency of
+the first and last event; :meth:`summary` reports each phase as seconds per healthy step
+(``time/<phase>``), ``time/step`` (their sum), the slowest rank's ``time/step`` (one
+``all_reduce(MAX)`` of a single number per log point: a straggler shows as
+``time/step_max > time/step``) and the device's reserved memory.
+
+With a profiler recording (:mod:`mt_train.profiling`) each phase is also a
+``torch.profiler.record_function`` range named ``mt.<phase>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+from torch import profiler
+
+import mt_comm
+from mt_train import ranks
+
+PHASES = (
+    "data",
+    "forward_backward",
+    "grad_sync",
+    "optimizer",
+    "logging",
+    "eval",
+    "checkpoint",
+    "rewind",
+)
+
+
+class StepTimer:
+    """Phase boundaries of the steps since the last :meth:`summary` (module docstring)."""
+
+    def __init__(self, device: Any, enabled: bool = True) -> None:
+        self.device, self.enabled = device, enabled
+        self.use_events = enabled and device.has_streams
+        self.annotate = False
+        """Open a ``record_function`` range per phase (set while a profiler records)."""
+        self._range: Any = None
+        self._boundaries: list[tuple[str, Any]] = []
+        self._phase: str | None = None
+
+    def _now(self) -> Any:
+        if self.use_events:
+            event = self.device.event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        """End the current phase and start ``phase``."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown step phase {phase!r}; valid: {', '.join(PHASES)}")
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if self.annotate:
+            self._range = profiler.record_function(f"mt.{phase}")
+            self._range.__enter__()
+        if not self.enabled:
+            return
+        self._boundaries.append((phase, self._now()))
+        self._phase = phase
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        if self.use_events:
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+    def summary(self, steps: int, world_group: Any = None) -> dict[str, float]:
+        """Seconds per step of every phase since the last call, over ``steps`` healthy steps.
+        The phase in progress ends here and ``logging`` starts. Call on every rank (one
+        collective)."""
+        if not self.enabled or self._phase is None:
+            return {}
+        self.start("logging")
+        if self.use_events:
+            self._boundaries[-1][1].synchronize()
+        totals = dict.fromkeys(PHASES, 0.0)
+        bounds = self._boundaries
+        for (phase, begin), (_, end) in itertools.pairwise(bounds):
+            totals[phase] += self._elapsed(begin, end)
+        self._boundaries = bounds[-1:]
+        per_step = max(steps, 1)
+        out = {f"time/{phase}": total / per_step for phase, total in totals.items()}
+        out["time/step"] = sum(totals.values()) / per_step
+        slowest = torch.tensor([out["time/step"]], dtype=torch.float64, device=self._home())
+        if ranks.active(world_group):
+            mt_comm.all_reduce(slowest, op="max", group=world_group)
+        out["time/step_max"] = float(slowest[0])
+        out["mem_reserved_gib"] = self.device.memory_stats().get("reserved", 0) / 2**30
+        return out
+
+    def _home(self) -> torch.device:
+        return self.device.torch_device() if self.device.type != "cpu" else torch.device("cpu")
+
+    def close(self) -> None:
+        """Close an open profiler range."""
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None

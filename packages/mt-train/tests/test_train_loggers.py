@@ -1,0 +1,118 @@
+"""Metric loggers: one interface for JSONL, TensorBoard, W&B and plugins; the run record.
+
+The W&B logger is checked twice: against a stand-in ``wandb`` module that records our calls
+(always runs), and for real in offline mode when ``wandb`` is installed (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+from train_checks import fit, tiny_overrides
+
+from mt_core import hookimpl, register_plugin, reset_plugin_manager
+from mt_train.cli import validate_overrides
+from mt_train.loggers import RUN_RECORD, git_commit
+
+
+class FakeWandbRun:
+    def __init__(self, **kwargs: Any) -> None:
+        self.init = kwargs
+        self.logged: list[dict] = []
+        self.defined: list[tuple] = []
+        self.finished = False
+
+    def define_metric(self, name: str, **kwargs: Any) -> None:
+        self.defined.append((name, kwargs))
+
+    def log(self, values: dict) -> None:
+        self.logged.append(values)
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_logger_calls(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[FakeWandbRun] = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: runs.append(FakeWandbRun(**kwargs)) or runs[-1]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    trainer, _ = fit(tiny_overrides(kjv_data, logging="wandb"), tmp_path)
+    (run,) = runs
+    assert run.init["mode"] == "offline" and run.init["project"] == "mt-train"
+    assert run.init["dir"] == str(tmp_path) and run.init["id"] == trainer.run_id
+    assert run.init["config"]["model"]["dim"] == 64
+    assert run.init["config"]["git_commit"] == git_commit()
+    assert ("*", {"step_metric": "step"}) in run.defined
+    train = [r for r in run.logged if "train/loss" in r]
+    assert [r["step"] for r in train] == [4, 8]
+    assert "train/time/forward_backward" in train[0]
+    assert any("eval/val_loss" in r for r in run.logged)
+    assert run.finished
+
+
+def test_wandb_offline_run_writes_its_files(kjv_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    fit(tiny_overrides(kjv_data, logging="wandb"), tmp_path)
+    (offline,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert list(offline.glob("run-*.wandb"))
+
+
+class MemoryLogger:
+    """A third-party logger: keeps what it is given."""
+
+    records: ClassVar[list[tuple[int, str, dict]]] = []
+    closed = False
+
+    def __init__(self, cfg: Any, run: Any) -> None:
+        MemoryLogger.run = run
+
+    def log(self, step: int, kind: str, metrics: dict) -> None:
+        MemoryLogger.records.append((step, kind, metrics))
+
+    def close(self) -> None:
+        MemoryLogger.closed = True
+
+
+class MemoryLoggerPlugin:
+    @hookimpl
+    def mt_register_loggers(self, registry: Any) -> None:
+        registry.add("memory", MemoryLogger)
+
+
+def test_third_party_logger_through_the_hook(kjv_data: Path, tmp_path: Path) -> None:
+    register_plugin(MemoryLoggerPlugin(), "test-memory-logger")
+    try:
+        overrides = tiny_overrides(kjv_data, **{"logging.loggers": "[memory]"})
+        assert validate_overrides(overrides) is None
+        fit(overrides, tmp_path)
+    finally:
+        reset_plugin_manager()
+    train = [(step, m) for step, kind, m in MemoryLogger.records if kind == "train"]
+    assert [step for step, _ in train] == [4, 8] and "loss" in train[0][1]
+    assert MemoryLogger.closed and MemoryLogger.run.output_dir == tmp_path
+    # The built-in JSONL logger ran beside it and saw the same records.
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if '"train"' in line] == [4, 8]
+
+
+def test_unknown_logger_is_a_one_line_config_error(kjv_data: Path) -> None:
+    error = validate_overrides(tiny_overrides(kjv_data, **{"logging.loggers": "[nope]"}))
+    assert error is not None and "\n" not in error
+    assert "['nope']" in error and "jsonl" in error and "wandb" in error
+
+
+def test_run_record_holds_config_and_commit(kjv_data: Path, tmp_path: Path) -> None:
+    trainer, _ = fit(tiny_overrides(kjv_data), tmp_path)
+    (record,) = [json.loads(line) for line in (tmp_path / RUN_RECORD).read_text().splitlines()]
+    assert record["run_id"] == trainer.run_id and record["resumed_at_step"] == 0
+    assert record["config"]["trainer"]["seq_len"] == 64
+    assert record["git_commit"] == git_commit()
+    assert record["git_commit"] is None or len(record["git_commit"].split("-")[0]) == 40

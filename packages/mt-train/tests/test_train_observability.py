@@ -1,0 +1,203 @@
+"""Observability: profiler windows, memory snapshots, the step-time breakdown, hang diagnostics.
+
+The profiler and breakdown tests train the tiny job in-process; the watchdog and the collective
+timeout need processes that die, so they run ``python -m mt_train`` (one rank) and ``torchrun``
+(two gloo ranks) as subprocesses with a ``fault.hang_at_step`` drill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_checks import fit, tiny_overrides
+
+from mt_train.cli import validate_overrides
+from mt_train.config.observability import ProfilingConfig
+from mt_train.profiling import Profiler
+from mt_train.step_timer import PHASES
+from mt_train.watchdog import EXIT_HANG, flight_recorder_env
+
+SUBPROCESS_TIMEOUT_S = 240
+"""Per launch; a tiny run takes about 10 s on two loaded CPU cores."""
+
+
+def _records(run: Path, kind: str = "train") -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_profiled_window_writes_a_trace_naming_our_phases(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(kjv_data, **{"profiling": "trace", "profiling.steps": "[3,4]"})
+    _, summary = fit(overrides, tmp_path)
+    trace = tmp_path / "profile" / "rank0_step3-4.pt.trace.json"
+    assert summary.traces == [str(trace)]
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    for phase in ("data", "forward_backward", "grad_sync", "optimizer"):
+        assert f"mt.{phase}" in names, sorted(n for n in names if n and n.startswith("mt."))
+    assert "aten::mm" in names  # the model's GEMMs, by the op's name
+    # Two recorded steps (3 and 4), nothing of the warm-up step 2 or of steps 5-8.
+    assert len({n for n in names if n and n.startswith("ProfilerStep#")}) == 2
+
+
+def test_profiler_schedule_follows_absolute_steps(tmp_path: Path) -> None:
+    cfg = ProfilingConfig(enabled=True, steps=[4, 5], warmup=2, every=10)
+    profiler = Profiler(cfg, tmp_path, 0, "cpu", announce=print)
+    actions = {step: profiler.action(step).name for step in range(1, 17)}
+    assert [s for s, a in actions.items() if a == "WARMUP"] == [2, 3, 12, 13]
+    assert [s for s, a in actions.items() if a == "RECORD"] == [4, 14]
+    assert [s for s, a in actions.items() if a == "RECORD_AND_SAVE"] == [5, 15]
+
+
+def test_memory_snapshot_is_refused_without_cuda(kjv_data: Path) -> None:
+    error = validate_overrides(
+        [*tiny_overrides(kjv_data), "profiling=memory", "trainer.device=cpu"]
+    )
+    assert error is not None and "\n" not in error
+    assert "profiling.memory_snapshot=true" in error and "'cpu'" in error
+
+
+@pytest.mark.gpu
+def test_memory_snapshot_of_one_step(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(kjv_data, **{"profiling": "memory", "profiling.steps": "[2,2]"})
+    _, summary = fit(overrides, tmp_path)
+    path = tmp_path / "profile" / "rank0_memory_step2-2.pickle"
+    assert summary.traces == [str(path)]
+    with open(path, "rb") as f:
+        snapshot = pickle.load(f)  # torch's own snapshot format (memory_viz reads it)
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" for e in events)
+
+
+def test_step_breakdown_sums_to_the_step_time(kjv_data: Path, tmp_path: Path) -> None:
+    _, summary = fit(tiny_overrides(kjv_data), tmp_path)
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [4, 8]
+    tokens_per_step = 8 * 64
+    for record in records:
+        parts = sum(record[f"time/{phase}"] for phase in PHASES)
+        # The phases partition the interval: their sum is the step time up to float rounding.
+        assert parts == pytest.approx(record["time/step"], rel=1e-9)
+        # Against an independent clock (tokens/s from Throughput, read a few microseconds
+        # apart from the timer's boundaries at each end of a 4-step interval of >= 10 ms):
+        assert record["time/step"] == pytest.approx(tokens_per_step / record["tok/s"], rel=0.05)
+        assert record["time/forward_backward"] > 0 and record["time/optimizer"] > 0
+        assert record["time/step_max"] == record["time/step"]  # one rank
+    # The step-4 checkpoint is saved after step 4's record: its stall is in step 8's.
+    assert records[0]["time/checkpoint"] == 0 and records[1]["time/checkpoint"] > 0
+    assert summary.checkpoints_written == 2 and summary.tokens == 8 * tokens_per_step
+
+
+def test_step_breakdown_can_be_switched_off(kjv_data: Path, tmp_path: Path) -> None:
+    fit(tiny_overrides(kjv_data, **{"logging.step_breakdown": "false"}), tmp_path)
+    assert not any(key.startswith("time/") for r in _records(tmp_path) for key in r)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("profiling.steps=[3]", "profiling.steps must be [first, last]"),
+        ("profiling.steps=[4,3]", "profiling.steps[1] must be an integer >= 4"),
+        ("profiling.steps=[0,3]", "profiling.steps[0] must be an integer >= 1"),
+        ("profiling.warmup=3", "profiling.warmup=3"),
+        ("profiling.every=2", "profiling.every=2"),
+        ("profiling.folder=/tmp/x", "profiling.folder='/tmp/x'"),
+        ("profiling.memory_snapshot_entries=0", "profiling.memory_snapshot_entries"),
+        ("comm.timeout_s=0", "comm.timeout_s must be > 0"),
+        ("comm.trace_buffer_size=-1", "comm.trace_buffer_size must be an integer >= 0"),
+        ("trainer.step_timeout_s=-1", "trainer.step_timeout_s must be > 0"),
+        ("logging.wandb_mode=cloud", "logging.wandb_mode='cloud' is unknown"),
+        ("logging.loggers=[x,x]", "names a logger twice"),
+        ("fault.hang_s=0", "fault.hang_s must be > 0"),
+    ],
+)
+def test_new_fields_reject_bad_values_in_one_line(
+    kjv_data: Path, override: str, named: str
+) -> None:
+    error = validate_overrides([*tiny_overrides(kjv_data), override])
+    assert error is not None and "\n" not in error
+    assert named in error
+
+
+def test_flight_recorder_env_respects_what_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mt_train.config.observability import CommConfig
+
+    for name in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+    flight_recorder_env(CommConfig(trace_buffer_size=0))
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ
+    flight_recorder_env(CommConfig(trace_buffer_size=2000))
+    assert (
+        os.environ["TORCH_FR_BUFFER_SIZE"] == os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    )
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's choice stands
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
+
+
+def test_watchdog_dumps_stacks_of_a_hung_step(kjv_data: Path, tmp_path: Path) -> None:
+    overrides = tiny_overrides(
+        kjv_data,
+        **{"fault.hang_at_step": 3, "trainer.step_timeout_s": 2, "trainer.output_dir": tmp_path},
+    )
+    done = _run(
+        [sys.executable, "-m", "mt_train", *overrides, f"hydra.run.dir={tmp_path}"], tmp_path
+    )
+    assert done.returncode == EXIT_HANG, done.stderr[-2000:]
+    dump = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert "step 3 ran longer than trainer.step_timeout_s=2 s" in dump
+    assert 'File "' in dump and "faults.py" in dump and "begin_step" in dump  # where it hangs
+    assert f"every thread's Python stack is in {tmp_path / 'hang' / 'rank0.txt'}" in done.stderr
+
+
+def test_collective_timeout_names_the_rank_and_the_collective(
+    kjv_data: Path, tmp_path: Path
+) -> None:
+    """Rank 1 hangs before step 3; rank 0's next collective times out after comm.timeout_s,
+    and rank 1's watchdog leaves its stacks."""
+    overrides = tiny_overrides(
+        kjv_data,
+        **{
+            "fault.hang_at_step": 3,
+            "fault.rank": 1,
+            "fault.hang_s": 30,
+            "comm.timeout_s": 3,
+            "trainer.step_timeout_s": 8,
+            "trainer.output_dir": tmp_path,
+        },
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--max-restarts", "0", "--standalone", "-m", "mt_train", *overrides,
+        f"hydra.run.dir={tmp_path}",
+    ]  # fmt: skip
+    done = _run(command, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=3 s" in line]
+    assert lines, out[-3000:]
+    assert "mt-train: rank 0: " in lines[0] and "called from" in lines[0], lines[0]
+    assert "begin_step" in (tmp_path / "hang" / "rank1.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_profiler_refuses_memory_snapshot_on_cpu(tmp_path: Path) -> None:
+    cfg = ProfilingConfig(memory_snapshot=True)
+    with pytest.raises(ValueError, match="records the CUDA allocator's history"):
+        Profiler(cfg, tmp_path, 0, "cpu", announce=print)
