@@ -170,13 +170,15 @@ def test_collective_timeout_names_the_rank_and_the_collective(
     kjv_data: Path, tmp_path: Path
 ) -> None:
     """Rank 1 hangs before step 3; rank 0's next collective times out after comm.timeout_s,
-    and rank 1's watchdog leaves its stacks."""
+    and rank 1's watchdog leaves its stacks. Step 2's record, logged before, holds the
+    slowest rank's step time (one all-reduce MAX over both ranks)."""
     overrides = tiny_overrides(
         kjv_data,
         **{
             "fault.hang_at_step": 3,
             "fault.rank": 1,
             "fault.hang_s": 30,
+            "trainer.log_interval": 2,
             "comm.timeout_s": 3,
             "trainer.step_timeout_s": 8,
             "trainer.output_dir": tmp_path,
@@ -194,6 +196,8 @@ def test_collective_timeout_names_the_rank_and_the_collective(
     assert lines, out[-3000:]
     assert "mt-train: rank 0: " in lines[0] and "called from" in lines[0], lines[0]
     assert "begin_step" in (tmp_path / "hang" / "rank1.txt").read_text()
+    (record,) = _records(tmp_path)
+    assert record["step"] == 2 and record["time/step_max"] >= record["time/step"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
@@ -201,3 +205,91 @@ def test_profiler_refuses_memory_snapshot_on_cpu(tmp_path: Path) -> None:
     cfg = ProfilingConfig(memory_snapshot=True)
     with pytest.raises(ValueError, match="records the CUDA allocator's history"):
         Profiler(cfg, tmp_path, 0, "cpu", announce=print)
+
+
+class FakeEvent:
+    """A device event on a fake clock: complete once the fake device has reached its time."""
+
+    def __init__(self, device: FakeStreamDevice) -> None:
+        self.device, self.t = device, 0.0
+
+    def record(self) -> None:
+        self.t = self.device.clock
+
+    def query(self) -> bool:
+        return self.t <= self.device.reached
+
+    def synchronize(self) -> None:
+        self.device.reached = max(self.device.reached, self.t)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return (end.t - self.t) * 1e3  # milliseconds, as torch.cuda.Event reports
+
+
+class FakeStreamDevice:
+    type, has_streams = "cpu", True
+
+    def __init__(self) -> None:
+        self.clock, self.reached = 0.0, -1.0
+
+    def event(self, enable_timing: bool = False) -> FakeEvent:
+        return FakeEvent(self)
+
+    def memory_stats(self) -> dict[str, int]:
+        return {"reserved": 3 * 2**30}
+
+
+def test_step_timer_events_fold_as_they_complete() -> None:
+    from mt_train.step_timer import StepTimer
+
+    device = FakeStreamDevice()
+    timer = StepTimer(device)
+    for t, phase in [(0, "data"), (1, "forward_backward"), (3, "grad_sync"), (3.5, "optimizer")]:
+        device.clock = t
+        timer.start(phase)
+    assert len(timer._pending) == 4  # the device has reached none of them: all in flight
+    device.reached, device.clock = 3.5, 4.0
+    timer.start("data")
+    assert len(timer._pending) == 2  # folded up to the last completed boundary
+    device.clock = 5.0
+    out = timer.summary(steps=1)
+    assert out["time/data"] == 2.0 and out["time/forward_backward"] == 2.0
+    assert out["time/grad_sync"] == out["time/optimizer"] == 0.5
+    assert out["time/step"] == out["time/step_max"] == 5.0 and out["mem_reserved_gib"] == 3.0
+    device.clock = 6.0
+    timer.start("data")
+    assert timer.summary(steps=1)["time/logging"] == 1.0  # the next interval starts at the log
+
+
+def test_out_of_memory_is_one_line_and_exit_1(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train import cli
+    from mt_train.trainer import Trainer
+
+    def out_of_memory(self: Trainer) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(Trainer, "fit", out_of_memory)
+    status = cli.main([*tiny_overrides(kjv_data), f"hydra.run.dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == cli.EXIT_OUT_OF_MEMORY == 1
+    assert err[-1] == (
+        "mt-train: rank 0: out of memory at step 1; profiling.memory_snapshot=true "
+        "profiling.steps=[1,1] records a snapshot of it"
+    )
+
+
+def test_end_of_run_summary(kjv_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from mt_train.cli import print_summary
+
+    overrides = tiny_overrides(kjv_data, **{"profiling": "trace", "profiling.steps": "[3,4]"})
+    _, summary = fit(overrides, tmp_path)
+    capsys.readouterr()
+    print_summary(summary)
+    text = capsys.readouterr().out
+    assert "done: 8 steps, 4,096 tokens in " in text
+    assert f"(best interval {summary.best_tokens_per_s:,.0f})" in text
+    assert summary.best_tokens_per_s >= summary.tokens_per_s > 0
+    assert "peak memory " in text and "checkpoints written: 2; rewinds: 0" in text
+    assert f"profiles: {tmp_path / 'profile' / 'rank0_step3-4.pt.trace.json'}" in text

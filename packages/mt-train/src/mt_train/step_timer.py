@@ -18,8 +18,10 @@ exactly::
 
 On a device with streams each boundary is an event recorded on the current stream, so a phase
 is device time between two points of the stream: nothing synchronises until the log point
-(which synchronises anyway to measure throughput). On the CPU boundaries are host clock
-readings. Either way ``sum(phases) = wall time between log points`` up to the launch latency of
+(which synchronises anyway to measure throughput); boundaries whose events have completed
+(``Event.query()``, no wait) are folded into per-phase totals as new ones arrive, so only the
+few in flight are held, whether or not anyone asks for a summary. On the CPU boundaries are
+host clock readings. Either way ``sum(phases) = wall time between log points`` up to the launch latency of
 the first and last event; :meth:`summary` reports each phase as seconds per healthy step
 (``time/<phase>``), ``time/step`` (their sum), the slowest rank's ``time/step`` (one
 ``all_reduce(MAX)`` of a single number per log point: a straggler shows as
@@ -31,7 +33,6 @@ With a profiler recording (:mod:`mt_train.profiling`) each phase is also a
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -62,8 +63,9 @@ class StepTimer:
         self.annotate = False
         """Open a ``record_function`` range per phase (set while a profiler records)."""
         self._range: Any = None
-        self._boundaries: list[tuple[str, Any]] = []
-        self._phase: str | None = None
+        self._pending: list[tuple[str, Any]] = []
+        """Boundaries not yet folded into ``_totals``: (phase that starts there, mark)."""
+        self._totals = dict.fromkeys(PHASES, 0.0)
 
     def _now(self) -> Any:
         if self.use_events:
@@ -84,8 +86,20 @@ class StepTimer:
             self._range.__enter__()
         if not self.enabled:
             return
-        self._boundaries.append((phase, self._now()))
-        self._phase = phase
+        self._pending.append((phase, self._now()))
+        self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        """Add every phase whose end mark is reached (all of them with ``wait``) to the totals."""
+        pending = self._pending
+        done = 0
+        while done + 1 < len(pending):
+            (phase, begin), (_, end) = pending[done], pending[done + 1]
+            if self.use_events and not wait and not end.query():
+                break
+            self._totals[phase] += self._elapsed(begin, end)
+            done += 1
+        del pending[:done]
 
     def _elapsed(self, start: Any, end: Any) -> float:
         if self.use_events:
@@ -96,16 +110,13 @@ class StepTimer:
         """Seconds per step of every phase since the last call, over ``steps`` healthy steps.
         The phase in progress ends here and ``logging`` starts. Call on every rank (one
         collective)."""
-        if not self.enabled or self._phase is None:
+        if not self.enabled or not self._pending:
             return {}
         self.start("logging")
         if self.use_events:
-            self._boundaries[-1][1].synchronize()
-        totals = dict.fromkeys(PHASES, 0.0)
-        bounds = self._boundaries
-        for (phase, begin), (_, end) in itertools.pairwise(bounds):
-            totals[phase] += self._elapsed(begin, end)
-        self._boundaries = bounds[-1:]
+            self._pending[-1][1].synchronize()
+        self._fold(wait=True)
+        totals, self._totals = self._totals, dict.fromkeys(PHASES, 0.0)
         per_step = max(steps, 1)
         out = {f"time/{phase}": total / per_step for phase, total in totals.items()}
         out["time/step"] = sum(totals.values()) / per_step
