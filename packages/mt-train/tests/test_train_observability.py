@@ -293,3 +293,28 @@ def test_end_of_run_summary(kjv_data: Path, tmp_path: Path, capsys: pytest.Captu
     assert summary.best_tokens_per_s >= summary.tokens_per_s > 0
     assert "peak memory " in text and "checkpoints written: 2; rewinds: 0" in text
     assert f"profiles: {tmp_path / 'profile' / 'rank0_step3-4.pt.trace.json'}" in text
+
+
+@pytest.mark.gpu
+def test_out_of_memory_writes_a_snapshot(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train import cli
+    from mt_train.trainer import Trainer
+
+    train_step = Trainer.train_step
+
+    def step_then_overflow(self: Trainer) -> dict:
+        if self.step == 2:
+            free, _ = torch.cuda.mem_get_info()
+            torch.empty(2 * free, dtype=torch.uint8, device=self.device)  # a real allocator OOM
+        return train_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_overflow)
+    overrides = [*tiny_overrides(kjv_data), "profiling=memory", "profiling.steps=[1,1]"]
+    status = cli.main([*overrides, f"hydra.run.dir={tmp_path}"])
+    snapshot = tmp_path / "profile" / "rank0_oom.pickle"
+    assert status == 1 and snapshot.is_file()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("mt-train: rank 0: out of memory at step 3; memory snapshot in ")
+    assert str(snapshot) in line and "memory_viz" in line
