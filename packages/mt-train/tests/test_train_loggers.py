@@ -1,7 +1,8 @@
-"""Metric loggers: one interface for JSONL, TensorBoard, W&B and plugins; the run record.
+"""Metric loggers: one interface for JSONL, TensorBoard, W&B, MLflow and plugins; the run record.
 
-The W&B logger is checked twice: against a stand-in ``wandb`` module that records our calls
-(always runs), and for real in offline mode when ``wandb`` is installed (skipped otherwise).
+MLflow is checked against a stand-in module that records our calls; W&B twice: against such a
+stand-in (always runs), and for real in offline mode when ``wandb`` is installed (skipped
+otherwise).
 """
 
 from __future__ import annotations
@@ -63,6 +64,32 @@ def test_wandb_offline_run_writes_its_files(kjv_data: Path, tmp_path: Path) -> N
     fit(tiny_overrides(kjv_data, logging="wandb"), tmp_path)
     (offline,) = (tmp_path / "wandb").glob("offline-run-*")
     assert list(offline.glob("run-*.wandb"))
+
+
+def test_mlflow_logger_calls(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, tuple, dict]] = []
+    fake = types.ModuleType("mlflow")
+    for name in (
+        "set_tracking_uri", "set_experiment", "start_run", "set_tags", "log_dict",
+        "log_metrics", "end_run",
+    ):  # fmt: skip
+        setattr(fake, name, lambda *a, _n=name, **k: calls.append((_n, a, k)))
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    trainer, _ = fit(tiny_overrides(kjv_data, **{"logging.mlflow": "true"}), tmp_path)
+    by_name: dict[str, list] = {}
+    for name, args, kwargs in calls:
+        by_name.setdefault(name, []).append((args, kwargs))
+    assert by_name["set_tracking_uri"] == [(((tmp_path / "mlruns").as_uri(),), {})]
+    assert by_name["set_experiment"] == [(("mt-train",), {})]
+    ((tags,), _) = by_name["set_tags"][0]
+    assert tags == {"mt.run_id": trainer.run_id, "mt.git_commit": str(git_commit())}
+    ((config, artifact), _) = by_name["log_dict"][0]
+    assert artifact == "config.json" and config["model"]["dim"] == 64
+    train = [(a[0], k["step"]) for a, k in by_name["log_metrics"] if "train/loss" in a[0]]
+    assert [step for _, step in train] == [4, 8] and "train/time/step" in train[0][0]
+    assert [name for name, _, _ in calls][-1] == "end_run"
 
 
 class MemoryLogger:

@@ -116,8 +116,8 @@ def mt_register_loggers(registry: Registry[Any]) -> None:
     mt-train's ``LoggingConfig`` and ``mt_train.loggers.RunInfo`` (run folder, run id, config,
     git commit) and returns an object with ``log(step, kind, metrics)`` and ``close()``
     (``mt_train.loggers.MetricSink``); it runs on rank 0 only. mt-train's built-in loggers
-    (``jsonl``, ``tensorboard``, ``wandb``) register through this hook too; a run enables the
-    built-ins with ``logging.jsonl`` / ``logging.tensorboard`` / ``logging.wandb`` and any
-    other by name in ``logging.loggers``. The plugin module should import no tracker library;
+    (``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``) register through this hook too; a run
+    enables a built-in with its ``logging.<name>`` switch and any other logger by name in
+    ``logging.loggers``. The plugin module should import no tracker library;
     the factory does.
     """

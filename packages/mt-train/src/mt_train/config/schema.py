@@ -307,6 +307,12 @@ class LoggingConfig:
     """The W&B project."""
     wandb_mode: str = "offline"
     """offline (files only, ``wandb sync`` uploads them later), online or disabled."""
+    mlflow: bool = False
+    """Also log to MLflow (needs the ``mlflow`` extra)."""
+    mlflow_experiment: str = "mt-train"
+    """The MLflow experiment."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow stores runs; null: a file store in ``<run>/mlruns``."""
     loggers: list[str] = field(default_factory=list)
     """Further metric loggers by registered name (third-party ones come through the
     ``mt_register_loggers`` hook; :mod:`mt_train.loggers`)."""
@@ -319,8 +325,11 @@ class LoggingConfig:
             raise ValueError(
                 f"logging.wandb_mode={self.wandb_mode!r} is unknown; valid: {', '.join(WANDB_MODES)}"
             )
-        if not self.wandb_project:
-            raise ValueError("logging.wandb_project must not be empty")
+        if not self.wandb_project or not self.mlflow_experiment:
+            raise ValueError(
+                f"logging.wandb_project={self.wandb_project!r} and logging.mlflow_experiment="
+                f"{self.mlflow_experiment!r} must not be empty"
+            )
         if len(set(self.loggers)) != len(self.loggers):
             raise ValueError(f"logging.loggers={list(self.loggers)} names a logger twice")
 

@@ -1,5 +1,5 @@
 """Metric loggers: the interface, the run's metadata, and the registry behind
-``logging.jsonl`` / ``logging.tensorboard`` / ``logging.wandb`` / ``logging.loggers``."""
+``logging.jsonl`` / ``tensorboard`` / ``wandb`` / ``mlflow`` and ``logging.loggers``."""
 
 from mt_train.loggers.base import (
     RUN_RECORD,

@@ -26,8 +26,15 @@ def _wandb(cfg: Any, run: Any) -> Any:
     return WandbSink(cfg, run)
 
 
+def _mlflow(cfg: Any, run: Any) -> Any:
+    from mt_train.loggers.mlflow import MlflowSink
+
+    return MlflowSink(cfg, run)
+
+
 @hookimpl
 def mt_register_loggers(registry: Any) -> None:
     registry.add("jsonl", _jsonl)
     registry.add("tensorboard", _tensorboard)
     registry.add("wandb", _wandb)
+    registry.add("mlflow", _mlflow)

@@ -4,7 +4,7 @@
 (:mod:`mt_core.hookspecs`) once, after registering mt-train's built-ins
 (:mod:`mt_train.loggers.plugin`), and caches the factories until the plugin set changes.
 :func:`enabled_loggers` reads the names a run asks for off its ``logging`` config: the
-built-ins through their switches (``jsonl``, ``tensorboard``, ``wandb``), then
+built-ins through their switches (``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``), then
 ``logging.loggers`` in order.
 """
 
@@ -20,7 +20,7 @@ from mt_train.config.schema import LoggingConfig
 from mt_train.loggers.base import MetricSink, RunInfo
 
 BUILTIN_LOGGER_PLUGIN = ("mt_train.loggers", "mt_train.loggers.plugin")
-SWITCHES = ("jsonl", "tensorboard", "wandb")
+SWITCHES = ("jsonl", "tensorboard", "wandb", "mlflow")
 """Built-in loggers turned on by the ``logging`` field of the same name."""
 
 Factory = Callable[[LoggingConfig, RunInfo], MetricSink]
