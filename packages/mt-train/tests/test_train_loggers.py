@@ -1,7 +1,7 @@
 """Metric loggers: one interface for JSONL, TensorBoard, W&B, MLflow and plugins; the run record.
 
-MLflow is checked against a stand-in module that records our calls; W&B twice: against such a
-stand-in (always runs), and for real in offline mode when ``wandb`` is installed (skipped
+W&B and MLflow are each checked twice: against a stand-in module that records our calls
+(always runs), and for real, offline, in the run folder when the library is installed (skipped
 otherwise).
 """
 
@@ -72,8 +72,8 @@ def test_mlflow_logger_calls(
     calls: list[tuple[str, tuple, dict]] = []
     fake = types.ModuleType("mlflow")
     for name in (
-        "set_tracking_uri", "set_experiment", "start_run", "set_tags", "log_dict",
-        "log_metrics", "end_run",
+        "set_tracking_uri", "get_experiment_by_name", "create_experiment", "set_experiment",
+        "start_run", "set_tags", "log_dict", "log_metrics", "end_run",
     ):  # fmt: skip
         setattr(fake, name, lambda *a, _n=name, **k: calls.append((_n, a, k)))
     monkeypatch.setitem(sys.modules, "mlflow", fake)
@@ -81,7 +81,9 @@ def test_mlflow_logger_calls(
     by_name: dict[str, list] = {}
     for name, args, kwargs in calls:
         by_name.setdefault(name, []).append((args, kwargs))
-    assert by_name["set_tracking_uri"] == [(((tmp_path / "mlruns").as_uri(),), {})]
+    assert by_name["set_tracking_uri"] == [((f"sqlite:///{tmp_path / 'mlflow.db'}",), {})]
+    artifacts = (tmp_path / "mlartifacts").as_uri()
+    assert by_name["create_experiment"] == [(("mt-train",), {"artifact_location": artifacts})]
     assert by_name["set_experiment"] == [(("mt-train",), {})]
     ((tags,), _) = by_name["set_tags"][0]
     assert tags == {"mt.run_id": trainer.run_id, "mt.git_commit": str(git_commit())}
@@ -90,6 +92,20 @@ def test_mlflow_logger_calls(
     train = [(a[0], k["step"]) for a, k in by_name["log_metrics"] if "train/loss" in a[0]]
     assert [step for _, step in train] == [4, 8] and "train/time/step" in train[0][0]
     assert [name for name, _, _ in calls][-1] == "end_run"
+
+
+def test_mlflow_run_in_the_run_folder(kjv_data: Path, tmp_path: Path) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    trainer, _ = fit(tiny_overrides(kjv_data, **{"logging.mlflow": "true"}), tmp_path)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("mt-train")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["mt.run_id"] == trainer.run_id
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [4, 8]
+    config = tmp_path / "mlartifacts" / run.info.run_id / "artifacts" / "config.json"
+    assert json.loads(config.read_text())["trainer"]["seq_len"] == 64
 
 
 class MemoryLogger:

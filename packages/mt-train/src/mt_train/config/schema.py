@@ -312,7 +312,8 @@ class LoggingConfig:
     mlflow_experiment: str = "mt-train"
     """The MLflow experiment."""
     mlflow_tracking_uri: str | None = None
-    """Where MLflow stores runs; null: a file store in ``<run>/mlruns``."""
+    """Where MLflow stores runs; null: an SQLite store ``<run>/mlflow.db`` (artifacts in
+    ``<run>/mlartifacts``)."""
     loggers: list[str] = field(default_factory=list)
     """Further metric loggers by registered name (third-party ones come through the
     ``mt_register_loggers`` hook; :mod:`mt_train.loggers`)."""
