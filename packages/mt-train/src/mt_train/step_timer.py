@@ -25,7 +25,8 @@ host clock readings. Either way ``sum(phases) = wall time between log points`` u
 the first and last event; :meth:`summary` reports each phase as seconds per healthy step
 (``time/<phase>``), ``time/step`` (their sum), the slowest rank's ``time/step`` (one
 ``all_reduce(MAX)`` of a single number per log point: a straggler shows as
-``time/step_max > time/step``) and the device's reserved memory.
+``time/step_max > time/step``) and, on devices with a caching allocator, its reserved memory
+(``mem_reserved_gib``).
 
 With a profiler recording (:mod:`mt_train.profiling`) each phase is also a
 ``torch.profiler.record_function`` range named ``mt.<phase>``.
@@ -124,7 +125,9 @@ class StepTimer:
         if ranks.active(world_group):
             mt_comm.all_reduce(slowest, op="max", group=world_group)
         out["time/step_max"] = float(slowest[0])
-        out["mem_reserved_gib"] = self.device.memory_stats().get("reserved", 0) / 2**30
+        stats = self.device.memory_stats()
+        if "reserved" in stats:  # a caching allocator's (the CPU reports none)
+            out["mem_reserved_gib"] = stats["reserved"] / 2**30
         return out
 
     def _home(self) -> torch.device:

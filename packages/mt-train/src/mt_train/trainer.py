@@ -114,7 +114,7 @@ class TrainSummary:
     """Model FLOPs utilisation of ``tokens_per_s`` (None where the device's peak is unknown)."""
     best_mfu: float | None = None
     peak_memory_gib: float = 0.0
-    """Peak allocated device memory of rank 0 (0 on the CPU)."""
+    """The largest ``mem_gib`` (peak allocated memory) rank 0 logged."""
     checkpoints_written: int = 0
     traces: list[str] = field(default_factory=list)
     """Profiler traces and memory snapshots written by rank 0."""
@@ -362,8 +362,8 @@ class Trainer:
         is_main = self.rank == 0
         if is_main:
             print(self.describe(), file=sys.stderr, flush=True)
-        run = run_info(self.cfg, self.output_dir, self.run_id)
-        if is_main:
+        run = run_info(self.cfg, self.output_dir, self.run_id) if is_main else None
+        if run is not None:
             write_run_record(run, self.world_size, self.step)
         self.logger = MetricsLogger(
             self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main, run
