@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 from train_checks import fit, tiny_overrides
 
+from mt_train import compose_config, to_train_config
 from mt_train.cli import validate_overrides
 from mt_train.config.observability import ProfilingConfig
 from mt_train.profiling import Profiler
@@ -318,3 +320,26 @@ def test_out_of_memory_writes_a_snapshot(
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("mt-train: rank 0: out of memory at step 3; memory snapshot in ")
     assert str(snapshot) in line and "memory_viz" in line
+
+
+def _readme_profiling_commands() -> list[list[str]]:
+    readme = Path(__file__).parents[1] / "README.md"
+    text = readme.read_text().split("## Profiling and debugging", 1)[1].split("\n## ", 1)[0]
+    text = text.replace("\\\n", " ")  # continuation lines
+    commands = []
+    for line in text.splitlines():
+        if not line.startswith(("mt-train ", "torchrun ")):
+            continue
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["mt-train"]:
+            commands.append(words[1:])
+        elif words[:1] == ["torchrun"] and "mt_train" in words:
+            commands.append(words[words.index("mt_train") + 1 :])
+    return commands
+
+
+@pytest.mark.parametrize("args", _readme_profiling_commands(), ids=lambda a: " ".join(a)[-60:])
+def test_readme_profiling_commands_compose(args: list[str]) -> None:
+    # Every command of the README's "Profiling and debugging" section passes validation as
+    # written (running them is what the tests above do on the tiny model).
+    to_train_config(compose_config(args))
