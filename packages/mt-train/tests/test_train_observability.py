@@ -343,3 +343,26 @@ def test_readme_profiling_commands_compose(args: list[str]) -> None:
     # Every command of the README's "Profiling and debugging" section passes validation as
     # written (running them is what the tests above do on the tiny model).
     to_train_config(compose_config(args))
+
+
+@pytest.mark.gpu
+def test_cuda_window_names_kernels_and_the_breakdown_uses_events(
+    kjv_data: Path, tmp_path: Path
+) -> None:
+    overrides = tiny_overrides(
+        kjv_data, **{"profiling": "trace", "profiling.steps": "[3,4]", "trainer.device": "cuda"}
+    )
+    _, summary = fit(overrides, tmp_path)
+    events = json.loads(Path(summary.traces[0]).read_text())["traceEvents"]
+    kernels = {e["name"] for e in events if e.get("cat") == "kernel"}
+    gemm_names = ("gemm", "nvjet", "cutlass", "matmul")  # cuBLAS(Lt) and CUTLASS kernel names
+    assert any(g in k.lower() for k in kernels for g in gemm_names), sorted(kernels)[:40]
+    assert "mt.forward_backward" in {e.get("name") for e in events}
+    tokens_per_step = 8 * 64
+    for record in _records(tmp_path):
+        parts = sum(record[f"time/{phase}"] for phase in PHASES)
+        assert parts == pytest.approx(record["time/step"], rel=1e-9)
+        # Device-event time between log points against the host clock of Throughput; both
+        # intervals end at a synchronisation, so they differ by launch latencies only.
+        assert record["time/step"] == pytest.approx(tokens_per_step / record["tok/s"], rel=0.05)
+        assert record["mem_reserved_gib"] >= record["mem_gib"] > 0
