@@ -111,6 +111,7 @@ def test_step_breakdown_can_be_switched_off(kjv_data: Path, tmp_path: Path) -> N
         ("profiling.every=2", "profiling.every=2"),
         ("profiling.folder=/tmp/x", "profiling.folder='/tmp/x'"),
         ("profiling.memory_snapshot_entries=0", "profiling.memory_snapshot_entries"),
+        ("profiling.memory_snapshot_stacks=cpp", "profiling.memory_snapshot_stacks='cpp'"),
         ("comm.timeout_s=0", "comm.timeout_s must be > 0"),
         ("comm.trace_buffer_size=-1", "comm.trace_buffer_size must be an integer >= 0"),
         ("trainer.step_timeout_s=-1", "trainer.step_timeout_s must be > 0"),

@@ -133,7 +133,8 @@ class Profiler:
         if window is not None and step == window[0]:
             if not self._memory_recording:
                 torch.cuda.memory._record_memory_history(
-                    max_entries=self.cfg.memory_snapshot_entries
+                    stacks=self.cfg.memory_snapshot_stacks,
+                    max_entries=self.cfg.memory_snapshot_entries,
                 )
                 self._memory_recording = True
             self._dump_after = window

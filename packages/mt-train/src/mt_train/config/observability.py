@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from mt_train.config.rewind import _check_int
 
+SNAPSHOT_STACKS = ("python", "all")
+
 
 @dataclass
 class ProfilingConfig:
@@ -40,6 +42,9 @@ class ProfilingConfig:
     so an out-of-memory error later in the run writes a snapshot too. CUDA only."""
     memory_snapshot_entries: int = 100_000
     """Allocator events kept in the history (a ring buffer)."""
+    memory_snapshot_stacks: str = "python"
+    """Stacks recorded with each allocation: ``python`` (cheap) or ``all`` (C++ frames too;
+    symbolising them makes writing the snapshot much slower)."""
     folder: str = "profile"
     """Where traces and snapshots go, relative to the run folder."""
 
@@ -62,6 +67,11 @@ class ProfilingConfig:
             raise ValueError(
                 f"profiling.every={self.every} is shorter than a window of {length} steps plus "
                 f"{self.warmup} warm-up steps; use profiling.every>={length + self.warmup} or 0"
+            )
+        if self.memory_snapshot_stacks not in SNAPSHOT_STACKS:
+            raise ValueError(
+                f"profiling.memory_snapshot_stacks={self.memory_snapshot_stacks!r} is unknown; "
+                f"valid: {', '.join(SNAPSHOT_STACKS)}"
             )
         if not self.folder or self.folder.startswith(("/", "..")):
             raise ValueError(
