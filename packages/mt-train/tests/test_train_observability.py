@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.flight_recorder.components.loader import read_dump
 from train_checks import fit, tiny_overrides
 
 from mt_train import compose_config, to_train_config
@@ -157,14 +158,14 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_watchdog_dumps_stacks_of_a_hung_step(kjv_data: Path, tmp_path: Path) -> None:
     overrides = tiny_overrides(
         kjv_data,
-        **{"fault.hang_at_step": 3, "trainer.step_timeout_s": 2, "trainer.output_dir": tmp_path},
+        **{"fault.hang_at_step": 3, "trainer.step_timeout_s": 5, "trainer.output_dir": tmp_path},
     )
     done = _run(
         [sys.executable, "-m", "mt_train", *overrides, f"hydra.run.dir={tmp_path}"], tmp_path
     )
     assert done.returncode == EXIT_HANG, done.stderr[-2000:]
     dump = (tmp_path / "hang" / "rank0.txt").read_text()
-    assert "step 3 ran longer than trainer.step_timeout_s=2 s" in dump
+    assert "step 3 ran longer than trainer.step_timeout_s=5 s" in dump
     assert 'File "' in dump and "faults.py" in dump and "begin_step" in dump  # where it hangs
     assert f"every thread's Python stack is in {tmp_path / 'hang' / 'rank0.txt'}" in done.stderr
 
@@ -173,17 +174,21 @@ def test_collective_timeout_names_the_rank_and_the_collective(
     kjv_data: Path, tmp_path: Path
 ) -> None:
     """Rank 1 hangs before step 3; rank 0's next collective times out after comm.timeout_s,
-    and rank 1's watchdog leaves its stacks. Step 2's record, logged before, holds the
-    slowest rank's step time (one all-reduce MAX over both ranks)."""
+    and rank 1's watchdog leaves its stacks. Both leave their flight recorder's buffer (gloo's
+    recorder in torch 2.13), and rank 0's line names the newest collective in it. Step 2's
+    record, logged before, holds the slowest rank's step time (one all-reduce MAX)."""
     overrides = tiny_overrides(
         kjv_data,
         **{
             "fault.hang_at_step": 3,
             "fault.rank": 1,
-            "fault.hang_s": 30,
+            "fault.hang_s": 60,
             "trainer.log_interval": 2,
-            "comm.timeout_s": 3,
-            "trainer.step_timeout_s": 8,
+            # Margins for two loaded cores: start-up skew between the ranks stays well below
+            # the collective timeout, which stays below the watchdog's.
+            "comm.timeout_s": 10,
+            "comm.trace_buffer_size": 100,
+            "trainer.step_timeout_s": 15,
             "trainer.output_dir": tmp_path,
         },
     )
@@ -195,9 +200,13 @@ def test_collective_timeout_names_the_rank_and_the_collective(
     done = _run(command, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=3 s" in line]
+    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=10 s" in line]
     assert lines, out[-3000:]
-    assert "mt-train: rank 0: " in lines[0] and "called from" in lines[0], lines[0]
+    assert "mt-train: rank 0: collective gloo:all_reduce #" in lines[0], lines[0]
+    assert "called from" in lines[0] and "flight_recorder/rank_0" in lines[0], lines[0]
+    for rank in (0, 1):
+        dump = read_dump("rank_", str(tmp_path / "flight_recorder" / f"rank_{rank}"))
+        assert dump["rank"] == rank and dump["entries"][-1]["profiling_name"].startswith("gloo:")
     assert "begin_step" in (tmp_path / "hang" / "rank1.txt").read_text()
     (record,) = _records(tmp_path)
     assert record["step"] == 2 and record["time/step_max"] >= record["time/step"] > 0

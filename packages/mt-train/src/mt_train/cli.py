@@ -36,7 +36,12 @@ from mt_train.optim import optimizer_impl
 from mt_train.profiling import MEMORY_VIZ, check_memory_snapshot
 from mt_train.rewind.manager import RewindLimitError
 from mt_train.trainer import Trainer, TrainSummary
-from mt_train.watchdog import EXIT_COLLECTIVE_TIMEOUT, collective_timeout_message
+from mt_train.watchdog import (
+    EXIT_COLLECTIVE_TIMEOUT,
+    collective_timeout_message,
+    dump_flight_recorder,
+    is_collective_timeout,
+)
 
 EXIT_REWIND_LIMIT = 3
 """Exit status when rewind gave up (too many rewinds, or nothing to rewind to)."""
@@ -147,7 +152,12 @@ def _hydra_main(cfg: DictConfig) -> None:
         _exit_status = EXIT_OUT_OF_MEMORY
         return
     except RuntimeError as err:
-        message = collective_timeout_message(err, trainer.rank, train_cfg.comm.timeout_s)
+        recorded = (
+            dump_flight_recorder(trainer.output_dir, trainer.rank)
+            if train_cfg.comm.trace_buffer_size > 0 and is_collective_timeout(err)
+            else None
+        )
+        message = collective_timeout_message(err, trainer.rank, train_cfg.comm.timeout_s, recorded)
         if message is None:
             raise
         print(f"mt-train: {message}", file=sys.stderr, flush=True)

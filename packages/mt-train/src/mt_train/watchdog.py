@@ -19,18 +19,23 @@ Three tools, each for a different way a multi-rank job stops making progress:
   (the dump file is opened only when a dump happens). NCCL's own watchdog then dumps every
   rank's recent collectives on a timeout; ``torchfrtrace <run>/flight_recorder -p rank_``
   reports which collective which ranks never joined. Variables already set in the environment
-  are left alone.
+  are left alone. The watchdog, and ``mt-train`` on a collective timeout, also write their
+  rank's buffer there themselves (:func:`dump_flight_recorder`); on gloo (torch 2.13) the
+  buffer holds the collectives but not the process-group table ``torchfrtrace`` needs, so
+  there it is read with ``torch.distributed.flight_recorder.components.loader.read_dump``.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import re
 import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,13 +72,47 @@ def flight_recorder_dump_path(cfg: CommConfig, run_dir: Path) -> Path | None:
 
 
 def _flight_recorder_bytes() -> bytes | None:
-    """This rank's flight-recorder buffer, pickled as NCCL's dump writes it (None without NCCL)."""
-    c10d = torch._C._distributed_c10d
-    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
-        dump = getattr(c10d, name, None)
-        if dump is not None:
-            return dump()
-    return None
+    """This rank's flight-recorder buffer of the default group's backend, pickled as the
+    timeout dumps write it (NCCL keeps its own recorder; gloo and others share the generic
+    one); None when this torch build has no recorder for it."""
+    if not torch.distributed.is_initialized():
+        return None
+    nccl = torch.distributed.get_backend() == "nccl"
+    dump = getattr(
+        torch._C._distributed_c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace", None
+    )
+    return dump() if dump is not None else None
+
+
+@dataclass
+class FlightRecorderDump:
+    """A rank's flight-recorder buffer written to the run folder."""
+
+    path: Path
+    last_collective: str | None
+    """The newest recorded collective: its name, sequence number and state."""
+
+
+def dump_flight_recorder(run_dir: Path, rank: int) -> FlightRecorderDump | None:
+    """Write this rank's flight-recorder buffer to ``<run>/flight_recorder/rank_<rank>`` (what
+    ``torchfrtrace`` reads); None when there is none to write."""
+    data = _flight_recorder_bytes()
+    if data is None:
+        return None
+    folder = run_dir / FLIGHT_RECORDER_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{FLIGHT_RECORDER_PREFIX}{rank}"
+    path.write_bytes(data)
+    # NOTE: the dump is PyTorch's own pickle (torchfrtrace unpickles it too); it was just made
+    # by this process, so reading it back trusts nothing from outside.
+    entries = pickle.loads(data).get("entries", [])
+    last = entries[-1] if entries else None
+    name = (
+        f"{last['profiling_name']} #{last['collective_seq_id']} ({last['state']})"
+        if last is not None
+        else None
+    )
+    return FlightRecorderDump(path, name)
 
 
 class StepWatchdog:
@@ -129,14 +168,16 @@ class StepWatchdog:
 
     def _dump_flight_recorder(self) -> None:
         try:
-            data = _flight_recorder_bytes()
+            dump = dump_flight_recorder(self.run_dir, self.rank)
         except RuntimeError as err:  # the process is about to exit: report, do not raise
             print(f"mt-train: rank {self.rank}: no flight recorder dump: {err}", file=sys.stderr)
             return
-        if data is not None:
-            folder = self.run_dir / FLIGHT_RECORDER_DIR
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{FLIGHT_RECORDER_PREFIX}{self.rank}").write_bytes(data)
+        if dump is None:
+            print(
+                f"mt-train: rank {self.rank}: no flight recorder dump: no process group, or "
+                "no recorder for its backend in this torch build",
+                file=sys.stderr,
+            )
 
     def close(self) -> None:
         """Stop the thread."""
@@ -151,14 +192,18 @@ COLLECTIVE_NAMES = re.compile(
 )
 
 
-def _is_timeout(err: BaseException) -> bool:
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` reads as a timed-out collective (the backend's message says so)."""
     return isinstance(err, RuntimeError) and any(w in str(err).lower() for w in TIMEOUT_WORDS)
 
 
-def collective_timeout_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
+def collective_timeout_message(
+    err: BaseException, rank: int, timeout_s: float, recorded: FlightRecorderDump | None = None
+) -> str | None:
     """One line naming the rank, the collective and where mt called it, if ``err`` is a
-    collective timeout; None for any other error."""
-    if not _is_timeout(err):
+    collective timeout; None for any other error. With this rank's flight-recorder dump
+    (``recorded``) the collective is the newest one it recorded."""
+    if not is_collective_timeout(err):
         return None
     frames = traceback.extract_tb(err.__traceback__)
     collective = caller = None
@@ -172,15 +217,21 @@ def collective_timeout_message(err: BaseException, rank: int, timeout_s: float) 
         if caller is not None
         else "called outside mt's code"
     )
-    if collective is not None:
+    if recorded is not None and recorded.last_collective is not None:
+        what = f"collective {recorded.last_collective}"
+    elif collective is not None:
         what = f"collective {collective}"
     else:  # raised inside a torch engine (DDP's reducer): the backend's text names its operation
         named = COLLECTIVE_NAMES.search(str(err).lower())
         what = (
             f"a collective ({named.group(0)}, in the backend's error)" if named else "a collective"
         )
+    help_ = (
+        f"this rank's flight recorder: {recorded.path}"
+        if recorded is not None
+        else "comm.trace_buffer_size records every rank's collectives"
+    )
     return (
         f"rank {rank}: {what} {where} timed out after comm.timeout_s={timeout_s:g} s: another "
-        "rank never joined it (trainer.step_timeout_s dumps every rank's stacks to <run>/hang/; "
-        "comm.trace_buffer_size records NCCL's collectives)"
+        f"rank never joined it ({help_}; trainer.step_timeout_s dumps stacks to <run>/hang/)"
     )
