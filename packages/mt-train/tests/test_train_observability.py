@@ -376,3 +376,23 @@ def test_cuda_window_names_kernels_and_the_breakdown_uses_events(
         # intervals end at a synchronisation, so they differ by launch latencies only.
         assert record["time/step"] == pytest.approx(tokens_per_step / record["tok/s"], rel=0.05)
         assert record["mem_reserved_gib"] >= record["mem_gib"] > 0
+
+
+def test_watchdog_backstop_is_armed_per_step_and_cancelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import faulthandler
+
+    from mt_train import watchdog
+
+    armed: list[tuple] = []
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda t, **k: armed.append((t, k)))
+    monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", lambda: armed.append(()))
+    dog = watchdog.StepWatchdog(7.0, tmp_path, rank=0)
+    dog.beat(1)
+    dog.beat(2)
+    dog.pause()
+    dog.close()
+    backstop = (7.0 + watchdog.BACKSTOP_GRACE_S, {"exit": True})
+    assert armed == [backstop, backstop, (), ()]
+    assert not (tmp_path / "hang").exists()  # nothing fired

@@ -7,7 +7,10 @@ Three tools, each for a different way a multi-rank job stops making progress:
   next beat, the thread writes every Python thread's stack of its rank (``faulthandler``) to
   ``<run>/hang/rank<r>.txt`` (with the flight recorder's buffer when that is on), prints one
   line and ends the process with :data:`EXIT_HANG`. A rank stuck outside a collective and the
-  ranks waiting for it in one all miss their beat, so every rank leaves its stacks.
+  ranks waiting for it in one all miss their beat, so every rank leaves its stacks. The thread
+  needs the GIL; should a C call block while holding it, ``faulthandler``'s own C watchdog
+  (re-armed at every beat for ``step_timeout_s + BACKSTOP_GRACE_S``) dumps the stacks to
+  stderr and exits with status 1 instead.
 * :func:`collective_timeout_message` (``comm.timeout_s``, passed to ``init_process_group``): a
   collective that waits longer raises on backends that report timeouts as exceptions (gloo);
   ``mt-train`` turns that into one line naming the rank, the ``torch.distributed`` call that
@@ -49,6 +52,8 @@ EXIT_COLLECTIVE_TIMEOUT = 5
 FLIGHT_RECORDER_DIR = "flight_recorder"
 FLIGHT_RECORDER_PREFIX = "rank_"
 HANG_DIR = "hang"
+BACKSTOP_GRACE_S = 30.0
+"""How long after the watchdog's deadline faulthandler's GIL-free backstop fires."""
 
 
 def flight_recorder_env(cfg: CommConfig) -> None:
@@ -133,10 +138,12 @@ class StepWatchdog:
         """Step ``step`` begins: it has ``timeout_s`` seconds until the next beat."""
         self._step = step
         self._deadline = time.monotonic() + self.timeout_s
+        faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_GRACE_S, exit=True)
 
     def pause(self) -> None:
         """No step is running (after the loop): stop watching until the next beat."""
         self._deadline = None
+        faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
         poll_s = min(1.0, self.timeout_s / 4)
@@ -180,7 +187,8 @@ class StepWatchdog:
             )
 
     def close(self) -> None:
-        """Stop the thread."""
+        """Stop the thread (and the backstop)."""
+        faulthandler.cancel_dump_traceback_later()
         self._stop.set()
         self._thread.join()
 
