@@ -7,6 +7,7 @@ otherwise).
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import types
@@ -132,6 +133,7 @@ class MemoryLoggerPlugin:
 
 def test_third_party_logger_through_the_hook(kjv_data: Path, tmp_path: Path) -> None:
     register_plugin(MemoryLoggerPlugin(), "test-memory-logger")
+    MemoryLogger.records.clear()
     try:
         overrides = tiny_overrides(kjv_data, **{"logging.loggers": "[memory]"})
         assert validate_overrides(overrides) is None
@@ -159,3 +161,52 @@ def test_run_record_holds_config_and_commit(kjv_data: Path, tmp_path: Path) -> N
     assert record["config"]["trainer"]["seq_len"] == 64
     assert record["git_commit"] == git_commit()
     assert record["git_commit"] is None or len(record["git_commit"].split("-")[0]) == 40
+
+
+def test_a_logger_failing_on_a_full_disk_is_dropped_with_one_warning(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train.loggers.jsonl import JsonlSink
+
+    write = JsonlSink.log
+    calls = []
+
+    def full_after_one(self: JsonlSink, step: int, kind: str, metrics: dict) -> None:
+        calls.append(step)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, step, kind, metrics)
+
+    monkeypatch.setattr(JsonlSink, "log", full_after_one)
+    register_plugin(MemoryLoggerPlugin(), "test-memory-logger")
+    MemoryLogger.records.clear()
+    try:
+        _, summary = fit(tiny_overrides(kjv_data, **{"logging.loggers": "[memory]"}), tmp_path)
+    finally:
+        reset_plugin_manager()
+    assert summary.steps == 8  # training went on
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert len(calls) == 2  # dropped after its first failure
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        f"mt-train: warning: cannot write {tmp_path / 'metrics.jsonl'}: No space left on device "
+        "(ENOSPC); the jsonl logger stops here, training goes on"
+    ]
+    assert [s for s, k, _ in MemoryLogger.records if k == "train"] == [4, 8]  # the others go on
+
+
+def test_a_logger_that_cannot_start_is_left_out(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train.loggers.jsonl import JsonlSink
+
+    def read_only(self: JsonlSink, cfg: Any, run: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(run.output_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(JsonlSink, "__init__", read_only)
+    _, summary = fit(tiny_overrides(kjv_data), tmp_path)
+    assert summary.steps == 8 and not (tmp_path / "metrics.jsonl").exists()
+    assert (
+        f"mt-train: warning: cannot write {tmp_path / 'metrics.jsonl'}: Read-only file system "
+        "(EROFS); the jsonl logger stops here, training goes on"
+    ) in capsys.readouterr().err

@@ -1,7 +1,10 @@
 """Metrics on rank 0: a progress bar (or log lines) and the run's metric loggers.
 
-The loggers (JSONL, TensorBoard, W&B and any plugin's) share one interface and registry,
-:mod:`mt_train.loggers`; :class:`MetricsLogger` hands every record to each of them.
+The loggers (JSONL, TensorBoard, W&B, MLflow and any plugin's) share one interface and
+registry, :mod:`mt_train.loggers`; :class:`MetricsLogger` hands every record to each of them.
+Metrics are not worth stopping a run for: a logger that fails with an operating-system error
+(a full or read-only disk) is reported in one warning line and dropped; training, checkpoints,
+the console and the other loggers go on.
 
 Throughput is measured between two log points: ``tokens/s = tokens / wall seconds`` over all
 ranks, after synchronising the device so queued GPU work is counted. Model FLOPs
@@ -12,6 +15,8 @@ known peak (the CPU) MFU is left out rather than guessed.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import sys
 import time
@@ -46,14 +51,29 @@ class MetricsLogger:
     ) -> None:
         self.enabled = enabled
         self.bar = None
-        self.sinks: list = []
+        self.sinks: dict[str, Any] = {}
         if not enabled:
             return
-        self.sinks = build_sinks(cfg, run or RunInfo(output_dir))
         if cfg.progress_bar:
             self.bar = tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
             )
+        self.sinks = build_sinks(cfg, run or RunInfo(output_dir), self._warn)
+
+    def _warn(self, name: str, err: OSError, sink: Any = None) -> None:
+        """One warning line for logger ``name`` failing with ``err`` (module docstring)."""
+        code = errno.errorcode.get(err.errno or 0, "no errno")
+        what = getattr(sink, "path", None) or err.filename or f"the {name} logger"
+        self.write(
+            f"mt-train: warning: cannot write {what}: {err.strerror or err} ({code}); the "
+            f"{name} logger stops here, training goes on"
+        )
+
+    def _drop(self, name: str, err: OSError) -> None:
+        sink = self.sinks.pop(name)
+        self._warn(name, err, sink)
+        with contextlib.suppress(OSError):  # what it cannot flush is lost with it
+            sink.close()
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -69,8 +89,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-        for sink in self.sinks:
-            sink.log(step, kind, finite)
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.log(step, kind, finite)
+            except OSError as err:
+                self._drop(name, err)
         shown = {k: _fmt(v) for k, v in finite.items() if k in DISPLAY}
         if self.bar is not None:
             if kind == "train":
@@ -96,9 +119,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        for sink in self.sinks:
+        for sink in self.sinks.values():
             sink.close()
-        self.sinks = []
+        self.sinks = {}
 
 
 DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "event")

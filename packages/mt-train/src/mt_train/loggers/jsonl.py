@@ -15,7 +15,8 @@ class JsonlSink:
     """``{"kind": ..., "step": ..., **metrics}`` per line, flushed at once."""
 
     def __init__(self, cfg: LoggingConfig, run: RunInfo) -> None:
-        self.file = open(run.output_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self.path = run.output_dir / METRICS_FILE
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, step: int, kind: str, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps({"kind": kind, "step": step, **metrics}) + "\n")

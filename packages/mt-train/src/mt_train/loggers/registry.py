@@ -49,7 +49,17 @@ def enabled_loggers(cfg: LoggingConfig) -> list[str]:
     return names
 
 
-def build_sinks(cfg: LoggingConfig, run: RunInfo) -> list[Any]:
-    """One sink per enabled logger (call on rank 0 only)."""
+def build_sinks(
+    cfg: LoggingConfig, run: RunInfo, on_os_error: Callable[[str, OSError], None]
+) -> dict[str, Any]:
+    """One sink per enabled logger, by name (call on rank 0 only). A logger that cannot start
+    for an operating-system reason (a full or read-only disk) is reported to ``on_os_error``
+    and left out; any other error (a missing package) is raised."""
     factories = logger_factories()
-    return [factories[name](cfg, run) for name in enabled_loggers(cfg)]
+    sinks = {}
+    for name in enabled_loggers(cfg):
+        try:
+            sinks[name] = factories[name](cfg, run)
+        except OSError as err:
+            on_os_error(name, err)
+    return sinks
