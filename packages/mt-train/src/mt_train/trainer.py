@@ -143,13 +143,9 @@ class Trainer:
 
         out = str(output_dir or tr.output_dir or Path.cwd() / "outputs" / cfg.model.name)
         self.output_dir = Path(ranks.broadcast_str(str(Path(out).resolve()), self.device))
-        self.run_id = run_id = ranks.broadcast_str(uuid.uuid4().hex, self.device)
+        run_id = ranks.broadcast_str(uuid.uuid4().hex, self.device)
         if self.rank == 0:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-        flight_recorder_dump_path(cfg.comm, self.output_dir)
-        self.observer = RunObserver(cfg, self.output_dir, self.rank, self.ctx.device)
-        self.timer = self.observer.timer
-        self.checkpoints_written = 0
 
         data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
         if cfg.data.path is None and self.rank == 0:
@@ -160,6 +156,13 @@ class Trainer:
             len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
             self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
         )  # fmt: skip
+
+        # Observability: step timer, profiler, watchdog (mt_train.observer), flight recorder.
+        self.run_id = run_id
+        flight_recorder_dump_path(cfg.comm, self.output_dir)
+        self.observer = RunObserver(cfg, self.output_dir, self.rank, self.ctx.device)
+        self.timer = self.observer.timer
+        self.checkpoints_written = 0
 
         # Model and parallelism: the family builds, mt_parallel's one path parallelizes.
         self.model_cfg = resolve_vocab(cfg.model, self.data.vocab_size)
@@ -474,8 +477,8 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
-        self.drop_step_graph()
         self.observer.close()
+        self.drop_step_graph()
         self.checkpointer.close()
         if self.logger is not None:
             self.logger.close()
