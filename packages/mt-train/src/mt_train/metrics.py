@@ -20,6 +20,7 @@ import errno
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,18 @@ class Throughput:
     """Tokens/s, MFU and peak memory between two log points (module docstring)."""
 
     def __init__(
-        self, device: Any, tokens_per_step: int, flops_per_token: float, world_size: int
+        self,
+        device: Any,
+        tokens_per_step: int,
+        flops_per_token: float,
+        world_size: int,
+        observe: Callable[[dict[str, float], int], dict[str, float]] | None = None,
     ) -> None:
         self.device, self.tokens_per_step = device, tokens_per_step
         self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.observe = observe
+        """Called at every measurement with its numbers and step count; what it returns is
+        added (the step-time breakdown, :meth:`mt_train.observer.RunObserver.at_log_point`)."""
         self.peak_flops = device.capabilities().peak_bf16_flops
         self.start()
 
@@ -144,7 +153,7 @@ class Throughput:
 
     def measure(self) -> dict[str, float]:
         """``tok/s``, ``mfu`` (when the peak is known) and ``mem_gib`` over the healthy steps
-        since the last call (``steps`` is counted by the caller)."""
+        since the last call (``steps`` is counted by the caller), and what ``observe`` adds."""
         self.device.synchronize()
         now = time.perf_counter()
         tps = self.steps * self.tokens_per_step / (now - self.since)
@@ -152,5 +161,7 @@ class Throughput:
         if self.peak_flops:
             out["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
         out["mem_gib"] = self.device.memory_stats().get("peak_allocated", 0) / 2**30
-        self.since, self.steps = now, 0
+        steps, self.since, self.steps = self.steps, now, 0
+        if self.observe is not None:
+            out.update(self.observe(out, steps))
         return out

@@ -71,6 +71,12 @@ class RunObserver:
         self.timer.annotate = self.profiler.recording(step)
         self.timer.start("data")
 
+    def at_log_point(self, measured: dict[str, float], steps: int) -> dict[str, float]:
+        """A log point measured ``measured`` over ``steps`` healthy steps: keep the summary's
+        extremes and return the step-time breakdown (every rank calls this)."""
+        self.stats.record(measured)
+        return self.timer.summary(steps)
+
     def end_run(self) -> None:
         """The loop is over: write what the profiler holds and stop watching steps."""
         self.timer.close()

@@ -379,8 +379,9 @@ class Trainer:
         start = time.perf_counter()
         tokens_total = 0
         self.throughput = Throughput(
-            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size
-        )
+            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size,
+            self.observer.at_log_point,
+        )  # fmt: skip
         with self._stop:
             while self.step < tr.max_steps:
                 metrics = self.train_step()
@@ -443,10 +444,7 @@ class Trainer:
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
-            steps = self.throughput.steps
-            measured = self.throughput.measure()
-            self.observer.stats.record(measured)
-            self.logger.log(step, {**metrics, **measured, **self.timer.summary(steps)})
+            self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
             self.timer.start("eval")
             self._val_loss = self.evaluate()
