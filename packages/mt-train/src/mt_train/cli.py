@@ -1,5 +1,12 @@
 """``mt-train``: the Hydra entry point (thin: the work is in :class:`mt_train.trainer.Trainer`).
 
+Observability: an out-of-memory error prints one line (with the memory snapshot it wrote when
+``profiling.memory_snapshot`` is on) and exits 1; a collective timeout prints one line naming
+the rank and the collective (:func:`mt_train.watchdog.collective_timeout_message`) and exits 5;
+a step outliving ``trainer.step_timeout_s`` exits 4 from the watchdog thread. At the end rank
+0 prints a summary: steps, tokens, mean and best tokens/s and MFU, peak memory, checkpoints
+written, rewinds, and the profiler's files.
+
 Before Hydra runs, the command line's overrides are composed and validated once, so a bad
 override (unknown key, wrong type, tp not dividing the heads, a missing data folder, a device that is
 not there) ends
@@ -7,13 +14,7 @@ with one ``mt-train: error: ...`` line and exit status 2 instead of a traceback.
 torchrun, ranks other than 0 run with Hydra's run folder and logs switched off; the trainer
 uses rank 0's run folder on every rank. When rewind gives up, the report is printed (no
 traceback) and the exit status is 3; a run stopped by SIGTERM/SIGINT exits 0 after its
-checkpoint is on disk. An out-of-memory error prints one line (with the memory snapshot it
-wrote when ``profiling.memory_snapshot`` is on) and exits 1; a collective timeout prints one
-line naming the rank and the collective (:func:`mt_train.watchdog.collective_timeout_message`)
-and exits 5; a step outliving ``trainer.step_timeout_s`` exits 4 from the watchdog thread.
-
-At the end rank 0 prints a summary: steps, tokens, mean and best tokens/s and MFU, peak memory,
-checkpoints written, rewinds, and the profiler's files.
+checkpoint is on disk.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 
 from mt_core import get_device
+from mt_train import loggers
 from mt_train.config.store import compose_config, register_configs, to_train_config
-from mt_train.loggers import enabled_loggers
 from mt_train.optim import optimizer_impl
 from mt_train.profiling import MEMORY_VIZ, check_memory_snapshot
 from mt_train.rewind.manager import RewindLimitError
@@ -80,9 +81,9 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
         cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
         # An unknown or absent device is a config error too, as is a kernel it cannot run.
         device = get_device(cfg.trainer.device)
-        optimizer_impl(cfg.optimizer.impl, device.type, cfg.parallel.data_parallel)
         check_memory_snapshot(cfg.profiling, device.type)
-        enabled_loggers(cfg.logging)
+        loggers.enabled_loggers(cfg.logging)
+        optimizer_impl(cfg.optimizer.impl, device.type, cfg.parallel.data_parallel)
     except Exception as err:  # every failure here is a config error: report it in one line
         return one_line(err)
     return None

@@ -119,13 +119,13 @@ class FaultConfig:
     """The process SIGKILLs itself as this step begins (an async save may be in flight)."""
     sigterm_at_step: int | None = None
     """The process sends itself SIGTERM as this step begins (a preemption drill)."""
-    corrupt_latest_checkpoint: bool = False
-    """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
     hang_at_step: int | None = None
     """This step sleeps ``hang_s`` seconds before it starts (a hang drill for
     ``trainer.step_timeout_s`` and ``comm.timeout_s``)."""
     hang_s: float = 3600.0
     """How long ``hang_at_step`` sleeps."""
+    corrupt_latest_checkpoint: bool = False
+    """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
     rank: int | None = None
     """Only this rank injects the step faults; null: every rank."""
 
@@ -137,10 +137,10 @@ class FaultConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_int("fault", name, value, 1)
-        if self.rank is not None:
-            _check_int("fault", "rank", self.rank, 0)
         if not self.hang_s > 0:
             raise ValueError(f"fault.hang_s must be > 0 seconds, got {self.hang_s}")
+        if self.rank is not None:
+            _check_int("fault", "rank", self.rank, 0)
         if not self.spike_factor > 1:
             raise ValueError(f"fault.spike_factor must be > 1, got {self.spike_factor}")
 

@@ -29,7 +29,6 @@ SCHEDULES = ("cosine", "wsd", "constant")
 SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto")
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def positive(owner: str, **values: Any) -> None:
@@ -289,6 +288,9 @@ class CheckpointConfig:
             )
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise ValueError(f"checkpoint.init_from={self.init_from!r} is not a folder")
+
+
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
