@@ -37,11 +37,11 @@ SLICE = (
 TINY = (
     "model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.ffn_dim=128 "
     "trainer.seq_len=64 trainer.global_batch_size=8 trainer.micro_batch_size=8 "
-    "trainer.device=cpu scheduler.warmup_steps=1"
+    "trainer.device=cpu"
 )
-COMMON = (
+COMMON = (  # a stable LR (train_throughput.py's): a non-finite loss would end a launch
     "checkpoint=disabled trainer.eval_interval=1000000 trainer.sample_tokens=0 "
-    "logging.progress_bar=false"
+    "logging.progress_bar=false optimizer.lr=1e-4 scheduler.warmup_steps=1"
 )
 
 
