@@ -34,7 +34,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (schedules come with the pipeline issue; 1 until then)."""
     ep: int = 1
-    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models)."""
+    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models): each
+    ep rank keeps ``1/ep`` of every MoE layer's routed experts (``ep`` must divide dp·cp and
+    the expert count; needs ``data_parallel=ddp``)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs ``tp > 1``)."""
     data_parallel: str = "ddp"
@@ -100,6 +102,17 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.recompute_keep={list(self.recompute_keep)!r} needs "
                 f"parallel.recompute=full (got {self.recompute!r})"
+            )
+        if self.ep > 1 and self.data_parallel != "ddp":
+            raise ValueError(
+                f"parallel.ep={self.ep} needs parallel.data_parallel=ddp (got "
+                f"{self.data_parallel!r}): FSDP2 and ZeRO-1 do not shard expert-parallel "
+                "parameters yet"
+            )
+        if self.ep > 1 and self.compile:
+            raise ValueError(
+                f"parallel.ep={self.ep} with parallel.compile=true is not supported yet "
+                "(the uneven all-to-all's split sizes are host values)"
             )
         if self.pp != 1:
             raise ValueError(

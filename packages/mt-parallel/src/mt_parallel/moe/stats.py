@@ -1,0 +1,44 @@
+"""Per-layer load statistics of an MoE forward, for logging.
+
+``n_E`` tokens-per-expert (top-k assignments), ``MaxVio = max_e n_e / mean_e n_e − 1``
+(DeepSeek's load-imbalance measure: 0 is perfectly balanced, ``E/K − 1`` is every token on the
+same ``K`` experts), and the fraction of assignments dropped by capacity. Values are 0-d device
+tensors (no host synchronisation); the trainer reads them with the step's other numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def max_violation(counts_E: torch.Tensor) -> torch.Tensor:
+    """``max(n) / mean(n) − 1`` in fp32 (0 when no token was routed)."""
+    load = counts_E.float()
+    mean = load.mean()
+    return torch.where(mean > 0, load.max() / mean.clamp(min=1e-12) - 1, torch.zeros_like(mean))
+
+
+@dataclass
+class LoadStats:
+    """One MoE layer's last forward (module docstring)."""
+
+    counts_E: torch.Tensor
+    """Assignments per expert (int64) of this rank's tokens."""
+    dropped_fraction: torch.Tensor
+    """Dropped assignments / all assignments (fp32, 0-d)."""
+
+    @property
+    def max_violation(self) -> torch.Tensor:
+        return max_violation(self.counts_E)
+
+
+def summarize(stats: list[LoadStats]) -> dict[str, torch.Tensor]:
+    """Model-level extras: the worst layer's MaxVio and the mean dropped fraction."""
+    if not stats:
+        return {}
+    return {
+        "moe_max_vio": torch.stack([s.max_violation for s in stats]).max(),
+        "moe_dropped": torch.stack([s.dropped_fraction for s in stats]).mean(),
+    }
