@@ -9,6 +9,7 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     if clip > 0: grads ← grads · min(1, clip / n)    (fused AdamW and ZeRO-1: inside the update)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
     if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
+                 MoE aux-loss-free biases moved from the step's global expert counts
     zero grads
 
 The loss, the local loss, ``n`` and the model's extra values reach the host in one
@@ -291,6 +292,9 @@ class Trainer:
             self.guard.accept(self.step, signals)
         else:
             metrics["event"] = self.verdict.detector
+        # MoE aux-loss-free balancing: biases move from the step's global expert counts (a
+        # step that is not applied only resets them); a no-op for dense models.
+        mt_parallel.moe.update_expert_biases(self.module, apply=not self.verdict.anomalous)
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 

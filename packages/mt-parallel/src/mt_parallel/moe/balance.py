@@ -83,14 +83,19 @@ def bias_update(counts_E: torch.Tensor, rate: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+def update_expert_biases(model: nn.Module, apply: bool = True) -> dict[str, torch.Tensor]:
     """After an optimizer step: sum every router's counts over its ``count_group`` (one
     all-reduce), move the ``aux_free`` biases, reset the counts. Returns each router's global
-    counts of the step (by module name), for the load statistics; empty for dense models."""
+    counts of the step (by module name), for the load statistics; empty for dense models.
+    ``apply=False`` (a step that was not applied) only resets the counts, on every rank."""
     from mt_parallel.moe.router import Router
 
     named = [(n, m) for n, m in model.named_modules() if isinstance(m, Router)]
     if not named:
+        return {}
+    if not apply:
+        for _, router in named:
+            router.step_counts.zero_()
         return {}
     flat = torch.cat([router.step_counts for _, router in named])
     group = named[0][1].count_group
