@@ -16,6 +16,7 @@ def moe_family() -> ModelFamily:
     from mt_train.models.family import ModelFamily
     from mt_train.models.llama.model import embedding_parameters
     from mt_train.models.moe.config import MoEModelConfig
+    from mt_train.models.moe.hf import MixtralHF
     from mt_train.models.moe.model import MoETransformer, flops_per_token
     from mt_train.models.moe.parallelize import moe_plan
     from mt_train.models.moe.sizes import SIZES
@@ -29,7 +30,7 @@ def moe_family() -> ModelFamily:
         flops_per_token=flops_per_token,
         embedding_parameters=embedding_parameters,
         sizes=SIZES,
-        hf=None,
+        hf=MixtralHF(),
     )
 
 
