@@ -265,3 +265,26 @@ def test_expert_parallel_needs_ddp(mode: str) -> None:
         ValueError, match=f"parallel.ep=2 needs parallel.data_parallel=ddp .got '{mode}'"
     ):
         ParallelConfig(ep=2, data_parallel=mode)
+
+
+def test_fp8_runs_the_experts_grouped_linears_on_their_own_weights() -> None:
+    import mt_fp8
+    import mt_parallel as mp
+
+    torch.manual_seed(0)
+    layer = MoE(DIM, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32, n_shared_experts=1))
+    x = torch.randn(2, 8, DIM)
+    expected = layer(x).detach()
+    weights = {n: p for n, p in layer.named_parameters()}
+    mp.apply_fp8(layer, mt_fp8.recipe_from_name("rowwise"))
+    experts = layer.experts
+    assert all(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    assert layer.shared_experts.gate_proj.fp8_enabled
+    assert dict(layer.named_parameters()) == weights  # shared, not copied; the router unchanged
+    y = layer(x)
+    y.sum().backward()
+    assert experts.gate_proj.weight.grad is not None and layer.router.weight.grad is not None
+    # FP8 changed the numbers (E4M3 operands: ~2^-4 relative per element), but not grossly:
+    # a wrong expert or weight would move the output by O(1) of its size.
+    error = rel(y, expected)
+    assert 0 < error < 0.25, error

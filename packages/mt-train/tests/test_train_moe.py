@@ -155,3 +155,18 @@ def test_expert_parallel_run_matches_one_process_and_resumes(
     assert resumed[0] == resumed[1] == ep2[0][8:]  # exact, step by step
     one_process = train_checks.run_losses(overrides(kjv_data, **resume), tmp_path / "split-ep1")
     assert one_process == pytest.approx(single[8:], rel=RTOL)  # ep=2 checkpoint loads at ep=1
+
+
+def test_mixtral_tiny_trains_with_fp8_experts(kjv_data: Path, tmp_path: Path) -> None:
+    cfg = to_train_config(
+        compose_config(overrides(kjv_data, fp8="rowwise", **{"trainer.max_steps": 4}))
+    )
+    trainer = Trainer(cfg, output_dir=tmp_path)
+    try:
+        experts = [m for m in trainer.module.modules() if type(m).__name__ == "GroupedLinear"]
+        assert experts and all(m.fp8_enabled for m in experts)
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert all(torch.isfinite(torch.tensor(summary.losses)))
+    assert summary.losses[-1] < summary.losses[0]
