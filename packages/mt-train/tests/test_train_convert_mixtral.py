@@ -98,6 +98,8 @@ def test_export_refuses_what_mixtral_cannot_express(tmp_path: Path) -> None:
     cfg = model_sizes()["deepseek_moe_tiny"]
     with pytest.raises(ValueError, match=r"model\.moe\.score_function='sigmoid' has no Mixtral"):
         MixtralHF().config_to_hf(cfg, torch.float32)
+    with pytest.raises(ValueError, match="needs num_local_experts, num_experts_per_tok"):
+        MixtralHF().config_from_hf({"model_type": "mixtral", "hidden_size": 64})
     with pytest.raises(ValueError, match="sliding_window=4096 is not supported"):
         MixtralHF().config_from_hf(
             {**transformers.MixtralConfig().to_dict(), "sliding_window": 4096}

@@ -58,6 +58,9 @@ class MixtralHF(HFAdapter):
     def config_from_hf(self, hf: dict[str, Any], name: str = "hf_mixtral") -> MoEModelConfig:
         if hf.get("model_type", "mixtral") != "mixtral":
             raise ValueError(f"model_type={hf.get('model_type')!r}; this adapter reads mixtral")
+        missing = [k for k in ("num_local_experts", "num_experts_per_tok") if k not in hf]
+        if missing:
+            raise ValueError(f"a Mixtral config.json needs {', '.join(missing)}")
         refuse_unsupported({**hf, "model_type": "llama"})
         if hf.get("sliding_window") is not None:
             raise ValueError(
