@@ -200,6 +200,14 @@ def test_z_loss_and_logged_extras() -> None:
     assert layer.aux_losses == {}  # released after collection
 
 
+def test_global_load_summary_finds_dead_experts() -> None:
+    from mt_parallel.moe import global_load_summary
+
+    load = global_load_summary({"a": torch.tensor([4, 4, 4, 4]), "b": torch.tensor([8, 0, 4, 4])})
+    assert load["max_vio"] == pytest.approx(1.0)  # layer b: 8 / 4 - 1
+    assert load["dead"] == {"b": [1]}
+
+
 def test_max_violation() -> None:
     assert max_violation(torch.tensor([4, 4, 4, 4])).item() == 0.0
     assert max_violation(torch.tensor([8, 4, 2, 2])).item() == pytest.approx(1.0)

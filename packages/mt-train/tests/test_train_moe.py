@@ -72,6 +72,9 @@ def test_mixtral_tiny_learns_and_logs_its_moe_metrics(kjv_data: Path, tmp_path: 
     # A balanced router gives aux = coeff (0.01) per layer; 2 layers, so about 0.02.
     assert 0.015 < logged[-1]["moe_aux_loss"] < 0.1
     assert logged[-1]["moe_max_vio"] >= 0 and logged[-1]["moe_dropped"] == 0
+    # The global batch's MaxVio (counts summed over micro-batches and ranks) is never above
+    # the worst micro-batch's in one process, where the global batch is two micro-batches.
+    assert 0 <= logged[-1]["moe_max_vio_global"] <= 8
     assert logged[-1]["loss"] == pytest.approx(logged[-1]["ce_loss"] + logged[-1]["moe_aux_loss"])
 
 
@@ -170,3 +173,19 @@ def test_mixtral_tiny_trains_with_fp8_experts(kjv_data: Path, tmp_path: Path) ->
         trainer.close()
     assert all(torch.isfinite(torch.tensor(summary.losses)))
     assert summary.losses[-1] < summary.losses[0]
+
+
+def test_dead_experts_are_an_event(kjv_data: Path, tmp_path: Path) -> None:
+    trainer = Trainer(to_train_config(compose_config(overrides(kjv_data))), output_dir=tmp_path)
+    try:
+        trainer.train_step()
+        assert set(trainer.expert_counts) == {"layers.0.mlp.router", "layers.1.mlp.router"}
+        trainer.expert_counts["layers.1.mlp.router"][[2, 5]] = 0  # two experts got no token
+        metrics: dict = {}
+        trainer._log_expert_load(metrics)
+    finally:
+        trainer.close()
+    assert metrics["moe_max_vio_global"] > 0
+    event = trainer.events.records[-1]
+    assert event["event"] == "moe_dead_experts"
+    assert event["experts"] == {"layers.1.mlp.router": [2, 5]}

@@ -174,6 +174,7 @@ class Trainer:
             self.runner, self.data, cfg, self.pstate, self.collate, self.tp_group, self.cp_group
         )
         self.stopped: str | None = None
+        self.expert_counts: dict[str, torch.Tensor] = {}  # MoE: the last step's global counts
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
@@ -294,7 +295,9 @@ class Trainer:
             metrics["event"] = self.verdict.detector
         # MoE aux-loss-free balancing: biases move from the step's global expert counts (a
         # step that is not applied only resets them); a no-op for dense models.
-        mt_parallel.moe.update_expert_biases(self.module, apply=not self.verdict.anomalous)
+        self.expert_counts = mt_parallel.moe.update_expert_biases(
+            self.module, apply=not self.verdict.anomalous
+        )
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
@@ -401,6 +404,7 @@ class Trainer:
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
+            self._log_expert_load(metrics)
             self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
             self._val_loss = self.evaluate()
@@ -409,6 +413,16 @@ class Trainer:
             step % tr.checkpoint_interval == 0 or step == tr.max_steps
         ):
             self.save()
+
+    def _log_expert_load(self, metrics: dict[str, Any]) -> None:
+        """MoE models, at log steps: the step's global-batch MaxVio into the metrics, and an
+        ``moe_dead_experts`` event when an expert got no token of the whole global batch."""
+        if not self.expert_counts:
+            return
+        load = mt_parallel.moe.global_load_summary(self.expert_counts)
+        metrics["moe_max_vio_global"] = load["max_vio"]
+        if load["dead"]:
+            self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel

@@ -26,7 +26,7 @@ from mt_parallel.moe.layer import (
     reduce_expert_gradients,
 )
 from mt_parallel.moe.router import Router, Routing, group_limited_mask
-from mt_parallel.moe.stats import LoadStats, max_violation
+from mt_parallel.moe.stats import LoadStats, global_load_summary, max_violation
 
 __all__ = [
     "BALANCING_MODES",
@@ -48,6 +48,7 @@ __all__ = [
     "dispatch_and_combine",
     "expert_capacity",
     "expert_parameters",
+    "global_load_summary",
     "group_limited_mask",
     "grouped_mm",
     "grouped_mm_reason",

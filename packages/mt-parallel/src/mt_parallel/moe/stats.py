@@ -42,3 +42,15 @@ def summarize(stats: list[LoadStats]) -> dict[str, torch.Tensor]:
         "moe_max_vio": torch.stack([s.max_violation for s in stats]).max(),
         "moe_dropped": torch.stack([s.dropped_fraction for s in stats]).mean(),
     }
+
+
+def global_load_summary(counts_by_layer: dict[str, torch.Tensor]) -> dict:
+    """From one step's global per-layer counts (:func:`~mt_parallel.moe.update_expert_biases`):
+    ``max_vio`` (the worst layer's global-batch MaxVio) and ``dead`` (layer -> experts that
+    received no token in the whole global batch, a sign of expert collapse). Reads the counts on
+    the host (one synchronisation)."""
+    names = list(counts_by_layer)
+    stacked = [counts_by_layer[n] for n in names]
+    vios = torch.stack([max_violation(c) for c in stacked]).tolist()
+    dead = {n: (c == 0).nonzero().flatten().tolist() for n, c in zip(names, stacked, strict=True)}
+    return {"max_vio": max(vios), "dead": {n: e for n, e in dead.items() if e}}
