@@ -189,3 +189,29 @@ def test_dead_experts_are_an_event(kjv_data: Path, tmp_path: Path) -> None:
     event = trainer.events.records[-1]
     assert event["event"] == "moe_dead_experts"
     assert event["experts"] == {"layers.1.mlp.router": [2, 5]}
+
+
+def test_cuda_graph_is_refused_for_moe_models(kjv_data: Path, tmp_path: Path) -> None:
+    cfg = to_train_config(compose_config(overrides(kjv_data, **{"trainer.cuda_graph": True})))
+    with pytest.raises(ValueError, match="MoE layers read their routing's group sizes"):
+        Trainer(cfg, output_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_aux_free_bias_moves_under_compile(kjv_data: Path, tmp_path: Path) -> None:
+    # Slow (compiling on the CPU); the eager tests above cover the same update code.
+    cfg = to_train_config(
+        compose_config(overrides(kjv_data, **DEEPSEEK, **{"trainer.compile": True}))
+    )
+    trainer = Trainer(cfg, output_dir=tmp_path)
+    try:
+        router = next(m.router for m in trainer.module.modules() if hasattr(m, "router"))
+        micro = trainer.sampler.next_step()
+        trainer.runner.forward_backward([trainer.collate(trainer.data.train, i) for i in micro])
+        assert router.step_counts.sum() == 8 * 64 * cfg.model.moe.top_k  # counted once
+        trainer.optimizer.zero_grad(set_to_none=True)
+        router.step_counts.zero_()
+        trainer.train_step()
+        assert router.expert_bias.abs().sum() > 0
+    finally:
+        trainer.close()

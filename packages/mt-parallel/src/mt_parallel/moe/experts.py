@@ -46,6 +46,9 @@ def grouped_mm_reason(x_MK: torch.Tensor, weight_LNK: torch.Tensor) -> str | Non
         return f"torch {torch.__version__} has no torch._grouped_mm"
     if x_MK.dtype not in GROUPED_MM_DTYPES or weight_LNK.dtype != x_MK.dtype:
         return f"dtypes {x_MK.dtype}/{weight_LNK.dtype} (grouped GEMM takes bf16, fp16, fp32)"
+    if torch.compiler.is_compiling() and x_MK.dtype != torch.bfloat16:
+        # The traced (fake-tensor) kernel takes bf16 only, though the CPU one runs fp32 eagerly.
+        return f"torch.compile traces grouped GEMMs in bf16 only, got {x_MK.dtype}"
     if x_MK.device.type == "cuda":
         if torch.cuda.get_device_capability(x_MK.device) < (9, 0):
             return "CUDA grouped GEMM needs compute capability >= 9.0"
