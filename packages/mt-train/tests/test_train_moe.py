@@ -232,3 +232,17 @@ def test_expert_parallel_over_context_parallel_ranks_matches_one_process(
     )
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_moe_under_fsdp_and_zero1_at_ep1_matches_one_process(
+    mode: str, pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # ep=1: the experts are ordinary parameters, sharded by FSDP2 (along the expert dim) or by
+    # ZeRO-1's flat optimizer state like every other one.
+    steps = {"trainer.max_steps": 6}
+    single = train_checks.run_losses(overrides(kjv_data, **steps), tmp_path / "single")
+    per_rank = pool.run(
+        train_checks.run_losses, overrides(kjv_data, parallel=mode, **steps), tmp_path / "run"
+    )
+    assert per_rank[0] == pytest.approx(single, rel=RTOL)
