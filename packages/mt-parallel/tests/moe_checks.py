@@ -16,6 +16,7 @@ import torch
 from parallel_checks import rel_err
 
 import mt_comm
+import mt_fp8
 import mt_parallel as mp
 from mt_parallel.moe import (
     MoE,
@@ -46,15 +47,15 @@ def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> di
     mp.apply_tensor_parallel(layer, state.group("tp"))
     apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
     if fp8:
-        mp.apply_fp8(layer, __import__("mt_fp8").recipe_from_name(fp8))
-        mp.apply_fp8(reference, __import__("mt_fp8").recipe_from_name(fp8))
+        mp.apply_fp8(layer, mt_fp8.recipe_from_name(fp8))
+        mp.apply_fp8(reference, mt_fp8.recipe_from_name(fp8))
     ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
     gen = torch.Generator().manual_seed(7)
     xs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=dtype)
     gs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=dtype)
 
     loss, y = _loss(layer, xs[rank], gs[rank])
-    (loss / ranks * ranks).backward()  # each rank's own loss; the mean comes from the reductions
+    loss.backward()  # each rank's own loss; the mean over ranks comes from the reductions
     dense = [p for n, p in layer.named_parameters() if getattr(p, "expert_group", None) is None]
     for p in dense:  # what DDP does (mp.all_reduce_gradients would round fp64 to fp32)
         mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))

@@ -26,7 +26,7 @@ Expert parallelism is applied by :func:`apply_expert_parallel` (step 1 of
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,8 +43,6 @@ from mt_parallel.moe.stats import LoadStats, summarize
 
 class MoE(nn.Module):
     """``forward(m_BSD) -> y_BSD`` (module docstring); a drop-in for :class:`~mt_parallel.MLP`."""
-
-    is_moe: ClassVar[bool] = True
 
     def __init__(
         self, dim: int, cfg: MoEConfig, num_layers: int = 1, init_std: float = 0.02,
