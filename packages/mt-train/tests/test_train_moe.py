@@ -158,6 +158,13 @@ def test_expert_parallel_run_matches_one_process_and_resumes(
     assert resumed[0] == resumed[1] == ep2[0][8:]  # exact, step by step
     one_process = train_checks.run_losses(overrides(kjv_data, **resume), tmp_path / "split-ep1")
     assert one_process == pytest.approx(single[8:], rel=RTOL)  # ep=2 checkpoint loads at ep=1
+    # And back: the one-process checkpoint of step 8 (whole expert tensors) cut for ep=2.
+    step8 = tmp_path / "single" / "checkpoints" / "step-00000008"
+    from_ep1 = {"trainer.max_steps": 12, "checkpoint.resume": str(step8)}
+    back = pool.run(
+        train_checks.run_losses, overrides(kjv_data, parallel="ep2", **from_ep1), tmp_path / "back"
+    )
+    assert back[0] == pytest.approx(single[8:], rel=RTOL)
 
 
 def test_mixtral_tiny_trains_with_fp8_experts(kjv_data: Path, tmp_path: Path) -> None:
