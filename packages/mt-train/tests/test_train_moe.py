@@ -101,7 +101,8 @@ def test_aux_free_bias_moves_in_every_mode_and_is_checkpointed(
         bias = routers[0].expert_bias
         # γ·sign(mean − load): every expert moved by exactly γ or 0, not all by 0.
         step = bias.abs()
-        assert bool(((step == 0) | torch.isclose(step, torch.tensor(1e-3))).all()), bias
+        rate = torch.tensor(cfg.model.moe.bias_update_rate)
+        assert bool(((step == 0) | torch.isclose(step, rate)).all()), bias
         assert bias.abs().sum() > 0
         assert routers[0].step_counts.sum() == 0  # reset after the update
         trainer.train_step()
