@@ -191,6 +191,9 @@ def test_dead_experts_are_an_event(kjv_data: Path, tmp_path: Path) -> None:
         trainer.expert_counts["layers.1.mlp.router"][[2, 5]] = 0  # two experts got no token
         metrics: dict = {}
         trainer._log_expert_load(metrics)
+        events = len(trainer.events.records)
+        trainer._log_expert_load({})  # the same dead experts: no second event
+        assert len(trainer.events.records) == events
     finally:
         trainer.close()
     assert metrics["moe_max_vio_global"] > 0

@@ -175,6 +175,7 @@ class Trainer:
         )
         self.stopped: str | None = None
         self.expert_counts: dict[str, torch.Tensor] = {}  # MoE: the last step's global counts
+        self._dead_experts: dict[str, list[int]] = {}
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
@@ -416,13 +417,15 @@ class Trainer:
 
     def _log_expert_load(self, metrics: dict[str, Any]) -> None:
         """MoE models, at log steps: the step's global-batch MaxVio into the metrics, and an
-        ``moe_dead_experts`` event when an expert got no token of the whole global batch."""
+        ``moe_dead_experts`` event when the experts that got no token of the whole global batch
+        change (and some did)."""
         if not self.expert_counts:
             return
         load = mt_parallel.moe.global_load_summary(self.expert_counts)
         metrics["moe_max_vio_global"] = load["max_vio"]
-        if load["dead"]:
+        if load["dead"] and load["dead"] != self._dead_experts:  # when the set changes
             self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
+        self._dead_experts = load["dead"]
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
