@@ -75,6 +75,8 @@ def test_mixtral_tiny_learns_and_logs_its_moe_metrics(kjv_data: Path, tmp_path: 
     # The global batch's MaxVio (counts summed over micro-batches and ranks) is never above
     # the worst micro-batch's in one process, where the global batch is two micro-batches.
     assert 0 <= logged[-1]["moe_max_vio_global"] <= 8
+    per_layer = [logged[-1][f"moe_max_vio_global/layers.{i}.mlp.router"] for i in range(2)]
+    assert max(per_layer) == logged[-1]["moe_max_vio_global"]
     assert logged[-1]["loss"] == pytest.approx(logged[-1]["ce_loss"] + logged[-1]["moe_aux_loss"])
 
 

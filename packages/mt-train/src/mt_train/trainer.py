@@ -416,13 +416,16 @@ class Trainer:
             self.save()
 
     def _log_expert_load(self, metrics: dict[str, Any]) -> None:
-        """MoE models, at log steps: the step's global-batch MaxVio into the metrics, and an
+        """MoE models, at log steps: the step's global-batch MaxVio (worst layer, and each
+        layer's as ``moe_max_vio_global/<router>``) into the metrics, and an
         ``moe_dead_experts`` event when the experts that got no token of the whole global batch
         change (and some did)."""
         if not self.expert_counts:
             return
         load = mt_parallel.moe.global_load_summary(self.expert_counts)
         metrics["moe_max_vio_global"] = load["max_vio"]
+        for layer, vio in load["per_layer"].items():
+            metrics[f"moe_max_vio_global/{layer}"] = vio
         if load["dead"] and load["dead"] != self._dead_experts:  # when the set changes
             self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
         self._dead_experts = load["dead"]

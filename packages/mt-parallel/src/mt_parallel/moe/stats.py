@@ -48,9 +48,13 @@ def global_load_summary(counts_by_layer: dict[str, torch.Tensor]) -> dict:
     """From one step's global per-layer counts (:func:`~mt_parallel.moe.update_expert_biases`):
     ``max_vio`` (the worst layer's global-batch MaxVio) and ``dead`` (layer -> experts that
     received no token in the whole global batch, a sign of expert collapse). Reads the counts on
-    the host (one synchronisation)."""
+    the host (one synchronisation). ``per_layer``: each layer's global-batch MaxVio."""
     names = list(counts_by_layer)
     stacked = [counts_by_layer[n] for n in names]
     vios = torch.stack([max_violation(c) for c in stacked]).tolist()
     dead = {n: (c == 0).nonzero().flatten().tolist() for n, c in zip(names, stacked, strict=True)}
-    return {"max_vio": max(vios), "dead": {n: e for n, e in dead.items() if e}}
+    return {
+        "max_vio": max(vios),
+        "per_layer": dict(zip(names, vios, strict=True)),
+        "dead": {n: e for n, e in dead.items() if e},
+    }
