@@ -232,6 +232,14 @@ def test_grouped_mm_matches_the_loop(sizes: list[int]) -> None:
     assert rel(w.grad, w2.grad) < 1e-5
 
 
+def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
+    from mt_parallel.moe.experts import PaddedLayout
+
+    layout = PaddedLayout.of(torch.tensor([5, 0, 11, 16]), rows=32, align=16)
+    assert layout.dest_M.tolist() == [*range(5), *range(16, 27), *range(32, 48)]
+    assert layout.ends_L.tolist() == [16, 16, 32, 48] and layout.rows == 48
+
+
 def test_fp32_layer_takes_the_grouped_path_and_matches_fp64() -> None:
     layer = make_layer()
     x = torch.randn(2, 5, DIM, dtype=torch.float64)

@@ -80,7 +80,7 @@ class AllToAllDispatcher:
         local = self.num_experts // ranks
         send_PL = sizes_E.view(ranks, local)
         recv_PL = mt_comm.all_to_all(send_PL.contiguous(), group=self.group)
-        send_host, recv_host = send_PL.tolist(), recv_PL.tolist()
+        send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # one host read
         in_splits = [sum(row) for row in send_host]
         out_splits = [sum(row) for row in recv_host]
         x_MD = all_to_all(x_ND, out_splits, in_splits, self.group)

@@ -26,6 +26,7 @@ generator and keeps the local slice, so every ep degree starts from the same exp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,27 +61,48 @@ def grouped_mm_reason(x_MK: torch.Tensor, weight_LNK: torch.Tensor) -> str | Non
     return None
 
 
-def _padded_rows(sizes_L: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(destination row of every input row in the padded layout, padded end offsets)."""
-    padded_L = (sizes_L + align - 1) // align * align
-    ends_L = torch.cumsum(padded_L, 0)
-    starts_L = ends_L - padded_L
-    rows = torch.arange(int(sizes_L.sum()), device=sizes_L.device)
-    expert = torch.repeat_interleave(torch.arange(sizes_L.numel(), device=sizes_L.device), sizes_L)
-    first = torch.cumsum(sizes_L, 0) - sizes_L
-    return starts_L[expert] + rows - first[expert], ends_L
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where each row of a grouped GEMM's input goes when groups are padded to ``align`` rows."""
+
+    dest_M: torch.Tensor
+    """The padded row of every input row."""
+    ends_L: torch.Tensor
+    """The padded groups' int32 end offsets (the kernel's ``offs``)."""
+    rows: int
+    """Rows of the padded input (a host int: one device-to-host read)."""
+
+    @classmethod
+    def of(cls, sizes_L: torch.Tensor, rows: int, align: int = CUDA_GROUP_ALIGN) -> PaddedLayout:
+        """The layout of ``rows`` input rows in groups of ``sizes_L`` (summing to ``rows``)."""
+        padded_L = (sizes_L + align - 1) // align * align
+        ends_L = torch.cumsum(padded_L, 0)
+        experts = torch.arange(sizes_L.numel(), device=sizes_L.device)
+        expert_M = torch.repeat_interleave(experts, sizes_L, output_size=rows)
+        first_L = torch.cumsum(sizes_L, 0) - sizes_L
+        index_M = torch.arange(rows, device=sizes_L.device)
+        dest_M = (ends_L - padded_L)[expert_M] + index_M - first_L[expert_M]
+        total = int(ends_L[-1]) if ends_L.numel() else 0
+        return cls(dest_M, ends_L.to(torch.int32), total)
 
 
-def grouped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
-    """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring)."""
+def grouped_mm(
+    x_MK: torch.Tensor,
+    weight_LNK: torch.Tensor,
+    sizes_L: torch.Tensor,
+    layout: PaddedLayout | None = None,
+) -> torch.Tensor:
+    """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring).
+
+    On CUDA the groups are padded by ``layout`` (computed here when not given: the projections
+    of one expert MLP share one, so the host reads its size once)."""
     if x_MK.device.type != "cuda":
         offs = torch.cumsum(sizes_L, 0).to(torch.int32)
         return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
-    dest, ends = _padded_rows(sizes_L, CUDA_GROUP_ALIGN)
-    padded = x_MK.new_zeros(int(ends[-1]) if ends.numel() else 0, x_MK.shape[1])
-    padded = padded.index_copy(0, dest, x_MK)
-    out = torch._grouped_mm(padded, weight_LNK.transpose(-2, -1), offs=ends.to(torch.int32))
-    return out.index_select(0, dest)
+    layout = layout or PaddedLayout.of(sizes_L, x_MK.shape[0])
+    padded = x_MK.new_zeros(layout.rows, x_MK.shape[1]).index_copy(0, layout.dest_M, x_MK)
+    out = torch._grouped_mm(padded, weight_LNK.transpose(-2, -1), offs=layout.ends_L)
+    return out.index_select(0, layout.dest_M)
 
 
 def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -171,7 +193,10 @@ class GroupedLinear(nn.Module):
     def fp8_enabled(self) -> bool:
         return self._fp8 is not None
 
-    def forward(self, x_MK: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_MK: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
+    ) -> torch.Tensor:
+        """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP."""
         if self._fp8 is not None:
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight
@@ -183,7 +208,7 @@ class GroupedLinear(nn.Module):
         else:
             weight = weight.to(x_MK.dtype)
         if grouped_mm_reason(x_MK, weight) is None:
-            return grouped_mm(x_MK, weight, sizes_L)
+            return grouped_mm(x_MK, weight, sizes_L, layout)
         return looped_mm(x_MK, weight, sizes_L.tolist())
 
     def extra_repr(self) -> str:
@@ -205,6 +230,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
 
     def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
-        gate_MF = self.gate_proj(x_MD, sizes_L)
-        up_MF = self.up_proj(x_MD, sizes_L)
-        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L)
+        layout = None
+        if x_MD.is_cuda and not self.gate_proj.fp8_enabled:
+            layout = PaddedLayout.of(sizes_L, x_MD.shape[0])
+        gate_MF = self.gate_proj(x_MD, sizes_L, layout)
+        up_MF = self.up_proj(x_MD, sizes_L, layout)
+        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, layout)
