@@ -79,7 +79,10 @@ def test_issue_example_overrides_compose() -> None:
         ("trainer.not_a_key=1", "trainer.not_a_key"),
         ("parallel.tp=3", "tp=3 does not divide num_heads=4"),
         ("data.path=/no/such/folder", "data.path='/no/such/folder' is not a folder"),
-        ("model=gpt5", "no config 'model=gpt5'; valid: debug, llama3_1b, llama3_70b, llama3_8b"),
+        (
+            "model=gpt5",
+            "no config 'model=gpt5'; valid: debug, deepseek_moe_tiny, llama3_1b, llama3_70b, llama3_8b",
+        ),
         ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
         ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),
         (

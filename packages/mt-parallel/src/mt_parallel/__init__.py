@@ -1,6 +1,7 @@
-"""mt-parallel: tensor, sequence, context and data parallelism, recompute, and the decoder layers
-(attention, SwiGLU MLP, RMSNorm, a pre-norm block) that model families are built from."""
+"""mt-parallel: tensor, sequence, context, data and expert parallelism, recompute, and the decoder
+layers (attention, SwiGLU MLP, MoE, RMSNorm, a pre-norm block) that model families are built from."""
 
+from mt_parallel import moe
 from mt_parallel.attention import Attention, CoreAttention, apply_rope, rope_cos_sin
 from mt_parallel.block import DecoderBlock
 from mt_parallel.checkpoint import (
@@ -112,6 +113,7 @@ __all__ = [
     "load_balanced_positions",
     "manual_seed",
     "merge_state_dicts",
+    "moe",
     "parallelize",
     "pipeline_chunks",
     "pipeline_module",

@@ -50,7 +50,9 @@ class ParallelConfig:
     count); empty: even, with the remainder on the middle chunks (the first holds the
     embedding, the last the norm and head)."""
     ep: int = 1
-    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models)."""
+    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models): each
+    ep rank keeps ``1/ep`` of every MoE layer's routed experts (``ep`` must divide dp·cp and
+    the expert count; needs ``data_parallel=ddp``)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs ``tp > 1``)."""
     data_parallel: str = "ddp"
@@ -116,6 +118,22 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.recompute_keep={list(self.recompute_keep)!r} needs "
                 f"parallel.recompute=full (got {self.recompute!r})"
+            )
+        if self.ep > 1 and self.data_parallel != "ddp":
+            raise ValueError(
+                f"parallel.ep={self.ep} needs parallel.data_parallel=ddp (got "
+                f"{self.data_parallel!r}): FSDP2 and ZeRO-1 do not shard expert-parallel "
+                "parameters yet"
+            )
+        if self.ep > 1 and self.compile:
+            raise ValueError(
+                f"parallel.ep={self.ep} with parallel.compile=true is not supported yet "
+                "(the uneven all-to-all's split sizes are host values)"
+            )
+        if self.ep > 1 and self.pp > 1:
+            raise ValueError(
+                f"parallel.ep={self.ep} with parallel.pp={self.pp} is not supported yet (expert "
+                "and pipeline parallelism have not been composed); use one of them"
             )
         self._validate_pipeline()
 

@@ -31,8 +31,11 @@ What a model contributes is data, not code: the :class:`ParallelizePlan` names i
 and output head, and its layers carry the hooks above (``check_tp``, ``set_tensor_parallel``,
 ``set_context_parallel``, ``shared_input_linears``, ``recompute_target``), so a new model family
 reuses this function unchanged. Pipeline parallelism cuts the model into chunks first and runs
-this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`); expert parallelism will
-shard the MoE layers in step 1 using the ``ep`` group.
+this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is part
+of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep rank's
+routed experts (their gradients are reduced over the expert-data-parallel group, not by DDP) and
+gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3) also runs the
+experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from mt_parallel.config import ParallelConfig
 from mt_parallel.data_parallel import apply_data_parallel, set_fp8_weight_cache
 from mt_parallel.layers import TensorParallelModule, _ParallelLinear
 from mt_parallel.mappings import group_size
+from mt_parallel.moe.layer import apply_expert_parallel
 from mt_parallel.recompute import apply_recompute
 
 if TYPE_CHECKING:
@@ -137,9 +141,12 @@ def apply_fp8(
     layers of each module's ``shared_input_linears()`` get tied input scales (module docstring).
     """
     from mt_fp8 import tie_input_scales
+    from mt_parallel.moe.experts import GroupedLinear
 
     for name, module in model.named_modules():
-        if isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
+        if isinstance(module, GroupedLinear) and not any(s in name for s in skip):
+            module.enable_fp8(recipe, **fp8_kwargs)
+        elif isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
             module.enable_fp8(recipe, **fp8_kwargs)
             if amax_group is not None and group_size(amax_group) > 1:
                 module.fp8_meta.amax_group = amax_group
@@ -205,7 +212,7 @@ def parallelize(
     ``ddp`` mode when dp×cp > 1, else ``model`` itself).
     """
     config.validate_world(state.dims.world_size)
-    for dim in ("tp", "cp", "pp"):
+    for dim in ("tp", "cp", "pp", "ep"):
         if state.size(dim) != getattr(config, dim):
             raise ValueError(
                 f"parallel.{dim}={getattr(config, dim)} but the parallel state has "
@@ -213,6 +220,7 @@ def parallelize(
             )
     tp_group = state.group("tp")
     apply_tensor_parallel(model, tp_group, config.sequence_parallel)
+    apply_expert_parallel(model, state.group("ep"), state.group("edp"), state.group("dp_cp"))
     if config.cp > 1:
         apply_context_parallel(model, state.group("cp"), config.cp_attention == "ring")
     if fp8 is not None:

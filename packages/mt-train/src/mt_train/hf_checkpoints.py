@@ -2,8 +2,8 @@
 
 Import reads ``config.json``'s ``architectures`` and hands the folder to the registered model
 family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads that architecture
-(``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`, which documents the name map and the
-config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
+(``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`; ``MixtralForCausalLM``:
+:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
 tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
 ``checkpoint.init_from=<root>`` trains from. Export goes back through the family named in the
 manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s

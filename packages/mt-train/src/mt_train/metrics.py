@@ -125,7 +125,7 @@ class MetricsLogger:
         self.sinks = {}
 
 
-DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "event")
+DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "moe_max_vio", "event")
 
 
 class Throughput:

@@ -9,6 +9,7 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     if clip > 0: grads ← grads · min(1, clip / n)    (fused AdamW and ZeRO-1: inside the update)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
     if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
+                 MoE aux-loss-free biases moved from the step's global expert counts
     zero grads
 
 The loss, the local loss, ``n`` and the model's extra values reach the host in one
@@ -233,6 +234,8 @@ class Trainer:
             self.runner, self.data, cfg, self.pstate, self.collate, self.tp_group, self.cp_group
         )
         self.stopped: str | None = None
+        self.expert_counts: dict[str, torch.Tensor] = {}  # MoE: the last step's global counts
+        self._dead_experts: dict[str, list[int]] = {}
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
@@ -384,6 +387,11 @@ class Trainer:
             self.guard.accept(self.step, signals)
         else:
             metrics["event"] = self.verdict.detector
+        # MoE aux-loss-free balancing: biases move from the step's global expert counts (a
+        # step that is not applied only resets them); a no-op for dense models.
+        self.expert_counts = mt_parallel.moe.update_expert_biases(
+            self.module, apply=not self.verdict.anomalous
+        )
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
@@ -508,6 +516,7 @@ class Trainer:
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
+            self._log_expert_load(metrics)
             self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
             self.timer.start("eval")
@@ -518,6 +527,21 @@ class Trainer:
         ):
             self.timer.start("checkpoint")
             self.save()
+
+    def _log_expert_load(self, metrics: dict[str, Any]) -> None:
+        """MoE models, at log steps: the step's global-batch MaxVio (worst layer, and each
+        layer's as ``moe_max_vio_global/<router>``) into the metrics, and an
+        ``moe_dead_experts`` event when the experts that got no token of the whole global batch
+        change (and some did)."""
+        if not self.expert_counts:
+            return
+        load = mt_parallel.moe.global_load_summary(self.expert_counts)
+        metrics["moe_max_vio_global"] = load["max_vio"]
+        for layer, vio in load["per_layer"].items():
+            metrics[f"moe_max_vio_global/{layer}"] = vio
+        if load["dead"] and load["dead"] != self._dead_experts:  # when the set changes
+            self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
+        self._dead_experts = load["dead"]
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel

@@ -100,7 +100,7 @@ def shard_tensors(
             key, entry = rest.rsplit("/", 1)
             sharded = entry != "step" and key in tp.plan
             stored = tp.name("optim/", key, f"/{entry}") if sharded else name
-        if key not in tp.plan and tp.rank != 0:
+        if (key not in tp.plan and tp.rank != 0) or name in layout.replicas:
             continue
         start = layout.starts.get(name)
         if start is None:
