@@ -450,6 +450,7 @@ class Trainer:
         """Log, evaluate and checkpoint on their intervals after a healthy step."""
         assert self.logger is not None
         tr, step = self.cfg.trainer, self.step
+        self.checkpointer.check()  # a background save that failed stops the run now
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
