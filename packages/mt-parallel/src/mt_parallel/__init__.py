@@ -52,6 +52,14 @@ from mt_parallel.parallelize import (
     high_precision_linears,
     parallelize,
 )
+from mt_parallel.pipeline import (
+    PipelineLayout,
+    PipelineModule,
+    PipelineSchedule,
+    StageShapes,
+    pipeline_chunks,
+    pipeline_module,
+)
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
 from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
@@ -69,9 +77,13 @@ __all__ = [
     "FP8Options",
     "ParallelConfig",
     "ParallelizePlan",
+    "PipelineLayout",
+    "PipelineModule",
+    "PipelineSchedule",
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
+    "StageShapes",
     "SwiGLU",
     "TensorParallelModule",
     "VocabParallelEmbedding",
@@ -101,6 +113,8 @@ __all__ = [
     "manual_seed",
     "merge_state_dicts",
     "parallelize",
+    "pipeline_chunks",
+    "pipeline_module",
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",

@@ -1,5 +1,12 @@
 """``mt-train``: the Hydra entry point (thin: the work is in :class:`mt_train.trainer.Trainer`).
 
+Observability: an out-of-memory error prints one line (with the memory snapshot it wrote when
+``profiling.memory_snapshot`` is on) and exits 1; a collective timeout prints one line naming
+the rank and the collective (:func:`mt_train.watchdog.collective_timeout_message`) and exits 5;
+a step outliving ``trainer.step_timeout_s`` exits 4 from the watchdog thread. At the end rank
+0 prints a summary: steps, tokens, mean and best tokens/s and MFU, peak memory, checkpoints
+written, rewinds, and the profiler's files.
+
 Before Hydra runs, the command line's overrides are composed and validated once, so a bad
 override (unknown key, a key added with ``+`` that no schema has, wrong type, tp not dividing
 the heads, a missing data folder, a device that is not there, a run folder that cannot be
@@ -21,19 +28,30 @@ import sys
 from collections.abc import Sequence
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from mt_core import get_device
+from mt_train import loggers
 from mt_train.config.store import compose_config, register_configs, to_train_config
 from mt_train.errors import EXIT_USER_ERROR, RankZeroError, UserError, check_writable, report
 from mt_train.optim import optimizer_impl
+from mt_train.profiling import MEMORY_VIZ, check_memory_snapshot
 from mt_train.rewind.manager import RewindLimitError
 from mt_train.trainer import Trainer, TrainSummary
+from mt_train.watchdog import (
+    EXIT_COLLECTIVE_TIMEOUT,
+    collective_timeout_message,
+    dump_flight_recorder,
+    is_collective_timeout,
+)
 
 EXIT_REWIND_LIMIT = 3
 """Exit status when rewind gave up (too many rewinds, or nothing to rewind to)."""
+EXIT_OUT_OF_MEMORY = 1
+"""Exit status after an out-of-memory error."""
 _exit_status = 0
 
 QUIET_RANK_OVERRIDES = (
@@ -105,6 +123,8 @@ def validate_overrides(argv: Sequence[str]) -> str | None:
         cfg.check_world(int(os.environ.get("WORLD_SIZE", "1")))
         # An unknown or absent device is a config error too, as is a kernel it cannot run.
         device = get_device(cfg.trainer.device)
+        check_memory_snapshot(cfg.profiling, device.type)
+        loggers.enabled_loggers(cfg.logging)
         optimizer_impl(cfg.optimizer.impl, device.type, cfg.parallel.data_parallel)
         if int(os.environ.get("RANK", "0")) == 0:
             for folder, what in folders:
@@ -120,15 +140,23 @@ def print_summary(summary: TrainSummary) -> None:
         if math.isnan(summary.val_loss)
         else f"validation loss {summary.val_loss:.4f}"
     )
+    mfu = (
+        f", MFU {summary.mfu:.1%} (best {summary.best_mfu or 0:.1%})"
+        if summary.mfu is not None
+        else ""
+    )
     lines = [
-        f"done: {summary.steps} steps in {summary.wall_s:.0f} s ({summary.tokens_per_s:,.0f} tokens/s); "
+        f"done: {summary.steps} steps, {summary.tokens:,} tokens in {summary.wall_s:.0f} s; "
         f"final train loss {summary.train_loss:.4f}, {validation}",
+        f"throughput: {summary.tokens_per_s:,.0f} tokens/s (best interval "
+        f"{summary.best_tokens_per_s:,.0f}){mfu}; peak memory {summary.peak_memory_gib:.2f} GiB",
         f"outputs: {summary.output_dir} (metrics.jsonl"
         + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-        + ")",
+        + f"); checkpoints written: {summary.checkpoints_written}; rewinds: {summary.rewinds}"
+        + (" (see events.jsonl)" if summary.rewinds else ""),
     ]
-    if summary.rewinds:
-        lines.append(f"rewinds: {summary.rewinds} (see events.jsonl)")
+    if summary.traces:
+        lines.append("profiles: " + ", ".join(summary.traces))
     if summary.stopped:
         resume = (
             "continue with checkpoint.resume=auto and the same hydra.run.dir"
@@ -165,6 +193,32 @@ def _train(cfg: DictConfig) -> None:
         if trainer.rank == 0:
             print(f"mt-train: stopped: {err}", file=sys.stderr, flush=True)
         _exit_status = EXIT_REWIND_LIMIT
+        return
+    except torch.OutOfMemoryError:
+        snapshot = trainer.observer.profiler.oom_snapshot()
+        where = (
+            f"memory snapshot in {snapshot} (drag it into {MEMORY_VIZ})"
+            if snapshot is not None
+            else "profiling.memory_snapshot=true profiling.steps=[1,1] records a snapshot of it"
+        )
+        print(
+            f"mt-train: rank {trainer.rank}: out of memory at step {trainer.step + 1}; {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+        _exit_status = EXIT_OUT_OF_MEMORY
+        return
+    except RuntimeError as err:
+        recorded = (
+            dump_flight_recorder(trainer.output_dir, trainer.rank)
+            if train_cfg.comm.trace_buffer_size > 0 and is_collective_timeout(err)
+            else None
+        )
+        message = collective_timeout_message(err, trainer.rank, train_cfg.comm.timeout_s, recorded)
+        if message is None:
+            raise
+        print(f"mt-train: {message}", file=sys.stderr, flush=True)
+        _exit_status = EXIT_COLLECTIVE_TIMEOUT
         return
     finally:
         trainer.close()

@@ -22,8 +22,9 @@ The trainer composes parts through narrow interfaces and knows no model family:
   :class:`~mt_train.data.dataset.ResumableSampler`;
 * model and parallelism: the config's family builds the plain model
   (:mod:`mt_train.models`), :func:`mt_parallel.parallelize` applies the family's plan;
-* the step: :class:`~mt_train.step.EagerStep` or :class:`~mt_train.cuda_graph.GraphedStep`
-  (``run(batches, ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
+* the step: :class:`~mt_train.step.EagerStep`, :class:`~mt_train.cuda_graph.GraphedStep` or,
+  with ``parallel.pp > 1``, :class:`~mt_train.pipeline_step.PipelineStep` (``run(batches,
+  ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
 * the update policy (:mod:`mt_train.update`): ZeRO-1's split step, the clip folded into a
   fused AdamW, or clip then step;
 * state: :class:`~mt_train.run_state.RunState` (checkpoints, resume, rewind); anomaly
@@ -55,11 +56,12 @@ repeats the uninterrupted loss curve bit for bit.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +80,13 @@ from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
 from mt_train.errors import DiskError, check_writable
 from mt_train.evaluation import Evaluator
+from mt_train.loggers import run_info, write_run_record
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
 from mt_train.models.build import fp8_layer_count, warn_if_fp8_emulated
+from mt_train.observer import RunObserver
 from mt_train.optim import build_optimizer, lr_multiplier
+from mt_train.pipeline_step import pipeline_step
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
 from mt_train.rewind.events import EVENTS_FILE, EventLog
@@ -93,6 +98,7 @@ from mt_train.run_lock import RunLock
 from mt_train.run_state import RunState
 from mt_train.step import BatchRunner, EagerStep, read_step_numbers
 from mt_train.update import update_policy
+from mt_train.watchdog import flight_recorder_dump_path, flight_recorder_env
 
 
 @dataclass
@@ -111,6 +117,18 @@ class TrainSummary:
     sample: str
     stopped: str | None = None
     """The signal that ended the run early (preemption), or None."""
+    tokens: int = 0
+    """Tokens trained on in healthy steps of this process."""
+    best_tokens_per_s: float = 0.0
+    """The best log interval's tokens/s."""
+    mfu: float | None = None
+    """Model FLOPs utilisation of ``tokens_per_s`` (None where the device's peak is unknown)."""
+    best_mfu: float | None = None
+    peak_memory_gib: float = 0.0
+    """The largest ``mem_gib`` (peak allocated memory) rank 0 logged."""
+    checkpoints_written: int = 0
+    traces: list[str] = field(default_factory=list)
+    """Profiler traces and memory snapshots written by rank 0."""
 
 
 class Trainer:
@@ -131,7 +149,10 @@ class Trainer:
     def _build(self, cfg: TrainConfig, output_dir: str | Path | None) -> None:
         self.cfg = cfg
         tr, p = cfg.trainer, cfg.parallel
-        self.ctx = mt_comm.init_distributed(device=tr.device)
+        flight_recorder_env(cfg.comm)
+        self.ctx = mt_comm.init_distributed(
+            device=tr.device, timeout=datetime.timedelta(seconds=cfg.comm.timeout_s)
+        )
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.torch_device
         self.dp = cfg.check_world(self.world_size)
@@ -165,24 +186,34 @@ class Trainer:
             self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
         )  # fmt: skip
 
+        # Observability: step timer, profiler, watchdog (mt_train.observer), flight recorder.
+        self.run_id = run_id
+        flight_recorder_dump_path(cfg.comm, self.output_dir)
+        self.observer = RunObserver(cfg, self.output_dir, self.rank, self.ctx.device)
+        self.timer = self.observer.timer
+        self.checkpoints_written = 0
+
         # Model and parallelism: the family builds, mt_parallel's one path parallelizes.
         self.model_cfg = resolve_vocab(cfg.model, self.data.vocab_size)
         self.model_cfg.check_parallel(p)
         self.family = family_of(self.model_cfg)
         self.module = build_model(self.model_cfg, self.device, tr.seed)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
+        if p.pp > 1:  # this rank's chunks, under the whole model's names
+            self.module = self.model
         self.fp8_layers = fp8_layer_count(self.module)
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
             else None
         )
+        mp_group = self.pstate.group("mp") if p.pp > 1 else None
         self.optimizer = build_optimizer(
             self.module, cfg.optimizer, self.device.type, p.data_parallel, self.dp_cp_group,
-            self.tp_group,
+            self.tp_group, mp_group,
         )  # fmt: skip
         self.update = update_policy(
-            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group
+            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group, mp_group
         )
         bf16 = tr.precision == "bf16" or (tr.precision == "auto" and self.device.type != "cpu")
         self.autocast_dtype = torch.bfloat16 if bf16 else None
@@ -193,6 +224,8 @@ class Trainer:
         self.step_runner = (
             GraphedStep.for_run(self.runner, p, self.model_cfg.dropout, self.pstate.size("dp_cp"))
             if tr.cuda_graph
+            else pipeline_step(self.runner, cfg, self.model_cfg, self.pstate, self.dp)
+            if p.pp > 1
             else EagerStep(self.runner)
         )
         self.flops_per_token = self.family.flops_per_token(self.model_cfg, tr.seq_len)
@@ -263,9 +296,10 @@ class Trainer:
         self.ctx.device.manual_seed(torch.initial_seed())
 
     def layout(self) -> dict[str, int]:
-        """What RNG states depend on: the world size and the tp, cp, dp degrees."""
+        """What RNG states depend on: the world size and the tp, cp, dp (and pp) degrees."""
         p = self.cfg.parallel
-        return {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        layout = {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        return {**layout, "pp": p.pp} if p.pp > 1 else layout
 
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any layout; :meth:`mt_train.run_state.RunState.load`)."""
@@ -275,6 +309,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current step (a rewind target too when rewind is on)."""
         self.state.save(self.step)
+        self.checkpoints_written += 1
 
     @property
     def step_graph(self) -> Any:
@@ -300,6 +335,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step, or an anomalous one that is not applied (``self.verdict`` and
         ``metrics["event"]`` say why)."""
+        self.observer.begin_step(self.step + 1)
         faults = self.faults.begin_step(self.step + 1)
         if self.watch_fp8:
             mt_fp8.reset_fp8_health(self.module)
@@ -309,7 +345,9 @@ class Trainer:
         clean = all(f == 1.0 for f in factors) and faults.fp8_inputs == 1.0
         # The norm joins a captured step when nothing runs between the backward and it.
         capture_norm = self.update.graph_norm if self.pstate.size("dp_cp") == 1 else None
+        self.timer.start("forward_backward")
         result = self.step_runner.run(batches, factors, capture_norm, eager=not clean)
+        self.timer.start("grad_sync")
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.cfg.parallel.data_parallel == "none":
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
@@ -320,6 +358,7 @@ class Trainer:
                 p.grad.mul_(faults.grads)
         if norm_t is None:
             norm_t = self.update.norm(params)
+        self.timer.start("optimizer")
         numbers = read_step_numbers(
             result, len(micro), norm_t, self.dp_cp_group, self.module if self.watch_fp8 else None
         )
@@ -390,8 +429,11 @@ class Trainer:
         is_main = self.rank == 0
         if is_main:
             print(self.describe(), file=sys.stderr, flush=True)
+        run = run_info(self.cfg, self.output_dir, self.run_id) if is_main else None
+        if run is not None:
+            write_run_record(run, self.world_size, self.step)
         self.logger = MetricsLogger(
-            self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main
+            self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main, run
         )
         self.events.echo = self.logger.write
         self.state.start_targets(self.step)
@@ -401,13 +443,15 @@ class Trainer:
         start = time.perf_counter()
         tokens_total = 0
         self.throughput = Throughput(
-            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size
-        )
+            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size,
+            self.observer.at_log_point,
+        )  # fmt: skip
         with self._stop:
             while self.step < tr.max_steps:
                 metrics = self.train_step()
                 if self.verdict.anomalous:
                     self.logger.log(self.step, metrics, kind="anomaly")
+                    self.timer.start("rewind")
                     self.rewind(self.verdict)
                     self.logger.log(
                         self.step, {"event": f"rewound to step {self.step}"}, kind="rewind"
@@ -421,6 +465,7 @@ class Trainer:
                     self._preempt(self._stop.signal_name)
                     break
         self.checkpointer.wait()
+        self.observer.end_run()
         wall = time.perf_counter() - start
         val_loss = self._val_loss
         if math.isnan(val_loss) and self.stopped is None:
@@ -432,18 +477,28 @@ class Trainer:
         )
         self.logger.close()
         latest = resolve_resume("auto", self.ckpt_dir) if ck.enabled else None
+        stats = self.observer.stats
+        tokens_per_s = tokens_total / wall if wall > 0 else 0.0
+        peak = self.throughput.peak_flops
         return TrainSummary(
             steps=self.step,
             train_loss=train_loss,
             val_loss=val_loss,
             wall_s=wall,
-            tokens_per_s=tokens_total / wall if wall > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
             output_dir=str(self.output_dir),
             checkpoint=str(latest) if latest else None,
             losses=losses,
             rewinds=self.guard.rewinds,
             sample=sample,
             stopped=self.stopped,
+            tokens=tokens_total,
+            best_tokens_per_s=stats.best_tokens_per_s,
+            mfu=self.flops_per_token * tokens_per_s / (peak * self.world_size) if peak else None,
+            best_mfu=stats.best_mfu,
+            peak_memory_gib=stats.peak_memory_gib,
+            checkpoints_written=self.checkpoints_written,
+            traces=stats.traces,
         )
 
     def _after_step(self, metrics: dict[str, Any]) -> None:
@@ -456,11 +511,13 @@ class Trainer:
         if step % tr.log_interval == 0 or step == tr.max_steps:
             self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
+            self.timer.start("eval")
             self._val_loss = self.evaluate()
             self.logger.log(step, {"val_loss": self._val_loss}, kind="eval")
         if (self.cfg.checkpoint.enabled or self.cfg.rewind.enabled) and (
             step % tr.checkpoint_interval == 0 or step == tr.max_steps
         ):
+            self.timer.start("checkpoint")
             self.save()
 
     def describe(self) -> str:
@@ -468,6 +525,8 @@ class Trainer:
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
         fp8 = f", fp8 {self.cfg.fp8.recipe} ({self.fp8_layers} linears)" if self.fp8_layers else ""
         sp = "+sp" if p.sequence_parallel else ""
+        if p.pp > 1:
+            sp += f" pp={p.pp} {p.pp_schedule}"
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
         docs = ", document masking" if self.cfg.data.document_masking else ""
         params = self.family.num_params(self.module) / 1e6
@@ -483,6 +542,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
+        self.observer.close()
         self.drop_step_graph()
         try:
             self.checkpointer.close()

@@ -121,6 +121,11 @@ class FaultConfig:
     """The process SIGKILLs itself as this step begins (an async save may be in flight)."""
     sigterm_at_step: int | None = None
     """The process sends itself SIGTERM as this step begins (a preemption drill)."""
+    hang_at_step: int | None = None
+    """This step sleeps ``hang_s`` seconds before it starts (a hang drill for
+    ``trainer.step_timeout_s`` and ``comm.timeout_s``)."""
+    hang_s: float = 3600.0
+    """How long ``hang_at_step`` sleeps."""
     corrupt_latest_checkpoint: bool = False
     """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
     disk_error: str | None = None
@@ -141,11 +146,13 @@ class FaultConfig:
     def __post_init__(self) -> None:
         for name in (
             "nan_at_step", "spike_at_step", "grad_spike_at_step", "fp8_overflow_at_step",
-            "bad_batch_at_step", "kill_at_step", "sigterm_at_step",
+            "bad_batch_at_step", "kill_at_step", "sigterm_at_step", "hang_at_step",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 _check_int("fault", name, value, 1)
+        if not self.hang_s > 0:
+            raise ValueError(f"fault.hang_s must be > 0 seconds, got {self.hang_s}")
         if self.rank is not None:
             _check_int("fault", "rank", self.rank, 0)
         if self.save_step is not None:
@@ -164,7 +171,7 @@ class FaultConfig:
     @property
     def step_faults(self) -> dict[str, int]:
         """The one-shot step faults that are set, by name."""
-        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm")
+        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm", "hang")
         return {
             n: getattr(self, f"{n}_at_step")
             for n in names
