@@ -161,6 +161,16 @@ def test_run_folder_that_cannot_be_created_is_refused_before_hydra_writes(
     assert "ENOTDIR" in err
 
 
+def test_damaged_bundled_corpus_says_how_to_prepare_it_again(
+    data: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(data, out / "data")  # as if mt-train had prepared it here
+    _truncate("train.bin", 1)(out / "data")
+    status, err = run_cli(capsys, run_overrides(data, out, **{"data.path": None}))
+    assert_one_error_line(status, err, f"(the bundled corpus: delete {out / 'data'} to prepare")
+
+
 def test_unknown_top_level_key_is_refused(capsys) -> None:
     status, err = run_cli(capsys, ["+foo=1", "+trainer.bar=2"])
     assert_one_error_line(status, err, "unknown config key(s) foo, trainer.bar")

@@ -78,7 +78,7 @@ from mt_train.cuda_graph import GraphedStep
 from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
-from mt_train.errors import DiskError, check_writable
+from mt_train.errors import DataError, DiskError, check_writable
 from mt_train.evaluation import Evaluator
 from mt_train.loggers import run_info, write_run_record
 from mt_train.metrics import MetricsLogger, Throughput
@@ -177,7 +177,14 @@ class Trainer:
                 lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
             )
         ranks.barrier()
-        data_meta = check_prepared(data_dir, tr.seq_len)
+        try:
+            data_meta = check_prepared(data_dir, tr.seq_len)
+        except DataError as err:
+            if cfg.data.path is not None:
+                raise
+            raise DataError(
+                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
+            ) from None
         if cfg.model.vocab_size is not None:
             check_vocab(data_meta, cfg.model.vocab_size, data_dir)
         self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
