@@ -194,6 +194,22 @@ def test_prepare_data_refuses_a_bad_regex_and_a_bad_tokenizer(tmp_path: Path, ca
     assert not (tmp_path / "o" / "meta.json").exists()
 
 
+def test_prepare_data_on_a_full_disk_is_one_line(tmp_path: Path, capsys) -> None:
+    from mt_train import fault_points
+
+    text = tmp_path / "in.txt"
+    text.write_text("one\ntwo\nthree\n")
+    fault_points.arm(disk_site="data")
+    try:
+        capsys.readouterr()
+        status = prepare_main([str(text), "--out", str(tmp_path / "o"), "--tokenizer", "byte"])
+    finally:
+        fault_points.arm()
+    err = capsys.readouterr().err
+    assert_one_error_line(status, err, "cannot write the prepared data folder", "mt-prepare-data")
+    assert "ENOSPC" in err and not (tmp_path / "o" / "meta.json").exists()
+
+
 def test_convert_import_refuses_a_garbage_safetensors_file(
     trained: Path, tmp_path: Path, capsys
 ) -> None:
