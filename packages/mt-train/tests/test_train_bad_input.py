@@ -161,6 +161,16 @@ def test_run_folder_that_cannot_be_created_is_refused_before_hydra_writes(
     assert "ENOTDIR" in err
 
 
+def test_damaged_bundled_corpus_says_how_to_prepare_it_again(
+    data: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(data, out / "data")  # as if mt-train had prepared it here
+    _truncate("train.bin", 1)(out / "data")
+    status, err = run_cli(capsys, run_overrides(data, out, **{"data.path": None}))
+    assert_one_error_line(status, err, f"(the bundled corpus: delete {out / 'data'} to prepare")
+
+
 def test_unknown_top_level_key_is_refused(capsys) -> None:
     status, err = run_cli(capsys, ["+foo=1", "+trainer.bar=2"])
     assert_one_error_line(status, err, "unknown config key(s) foo, trainer.bar")
@@ -182,6 +192,22 @@ def test_prepare_data_refuses_a_bad_regex_and_a_bad_tokenizer(tmp_path: Path, ca
         status, capsys.readouterr().err, "is not a Hugging Face tokenizer.json", "mt-prepare-data"
     )
     assert not (tmp_path / "o" / "meta.json").exists()
+
+
+def test_prepare_data_on_a_full_disk_is_one_line(tmp_path: Path, capsys) -> None:
+    from mt_train import fault_points
+
+    text = tmp_path / "in.txt"
+    text.write_text("one\ntwo\nthree\n")
+    fault_points.arm(disk_site="data")
+    try:
+        capsys.readouterr()
+        status = prepare_main([str(text), "--out", str(tmp_path / "o"), "--tokenizer", "byte"])
+    finally:
+        fault_points.arm()
+    err = capsys.readouterr().err
+    assert_one_error_line(status, err, "cannot write the prepared data folder", "mt-prepare-data")
+    assert "ENOSPC" in err and not (tmp_path / "o" / "meta.json").exists()
 
 
 def test_convert_import_refuses_a_garbage_safetensors_file(

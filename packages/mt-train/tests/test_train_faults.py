@@ -121,6 +121,18 @@ def test_disk_error_stops_with_one_line_and_keeps_the_newest_checkpoint(
         assert CheckpointReader(root / "step-00000012").manifest["step"] == 12
 
 
+def test_failed_background_save_stops_the_run_at_the_next_step(
+    data: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    extra = {"checkpoint.async_save": True, "fault.disk_error": "checkpoint", "fault.save_step": 4}
+    status, err = run_cli(capsys, run_overrides(data, out, **extra))
+    assert_one_error_line(status, err, "cannot write checkpoint step 4")
+    assert "step 8 train" not in err  # stopped within the steps after the save, not at step 8
+    assert list_checkpoints(out / "checkpoints") == []
+    assert _leftovers(out / "checkpoints") == []
+
+
 def test_metrics_disk_error_warns_and_training_goes_on(data: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     status, err = run_cli(capsys, run_overrides(data, out, **{"fault.disk_error": "metrics"}))

@@ -79,7 +79,7 @@ from mt_train.cuda_graph import GraphedStep
 from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
-from mt_train.errors import DiskError, check_writable
+from mt_train.errors import DataError, DiskError, check_writable
 from mt_train.evaluation import Evaluator
 from mt_train.loggers import run_info, write_run_record
 from mt_train.metrics import MetricsLogger, Throughput
@@ -178,7 +178,14 @@ class Trainer:
                 lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
             )
         ranks.barrier()
-        data_meta = check_prepared(data_dir, tr.seq_len)
+        try:
+            data_meta = check_prepared(data_dir, tr.seq_len)
+        except DataError as err:
+            if cfg.data.path is not None:
+                raise
+            raise DataError(
+                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
+            ) from None
         if cfg.model.vocab_size is not None:
             check_vocab(data_meta, cfg.model.vocab_size, data_dir)
         self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
@@ -513,6 +520,7 @@ class Trainer:
         """Log, evaluate and checkpoint on their intervals after a healthy step."""
         assert self.logger is not None
         tr, step = self.cfg.trainer, self.step
+        self.checkpointer.check()  # a background save that failed stops the run now
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:

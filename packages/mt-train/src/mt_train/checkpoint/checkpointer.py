@@ -29,8 +29,9 @@ the same as a synchronous save because both write the same snapshot through the 
 
 A write that fails (a full or read-only disk) raises :class:`mt_train.errors.DiskError`
 naming the path and the errno, from :meth:`Checkpointer.save` or, for a background save, from
-the next :meth:`Checkpointer.wait`; the half-written ``.tmp-step-*`` folder is removed and the
-newest complete checkpoint is untouched.
+the first :meth:`Checkpointer.check` (the trainer calls it after every step) or
+:meth:`Checkpointer.wait` after it failed; the half-written ``.tmp-step-*`` folder is removed
+and the newest complete checkpoint is untouched.
 """
 
 from __future__ import annotations
@@ -198,6 +199,12 @@ class Checkpointer:
             else:
                 (folder / shard_name(self.rank)).unlink(missing_ok=True)
             raise DiskError(f"checkpoint step {step}", err.filename or folder, err) from err
+
+    def check(self) -> None:
+        """Re-raise the error of a background save that has already failed (never waits)."""
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            self.wait()
 
     def wait(self) -> None:
         """Block until the pending background save is on disk; re-raise its error."""
