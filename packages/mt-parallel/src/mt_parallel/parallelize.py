@@ -153,14 +153,19 @@ def apply_fp8(
 def high_precision_linears(
     model: nn.Module, plan: ParallelizePlan, fp8: FP8Options
 ) -> tuple[str, ...]:
-    """Names of the TP linears that stay high precision: the plan's ``fp8_skip``, the output
-    head (unless ``fp8.output_head``) and the layers below ``fp8.min_features``."""
+    """Names of the TP linears (and MoE expert projections) that stay high precision: the
+    plan's ``fp8_skip``, the output head (unless ``fp8.output_head``) and the layers below
+    ``fp8.min_features``."""
     skip = list(plan.fp8_skip)
     if plan.output_head is not None and not fp8.output_head:
         skip.append(plan.output_head)
+    from mt_parallel.moe.experts import GroupedLinear
+
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinear) and min(module.weight.shape) < fp8.min_features:
             skip.append(name)
+        elif isinstance(module, GroupedLinear) and min(module.weight.shape[1:]) < fp8.min_features:
+            skip.append(name)  # an expert projection: [experts, out, in]
     return tuple(skip)
 
 
