@@ -49,6 +49,16 @@ HEAD_128K_CALLS = ("call_1", "call_3")
 VOCAB_128K = "+model.vocab_size=128256"
 PARITY_FILE = "loss_parity_2026-12-04.json"
 PARITY_1B_FILE = "loss_parity_1b_2026-12-04.json"
+SHARED_INIT_FILE = "loss_parity_2026-12-05.json"
+SHARED_INIT_ROWS = (
+    ("mt bf16", "none", "plain bf16 from mt's initial weights", "plain"),
+    ("mt rowwise", "rowwise", "torchao rowwise on the plain loop", "torchao-rowwise"),
+    ("torchao rowwise", "torchao-rowwise", "plain bf16", "plain"),
+    ("mt rowwise", "rowwise", "mt bf16", "none"),
+    ("mt delayed", "delayed", "mt bf16", "none"),
+)
+"""The rows of the shared-initial-weights table, as ``PARITY_ROWS``; a pair whose runs did not
+both finish is compared at the last validation step both reached (the cell says which)."""
 OLD_INIT = "+model.scaled_residual_init=true"
 PARITY_ROWS = (
     ("mt bf16", "none", "plain bf16 (same windows, same order)", "plain"),
@@ -178,9 +188,31 @@ def _final(runs: dict, spec: str, steps: int) -> float | None:
     return run["final_val_loss"]
 
 
+def _at_common_step(runs: dict, spec: str, ref: str) -> tuple[float, float, int] | None:
+    """Both runs' validation losses at the last validation step both reached, and that step."""
+    if spec not in runs or ref not in runs:
+        return None
+    mine, theirs = (dict(map(tuple, runs[name]["val_loss"])) for name in (spec, ref))
+    common = set(mine) & set(theirs)
+    if not common:
+        return None
+    step = max(common)
+    return mine[step], theirs[step], step
+
+
 def _paired_rows(
-    runs: dict, steps: int, seeds: list[str], pairs: list[tuple[str, str, str, str]]
+    runs: dict,
+    steps: int,
+    seeds: list[str],
+    pairs: list[tuple[str, str, str, str]],
+    *,
+    common_step: bool = False,
 ) -> list[list[str]]:
+    """One row per pair: each seed's loss and its difference from the reference's.
+
+    Pairs are compared on final losses of complete runs; with ``common_step``, a pair of which
+    a run stopped early is compared at the last validation step both reached instead.
+    """
     rows = []
     for label, spec, ref_label, ref in pairs:
         cells, diffs = [], []
@@ -189,11 +221,17 @@ def _paired_rows(
                 _final(runs, _seeded(spec, seed), steps),
                 _final(runs, _seeded(ref, seed), steps),
             )
+            at = ""
+            if (mine is None or theirs is None) and common_step:
+                found = _at_common_step(runs, _seeded(spec, seed), _seeded(ref, seed))
+                if found is not None:
+                    mine, theirs, step = found
+                    at = f", step {step:,}"
             if mine is None or theirs is None:
                 cells.append("—")
                 continue
             diffs.append(100.0 * (mine / theirs - 1.0))
-            cells.append(f"{mine:.4f} ({signed_pct(diffs[-1])})")
+            cells.append(f"{mine:.4f} ({signed_pct(diffs[-1])}{at})")
         mean = f"**{signed_pct(sum(diffs) / len(diffs))}**" if diffs else "—"
         rows.append([label, ref_label, *cells, mean])
     return rows
@@ -253,7 +291,31 @@ def loss_parity_1b(data: Path) -> str:
     return table(["run", "against", "seed 1234", "difference"], rows)
 
 
+def loss_parity_shared_init(data: Path) -> str:
+    """mt against the plain loop and torchao when both start from mt's initial weights.
+
+    From ``loss_parity_2026-12-05.json`` (``fp8_quality.py --merge``; mt bf16 from
+    ``loss_parity_2026-12-04.json``), per seed and mean, with each configuration's seed spread.
+    """
+    result = _load(data, SHARED_INIT_FILE)
+    runs, steps = result["runs"], result["settings"]["steps"]
+    seeds = ["1234", "5678", "9999"]
+    rows = _paired_rows(runs, steps, seeds, list(SHARED_INIT_ROWS), common_step=True)
+    header = ["run", "against", *(f"seed {s}" for s in seeds), "mean difference"]
+    spreads = [
+        f"{name} {spread['spread_pct']:.2f}%"
+        for name, spread in result["parity"]["spreads"].items()
+        if name in ("none", "plain", "torchao-rowwise", "delayed")
+    ]
+    return table(header, rows) + (
+        "\nSeed spread of the complete runs, 100·(max − min)/mean of the final losses: "
+        + ", ".join(spreads)
+        + ".\n"
+    )
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {
+    "loss_parity_shared_init": loss_parity_shared_init,
     "loss_parity": loss_parity,
     "loss_ablation": loss_ablation,
     "loss_parity_1b": loss_parity_1b,

@@ -60,3 +60,16 @@ def test_an_unknown_table_name_is_refused(copies: tuple[Path, Path]) -> None:
     doc.write_text("<!-- performance_tables: nope -->\n<!-- /performance_tables -->\n")
     with pytest.raises(KeyError, match="unknown table 'nope'; known: loss_ablation, "):
         pt.check(doc, data)
+
+
+def test_an_unfinished_pair_is_compared_at_the_last_step_both_reached() -> None:
+    runs = {
+        "a@1": {"final_step": 1900, "final_val_loss": 1.0, "val_loss": [[100, 2.0], [1900, 1.0]]},
+        "b@1": {"final_step": 2000, "final_val_loss": 0.9, "val_loss": [[100, 2.0], [1900, 1.1]]},
+    }
+    pairs = [("a", "a", "b", "b")]
+    (strict,) = pt._paired_rows(runs, 2000, ["1"], pairs)
+    assert strict[2] == "—"
+    (row,) = pt._paired_rows(runs, 2000, ["1"], pairs, common_step=True)
+    assert row[2] == f"1.0000 ({pt.signed_pct(100 * (1.0 / 1.1 - 1))}, step 1,900)"
+    assert row[3] == f"**{pt.signed_pct(100 * (1.0 / 1.1 - 1))}**"

@@ -53,6 +53,14 @@ from mt_parallel.parallelize import (
     high_precision_linears,
     parallelize,
 )
+from mt_parallel.pipeline import (
+    PipelineLayout,
+    PipelineModule,
+    PipelineSchedule,
+    StageShapes,
+    pipeline_chunks,
+    pipeline_module,
+)
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
 from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
@@ -70,9 +78,13 @@ __all__ = [
     "FP8Options",
     "ParallelConfig",
     "ParallelizePlan",
+    "PipelineLayout",
+    "PipelineModule",
+    "PipelineSchedule",
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
+    "StageShapes",
     "SwiGLU",
     "TensorParallelModule",
     "VocabParallelEmbedding",
@@ -103,6 +115,8 @@ __all__ = [
     "merge_state_dicts",
     "moe",
     "parallelize",
+    "pipeline_chunks",
+    "pipeline_module",
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",

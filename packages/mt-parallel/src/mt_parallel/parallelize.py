@@ -30,17 +30,18 @@ Order (each step assumes the previous ones; none edits model code):
 What a model contributes is data, not code: the :class:`ParallelizePlan` names its block types
 and output head, and its layers carry the hooks above (``check_tp``, ``set_tensor_parallel``,
 ``set_context_parallel``, ``shared_input_linears``, ``recompute_target``), so a new model family
-reuses this function unchanged. Pipeline parallelism will split the block list before step 1.
-Expert parallelism is part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel`
-keeps each ep rank's routed experts (their gradients are reduced over the expert-data-parallel
-group, not by DDP) and gives the routers the dp×cp group for the aux-loss-free token counts.
-FP8 (step 3) also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
+reuses this function unchanged. Pipeline parallelism cuts the model into chunks first and runs
+this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is
+part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep
+rank's routed experts (their gradients are reduced over the expert-data-parallel group, not by
+DDP) and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
+also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -52,6 +53,9 @@ from mt_parallel.layers import TensorParallelModule, _ParallelLinear
 from mt_parallel.mappings import group_size
 from mt_parallel.moe.layer import apply_expert_parallel
 from mt_parallel.recompute import apply_recompute
+
+if TYPE_CHECKING:
+    from mt_parallel.pipeline.split import PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class ParallelizePlan:
     :attr:`FP8Options.output_head`, which then runs :attr:`FP8Options.output_head_gemms`."""
     fp8_skip: tuple[str, ...] = ()
     """Module-name fragments whose TP linears always stay in high precision (a router, say)."""
+    pipeline: PipelineLayout | None = None
+    """Where the embedding, blocks and final modules are, for pipeline parallelism (None: the
+    model cannot be pipelined)."""
 
 
 @dataclass(frozen=True)
