@@ -97,7 +97,10 @@ class ReferenceMoE(nn.Module):
         dest = dest - first[expert_of]
         rows = x.new_zeros(int(ends[-1]), x.shape[1]).index_copy(0, dest, x[order // self.top_k])
         offs = ends.to(torch.int32)
-        dtype = rows.dtype
+        dtype = rows.dtype  # the autocast dtype when on: the CUDA grouped GEMM takes bf16
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        rows = rows.to(dtype)
         h = F.silu(torch._grouped_mm(rows, self.w1.to(dtype).transpose(-2, -1), offs=offs))
         h = h * torch._grouped_mm(rows, self.w3.to(dtype).transpose(-2, -1), offs=offs)
         y = torch._grouped_mm(h, self.w2.to(dtype).transpose(-2, -1), offs=offs)[dest]

@@ -95,3 +95,44 @@ def test_moe_alltoall_rehearsal_on_gloo(tmp_path: Path) -> None:
     rows = _rows(out)
     assert [r["routing"] for r in rows] == ["uniform", "skewed"]
     assert all(r["busbw_fraction"] > 0 and r["world"] == 2 for r in rows)
+
+
+def test_moe_balancing_smoke_and_verdicts(tmp_path: Path) -> None:
+    import moe_balancing
+
+    data = tmp_path / "data"
+    from mt_train.data.prepare import prepare_bundled
+
+    prepare_bundled(data)
+    moe_balancing.main(
+        ["--smoke", "--out", str(tmp_path / "runs"), "--overrides", f"data.path={data}"]
+    )
+    results = json.loads((tmp_path / "runs" / "moe_balancing.json").read_text())
+    assert set(results["runs"]) == set(moe_balancing.MODES)
+    for run in results["runs"].values():
+        assert run["steps"] == [1, 2, 3, 4] and len(run["max_vio_global"]) == 4
+        assert run["val"] and run["final_val_loss"] > 0
+    verdict = results["verdicts"]
+    assert {"aux_free_balanced", "none_visibly_worse", "aux_free_loss_within_1pct"} <= set(verdict)
+
+
+def test_balancing_verdicts_by_hand() -> None:
+    import moe_balancing
+
+    def run(vio_global: list[float], vio: list[float], val: float) -> dict:
+        steps = list(range(1, len(vio) + 1))
+        return {"steps": steps, "max_vio_global": vio_global, "max_vio": vio,
+                "final_val_loss": val}  # fmt: skip
+
+    runs = {
+        "aux_free": run([0.5, 0.04, 0.03, 0.02], [0.5, 0.1, 0.15, 0.1], 2.00),
+        "aux_loss": run([0.5, 0.2, 0.2, 0.2], [0.5, 0.3, 0.3, 0.3], 1.99),
+        "none": run([2.0, 1.0, 1.0, 1.0], [2.0, 1.5, 1.5, 1.5], 2.05),
+    }
+    verdict = moe_balancing.verdicts(runs, settle=1)
+    assert verdict["aux_free_global_median"] == 0.03 and verdict["aux_free_balanced"]
+    assert verdict["none_visibly_worse"]
+    assert verdict["aux_free_loss_within_1pct"]  # 2.00 / 1.99 - 1 = 0.5%
+    runs["aux_free"] = run([0.5, 0.3, 0.3, 0.3], [0.5, 0.3, 0.3, 0.3], 2.05)
+    verdict = moe_balancing.verdicts(runs, settle=1)
+    assert not verdict["aux_free_balanced"] and not verdict["aux_free_loss_within_1pct"]

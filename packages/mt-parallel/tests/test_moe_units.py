@@ -304,3 +304,18 @@ def test_fp8_runs_the_experts_grouped_linears_on_their_own_weights() -> None:
     # a wrong expert or weight would move the output by O(1) of its size.
     error = rel(y, expected)
     assert 0 < error < 0.25, error
+
+
+def test_fp8_min_features_keeps_small_expert_projections_high_precision() -> None:
+    import mt_fp8
+    import mt_parallel as mp
+
+    layer = MoE(64, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32))
+    plan = mp.ParallelizePlan(block_types=())
+    options = mp.FP8Options(recipe=mt_fp8.recipe_from_name("rowwise"), min_features=48)
+    mp.apply_fp8_options(layer, plan, options)
+    experts = layer.experts
+    # Every projection has a side of 32 < 48 (FFN 32, width 64): all stay high precision.
+    assert not any(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    mp.apply_fp8_options(layer, plan, mp.FP8Options(recipe=options.recipe, min_features=32))
+    assert all(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))

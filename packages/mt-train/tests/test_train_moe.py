@@ -17,6 +17,8 @@ from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool
 from mt_train import Trainer, compose_config, to_train_config
+from mt_train.hf_checkpoints import load_model
+from mt_train.hf_checkpoints import main as main_convert
 from mt_train.models import build_model, family_of, model_sizes
 from mt_train.models.moe import active_parameters
 
@@ -57,6 +59,8 @@ def test_moe_sizes_compose_and_bad_expert_parallel_is_one_clear_error() -> None:
         ValueError, match=re.escape("parallel.ep=2 needs parallel.data_parallel=ddp")
     ):
         to_train_config(compose_config(["model=mixtral_tiny", "parallel=zero1", "parallel.ep=2"]))
+    with pytest.raises(ValueError, match=re.escape("parallel.pp=2 is not supported with MoE")):
+        to_train_config(compose_config(["model=mixtral_tiny", "parallel.pp=2"]))
     with pytest.raises(ValueError, match=re.escape("moe.top_k=9 exceeds moe.num_experts=8")):
         to_train_config(compose_config(["model=mixtral_tiny", "model.moe.top_k=9"]))
 
@@ -161,6 +165,18 @@ def test_expert_parallel_run_matches_one_process_and_resumes(
     assert resumed[0] == resumed[1] == ep2[0][8:]  # exact, step by step
     one_process = train_checks.run_losses(overrides(kjv_data, **resume), tmp_path / "split-ep1")
     assert one_process == pytest.approx(single[8:], rel=RTOL)  # ep=2 checkpoint loads at ep=1
+    # An ep=2 checkpoint exports to Hugging Face Mixtral with the same logits.
+    transformers = pytest.importorskip("transformers")
+    step8_ep2 = tmp_path / "split-ep1" / "checkpoints" / "step-00000008"
+    assert main_convert(["export", str(step8_ep2), str(tmp_path / "hf")]) == 0
+    ours = load_model(step8_ep2).eval()
+    theirs = transformers.MixtralForCausalLM.from_pretrained(
+        tmp_path / "hf", use_kernels=False, attn_implementation="eager"
+    ).eval()
+    tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # fp32, different op order: a few ulps of logits of size ~1 (as in mt-convert's tests).
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-4)
     # And back: the one-process checkpoint of step 8 (whole expert tensors) cut for ep=2.
     step8 = tmp_path / "single" / "checkpoints" / "step-00000008"
     from_ep1 = {"trainer.max_steps": 12, "checkpoint.resume": str(step8)}

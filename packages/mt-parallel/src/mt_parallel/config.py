@@ -130,11 +130,6 @@ class ParallelConfig:
                 f"parallel.ep={self.ep} with parallel.compile=true is not supported yet "
                 "(the uneven all-to-all's split sizes are host values)"
             )
-        if self.ep > 1 and self.pp > 1:
-            raise ValueError(
-                f"parallel.ep={self.ep} with parallel.pp={self.pp} is not supported yet (expert "
-                "and pipeline parallelism have not been composed); use one of them"
-            )
         self._validate_pipeline()
 
     def _validate_pipeline(self) -> None:

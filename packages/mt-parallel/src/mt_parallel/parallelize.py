@@ -31,11 +31,11 @@ What a model contributes is data, not code: the :class:`ParallelizePlan` names i
 and output head, and its layers carry the hooks above (``check_tp``, ``set_tensor_parallel``,
 ``set_context_parallel``, ``shared_input_linears``, ``recompute_target``), so a new model family
 reuses this function unchanged. Pipeline parallelism cuts the model into chunks first and runs
-this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is part
-of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep rank's
-routed experts (their gradients are reduced over the expert-data-parallel group, not by DDP) and
-gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3) also runs the
-experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
+this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is
+part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep
+rank's routed experts (their gradients are reduced over the expert-data-parallel group, not by
+DDP) and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
+also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 """
 
 from __future__ import annotations
@@ -160,14 +160,19 @@ def apply_fp8(
 def high_precision_linears(
     model: nn.Module, plan: ParallelizePlan, fp8: FP8Options
 ) -> tuple[str, ...]:
-    """Names of the TP linears that stay high precision: the plan's ``fp8_skip``, the output
-    head (unless ``fp8.output_head``) and the layers below ``fp8.min_features``."""
+    """Names of the TP linears (and MoE expert projections) that stay high precision: the
+    plan's ``fp8_skip``, the output head (unless ``fp8.output_head``) and the layers below
+    ``fp8.min_features``."""
     skip = list(plan.fp8_skip)
     if plan.output_head is not None and not fp8.output_head:
         skip.append(plan.output_head)
+    from mt_parallel.moe.experts import GroupedLinear
+
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinear) and min(module.weight.shape) < fp8.min_features:
             skip.append(name)
+        elif isinstance(module, GroupedLinear) and min(module.weight.shape[1:]) < fp8.min_features:
+            skip.append(name)  # an expert projection: [experts, out, in]
     return tuple(skip)
 
 

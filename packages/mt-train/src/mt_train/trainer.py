@@ -558,12 +558,13 @@ class Trainer:
         sp = "+sp" if p.sequence_parallel else ""
         if p.pp > 1:
             sp += f" pp={p.pp} {p.pp_schedule}"
+        ep = f" ep={p.ep}" if p.ep > 1 else ""
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
         docs = ", document masking" if self.cfg.data.document_masking else ""
         params = self.family.num_params(self.module) / 1e6
         return (
             f"mt-train: {c.name} {self.family.label}, {params:.2f}M params ({c.summary()}) on "
-            f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}, "
+            f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}{ep}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
             f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
