@@ -44,7 +44,8 @@ def reference(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def pp2(schedule: str = "1f1b", **extra: object) -> dict:
-    return {**PIPELINE, "parallel.pp": 2, "parallel.pp_schedule": schedule,
+    """The ``parallel=pp2`` preset with ``schedule``."""
+    return {**PIPELINE, "parallel": "pp2", "parallel.pp_schedule": schedule,
             **SCHEDULES[schedule], **extra}  # fmt: skip
 
 
@@ -66,7 +67,9 @@ def test_zero1_under_pp_matches_single_process(
     pool, kjv_data: Path, reference: dict, tmp_path: Path
 ) -> None:
     """ZeRO-1 over one data-parallel rank per stage, its norm summed over both stages."""
-    overrides = tiny_overrides(kjv_data, **pp2("zero_bubble", parallel="zero1"))
+    overrides = tiny_overrides(
+        kjv_data, **pp2("zero_bubble", **{"parallel.data_parallel": "zero1"})
+    )
     per_rank = pool.run(train_checks.run_losses, overrides, tmp_path)
     assert per_rank[0] == pytest.approx(reference["losses"], rel=RTOL)
 
