@@ -160,16 +160,21 @@ def test_fp8_and_recompute_under_zero_bubble_match_single_process(
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
 
 
-@pytest.mark.parametrize("snapshots", [True, False], ids=["memory", "disk"])
+@pytest.mark.parametrize(
+    ("fault", "snapshots"),
+    [("nan_at_step", True), ("nan_at_step", False), ("spike_at_step", True)],
+    ids=["nan-memory", "nan-disk", "loss-spike-memory"],
+)
 def test_rewind_restores_the_same_step_on_every_stage(
-    snapshots: bool, pool, kjv_data: Path, tmp_path: Path
+    fault: str, snapshots: bool, pool, kjv_data: Path, tmp_path: Path
 ) -> None:
-    """A NaN in the last stage's loss at step 16 (24 steps, checkpoints every 4, stable after
-    4): both stages see it (the loss is summed over the pipeline, the norm over tp×pp), agree,
-    restore step 8 from memory or from their own stage files, and end identical."""
+    """A NaN or a spike in the last stage's loss at step 16 (24 steps, checkpoints every 4,
+    stable after 4): both stages see it (the loss, with its fault factor, is summed over the
+    pipeline, the norm over tp×pp), agree, restore step 8 from memory or from their own stage
+    files, and end identical."""
     overrides = rewind_overrides(
         kjv_data, **pp2("1f1b"), **{"trainer.max_steps": 24, "trainer.eval_interval": 24,
-        "fault.nan_at_step": 16, "fault.rank": 1, "rewind.memory_snapshots": snapshots},
+        f"fault.{fault}": 16, "fault.rank": 1, "rewind.memory_snapshots": snapshots},
     )  # fmt: skip
     results = pool.run(train_checks.run_rewind, overrides, tmp_path)
     assert [(r["steps"], r["rewinds"]) for r in results] == [(24, 1), (24, 1)]
