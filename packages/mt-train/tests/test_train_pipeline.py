@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
 from train_checks import rewind_overrides, tiny_overrides
 
 from mt_comm.testing import DistributedPool
+from mt_train.hf_checkpoints import load_model
 
 # fp32 on CPU. A pipelined step runs the same operations in the same order as the pp=1
 # accumulation loop (each chunk's forward and backward, gradients accumulated per micro-batch
@@ -110,6 +112,9 @@ def test_pp2_checkpoint_loads_at_pp1(pool, kjv_data: Path, tmp_path: Path) -> No
         tiny_overrides(kjv_data, **pp2("dualpipev", **CONSTANT, **{"trainer.max_steps": 8})),
         tmp_path / "split",
     )
+    # mt-convert's loader joins the stage files too (a strict load of every tensor).
+    exported = load_model(tmp_path / "split" / "checkpoints")
+    assert torch.isfinite(exported(torch.arange(8)[None])).all()
     resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     at_pp1 = train_checks.run_losses(
         tiny_overrides(kjv_data, **PIPELINE, **CONSTANT, **resume), tmp_path / "split"
