@@ -555,16 +555,17 @@ def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, d
     over three micro-batches accumulated into ``.grad`` (plain and SwiGLU-fused forwards),
     and the delayed-scaling state ends the same."""
     torch.manual_seed(0)
+    m, k, n = 48, 128, 256  # smaller than the module's shapes: CPU tensorwise GEMMs are slow
     gemms = FP8_GEMMS if wgrad_fp8 else ("forward", "dgrad")
-    layer = FP8Linear(K, N, recipe=recipe, fp8_gemms=gemms).to(device)
-    twin = FP8Linear(K, N, recipe=recipe, fp8_gemms=gemms).to(device)
+    layer = FP8Linear(k, n, recipe=recipe, fp8_gemms=gemms).to(device)
+    twin = FP8Linear(k, n, recipe=recipe, fp8_gemms=gemms).to(device)
     twin.load_state_dict(layer.state_dict())
     sink = WeightGradSink()
     layer.wgrad_sink = sink
     for micro_batch in range(3):
-        x = (torch.randn(M, K) * (1 + micro_batch)).to(device)
-        u = torch.randn(M, K).to(device)
-        dy = torch.randn(M, N).to(device)
+        x = (torch.randn(m, k) * (1 + micro_batch)).to(device)
+        u = torch.randn(m, k).to(device)
+        dy = torch.randn(m, n).to(device)
         x_deferred, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
         if micro_batch == 2:
             y, y_twin = layer.forward_swiglu(x_deferred, u), twin.forward_swiglu(x_fused, u)

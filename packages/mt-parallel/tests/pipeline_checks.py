@@ -31,6 +31,24 @@ def _reference(layers: int, seed: int, dtype: torch.dtype, fp8: bool) -> torch.n
     return model
 
 
+def _count_in_flight(runner: mp.PipelineSchedule, chunks: int) -> list[float]:
+    """After every forward, the micro-batch chunks whose activations this rank holds (torch's
+    ``fwd_cache`` keeps a chunk's inputs and outputs from its forward to its input-gradient
+    backward), in whole-stage units (a chunk is ``1/chunks`` of a stage)."""
+    counts: list[float] = [0.0]
+    stages = runner.runtime._stages
+    for stage in stages:
+        forward = stage.forward_one_chunk
+
+        def counted(*args, _forward=forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            counts.append(sum(len(s.fwd_cache) for s in stages) / chunks)
+            return out
+
+        stage.forward_one_chunk = counted
+    return counts
+
+
 def pipeline_lm(
     schedule: str,
     microbatches: int,
@@ -80,6 +98,7 @@ def pipeline_lm(
         chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
         torch.device("cpu"), state.group("pp"), model.loss,
     )  # fmt: skip
+    in_flight = _count_in_flight(runner, v)
     mine = rows[state.rank("dp") * microbatches : (state.rank("dp") + 1) * microbatches]
     result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
     params = [p for c in chunk_modules for p in c.parameters()]
@@ -102,6 +121,8 @@ def pipeline_lm(
         "loss_count": len(result.losses),
         "stages": runner.stage_ids,
         "weight_grad_sinks": len(runner.sinks),
+        "peak_in_flight": max(in_flight),
+        "pp_rank": state.rank("pp"),
         "names": sorted(grads),
         "all_names": sorted(expected),
     }

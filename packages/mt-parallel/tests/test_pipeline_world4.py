@@ -1,6 +1,7 @@
 """Pipeline parallelism on 4 gloo ranks (one pool for the module): every schedule at pp=4, and
 pp=2 composed with data parallelism (dp=2) and with tensor + sequence parallelism (tp=2),
-each against one process running the whole model (float64)."""
+each against one process running the whole model (float64); at pp=4 the micro-batch chunks
+whose activations a rank holds at once peak exactly where the simulator says."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from parallel_tolerances import FP32_VS_FP64
 from test_pipeline_world2 import check, chunks_of
 
 from mt_comm.testing import DistributedPool
-from mt_parallel.pipeline import SCHEDULES, minimum_microbatches
+from mt_parallel.pipeline import (
+    SCHEDULES,
+    chunks_per_rank,
+    minimum_microbatches,
+    schedule_actions,
+    simulate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +36,12 @@ def test_pp4_schedule_matches_one_process(pool: DistributedPool, schedule: str) 
         chunks=chunks_of(schedule),
     )  # fmt: skip
     check(results, microbatches)
+    # The activations held at once on each rank are the simulator's peak, exactly.
+    v = chunks_per_rank(schedule, chunks_of(schedule))
+    order = schedule_actions(schedule, 4, microbatches, v)
+    peaks = simulate(order, 4 * v, chunks_per_rank=v).peak_activations
+    for result in results:
+        assert result["peak_in_flight"] == peaks[result["pp_rank"]], (result["pp_rank"], peaks)
     assert sorted(s for r in results for s in r["stages"]) == list(
         range(4 * (2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1))
     )

@@ -8,10 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
-from train_checks import tiny_overrides
+from train_checks import rewind_overrides, tiny_overrides
 
 from mt_comm.testing import DistributedPool
+from mt_train.hf_checkpoints import load_model
 
 # fp32 on CPU. A pipelined step runs the same operations in the same order as the pp=1
 # accumulation loop (each chunk's forward and backward, gradients accumulated per micro-batch
@@ -44,7 +46,8 @@ def reference(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def pp2(schedule: str = "1f1b", **extra: object) -> dict:
-    return {**PIPELINE, "parallel.pp": 2, "parallel.pp_schedule": schedule,
+    """The ``parallel=pp2`` preset with ``schedule``."""
+    return {**PIPELINE, "parallel": "pp2", "parallel.pp_schedule": schedule,
             **SCHEDULES[schedule], **extra}  # fmt: skip
 
 
@@ -66,7 +69,9 @@ def test_zero1_under_pp_matches_single_process(
     pool, kjv_data: Path, reference: dict, tmp_path: Path
 ) -> None:
     """ZeRO-1 over one data-parallel rank per stage, its norm summed over both stages."""
-    overrides = tiny_overrides(kjv_data, **pp2("zero_bubble", parallel="zero1"))
+    overrides = tiny_overrides(
+        kjv_data, **pp2("zero_bubble", **{"parallel.data_parallel": "zero1"})
+    )
     per_rank = pool.run(train_checks.run_losses, overrides, tmp_path)
     assert per_rank[0] == pytest.approx(reference["losses"], rel=RTOL)
 
@@ -107,6 +112,9 @@ def test_pp2_checkpoint_loads_at_pp1(pool, kjv_data: Path, tmp_path: Path) -> No
         tiny_overrides(kjv_data, **pp2("dualpipev", **CONSTANT, **{"trainer.max_steps": 8})),
         tmp_path / "split",
     )
+    # mt-convert's loader joins the stage files too (a strict load of every tensor).
+    exported = load_model(tmp_path / "split" / "checkpoints")
+    assert torch.isfinite(exported(torch.arange(8)[None])).all()
     resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     at_pp1 = train_checks.run_losses(
         tiny_overrides(kjv_data, **PIPELINE, **CONSTANT, **resume), tmp_path / "split"
@@ -155,3 +163,27 @@ def test_fp8_and_recompute_under_zero_bubble_match_single_process(
     )
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
+
+
+@pytest.mark.parametrize(
+    ("fault", "snapshots"),
+    [("nan_at_step", True), ("nan_at_step", False), ("spike_at_step", True)],
+    ids=["nan-memory", "nan-disk", "loss-spike-memory"],
+)
+def test_rewind_restores_the_same_step_on_every_stage(
+    fault: str, snapshots: bool, pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """A NaN or a spike in the last stage's loss at step 16 (24 steps, checkpoints every 4,
+    stable after 4): both stages see it (the loss, with its fault factor, is summed over the
+    pipeline, the norm over tp×pp), agree, restore step 8 from memory or from their own stage
+    files, and end identical."""
+    overrides = rewind_overrides(
+        kjv_data, **pp2("1f1b"), **{"trainer.max_steps": 24, "trainer.eval_interval": 24,
+        f"fault.{fault}": 16, "fault.rank": 1, "rewind.memory_snapshots": snapshots},
+    )  # fmt: skip
+    results = pool.run(train_checks.run_rewind, overrides, tmp_path)
+    assert [(r["steps"], r["rewinds"]) for r in results] == [(24, 1), (24, 1)]
+    restored = [[e["restored"] for e in r["events"] if e["event"] == "rewind"] for r in results]
+    assert restored[0] == restored[1] and restored[0][0]["step"] == 8
+    assert restored[0][0]["source"] == ("memory" if snapshots else "disk")
+    assert results[0]["losses"] == results[1]["losses"]

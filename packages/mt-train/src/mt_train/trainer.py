@@ -562,8 +562,9 @@ class Trainer:
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
         docs = ", document masking" if self.cfg.data.document_masking else ""
         params = self.family.num_params(self.module) / 1e6
+        held = " on this pipeline rank" if p.pp > 1 else ""
         return (
-            f"mt-train: {c.name} {self.family.label}, {params:.2f}M params ({c.summary()}) on "
+            f"mt-train: {c.name} {self.family.label}, {params:.2f}M params{held} ({c.summary()}) on "
             f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}{ep}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "

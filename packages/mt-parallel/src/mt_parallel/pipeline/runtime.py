@@ -13,8 +13,9 @@ What this module adds around it:
   backward on uninitialised tensors (which would record FP8 amaxes and queue weight gradients).
 * The loss: the last chunk's loss function returns ``loss_m · f_m / M`` (``f_m`` a loss
   factor, ``M`` the micro-batch count) for the backward, as the accumulation loop of a pp=1
-  step does, so the runtime's own gradient scaling is off (``scale_grads=False``); the
-  unscaled ``loss_m`` and the model's extra values are kept per micro-batch.
+  step does, so the runtime's own gradient scaling is off (``scale_grads=False``);
+  ``loss_m · f_m`` (what the pp=1 step reports) and the model's extra values are kept per
+  micro-batch.
 * Split backward (``I``/``W``): chunks holding layers with a ``wgrad_sink`` attribute
   (``mt_fp8.FP8Linear``; any layer may declare one) get one ``mt_fp8.WeightGradSink`` shared by
   those layers and handed to torch as the stage's ``dw_builder``: ``I`` runs the chunk's
@@ -74,7 +75,8 @@ class PipelineStepResult:
     """What one pipelined step leaves on this rank."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
-    """Each micro-batch's unscaled loss, on the rank holding the last chunk (else empty)."""
+    """Each micro-batch's loss times its factor (not divided by ``M``), on the rank holding the
+    last chunk (else empty)."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """The model's extra values summed over micro-batches (last chunk's rank)."""
 
@@ -144,11 +146,12 @@ class PipelineSchedule:
         targets, factor = target
         value = self._loss_fn(logits, targets)
         loss, extras = value if isinstance(value, tuple) else (value, {})
+        if factor != 1.0:
+            loss = loss * factor
         self._result.losses.append(loss.detach())
         for name, extra in extras.items():
             self._result.extras[name] = self._result.extras.get(name, 0) + extra.detach().float()
-        scaled = loss * factor if factor != 1.0 else loss
-        return scaled / self.microbatches
+        return loss / self.microbatches
 
     def step(
         self,
