@@ -67,9 +67,12 @@ from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_s
 
 __version__ = "0.1.0"
 
+from mt_parallel.mla import MultiLatentAttention, ReplicatedLinear
 from mt_parallel.yarn import YarnConfig, yarn_cos_sin, yarn_frequencies, yarn_mscale
 
 __all__ = [
+    "MultiLatentAttention",
+    "ReplicatedLinear",
     "YarnConfig",
     "MLP",
     "Attention",
