@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 def deepseek_v3_family() -> ModelFamily:
     """The :class:`~mt_train.models.ModelFamily` of the DeepSeek-V2/V3 models."""
     from mt_train.models.deepseek_v3.config import DeepSeekV3Config
+    from mt_train.models.deepseek_v3.hf import DeepseekV3HF
     from mt_train.models.deepseek_v3.model import DeepSeekV3, flops_per_token
     from mt_train.models.deepseek_v3.sizes import SIZES
     from mt_train.models.family import ModelFamily
@@ -29,6 +30,7 @@ def deepseek_v3_family() -> ModelFamily:
         flops_per_token=flops_per_token,
         embedding_parameters=embedding_parameters,
         sizes=SIZES,
+        hf=DeepseekV3HF(),
     )
 
 
