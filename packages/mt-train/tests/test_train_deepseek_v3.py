@@ -3,18 +3,29 @@ config's validation, and a tiny MLA + MoE model that learns on the bundled corpu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 import train_checks
 from train_checks import tiny_overrides
 
 import mt_parallel
+import mt_parallel as mp
 from mt_train import compose_config, to_train_config
 from mt_train.models import build_model, family_of, model_sizes
-from mt_train.models.deepseek_v3 import active_parameters, attention_parameters, flops_per_token
+from mt_train.models.deepseek_v3 import (
+    DeepSeekV3,
+    DeepSeekV3Config,
+    active_parameters,
+    attention_parameters,
+    flops_per_token,
+    mtp_parameters,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,17 +48,29 @@ def test_published_parameter_counts(size: str, total: int, active: int, publishe
     model = build_model(cfg, "meta")
     family = family_of(cfg)
     assert family.name == "deepseek_v3"
-    assert family.num_params(model) == total
+    mtp = mtp_parameters(model)
+    # V3's one MTP module: 11,610,067,968 of its own (embedding and head shared); V2-Lite none.
+    assert mtp == (11_610_067_968 if cfg.mtp_depth else 0)
+    assert family.num_params(model) - mtp == total
     assert active_parameters(model, cfg) == active
     assert round(total / 1e9, 1 if published[0] < 100 else 0) == published[0]
     assert abs(active / 1e9 - published[1]) < published[2]  # the papers' rounding
     attention = model.layers[0].attention
     assert isinstance(attention, mt_parallel.MultiLatentAttention)
     assert sum(p.numel() for p in attention.parameters()) == attention_parameters(cfg)
-    # 6·N_active (with the output head, N as counted above) + the attention score FLOPs.
+    # 6·N_active (with the output head, N as counted above) + the attention score FLOPs; an
+    # MTP depth adds its module's parameters a token uses, the shared head and one attention.
     seq = 4096
     heads = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    assert flops_per_token(cfg, seq) == 6.0 * active + 6.0 * cfg.n_layers * seq * heads
+    main_only = dataclasses.replace(cfg, mtp_depth=0)
+    assert flops_per_token(main_only, seq) == 6.0 * active + 6.0 * cfg.n_layers * seq * heads
+    if cfg.mtp_depth:
+        skipped = (cfg.moe.num_experts - cfg.moe.top_k) * 3 * cfg.dim * cfg.moe.expert_ffn_dim
+        mtp_active = mtp - skipped + cfg.vocab_size * cfg.dim
+        extra = 6.0 * mtp_active + 6.0 * seq * heads
+        assert flops_per_token(cfg, seq) == pytest.approx(
+            flops_per_token(main_only, seq) + extra, rel=1e-15
+        )
 
 
 def test_deepseek_config_composes_and_rejects_bad_values() -> None:
@@ -62,6 +85,8 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
+        "parallel.cp=2": "model.mtp_depth=1 is not supported with parallel.cp=2",
+        "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
     }
     for override, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -81,8 +106,98 @@ def test_deepseek_v3_tiny_learns(kjv_data: Path, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "moe_max_vio" in r]
     last = logged[-1]
-    # Aux-loss-free balancing: no balancing loss, the loss is the cross-entropy.
-    assert last["moe_aux_loss"] == 0 and last["loss"] == pytest.approx(last["ce_loss"])
-    # Block 0 is dense (first_k_dense=1): only block 1 has a router.
+    assert last["moe_aux_loss"] == 0  # aux-loss-free balancing: no balancing loss
+    # Block 0 is dense (first_k_dense=1): block 1 and the MTP module's block have routers.
     per_layer = sorted(k for k in last if k.startswith("moe_max_vio_global/"))
-    assert per_layer == ["moe_max_vio_global/layers.1.mlp.router"]
+    assert per_layer == [
+        "moe_max_vio_global/layers.1.mlp.router", "moe_max_vio_global/mtp.0.block.mlp.router"
+    ]  # fmt: skip
+    # MTP depth 1 with λ = 0.3: loss = CE + 0.3·MTP_1, the MTP loss logged on its own.
+    assert last["loss"] == pytest.approx(last["ce_loss"] + 0.3 * last["mtp_loss_1"], rel=1e-5)
+    assert rows[0].get("mtp_loss_1", 0) > last["mtp_loss_1"] > 0
+
+
+def _tiny(**overrides: object) -> DeepSeekV3Config:
+    base = dataclasses.replace(
+        model_sizes()["deepseek_v3_tiny"], vocab_size=96, dim=32, n_layers=2, n_heads=2,
+        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        ffn_dim=64,
+    )  # fmt: skip
+    base.moe = dataclasses.replace(base.moe, expert_ffn_dim=16)
+    return dataclasses.replace(base, **overrides)
+
+
+def _reference_mtp_losses(model, tokens, targets, docs) -> list[torch.Tensor]:
+    """The paper's truncated formulation: depth k runs on positions [0, T-k) only, with
+    tokens[k:] embedded, targets[k:] predicted, pairs across documents ignored."""
+    T = tokens.shape[1]
+    h = model.embed(tokens)
+    for layer in model.layers:
+        h = layer(h, None, docs)
+    losses = []
+    for k, module in enumerate(model.mtp, start=1):
+        h = h[:, : T - k]
+        e = model.embed(tokens[:, k:])
+        doc = docs[:, : T - k]
+        x = module.proj(torch.cat([module.embed_norm(e), module.hidden_norm(h)], -1))
+        h = module.block(x, None, doc)
+        logits = model.output(module.norm(h))
+        want = targets[:, k:].clone()
+        want[docs[:, : T - k] != docs[:, k:]] = -100
+        losses.append(F.cross_entropy(logits.flatten(0, 1), want.flatten(), ignore_index=-100))
+    return losses
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_losses_equal_the_truncated_reference(depth: int) -> None:
+    cfg = _tiny(mtp_depth=depth, mtp_loss_weight=0.25)
+    model = DeepSeekV3(cfg).double()
+    mp.init_weights(model, seed=4)
+    model.train()
+    gen = torch.Generator().manual_seed(5)
+    stream = torch.randint(0, 96, (2, 25), generator=gen)
+    tokens, targets = stream[:, :-1], stream[:, 1:].clone()
+    targets[0, 3] = -100  # an ignored target stays ignored at every depth
+    docs = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])  # packed documents in row 0
+    logits = model(tokens, None, docs)
+    loss, logged = model.loss(logits, targets)
+    model.eval()  # the reference calls the same modules; no aux-loss side effects needed
+    with torch.no_grad():
+        expected = _reference_mtp_losses(model, tokens, targets, docs)
+    assert [k for k in logged if k.startswith("mtp_loss_")] == [
+        f"mtp_loss_{k}" for k in range(1, depth + 1)
+    ]
+    for k, want in enumerate(expected, start=1):
+        # Both float64, the same modules; only SDPA over T vs T-k tokens differs: ulps.
+        torch.testing.assert_close(logged[f"mtp_loss_{k}"], want, rtol=1e-12, atol=0)
+    mtp_term = 0.25 / depth * sum(expected)
+    ce_and_aux = loss.detach() - mtp_term
+    torch.testing.assert_close(ce_and_aux, logged["ce_loss"] + _aux(logged), rtol=1e-12, atol=0)
+
+
+def _aux(logged: dict) -> torch.Tensor:
+    return logged["moe_aux_loss"] + logged["moe_z_loss"]
+
+
+def test_mtp_depth_zero_is_the_plain_model() -> None:
+    with_mtp = DeepSeekV3(_tiny(mtp_depth=1)).double()
+    mp.init_weights(with_mtp, seed=6)
+    plain = DeepSeekV3(_tiny(mtp_depth=0)).double()
+    state = {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
+    plain.load_state_dict(state)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(7))
+    targets = tokens.roll(-1, 1)
+    for model in (with_mtp, plain):
+        model.train()
+    logits, plain_logits = with_mtp(tokens), plain(tokens)
+    assert torch.equal(logits, plain_logits)
+    loss, logged = with_mtp.loss(logits, targets)
+    plain_loss, plain_logged = plain.loss(plain_logits, targets)
+    assert "mtp_loss_1" in logged and "mtp_loss_1" not in plain_logged
+    # Aux-loss-free routing (no balancing loss): the losses differ by λ·MTP_1 exactly.
+    torch.testing.assert_close(loss, plain_loss + 0.3 * logged["mtp_loss_1"], rtol=1e-12, atol=0)
+    assert torch.equal(plain_loss, plain_logged["ce_loss"] + _aux(plain_logged))
+    with_mtp.eval()  # evaluation: CE alone, no MTP forward
+    assert torch.equal(
+        with_mtp.loss(with_mtp(tokens), targets)[0], plain.eval().loss(plain(tokens), targets)[0]
+    )

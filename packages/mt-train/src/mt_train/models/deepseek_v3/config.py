@@ -54,6 +54,10 @@ class DeepSeekV3Config(ModelConfig):
     """Standard deviation of the normal init of every matrix."""
     scaled_residual_init: bool = False
     """Draw ``o_proj`` and ``down_proj`` with ``init_std / sqrt(2·n_layers)``."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3: 1); module ``k`` predicts token ``i+k+1``."""
+    mtp_loss_weight: float = 0.3
+    """λ of the training loss ``CE + aux + λ/mtp_depth · Σ_k MTP_k`` (V3: 0.3, later 0.1)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +71,10 @@ class DeepSeekV3Config(ModelConfig):
             positive("model", q_lora_rank=self.q_lora_rank)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE)")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0")
+        if not self.mtp_loss_weight >= 0:
+            raise ValueError(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         if not 0 <= self.first_k_dense < self.n_layers:
             raise ValueError(
                 f"model.first_k_dense={self.first_k_dense} must be in [0, model.n_layers="
@@ -85,6 +93,12 @@ class DeepSeekV3Config(ModelConfig):
                     f"tensor parallel size tp={parallel.tp} does not divide {name}={value}"
                 )
         self.moe.check_expert_parallel(parallel.ep)
+        if self.mtp_depth and (parallel.cp > 1 or parallel.pp > 1):
+            raise ValueError(
+                f"model.mtp_depth={self.mtp_depth} is not supported with parallel.cp="
+                f"{parallel.cp}, parallel.pp={parallel.pp} yet (the shifted tokens cross the "
+                "sequence shards and the pipeline stages); use mtp_depth=0 or cp=pp=1"
+            )
         if parallel.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel=true is not supported with DeepSeek-V3 models (MLA "
@@ -97,5 +111,6 @@ class DeepSeekV3Config(ModelConfig):
         return (
             f"{self.n_layers} layers, width {self.dim}, MLA {self.n_heads} heads ({q}, kv-lora "
             f"{self.kv_lora_rank}), {m.num_experts} experts top-{m.top_k} + "
-            f"{m.n_shared_experts} shared, {self.first_k_dense} dense, vocab {self.vocab_size}"
+            f"{m.n_shared_experts} shared, {self.first_k_dense} dense, MTP depth "
+            f"{self.mtp_depth}, vocab {self.vocab_size}"
         )

@@ -29,8 +29,9 @@ truncation), ``rms_norm_eps ≠ 1e-6`` (transformers' latent norms always use 1e
 ``model.norm_eps`` is every norm's), no shared experts, top-1 routing with ``norm_topk_prob``.
 Export refuses what ``DeepseekV3ForCausalLM`` cannot express (softmax scores, capacity
 dropping, a shared-expert width other than ``n_shared·moe_intermediate_size``). Multi-token
-prediction layers (``model.layers.{num_hidden_layers + k}``) are not imported: mt has no MTP
-module yet, and transformers ignores them too.
+prediction layers (``model.layers.{num_hidden_layers + k}``) are not imported (their layout is
+not mapped to mt's ``mtp.*`` modules yet; transformers ignores them too), and mt's MTP modules
+are dropped at export (``num_nextn_predict_layers: 0``).
 """
 
 from __future__ import annotations
@@ -270,8 +271,8 @@ class DeepseekV3HF(HFAdapter):
         shapes = _shapes_from_tensors(tensors)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
-            if "fp8" in name:
-                continue
+            if "fp8" in name or name.startswith("mtp."):
+                continue  # MTP modules are dropped at export (next-token inference)
             if name in inverse_top:
                 out[inverse_top[name]] = tensor.contiguous()
                 continue

@@ -17,7 +17,8 @@ DEEPSEEK_YARN = {"factor": 40.0, "original_max_position": 4096, "beta_fast": 32.
 SIZES: dict[str, DeepSeekV3Config] = {
     # A small DeepSeek-V3 for the bundled corpus on a CPU: MLA with query compression, 16
     # fine-grained experts of FFN 64 (top-4 from 2 of 4 groups, sigmoid scores, normalised and
-    # scaled by 2.5), one shared expert, aux-loss-free balancing, one dense first block. γ = 1e-2
+    # scaled by 2.5), one shared expert, aux-loss-free balancing, one dense first block, MTP
+    # depth 1 (λ 0.3). γ = 1e-2
     # (V3: 1e-3) so the bias moves within a short run, as deepseek_moe_tiny.
     "deepseek_v3_tiny": DeepSeekV3Config(
         name="deepseek_v3_tiny", dim=128, n_layers=4, n_heads=4, q_lora_rank=64,
@@ -28,6 +29,7 @@ SIZES: dict[str, DeepSeekV3Config] = {
             routed_scaling_factor=2.5, n_group=4, topk_group=2, balancing="aux_free",
             bias_update_rate=1e-2, n_shared_experts=1,
         ),
+        mtp_depth=1,
     ),
     # DeepSeek-V2-Lite: 27 layers, width 2048, 16 heads without query compression, kv-lora 512,
     # 64 routed experts (FFN 1408, top-6, softmax, weights not renormalised) + 2 shared, one
@@ -45,7 +47,8 @@ SIZES: dict[str, DeepSeekV3Config] = {
     ),
     # DeepSeek-V3 (671B): 61 layers, width 7168, 128 heads, q-lora 1536, kv-lora 512, 256
     # routed experts (FFN 2048, top-8 from 4 of 8 groups, sigmoid, ×2.5) + 1 shared, 3 dense
-    # blocks (FFN 18432), vocab 129280, YaRN 40 with mscale 1, aux-loss-free balancing.
+    # blocks (FFN 18432), vocab 129280, YaRN 40 with mscale 1, aux-loss-free balancing, one MTP
+    # module.
     "deepseek_v3_671b": DeepSeekV3Config(
         name="deepseek_v3_671b", vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -56,5 +59,6 @@ SIZES: dict[str, DeepSeekV3Config] = {
             routed_scaling_factor=2.5, n_group=8, topk_group=4, balancing="aux_free",
             bias_update_rate=1e-3, n_shared_experts=1,
         ),
+        mtp_depth=1,
     ),
 }  # fmt: skip
