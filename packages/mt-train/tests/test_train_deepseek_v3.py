@@ -227,3 +227,16 @@ def test_deepseek_v3_tiny_trains_with_fp8_and_recompute(
     fp8 = {name: p.fp8_enabled for name, p in attention.named_children() if hasattr(p, "gemm")}
     assert fp8 and all(fp8.values()) == ("fp8" in mode), fp8
     assert summary.losses == pytest.approx(reference, rel=0.05 if "fp8" in mode else 1e-6)
+
+
+def test_deepseek_v3_tiny_resumes_bit_exact(kjv_data: Path, tmp_path: Path) -> None:
+    plain = [o for o in tiny_overrides(kjv_data) if not o.startswith("model.")]
+    base = [*plain, "model=deepseek_v3_tiny", "model.dim=64", "model.n_layers=2",
+            "model.ffn_dim=128", "model.moe.expert_ffn_dim=32", "scheduler=constant"]  # fmt: skip
+    whole = train_checks.run_losses([*base, "trainer.max_steps=8"], tmp_path / "whole")
+    first = train_checks.run_losses([*base, "trainer.max_steps=4"], tmp_path / "split")
+    rest = train_checks.run_losses(
+        [*base, "trainer.max_steps=8", "checkpoint.resume=auto"], tmp_path / "split"
+    )
+    # The aux-loss-free biases, the MTP module and the RNG state are in the checkpoint: exact.
+    assert first + rest == whole
