@@ -240,3 +240,15 @@ def test_deepseek_v3_tiny_resumes_bit_exact(kjv_data: Path, tmp_path: Path) -> N
     )
     # The aux-loss-free biases, the MTP module and the RNG state are in the checkpoint: exact.
     assert first + rest == whole
+
+
+def test_readme_deepseek_commands_compose() -> None:
+    import shlex
+
+    readme = Path(__file__).parents[1] / "README.md"
+    text = readme.read_text().split("### DeepSeek-V3 models", 1)[1].split("\n## ", 1)[0]
+    commands = [shlex.split(line, comments=True)[1:] for line in text.splitlines()
+                if line.startswith("mt-train ")]  # fmt: skip
+    assert len(commands) == 4
+    for args in commands:
+        assert to_train_config(compose_config(args)).model.name == "deepseek_v3_tiny"
