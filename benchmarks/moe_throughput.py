@@ -28,7 +28,10 @@ scores as weights so its backward runs.
 Model rows (``kind: model``): a full training step (forward, backward, fused AdamW update) of
 mt-train's MoE family at the Mixtral-8x7B shapes cut to ``--layers`` layers (``mixtral_8x7b``)
 and of a DeepSeek-V2-Lite-like model (width 2048, 16 heads, 64 experts of 1408, top-6, 2
-shared, first layer dense), batch 1, seq 4096, bf16 autocast, ``mt_bf16`` and ``mt_fp8``.
+shared, first layer dense, Llama attention), and of the ``deepseek_v2_lite`` size itself
+(multi-head latent attention, YaRN; its first dense layer plus ``--layers`` MoE layers), batch
+1, seq 4096, bf16 autocast, ``mt_bf16`` and ``mt_fp8`` (``--recipe block`` cannot run on MLA
+yet: ``kv_a_proj``'s 576 outputs are not a multiple of 128).
 Peak memory (``torch.cuda.max_memory_allocated``) is in every row.
 """
 
@@ -196,11 +199,13 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
 
 
 def model_configs(smoke: bool, layers: int) -> dict[str, Any]:
+    from mt_train.models.deepseek_v3 import SIZES as DEEPSEEK_SIZES
     from mt_train.models.moe import SIZES
 
     if smoke:
         tiny = dataclasses.replace(SIZES["mixtral_tiny"], vocab_size=320, n_layers=1, dim=64)
-        return {"mixtral_tiny": tiny}
+        mla = dataclasses.replace(DEEPSEEK_SIZES["deepseek_v3_tiny"], vocab_size=320, n_layers=2)
+        return {"mixtral_tiny": tiny, "deepseek_v3_tiny": mla}
     mixtral = dataclasses.replace(SIZES["mixtral_8x7b"], n_layers=layers)
     lite = dataclasses.replace(
         SIZES["deepseek_moe_tiny"], name="deepseek_v2_lite_like", vocab_size=102400, dim=2048,
@@ -208,7 +213,8 @@ def model_configs(smoke: bool, layers: int) -> dict[str, Any]:
         moe=MoEConfig(num_experts=64, top_k=6, expert_ffn_dim=1408, n_shared_experts=2,
                       balancing="aux_free"),
     )  # fmt: skip
-    return {"mixtral_8x7b": mixtral, "deepseek_v2_lite_like": lite}
+    mla_lite = dataclasses.replace(DEEPSEEK_SIZES["deepseek_v2_lite"], n_layers=layers + 1)
+    return {"mixtral_8x7b": mixtral, "deepseek_v2_lite_like": lite, "deepseek_v2_lite": mla_lite}
 
 
 def bench_models(configs: dict, seq: int, device: str, iters: int, args: Any) -> list[dict]:

@@ -41,6 +41,7 @@ def test_moe_throughput_smoke(tmp_path: Path) -> None:
     }  # fmt: skip
     model_rows = [r for r in rows if r["kind"] == "model"]
     assert {r["stack"] for r in model_rows} == {"mt_bf16", "mt_fp8"}
+    assert {r["model"] for r in model_rows} == {"mixtral_tiny", "deepseek_v3_tiny"}
     for row in rows:
         assert row["tokens_per_s"] > 0
     balanced = next(r for r in layer_rows if r["routing"] == "balanced" and r["stack"] == "mt_bf16")

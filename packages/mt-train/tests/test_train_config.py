@@ -81,7 +81,7 @@ def test_issue_example_overrides_compose() -> None:
         ("data.path=/no/such/folder", "data.path='/no/such/folder' is not a folder"),
         (
             "model=gpt5",
-            "no config 'model=gpt5'; valid: debug, deepseek_moe_tiny, llama3_1b, llama3_70b, llama3_8b",
+            "no config 'model=gpt5'; valid: debug, deepseek_moe_tiny, deepseek_v2_lite, deepseek_v3_671b",
         ),
         ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
         ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),

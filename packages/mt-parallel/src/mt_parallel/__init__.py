@@ -67,7 +67,13 @@ from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_s
 
 __version__ = "0.1.0"
 
+from mt_parallel.mla import MultiLatentAttention, ReplicatedLinear
+from mt_parallel.yarn import YarnConfig, yarn_cos_sin, yarn_frequencies, yarn_mscale
+
 __all__ = [
+    "MultiLatentAttention",
+    "ReplicatedLinear",
+    "YarnConfig",
     "MLP",
     "Attention",
     "ColumnParallelLinear",
@@ -130,4 +136,7 @@ __all__ = [
     "validate_cp_sequence",
     "validate_tp_shapes",
     "vocab_parallel_cross_entropy",
+    "yarn_cos_sin",
+    "yarn_frequencies",
+    "yarn_mscale",
 ]

@@ -22,7 +22,7 @@ from torch import nn
 
 import mt_parallel
 from mt_parallel.moe import MoE, collect_aux_losses
-from mt_train.models.llama.model import Llama, LlamaAttention
+from mt_train.models.llama.model import BlockFactory, Llama, LlamaAttention
 from mt_train.models.moe.config import MoEModelConfig
 
 
@@ -42,10 +42,10 @@ def moe_block(cfg: MoEModelConfig, layer_id: int) -> nn.Module:
 
 
 class MoETransformer(Llama):
-    """Llama's embedding, blocks of :func:`moe_block`, norm and output head."""
+    """Llama's embedding, blocks of :func:`moe_block` (or ``block_factory``'s), norm and head."""
 
-    def __init__(self, cfg: MoEModelConfig) -> None:
-        super().__init__(cfg, moe_block)
+    def __init__(self, cfg: MoEModelConfig, block_factory: BlockFactory = moe_block) -> None:
+        super().__init__(cfg, block_factory)
 
     def loss(
         self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor

@@ -1,0 +1,45 @@
+"""Functions run on every rank of a DistributedPool by the MLA tensor-parallel tests.
+
+Each rank builds the same full MLA layer (same seed), shards it over ``tp`` with
+:func:`mt_parallel.apply_tensor_parallel`, and runs the same tokens; the reference is the
+unsharded layer on one process. Returns the largest relative errors of the output and of every
+gradient (a sharded parameter against its slice of the full gradient).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from parallel_checks import rel_err
+
+import mt_comm
+import mt_parallel as mp
+from mt_parallel.mla import MultiLatentAttention
+from mt_parallel.yarn import YarnConfig
+
+SHAPES = {"dim": 32, "num_heads": 4, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+          "qk_rope_head_dim": 6, "v_head_dim": 10}  # fmt: skip
+
+
+def tp_parity(tp: int, q_lora_rank: int | None) -> dict:
+    state = mt_comm.init_parallel_state(tp=tp)
+    yarn = YarnConfig(factor=40.0, original_max_position=16, mscale_all_dim=1.0)
+    layer = MultiLatentAttention(**SHAPES, q_lora_rank=q_lora_rank, yarn=yarn).double()
+    mp.init_weights(layer, seed=5)
+    reference = copy.deepcopy(layer)
+    mp.apply_tensor_parallel(layer, state.group("tp"))
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8, SHAPES["dim"], generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 8, SHAPES["dim"], generator=gen, dtype=torch.float64)
+    positions = torch.arange(8) + 20
+    x_local, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(x_local, positions)
+    (y * g).sum().backward()
+    expected = reference(x_ref, positions)
+    (expected * g).sum().backward()
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    grads = {name: rel_err(p.grad, shards[name]) for name, p in layer.named_parameters()}
+    return {"y": rel_err(y, expected), "x_grad": rel_err(x_local.grad, x_ref.grad),
+            "grads": grads}  # fmt: skip

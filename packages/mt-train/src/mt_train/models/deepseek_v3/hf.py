@@ -1,0 +1,309 @@
+"""Hugging Face ``DeepseekV3ForCausalLM`` ⇄ mt DeepSeek-V3 (``mt-convert``): config and tensors.
+
+Name map (``i`` a layer, ``e`` an expert; embedding, final norm, head and the block norms as
+Llama's adapter names them, :mod:`mt_train.models.llama.hf`)::
+
+    model.layers.i.self_attn.q_proj                  layers.i.attention.q_proj        (no q-lora)
+    model.layers.i.self_attn.q_a_proj / q_b_proj     layers.i.attention.q_a_proj / q_b_proj
+    model.layers.i.self_attn.q_a_layernorm           layers.i.attention.q_a_norm
+    model.layers.i.self_attn.kv_a_proj_with_mqa      layers.i.attention.kv_a_proj
+    model.layers.i.self_attn.kv_a_layernorm          layers.i.attention.kv_a_norm
+    model.layers.i.self_attn.kv_b_proj / o_proj      layers.i.attention.kv_b_proj / o_proj
+    model.layers.i.mlp.{gate,up,down}_proj           layers.i.mlp.{gate,up,down}_proj  (dense)
+    model.layers.i.mlp.gate.weight                   layers.i.mlp.router.weight        [E, D]
+    model.layers.i.mlp.gate.e_score_correction_bias  layers.i.mlp.router.expert_bias   [E]
+    model.layers.i.mlp.experts.e.{gate,up,down}_proj layers.i.mlp.experts.*_proj.weight[e]
+    model.layers.i.mlp.shared_experts.*              layers.i.mlp.shared_experts.*
+
+RoPE layout. With ``rope_interleave`` (DeepSeek's checkpoints) transformers rotates the pairs
+``(x_2j, x_2j+1)`` and returns them de-interleaved; mt rotates ``(x_j, x_j+R/2)``. Import
+reorders the rotary rows of ``q_proj``/``q_b_proj`` (per head) and of ``kv_a_proj`` (the shared
+key) to ``[0, 2, 4, …, 1, 3, 5, …]``, which makes mt's rotate-half output equal transformers'
+(q and k are reordered alike, so the scores are the same); export writes the inverse and
+``rope_interleave=true``, so a round trip is bitwise lossless.
+
+Refused with one line (never silently different logits): an activation other than SiLU,
+attention biases or dropout, ``num_key_value_heads ≠ num_attention_heads``, RoPE types other
+than ``default`` and ``yarn`` (and YaRN with an explicit ``attention_factor`` or without
+truncation), ``rms_norm_eps ≠ 1e-6`` (transformers' latent norms always use 1e-6, mt's
+``model.norm_eps`` is every norm's), no shared experts, top-1 routing with ``norm_topk_prob``.
+Export refuses what ``DeepseekV3ForCausalLM`` cannot express (softmax scores, capacity
+dropping, a shared-expert width other than ``n_shared·moe_intermediate_size``). Multi-token
+prediction layers (``model.layers.{num_hidden_layers + k}``) are not imported (their layout is
+not mapped to mt's ``mtp.*`` modules yet; transformers ignores them too), and mt's MTP modules
+are dropped at export (``num_nextn_predict_layers: 0``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from mt_parallel import YarnConfig
+from mt_parallel.moe import MoEConfig
+from mt_train.models.deepseek_v3.config import DeepSeekV3Config
+from mt_train.models.family import HFAdapter
+from mt_train.models.llama.hf import SILU_NAMES
+
+_ATTENTION = {
+    "q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj",
+    "q_a_layernorm": "q_a_norm", "kv_a_proj_with_mqa": "kv_a_proj",
+    "kv_a_layernorm": "kv_a_norm", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj",
+}  # fmt: skip
+_LAYER = {
+    **{f"self_attn.{hf}.weight": f"attention.{mt}.weight" for hf, mt in _ATTENTION.items()},
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    **{f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{
+        f"mlp.shared_experts.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
+        for p in ("gate", "up", "down")
+    },
+}
+_TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight"}  # fmt: skip
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_MT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MT_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.weight$")
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of transformers' ``q_a_layernorm`` / ``kv_a_layernorm`` (not configurable)."""
+
+
+def interleaved_to_half(rows: int) -> torch.Tensor:
+    """Row order that turns interleaved rotary pairs into the rotate-half layout."""
+    return torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
+
+
+def _permute_rope_rows(weight: torch.Tensor, heads: int, nope: int, rope: int, inverse: bool):
+    """Reorder the last ``rope`` rows of each of ``heads`` row blocks of ``nope + rope`` rows."""
+    order = interleaved_to_half(rope)
+    if inverse:
+        order = torch.argsort(order)
+    blocks = weight.view(heads, nope + rope, -1)
+    rotary = blocks[:, nope:].index_select(1, order)
+    return torch.cat([blocks[:, :nope], rotary], dim=1).reshape(weight.shape)
+
+
+def _yarn_from_hf(hf: dict[str, Any]) -> tuple[float, YarnConfig]:
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, YarnConfig()
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not supported; valid: default, yarn")
+    if rope.get("attention_factor") is not None:
+        raise ValueError(
+            f"yarn attention_factor={rope['attention_factor']} is not supported: mt derives it "
+            "from factor, mscale and mscale_all_dim"
+        )
+    if rope.get("truncate", True) is not True:
+        raise ValueError("yarn truncate=false is not supported: mt rounds the correction range")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    yarn = YarnConfig(
+        factor=float(factor), original_max_position=original,
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+    )  # fmt: skip
+    return theta, yarn
+
+
+def _refuse_unsupported(hf: dict[str, Any]) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise ValueError(f"hidden_act={act!r} is not supported: mt's MLPs are SwiGLU (silu)")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported: mt's MLA linears have no biases")
+    if hf.get("attention_dropout"):
+        raise ValueError(
+            f"attention_dropout={hf['attention_dropout']} is not supported: set it to 0 and "
+            "choose model.dropout when training"
+        )
+    heads = hf["num_attention_heads"]
+    if (hf.get("num_key_value_heads") or heads) != heads:
+        raise ValueError(
+            f"num_key_value_heads={hf['num_key_value_heads']} ≠ num_attention_heads={heads} "
+            "is not supported: MLA expands the latent to every head"
+        )
+    eps = float(hf.get("rms_norm_eps", LATENT_NORM_EPS))
+    if eps != LATENT_NORM_EPS:
+        raise ValueError(
+            f"rms_norm_eps={eps} is not supported: transformers' latent norms use "
+            f"{LATENT_NORM_EPS} and mt's model.norm_eps is every norm's epsilon"
+        )
+    if not hf.get("n_shared_experts"):
+        raise ValueError("n_shared_experts=0 is not supported: transformers builds an empty MLP")
+    if hf.get("num_experts_per_tok") == 1 and hf.get("norm_topk_prob"):
+        raise ValueError(
+            "num_experts_per_tok=1 with norm_topk_prob=true is not supported: mt keeps the "
+            "single expert's score, transformers normalises it to 1"
+        )
+
+
+class DeepseekV3HF(HFAdapter):
+    """The DeepSeek-V3 family's Hugging Face adapter (module docstring)."""
+
+    architectures = ("DeepseekV3ForCausalLM",)
+    model_types = ("deepseek_v3",)
+
+    def config_from_hf(self, hf: dict[str, Any], name: str = "hf_deepseek_v3") -> DeepSeekV3Config:
+        _refuse_unsupported(hf)
+        theta, yarn = _yarn_from_hf(hf)
+        return DeepSeekV3Config(
+            name=name, vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+            q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"], ffn_dim=hf["intermediate_size"],
+            first_k_dense=hf.get("first_k_dense_replace") or 0, norm_eps=LATENT_NORM_EPS,
+            rope_theta=theta, yarn=yarn, init_std=float(hf.get("initializer_range", 0.02)),
+            moe=MoEConfig(
+                num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
+                expert_ffn_dim=hf["moe_intermediate_size"], score_function="sigmoid",
+                normalize_weights=bool(hf.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                n_group=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                balancing="aux_free", n_shared_experts=hf["n_shared_experts"],
+            ),
+        )  # fmt: skip
+
+    def config_to_hf(self, cfg: DeepSeekV3Config, dtype: torch.dtype) -> dict[str, Any]:
+        m = cfg.moe
+        unsupported = {
+            "moe.score_function": (m.score_function, "sigmoid"),
+            "moe.capacity_factor": (m.capacity_factor, None),
+            "moe.shared_ffn_dim": (m.shared_ffn_dim or m.expert_ffn_dim, m.expert_ffn_dim),
+            "norm_eps": (cfg.norm_eps, LATENT_NORM_EPS),
+        }
+        for key, (value, wanted) in unsupported.items():
+            if value != wanted:
+                raise ValueError(
+                    f"model.{key}={value!r} has no DeepseekV3ForCausalLM equivalent ({wanted!r})"
+                )
+        if m.n_shared_experts == 0:
+            raise ValueError("model.moe.n_shared_experts=0 has no DeepseekV3ForCausalLM equivalent")
+        y = cfg.yarn
+        rope_scaling = None
+        if y.enabled:
+            rope_scaling = {
+                "rope_type": "yarn", "factor": y.factor,
+                "original_max_position_embeddings": y.original_max_position,
+                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale,
+                "mscale_all_dim": y.mscale_all_dim,
+            }  # fmt: skip
+        max_position = int(y.original_max_position * y.factor) if y.enabled else 4096
+        dtype_name = str(dtype).removeprefix("torch.")
+        return {
+            "architectures": list(self.architectures), "model_type": "deepseek_v3",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+            "intermediate_size": cfg.ffn_dim, "moe_intermediate_size": m.expert_ffn_dim,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_heads, "n_shared_experts": m.n_shared_experts,
+            "n_routed_experts": m.num_experts, "routed_scaling_factor": m.routed_scaling_factor,
+            "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim, "n_group": m.n_group,
+            "topk_group": m.topk_group, "num_experts_per_tok": m.top_k,
+            "first_k_dense_replace": cfg.first_k_dense, "norm_topk_prob": m.normalize_weights,
+            "hidden_act": "silu", "max_position_embeddings": max_position,
+            "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "rope_interleave": True,
+            "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+            "num_nextn_predict_layers": 0, "torch_dtype": dtype_name, "dtype": dtype_name,
+        }  # fmt: skip
+
+    def _rope_rows(self, name: str, tensor: torch.Tensor, hf: dict[str, Any], inverse: bool):
+        nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        if name.endswith(("attention.q_proj.weight", "attention.q_b_proj.weight")):
+            return _permute_rope_rows(tensor, hf["num_attention_heads"], nope, rope, inverse)
+        if name.endswith("attention.kv_a_proj.weight"):
+            return _permute_rope_rows(tensor, 1, hf["kv_lora_rank"], rope, inverse)
+        return tensor
+
+    def tensors_from_hf(
+        self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        layers = hf["num_hidden_layers"]
+        for name, tensor in tensors.items():
+            if name in _TOP:
+                out[_TOP[name]] = tensor
+                continue
+            match = _HF_LAYER.match(name)
+            if match is None:
+                raise ValueError(f"unexpected tensor {name!r} in a DeepSeek-V3 checkpoint")
+            layer, rest = int(match.group(1)), match.group(2)
+            if layer >= layers:
+                continue  # a multi-token-prediction layer (module docstring)
+            if expert := _HF_EXPERT.match(rest):
+                experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
+            elif rest in _LAYER:
+                mt_name = f"layers.{layer}.{_LAYER[rest]}"
+                if hf.get("rope_interleave", True):
+                    tensor = self._rope_rows(mt_name, tensor, hf, inverse=False)
+                out[mt_name] = tensor
+            else:
+                raise ValueError(f"unexpected tensor {name!r} in a DeepSeek-V3 checkpoint")
+        count = hf["n_routed_experts"]
+        for (layer, proj), by_expert in experts.items():
+            if sorted(by_expert) != list(range(count)):
+                raise ValueError(
+                    f"layer {layer} {proj}_proj: experts {sorted(by_expert)} in the checkpoint, "
+                    f"n_routed_experts={count}"
+                )
+            out[f"layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(
+                [by_expert[e] for e in range(count)]
+            )
+        if hf.get("tie_word_embeddings") and "output.weight" not in out:
+            out["output.weight"] = out["embed.weight"].clone()
+        return out
+
+    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        inverse_top = {v: k for k, v in _TOP.items()}
+        inverse_layer = {v: k for k, v in _LAYER.items()}
+        shapes = _shapes_from_tensors(tensors)
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if "fp8" in name or name.startswith("mtp."):
+                continue  # MTP modules are dropped at export (next-token inference)
+            if name in inverse_top:
+                out[inverse_top[name]] = tensor.contiguous()
+                continue
+            match = _MT_LAYER.match(name)
+            if match is None:
+                raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
+            layer, rest = match.group(1), match.group(2)
+            if experts := _MT_EXPERTS.match(rest):
+                for e, weight in enumerate(tensor):
+                    key = f"model.layers.{layer}.mlp.experts.{e}.{experts.group(1)}_proj.weight"
+                    out[key] = weight.contiguous()
+            elif rest in inverse_layer:
+                tensor = self._rope_rows(name, tensor, shapes, inverse=True)
+                out[f"model.layers.{layer}.{inverse_layer[rest]}"] = tensor.contiguous()
+            else:
+                raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
+        return out
+
+
+def _shapes_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The attention sizes the RoPE reordering needs, read off layer 0's weights."""
+    kv_a = tensors["layers.0.attention.kv_a_proj.weight"]
+    kv_lora = tensors["layers.0.attention.kv_a_norm.weight"].numel()
+    rope = kv_a.shape[0] - kv_lora
+    kv_b = tensors["layers.0.attention.kv_b_proj.weight"]
+    o = tensors["layers.0.attention.o_proj.weight"]
+    q = tensors.get("layers.0.attention.q_b_proj.weight")
+    if q is None:
+        q = tensors["layers.0.attention.q_proj.weight"]
+    # q rows = H·(nope + rope), kv_b rows = H·(nope + v), o columns = H·v.
+    heads = (q.shape[0] - kv_b.shape[0] + o.shape[1]) // rope
+    nope = q.shape[0] // heads - rope
+    return {"num_attention_heads": heads, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
+            "kv_lora_rank": kv_lora}  # fmt: skip

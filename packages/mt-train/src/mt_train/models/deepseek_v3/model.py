@@ -1,0 +1,196 @@
+"""The DeepSeek-V3 model (and V2-Lite), assembled from mt_parallel's layers.
+
+Shape suffixes: B batch, T sequence, D width, V vocabulary (``V_l`` this TP rank's slice).
+
+Per block (mt_parallel's pre-norm :class:`~mt_parallel.DecoderBlock`)::
+
+    h = x + MLA(RMSNorm(x))                    mt_parallel.MultiLatentAttention (YaRN, MLA math)
+    y = h + FFN(RMSNorm(h))                    SwiGLU MLP for blocks < first_k_dense, else MoE
+
+The MoE is mt_parallel's (router with sigmoid or softmax scores, group-limited selection, the
+aux-loss-free bias, shared experts, expert parallelism). Embedding, final norm and the untied
+output head are Llama's (:class:`~mt_train.models.moe.MoETransformer` is the model class, only
+the block differs), so every transform (TP, CP, EP, FP8, recompute, DP) applies unchanged.
+
+Multi-token prediction (``mtp_depth = D > 0``, DeepSeek-V3 §2.2). With ``h⁰`` the last block's
+output (before the final norm) and ``Emb``/``Head`` the main model's embedding and output head::
+
+    h^k_i  = Block_k(W_k · [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)])     k = 1..D
+    logits^k_i = Head(RMSNorm_k(h^k_i))                 predicts t_{i+k+1} = targets[i+k]
+    loss   = CE + aux + (λ/D)·Σ_k MTP_k                 (training; evaluation: CE alone)
+
+``MTP_k`` is the mean CE over the positions ``i`` with ``i + k < T`` and, under document
+masking, ``doc[i] == doc[i+k]`` (the shifted token of another document is ignored), and
+``targets[i+k]`` not ignored. The shifted tokens are ``tokens.roll(-k)``; the wrapped last ``k``
+positions are masked, and causality keeps them out of every valid position (the "truncate"
+formulation of the paper gives the same losses; tested). Each ``MTP_k`` is logged as
+``mtp_loss_{k}``. The MTP modules run only in training and are dropped at export. The MTP
+blocks are :func:`deepseek_block` s (MoE), so TP/EP/FP8/recompute apply; CP and PP are refused.
+
+Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
+``active`` (:func:`active_parameters`) is what one token uses: all but the ``num_experts -
+top_k`` routed experts it skips and the input-embedding lookup (which is not a GEMM; the same
+``N`` as ``6·N`` in :func:`flops_per_token`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import mt_parallel
+from mt_parallel.moe import MoE
+from mt_train.models.deepseek_v3.config import DeepSeekV3Config
+from mt_train.models.moe.model import MoETransformer
+
+
+def deepseek_block(cfg: DeepSeekV3Config, layer_id: int) -> nn.Module:
+    """A DecoderBlock of MLA and a dense MLP (below ``first_k_dense``) or an MoE layer."""
+    attention = mt_parallel.MultiLatentAttention(
+        cfg.dim, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rope_theta, cfg.yarn, cfg.norm_eps,
+        cfg.dropout, cfg.n_layers, cfg.init_std,
+    )  # fmt: skip
+    if not cfg.scaled_residual_init:
+        attention.o_proj.init_std = cfg.init_std
+    if layer_id < cfg.first_k_dense:
+        mlp: nn.Module = mt_parallel.MLP(cfg.dim, cfg.ffn_dim, cfg.n_layers, cfg.init_std)
+        if not cfg.scaled_residual_init:
+            mlp.down_proj.init_std = cfg.init_std
+    else:
+        mlp = MoE(cfg.dim, cfg.moe, cfg.n_layers, cfg.init_std, cfg.scaled_residual_init)
+    return mt_parallel.DecoderBlock(attention, mlp, cfg.dim, cfg.norm_eps, cfg.dropout)
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth (module docstring): norms, projection, block, norm."""
+
+    def __init__(self, cfg: DeepSeekV3Config, depth: int) -> None:
+        super().__init__()
+        self.embed_norm = mt_parallel.RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hidden_norm = mt_parallel.RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = mt_parallel.ReplicatedLinear(2 * cfg.dim, cfg.dim, cfg.init_std)
+        self.block = deepseek_block(cfg, cfg.n_layers + depth - 1)
+        self.norm = mt_parallel.RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(
+        self,
+        h_BTD: torch.Tensor,
+        e_BTD: torch.Tensor,
+        positions_S: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x_BTD = self.proj(torch.cat([self.embed_norm(e_BTD), self.hidden_norm(h_BTD)], dim=-1))
+        return self.block(x_BTD, positions_S, document_ids_BT)
+
+
+class DeepSeekV3(MoETransformer):
+    """Embedding → blocks of :func:`deepseek_block` → RMSNorm → output head, plus
+    ``mtp_depth`` :class:`MTPModule` s; loss CE + MoE losses + weighted MTP losses."""
+
+    def __init__(self, cfg: DeepSeekV3Config) -> None:
+        super().__init__(cfg, deepseek_block)  # type: ignore[arg-type]
+        self.mtp = nn.ModuleList(MTPModule(cfg, k + 1) for k in range(cfg.mtp_depth))
+        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Main logits ``(B, T, V_l)``; in training also each MTP depth's, kept for :meth:`loss`."""
+        if not (self.training and len(self.mtp)):
+            return super().forward(tokens_BT, positions_S, document_ids_BT)
+        h_BTD = self.embed(tokens_BT)
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, positions_S, document_ids_BT)
+        self._mtp_outputs = []
+        mtp_h_BTD = h_BTD
+        for depth, module in enumerate(self.mtp, start=1):
+            e_BTD = self.embed(tokens_BT.roll(-depth, dims=1))
+            mtp_h_BTD = module(mtp_h_BTD, e_BTD, positions_S, document_ids_BT)
+            self._mtp_outputs.append((self.output(module.norm(mtp_h_BTD)), document_ids_BT))
+        return self.output(self.norm(h_BTD))
+
+    def loss(
+        self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``CE + aux + λ/D·Σ_k MTP_k`` in training, ``CE`` in evaluation (module docstring)."""
+        total, logged = super().loss(logits_BTV_l, targets_BT)
+        outputs, self._mtp_outputs = self._mtp_outputs, []
+        if not self.training or not outputs:
+            return total, logged
+        mtp_sum = total.new_zeros(())
+        for depth, (mtp_logits_BTV_l, document_ids_BT) in enumerate(outputs, start=1):
+            shifted_BT = mtp_targets(targets_BT, depth, document_ids_BT)
+            loss = mt_parallel.vocab_parallel_cross_entropy(
+                mtp_logits_BTV_l, shifted_BT, self.output.tp_group
+            )
+            logged[f"mtp_loss_{depth}"] = loss.detach()
+            mtp_sum = mtp_sum + loss
+        return total + self.cfg.mtp_loss_weight / len(outputs) * mtp_sum, logged
+
+
+def mtp_targets(
+    targets_BT: torch.Tensor, depth: int, document_ids_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """``targets[i + depth]`` at ``i``, ``-100`` (ignored) past the end and across documents."""
+    shifted_BT = targets_BT.roll(-depth, dims=1).clone()
+    shifted_BT[:, targets_BT.shape[1] - depth :] = -100
+    if document_ids_BT is not None:
+        shifted_BT[document_ids_BT != document_ids_BT.roll(-depth, dims=1)] = -100
+    return shifted_BT
+
+
+def _skipped_expert_params(cfg: DeepSeekV3Config) -> int:
+    """Routed-expert parameters one token does not use, over all MoE blocks."""
+    one_expert = 3 * cfg.dim * cfg.moe.expert_ffn_dim
+    skipped = (cfg.moe.num_experts - cfg.moe.top_k) * one_expert
+    return (cfg.n_layers - cfg.first_k_dense) * skipped
+
+
+def mtp_parameters(model: nn.Module) -> int:
+    """Parameters of the MTP modules (counted apart from the main model, as the paper does)."""
+    return sum(p.numel() for p in model.mtp.parameters()) if hasattr(model, "mtp") else 0
+
+
+def active_parameters(model: nn.Module, cfg: DeepSeekV3Config) -> int:
+    """Parameters of the main model one token uses, without the input-embedding lookup and
+    the MTP modules (module docstring)."""
+    total = sum(p.numel() for p in model.parameters()) - mtp_parameters(model)
+    return total - _skipped_expert_params(cfg) - model.embed.weight.numel()
+
+
+def attention_parameters(cfg: DeepSeekV3Config) -> int:
+    """Parameters of one MLA layer, from the shapes (norm gains included)."""
+    H, E = cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank is None:
+        query = cfg.dim * H * E
+    else:
+        query = cfg.dim * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * E
+    kv = cfg.dim * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    kv += cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return query + kv + H * cfg.v_head_dim * cfg.dim
+
+
+def flops_per_token(cfg: DeepSeekV3Config, seq_len: int) -> float:
+    """Training FLOPs per token: ``6·N_active + 6·(L + D_mtp)·T·H·(E + V)`` (``N_active``
+    without the input embedding, with what each MTP depth runs, the shared head included; E =
+    nope + rope dims, V = value dims: QKᵀ and AV forward and backward, no causal halving, as
+    Llama's ``12·L·D·T``)."""
+    assert cfg.vocab_size is not None
+    m = cfg.moe
+    moe_blocks = cfg.n_layers - cfg.first_k_dense
+    used_ffn = 3 * cfg.dim * (m.top_k * m.expert_ffn_dim + m.shared_hidden_dim)
+    moe_block = attention_parameters(cfg) + 2 * cfg.dim + used_ffn + cfg.dim * m.num_experts
+    n = cfg.n_layers * (attention_parameters(cfg) + 2 * cfg.dim)
+    n += cfg.first_k_dense * 3 * cfg.dim * cfg.ffn_dim
+    n += moe_blocks * (used_ffn + cfg.dim * m.num_experts)
+    n += cfg.dim + cfg.vocab_size * cfg.dim
+    # Each MTP depth: two norms, the 2D→D projection, one MoE block, its norm and the head.
+    n += cfg.mtp_depth * (
+        2 * cfg.dim * cfg.dim + 3 * cfg.dim + moe_block + cfg.vocab_size * cfg.dim
+    )
+    attention = cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return 6.0 * n + 6.0 * (cfg.n_layers + cfg.mtp_depth) * seq_len * attention
