@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -135,3 +136,49 @@ def test_mismatched_tokenizers_are_refused_in_one_line(tmp_path: Path) -> None:
     message = str(err.value)
     assert len(message.splitlines()) == 1 and str(a) in message and str(b) in message
     assert "different tokenizers" in message
+
+
+def test_training_on_a_blend_reports_sources_and_resumes_exactly(tmp_path: Path) -> None:
+    from train_checks import fit, tiny_overrides
+
+    docs = {"bible": "In the beginning God created", "verse": "And the earth was without form"}
+    folders = []
+    for name, text in docs.items():
+        folder = tmp_path / name
+        write_prepared(folder, [f"{text} {i}. " * 9 for i in range(20)], ByteTokenizer(), 4)
+        folders.append(folder)
+    blend = f"'3 {folders[0]} 1 {folders[1]}'"
+
+    def overrides(steps: int, **extra: object) -> list[str]:
+        extra = {"data.path": None, "data.blend": blend, "trainer.max_steps": steps, **extra}
+        return tiny_overrides("unused", **extra)
+
+    whole = fit(overrides(8), tmp_path / "whole")[1].losses
+    step4 = tmp_path / "whole/checkpoints/step-00000004"
+    resumed = fit(overrides(8, **{"checkpoint.resume": step4}), tmp_path / "resumed")[1].losses
+    assert resumed[-4:] == whole[4:]  # bit-exact: the same draws, model and optimizer state
+
+    records = [json.loads(line) for line in (tmp_path / "whole/metrics.jsonl").open()]
+    train = [r for r in records if "tokens/bible" in r]
+    last = train[-1]
+    assert last["tokens/bible"] + last["tokens/verse"] == 8 * 8 * 64  # steps · batch · seq
+    assert last["tokens/bible"] > last["tokens/verse"]  # weights 3:1
+    evals = [r for r in records if "val_loss/bible" in r]
+    assert evals and math.isfinite(evals[-1]["val_loss/verse"])
+    blended = 0.75 * evals[-1]["val_loss/bible"] + 0.25 * evals[-1]["val_loss/verse"]
+    assert evals[-1]["val_loss"] == pytest.approx(blended, rel=1e-9)
+
+
+def test_blend_config_is_validated(tmp_path: Path) -> None:
+    from mt_train import compose_config, to_train_config
+
+    (tmp_path / "a").mkdir()
+    for overrides, message in [
+        ([f"data.path={tmp_path / 'a'}", f"data.blend='1 {tmp_path / 'a'}'"], "are both set"),
+        ([f"data.blend='1 {tmp_path / 'missing'}'"], "source '.*missing' is not a folder"),
+        ([f"data.blend='0 {tmp_path / 'a'}'"], "is not a positive number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            to_train_config(compose_config(overrides))
+    cfg = to_train_config(compose_config([f"data.blend='2 {tmp_path / 'a'} 2 {tmp_path / 'a'}'"]))
+    assert cfg.data.blend_sources == [(str(tmp_path / "a"), 0.5)] * 2

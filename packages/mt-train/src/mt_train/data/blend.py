@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mt_train.data.dataset import Batch, PackedDataset, ResumableSampler, splitmix64
+from mt_train.data.dataset import Batch, DataModule, PackedDataset, ResumableSampler, splitmix64
 from mt_train.errors import DataError
 
 BLOCK = 4096
@@ -195,6 +195,22 @@ class BlendedSampler(ResumableSampler):
             ranks[i] = block * int(self.per_block[s]) + int(self._block_ranks[within])
         return sources, ranks
 
+    def draws_before(self, g: int) -> np.ndarray:
+        """How many of the draws ``[0, g)`` each source received."""
+        block, within = divmod(int(g), BLOCK)
+        self._deal(block)
+        partial = np.bincount(self._block_sources[:within], minlength=len(self.weights))
+        return block * self.per_block + partial
+
+    def trained_draws(self) -> np.ndarray:
+        """Draws each source has given to training: ``[0, consumed)`` less skipped ranges."""
+        counts = self.draws_before(self.consumed)
+        for start, end in self.skipped:
+            end = min(end, self.consumed)
+            if start < end:
+                counts = counts - (self.draws_before(end) - self.draws_before(start))
+        return counts
+
     def _sample(self, draws: np.ndarray) -> np.ndarray:
         sources, ranks = self.source_draws(draws)
         out = np.empty(len(draws), dtype=np.int64)
@@ -213,3 +229,39 @@ class BlendedSampler(ResumableSampler):
                 f"its data order used data.blend weights {saved}, this run uses {self.weights}"
             )
         super().load_state_dict(state)
+
+
+def source_names(folders: Sequence[Path]) -> list[str]:
+    """Metric names of the sources: each folder's name, numbered where two share one."""
+    names = [Path(f).name or str(f) for f in folders]
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+class BlendedDataModule(DataModule):
+    """The train and validation splits of several prepared folders, each blended."""
+
+    def __init__(
+        self,
+        sources: Sequence[tuple[str | Path, float]],
+        seq_len: int,
+        train_stride: int | None = None,
+    ) -> None:
+        folders = [Path(f) for f, _ in sources]
+        super().__init__(folders[0], seq_len, train_stride)
+        self.folders, self.weights = folders, [w for _, w in sources]
+        self.names = source_names(folders)
+        self.train = BlendedDataset(  # type: ignore[assignment]
+            [PackedDataset(f, "train", seq_len, train_stride) for f in folders], self.names
+        )
+        self.val = BlendedDataset(  # type: ignore[assignment]
+            [PackedDataset(f, "val", seq_len) for f in folders], self.names
+        )
+
+    def sampler(
+        self, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+        independent: bool,
+    ) -> BlendedSampler:  # fmt: skip
+        sizes = [len(p) for p in self.train.parts]  # type: ignore[attr-defined]
+        return BlendedSampler(
+            sizes, self.weights, seed, global_batch, micro_batch, dp_rank, dp_size, independent
+        )
