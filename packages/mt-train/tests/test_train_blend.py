@@ -182,3 +182,6 @@ def test_blend_config_is_validated(tmp_path: Path) -> None:
             to_train_config(compose_config(overrides))
     cfg = to_train_config(compose_config([f"data.blend='2 {tmp_path / 'a'} 2 {tmp_path / 'a'}'"]))
     assert cfg.data.blend_sources == [(str(tmp_path / "a"), 0.5)] * 2
+    listed = f"data.blend=[{{path: {tmp_path / 'a'}, weight: 3}}, {{path: {tmp_path}, weight: 1}}]"
+    cfg = to_train_config(compose_config([listed]))
+    assert cfg.data.blend_sources == [(str(tmp_path / "a"), 0.75), (str(tmp_path), 0.25)]
