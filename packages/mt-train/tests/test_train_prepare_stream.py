@@ -223,3 +223,37 @@ def test_progress_is_plain_lines_off_a_terminal_and_silent_when_quiet(tmp_path: 
             assert len(lines) >= 2 and "\r" not in stream.getvalue()
             assert lines[-1].startswith("mt-prepare-data: 100.0% | ")
             assert f"| {stats.documents:,} documents |" in lines[-1]
+
+
+def test_merge_concatenates_folders_and_refuses_other_tokenizers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train.data import train_bpe
+
+    parts = []
+    for name, words in (("a", "alpha beta"), ("b", "gamma delta epsilon")):
+        folder = tmp_path / name
+        write_prepared(folder, [f"{words} {i}" for i in range(9)], ByteTokenizer(), 3)
+        parts.append(folder)
+    out = tmp_path / "merged"
+    assert prepare_main(["merge", str(out), *map(str, parts)]) == 0
+    meta = check_prepared(out, 4)
+    for split in ("train", "val"):
+        tokens = [np.fromfile(p / f"{split}.bin", dtype=np.uint16) for p in parts]
+        assert (out / f"{split}.bin").read_bytes() == b"".join(t.tobytes() for t in tokens)
+        offsets = [np.fromfile(p / f"{split}.idx", dtype=np.int64) for p in parts]
+        expected = np.concatenate([offsets[0], offsets[1][1:] + offsets[0][-1]])
+        assert np.fromfile(out / f"{split}.idx", dtype=np.int64).tolist() == expected.tolist()
+        assert meta["splits"][split]["documents"] == len(expected) - 1
+    merged = np.fromfile(out / "train.bin", dtype=np.uint16)
+    starts = np.fromfile(out / "train.idx", dtype=np.int64)
+    sixth = ByteTokenizer().decode(merged[starts[6] : starts[7]].tolist())
+    assert sixth == "gamma delta epsilon 0"  # input b's first training document follows a's six
+
+    other = tmp_path / "bpe"
+    write_prepared(other, ["alpha beta"] * 9, train_bpe(["alpha beta"] * 20, 300), 3)
+    capsys.readouterr()
+    assert prepare_main(["merge", str(tmp_path / "bad"), str(parts[0]), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "different tokenizers" in err and str(other) in err
+    assert not (tmp_path / "bad").exists()

@@ -38,7 +38,7 @@ import collections
 import json
 import multiprocessing
 import os
-import shutil
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -47,15 +47,15 @@ import numpy as np
 
 from mt_train import fault_points
 from mt_train.data.progress import Progress
+from mt_train.data.publish import building, write_meta
 from mt_train.data.readers import ReadStats, input_bytes, input_files, read_records
 from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
-from mt_train.errors import DiskError, UserError, report
+from mt_train.errors import UserError, report
 
 FORMAT_VERSION = 1
 KJV_CHAPTER = r"^(?:[1-3] )?[A-Z][A-Za-z ]+ [0-9]+$"
 BATCH_CHARS = 1 << 20
 """Characters of text per tokenization batch (the unit of work of one pool task)."""
-PREPARED_FILES = ("meta.json", "train.bin", "train.idx", "val.bin", "val.idx")
 
 
 def read_documents(
@@ -202,37 +202,8 @@ def _write_splits(
     }
     if stats is not None:
         meta["skipped_records"] = stats.bad_records
-    partial = folder / ".tmp-meta.json"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, folder / "meta.json")
+    write_meta(folder, meta)
     return meta
-
-
-def _check_replaceable(out: Path) -> None:
-    """Refuse an ``out`` that exists and is neither empty nor a prepared folder."""
-    if out.exists() and not (
-        out.is_dir()
-        and (not any(out.iterdir()) or any((out / name).exists() for name in PREPARED_FILES))
-    ):
-        raise UserError(
-            f"--out {str(out)!r} exists and is not a prepared data folder; choose another "
-            "--out or delete it"
-        )
-
-
-def _publish(partial: Path, out: Path) -> None:
-    """Rename ``partial`` to ``out``; an existing prepared (or empty) folder is replaced."""
-    _check_replaceable(out)
-    if not out.exists():
-        os.replace(partial, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.replace(out, old)
-    os.replace(partial, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_prepared(
@@ -250,20 +221,8 @@ def write_prepared(
         raise ValueError(
             f"val_every must be >= 2 (1 would leave nothing to train on), got {val_every}"
         )
-    out = Path(out)
-    _check_replaceable(out)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    try:
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-            meta = _write_splits(partial, documents, tokenizer, val_every, workers, progress, stats)
-            _publish(partial, out)
-        except OSError as err:
-            raise DiskError("the prepared data folder", err.filename or out, err) from err
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+    with building(Path(out)) as partial:
+        meta = _write_splits(partial, documents, tokenizer, val_every, workers, progress, stats)
     return meta
 
 
@@ -304,9 +263,15 @@ def _positive(value: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        from mt_train.data.merge import merge_main
+
+        return merge_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="mt-prepare-data",
-        description="Tokenize text/JSONL (streamed) into memory-mapped token files for mt-train.",
+        description="Tokenize text/JSONL (streamed) into memory-mapped token files for mt-train. "
+        "`mt-prepare-data merge OUT IN...` concatenates prepared folders.",
     )
     parser.add_argument(
         "inputs", nargs="+", type=Path, help=".txt, .jsonl (optionally .gz) files or folders"
