@@ -257,3 +257,40 @@ def test_merge_concatenates_folders_and_refuses_other_tokenizers(
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "different tokenizers" in err and str(other) in err
     assert not (tmp_path / "bad").exists()
+
+
+def test_parquet_gives_the_same_tokens_as_jsonl(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from mt_train.data import readers
+
+    monkeypatch.setattr(readers, "PARQUET_BATCH_ROWS", 7)  # many record batches
+    texts = [f"document {i}: " + "xyz " * (i % 13) for i in range(100)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    table = pa.table({"id": list(range(100)), "text": texts})
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=16)
+    outs = {}
+    for name in ("docs.jsonl", "docs.parquet"):
+        out = tmp_path / f"out-{name}"
+        args = [str(tmp_path / name), "--out", str(out), "--tokenizer", "byte", "--quiet"]
+        assert prepare_main([*args, "--val-every", "9"]) == 0
+        outs[name] = {n: (out / n).read_bytes() for n in ("train.bin", "train.idx", "val.bin")}
+    assert outs["docs.jsonl"] == outs["docs.parquet"]
+
+    pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "other.parquet")
+    for name, expected in [
+        ("nulls.parquet", "nulls.parquet:row 3: column 'text' is null, not a string"),
+        ("other.parquet", "other.parquet has no column 'text' (columns: ['body'])"),
+    ]:
+        capsys.readouterr()
+        args = [str(tmp_path / name), "--out", str(tmp_path / "o"), "--tokenizer", "byte"]
+        assert prepare_main([*args, "--val-every", "2"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.splitlines()) == 1
+    nulls = [str(tmp_path / "nulls.parquet"), "--out", str(tmp_path / "o"), "--tokenizer", "byte"]
+    assert prepare_main([*nulls, "--val-every", "2", "--skip-bad-records", "--quiet"]) == 0
+    assert "skipped 1 bad records" in capsys.readouterr().out

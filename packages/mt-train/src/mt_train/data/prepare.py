@@ -1,4 +1,4 @@
-"""``mt-prepare-data``: text or JSONL in, streamed; a tokenizer and memory-mapped token files out.
+"""``mt-prepare-data``: text, JSONL or Parquet in, streamed; a tokenizer and memory-mapped token files out.
 
 Output folder layout::
 
@@ -274,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`mt-prepare-data merge OUT IN...` concatenates prepared folders.",
     )
     parser.add_argument(
-        "inputs", nargs="+", type=Path, help=".txt, .jsonl (optionally .gz) files or folders"
+        "inputs",
+        nargs="+",
+        type=Path,
+        help=".txt, .jsonl (optionally .gz), .parquet files or folders of them",
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument(
@@ -290,7 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="train the BPE on the first documents up to this many bytes of text",
     )
     parser.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-document token name")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument(
+        "--text-key", default="text", help="JSONL field or Parquet column holding the text"
+    )
     parser.add_argument("--doc-start", default=None, help="regex of lines that start a document")
     parser.add_argument(
         "--val-every", type=int, default=50, help="every n-th document is validation"

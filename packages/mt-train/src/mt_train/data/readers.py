@@ -3,6 +3,9 @@
 Inputs are files or folders of shards (every supported file below a folder, sorted by path):
 
 * ``.jsonl`` (and ``.jsonl.gz``): one document per line, the string field ``text_key``;
+* ``.parquet`` (with the optional ``pyarrow``, ``pip install 'mt-train[parquet]'``): one
+  document per row, the string column ``text_key``, read one record batch at a time (never a
+  whole file); a bad row is named ``file:row N`` (rows counted from 1);
 * ``.txt`` (and ``.txt.gz``): with ``doc_start``, a new document begins at every line that the
   regular expression matches from its first character (``re.match`` on the line without its
   newline), and text before the first such line is a document of its own if it is not blank;
@@ -30,15 +33,19 @@ from typing import BinaryIO
 
 from mt_train.errors import UserError
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".txt", ".txt.gz")
+SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".txt", ".txt.gz")
 """File names a folder of shards is searched for (and what a file input must end with)."""
 
 
-class BadRecord(UserError):
-    """A record that cannot be read: ``file:line: reason``."""
+PARQUET_BATCH_ROWS = 4096
+"""Rows of a Parquet file decoded at a time."""
 
-    def __init__(self, path: Path, line: int, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
+
+class BadRecord(UserError):
+    """A record that cannot be read: ``file:line: reason`` (``file:row N: reason``)."""
+
+    def __init__(self, path: Path, line: int, reason: str, unit: str = "") -> None:
+        super().__init__(f"{path}:{unit}{line}: {reason}")
         self.reason = reason
 
 
@@ -139,6 +146,31 @@ def _jsonl(path: Path, text_key: str, stats: ReadStats) -> Iterator[Record | Bad
             yield Record(path, number, record[text_key])
 
 
+def _parquet(path: Path, text_key: str, stats: ReadStats) -> Iterator[Record | BadRecord]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install 'mt-train[parquet]'") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises its own ArrowInvalid for a damaged file
+        raise UserError(f"{path} is not a Parquet file ({err})") from None
+    columns = parquet.schema_arrow.names
+    if text_key not in columns:
+        raise UserError(f"{path} has no column {text_key!r} (columns: {columns})")
+    size, total = path.stat().st_size, max(parquet.metadata.num_rows, 1)
+    row = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if isinstance(value, str):
+                yield Record(path, row, value)
+            else:
+                kind = "null" if value is None else f"a {type(value).__name__}"
+                yield BadRecord(path, row, f"column {text_key!r} is {kind}, not a string", "row ")
+        stats.bytes_read += size * batch.num_rows // total
+
+
 def _text(
     path: Path, pattern: re.Pattern[str] | None, stats: ReadStats
 ) -> Iterator[Record | BadRecord]:
@@ -175,8 +207,13 @@ def read_records(
         raise UserError(f"--doc-start {doc_start!r} is not a regular expression: {err}") from None
     stats = stats if stats is not None else ReadStats()
     for path in files:
-        jsonl = _kind(path) in (".jsonl", ".jsonl.gz")
-        reader = _jsonl(path, text_key, stats) if jsonl else _text(path, pattern, stats)
+        kind = _kind(path)
+        if kind == ".parquet":
+            reader = _parquet(path, text_key, stats)
+        elif kind in (".jsonl", ".jsonl.gz"):
+            reader = _jsonl(path, text_key, stats)
+        else:
+            reader = _text(path, pattern, stats)
         found = 0
         for record in reader:
             if isinstance(record, BadRecord):
