@@ -294,3 +294,33 @@ def test_parquet_gives_the_same_tokens_as_jsonl(
     nulls = [str(tmp_path / "nulls.parquet"), "--out", str(tmp_path / "o"), "--tokenizer", "byte"]
     assert prepare_main([*nulls, "--val-every", "2", "--skip-bad-records", "--quiet"]) == 0
     assert "skipped 1 bad records" in capsys.readouterr().out
+
+
+def test_bpe_is_trained_on_the_leading_sample_only(tmp_path: Path) -> None:
+    from mt_train.data import train_bpe
+
+    texts = [f"alpha beta {i} " * 5 for i in range(40)] + ["zebra quokka " * 50] * 40
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sample_bytes = sum(len(t) for t in texts[:40])  # exactly the first 40 documents
+    for name in ("one", "two"):
+        args = [str(src), "--out", str(tmp_path / name), "--vocab-size", "300", "--quiet"]
+        assert prepare_main([*args, "--bpe-sample-bytes", str(sample_bytes)]) == 0
+    saved = (tmp_path / "one/tokenizer.json").read_text()
+    assert saved == (tmp_path / "two/tokenizer.json").read_text()  # deterministic
+    expected = train_bpe(texts[:40], 300).tokenizer.to_str()
+    assert json.loads(saved)["model"] == json.loads(expected)["model"]  # the later text unseen
+
+
+def test_progress_redraws_one_line_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(1000, stream=stream, refresh_s=0.0)
+    progress.update(10, 200, 500)
+    progress.close(20, 400, 1000)
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "50.0%" in text and "100.0% | 20 documents | 400 tokens" in text
