@@ -65,6 +65,11 @@ def read_documents(
     return (r.text for r in read_records(input_files(paths), text_key, doc_start))
 
 
+def token_dtype(tokenizer: Tokenizer) -> type:
+    """``uint16`` when every id of ``tokenizer`` fits, else ``uint32``."""
+    return np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+
+
 def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
     batch: list[str] = []
     size = 0
@@ -87,12 +92,13 @@ def _init_worker(tokenizer: Tokenizer) -> None:
 
 
 def _encode(texts: list[str], tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of ``texts``, each followed by EOS, concatenated (int64), and each one's length."""
+    """Ids of ``texts``, each followed by EOS, concatenated in the token file's dtype (the
+    smallest transfer back from a worker), and each one's length."""
     tok = tokenizer or _worker_tokenizer
     assert tok is not None, "the pool initializer sets the tokenizer"
     encoded = tok.encode_batch(texts)
     lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.empty(int(lengths.sum()), dtype=np.int64)
+    flat = np.empty(int(lengths.sum()), dtype=token_dtype(tok))
     ends = np.cumsum(lengths)
     for ids, end, length in zip(encoded, ends, lengths, strict=True):
         flat[end - length : end - 1] = ids
@@ -141,7 +147,7 @@ class _SplitFiles:
         self.tokens = self.documents = 0
 
     def append(self, flat: np.ndarray, lengths: np.ndarray) -> None:
-        flat.astype(self.dtype).tofile(self.tokens_file)
+        flat.astype(self.dtype, copy=False).tofile(self.tokens_file)
         (self.tokens + np.cumsum(lengths)).tofile(self.offsets_file)
         self.tokens += int(flat.size)
         self.documents += int(lengths.size)
@@ -163,7 +169,7 @@ def _write_splits(
     stats: ReadStats | None,
 ) -> dict[str, object]:
     fault_points.disk_write("data", folder / "train.bin")
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    dtype = token_dtype(tokenizer)
     files = {split: _SplitFiles(folder, split, dtype) for split in ("train", "val")}
     largest, seen = -1, 0
     try:
