@@ -33,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+PREPARE = "import sys; from mt_train.data.prepare import main; sys.exit(main())"
+"""``mt-prepare-data`` as its console script runs it."""
+
 BARE_LOOP = """
 import json, sys
 from tokenizers import Tokenizer
@@ -143,7 +146,7 @@ def run(
             )
             out = folder / "prepared"
             mt = measure([
-                sys.executable, "-m", "mt_train.data.prepare", str(corpus), "--out", str(out),
+                sys.executable, "-c", PREPARE, str(corpus), "--out", str(out),
                 "--tokenizer", str(tokenizer), "--workers", str(workers), "--quiet",
             ])  # fmt: skip
             meta = json.loads((out / "meta.json").read_text())
