@@ -185,3 +185,17 @@ def test_blend_config_is_validated(tmp_path: Path) -> None:
     listed = f"data.blend=[{{path: {tmp_path / 'a'}, weight: 3}}, {{path: {tmp_path}, weight: 1}}]"
     cfg = to_train_config(compose_config([listed]))
     assert cfg.data.blend_sources == [(str(tmp_path / "a"), 0.75), (str(tmp_path), 0.25)]
+
+
+def test_mt_train_refuses_a_blend_of_two_tokenizers_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from cli_checks import assert_one_error_line, run_cli, run_overrides
+
+    a = _folder(tmp_path / "a", "alpha", ByteTokenizer())
+    b = _folder(tmp_path / "b", "beta", train_bpe(["alpha beta gamma"] * 50, 300))
+    out = tmp_path / "run"
+    overrides = run_overrides(a, out, **{"data.path": None, "data.blend": f"'1 {a} 1 {b}'"})
+    status, err = run_cli(capsys, [*overrides, "trainer.seq_len=8"])
+    assert_one_error_line(status, err, "data.blend sources use different tokenizers")
+    assert str(a) in err and str(b) in err
