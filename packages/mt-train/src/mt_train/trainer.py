@@ -595,10 +595,17 @@ class Trainer:
             f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
-            f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
+            f"data {self._data_label()} ({len(self.data.train)} train / {len(self.data.val)} val "
             f"sequences); output {self.output_dir}"
             + (f"; resumed at step {self.step}" if self.step else "")
         )
+
+    def _data_label(self) -> str:
+        """The data folder, or the blend as ``weight·folder`` terms."""
+        if isinstance(self.data, BlendedDataModule):
+            terms = zip(self.data.weights, self.data.folders, strict=True)
+            return "blend " + " + ".join(f"{w:.3g}·{f}" for w, f in terms)
+        return str(self.data.folder)
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
