@@ -2,7 +2,8 @@
 
 The validation loss is the mean over ``trainer.eval_batches`` fixed (unshuffled) validation
 micro-batches per data-parallel rank, averaged over dp×cp, so it compares across steps and
-layouts. Samples are greedy continuations run by every rank (TP, CP and FSDP2 layers
+layouts. With ``data.blend`` it is computed so for each source's validation split
+(``source_losses``) and reported as their mean weighted by the blend's weights. Samples are greedy continuations run by every rank (TP, CP and FSDP2 layers
 communicate; :mod:`mt_train.sample`).
 """
 
@@ -17,7 +18,8 @@ import mt_fp8
 from mt_comm import ParallelState
 from mt_train import ranks
 from mt_train.config.schema import TrainConfig
-from mt_train.data.dataset import Batch, DataModule, ResumableSampler
+from mt_train.data.blend import BlendedDataModule
+from mt_train.data.dataset import Batch, DataModule, PackedDataset, ResumableSampler
 from mt_train.sample import greedy_generate
 from mt_train.step import BatchRunner
 
@@ -38,14 +40,24 @@ class Evaluator:
         self.runner, self.data, self.cfg, self.collate = runner, data, cfg, collate
         self.dp_rank, self.dp_size = pstate.rank("dp"), pstate.size("dp")
         self.dp_cp_group = pstate.group("dp_cp")
+        self.source_losses: dict[str, float] = {}
+        """The last :meth:`loss`'s validation loss of each blend source (empty without one)."""
         self.tp_group, self.cp_group = tp_group, cp_group
 
     @torch.no_grad()
     def loss(self) -> float:
-        """Mean loss over ``eval_batches`` fixed validation micro-batches per rank."""
+        """Validation loss (module docstring); per source in ``source_losses`` for a blend."""
+        if not isinstance(self.data, BlendedDataModule):
+            return self._loss(self.data.val)
+        parts = self.data.val.parts  # type: ignore[attr-defined]
+        self.source_losses = {n: self._loss(p) for n, p in zip(self.data.names, parts, strict=True)}
+        weighted = zip(self.data.weights, self.source_losses.values(), strict=True)
+        return sum(w * loss for w, loss in weighted)
+
+    def _loss(self, dataset: PackedDataset) -> float:
         tr = self.cfg.trainer
         sampler = ResumableSampler(
-            len(self.data.val), tr.seed, tr.micro_batch_size * self.dp_size * tr.eval_batches,
+            len(dataset), tr.seed, tr.micro_batch_size * self.dp_size * tr.eval_batches,
             tr.micro_batch_size, self.dp_rank, self.dp_size, shuffle=False,
         )  # fmt: skip
         model = self.runner.model
@@ -53,7 +65,7 @@ class Evaluator:
         total = torch.zeros((), device=self.runner.device)
         micro = sampler.next_step()
         for indices in micro:
-            total += self.runner.micro_loss(self.collate(self.data.val, indices))[0]
+            total += self.runner.micro_loss(self.collate(dataset, indices))[0]
         model.train()
         # The FP8 weights quantized here would otherwise stay cached until the next eager
         # forward, i.e. for the whole run when the steps are replayed CUDA graphs.

@@ -76,6 +76,7 @@ from mt_train.checkpoint.checkpointer import TPLayout, resolve_resume
 from mt_train.checkpoint.files import step_dir
 from mt_train.config.schema import TrainConfig
 from mt_train.cuda_graph import GraphedStep
+from mt_train.data.blend import BlendedDataModule, BlendedSampler, check_same_tokenizer
 from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
@@ -172,27 +173,10 @@ class Trainer:
         self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
         ranks.on_rank0(self._open_run_folder, self.rank, self.device)
 
-        data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
-        if cfg.data.path is None:
-            ranks.on_rank0(
-                lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
-            )
-        ranks.barrier()
-        try:
-            data_meta = check_prepared(data_dir, tr.seq_len)
-        except DataError as err:
-            if cfg.data.path is not None:
-                raise
-            raise DataError(
-                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
-            ) from None
-        if cfg.model.vocab_size is not None:
-            check_vocab(data_meta, cfg.model.vocab_size, data_dir)
-        self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
-        self.sampler = ResumableSampler(
-            len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
-            self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
-        )  # fmt: skip
+        if cfg.data.blend_sources:
+            self._load_blend(cfg)
+        else:
+            self._load_folder(cfg)
 
         # Observability: step timer, profiler, watchdog (mt_train.observer), flight recorder.
         self.run_id = run_id
@@ -336,6 +320,46 @@ class Trainer:
         """A micro-batch on this rank's device (with document ids if masking is on)."""
         return dataset.collate(indices, self.cfg.data.document_masking).to(self.device)
 
+    def _load_folder(self, cfg: TrainConfig) -> None:
+        """``data.path`` (or the bundled corpus, prepared here by rank 0) and its sampler."""
+        tr = cfg.trainer
+        data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
+        if cfg.data.path is None:
+            ranks.on_rank0(
+                lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
+            )
+        ranks.barrier()
+        try:
+            data_meta = check_prepared(data_dir, tr.seq_len)
+        except DataError as err:
+            if cfg.data.path is not None:
+                raise
+            raise DataError(
+                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
+            ) from None
+        if cfg.model.vocab_size is not None:
+            check_vocab(data_meta, cfg.model.vocab_size, data_dir)
+        self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
+        self.sampler = ResumableSampler(
+            len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
+            self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
+        )  # fmt: skip
+
+    def _load_blend(self, cfg: TrainConfig) -> None:
+        """``data.blend``: every folder checked, one tokenizer, the blended sampler."""
+        tr = cfg.trainer
+        sources = [(Path(f).expanduser(), w) for f, w in cfg.data.blend_sources]
+        folders = [f for f, _ in sources]
+        metas = [check_prepared(f, tr.seq_len) for f in folders]
+        check_same_tokenizer(folders, metas)
+        if cfg.model.vocab_size is not None:
+            check_vocab(metas[0], cfg.model.vocab_size, folders[0])
+        self.data = BlendedDataModule(sources, tr.seq_len, train_stride=cfg.data.train_stride)
+        self.sampler = self.data.sampler(
+            tr.seed, tr.global_batch_size, tr.micro_batch_size, self.dp_rank, self.dp_size,
+            cfg.data.independent_draws,
+        )  # fmt: skip
+
     @property
     def watch_fp8(self) -> bool:
         """Whether steps read the FP8 health counters (for the ``fp8_overflow`` detector)."""
@@ -378,6 +402,10 @@ class Trainer:
         )
         lr *= self.guard.lr_factor(self.step)
         metrics: dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr, **numbers.extras}
+        if isinstance(self.sampler, BlendedSampler):
+            consumed = self.sampler.trained_draws() * self.cfg.trainer.seq_len
+            names = self.data.names  # type: ignore[attr-defined]
+            metrics.update({f"tokens/{n}": int(t) for n, t in zip(names, consumed, strict=True)})
         signals = StepSignals(loss, norm, numbers.local_loss)
         if numbers.fp8_saturation is not None:
             signals.fp8_saturation, signals.fp8_worst = numbers.fp8_saturation, numbers.fp8_worst
@@ -529,7 +557,8 @@ class Trainer:
         if step % tr.eval_interval == 0 or step == tr.max_steps:
             self.timer.start("eval")
             self._val_loss = self.evaluate()
-            self.logger.log(step, {"val_loss": self._val_loss}, kind="eval")
+            per_source = {f"val_loss/{n}": v for n, v in self.evaluator.source_losses.items()}
+            self.logger.log(step, {"val_loss": self._val_loss, **per_source}, kind="eval")
         if (self.cfg.checkpoint.enabled or self.cfg.rewind.enabled) and (
             step % tr.checkpoint_interval == 0 or step == tr.max_steps
         ):
@@ -568,10 +597,17 @@ class Trainer:
             f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}{ep}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
-            f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
+            f"data {self._data_label()} ({len(self.data.train)} train / {len(self.data.val)} val "
             f"sequences); output {self.output_dir}"
             + (f"; resumed at step {self.step}" if self.step else "")
         )
+
+    def _data_label(self) -> str:
+        """The data folder, or the blend as ``weight·folder`` terms."""
+        if isinstance(self.data, BlendedDataModule):
+            terms = zip(self.data.weights, self.data.folders, strict=True)
+            return "blend " + " + ".join(f"{w:.3g}·{f}" for w, f in terms)
+        return str(self.data.folder)
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""

@@ -17,6 +17,7 @@ an ``mt_fp8`` recipe and its arguments, and the recipe dataclass validates them.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +231,12 @@ class DataConfig:
     ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
     attention over the packed window keeps the fused causal kernels (an explicit mask is slower
     on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
+    blend: Any = None
+    """Train on a weighted blend of prepared folders instead of ``path``: a list of
+    ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
+    (:mod:`mt_train.data.blend`). All folders must share one tokenizer. Metrics gain
+    ``tokens/<folder name>`` (tokens consumed from each source) and ``val_loss/<folder name>``
+    (``val_loss`` is then the weighted mean of the sources' losses)."""
     sampling: str = "permutation"
     """How training windows are drawn (:mod:`mt_train.data.dataset`): ``permutation``, the
     split cut into non-overlapping windows visited in a new random order every epoch (every
@@ -249,6 +256,29 @@ class DataConfig:
                 "or set data.path=null for the bundled corpus"
             )
         positive("data", val_every=self.val_every)
+        if self.blend is not None:
+            if self.path is not None:
+                raise ValueError(
+                    f"data.path={self.path!r} and data.blend are both set; use one (a blend "
+                    "lists every folder)"
+                )
+            for folder, _ in self.blend_sources:
+                if not os.path.isdir(os.path.expanduser(folder)):
+                    raise ValueError(
+                        f"data.blend source {folder!r} is not a folder; write one with "
+                        "`mt-prepare-data`"
+                    )
+
+    @property
+    def blend_sources(self) -> list[tuple[str, float]]:
+        """``data.blend`` as ``[(folder, normalised weight), ...]`` (empty without a blend)."""
+        from mt_train.data.blend import parse_blend
+
+        if self.blend is None:
+            return []
+        if isinstance(self.blend, str):
+            return parse_blend(self.blend)
+        return parse_blend([dict(e) if isinstance(e, Mapping) else e for e in self.blend])
 
     @property
     def independent_draws(self) -> bool:

@@ -1,141 +1,234 @@
-"""``mt-prepare-data``: text or JSONL in; a tokenizer and memory-mapped token files out.
+"""``mt-prepare-data``: text, JSONL or Parquet in, streamed; a tokenizer and memory-mapped token files out.
 
 Output folder layout::
 
     meta.json        {"format": 1, "tokenizer": "byte" | "tokenizer.json", "eos_token", "eos_id",
                       "vocab_size", "max_token_id", "dtype": "uint16" | "uint32",
-                      "splits": {"train": {"tokens", "documents"}, "val": {...}}}
+                      "splits": {"train": {"tokens", "documents"}, "val": {...}},
+                      "skipped_records"}
     tokenizer.json   the HF tokenizer (absent for the byte tokenizer)
     train.bin        every training document's ids followed by eos_id, concatenated (dtype)
     train.idx        int64 document start offsets into train.bin, documents + 1 entries
     val.bin, val.idx the same for the validation documents
 
-The dtype is uint16 when every id fits (vocab ≤ 65536), else uint32. Document ``d`` goes
-to validation when ``d % val_every == val_every - 1`` (spread over the corpus, not its tail),
-so the split is deterministic and independent of the tokenizer. ``meta.json`` is written
-last and atomically, so a folder whose preparation was interrupted (a kill, a full disk) has
-none and is prepared again rather than read half-written; ``max_token_id`` (the largest id
-in the token files) lets ``mt-train`` check the data against ``model.vocab_size`` at start-up
-without reading every token (:mod:`mt_train.data.checks`).
+The dtype is uint16 when every id fits (vocab ≤ 65536), else uint32. Document ``d`` (in
+input order, :mod:`mt_train.data.readers`) goes to validation when
+``d % val_every == val_every - 1`` (spread over the corpus, not its tail), so the split is
+deterministic and independent of the tokenizer and of ``--workers``.
+
+Streaming. Documents are read one at a time, grouped into batches of at most
+``BATCH_CHARS`` characters, tokenized (in a pool of ``workers`` processes, at most
+``2·workers`` batches in flight, results taken in submission order) and appended to the
+token and offset files as they come back. Memory is therefore bounded by the batches in
+flight, not by the corpus. ``max_token_id`` (the largest id written) lets ``mt-train``
+check the data against ``model.vocab_size`` without reading every token
+(:mod:`mt_train.data.checks`).
+
+Atomicity. Everything is written into a temporary sibling folder ``.<out>.partial-<pid>``
+and ``meta.json`` last; only then is the folder renamed to ``out`` (an existing prepared
+folder at ``out`` is moved aside first and deleted after). An interrupted run (a kill, a full
+disk, a bad record) leaves ``out`` as it was, and the partial folder is never read by
+``mt-train``, which takes only the folder it is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
+import collections
 import json
+import multiprocessing
 import os
-import re
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from mt_train import fault_points
+from mt_train.data.progress import Progress
+from mt_train.data.publish import building, write_meta
+from mt_train.data.readers import ReadStats, input_bytes, input_files, read_records
 from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
-from mt_train.errors import DiskError, UserError, report
+from mt_train.errors import UserError, report
 
 FORMAT_VERSION = 1
 KJV_CHAPTER = r"^(?:[1-3] )?[A-Z][A-Za-z ]+ [0-9]+$"
-
-
-def _open_text(path: Path) -> str:
-    if not path.is_file():
-        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        raw = gzip.decompress(raw)
-    return raw.decode("utf-8")
+BATCH_CHARS = 1 << 20
+"""Characters of text per tokenization batch (the unit of work of one pool task)."""
 
 
 def read_documents(
     paths: Sequence[Path], text_key: str = "text", doc_start: str | None = None
 ) -> Iterator[str]:
-    """Documents of ``.txt``/``.txt.gz`` files (split where a line matches ``doc_start``,
-    else one per file) and ``.jsonl``/``.jsonl.gz`` files (one per line, field ``text_key``)."""
+    """The documents of ``paths`` (files or folders), streamed (:mod:`mt_train.data.readers`)."""
+    return (r.text for r in read_records(input_files(paths), text_key, doc_start))
+
+
+def token_dtype(tokenizer: Tokenizer) -> type:
+    """``uint16`` when every id of ``tokenizer`` fits, else ``uint32``."""
+    return np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+
+
+def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for text in documents:
+        batch.append(text)
+        size += len(text)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode(texts: list[str], tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of ``texts``, each followed by EOS, concatenated in the token file's dtype (the
+    smallest transfer back from a worker), and each one's length."""
+    tok = tokenizer or _worker_tokenizer
+    assert tok is not None, "the pool initializer sets the tokenizer"
+    encoded = tok.encode_batch(texts)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    flat = np.empty(int(lengths.sum()), dtype=token_dtype(tok))
+    ends = np.cumsum(lengths)
+    for ids, end, length in zip(encoded, ends, lengths, strict=True):
+        flat[end - length : end - 1] = ids
+        flat[end - 1] = tok.eos_id
+    return flat, lengths
+
+
+def _encoded(
+    documents: Iterable[str], tokenizer: Tokenizer, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Encoded batches in input order; ``workers > 1`` tokenizes in a process pool with at
+    most ``2·workers`` batches in flight (bounded memory, order kept by a FIFO)."""
+    if workers <= 1:
+        for batch in _batches(documents):
+            yield _encode(batch, tokenizer)
+        return
+    # NOTE: each worker tokenizes single-threaded; the variable must be set before the fork,
+    # or `tokenizers` warns that parallelism was already used in the parent.
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    context = multiprocessing.get_context("fork")
     try:
-        pattern = re.compile(doc_start, re.MULTILINE) if doc_start else None
-    except re.error as err:
-        raise UserError(f"--doc-start {doc_start!r} is not a regular expression: {err}") from None
-    for path in paths:
-        text = _open_text(path)
-        if ".jsonl" in path.suffixes:
-            for lineno, line in enumerate(text.splitlines(), 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_key not in record:
-                    raise ValueError(
-                        f"{path}:{lineno} has no field {text_key!r} (fields: {sorted(record)})"
-                    )
-                yield str(record[text_key])
-        elif pattern is None:
-            yield text
+        with context.Pool(workers, _init_worker, (tokenizer,)) as pool:
+            pending: collections.deque = collections.deque()
+            for batch in _batches(documents):
+                pending.append(pool.apply_async(_encode, (batch,)))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().get()
+            while pending:
+                yield pending.popleft().get()
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
-            starts = [m.start() for m in pattern.finditer(text)] or [0]
-            if starts[0] != 0 and text[: starts[0]].strip():
-                starts.insert(0, 0)
-            for begin, end in zip(starts, [*starts[1:], len(text)], strict=True):
-                if text[begin:end].strip():
-                    yield text[begin:end]
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+class _SplitFiles:
+    """``<split>.bin`` and ``<split>.idx`` of one split, appended to as documents arrive."""
+
+    def __init__(self, folder: Path, split: str, dtype: type) -> None:
+        self.split, self.dtype = split, dtype
+        self.tokens_file = open(folder / f"{split}.bin", "wb")  # noqa: SIM115 (closed in close)
+        self.offsets_file = open(folder / f"{split}.idx", "wb")  # noqa: SIM115
+        np.zeros(1, dtype=np.int64).tofile(self.offsets_file)
+        self.tokens = self.documents = 0
+
+    def append(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        flat.astype(self.dtype, copy=False).tofile(self.tokens_file)
+        (self.tokens + np.cumsum(lengths)).tofile(self.offsets_file)
+        self.tokens += int(flat.size)
+        self.documents += int(lengths.size)
+
+    def close(self) -> None:
+        for f in (self.tokens_file, self.offsets_file):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+
+
+def _write_splits(
+    folder: Path,
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    val_every: int,
+    workers: int,
+    progress: Progress | None,
+    stats: ReadStats | None,
+) -> dict[str, object]:
+    fault_points.disk_write("data", folder / "train.bin")
+    dtype = token_dtype(tokenizer)
+    files = {split: _SplitFiles(folder, split, dtype) for split in ("train", "val")}
+    largest, seen = -1, 0
+    try:
+        for flat, lengths in _encoded(documents, tokenizer, workers):
+            numbers = seen + np.arange(lengths.size)
+            is_val = numbers % val_every == val_every - 1
+            owner = np.repeat(is_val, lengths)
+            for split, mask, token_mask in (
+                ("val", is_val, owner),
+                ("train", ~is_val, ~owner),
+            ):
+                if mask.any():
+                    files[split].append(flat[token_mask], lengths[mask])
+            largest = max(largest, int(flat.max()) if flat.size else -1)
+            seen += int(lengths.size)
+            if progress is not None and stats is not None:
+                tokens = files["train"].tokens + files["val"].tokens
+                progress.update(seen, tokens, stats.bytes_read)
+    finally:
+        for f in files.values():
+            f.close()
+    for split, f in files.items():
+        if not f.documents:
+            raise ValueError(f"the {split} split is empty: {seen} documents, val_every={val_every}")
+    if progress is not None and stats is not None:
+        progress.close(seen, files["train"].tokens + files["val"].tokens, stats.bytes_read)
+    meta: dict[str, object] = {
+        "format": FORMAT_VERSION,
+        "tokenizer": tokenizer.save(folder),
+        "eos_token": getattr(tokenizer, "eos_token", EOS_TOKEN),
+        "eos_id": tokenizer.eos_id,
+        "vocab_size": tokenizer.vocab_size,
+        "max_token_id": largest,
+        "dtype": np.dtype(dtype).name,
+        "splits": {s: {"tokens": f.tokens, "documents": f.documents} for s, f in files.items()},
+    }
+    if stats is not None:
+        meta["skipped_records"] = stats.bad_records
+    write_meta(folder, meta)
+    return meta
 
 
 def write_prepared(
-    out: Path, documents: Sequence[str], tokenizer: Tokenizer, val_every: int
+    out: Path,
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    val_every: int,
+    workers: int = 1,
+    progress: Progress | None = None,
+    stats: ReadStats | None = None,
 ) -> dict[str, object]:
-    """Tokenize ``documents`` and write the folder described in the module docstring."""
+    """Tokenize ``documents`` (streamed) and publish the folder of the module docstring at
+    ``out`` atomically; ``progress``/``stats`` report what the readers consumed."""
     if val_every < 2:
         raise ValueError(
             f"val_every must be >= 2 (1 would leave nothing to train on), got {val_every}"
         )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until it is back
-        return _write_prepared(out, documents, tokenizer, val_every)
-    except OSError as err:
-        raise DiskError("the prepared data folder", err.filename or out, err) from err
-
-
-def _write_prepared(
-    out: Path, documents: Sequence[str], tokenizer: Tokenizer, val_every: int
-) -> dict[str, object]:
-    fault_points.disk_write("data", out / "train.bin")
-    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
-    splits: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    for start in range(0, len(documents), 256):
-        batch = documents[start : start + 256]
-        for d, ids in enumerate(tokenizer.encode_batch(batch), start):
-            split = "val" if d % val_every == val_every - 1 else "train"
-            splits[split].append(np.asarray([*ids, tokenizer.eos_id], dtype=dtype))
-    meta: dict[str, object] = {
-        "format": FORMAT_VERSION,
-        "tokenizer": tokenizer.save(out),
-        "eos_token": getattr(tokenizer, "eos_token", EOS_TOKEN),
-        "eos_id": tokenizer.eos_id,
-        "vocab_size": tokenizer.vocab_size,
-        "max_token_id": max(
-            (int(a.max()) for arrays in splits.values() for a in arrays), default=-1
-        ),
-        "dtype": np.dtype(dtype).name,
-        "splits": {},
-    }
-    for split, arrays in splits.items():
-        if not arrays:
-            raise ValueError(
-                f"the {split} split is empty: {len(documents)} documents, val_every={val_every}"
-            )
-        lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        np.concatenate(arrays).tofile(out / f"{split}.bin")
-        offsets.tofile(out / f"{split}.idx")
-        meta["splits"][split] = {"tokens": int(offsets[-1]), "documents": len(arrays)}  # type: ignore[index]
-    partial = out / ".tmp-meta.json"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(json.dumps(meta, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, out / "meta.json")
+    with building(Path(out)) as partial:
+        meta = _write_splits(partial, documents, tokenizer, val_every, workers, progress, stats)
     return meta
 
 
@@ -149,16 +242,49 @@ def prepare_bundled(out: Path, val_every: int = 50) -> dict[str, object]:
     meta_path = out / "meta.json"
     if meta_path.is_file():
         return json.loads(meta_path.read_text())
-    docs = list(read_documents([bundled_corpus()], doc_start=KJV_CHAPTER))
+    docs = read_documents([bundled_corpus()], doc_start=KJV_CHAPTER)
     return write_prepared(out, docs, ByteTokenizer(), val_every)
 
 
+def _bpe_sample(texts: Iterable[str], limit: int) -> Iterator[str]:
+    """The first documents of ``texts`` up to ``limit`` UTF-8 bytes (deterministic)."""
+    taken = 0
+    for text in texts:
+        if taken >= limit:
+            return
+        taken += len(text.encode("utf-8"))
+        yield text
+
+
+def default_workers() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:
+        from mt_train.data.merge import merge_main
+
+        return merge_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="mt-prepare-data",
-        description="Tokenize text/JSONL into memory-mapped token files for mt-train.",
+        description="Tokenize text/JSONL (streamed) into memory-mapped token files for mt-train. "
+        "`mt-prepare-data merge OUT IN...` concatenates prepared folders.",
     )
-    parser.add_argument("inputs", nargs="+", type=Path, help=".txt, .jsonl (optionally .gz) files")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        type=Path,
+        help=".txt, .jsonl (optionally .gz), .parquet files or folders of them",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument(
         "--tokenizer",
@@ -166,30 +292,72 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="'bpe' (train a byte-level BPE), 'byte' (raw bytes) or a path to a tokenizer.json",
     )
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    parser.add_argument(
+        "--bpe-sample-bytes",
+        type=_positive,
+        default=1 << 30,
+        help="train the BPE on the first documents up to this many bytes of text",
+    )
     parser.add_argument("--eos-token", default=EOS_TOKEN, help="end-of-document token name")
-    parser.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    parser.add_argument(
+        "--text-key", default="text", help="JSONL field or Parquet column holding the text"
+    )
     parser.add_argument("--doc-start", default=None, help="regex of lines that start a document")
     parser.add_argument(
         "--val-every", type=int, default=50, help="every n-th document is validation"
     )
+    parser.add_argument(
+        "--workers", type=_positive, default=None, help="tokenizing processes (all cores)"
+    )
+    parser.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="count and report bad records instead of stopping at the first",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        help="seconds between progress lines when stderr is not a terminal",
+    )
     args = parser.parse_args(argv)
+    stats = ReadStats()
     try:
-        docs = list(read_documents(args.inputs, args.text_key, args.doc_start))
+        files = input_files(args.inputs)
+
+        def documents(counted: ReadStats) -> Iterator[str]:
+            records = read_records(
+                files, args.text_key, args.doc_start, args.skip_bad_records, counted
+            )
+            return (r.text for r in records)
+
         if args.tokenizer == "byte":
             tokenizer: Tokenizer = ByteTokenizer()
         elif args.tokenizer == "bpe":
-            tokenizer = train_bpe(docs, args.vocab_size)
+            sample = _bpe_sample(documents(ReadStats()), args.bpe_sample_bytes)
+            tokenizer = train_bpe(sample, args.vocab_size)
         else:
             tokenizer = HFTokenizer.from_file(args.tokenizer, args.eos_token)
-        meta = write_prepared(args.out, docs, tokenizer, args.val_every)
+        progress = Progress(input_bytes(files), args.quiet, every_s=args.progress_every)
+        workers = args.workers or default_workers()
+        meta = write_prepared(
+            args.out, documents(stats), tokenizer, args.val_every, workers, progress, stats
+        )
     except (OSError, ValueError, UserError) as err:
         return report("mt-prepare-data", err)
     splits = meta["splits"]
+    skipped = (
+        f"; skipped {stats.bad_records} bad records (first: {stats.bad_examples[0]})"
+        if stats.bad_records
+        else ""
+    )
     print(
         f"wrote {args.out}: vocab {meta['vocab_size']}, "
         + ", ".join(
             f"{k} {v['tokens']:,} tokens / {v['documents']} docs" for k, v in splits.items()
         )  # type: ignore[union-attr]
+        + skipped
     )
     return 0
 

@@ -1,0 +1,326 @@
+"""Streaming ``mt-prepare-data``: bounded memory, same tokens as whole-file reading, process
+pool order, atomic publication, bad records, progress output."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import re
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mt_train.data import ByteTokenizer, bundled_corpus, prepare
+from mt_train.data.checks import check_prepared
+from mt_train.data.prepare import main as prepare_main
+from mt_train.data.prepare import read_documents, write_prepared
+from mt_train.data.progress import Progress
+from mt_train.data.readers import ReadStats, input_files, read_records
+from mt_train.errors import DataError
+
+CORPUS_MB = 8
+
+
+def _write_jsonl(path: Path, megabytes: int) -> int:
+    """``megabytes`` MB of JSONL (1 KB documents); returns the number of documents."""
+    line = json.dumps({"text": "word " * 200}) + "\n"
+    count = megabytes * (1 << 20) // len(line)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt") as f:
+        for _ in range(count):
+            f.write(line)
+    return count
+
+
+@pytest.mark.parametrize("name", ["big.jsonl", "big.jsonl.gz", "big.txt"])
+def test_readers_never_hold_a_whole_file(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    if name.endswith(".txt"):
+        path.write_text(("Chapter 1\n" + "word " * 200 + "\n") * (CORPUS_MB * 1000))
+    else:
+        _write_jsonl(path, CORPUS_MB)
+    tracemalloc.start()
+    try:
+        documents = sum(1 for _ in read_records([path], doc_start="Chapter"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert documents > 1000
+    # A reader that read the file whole would hold at least its size (8 MB of text);
+    # one line or one 1 KB document at a time, plus the 128 KB gzip buffer, stays far below.
+    assert peak < (1 << 20), f"peak {peak} bytes while reading {path.stat().st_size}"
+
+
+def test_writer_memory_does_not_grow_with_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 1 << 14)
+    peaks = []
+    for megabytes in (1, 4):
+        src = tmp_path / f"c{megabytes}.jsonl"
+        _write_jsonl(src, megabytes)
+        tracemalloc.start()
+        try:
+            write_prepared(tmp_path / f"o{megabytes}", read_documents([src]), ByteTokenizer(), 10)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        peaks.append(peak)
+    # Four times the corpus may not cost more memory: the batch, not the corpus, bounds it
+    # (a 25% allowance covers allocator noise; holding the corpus would add ≥ 3 MB).
+    assert peaks[1] < 1.25 * peaks[0] + (64 << 10), peaks
+
+
+def _whole_file_chapters() -> list[str]:
+    """The bundled corpus split into chapters by reading it whole (the pre-streaming way)."""
+    text = gzip.decompress(bundled_corpus().read_bytes()).decode("utf-8")
+    pattern = re.compile(prepare.KJV_CHAPTER, re.MULTILINE)
+    starts = [m.start() for m in pattern.finditer(text)]
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+def test_bundled_corpus_tokens_equal_whole_file_reading(
+    kjv_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = tmp_path / "reference"
+    write_prepared(reference, iter(_whole_file_chapters()), ByteTokenizer(), 50)
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 1 << 16)  # many batches through the pool
+    pooled = tmp_path / "pooled"
+    docs = read_documents([bundled_corpus()], doc_start=prepare.KJV_CHAPTER)
+    write_prepared(pooled, docs, ByteTokenizer(), 50, workers=2)
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
+        expected = (reference / name).read_bytes()
+        assert (kjv_data / name).read_bytes() == expected, name
+        assert (pooled / name).read_bytes() == expected, name
+
+
+class _FailingTokenizer(ByteTokenizer):
+    """Fails on its third batch, after checking that nothing is published yet."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.calls = out, 0
+
+    def encode_batch(self, texts):
+        self.calls += 1
+        if self.calls == 3:
+            partial = next(self.out.parent.glob(f".{self.out.name}.partial-*"))
+            assert (partial / "train.bin").stat().st_size > 0  # tokens are being written
+            assert not (partial / "meta.json").exists()
+            raise KeyboardInterrupt  # as a Ctrl-C or a kill at this point would
+        return super().encode_batch(texts)
+
+
+def test_an_interrupted_prepare_leaves_nothing_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 100)
+    docs = [f"document {i} " * 20 for i in range(50)]
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        write_prepared(out, iter(docs), _FailingTokenizer(out), 5)
+    assert not out.exists()
+    with pytest.raises(DataError, match="is not a folder"):
+        check_prepared(out, 8)
+    assert list(tmp_path.iterdir()) == []  # the partial folder is removed
+
+    # Over an existing prepared folder, an interrupted rewrite keeps the old one whole.
+    write_prepared(out, iter(docs), ByteTokenizer(), 5)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        write_prepared(out, iter(docs[::-1]), _FailingTokenizer(out), 5)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    check_prepared(out, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_prepare_refuses_to_replace_a_folder_that_is_not_prepared_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    src = tmp_path / "in.txt"
+    src.write_text("one\ntwo\n")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.md").write_text("keep me")
+    assert prepare_main([str(src), "--out", str(out), "--tokenizer", "byte", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a prepared data folder" in err and len(err.splitlines()) == 1
+    assert (out / "notes.md").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (b'{"text": "fine"\n', "2: not JSON"),
+        (b'{"body": "x"}\n', "2: no field 'text' (fields: ['body'])"),
+        (b'{"text": 3}\n', "2: field 'text' is a int, not a string"),
+        (b'{"text": "caf\xe9"}\n', "2: invalid UTF-8 at byte 13 of the line"),
+    ],
+)
+def test_a_bad_record_is_one_line_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, line: bytes, reason: str
+) -> None:
+    src = tmp_path / "docs.jsonl"
+    good = [json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(6)]
+    src.write_bytes(b"".join([good[0], line, *good[1:]]))
+    args = [str(src), "--out", str(tmp_path / "o"), "--tokenizer", "byte", "--val-every", "3"]
+    assert prepare_main([*args, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mt-prepare-data: error: {src}:{reason}")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+    assert prepare_main([*args, "--quiet", "--skip-bad-records"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 1 bad records" in out and f"{src}:{reason}" in out
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["skipped_records"] == 1
+    assert sum(s["documents"] for s in meta["splits"].values()) == 6
+
+
+def test_an_empty_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    assert prepare_main([str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "empty.jsonl: no documents (an empty input)" in capsys.readouterr().err
+
+
+def test_folders_of_gzip_shards_and_worker_counts_give_the_same_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 256)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    texts = [f"document {i}: " + "abc " * (i % 17) for i in range(300)]
+    for s in range(3):
+        with gzip.open(shards / f"part-{s}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts[s * 100 : (s + 1) * 100])
+    assert [p.name for p in input_files([shards])] == [f"part-{s}.jsonl.gz" for s in range(3)]
+    outs = []
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        write_prepared(out, read_documents([shards]), ByteTokenizer(), 7, workers=workers)
+        outs.append({n: (out / n).read_bytes() for n in ("train.bin", "train.idx", "val.idx")})
+    assert outs[0] == outs[1]
+    tokens = np.frombuffer(outs[0]["train.bin"], dtype=np.uint16)
+    assert ByteTokenizer().decode(tokens[: len(texts[0]) + 1].tolist()) == texts[0]
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_silent_when_quiet(tmp_path: Path) -> None:
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, 1)
+    files = input_files([src])
+    for quiet in (False, True):
+        stream, stats = io.StringIO(), ReadStats()
+        docs = (r.text for r in read_records(files, stats=stats))
+        progress = Progress(src.stat().st_size, quiet, every_s=0.0, stream=stream)
+        out = tmp_path / f"o{quiet}"
+        write_prepared(out, docs, ByteTokenizer(), 10, progress=progress, stats=stats)
+        lines = stream.getvalue().splitlines()
+        if quiet:
+            assert lines == []
+        else:
+            assert len(lines) >= 2 and "\r" not in stream.getvalue()
+            assert lines[-1].startswith("mt-prepare-data: 100.0% | ")
+            assert f"| {stats.documents:,} documents |" in lines[-1]
+
+
+def test_merge_concatenates_folders_and_refuses_other_tokenizers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from mt_train.data import train_bpe
+
+    parts = []
+    for name, words in (("a", "alpha beta"), ("b", "gamma delta epsilon")):
+        folder = tmp_path / name
+        write_prepared(folder, [f"{words} {i}" for i in range(9)], ByteTokenizer(), 3)
+        parts.append(folder)
+    out = tmp_path / "merged"
+    assert prepare_main(["merge", str(out), *map(str, parts)]) == 0
+    meta = check_prepared(out, 4)
+    for split in ("train", "val"):
+        tokens = [np.fromfile(p / f"{split}.bin", dtype=np.uint16) for p in parts]
+        assert (out / f"{split}.bin").read_bytes() == b"".join(t.tobytes() for t in tokens)
+        offsets = [np.fromfile(p / f"{split}.idx", dtype=np.int64) for p in parts]
+        expected = np.concatenate([offsets[0], offsets[1][1:] + offsets[0][-1]])
+        assert np.fromfile(out / f"{split}.idx", dtype=np.int64).tolist() == expected.tolist()
+        assert meta["splits"][split]["documents"] == len(expected) - 1
+    merged = np.fromfile(out / "train.bin", dtype=np.uint16)
+    starts = np.fromfile(out / "train.idx", dtype=np.int64)
+    sixth = ByteTokenizer().decode(merged[starts[6] : starts[7]].tolist())
+    assert sixth == "gamma delta epsilon 0"  # input b's first training document follows a's six
+
+    other = tmp_path / "bpe"
+    write_prepared(other, ["alpha beta"] * 9, train_bpe(["alpha beta"] * 20, 300), 3)
+    capsys.readouterr()
+    assert prepare_main(["merge", str(tmp_path / "bad"), str(parts[0]), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "different tokenizers" in err and str(other) in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_parquet_gives_the_same_tokens_as_jsonl(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from mt_train.data import readers
+
+    monkeypatch.setattr(readers, "PARQUET_BATCH_ROWS", 7)  # many record batches
+    texts = [f"document {i}: " + "xyz " * (i % 13) for i in range(100)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    table = pa.table({"id": list(range(100)), "text": texts})
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=16)
+    outs = {}
+    for name in ("docs.jsonl", "docs.parquet"):
+        out = tmp_path / f"out-{name}"
+        args = [str(tmp_path / name), "--out", str(out), "--tokenizer", "byte", "--quiet"]
+        assert prepare_main([*args, "--val-every", "9"]) == 0
+        outs[name] = {n: (out / n).read_bytes() for n in ("train.bin", "train.idx", "val.bin")}
+    assert outs["docs.jsonl"] == outs["docs.parquet"]
+
+    pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "other.parquet")
+    for name, expected in [
+        ("nulls.parquet", "nulls.parquet:row 3: column 'text' is null, not a string"),
+        ("other.parquet", "other.parquet has no column 'text' (columns: ['body'])"),
+    ]:
+        capsys.readouterr()
+        args = [str(tmp_path / name), "--out", str(tmp_path / "o"), "--tokenizer", "byte"]
+        assert prepare_main([*args, "--val-every", "2"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and len(err.splitlines()) == 1
+    nulls = [str(tmp_path / "nulls.parquet"), "--out", str(tmp_path / "o"), "--tokenizer", "byte"]
+    assert prepare_main([*nulls, "--val-every", "2", "--skip-bad-records", "--quiet"]) == 0
+    assert "skipped 1 bad records" in capsys.readouterr().out
+
+
+def test_bpe_is_trained_on_the_leading_sample_only(tmp_path: Path) -> None:
+    from mt_train.data import train_bpe
+
+    texts = [f"alpha beta {i} " * 5 for i in range(40)] + ["zebra quokka " * 50] * 40
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    sample_bytes = sum(len(t) for t in texts[:40])  # exactly the first 40 documents
+    for name in ("one", "two"):
+        args = [str(src), "--out", str(tmp_path / name), "--vocab-size", "300", "--quiet"]
+        assert prepare_main([*args, "--bpe-sample-bytes", str(sample_bytes)]) == 0
+    saved = (tmp_path / "one/tokenizer.json").read_text()
+    assert saved == (tmp_path / "two/tokenizer.json").read_text()  # deterministic
+    expected = train_bpe(texts[:40], 300).tokenizer.to_str()
+    assert json.loads(saved)["model"] == json.loads(expected)["model"]  # the later text unseen
+
+
+def test_progress_redraws_one_line_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(1000, stream=stream, refresh_s=0.0)
+    progress.update(10, 200, 500)
+    progress.close(20, 400, 1000)
+    text = stream.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
+    assert "50.0%" in text and "100.0% | 20 documents | 400 tokens" in text
