@@ -16,7 +16,10 @@ from mt_core.plugins import on_plugins_changed
 from mt_train.config.schema import ModelConfig
 from mt_train.models.family import ModelFamily
 
-BUILTIN_FAMILY_PLUGINS = {"mt_train.llama": "mt_train.models.llama.plugin"}
+BUILTIN_FAMILY_PLUGINS = {
+    "mt_train.llama": "mt_train.models.llama.plugin",
+    "mt_train.vlm": "mt_train.models.vlm.plugin",
+}
 """Plugin name -> module of mt-train's built-in model families."""
 
 DEFAULT_FAMILY = "llama"
