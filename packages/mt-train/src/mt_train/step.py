@@ -136,7 +136,7 @@ class BatchRunner:
             positions = mt_parallel.load_balanced_positions(seq_len, self.cp, self.cp_rank)
             positions = positions.to(self.device)
         with self.autocast():
-            logits = self.model(inputs, positions, docs)
+            logits = self.model(inputs, positions, docs, **batch.model_inputs())
         # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient
         # in their dtype: no fp32 copy of the (tokens × vocab) logits is ever materialised.
         loss = self.module.loss(logits, targets)

@@ -130,7 +130,8 @@ class Trainer:
 
         data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
         if cfg.data.path is None and self.rank == 0:
-            prepare_bundled(data_dir, cfg.data.val_every)
+            image_tokens = getattr(cfg.model, "image_tokens", None)
+            prepare_bundled(data_dir, cfg.data.val_every, cfg.data.bundled, image_tokens)
         ranks.barrier()
         self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
         self.sampler = ResumableSampler(

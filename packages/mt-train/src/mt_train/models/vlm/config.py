@@ -138,6 +138,12 @@ class VLMConfig(LlamaConfig):
                 f"(model.vocab_size={self.vocab_size})"
             )
 
+    @property
+    def image_tokens(self) -> int:
+        """Image tokens per image in the decoder's sequence (what image-text data expands each
+        ``<image>`` to)."""
+        return self.vision.tokens_per_image
+
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
         """The decoder's rules plus the encoder's heads and FFN over tp; no CP or SP yet."""
         super().check_parallel(parallel, seq_len)
