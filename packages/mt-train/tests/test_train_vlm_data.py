@@ -92,7 +92,9 @@ def test_sample_longer_than_the_sequence_is_refused_at_load(tmp_path: Path) -> N
     records = good_records(tmp_path)
     records[0]["text"] = "z" * 30
     assert prepare(tmp_path, records) == 0
-    with pytest.raises(ImageTextError, match=r"train sample 0 \(input line 1\) has 40 tokens, more"):
+    with pytest.raises(
+        ImageTextError, match=r"train sample 0 \(input line 1\) has 40 tokens, more"
+    ):
         DataModule(tmp_path / "out", seq_len=24)
 
 
