@@ -1,0 +1,91 @@
+"""The vision-language model on two gloo ranks: dp=2 and tp=2 (both towers' heads and MLPs
+split, the projector too) train the digits captions as one process does; a checkpointed run
+resumes bit for bit on the CPU. One pool for the module; references run in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import train_checks
+
+from mt_comm.testing import DistributedPool
+from mt_train.data.prepare import prepare_bundled
+
+pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
+
+# fp32 on CPU; the layouts differ only in summation order (DDP's gradient all-reduce, TP's
+# partial sums in the row-parallel linears and the vocab-parallel loss), which moves each loss
+# by a few ulps per step; 8 AdamW steps keep that far below 1e-4 (as for the Llama layouts in
+# test_train_parallel.py).
+RTOL = 1e-4
+
+
+def vlm_overrides(data: Path, **extra: object) -> list[str]:
+    base: dict[str, object] = {
+        "model": "vlm_tiny",
+        "data": "digits",
+        "data.path": str(data),
+        "trainer.max_steps": 8,
+        "trainer.global_batch_size": 8,
+        "trainer.micro_batch_size": 4,
+        "trainer.log_interval": 4,
+        "trainer.eval_interval": 8,
+        "trainer.eval_batches": 2,
+        "trainer.checkpoint_interval": 4,
+        "logging.progress_bar": False,
+        "scheduler.warmup_steps": 2,
+        "checkpoint.async_save": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("digits")
+    prepare_bundled(folder, val_every=5, name="digits", image_tokens=16)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def reference(digits: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return train_checks.run_losses(vlm_overrides(digits), tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_layout_matches_single_process(
+    layout: str, pool, digits: Path, reference: list[float], tmp_path: Path
+) -> None:
+    extra = {"parallel.tp": 2} if layout == "tp2" else {}
+    per_rank = pool.run(train_checks.run_losses, vlm_overrides(digits, **extra), tmp_path)
+    assert per_rank[0] == per_rank[1]  # every rank reports the global mean loss
+    assert per_rank[0] == pytest.approx(reference, rel=RTOL)
+    assert reference[-1] < reference[0]
+
+
+def test_checkpoint_resumes_bit_for_bit(digits: Path, tmp_path: Path) -> None:
+    constant = {"scheduler": "constant"}
+    full = train_checks.run_losses(
+        vlm_overrides(digits, **constant, **{"trainer.max_steps": 12}), tmp_path / "full"
+    )
+    train_checks.run_losses(vlm_overrides(digits, **constant), tmp_path / "run")
+    resumed = train_checks.run_losses(
+        vlm_overrides(digits, **constant, **{"trainer.max_steps": 12, "checkpoint.resume": "auto"}),
+        tmp_path / "run",
+    )
+    assert resumed == full[8:]  # exact float equality, step by step
+
+
+def test_sequence_and_context_parallel_are_refused(digits: Path) -> None:
+    from mt_train import compose_config, to_train_config
+
+    for extra in ({"parallel.tp": 2, "parallel.sequence_parallel": True}, {"parallel.cp": 2}):
+        with pytest.raises(ValueError, match=r"vision-language model\) runs with parallel\.cp=1"):
+            to_train_config(compose_config(vlm_overrides(digits, **extra)))
