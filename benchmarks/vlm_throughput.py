@@ -95,7 +95,7 @@ class PlainDecoderBlock(nn.Module):
         self.mlp.down_proj = nn.Linear(cfg.ffn_dim, D, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
+        B, T, _ = x.shape
         a, c = self.attention, self.cfg
         n = self.attention_norm(x)
 
