@@ -190,3 +190,28 @@ def test_hub_layout_names_import() -> None:
         "language.layers.0.mlp.up_proj.weight"
     )
     assert hf_to_mt("language_model.lm_head.weight") == "language.output.weight"
+
+
+@pytest.mark.parametrize("fp8_vision", [True, False])
+def test_fp8_covers_both_towers_unless_fp8_vision_is_off(fp8_vision: bool) -> None:
+    import mt_comm
+    import mt_parallel
+    from mt_train.config.schema import FP8Config
+    from mt_train.models import parallelize
+
+    cfg = tiny(fp8_vision=fp8_vision)
+    mt_comm.init_distributed(device="cpu")
+    state = mt_comm.init_parallel_state(dp=1)
+    try:
+        model = build_model(cfg, "cpu", seed=1)
+        parallelize(model, cfg, mt_parallel.ParallelConfig(), state, FP8Config(recipe="tensorwise"))
+    finally:
+        mt_comm.destroy_parallel_state()
+    fp8 = {n.split(".")[0] for n, m in model.named_modules() if getattr(m, "fp8_enabled", False)}
+    assert fp8 == ({"vision", "projector", "language"} if fp8_vision else {"language"})
+    assert not model.language.output.fp8_enabled  # the head stays high precision by default
+    tokens = torch.full((2, 20), 65)
+    tokens[:, 2:18] = cfg.image_token_id
+    loss, _ = model.loss(model(tokens, images=torch.rand(2, 1, 8, 8)), tokens.roll(-1, 1))
+    loss.backward()
+    assert torch.isfinite(loss) and model.vision.embeddings.patch.grad.abs().sum() > 0
