@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--image-shape", type=int, nargs=3, metavar=("C", "H", "W"))
     parser.add_argument(
-        "--image-tokens", type=int, help="tokens per image (the model's; vlm_tiny: 16)"
+        "--image-tokens", type=int, help="tokens per image (the model's; vlm_tiny: 4)"
     )
     parser.add_argument("--max-tokens", type=int, help="refuse samples longer than this")
     args = parser.parse_args(argv)

@@ -11,11 +11,14 @@ from mt_train.models.vlm.config import VisionConfig, VLMConfig
 NO_ROPE_SCALING = RopeScalingConfig(factor=1.0)
 
 SIZES: dict[str, VLMConfig] = {
-    # Sized for the bundled digits captions on two CPU cores: 8x8 grey images in 2x2 patches
-    # (16 image tokens), a 2-block width-64 encoder and a 2-block width-128 Llama decoder over
-    # byte tokens plus the image placeholder (id 257; vocabulary 320).
+    # Sized for the bundled digits captions on two CPU cores: 8x8 grey images in 4x4 patches
+    # (4 image tokens), a 2-block width-64 encoder and a 2-block width-128 Llama decoder over
+    # byte tokens plus the image placeholder (id 257; vocabulary 320), dropout 0.1 (1,438
+    # training images: 2x2 patches and no dropout overfit to fewer correct held-out captions,
+    # packages/mt-train/README.md, "Learning check").
     "vlm_tiny": VLMConfig(
         name="vlm_tiny",
+        dropout=0.1,
         dim=128,
         n_layers=2,
         n_heads=4,
@@ -24,7 +27,7 @@ SIZES: dict[str, VLMConfig] = {
         rope_theta=10000.0,
         rope_scaling=NO_ROPE_SCALING,
         vision=VisionConfig(
-            image_size=8, patch_size=2, channels=1, dim=64, n_layers=2, n_heads=4, ffn_dim=128
+            image_size=8, patch_size=4, channels=1, dim=64, n_layers=2, n_heads=4, ffn_dim=128
         ),
     ),
     # LLaVA-1.5-7B (llava-hf/llava-1.5-7b-hf): CLIP ViT-L/14 at 336 px (24 blocks, width 1024,
