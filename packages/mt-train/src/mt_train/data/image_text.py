@@ -279,5 +279,5 @@ class ImageTextDataset:
 
     def normalize(self, images_NCHW: np.ndarray) -> torch.Tensor:
         """uint8 images as the model's float32 input (module docstring)."""
-        pixels = torch.from_numpy(np.asarray(images_NCHW)).float() / 255.0
+        pixels = torch.from_numpy(np.array(images_NCHW, dtype=np.float32)) / 255.0
         return (pixels - self.pixel_mean) / self.pixel_std
