@@ -35,7 +35,7 @@ from mt_fp8.grouped import (
     grouped_gemm_reason,
     scaled_grouped_mm,
 )
-from mt_fp8.recipes import DelayedScaling
+from mt_fp8.recipes import DelayedScaling, recipe_from_name
 
 E, K, N = 4, 64, 96
 ALIGNED = [48, 0, 32, 80]  # every size % 16: the wgrad GEMM is grouped too
@@ -394,3 +394,29 @@ def test_grouped_matches_loop_on_cuda(recipe_cls, dtype, autocast, formats, size
     loop_layer.cpu()
     check_against_loop_and_float64(cpu, loop_cpu, loop_layer, x.cpu(), dy.cpu(), sizes, formats)
     check_health(grouped_layer, loop_layer, sizes)
+
+
+def test_block_recipe_loop_matches_float64():
+    # DeepSeek-V3 block scaling (1×128 activation/gradient groups, 128×128 weight blocks, E4M3
+    # everywhere) runs per expert on every device. Bound per element: the FP8 operand bound of
+    # ``product_bound`` with the whole tensor's amax in the subnormal term (each block's amax is
+    # at most that, so it is looser than the block's own), plus the fp32 output and bias
+    # roundings (2^-23 relative, generous for one rounding of a GEMM result and one of the add).
+    recipe = recipe_from_name("block")
+    sizes, dim = [40, 0, 88], 128
+    torch.manual_seed(0)
+    layer = FP8GroupedLinear(len(sizes), dim, dim, recipe=recipe)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(sum(sizes), dim, generator=generator).requires_grad_()
+    dy = torch.randn(sum(sizes), dim, generator=generator)
+    out = run(layer, x, dy, sizes)
+    refs = references(layer, x, dy, sizes, recipe.formats)
+    bias_TN = layer.bias.detach().double().repeat_interleave(torch.tensor(sizes), dim=0)
+    for name in ("y", "dx", "dw"):
+        product, fp8_bound = refs[name]
+        ref = product + bias_TN if name == "y" else product
+        bound = fp8_bound + 2.0**-23 * (ref.abs() + fp8_bound)
+        error = (out[name].double() - ref).abs()
+        assert (error <= bound).all(), f"{name}: {(error - bound).max()}"
+        assert error.max() > 0  # FP8 really ran (the exact product is not FP8-representable)
+    assert torch.equal(out["dw"][1], torch.zeros_like(out["dw"][1]))  # the expert with no tokens

@@ -20,6 +20,7 @@ from torch import nn
 
 import mt_fp8.gemm as gemm_module
 from mt_fp8 import (
+    FP8_GEMMS,
     BlockScaling,
     DelayedScaling,
     FP8Format,
@@ -30,6 +31,7 @@ from mt_fp8 import (
     RowwiseScaling,
     TensorRole,
     TensorwiseScaling,
+    WeightGradSink,
     final_micro_batch,
     fp8_autocast,
     fp8_health,
@@ -542,3 +544,43 @@ def test_runs_eagerly_inside_compiled_models(recipe):
     # would be an AutogradFunctionApply node of a single graph.
     assert len(graphs) == 2, graphs
     assert not any("AutogradFunctionApply" in graph for graph in graphs), graphs
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["fp8-wgrad", "hp-wgrad"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)
+def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, device):
+    """With a ``wgrad_sink`` the backward returns ``dx`` only and queues ``dw``/``db``; running
+    the queue gives the bits of the fused backward's ``dw``/``db`` (same operands, same GEMM),
+    over three micro-batches accumulated into ``.grad`` (plain and SwiGLU-fused forwards),
+    and the delayed-scaling state ends the same."""
+    torch.manual_seed(0)
+    m, k, n = 48, 128, 256  # smaller than the module's shapes: CPU tensorwise GEMMs are slow
+    gemms = FP8_GEMMS if wgrad_fp8 else ("forward", "dgrad")
+    layer = FP8Linear(k, n, recipe=recipe, fp8_gemms=gemms).to(device)
+    twin = FP8Linear(k, n, recipe=recipe, fp8_gemms=gemms).to(device)
+    twin.load_state_dict(layer.state_dict())
+    sink = WeightGradSink()
+    layer.wgrad_sink = sink
+    for micro_batch in range(3):
+        x = (torch.randn(m, k) * (1 + micro_batch)).to(device)
+        u = torch.randn(m, k).to(device)
+        dy = torch.randn(m, n).to(device)
+        x_deferred, x_fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+        if micro_batch == 2:
+            y, y_twin = layer.forward_swiglu(x_deferred, u), twin.forward_swiglu(x_fused, u)
+        else:
+            y, y_twin = layer(x_deferred), twin(x_fused)
+        y.backward(dy)
+        y_twin.backward(dy)
+        assert torch.equal(y, y_twin) and torch.equal(x_deferred.grad, x_fused.grad)
+        assert len(sink) == 1
+        if micro_batch == 0:
+            assert layer.weight.grad is None and layer.bias.grad is None
+        sink.take()()
+        assert len(sink) == 0
+        assert torch.equal(layer.weight.grad, twin.weight.grad)
+        assert torch.equal(layer.bias.grad, twin.bias.grad)
+    assert torch.equal(layer.fp8_meta.health, twin.fp8_meta.health)
+    if isinstance(recipe, DelayedScaling):
+        assert torch.equal(layer.fp8_meta.amax_history, twin.fp8_meta.amax_history)

@@ -63,4 +63,8 @@ class DecoderLM(nn.Module):
         return mp.vocab_parallel_cross_entropy(logits_BSV_l, targets_BS, self.lm_head.tp_group)
 
 
-PLAN = mp.ParallelizePlan(block_types=(mp.DecoderBlock,), output_head="lm_head")
+PLAN = mp.ParallelizePlan(
+    block_types=(mp.DecoderBlock,),
+    output_head="lm_head",
+    pipeline=mp.PipelineLayout("embed", "layers", ("norm", "lm_head")),
+)

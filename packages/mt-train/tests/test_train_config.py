@@ -79,7 +79,10 @@ def test_issue_example_overrides_compose() -> None:
         ("trainer.not_a_key=1", "trainer.not_a_key"),
         ("parallel.tp=3", "tp=3 does not divide num_heads=4"),
         ("data.path=/no/such/folder", "data.path='/no/such/folder' is not a folder"),
-        ("model=gpt5", "no config 'model=gpt5'; valid: debug, llama3_1b, llama3_70b, llama3_8b"),
+        (
+            "model=gpt5",
+            "no config 'model=gpt5'; valid: debug, deepseek_moe_tiny, llama3_1b, llama3_70b, llama3_8b",
+        ),
         ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
         ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),
         (
@@ -100,6 +103,11 @@ def test_issue_example_overrides_compose() -> None:
         ),
         ("optimizer.impl=triton", "optimizer.impl=triton needs CUDA parameters, Triton installed"),
         ("parallel=cp2", "world size 1 is not divisible by tp·cp·pp = 1·2·1 = 2"),
+        ("parallel.pp=2 parallel.pp_layers=[1,1]", "pp_layers=[1, 1] sums to 2, the model has 4"),
+        ("parallel.pp=8", "4 layers cannot be split into 8 pipeline chunks"),
+        ("parallel.pp=2 parallel.pp_chunks=2", "1f1b holds exactly 1 chunk(s) per rank"),
+        ("parallel.pp=4 parallel.pp_microbatches=2", "needs at least 4 micro-batches per step"),
+        ("parallel.pp=2 parallel.pp_schedule=zb", "pp_schedule='zb'; valid: gpipe, 1f1b"),
         ("parallel=cp2 trainer.seq_len=250", "needs the sequence length 250 to be divisible by"),
         (
             "parallel=cp2 parallel.cp_attention=ring model.dropout=0.1",

@@ -138,9 +138,9 @@ def _edited_import(folder: Path, tmp_path: Path, **changes: object) -> tuple[int
             "llama3 rope scaling in config.json lacks low_freq_factor, high_freq_factor",
         ),
         (
-            {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
-            "architectures=['MixtralForCausalLM'] (model_type='mixtral') has no registered model "
-            "family; readable: LlamaForCausalLM",
+            {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+            "architectures=['GPT2LMHeadModel'] (model_type='gpt2') has no registered model "
+            "family; readable: LlamaForCausalLM, MixtralForCausalLM",
         ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,

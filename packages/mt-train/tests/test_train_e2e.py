@@ -11,6 +11,7 @@ import torch
 from train_checks import run_losses, tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
+from mt_train.rewind.manager import RewindLimitError
 
 
 def test_default_job_shortened_learns(tmp_path: Path) -> None:
@@ -106,10 +107,11 @@ def test_nonfinite_loss_without_rewind_stops(kjv_data: Path, tmp_path: Path) -> 
     )
     _inject_nan_at(trainer, step=3)
     try:
-        with pytest.raises(FloatingPointError, match="step 2: non-finite loss nan"):
+        with pytest.raises(RewindLimitError, match="rewind: stopped at step 3: non_finite") as err:
             trainer.fit()
     finally:
         trainer.close()
+    assert "rewind=default would have restored" in str(err.value)
     assert torch.isfinite(trainer.module.output.weight).all()  # the bad step was never applied
 
 

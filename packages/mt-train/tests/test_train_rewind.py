@@ -176,10 +176,13 @@ def test_rewind_off_stops_on_nan(kjv_data: Path, tmp_path: Path) -> None:
     overrides = rewind_overrides(kjv_data, rewind="disabled", **{"fault.nan_at_step": 3})
     trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=tmp_path)
     try:
-        with pytest.raises(FloatingPointError, match="step 2: non-finite loss nan"):
+        with pytest.raises(FloatingPointError, match="stopped at step 3: non_finite") as err:
             trainer.fit()
     finally:
         trainer.close()
+    assert "rewind=default would have restored" in str(err.value)
+    (give_up,) = [e for e in read_events(tmp_path) if e["event"] == "give_up"]
+    assert give_up["step"] == 2 and give_up["detector"] == "non_finite"
 
 
 def test_no_false_alarms_in_300_clean_steps(kjv_data: Path, tmp_path: Path) -> None:

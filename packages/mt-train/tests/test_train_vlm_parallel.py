@@ -103,9 +103,13 @@ def test_checkpoint_resumes_bit_for_bit(digits: Path, tmp_path: Path) -> None:
     assert resumed == full[8:]  # exact float equality, step by step
 
 
-def test_sequence_and_context_parallel_are_refused(digits: Path) -> None:
+def test_sequence_context_and_pipeline_parallel_are_refused(digits: Path) -> None:
     from mt_train import compose_config, to_train_config
 
-    for extra in ({"parallel.tp": 2, "parallel.sequence_parallel": True}, {"parallel.cp": 2}):
+    for extra in (
+        {"parallel.tp": 2, "parallel.sequence_parallel": True},
+        {"parallel.cp": 2},
+        {"parallel.pp": 2},
+    ):
         with pytest.raises(ValueError, match=r"vision-language model\) runs with parallel\.cp=1"):
             to_train_config(compose_config(vlm_overrides(digits, **extra)))

@@ -18,6 +18,9 @@ Collective backends (used by mt-comm; specified here so there is one spec file)
 Model families (used by mt-train)
     5. ``mt_register_model_families(registry)`` -- every plugin adds its model families.
 
+Metric loggers (used by mt-train)
+    6. ``mt_register_loggers(registry)`` -- every plugin adds its metric loggers.
+
 Registration hooks receive a :class:`mt_core.registry.Registry` and call
 ``registry.add(name, factory, ...)``; duplicate names raise. Registration must
 be cheap and must not import vendor libraries (``torch_musa``, a vendor CCL)
@@ -99,4 +102,22 @@ def mt_register_model_families(registry: Registry[Any]) -> None:
     adapter). mt-train's built-in families (``llama``) register through this
     hook too. The factory runs when mt-train first needs the families, so the
     plugin module itself should import no model code.
+    """
+
+
+# --------------------------------------------------------------------------- metric loggers
+
+
+@hookspec
+def mt_register_loggers(registry: Registry[Any]) -> None:
+    """Called once per plugin manager to collect metric loggers (mt-train).
+
+    Add each logger with ``registry.add(name, factory)``, where ``factory(cfg, run)`` takes
+    mt-train's ``LoggingConfig`` and ``mt_train.loggers.RunInfo`` (run folder, run id, config,
+    git commit) and returns an object with ``log(step, kind, metrics)`` and ``close()``
+    (``mt_train.loggers.MetricSink``); it runs on rank 0 only. mt-train's built-in loggers
+    (``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``) register through this hook too; a run
+    enables a built-in with its ``logging.<name>`` switch and any other logger by name in
+    ``logging.loggers``. The plugin module should import no tracker library;
+    the factory does.
     """

@@ -161,3 +161,8 @@ class Plugins:
         registry: Registry[Any] = Registry("model family")
         self.pm.hook.mt_register_model_families(registry=registry)
         return registry
+
+    def register_loggers(self) -> Registry[Any]:
+        registry: Registry[Any] = Registry("metric logger")
+        self.pm.hook.mt_register_loggers(registry=registry)
+        return registry

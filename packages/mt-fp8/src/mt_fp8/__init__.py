@@ -41,6 +41,7 @@ from mt_fp8.state import (
     update_fp8_scales,
 )
 from mt_fp8.weight_cache import final_micro_batch
+from mt_fp8.wgrad import WeightGradSink
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,7 @@ __all__ = [
     "ScaleLayout",
     "TensorRole",
     "TensorwiseScaling",
+    "WeightGradSink",
     "__version__",
     "clear_fp8_weight_caches",
     "convert_to_fp8",

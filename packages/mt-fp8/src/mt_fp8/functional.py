@@ -35,6 +35,11 @@ function saves ``g``, ``u`` (what SwiGLU's backward needs anyway) and the FP8 ``
 backward is the linear's, then ``dg, du`` from ``dx`` (:func:`mt_fp8.ops.swiglu.swiglu_gradients`).
 Same bytes, outputs and gradients as ``fp8_linear(swiglu(g, u))``.
 
+Deferred weight gradients (``LinearPlan.wgrad_sink``, :mod:`mt_fp8.wgrad`): the backward
+computes ``dx`` and quantizes ``dy`` (and ``dyᵀ``) as always, then queues the ``dw``/``db``
+computation in the sink, which adds them into the parameters' ``.grad`` when run, instead of
+returning them to autograd: zero-bubble pipeline schedules run it later as their ``W`` step.
+
 Per-GEMM precision (``LinearPlan.fp8_gemms``, ``FP8Linear(fp8_gemms=...)``): any of the three
 GEMMs (``forward``, ``dgrad``, ``wgrad``) can run in high precision instead, in the plan's
 ``out_dtype`` (the autocast dtype, as ``F.linear`` would) from the high-precision operands:
@@ -58,6 +63,7 @@ from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.ops.swiglu import swiglu, swiglu_gradients
 from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.wgrad import accumulate_grad
 
 
 def _pack(q: QuantizedTensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -99,6 +105,7 @@ def _forward_gemm(
         x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT)  # type: ignore[arg-type]
         x_q.transposed = x_t_q  # type: ignore[union-attr]  # the next layer reading x reuses it
     ctx.plan = plan
+    ctx.params = (weight_NK, bias_N) if plan.wgrad_sink is not None else None
     ctx.layouts = (
         None if x_t_q is None else (x_t_q.layout, x_t_q.fmt),
         None if weight_t_q is None else (weight_t_q.layout, weight_t_q.fmt),
@@ -118,7 +125,8 @@ def _backward_gemms(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dw, db)`` from ``dy`` and what :func:`_forward_gemm` saved."""
+    """``(dx, dw, db)`` from ``dy`` and what :func:`_forward_gemm` saved; with a
+    ``plan.wgrad_sink``, ``dw`` and ``db`` are queued there instead (returned as None)."""
     plan: LinearPlan = ctx.plan
     x_t_data, x_t_scale, w_t_data, w_t_scale, x_MK, weight_NK = saved
     w_dtype, b_dtype = ctx.dtypes
@@ -135,15 +143,35 @@ def _backward_gemms(
             dx = fp8_gemm(dy_q, weight_t_q, x_dtype, None, plan.backend)  # type: ignore[arg-type]
         elif need_dx:
             dx = (dy_MN.to(plan.out_dtype) @ weight_NK.to(plan.out_dtype)).to(x_dtype)
+        dy_t_q = None
         if fp8_dw:
             layout, fmt = ctx.layouts[0]
             x_t_q = QuantizedTensor(x_t_data, x_t_scale, layout, fmt)
             dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
-            dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)
-        elif need_dw:
-            dw = (dy_MN.to(plan.out_dtype).t() @ x_MK.to(plan.out_dtype)).to(w_dtype)
-        if need_db:
-            db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+
+        def weight_gradients() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            dw = db = None
+            with torch.autocast(dy_MN.device.type, enabled=False):
+                if fp8_dw:
+                    dw = fp8_gemm(dy_t_q, x_t_q, w_dtype, None, plan.backend)  # type: ignore[arg-type]
+                elif need_dw:
+                    dw = (dy_MN.to(plan.out_dtype).t() @ x_MK.to(plan.out_dtype)).to(w_dtype)
+                if need_db:
+                    db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
+            return dw, db
+
+        if plan.wgrad_sink is not None and (need_dw or need_db):
+            weight, bias = ctx.params
+
+            def deferred() -> None:
+                dw, db = weight_gradients()
+                accumulate_grad(weight, dw)
+                if bias is not None:
+                    accumulate_grad(bias, db)
+
+            plan.wgrad_sink.defer(deferred)
+        else:
+            dw, db = weight_gradients()
     if plan.weight_cache is not None:
         plan.weight_cache.release_after_backward()
     return dx, dw, db

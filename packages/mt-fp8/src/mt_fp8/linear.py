@@ -58,6 +58,7 @@ from mt_fp8.ops.swiglu import swiglu
 from mt_fp8.recipes import Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache
+from mt_fp8.wgrad import WeightGradSink
 
 
 class _FP8LayerMixin:
@@ -72,6 +73,9 @@ class _FP8LayerMixin:
     """Reuse the FP8 weight while the weight is unchanged (module docstring: weight cache)."""
     fp8_gemms: frozenset[str] = frozenset(FP8_GEMMS)
     """The GEMMs that run in FP8 (:mod:`mt_fp8.functional`: per-GEMM precision)."""
+    wgrad_sink: WeightGradSink | None = None
+    """Set: the backward queues the weight (and bias) gradient here instead of computing it
+    (:mod:`mt_fp8.wgrad`; zero-bubble pipeline schedules run it as their ``W`` step)."""
 
     def _init_fp8(
         self,
@@ -116,6 +120,7 @@ class _FP8LayerMixin:
             amax_group=self.fp8_meta.amax_group,
             amax_reduction_roles=self.amax_reduction_roles,
             fp8_gemms=self.fp8_gemms,
+            wgrad_sink=self.wgrad_sink,
         )
 
 

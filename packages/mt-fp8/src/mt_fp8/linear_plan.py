@@ -76,6 +76,7 @@ from mt_fp8.quantized import (
 from mt_fp8.recipes import DelayedScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache, weight_key
+from mt_fp8.wgrad import WeightGradSink
 
 FP8_GEMMS = ("forward", "dgrad", "wgrad")
 """The three GEMMs of a linear layer (:mod:`mt_fp8.recipes`), in the names ``fp8_gemms`` takes."""
@@ -127,6 +128,9 @@ class LinearPlan:
     """Roles whose current tensorwise amax is MAX-reduced over ``amax_group``."""
     fp8_gemms: frozenset[str] = frozenset(FP8_GEMMS)
     """The GEMMs that run in FP8; the others run in ``out_dtype`` (module docstring)."""
+    wgrad_sink: WeightGradSink | None = None
+    """Where the backward queues its weight-gradient GEMM instead of running it (None: runs
+    it; :mod:`mt_fp8.wgrad`)."""
 
     def in_fp8(self, gemm: str, needed: bool = True) -> bool:
         """Whether this call runs ``gemm`` in FP8 (``needed``: whether it runs ``gemm`` at all)."""

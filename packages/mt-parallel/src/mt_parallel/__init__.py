@@ -1,6 +1,7 @@
-"""mt-parallel: tensor, sequence, context and data parallelism, recompute, and the decoder layers
-(attention, SwiGLU MLP, RMSNorm, a pre-norm block) that model families are built from."""
+"""mt-parallel: tensor, sequence, context, data and expert parallelism, recompute, and the decoder
+layers (attention, SwiGLU MLP, MoE, RMSNorm, a pre-norm block) that model families are built from."""
 
+from mt_parallel import moe
 from mt_parallel.attention import Attention, CoreAttention, apply_rope, rope_cos_sin
 from mt_parallel.block import DecoderBlock
 from mt_parallel.checkpoint import (
@@ -52,6 +53,14 @@ from mt_parallel.parallelize import (
     high_precision_linears,
     parallelize,
 )
+from mt_parallel.pipeline import (
+    PipelineLayout,
+    PipelineModule,
+    PipelineSchedule,
+    StageShapes,
+    pipeline_chunks,
+    pipeline_module,
+)
 from mt_parallel.recompute import apply_recompute, is_recomputed, recompute_module
 from mt_parallel.ring_attention import ring_attention
 from mt_parallel.rng import Dropout, RNGStatesTracker, get_rng_tracker, manual_seed
@@ -69,9 +78,13 @@ __all__ = [
     "FP8Options",
     "ParallelConfig",
     "ParallelizePlan",
+    "PipelineLayout",
+    "PipelineModule",
+    "PipelineSchedule",
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
+    "StageShapes",
     "SwiGLU",
     "TensorParallelModule",
     "VocabParallelEmbedding",
@@ -100,7 +113,10 @@ __all__ = [
     "load_balanced_positions",
     "manual_seed",
     "merge_state_dicts",
+    "moe",
     "parallelize",
+    "pipeline_chunks",
+    "pipeline_module",
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",

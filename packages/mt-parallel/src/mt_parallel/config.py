@@ -32,9 +32,27 @@ class ParallelConfig:
     dp: int | None = None
     """Data-parallel degree; None infers ``world / (tp·cp·pp)``."""
     pp: int = 1
-    """Pipeline-parallel degree (schedules come with the pipeline issue; 1 until then)."""
+    """Pipeline-parallel degree: the model's layers are cut into ``pp·pp_chunks`` chunks run by
+    ``pp_schedule`` (:mod:`mt_parallel.pipeline`)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (``pp_chunks ≥ 2``),
+    ``zero_bubble`` (ZB-H1 at ``pp_chunks=1``, interleaved zero bubble above), ``zbv`` or
+    ``dualpipev`` (two chunks per rank in a V)."""
+    pp_microbatches: int | None = None
+    """Pipeline micro-batches per optimizer step; None: the trainer's accumulation count
+    (``global_batch_size / (micro_batch_size·dp)``), which a set value must equal. Every
+    schedule but gpipe needs at least ``pp`` (dualpipev ``2·pp``)."""
+    pp_chunks: int = 1
+    """Model chunks per pipeline rank (virtual stages): ≥ 2 for ``interleaved_1f1b``; ``zbv``
+    and ``dualpipev`` always hold 2."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Decoder layers of each chunk, first to last (``pp·chunks`` entries summing to the layer
+    count); empty: even, with the remainder on the middle chunks (the first holds the
+    embedding, the last the norm and head)."""
     ep: int = 1
-    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models)."""
+    """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models): each
+    ep rank keeps ``1/ep`` of every MoE layer's routed experts (``ep`` must divide dp·cp and
+    the expert count; needs ``data_parallel=ddp``)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs ``tp > 1``)."""
     data_parallel: str = "ddp"
@@ -101,10 +119,79 @@ class ParallelConfig:
                 f"parallel.recompute_keep={list(self.recompute_keep)!r} needs "
                 f"parallel.recompute=full (got {self.recompute!r})"
             )
-        if self.pp != 1:
+        if self.ep > 1 and self.data_parallel != "ddp":
             raise ValueError(
-                f"parallel.pp={self.pp}: pipeline parallelism is not implemented yet (pp=1)"
+                f"parallel.ep={self.ep} needs parallel.data_parallel=ddp (got "
+                f"{self.data_parallel!r}): FSDP2 and ZeRO-1 do not shard expert-parallel "
+                "parameters yet"
             )
+        if self.ep > 1 and self.compile:
+            raise ValueError(
+                f"parallel.ep={self.ep} with parallel.compile=true is not supported yet "
+                "(the uneven all-to-all's split sizes are host values)"
+            )
+        self._validate_pipeline()
+
+    def _validate_pipeline(self) -> None:
+        from mt_parallel.pipeline.schedules import (
+            SCHEDULES,
+            SPLIT_BACKWARD_REFUSES_COMPILE,
+            check_microbatches,
+            chunks_per_rank,
+        )
+
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule!r}; valid: {', '.join(SCHEDULES)}"
+            )
+        if not isinstance(self.pp_chunks, int) or isinstance(self.pp_chunks, bool):
+            raise ValueError(f"parallel.pp_chunks={self.pp_chunks!r} must be a positive integer")
+        if self.pp == 1:
+            if self.pp_chunks != 1 or self.pp_layers:
+                raise ValueError(
+                    f"parallel.pp_chunks={self.pp_chunks} / pp_layers={list(self.pp_layers)} "
+                    "need pipeline parallelism (pp > 1)"
+                )
+            return
+        try:
+            chunks = chunks_per_rank(self.pp_schedule, self.pp_chunks)
+        except ValueError as error:
+            raise ValueError(f"parallel.{error}") from None
+        if self.pp_layers and len(self.pp_layers) != self.pp * chunks:
+            raise ValueError(
+                f"parallel.pp_layers={list(self.pp_layers)} needs pp·chunks = {self.pp}·{chunks} "
+                f"= {self.pp * chunks} entries ({self.pp_schedule})"
+            )
+        if self.pp_microbatches is not None:
+            check_microbatches(self.pp_schedule, self.pp, self.pp_microbatches, chunks)
+        if self.data_parallel == "fsdp":
+            raise ValueError(
+                "parallel.data_parallel=fsdp with pp > 1 is not supported (use ddp, zero1 or none: "
+                "pipeline stages reduce gradients after the schedule)"
+            )
+        if self.compile and self.pp_schedule in SPLIT_BACKWARD_REFUSES_COMPILE:
+            raise ValueError(
+                f"parallel.compile=true with pp_schedule={self.pp_schedule}: torch's runtime "
+                "refuses compiled stages in split-backward schedules (use 1f1b, gpipe or "
+                "interleaved_1f1b, or compile=false)"
+            )
+
+    def pipeline_microbatches(self, accumulation: int) -> int:
+        """The pipeline's micro-batches per step when a step accumulates ``accumulation``
+        micro-batches per rank; raises unless ``pp_microbatches`` (if set) equals it and the
+        schedule runs that many."""
+        if self.pp_microbatches is not None and self.pp_microbatches != accumulation:
+            raise ValueError(
+                f"parallel.pp_microbatches={self.pp_microbatches} but a step has {accumulation} "
+                "micro-batches per rank (global_batch_size / (micro_batch_size·dp)); set them equal "
+                "or leave pp_microbatches unset"
+            )
+        from mt_parallel.pipeline.schedules import check_microbatches, chunks_per_rank
+
+        if self.pp > 1:
+            chunks = chunks_per_rank(self.pp_schedule, self.pp_chunks)
+            check_microbatches(self.pp_schedule, self.pp, accumulation, chunks)
+        return accumulation
 
     def validate_world(self, world_size: int) -> int:
         """The data-parallel degree for ``world_size`` processes; raises if it does not fit."""

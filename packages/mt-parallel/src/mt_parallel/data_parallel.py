@@ -16,6 +16,11 @@ Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
 * ``zero1``: no wrapper; :class:`~mt_parallel.DistributedOptimizer` reduce-scatters at the step.
 * ``none``: no wrapper; call :func:`all_reduce_gradients` yourself.
 
+Expert-parallel parameters (MoE experts split over ``ep``, marked by
+:func:`mt_parallel.moe.apply_expert_parallel`) differ between the ranks of the dp×cp group: DDP
+ignores them, and :func:`accumulate` reduces them over the expert-data-parallel group at the end
+of the last micro-batch (:func:`mt_parallel.moe.reduce_expert_gradients`).
+
 Gradient accumulation: run every micro-batch but the last inside :func:`accumulate`'s
 ``is_last=False`` context (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``), so
 gradients are accumulated locally and reduced once; scale each micro-batch's loss by
@@ -51,6 +56,9 @@ def apply_data_parallel(
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        experts = [n for n, p in model.named_parameters() if getattr(p, "expert_group", None)]
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         return DistributedDataParallel(model, process_group=dp_cp_group, broadcast_buffers=False)
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
@@ -75,7 +83,8 @@ def apply_data_parallel(
 
 @contextlib.contextmanager
 def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
-    """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``.
+    """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``
+    (expert-parallel ones too, after the backward: module docstring).
 
     The last micro-batch also runs inside :func:`mt_fp8.final_micro_batch`: FP8 layers free
     their cached FP8 weights as their backward finishes, not at the next step's forward.
@@ -91,6 +100,10 @@ def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
                 yield
         else:
             yield
+    if is_last:
+        from mt_parallel.moe.layer import reduce_expert_gradients
+
+        reduce_expert_gradients(model)
 
 
 def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:

@@ -7,7 +7,9 @@ biases) is identical on every TP rank: only TP rank 0 counts it. The partial sum
 summed over the model-parallel group (tp×pp: every rank that holds different parameters). After
 gradient reduction, gradients are identical over dp×cp, so no reduction there, except for
 gradients that are themselves sharded over dp×cp (FSDP2 DTensors, the ZeRO-1 shards), whose
-partial sums are summed over dp×cp first. Clip coefficient: ``min(1, max_norm / (‖g‖ + 1e-6))``,
+partial sums are summed over dp×cp first. Expert-parallel parameters (MoE experts split over
+``ep``: ``param.expert_group``) are different experts on each ep rank: their partial sums are
+summed over that group first. Clip coefficient: ``min(1, max_norm / (‖g‖ + 1e-6))``,
 torch's formula.
 
 Distributed optimizer (ZeRO-1). All parameters of this rank are viewed as one flat vector (fp32, or fp64 for fp64 parameters) of
@@ -100,9 +102,14 @@ def clip_grad_norm_(
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     counted: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    expert_grads, expert_group = [], None
     for param in params:
         grad, dp_sharded = _local_grad(param)
-        if grad is not None and _counts_here(param, tp_rank):
+        if grad is not None and getattr(param, "expert_group", None) is not None:
+            expert_group = param.expert_group  # type: ignore[attr-defined]
+            if tp_rank == 0:
+                expert_grads.append(grad.detach())
+        elif grad is not None and _counts_here(param, tp_rank):
             counted[dp_sharded].append(grad.detach())
     # One multi-tensor norm per (device, dtype) group, read once, accumulated in the gradients'
     # dtype (fp32 for fp32 gradients); the per-tensor norms are summed in fp64.
@@ -112,6 +119,12 @@ def clip_grad_norm_(
             (sharded if dp_sharded else replicated).add_(norms.pow(2).sum())
     if any(_local_grad(p)[1] for p in params):  # every rank of the group takes this branch
         _all_reduce_sum(sharded, dp_cp_group)
+    if expert_group is not None:  # every rank of an MoE model with ep > 1 takes it
+        experts = torch.zeros((), dtype=torch.float64, device=device)
+        for group in _by_device_and_dtype(expert_grads):
+            norms = torch.stack(torch._foreach_norm(group)).to(device, torch.float64)
+            experts.add_(norms.pow(2).sum())
+        sharded.add_(_all_reduce_sum(experts, expert_group))
     total = _all_reduce_sum(replicated + sharded, mp_group).sqrt()
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

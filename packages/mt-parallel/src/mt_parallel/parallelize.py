@@ -30,14 +30,18 @@ Order (each step assumes the previous ones; none edits model code):
 What a model contributes is data, not code: the :class:`ParallelizePlan` names its block types
 and output head, and its layers carry the hooks above (``check_tp``, ``set_tensor_parallel``,
 ``set_context_parallel``, ``shared_input_linears``, ``recompute_target``), so a new model family
-reuses this function unchanged. Pipeline parallelism will split the block list before step 1;
-expert parallelism will shard the MoE layers in step 1 using the ``ep`` group.
+reuses this function unchanged. Pipeline parallelism cuts the model into chunks first and runs
+this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is
+part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep
+rank's routed experts (their gradients are reduced over the expert-data-parallel group, not by
+DDP) and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
+also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -47,7 +51,11 @@ from mt_parallel.config import ParallelConfig
 from mt_parallel.data_parallel import apply_data_parallel, set_fp8_weight_cache
 from mt_parallel.layers import TensorParallelModule, _ParallelLinear
 from mt_parallel.mappings import group_size
+from mt_parallel.moe.layer import apply_expert_parallel
 from mt_parallel.recompute import apply_recompute
+
+if TYPE_CHECKING:
+    from mt_parallel.pipeline.split import PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class ParallelizePlan:
     :attr:`FP8Options.output_head`, which then runs :attr:`FP8Options.output_head_gemms`."""
     fp8_skip: tuple[str, ...] = ()
     """Module-name fragments whose TP linears always stay in high precision (a router, say)."""
+    pipeline: PipelineLayout | None = None
+    """Where the embedding, blocks and final modules are, for pipeline parallelism (None: the
+    model cannot be pipelined)."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +141,12 @@ def apply_fp8(
     layers of each module's ``shared_input_linears()`` get tied input scales (module docstring).
     """
     from mt_fp8 import tie_input_scales
+    from mt_parallel.moe.experts import GroupedLinear
 
     for name, module in model.named_modules():
-        if isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
+        if isinstance(module, GroupedLinear) and not any(s in name for s in skip):
+            module.enable_fp8(recipe, **fp8_kwargs)
+        elif isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
             module.enable_fp8(recipe, **fp8_kwargs)
             if amax_group is not None and group_size(amax_group) > 1:
                 module.fp8_meta.amax_group = amax_group
@@ -146,14 +160,19 @@ def apply_fp8(
 def high_precision_linears(
     model: nn.Module, plan: ParallelizePlan, fp8: FP8Options
 ) -> tuple[str, ...]:
-    """Names of the TP linears that stay high precision: the plan's ``fp8_skip``, the output
-    head (unless ``fp8.output_head``) and the layers below ``fp8.min_features``."""
+    """Names of the TP linears (and MoE expert projections) that stay high precision: the
+    plan's ``fp8_skip``, the output head (unless ``fp8.output_head``) and the layers below
+    ``fp8.min_features``."""
     skip = list(plan.fp8_skip)
     if plan.output_head is not None and not fp8.output_head:
         skip.append(plan.output_head)
+    from mt_parallel.moe.experts import GroupedLinear
+
     for name, module in model.named_modules():
         if isinstance(module, _ParallelLinear) and min(module.weight.shape) < fp8.min_features:
             skip.append(name)
+        elif isinstance(module, GroupedLinear) and min(module.weight.shape[1:]) < fp8.min_features:
+            skip.append(name)  # an expert projection: [experts, out, in]
     return tuple(skip)
 
 
@@ -198,7 +217,7 @@ def parallelize(
     ``ddp`` mode when dp×cp > 1, else ``model`` itself).
     """
     config.validate_world(state.dims.world_size)
-    for dim in ("tp", "cp", "pp"):
+    for dim in ("tp", "cp", "pp", "ep"):
         if state.size(dim) != getattr(config, dim):
             raise ValueError(
                 f"parallel.{dim}={getattr(config, dim)} but the parallel state has "
@@ -206,6 +225,7 @@ def parallelize(
             )
     tp_group = state.group("tp")
     apply_tensor_parallel(model, tp_group, config.sequence_parallel)
+    apply_expert_parallel(model, state.group("ep"), state.group("edp"), state.group("dp_cp"))
     if config.cp > 1:
         apply_context_parallel(model, state.group("cp"), config.cp_attention == "ring")
     if fp8 is not None:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import mt_parallel
 from mt_train.data.dataset import Batch
 from mt_train.step import BatchRunner, GradNorm, StepResult
 
@@ -168,6 +169,8 @@ class GraphedStep:
             runner.device.type, parallel.tp, parallel.cp, parallel.pp, dropout,
             parallel.data_parallel, dp_cp_size,
         )  # fmt: skip
+        if mt_parallel.moe.moe_layers(runner.module):
+            blockers.append("MoE layers read their routing's group sizes on the host")
         if blockers:
             raise ValueError(
                 "trainer.cuda_graph=true cannot capture this run's step: "

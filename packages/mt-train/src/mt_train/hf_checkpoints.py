@@ -2,8 +2,8 @@
 
 Import reads ``config.json``'s ``architectures`` and hands the folder to the registered model
 family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads that architecture
-(``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`, which documents the name map and the
-config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
+(``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`; ``MixtralForCausalLM``:
+:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
 tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
 ``checkpoint.init_from=<root>`` trains from. Export goes back through the family named in the
 manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -37,6 +36,7 @@ from mt_train.checkpoint.files import (
     write_shard,
 )
 from mt_train.config.schema import ModelConfig
+from mt_train.errors import CheckpointError, UserError, report
 from mt_train.models.build import build_model
 from mt_train.models.family import HFAdapter, ModelFamily
 from mt_train.models.registry import DEFAULT_FAMILY, family_of, get_family, model_families
@@ -65,9 +65,14 @@ def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
     out: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[key] = f.get_tensor(key)
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{str(path)!r} is not a readable safetensors file: {err}"
+            ) from None
     return out
 
 
@@ -166,9 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             written = import_hf(args.hf_dir, args.out)
         else:
             written = export_hf(args.checkpoint, args.out)
-    except (OSError, ValueError, KeyError) as err:
-        print(f"mt-convert: error: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, KeyError, UserError) as err:
+        return report("mt-convert", err.args[0] if isinstance(err, KeyError) and err.args else err)
     print(f"wrote {written}")
     return 0
 

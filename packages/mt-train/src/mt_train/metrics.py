@@ -1,4 +1,10 @@
-"""Metrics sinks: a progress bar (or log lines), a JSONL file and optional TensorBoard.
+"""Metrics on rank 0: a progress bar (or log lines) and the run's metric loggers.
+
+The loggers (JSONL, TensorBoard, W&B, MLflow and any plugin's) share one interface and
+registry, :mod:`mt_train.loggers`; :class:`MetricsLogger` hands every record to each of them.
+Metrics are not worth stopping a run for: a logger that fails with an operating-system error
+(a full or read-only disk) is reported in one warning line and dropped; training, checkpoints,
+the console and the other loggers go on.
 
 Throughput is measured between two log points: ``tokens/s = tokens / wall seconds`` over all
 ranks, after synchronising the device so queued GPU work is counted. Model FLOPs
@@ -9,16 +15,19 @@ known peak (the CPU) MFU is left out rather than guessed.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import errno
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from mt_train.config.schema import LoggingConfig
+from mt_train.loggers import RunInfo, build_sinks
 
 
 def _fmt(value: Any) -> str:
@@ -33,28 +42,39 @@ class MetricsLogger:
     """Rank 0 writes; other ranks' calls are no-ops."""
 
     def __init__(
-        self, cfg: LoggingConfig, output_dir: Path, total_steps: int, start_step: int, enabled: bool
+        self,
+        cfg: LoggingConfig,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        run: RunInfo | None = None,
     ) -> None:
         self.enabled = enabled
         self.bar = None
-        self.jsonl = None
-        self.tb = None
+        self.sinks: dict[str, Any] = {}
         if not enabled:
             return
         if cfg.progress_bar:
             self.bar = tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
             )
-        if cfg.jsonl:
-            self.jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        if cfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError(
-                    "logging.tensorboard=true needs TensorBoard: pip install 'mt-train[tensorboard]'"
-                ) from err
-            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        self.sinks = build_sinks(cfg, run or RunInfo(output_dir), self._warn)
+
+    def _warn(self, name: str, err: OSError, sink: Any = None) -> None:
+        """One warning line for logger ``name`` failing with ``err`` (module docstring)."""
+        code = errno.errorcode.get(err.errno or 0, "no errno")
+        what = getattr(sink, "path", None) or err.filename or f"the {name} logger"
+        self.write(
+            f"mt-train: warning: cannot write {what}: {err.strerror or err} ({code}); the "
+            f"{name} logger stops here, training goes on"
+        )
+
+    def _drop(self, name: str, err: OSError) -> None:
+        sink = self.sinks.pop(name)
+        self._warn(name, err, sink)
+        with contextlib.suppress(OSError):  # what it cannot flush is lost with it
+            sink.close()
 
     def advance(self, steps: int = 1) -> None:
         if self.bar is not None:
@@ -70,13 +90,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         finite = {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"kind": kind, "step": step, **finite}) + "\n")
-            self.jsonl.flush()
-        if self.tb is not None:
-            for key, value in finite.items():
-                if isinstance(value, int | float):
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+        for name, sink in list(self.sinks.items()):
+            try:
+                sink.log(step, kind, finite)
+            except OSError as err:
+                self._drop(name, err)
         shown = {k: _fmt(v) for k, v in finite.items() if k in DISPLAY}
         if self.bar is not None:
             if kind == "train":
@@ -102,23 +120,30 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for sink in self.sinks.values():
+            sink.close()
+        self.sinks = {}
 
 
-DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "event")
+DISPLAY = ("loss", "val_loss", "grad_norm", "lr", "tok/s", "mfu", "mem_gib", "moe_max_vio", "event")
 
 
 class Throughput:
     """Tokens/s, MFU and peak memory between two log points (module docstring)."""
 
     def __init__(
-        self, device: Any, tokens_per_step: int, flops_per_token: float, world_size: int
+        self,
+        device: Any,
+        tokens_per_step: int,
+        flops_per_token: float,
+        world_size: int,
+        observe: Callable[[dict[str, float], int], dict[str, float]] | None = None,
     ) -> None:
         self.device, self.tokens_per_step = device, tokens_per_step
         self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.observe = observe
+        """Called at every measurement with its numbers and step count; what it returns is
+        added (the step-time breakdown, :meth:`mt_train.observer.RunObserver.at_log_point`)."""
         self.peak_flops = device.capabilities().peak_bf16_flops
         self.start()
 
@@ -128,7 +153,7 @@ class Throughput:
 
     def measure(self) -> dict[str, float]:
         """``tok/s``, ``mfu`` (when the peak is known) and ``mem_gib`` over the healthy steps
-        since the last call (``steps`` is counted by the caller)."""
+        since the last call (``steps`` is counted by the caller), and what ``observe`` adds."""
         self.device.synchronize()
         now = time.perf_counter()
         tps = self.steps * self.tokens_per_step / (now - self.since)
@@ -136,5 +161,7 @@ class Throughput:
         if self.peak_flops:
             out["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world_size)
         out["mem_gib"] = self.device.memory_stats().get("peak_allocated", 0) / 2**30
-        self.since, self.steps = now, 0
+        steps, self.since, self.steps = self.steps, now, 0
+        if self.observe is not None:
+            out.update(self.observe(out, steps))
         return out

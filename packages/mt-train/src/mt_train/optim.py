@@ -78,16 +78,18 @@ def build_optimizer(
     data_parallel: str = "ddp",
     dp_cp_group: Any = None,
     tp_group: Any = None,
+    mp_group: Any = None,
 ) -> torch.optim.AdamW | Zero1AdamW:
     """AdamW (per parameter, FSDP2 DTensors included) or, for ``zero1``, :class:`Zero1AdamW`
-    over ``dp_cp_group``, with the kernel :func:`optimizer_impl` picks."""
+    over ``dp_cp_group`` (its norm summed over ``mp_group``, tp×pp, default the tp group), with
+    the kernel :func:`optimizer_impl` picks."""
     impl = optimizer_impl(cfg.impl, device_type, data_parallel)
     hyper = {"lr": cfg.lr, "betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
     if data_parallel == "zero1":
         named = [(canonical_key(n), p) for n, p in model.named_parameters() if p.requires_grad]
         return Zero1AdamW(
             named, cfg.weight_decay, dp_cp_group, tp_group, fused=impl == "fused",
-            decay=decay_filter(model, cfg.embedding_weight_decay), **hyper,
+            decay=decay_filter(model, cfg.embedding_weight_decay), mp_group=mp_group, **hyper,
         )  # fmt: skip
     groups = param_groups(model, cfg.weight_decay, cfg.embedding_weight_decay)
     if impl == "triton":
@@ -136,10 +138,11 @@ class Zero1AdamW(mt_parallel.DistributedOptimizer):
         group: Any,
         tp_group: Any,
         decay: Callable[[nn.Parameter], bool] | None = None,
+        mp_group: Any = None,
         **adamw: Any,
     ) -> None:
         super().__init__(
-            [p for _, p in named], group, tp_group, optimizer_cls=torch.optim.AdamW,
+            [p for _, p in named], group, tp_group, mp_group, optimizer_cls=torch.optim.AdamW,
             decay=decay or (lambda param: param.dim() >= 2), weight_decay=weight_decay, **adamw,
         )  # fmt: skip
         self.names = [name for name, _ in named]

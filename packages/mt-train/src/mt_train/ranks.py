@@ -6,12 +6,14 @@ folder, the run id) are broadcast as uint8 tensors, not pickled objects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import mt_comm
+from mt_train.errors import RankZeroError, UserError
 
 
 def active(group: Any = None) -> bool:
@@ -43,3 +45,20 @@ def mean_scalar(value: torch.Tensor, group: Any) -> torch.Tensor:
     if active(group):
         mt_comm.all_reduce(out, op="avg", group=group)
     return out[0]
+
+
+def on_rank0(action: Callable[[], None], rank: int, device: torch.device) -> None:
+    """Run ``action`` on rank 0 only; a :class:`~mt_train.errors.UserError` it raises stops
+    every rank (the others raise a :class:`~mt_train.errors.RankZeroError` with rank 0's
+    message), so no rank waits for one that stopped."""
+    failure: UserError | None = None
+    if rank == 0:
+        try:
+            action()
+        except UserError as err:
+            failure = err
+    message = broadcast_str(str(failure) if failure is not None else "", device)
+    if failure is not None:
+        raise failure
+    if message:
+        raise RankZeroError(message)

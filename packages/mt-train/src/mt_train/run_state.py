@@ -8,12 +8,18 @@ family. :meth:`RunState.load` restores any layout (RNG states only into the layo
 them; elsewhere the caller re-seeds). With rewind on, each save is also a rewind target,
 held in memory with ``rewind.memory_snapshots``; :meth:`RunState.rewind` goes back to the
 newest stable one and skips data (:mod:`mt_train.rewind.manager` decides, this applies).
+
+A checkpoint that cannot be loaded into this run (another model shape or family, another
+data seed, not a checkpoint, a corrupt shard) stops the run before training with a
+:class:`~mt_train.errors.CheckpointError` naming the folder, what differs and, for the model,
+the config fields in which the checkpoint's model differs from this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +31,7 @@ from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder, disca
 from mt_train.checkpoint.state import StateLayout, live_state
 from mt_train.config.schema import ModelConfig, TrainConfig
 from mt_train.data.dataset import ResumableSampler
+from mt_train.errors import CheckpointError, DiskError
 from mt_train.models.registry import family_of
 from mt_train.optim import Zero1AdamW
 from mt_train.rewind import snapshot as snap
@@ -74,6 +81,12 @@ class RunState:
         """Open the checkpoint folder and resume (``checkpoint.resume``) or load the weights of
         ``checkpoint.init_from``; returns the step the run starts at. A drill's corruption of
         the newest checkpoint happens first, so resuming must survive it."""
+        try:
+            return self._start(faults, reseed)
+        except OSError as err:  # a read-only or full checkpoint folder
+            raise DiskError("the checkpoint folder", err.filename or self.ckpt_dir, err) from err
+
+    def _start(self, faults: FaultInjector, reseed: Callable[[int], None]) -> int:
         ck = self.cfg.checkpoint
         faults.corrupt_at_start(self.ckpt_dir)
         self.checkpointer.restore_replaced()
@@ -83,7 +96,12 @@ class RunState:
         if resume is not None:
             step = self.load(resume, reseed)
         elif ck.init_from is not None:
-            self.init_from(checkpoint_folder(Path(ck.init_from)))
+            root = Path(ck.init_from).expanduser()
+            try:
+                folder = checkpoint_folder(root)
+            except FileNotFoundError as err:
+                raise CheckpointError(f"checkpoint.init_from: {err}") from None
+            self.init_from(folder)
         ranks.barrier()
         if ck.enabled or self.cfg.rewind.enabled:
             self.checkpointer.prepare()
@@ -91,27 +109,41 @@ class RunState:
 
     def init_from(self, folder: Path) -> None:
         """Load only the model weights of a checkpoint (``checkpoint.init_from``)."""
-        reader = CheckpointReader(folder)
-        load_into(reader, self.module, None, self.state_layout, self.tp_layout, self.device)
+        with self._loading("checkpoint.init_from", folder) as reader:
+            load_into(reader, self.module, None, self.state_layout, self.tp_layout, self.device)
         if isinstance(self.optimizer, Zero1AdamW):  # its fp32 master shard follows the weights
             self.optimizer.sync_master()
+
+    @contextlib.contextmanager
+    def _loading(self, option: str, folder: Path) -> Iterator[CheckpointReader]:
+        """A reader of ``folder``; what fails while loading it becomes a
+        :class:`CheckpointError` naming the folder and the model config fields that differ."""
+        try:
+            reader = CheckpointReader(folder)
+            yield reader
+        except (KeyError, ValueError, FileNotFoundError) as err:
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            raise CheckpointError(
+                f"{option}: {folder} cannot be loaded into this run: {message}"
+                + model_differences(folder, self.model_cfg)
+            ) from None
 
     def load(self, folder: Path, reseed: Callable[[int], None]) -> int:
         """Restore a checkpoint (any layout); returns its step. RNG states come back only into
         the layout that saved them; at another layout ``reseed(seed + step)`` re-seeds."""
-        reader = CheckpointReader(folder)
-        manifest = reader.manifest
-        saved = {"world_size": manifest["world_size"], **manifest["parallel"]}
-        same = all(saved.get(k) == v for k, v in self.layout.items())
-        load_into(
-            reader, self.module, self.optimizer, self.state_layout, self.tp_layout,
-            self.device, self.rank if same else None,
-        )  # fmt: skip
+        with self._loading("resume", folder) as reader:
+            manifest = reader.manifest
+            saved = {"world_size": manifest["world_size"], **manifest["parallel"]}
+            same = all(saved.get(k) == v for k, v in self.layout.items())
+            self.sampler.load_state_dict(manifest["data"])
+            load_into(
+                reader, self.module, self.optimizer, self.state_layout, self.tp_layout,
+                self.device, self.rank if same else None,
+            )  # fmt: skip
         step = int(manifest["step"])
         if not same:
             reseed(self.cfg.trainer.seed + step)
         snap.after_load(self.module)
-        self.sampler.load_state_dict(manifest["data"])
         self.guard.load_state_dict(manifest.get("rewind", {}))
         self.recovery.load_decisions(self.sampler, self.guard)
         self.resumed_from = folder
@@ -222,3 +254,19 @@ class RunState:
         snap.after_load(self.module)
         target.consumed = int(reader.manifest["data"]["consumed"])
         return "disk"
+
+
+def model_differences(folder: Path, model_cfg: ModelConfig) -> str:
+    """``"; the checkpoint's model has n_layers=4 (this run: 2), ..."`` for the fields in
+    which the model config recorded in ``folder``'s manifest differs, or ``""``."""
+    try:
+        saved = CheckpointReader(folder).manifest.get("model") or {}
+    except (OSError, ValueError):
+        return ""
+    ours = dataclasses.asdict(model_cfg)
+    differ = [
+        f"{k}={saved[k]!r} (this run: {ours[k]!r})"
+        for k in ours
+        if k != "name" and k in saved and saved[k] != ours[k]
+    ]
+    return "; the checkpoint's model has " + ", ".join(differ) if differ else ""

@@ -11,7 +11,8 @@ last micro-batch, :func:`mt_parallel.accumulate`). A step object runs it and ret
 :class:`StepResult`: :class:`EagerStep` launches every kernel from Python;
 :class:`mt_train.cuda_graph.GraphedStep` replays a captured CUDA graph. Both share
 ``run(batches, loss_factors, grad_norm, eager) -> StepResult`` and ``reset()``, so the trainer
-does not know which one it calls (a pipeline-parallel schedule is a third). ``extras`` are the
+does not know which one it calls (a pipeline-parallel schedule is a third,
+:class:`mt_train.pipeline_step.PipelineStep`). ``extras`` are the
 model's named extra values (:mod:`mt_train.models.family`), summed over micro-batches like
 the loss; none of this synchronises with the host.
 
@@ -122,9 +123,11 @@ class BatchRunner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def micro_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):
-        all of them, or under CP its load-balanced part; and the model's extra values."""
+    def local_batch(
+        self, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's inputs, targets, document ids and positions of one micro-batch: all
+        tokens, or under CP its load-balanced part and their global positions."""
         inputs, targets, docs = batch.inputs, batch.targets, batch.document_ids
         positions = None
         if self.cp > 1:
@@ -135,6 +138,12 @@ class BatchRunner:
             )
             positions = mt_parallel.load_balanced_positions(seq_len, self.cp, self.cp_rank)
             positions = positions.to(self.device)
+        return inputs, targets, docs, positions  # type: ignore[return-value]
+
+    def micro_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):
+        all of them, or under CP its load-balanced part; and the model's extra values."""
+        inputs, targets, docs, positions = self.local_batch(batch)
         with self.autocast():
             logits = self.model(inputs, positions, docs, **batch.model_inputs())
         # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient

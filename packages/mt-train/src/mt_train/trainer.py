@@ -9,6 +9,7 @@ One optimizer step (``A`` micro-batches per rank, ``A = G / (b·dp)``)::
     if clip > 0: grads ← grads · min(1, clip / n)    (fused AdamW and ZeRO-1: inside the update)
     verdict = detectors(loss, n, FP8 health) agreed over all ranks          (mt_train.rewind)
     if healthy:  lr = peak · schedule(step) · cooldown(step);  AdamW step
+                 MoE aux-loss-free biases moved from the step's global expert counts
     zero grads
 
 The loss, the local loss, ``n`` and the model's extra values reach the host in one
@@ -22,8 +23,9 @@ The trainer composes parts through narrow interfaces and knows no model family:
   :class:`~mt_train.data.dataset.ResumableSampler`;
 * model and parallelism: the config's family builds the plain model
   (:mod:`mt_train.models`), :func:`mt_parallel.parallelize` applies the family's plan;
-* the step: :class:`~mt_train.step.EagerStep` or :class:`~mt_train.cuda_graph.GraphedStep`
-  (``run(batches, ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
+* the step: :class:`~mt_train.step.EagerStep`, :class:`~mt_train.cuda_graph.GraphedStep` or,
+  with ``parallel.pp > 1``, :class:`~mt_train.pipeline_step.PipelineStep` (``run(batches,
+  ...) -> StepResult``), over a :class:`~mt_train.step.BatchRunner`;
 * the update policy (:mod:`mt_train.update`): ZeRO-1's split step, the clip folded into a
   fused AdamW, or clip then step;
 * state: :class:`~mt_train.run_state.RunState` (checkpoints, resume, rewind); anomaly
@@ -35,8 +37,14 @@ same on every TP rank, different per CP rank) and the tracker stream that TP-sha
 (attention dropout, sequence-parallel residual dropout) draw from; checkpoints and snapshots
 hold both, so a resumed run draws the same dropout masks.
 
+Start-up refuses, with one :class:`~mt_train.errors.UserError` line, what would fail later:
+a run folder that cannot be written or that another live run holds (:mod:`mt_train.run_lock`),
+a data folder that does not match its ``meta.json`` or the model's vocabulary
+(:mod:`mt_train.data.checks`), a checkpoint that does not fit the model.
+
 The reported loss is the mean over the global batch. An anomalous step is never applied:
-with ``rewind`` off a non-finite loss or norm stops the run; with it on the trainer restores
+with ``rewind`` off a non-finite loss or norm stops the run with the report rewind's bound
+gives (:class:`~mt_train.rewind.manager.RewindLimitError`); with it on the trainer restores
 the newest stable checkpoint (from memory or disk), skips data, cools the LR and carries on
 (:mod:`mt_train.rewind.manager`). A SIGTERM/SIGINT ends the run after the step in progress
 with a checkpoint (:mod:`mt_train.rewind.preemption`).
@@ -49,11 +57,12 @@ repeats the uninterrupted loss curve bit for bit.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +71,23 @@ import torch
 import mt_comm
 import mt_fp8
 import mt_parallel
-from mt_train import ranks
+from mt_train import fault_points, ranks
 from mt_train.checkpoint.checkpointer import TPLayout, resolve_resume
 from mt_train.checkpoint.files import step_dir
 from mt_train.config.schema import TrainConfig
 from mt_train.cuda_graph import GraphedStep
+from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import Batch, DataModule, ResumableSampler
 from mt_train.data.prepare import prepare_bundled
+from mt_train.errors import DataError, DiskError, check_writable
 from mt_train.evaluation import Evaluator
+from mt_train.loggers import run_info, write_run_record
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
 from mt_train.models.build import fp8_layer_count, warn_if_fp8_emulated
+from mt_train.observer import RunObserver
 from mt_train.optim import build_optimizer, lr_multiplier
+from mt_train.pipeline_step import pipeline_step
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.detectors import StepSignals
 from mt_train.rewind.events import EVENTS_FILE, EventLog
@@ -81,9 +95,11 @@ from mt_train.rewind.faults import fault_injector
 from mt_train.rewind.manager import RewindManager
 from mt_train.rewind.preemption import StopRequest
 from mt_train.rewind.recovery import fired_faults
+from mt_train.run_lock import RunLock
 from mt_train.run_state import RunState
 from mt_train.step import BatchRunner, EagerStep, read_step_numbers
 from mt_train.update import update_policy
+from mt_train.watchdog import flight_recorder_dump_path, flight_recorder_env
 
 
 @dataclass
@@ -102,15 +118,42 @@ class TrainSummary:
     sample: str
     stopped: str | None = None
     """The signal that ended the run early (preemption), or None."""
+    tokens: int = 0
+    """Tokens trained on in healthy steps of this process."""
+    best_tokens_per_s: float = 0.0
+    """The best log interval's tokens/s."""
+    mfu: float | None = None
+    """Model FLOPs utilisation of ``tokens_per_s`` (None where the device's peak is unknown)."""
+    best_mfu: float | None = None
+    peak_memory_gib: float = 0.0
+    """The largest ``mem_gib`` (peak allocated memory) rank 0 logged."""
+    checkpoints_written: int = 0
+    traces: list[str] = field(default_factory=list)
+    """Profiler traces and memory snapshots written by rank 0."""
 
 
 class Trainer:
     """Builds the run (distributed init, data, model, optimizer, checkpoints) and trains it."""
 
     def __init__(self, cfg: TrainConfig, output_dir: str | Path | None = None) -> None:
+        self.lock: RunLock | None = None
+        fault = cfg.fault
+        fault_points.arm(fault.disk_error, fault.disk_errno, fault.kill_in_save, fault.save_step)
+        try:
+            self._build(cfg, output_dir)
+        except BaseException:  # a refused start leaves no lock and no armed fault behind
+            if self.lock is not None:
+                self.lock.release()
+            fault_points.arm()
+            raise
+
+    def _build(self, cfg: TrainConfig, output_dir: str | Path | None) -> None:
         self.cfg = cfg
         tr, p = cfg.trainer, cfg.parallel
-        self.ctx = mt_comm.init_distributed(device=tr.device)
+        flight_recorder_env(cfg.comm)
+        self.ctx = mt_comm.init_distributed(
+            device=tr.device, timeout=datetime.timedelta(seconds=cfg.comm.timeout_s)
+        )
         self.rank, self.world_size = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.torch_device
         self.dp = cfg.check_world(self.world_size)
@@ -125,19 +168,43 @@ class Trainer:
         out = str(output_dir or tr.output_dir or Path.cwd() / "outputs" / cfg.model.name)
         self.output_dir = Path(ranks.broadcast_str(str(Path(out).resolve()), self.device))
         run_id = ranks.broadcast_str(uuid.uuid4().hex, self.device)
-        if self.rank == 0:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+        ck = cfg.checkpoint
+        self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
+        ranks.on_rank0(self._open_run_folder, self.rank, self.device)
 
         data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
-        if cfg.data.path is None and self.rank == 0:
+        if cfg.data.path is None:
             image_tokens = getattr(cfg.model, "image_tokens", None)
-            prepare_bundled(data_dir, cfg.data.val_every, cfg.data.bundled, image_tokens)
+            ranks.on_rank0(
+                lambda: prepare_bundled(
+                    data_dir, cfg.data.val_every, cfg.data.bundled, image_tokens
+                ),
+                self.rank,
+                self.device,
+            )
         ranks.barrier()
+        try:
+            data_meta = check_prepared(data_dir, tr.seq_len)
+        except DataError as err:
+            if cfg.data.path is not None:
+                raise
+            raise DataError(
+                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
+            ) from None
+        if cfg.model.vocab_size is not None:
+            check_vocab(data_meta, cfg.model.vocab_size, data_dir)
         self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
         self.sampler = ResumableSampler(
             len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
             self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
         )  # fmt: skip
+
+        # Observability: step timer, profiler, watchdog (mt_train.observer), flight recorder.
+        self.run_id = run_id
+        flight_recorder_dump_path(cfg.comm, self.output_dir)
+        self.observer = RunObserver(cfg, self.output_dir, self.rank, self.ctx.device)
+        self.timer = self.observer.timer
+        self.checkpoints_written = 0
 
         # Model and parallelism: the family builds, mt_parallel's one path parallelizes.
         self.model_cfg = resolve_vocab(cfg.model, self.data.vocab_size)
@@ -145,18 +212,21 @@ class Trainer:
         self.family = family_of(self.model_cfg)
         self.module = build_model(self.model_cfg, self.device, tr.seed)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
+        if p.pp > 1:  # this rank's chunks, under the whole model's names
+            self.module = self.model
         self.fp8_layers = fp8_layer_count(self.module)
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
             else None
         )
+        mp_group = self.pstate.group("mp") if p.pp > 1 else None
         self.optimizer = build_optimizer(
             self.module, cfg.optimizer, self.device.type, p.data_parallel, self.dp_cp_group,
-            self.tp_group,
+            self.tp_group, mp_group,
         )  # fmt: skip
         self.update = update_policy(
-            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group
+            self.optimizer, cfg.optimizer.grad_clip, self.tp_group, self.dp_cp_group, mp_group
         )
         bf16 = tr.precision == "bf16" or (tr.precision == "auto" and self.device.type != "cpu")
         self.autocast_dtype = torch.bfloat16 if bf16 else None
@@ -167,6 +237,8 @@ class Trainer:
         self.step_runner = (
             GraphedStep.for_run(self.runner, p, self.model_cfg.dropout, self.pstate.size("dp_cp"))
             if tr.cuda_graph
+            else pipeline_step(self.runner, cfg, self.model_cfg, self.pstate, self.dp)
+            if p.pp > 1
             else EagerStep(self.runner)
         )
         self.flops_per_token = self.family.flops_per_token(self.model_cfg, tr.seq_len)
@@ -174,6 +246,8 @@ class Trainer:
             self.runner, self.data, cfg, self.pstate, self.collate, self.tp_group, self.cp_group
         )
         self.stopped: str | None = None
+        self.expert_counts: dict[str, torch.Tensor] = {}  # MoE: the last step's global counts
+        self._dead_experts: dict[str, list[int]] = {}
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
@@ -184,9 +258,11 @@ class Trainer:
             self.events, self.module,
         )  # fmt: skip
 
+        fault_points.enable_kill(
+            self.faults.fired, lambda phase, step: self._record_kill_in_save(phase, step)
+        )
+
         # State: checkpoints, resume (or init_from), rewind targets.
-        ck = cfg.checkpoint
-        self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
         tp_layout = TPLayout(
             mt_parallel.tp_shard_plan(self.module), self.pstate.rank("tp"), self.pstate.size("tp")
         )
@@ -203,6 +279,31 @@ class Trainer:
             warn_if_fp8_emulated(cfg.fp8, self.device, self.ctx.device.name)
 
     # ------------------------------------------------------------------ state
+    def _open_run_folder(self) -> None:
+        """Rank 0: create the run folder, check it can be written, take its lock (and the
+        checkpoint folder's, when it lies elsewhere)."""
+        try:
+            fault_points.disk_write("run_dir", self.output_dir)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DiskError("the run folder", self.output_dir, err) from err
+        check_writable(self.output_dir, "the run folder")
+        inside = self.ckpt_dir.resolve().is_relative_to(self.output_dir)
+        self.lock = RunLock([self.output_dir] if inside else [self.output_dir, self.ckpt_dir])
+        for path, holder in self.lock.took_over:
+            print(
+                f"mt-train: took over {path} from pid {holder.get('pid')}, which is gone "
+                "(a crashed or killed run)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _record_kill_in_save(self, phase: str, step: int) -> None:
+        """The ``fault`` event of ``fault.kill_in_save`` (written before the kill)."""
+        self.events.emit(
+            "fault", self.step, fault=fault_points.KILL_IN_SAVE, at_step=step, phase=phase
+        )
+
     def seed_rng(self, seed: int) -> None:
         """Seed the default generators and mt_parallel's RNG tracker for this rank's TP and CP
         coordinates (``mt_parallel.manual_seed``), and the device's generator alike."""
@@ -210,9 +311,10 @@ class Trainer:
         self.ctx.device.manual_seed(torch.initial_seed())
 
     def layout(self) -> dict[str, int]:
-        """What RNG states depend on: the world size and the tp, cp, dp degrees."""
+        """What RNG states depend on: the world size and the tp, cp, dp (and pp) degrees."""
         p = self.cfg.parallel
-        return {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        layout = {"world_size": self.world_size, "tp": p.tp, "cp": p.cp, "dp": self.dp}
+        return {**layout, "pp": p.pp} if p.pp > 1 else layout
 
     def load(self, folder: Path) -> None:
         """Restore a checkpoint (any layout; :meth:`mt_train.run_state.RunState.load`)."""
@@ -222,6 +324,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current step (a rewind target too when rewind is on)."""
         self.state.save(self.step)
+        self.checkpoints_written += 1
 
     @property
     def step_graph(self) -> Any:
@@ -247,6 +350,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step, or an anomalous one that is not applied (``self.verdict`` and
         ``metrics["event"]`` say why)."""
+        self.observer.begin_step(self.step + 1)
         faults = self.faults.begin_step(self.step + 1)
         if self.watch_fp8:
             mt_fp8.reset_fp8_health(self.module)
@@ -256,7 +360,9 @@ class Trainer:
         clean = all(f == 1.0 for f in factors) and faults.fp8_inputs == 1.0
         # The norm joins a captured step when nothing runs between the backward and it.
         capture_norm = self.update.graph_norm if self.pstate.size("dp_cp") == 1 else None
+        self.timer.start("forward_backward")
         result = self.step_runner.run(batches, factors, capture_norm, eager=not clean)
+        self.timer.start("grad_sync")
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.cfg.parallel.data_parallel == "none":
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
@@ -267,6 +373,7 @@ class Trainer:
                 p.grad.mul_(faults.grads)
         if norm_t is None:
             norm_t = self.update.norm(params)
+        self.timer.start("optimizer")
         numbers = read_step_numbers(
             result, len(micro), norm_t, self.dp_cp_group, self.module if self.watch_fp8 else None
         )
@@ -292,16 +399,23 @@ class Trainer:
             self.guard.accept(self.step, signals)
         else:
             metrics["event"] = self.verdict.detector
+        # MoE aux-loss-free balancing: biases move from the step's global expert counts (a
+        # step that is not applied only resets them); a no-op for dense models.
+        self.expert_counts = mt_parallel.moe.update_expert_biases(
+            self.module, apply=not self.verdict.anomalous
+        )
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
     def rewind(self, verdict: Verdict) -> None:
-        """Go back to the newest stable target and skip data (:mod:`mt_train.rewind.manager`)."""
+        """Go back to the newest stable target and skip data (:mod:`mt_train.rewind.manager`);
+        with rewind off, stop with the report rewind's bound gives."""
         if not self.cfg.rewind.enabled:
-            s = self.signals
-            raise FloatingPointError(
-                f"step {self.step}: non-finite loss {s.loss} or grad norm {s.grad_norm} "
-                "(rewind is off: rewind=default turns it on)"
+            raise self.guard.give_up(
+                self.step,
+                verdict,
+                "rewind is off (rewind=disabled), so the run stops; rewind=default would have "
+                "restored the newest stable checkpoint and skipped the data that led here",
             )
         self.step = self.state.rewind(self.step, verdict)
         self.drop_step_graph()
@@ -335,8 +449,11 @@ class Trainer:
         is_main = self.rank == 0
         if is_main:
             print(self.describe(), file=sys.stderr, flush=True)
+        run = run_info(self.cfg, self.output_dir, self.run_id) if is_main else None
+        if run is not None:
+            write_run_record(run, self.world_size, self.step)
         self.logger = MetricsLogger(
-            self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main
+            self.cfg.logging, self.output_dir, tr.max_steps, self.step, is_main, run
         )
         self.events.echo = self.logger.write
         self.state.start_targets(self.step)
@@ -346,13 +463,15 @@ class Trainer:
         start = time.perf_counter()
         tokens_total = 0
         self.throughput = Throughput(
-            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size
-        )
+            self.ctx.device, tokens_per_step, self.flops_per_token, self.world_size,
+            self.observer.at_log_point,
+        )  # fmt: skip
         with self._stop:
             while self.step < tr.max_steps:
                 metrics = self.train_step()
                 if self.verdict.anomalous:
                     self.logger.log(self.step, metrics, kind="anomaly")
+                    self.timer.start("rewind")
                     self.rewind(self.verdict)
                     self.logger.log(
                         self.step, {"event": f"rewound to step {self.step}"}, kind="rewind"
@@ -366,6 +485,7 @@ class Trainer:
                     self._preempt(self._stop.signal_name)
                     break
         self.checkpointer.wait()
+        self.observer.end_run()
         wall = time.perf_counter() - start
         val_loss = self._val_loss
         if math.isnan(val_loss) and self.stopped is None:
@@ -377,47 +497,80 @@ class Trainer:
         )
         self.logger.close()
         latest = resolve_resume("auto", self.ckpt_dir) if ck.enabled else None
+        stats = self.observer.stats
+        tokens_per_s = tokens_total / wall if wall > 0 else 0.0
+        peak = self.throughput.peak_flops
         return TrainSummary(
             steps=self.step,
             train_loss=train_loss,
             val_loss=val_loss,
             wall_s=wall,
-            tokens_per_s=tokens_total / wall if wall > 0 else 0.0,
+            tokens_per_s=tokens_per_s,
             output_dir=str(self.output_dir),
             checkpoint=str(latest) if latest else None,
             losses=losses,
             rewinds=self.guard.rewinds,
             sample=sample,
             stopped=self.stopped,
+            tokens=tokens_total,
+            best_tokens_per_s=stats.best_tokens_per_s,
+            mfu=self.flops_per_token * tokens_per_s / (peak * self.world_size) if peak else None,
+            best_mfu=stats.best_mfu,
+            peak_memory_gib=stats.peak_memory_gib,
+            checkpoints_written=self.checkpoints_written,
+            traces=stats.traces,
         )
 
     def _after_step(self, metrics: dict[str, Any]) -> None:
         """Log, evaluate and checkpoint on their intervals after a healthy step."""
         assert self.logger is not None
         tr, step = self.cfg.trainer, self.step
+        self.checkpointer.check()  # a background save that failed stops the run now
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
+            self._log_expert_load(metrics)
             self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
+            self.timer.start("eval")
             self._val_loss = self.evaluate()
             self.logger.log(step, {"val_loss": self._val_loss}, kind="eval")
         if (self.cfg.checkpoint.enabled or self.cfg.rewind.enabled) and (
             step % tr.checkpoint_interval == 0 or step == tr.max_steps
         ):
+            self.timer.start("checkpoint")
             self.save()
+
+    def _log_expert_load(self, metrics: dict[str, Any]) -> None:
+        """MoE models, at log steps: the step's global-batch MaxVio (worst layer, and each
+        layer's as ``moe_max_vio_global/<router>``) into the metrics, and an
+        ``moe_dead_experts`` event when the experts that got no token of the whole global batch
+        change (and some did)."""
+        if not self.expert_counts:
+            return
+        load = mt_parallel.moe.global_load_summary(self.expert_counts)
+        metrics["moe_max_vio_global"] = load["max_vio"]
+        for layer, vio in load["per_layer"].items():
+            metrics[f"moe_max_vio_global/{layer}"] = vio
+        if load["dead"] and load["dead"] != self._dead_experts:  # when the set changes
+            self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
+        self._dead_experts = load["dead"]
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
         fp8 = f", fp8 {self.cfg.fp8.recipe} ({self.fp8_layers} linears)" if self.fp8_layers else ""
         sp = "+sp" if p.sequence_parallel else ""
+        if p.pp > 1:
+            sp += f" pp={p.pp} {p.pp_schedule}"
+        ep = f" ep={p.ep}" if p.ep > 1 else ""
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
         docs = ", document masking" if self.cfg.data.document_masking else ""
         params = self.family.num_params(self.module) / 1e6
+        held = " on this pipeline rank" if p.pp > 1 else ""
         return (
-            f"mt-train: {c.name} {self.family.label}, {params:.2f}M params ({c.summary()}) on "
-            f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}, "
+            f"mt-train: {c.name} {self.family.label}, {params:.2f}M params{held} ({c.summary()}) on "
+            f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}{ep}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
             f"data {self.data.folder} ({len(self.data.train)} train / {len(self.data.val)} val "
@@ -427,9 +580,15 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
+        self.observer.close()
         self.drop_step_graph()
-        self.checkpointer.close()
-        if self.logger is not None:
-            self.logger.close()
-        with contextlib.suppress(RuntimeError):
-            mt_comm.destroy_parallel_state()
+        try:
+            self.checkpointer.close()
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            if self.lock is not None:
+                self.lock.release()
+            fault_points.arm()
+            with contextlib.suppress(RuntimeError):
+                mt_comm.destroy_parallel_state()

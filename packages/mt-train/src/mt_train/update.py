@@ -33,9 +33,11 @@ from mt_train.optim import Zero1AdamW
 class ClipThenStep:
     """Clip the gradients in place while measuring their norm; then ``optimizer.step()``."""
 
-    def __init__(self, optimizer: Any, clip: float, tp_group: Any, dp_cp_group: Any) -> None:
+    def __init__(
+        self, optimizer: Any, clip: float, tp_group: Any, dp_cp_group: Any, mp_group: Any = None
+    ) -> None:
         self.optimizer, self.clip = optimizer, clip
-        self.tp_group, self.dp_cp_group = tp_group, dp_cp_group
+        self.tp_group, self.dp_cp_group, self.mp_group = tp_group, dp_cp_group, mp_group
 
     @property
     def graph_norm(self) -> Any:
@@ -43,7 +45,7 @@ class ClipThenStep:
 
     def norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         return mt_parallel.clip_grad_norm_(
-            params, self.clip, tp_group=self.tp_group, dp_cp_group=self.dp_cp_group
+            params, self.clip, self.tp_group, self.mp_group, self.dp_cp_group
         )
 
     def apply(self, norm: torch.Tensor) -> None:
@@ -55,7 +57,7 @@ class FusedClipUpdate(ClipThenStep):
 
     def norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         return mt_parallel.clip_grad_norm_(
-            params, 0.0, tp_group=self.tp_group, dp_cp_group=self.dp_cp_group
+            params, 0.0, self.tp_group, self.mp_group, self.dp_cp_group
         )
 
     def apply(self, norm: torch.Tensor) -> None:
@@ -82,11 +84,15 @@ class Zero1Update:
 UpdatePolicy = ClipThenStep | Zero1Update
 
 
-def update_policy(optimizer: Any, clip: float, tp_group: Any, dp_cp_group: Any) -> UpdatePolicy:
-    """The policy for ``optimizer`` with gradient clip ``clip`` (0: none) (module docstring)."""
+def update_policy(
+    optimizer: Any, clip: float, tp_group: Any, dp_cp_group: Any, mp_group: Any = None
+) -> UpdatePolicy:
+    """The policy for ``optimizer`` with gradient clip ``clip`` (0: none) (module docstring).
+    ``mp_group`` (tp×pp, default the tp group) is where the squared norms of different
+    parameters are summed: under pipeline parallelism each stage holds its own."""
     if isinstance(optimizer, Zero1AdamW):
         return Zero1Update(optimizer, clip)
     fused = isinstance(optimizer, mt_fp8.FusedAdamW) or bool(optimizer.defaults.get("fused"))
     if fused and clip > 0:
-        return FusedClipUpdate(optimizer, clip, tp_group, dp_cp_group)
-    return ClipThenStep(optimizer, clip, tp_group, dp_cp_group)
+        return FusedClipUpdate(optimizer, clip, tp_group, dp_cp_group, mp_group)
+    return ClipThenStep(optimizer, clip, tp_group, dp_cp_group, mp_group)

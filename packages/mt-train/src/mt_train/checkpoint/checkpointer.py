@@ -26,6 +26,12 @@ Async saving: :meth:`Checkpointer.save` first waits for the previous save, copie
 to host memory (the snapshot: training may change the live tensors right after), and hands
 the writing to a background thread; :meth:`wait` blocks until it is on disk. The bytes are
 the same as a synchronous save because both write the same snapshot through the same code.
+
+A write that fails (a full or read-only disk) raises :class:`mt_train.errors.DiskError`
+naming the path and the errno, from :meth:`Checkpointer.save` or, for a background save, from
+the first :meth:`Checkpointer.check` (the trainer calls it after every step) or
+:meth:`Checkpointer.wait` after it failed; the half-written ``.tmp-step-*`` folder is removed
+and the newest complete checkpoint is untouched.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,16 +47,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from mt_train import fault_points
 from mt_train.checkpoint.files import (
     CheckpointReader,
     latest_checkpoint,
     publish,
     remove_stale,
     restore_replaced,
+    shard_name,
     tmp_dir,
     write_shard,
 )
 from mt_train.checkpoint.state import StateLayout, load_state, restore_rng
+from mt_train.errors import DiskError
 
 ELEMS = re.compile(r"@elems(\d+)-(\d+)of(\d+)$")
 TP_SUFFIX = re.compile(r"@tp(\d+)of(\d+)")
@@ -91,7 +101,7 @@ def shard_tensors(
             key, entry = rest.rsplit("/", 1)
             sharded = entry != "step" and key in tp.plan
             stored = tp.name("optim/", key, f"/{entry}") if sharded else name
-        if key not in tp.plan and tp.rank != 0:
+        if (key not in tp.plan and tp.rank != 0) or name in layout.replicas:
             continue
         start = layout.starts.get(name)
         if start is None:
@@ -168,17 +178,33 @@ class Checkpointer:
         manifest: dict[str, Any],
         protect: frozenset[int],
     ) -> None:
-        write_shard(tmp_dir(self.root, step), self.rank, self.run_id, host)
-        if self.rank == 0:
-            self.last_saved = publish(
-                self.root,
-                step,
-                self.world_size,
-                self.run_id,
-                manifest,
-                self.keep_last,
-                protect=protect,
-            )
+        folder = tmp_dir(self.root, step)
+        try:
+            write_shard(folder, self.rank, self.run_id, host, step)
+            fault_points.save_phase("shard", step)
+            if self.rank == 0:
+                self.last_saved = publish(
+                    self.root,
+                    step,
+                    self.world_size,
+                    self.run_id,
+                    manifest,
+                    self.keep_last,
+                    protect=protect,
+                )
+        except OSError as err:
+            # Nothing of this save is published; rank 0 drops the folder, others their shard.
+            if self.rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                (folder / shard_name(self.rank)).unlink(missing_ok=True)
+            raise DiskError(f"checkpoint step {step}", err.filename or folder, err) from err
+
+    def check(self) -> None:
+        """Re-raise the error of a background save that has already failed (never waits)."""
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            self.wait()
 
     def wait(self) -> None:
         """Block until the pending background save is on disk; re-raise its error."""

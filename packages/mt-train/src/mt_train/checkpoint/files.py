@@ -8,10 +8,13 @@ A checkpoint is a folder ``<dir>/step-<8 digits>`` holding::
 
 Atomicity: every rank writes into ``<dir>/.tmp-step-<8 digits>`` (its sidecar last, renamed
 into place so that it is never seen half-written); rank 0 waits for all sidecars of this run
-(matching ``run_id``), writes ``manifest.json`` there, fsyncs, and
-renames the folder to its final name. ``rename`` within one filesystem is atomic, so a
-folder named ``step-*`` is always complete, and a save killed at any point leaves only a
-``.tmp-*`` folder that loading ignores and the next run removes. Saving a step that already
+(matching ``run_id``), writes ``manifest.json`` there, fsyncs it and the folder, renames the
+folder to its final name and fsyncs the parent. ``rename`` within one filesystem is atomic,
+so a folder named ``step-*`` is always complete, and a save killed at any point leaves only
+a ``.tmp-*`` folder that loading ignores and the next run removes. Deleting goes the other
+way: a pruned or discarded checkpoint is first renamed to ``.del-step-<8 digits>``, then
+deleted, so a kill in the middle of a deletion never leaves a ``step-*`` folder without its
+manifest (the next run removes ``.del-*`` folders too). Saving a step that already
 has a checkpoint (after a rewind) first renames the old folder to ``.old-step-<8 digits>``,
 then publishes, then deletes it; if the save dies between the two renames,
 :func:`restore_replaced` (run before a resume looks for checkpoints) renames the old folder
@@ -19,11 +22,15 @@ back, so a step's checkpoint is never lost. Nothing is pickled:
 tensors go through safetensors, everything else through JSON.
 
 Integrity: :func:`verify_checkpoint` checks a folder completely before it is trusted for a
-resume or a rewind from disk — the manifest parses and has every required key, and every
-shard it lists exists with the recorded size and sha256. A rejected folder is renamed to
+resume or a rewind from disk — the manifest parses, is an object with every required key of
+the right type (:func:`manifest_problem`), and every shard it lists exists with the recorded
+size and sha256. A rejected folder is renamed to
 ``rejected-step-<8 digits>`` (kept for inspection, never listed again), and the next older
 checkpoint is tried (:func:`newest_valid_checkpoint`). Pruning to ``keep_last`` spares the
 steps a caller protects (rewind's stable checkpoint and the newer ones).
+
+Write sites and save phases are named fault points (:mod:`mt_train.fault_points`), so drills
+can fill the disk or kill the process at each of them.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from mt_train import fault_points
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -52,6 +61,11 @@ def step_dir(root: Path, step: int) -> Path:
 
 def tmp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step-{step:08d}"
+
+
+def del_dir(root: Path, step: int) -> Path:
+    """Where a checkpoint goes while it is being deleted."""
+    return root / f".del-step-{step:08d}"
 
 
 def old_dir(root: Path, step: int) -> Path:
@@ -78,11 +92,45 @@ def _fsync_write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def write_shard(folder: Path, rank: int, run_id: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write this rank's shard and then its sidecar (the sidecar marks the shard complete)."""
+def fsync_dir(folder: Path) -> None:
+    """Make ``folder``'s entries (files created or renamed in it) durable."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+OS_ERROR_CODE = re.compile(r"(?:os error |code: )(\d+)")
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file``, its I/O failures raised as ``OSError`` (it reports a
+    full disk as a ``SafetensorError`` naming the OS error code)."""
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    try:
+        save_file(contiguous, str(path), metadata={"format": "pt"})
+    except SafetensorError as err:
+        code = OS_ERROR_CODE.search(str(err))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from err
+
+
+def write_shard(
+    folder: Path,
+    rank: int,
+    run_id: str,
+    tensors: dict[str, torch.Tensor],
+    step: int | None = None,
+) -> None:
+    """Write this rank's shard and then its sidecar (the sidecar marks the shard complete);
+    ``step``: the save's step (for the fault points)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / shard_name(rank)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    fault_points.disk_write("checkpoint", path, step)
+    _save_safetensors(tensors, path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     sidecar = {
@@ -140,25 +188,38 @@ def publish(
     missing_keys = [k for k in MANIFEST_KEYS if k not in full]
     if missing_keys:
         raise ValueError(f"checkpoint manifest lacks {missing_keys}")
-    _fsync_write(
-        folder / "manifest.json", (json.dumps(full, indent=1, sort_keys=True) + "\n").encode()
-    )
+    manifest_path = folder / "manifest.json"
+    fault_points.disk_write("manifest", manifest_path, step)
+    _fsync_write(manifest_path, (json.dumps(full, indent=1, sort_keys=True) + "\n").encode())
+    fsync_dir(folder)
+    fault_points.save_phase("manifest", step)
     final = step_dir(root, step)
     replaced = old_dir(root, step)
+    fault_points.disk_write("publish", final, step)
     if final.exists():
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)
+        fault_points.save_phase("replace", step)
     os.rename(folder, final)
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fault_points.save_phase("publish", step)
+    fsync_dir(root)
     shutil.rmtree(replaced, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep_last]:
         if checkpoint_step(old) not in protect:
-            shutil.rmtree(old, ignore_errors=True)
+            delete_checkpoint(old, step)
     return final
+
+
+def delete_checkpoint(folder: Path, saving: int | None = None) -> None:
+    """Rename ``folder`` to ``.del-step-*``, then delete it (module docstring): a kill in
+    between leaves no ``step-*`` folder without its manifest. ``saving``: the step whose save
+    prunes it (a fault point)."""
+    doomed = del_dir(folder.parent, checkpoint_step(folder))
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(folder, doomed)
+    if saving is not None:
+        fault_points.save_phase("prune", saving)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -168,15 +229,49 @@ def checkpoint_step(folder: Path) -> int:
     return int(match.group(1))
 
 
+SHARD_KEYS = {"rank": int, "sha256": str, "bytes": int}
+
+
+def manifest_problem(manifest: Any, folder: Path | None = None) -> str | None:
+    """What makes ``manifest`` (parsed JSON) unusable as a checkpoint manifest, or None: it
+    must be an object with every key of :data:`MANIFEST_KEYS`, a ``step`` matching the
+    folder's name, a non-empty ``shards`` object of ``{rank, sha256, bytes}`` entries and a
+    non-empty ``tensors`` object naming listed shards."""
+    if not isinstance(manifest, dict):
+        return f"manifest is a JSON {type(manifest).__name__}, not an object"
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    if missing:
+        return f"manifest lacks {missing}"
+    step = manifest["step"]
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"manifest step is {step!r}, not an integer"
+    if folder is not None and STEP_DIR.match(folder.name) and checkpoint_step(folder) != step:
+        return f"manifest step {step} does not match the folder name {folder.name}"
+    shards, tensors = manifest["shards"], manifest["tensors"]
+    if not isinstance(shards, dict) or not shards:
+        return f"manifest shards is {shards!r}, not a non-empty object"
+    for name, info in shards.items():
+        if not isinstance(info, dict) or any(
+            not isinstance(info.get(k), t) for k, t in SHARD_KEYS.items()
+        ):
+            return f"manifest entry of shard {name!r} is {info!r}, not {{rank, sha256, bytes}}"
+    if not isinstance(tensors, dict) or not tensors:
+        return f"manifest tensors is {tensors!r}, not a non-empty object"
+    strays = sorted({str(s) for s in tensors.values() if s not in shards})
+    if strays:
+        return f"manifest tensors name shards it does not list: {strays[:3]}"
+    return None
+
+
 def verify_checkpoint(folder: Path) -> str | None:
     """Why ``folder`` cannot be trusted (one line), or None when it is complete and intact."""
     try:
         manifest = read_manifest(folder)
     except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         return f"unreadable manifest: {err}"
-    missing = [k for k in MANIFEST_KEYS if k not in manifest]
-    if missing:
-        return f"manifest lacks {missing}"
+    problem = manifest_problem(manifest, folder)
+    if problem is not None:
+        return problem
     for shard, info in sorted(manifest["shards"].items()):
         path = folder / shard
         if not path.is_file():
@@ -200,10 +295,10 @@ def quarantine(folder: Path) -> Path:
 
 
 def newest_valid_checkpoint(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that :func:`verify_checkpoint` accepts, and the newer ones it
-    rejected with their reasons (newest first)."""
+    """The newest checkpoint that :func:`verify_checkpoint` accepts, and the newer ``step-*``
+    folders it rejected with their reasons (newest first; a folder without a manifest too)."""
     rejected = []
-    for folder in reversed(list_checkpoints(root)):
+    for folder in reversed(step_folders(root)):
         reason = verify_checkpoint(folder)
         if reason is None:
             return folder, rejected
@@ -221,7 +316,15 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def discard(root: Path, steps: list[int]) -> None:
     """Delete the checkpoints of ``steps`` (an abandoned timeline after a rewind)."""
     for step in steps:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+        if step_dir(root, step).exists():
+            delete_checkpoint(step_dir(root, step))
+
+
+def step_folders(root: Path) -> list[Path]:
+    """Every ``step-*`` folder, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), key=lambda p: p.name)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -252,13 +355,13 @@ def restore_replaced(root: Path) -> None:
 
 
 def remove_stale(root: Path) -> None:
-    """Delete ``.tmp-*`` folders left by saves that were killed, and ``.old-*`` folders whose
-    replacement is in place."""
+    """Delete ``.tmp-*`` folders left by saves that were killed, ``.old-*`` folders whose
+    replacement is in place, and ``.del-*`` folders whose deletion was interrupted."""
     if not root.is_dir():
         return
     restore_replaced(root)
     for p in root.iterdir():
-        if p.name.startswith((".tmp-step-", ".old-step-")):
+        if p.name.startswith((".tmp-step-", ".old-step-", ".del-step-")):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -267,6 +370,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{str(folder)!r} is not a complete checkpoint (no manifest.json)")
     manifest = json.loads(path.read_text())
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} holds a JSON {type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"checkpoint {folder} has format {manifest.get('format')!r}; this mt-train reads "
@@ -281,6 +386,9 @@ class CheckpointReader:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.manifest = read_manifest(folder)
+        problem = manifest_problem(self.manifest, folder)
+        if problem is not None:
+            raise ValueError(f"checkpoint {folder}: {problem}")
         self._verified: set[str] = set()
 
     def names(self, prefix: str = "") -> list[str]:

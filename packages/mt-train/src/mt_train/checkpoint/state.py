@@ -21,6 +21,12 @@ overlapping it owns the elements ``[a, b)`` of its flattened TP-local tensor. Bo
 pieces of the ``W`` ranks tile that tensor exactly. :class:`StateLayout` records, for every
 entry that is a piece on this rank, its ``start`` and the full shape.
 
+Expert parallelism (``parallel.ep > 1``): an MoE layer's routed-expert weights ``[E, out, in]``
+are split along dim 0 over the ep ranks, so ep rank ``r`` holds the flat elements
+``[r·n, (r+1)·n)`` (``n`` its local numel) of the whole tensor: a piece, with its AdamW moments.
+Its expert-data-parallel replicas (edp rank > 0) hold the same piece and do not write it
+(:attr:`StateLayout.replicas`); loading re-cuts pieces for any ep degree (ep=2 → ep=1 and back).
+
 Invariant: ZeRO-1's master weights equal the fp32 parameters after every step (it copies them
 in), so neither snapshots nor checkpoints store them; they are rebuilt from the restored
 parameters (:meth:`~mt_train.optim.Zero1AdamW.sync_master`).
@@ -75,6 +81,8 @@ class StateLayout:
 
     starts: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
+    replicas: set[str] = field(default_factory=set)
+    """Pieces this rank holds but another rank writes (expert-data-parallel replicas)."""
 
     @classmethod
     def of(cls, module: nn.Module, optimizer: Any) -> StateLayout:
@@ -86,6 +94,17 @@ class StateLayout:
             for view in optimizer.views():
                 for key in MOMENTS:
                     layout.starts[f"optim/{view.name}/{key}"] = view.start
+        for short, param in named_parameters(module).items():
+            expert = getattr(param, "expert_rank", None)
+            if expert is None:
+                continue
+            ep_rank, ep_size, edp_rank = expert
+            names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
+            for name in names:
+                layout.starts[name] = ep_rank * param.numel()
+                layout.shapes[name] = [param.shape[0] * ep_size, *param.shape[1:]]
+                if edp_rank != 0:
+                    layout.replicas.add(name)
         for key, value in module.state_dict().items():
             if isinstance(value, DTensor):
                 short = canonical_key(key)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mt_train.fault_points import DISK_ERRNOS, DISK_SITES, SAVE_PHASES
+
 DETECTORS = ("non_finite", "loss_spike", "grad_norm_spike", "fp8_overflow")
 SKIP_POLICIES = ("window", "batches", "none")
 
@@ -119,28 +121,57 @@ class FaultConfig:
     """The process SIGKILLs itself as this step begins (an async save may be in flight)."""
     sigterm_at_step: int | None = None
     """The process sends itself SIGTERM as this step begins (a preemption drill)."""
+    hang_at_step: int | None = None
+    """This step sleeps ``hang_s`` seconds before it starts (a hang drill for
+    ``trainer.step_timeout_s`` and ``comm.timeout_s``)."""
+    hang_s: float = 3600.0
+    """How long ``hang_at_step`` sleeps."""
     corrupt_latest_checkpoint: bool = False
     """At start-up, flip bytes in the newest checkpoint's first shard (before resuming)."""
+    disk_error: str | None = None
+    """The first write at this site fails with ``disk_errno`` (a full or read-only disk):
+    run_dir, data, checkpoint, manifest, publish, events, metrics, decisions
+    (:mod:`mt_train.fault_points`)."""
+    disk_errno: str = "ENOSPC"
+    """The error of ``disk_error``: ENOSPC, EROFS, EACCES, EIO or EDQUOT."""
+    kill_in_save: str | None = None
+    """The process SIGKILLs itself after this phase of a checkpoint save: shard, manifest,
+    replace, publish or prune (one-shot per run folder, like ``kill_at_step``)."""
+    save_step: int | None = None
+    """The checkpoint step whose save ``kill_in_save`` and the checkpoint sites of
+    ``disk_error`` hit; null: the first save."""
     rank: int | None = None
     """Only this rank injects the step faults; null: every rank."""
 
     def __post_init__(self) -> None:
         for name in (
             "nan_at_step", "spike_at_step", "grad_spike_at_step", "fp8_overflow_at_step",
-            "bad_batch_at_step", "kill_at_step", "sigterm_at_step",
+            "bad_batch_at_step", "kill_at_step", "sigterm_at_step", "hang_at_step",
         ):  # fmt: skip
             value = getattr(self, name)
             if value is not None:
                 _check_int("fault", name, value, 1)
+        if not self.hang_s > 0:
+            raise ValueError(f"fault.hang_s must be > 0 seconds, got {self.hang_s}")
         if self.rank is not None:
             _check_int("fault", "rank", self.rank, 0)
+        if self.save_step is not None:
+            _check_int("fault", "save_step", self.save_step, 1)
+        choices = (
+            ("disk_error", self.disk_error, DISK_SITES),
+            ("disk_errno", self.disk_errno, DISK_ERRNOS),
+            ("kill_in_save", self.kill_in_save, SAVE_PHASES),
+        )
+        for name, value, valid in choices:
+            if value is not None and value not in valid:
+                raise ValueError(f"fault.{name}={value!r} is unknown; valid: {', '.join(valid)}")
         if not self.spike_factor > 1:
             raise ValueError(f"fault.spike_factor must be > 1, got {self.spike_factor}")
 
     @property
     def step_faults(self) -> dict[str, int]:
         """The one-shot step faults that are set, by name."""
-        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm")
+        names = ("nan", "spike", "grad_spike", "fp8_overflow", "kill", "sigterm", "hang")
         return {
             n: getattr(self, f"{n}_at_step")
             for n in names

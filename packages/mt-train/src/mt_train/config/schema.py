@@ -7,7 +7,8 @@ composed config into objects (:func:`mt_train.config.to_train_config`) runs ever
 Cross-group rules (tensor parallelism dividing the head counts, batch sizes dividing
 each other) live in :meth:`TrainConfig.__post_init__`.
 
-The ``rewind`` and ``fault`` groups' schemas live in :mod:`mt_train.config.rewind`.
+The ``rewind`` and ``fault`` groups' schemas live in :mod:`mt_train.config.rewind`, the
+``profiling`` group's and the ``comm`` section's in :mod:`mt_train.config.observability`.
 The ``parallel`` group's schema is ``mt_parallel.ParallelConfig`` (mt_parallel owns it).
 ``mt_fp8`` exports recipe dataclasses but no config schema, so :class:`FP8Config` here names
 an ``mt_fp8`` recipe and its arguments, and the recipe dataclass validates them.
@@ -21,13 +22,15 @@ from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
 from mt_parallel import ParallelConfig, validate_cp_sequence
+from mt_parallel.pipeline import chunks_per_rank, split_layers
+from mt_train.config.observability import CommConfig, ProfilingConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 BUNDLED_DATA = ("kjv", "digits")
 SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
-RESUME_MODES = ("none", "auto")
+RESUME_MODES = ("none", "auto", "must")
 
 
 def positive(owner: str, **values: Any) -> None:
@@ -281,20 +284,26 @@ class CheckpointConfig:
     async_save: bool = True
     """Write in a background thread; the next save (or the end of training) waits for it."""
     resume: str = "none"
-    """none, auto (newest complete checkpoint in ``dir``, if any) or a checkpoint folder."""
+    """none; auto (the newest checkpoint in ``dir`` that verifies; damaged newer ones are
+    set aside with a logged reason; none left: start fresh, saying so); must (as auto, but
+    refuse to start fresh); or a path: a ``step-*`` checkpoint folder, or a folder of them
+    (the newest that verifies)."""
     init_from: str | None = None
     """Start from these weights only (an ``mt-convert import`` root or any checkpoint folder);
     ignored when resuming."""
 
     def __post_init__(self) -> None:
         positive("checkpoint", keep_last=self.keep_last)
-        if self.resume not in RESUME_MODES and not os.path.isdir(self.resume):
+        if self.resume not in RESUME_MODES and not os.path.isdir(os.path.expanduser(self.resume)):
             raise ValueError(
-                f"checkpoint.resume={self.resume!r} must be none, auto or an existing "
-                "checkpoint folder"
+                f"checkpoint.resume={self.resume!r} must be none, auto, must or an existing "
+                "checkpoint folder (or a folder of them)"
             )
-        if self.init_from is not None and not os.path.isdir(self.init_from):
+        if self.init_from is not None and not os.path.isdir(os.path.expanduser(self.init_from)):
             raise ValueError(f"checkpoint.init_from={self.init_from!r} is not a folder")
+
+
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
@@ -307,6 +316,38 @@ class LoggingConfig:
     """Append every logged step to ``<output_dir>/metrics.jsonl``."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the ``tensorboard`` extra)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the ``wandb`` extra); files in ``<run>/wandb``."""
+    wandb_project: str = "mt-train"
+    """The W&B project."""
+    wandb_mode: str = "offline"
+    """offline (files only, ``wandb sync`` uploads them later), online or disabled."""
+    mlflow: bool = False
+    """Also log to MLflow (needs the ``mlflow`` extra)."""
+    mlflow_experiment: str = "mt-train"
+    """The MLflow experiment."""
+    mlflow_tracking_uri: str | None = None
+    """Where MLflow stores runs; null: an SQLite store ``<run>/mlflow.db`` (artifacts in
+    ``<run>/mlartifacts``)."""
+    loggers: list[str] = field(default_factory=list)
+    """Further metric loggers by registered name (third-party ones come through the
+    ``mt_register_loggers`` hook; :mod:`mt_train.loggers`)."""
+    step_breakdown: bool = True
+    """Add where the time of the logged steps went (``time/*``), reserved memory and the slowest
+    rank's step time to every logged record (:mod:`mt_train.step_timer`)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(
+                f"logging.wandb_mode={self.wandb_mode!r} is unknown; valid: {', '.join(WANDB_MODES)}"
+            )
+        if not self.wandb_project or not self.mlflow_experiment:
+            raise ValueError(
+                f"logging.wandb_project={self.wandb_project!r} and logging.mlflow_experiment="
+                f"{self.mlflow_experiment!r} must not be empty"
+            )
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"logging.loggers={list(self.loggers)} names a logger twice")
 
 
 @dataclass
@@ -347,6 +388,11 @@ class TrainerConfig:
     """Length of the greedy sample printed at the end (0: none)."""
     sample_prompt: str = "And God said"
     """Prompt of that sample."""
+    step_timeout_s: float | None = None
+    """A step (with its evaluation and checkpoint) taking longer than this dumps every thread's
+    Python stack of this rank to ``<run>/hang/rank<r>.txt`` and ends the process with exit
+    status 4 (:mod:`mt_train.watchdog`); null: no watchdog. Leave room for the first step's
+    compilation or CUDA-graph capture."""
 
     def __post_init__(self) -> None:
         positive(
@@ -360,6 +406,10 @@ class TrainerConfig:
             eval_batches=self.eval_batches,
             checkpoint_interval=self.checkpoint_interval,
         )
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(
+                f"trainer.step_timeout_s must be > 0 seconds or null, got {self.step_timeout_s}"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"trainer.precision={self.precision!r} is unknown; valid: {', '.join(PRECISIONS)}"
@@ -380,6 +430,8 @@ class TrainConfig:
     rewind: RewindConfig = field(default_factory=RewindConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
@@ -400,6 +452,9 @@ class TrainConfig:
                 f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds "
                 f"trainer.max_steps={tr.max_steps}"
             )
+        if par.pp > 1 and hasattr(model, "n_layers"):  # the layers split as asked
+            chunks = chunks_per_rank(par.pp_schedule, par.pp_chunks)
+            split_layers(model.n_layers, par.pp * chunks, par.pp_layers or None)
         if self.fp8.enabled and self.fp8.min_features % 16:
             raise ValueError(f"fp8.min_features={self.fp8.min_features} must be a multiple of 16")
 
@@ -412,6 +467,7 @@ class TrainConfig:
                 f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
                 f"micro_batch_size·dp = {self.trainer.micro_batch_size}·{dp} = {per_step}"
             )
+        self.parallel.pipeline_microbatches(self.trainer.global_batch_size // per_step)
         if self.fault.rank is not None and self.fault.rank >= world_size:
             raise ValueError(
                 f"fault.rank={self.fault.rank} is not a rank of this run (world size {world_size})"

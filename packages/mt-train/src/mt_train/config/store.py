@@ -34,12 +34,15 @@ def register_configs() -> None:
         store.store(group="model", name=name, node=cfg)
 
 
-def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose ``train.yaml`` with ``overrides`` as the CLI would (no run directory made)."""
+def compose_config(overrides: Sequence[str] = (), with_hydra: bool = False) -> DictConfig:
+    """Compose ``train.yaml`` with ``overrides`` as the CLI would (no run directory made);
+    ``with_hydra``: keep Hydra's own section (``hydra.run.dir`` and the like)."""
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name=CONFIG_NAME, overrides=list(overrides))
+        return compose(
+            config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=with_hydra
+        )
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -223,7 +223,8 @@ class ResumableSampler:
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
             raise ValueError(
-                f"checkpoint data order used seed {state['seed']}, this run uses {self.seed}"
+                f"its data order used trainer.seed={state['seed']}, this run uses "
+                f"trainer.seed={self.seed}"
             )
         self.consumed = int(state["consumed"])
         self.skipped = [(int(a), int(b)) for a, b in state.get("skipped", [])]

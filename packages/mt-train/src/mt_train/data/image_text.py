@@ -13,7 +13,8 @@ Output folder (byte tokens; one extra id, ``image_token_id = 257``, for image to
                             "vocab_size": 258, "image_token_id", "image_tokens" (L),
                             "image_shape": [C, H, W], "pixel_mean", "pixel_std" (per
                             channel, of the train split's pixels / 255), "dtype": "uint16",
-                            "splits": {"train": {"samples", "images", "tokens"}, "val": ...}}
+                            "max_token_id", "splits": {"train": {"samples", "images",
+                            "tokens", "documents" (= samples)}, "val": ...}}
     <split>.bin / .idx     every sample's ids (each ``<image>`` expanded to L image tokens,
                            then EOS) concatenated; int64 sample offsets (samples + 1)
     <split>.mask           uint8 per token: 1 where the token is a trained target
@@ -193,7 +194,9 @@ def write_image_text(
         np.asarray(split["source"], np.int64).tofile(out / f"{name}.source")
         meta["splits"][name] = {
             "samples": len(lengths), "images": len(split["images"]), "tokens": int(sum(lengths)),
+            "documents": len(lengths),
         }  # fmt: skip
+    meta["max_token_id"] = image_token_id
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -3,7 +3,7 @@
 Output folder layout::
 
     meta.json        {"format": 1, "tokenizer": "byte" | "tokenizer.json", "eos_token", "eos_id",
-                      "vocab_size", "dtype": "uint16" | "uint32",
+                      "vocab_size", "max_token_id", "dtype": "uint16" | "uint32",
                       "splits": {"train": {"tokens", "documents"}, "val": {...}}}
     tokenizer.json   the HF tokenizer (absent for the byte tokenizer)
     train.bin        every training document's ids followed by eos_id, concatenated (dtype)
@@ -12,7 +12,11 @@ Output folder layout::
 
 The dtype is uint16 when every id fits (vocab ≤ 65536), else uint32. Document ``d`` goes
 to validation when ``d % val_every == val_every - 1`` (spread over the corpus, not its tail),
-so the split is deterministic and independent of the tokenizer.
+so the split is deterministic and independent of the tokenizer. ``meta.json`` is written
+last and atomically, so a folder whose preparation was interrupted (a kill, a full disk) has
+none and is prepared again rather than read half-written; ``max_token_id`` (the largest id
+in the token files) lets ``mt-train`` check the data against ``model.vocab_size`` at start-up
+without reading every token (:mod:`mt_train.data.checks`).
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
-import sys
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+from mt_train import fault_points
 from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
+from mt_train.errors import DiskError, UserError, report
 
 FORMAT_VERSION = 1
 KJV_CHAPTER = r"^(?:[1-3] )?[A-Z][A-Za-z ]+ [0-9]+$"
@@ -48,7 +54,10 @@ def read_documents(
 ) -> Iterator[str]:
     """Documents of ``.txt``/``.txt.gz`` files (split where a line matches ``doc_start``,
     else one per file) and ``.jsonl``/``.jsonl.gz`` files (one per line, field ``text_key``)."""
-    pattern = re.compile(doc_start, re.MULTILINE) if doc_start else None
+    try:
+        pattern = re.compile(doc_start, re.MULTILINE) if doc_start else None
+    except re.error as err:
+        raise UserError(f"--doc-start {doc_start!r} is not a regular expression: {err}") from None
     for path in paths:
         text = _open_text(path)
         if ".jsonl" in path.suffixes:
@@ -80,7 +89,18 @@ def write_prepared(
         raise ValueError(
             f"val_every must be >= 2 (1 would leave nothing to train on), got {val_every}"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "meta.json").unlink(missing_ok=True)  # the folder is incomplete until it is back
+        return _write_prepared(out, documents, tokenizer, val_every)
+    except OSError as err:
+        raise DiskError("the prepared data folder", err.filename or out, err) from err
+
+
+def _write_prepared(
+    out: Path, documents: Sequence[str], tokenizer: Tokenizer, val_every: int
+) -> dict[str, object]:
+    fault_points.disk_write("data", out / "train.bin")
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
     splits: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     for start in range(0, len(documents), 256):
@@ -94,6 +114,9 @@ def write_prepared(
         "eos_token": getattr(tokenizer, "eos_token", EOS_TOKEN),
         "eos_id": tokenizer.eos_id,
         "vocab_size": tokenizer.vocab_size,
+        "max_token_id": max(
+            (int(a.max()) for arrays in splits.values() for a in arrays), default=-1
+        ),
         "dtype": np.dtype(dtype).name,
         "splits": {},
     }
@@ -107,7 +130,12 @@ def write_prepared(
         np.concatenate(arrays).tofile(out / f"{split}.bin")
         offsets.tofile(out / f"{split}.idx")
         meta["splits"][split] = {"tokens": int(offsets[-1]), "documents": len(arrays)}  # type: ignore[index]
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    partial = out / ".tmp-meta.json"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, out / "meta.json")
     return meta
 
 
@@ -178,9 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             tokenizer = HFTokenizer.from_file(args.tokenizer, args.eos_token)
         meta = write_prepared(args.out, docs, tokenizer, args.val_every)
-    except (OSError, ValueError) as err:
-        print(f"mt-prepare-data: error: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, UserError) as err:
+        return report("mt-prepare-data", err)
     splits = meta["splits"]
     print(
         f"wrote {args.out}: vocab {meta['vocab_size']}, "
@@ -195,19 +222,16 @@ def _main_image_text(args: argparse.Namespace) -> int:
     from mt_train.data.image_text import read_jsonl_records, write_image_text
 
     if args.image_shape is None or args.image_tokens is None:
-        print(
-            "mt-prepare-data: error: --image-text needs --image-shape C H W and --image-tokens N",
-            file=sys.stderr,
+        return report(
+            "mt-prepare-data", "--image-text needs --image-shape C H W and --image-tokens N"
         )
-        return 2
     try:
         meta = write_image_text(
             args.out, read_jsonl_records(args.inputs), args.image_shape, args.image_tokens,
             args.val_every, args.max_tokens,
         )  # fmt: skip
-    except (OSError, ValueError) as err:
-        print(f"mt-prepare-data: error: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, UserError) as err:
+        return report("mt-prepare-data", err)
     splits = meta["splits"]
     print(
         f"wrote {args.out}: "

@@ -60,7 +60,14 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        return cls(Tokenizer.from_file(str(path)), eos_token)
+        try:
+            loaded = Tokenizer.from_file(str(path))
+        except Exception as err:  # the tokenizers library raises plain Exception
+            message = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(
+                f"{str(path)!r} is not a Hugging Face tokenizer.json ({message})"
+            ) from None
+        return cls(loaded, eos_token)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text).ids)  # type: ignore[attr-defined]

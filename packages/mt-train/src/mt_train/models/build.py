@@ -5,7 +5,8 @@
   tensors from a generator seeded by (seed, module name), so every TP degree and device starts
   from the same full weights. Building on ``meta`` allocates nothing.
 * :func:`parallelize`: :func:`mt_parallel.parallelize` (TP → CP → FP8 → recompute → compile →
-  DP, documented there) with the family's :class:`~mt_parallel.ParallelizePlan` and the
+  DP, documented there), or with ``parallel.pp > 1`` this pipeline rank's chunks of the model,
+  each through the same path, as one :class:`mt_parallel.PipelineModule` with the family's :class:`~mt_parallel.ParallelizePlan` and the
   ``fp8`` group as :class:`mt_parallel.FP8Options`: the blocks' linears run the GEMMs of
   ``fp8.gemms`` in FP8; the output head stays high precision unless ``fp8.output_head`` (then
   ``fp8.output_head_gemms``), and linears whose smaller side is below ``fp8.min_features``
@@ -111,7 +112,10 @@ def parallelize(
     if compile_blocks and not parallel.compile:
         parallel = dataclasses.replace(parallel, compile=True)
     options = fp8_options(fp8) if fp8.enabled else None
-    return mt_parallel.parallelize(model, parallel, state, family_of(cfg).plan(cfg), options)
+    plan = family_of(cfg).plan(cfg)
+    if parallel.pp > 1:
+        return mt_parallel.pipeline_module(model, parallel, state, plan, options)
+    return mt_parallel.parallelize(model, parallel, state, plan, options)
 
 
 def apply_fp8_config(

@@ -18,6 +18,7 @@ from mt_train.models.family import ModelFamily
 
 BUILTIN_FAMILY_PLUGINS = {
     "mt_train.llama": "mt_train.models.llama.plugin",
+    "mt_train.moe": "mt_train.models.moe.plugin",
     "mt_train.vlm": "mt_train.models.vlm.plugin",
 }
 """Plugin name -> module of mt-train's built-in model families."""

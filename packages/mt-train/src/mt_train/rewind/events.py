@@ -2,7 +2,10 @@
 
 Every rank keeps the records in memory (tests and the multi-rank agreement read them); rank 0
 appends them to the file, flushed and fsynced per record (events are rare, and a record must
-survive the crash that may follow it). Records share ``event``, ``step`` and ``time`` (UTC,
+survive the crash that may follow it). A crash in the middle of a write leaves a torn last
+line: :class:`EventLog` cuts it off when it opens the file (logging ``events_repaired``), and
+:func:`read_events` skips any line that does not parse, so a half-written record never
+blocks a restart. Records share ``event``, ``step`` and ``time`` (UTC,
 ISO 8601); the rest depends on the event:
 
 * ``rewind``: ``detector`` (the one that names it), ``detectors``, ``ranks`` (who saw each),
@@ -12,6 +15,9 @@ ISO 8601); the rest depends on the event:
 * ``give_up``: the anomaly as above, the rewinds counted and the bound;
 * ``stable``: a checkpoint became stable (``checkpoint``, ``healthy_steps``);
 * ``checkpoint_rejected``: a corrupt or partial checkpoint (``path``, ``reason``, ``moved_to``);
+* ``fresh_start``: ``checkpoint.resume=auto`` found nothing to resume from (``reason``);
+* ``decisions_rejected``: a damaged rewind decisions file (``path``, ``reason``, ``moved_to``);
+* ``events_repaired``: a torn last line was cut off this file (``bytes``, ``text``);
 * ``resume``: the checkpoint a run resumed from;
 * ``preempted``: a stop signal (``signal``, ``checkpoint``);
 * ``fault``: an injected fault fired (``fault``, its settings).
@@ -30,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mt_train import fault_points
+from mt_train.errors import DiskError
 from mt_train.rewind.consensus import finite_or_text
 
 EVENTS_FILE = "events.jsonl"
@@ -42,7 +50,30 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
         path = path / EVENTS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn or damaged line
+            continue
+        if isinstance(record, dict) and "event" in record:
+            records.append(record)
+    return records
+
+
+def cut_torn_tail(path: Path) -> bytes:
+    """Cut ``path`` back to its last complete line; returns what was cut (empty if nothing)."""
+    if not path.is_file():
+        return b""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return b""
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return data[keep:]
 
 
 def _print(text: str) -> None:
@@ -56,6 +87,14 @@ class EventLog:
         self.path = path
         self.echo = echo
         self.records: list[dict[str, Any]] = []
+        if path is not None:
+            try:
+                torn = cut_torn_tail(path)
+            except OSError as err:
+                raise DiskError("the events log", path, err) from err
+            if torn:
+                text = torn[:80].decode(errors="replace")
+                self.emit("events_repaired", 0, bytes=len(torn), text=text)
 
     def emit(self, event: str, step: int, quiet: bool = False, **fields: Any) -> dict[str, Any]:
         """Record (and on rank 0 write) an event; ``quiet``: no console line."""
@@ -63,10 +102,14 @@ class EventLog:
         record = finite_or_text({"event": event, "step": step, "time": stamp, **fields})
         self.records.append(record)
         if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, sort_keys=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                fault_points.disk_write("events", self.path)
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record, sort_keys=False) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as err:
+                raise DiskError("the events log", self.path, err) from err
             if self.echo is not None and not quiet:
                 self.echo(console_line(record))
         return record
@@ -132,6 +175,18 @@ def console_line(record: dict[str, Any]) -> str:
         return f"checkpoint rejected: {record['path']}: {record['reason']}"
     if event == "resume":
         return f"resume: from {record['path']} (step {step})"
+    if event == "fresh_start":
+        return f"resume: {record['reason']}"
+    if event == "decisions_rejected":
+        return (
+            f"rewind decisions rejected: {record['path']}: {record['reason']} (moved to "
+            f"{record['moved_to']}; resuming with the checkpoint's own rewind state)"
+        )
+    if event == "events_repaired":
+        return (
+            f"events: cut a torn last line ({record['bytes']} bytes, a write interrupted by a "
+            "crash) off the events log"
+        )
     if event == "preempted":
         saved = record.get("checkpoint") or "no checkpoint (checkpoints are off)"
         return f"preempted by {record['signal']} at step {step}: saved {saved}; exiting"

@@ -18,6 +18,8 @@ Step ``K`` is the optimizer step computed when ``K - 1`` steps are done. With sp
 * ``kill_at_step``: as step K begins the process sends itself SIGKILL (nothing runs after it:
   no handler, no flush; an async checkpoint save may be half written);
 * ``sigterm_at_step``: as step K begins the process sends itself SIGTERM (a preemption);
+* ``hang_at_step``: as step K begins the process sleeps ``fault.hang_s`` seconds (a hang, for
+  the step watchdog and the collective timeout);
 * ``corrupt_latest_checkpoint``: at start-up, before resuming, bytes in the middle of the
   newest complete checkpoint's first shard are flipped (its sha256 no longer matches).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +119,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
         if self._fire("sigterm", step) and self.acts:
             os.kill(os.getpid(), signal.SIGTERM)
+        if self._fire("hang", step) and self.acts:
+            time.sleep(self.cfg.hang_s)
         faults = StepFaults()
         if self._fire("nan", step) and self.acts:
             faults.loss = float("nan")

@@ -1,0 +1,56 @@
+"""Deferred weight gradients: the weight-gradient GEMMs of a backward, run later on demand.
+
+Zero-bubble pipeline schedules (ZB-H1, ZBV, DualPipeV) split a chunk's backward into ``I``
+(input gradients, which the previous stage waits for) and ``W`` (weight gradients, which only
+the optimizer needs) and fill pipeline bubbles with ``W``. For an FP8 linear both come out of
+one autograd node, so autograd cannot run one without the other. A :class:`WeightGradSink`
+set on a layer (``FP8Linear.wgrad_sink``) separates them: the layer's backward computes
+``dx`` and hands the sink a closure for ``dw = dyᵀ·x`` (and ``db = Σ dy``) instead of
+returning them; :meth:`WeightGradSink.take` returns the closures queued since the last call
+as one function, which later adds ``dw``/``db`` into ``weight.grad``/``bias.grad`` as autograd
+would (assigned when None, added otherwise).
+
+Invariant: the deferred closure runs the same quantized operands through the same GEMM as the
+fused backward (the quantization of ``dy`` and its transpose happen once, in the ``I`` part),
+so a deferred weight gradient equals the fused one bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class WeightGradSink:
+    """A queue of deferred weight-gradient computations (module docstring)."""
+
+    def __init__(self) -> None:
+        self._pending: list[Callable[[], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def defer(self, compute: Callable[[], None]) -> None:
+        """Queue ``compute`` (it adds its gradients into the parameters when called)."""
+        self._pending.append(compute)
+
+    def take(self) -> Callable[[], None]:
+        """One function running every computation queued since the last ``take``."""
+        pending, self._pending = self._pending, []
+
+        def run() -> None:
+            for compute in pending:
+                compute()
+
+        return run
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``param.grad += grad`` as autograd's accumulation does (assigned when None)."""
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

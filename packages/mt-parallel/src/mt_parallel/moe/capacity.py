@@ -1,0 +1,97 @@
+"""Expert capacity: which assignments an expert takes, in what order, and padding.
+
+Shape suffixes: T tokens, K top-k, A = T·K assignments (``a = t·K + j``: token ``t``'s
+``j``-th choice), E experts, N kept assignments.
+
+Assignments are sorted by expert with a stable sort, so inside an expert they keep token
+order. Dropless (``capacity_factor=None``) keeps all. With a capacity factor ``c`` each expert
+takes at most ``C = ceil(c · T·K / E)`` of this rank's assignments, the first ``C`` in token
+order; the rest are dropped (they add nothing to the output: the residual stream carries the
+token). Capacity is counted on the tokens of the rank that routes them, before dispatch, so
+every expert-parallel layout drops the same assignments. ``pad_to_capacity`` gives every
+expert exactly ``C`` rows (zeros past its kept ones): static shapes at the price of computing
+on padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """``ceil(factor · tokens·top_k / num_experts)`` (module docstring)."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+@dataclass
+class PermutePlan:
+    """Where this rank's assignments go (module docstring)."""
+
+    order_N: torch.Tensor
+    """Flat assignment index of each kept assignment, sorted by expert (int64)."""
+    group_sizes_E: torch.Tensor
+    """Rows each expert receives (kept assignments, or the capacity when padded) (int64)."""
+    rows_N: torch.Tensor | None
+    """With padding: the padded row of each kept assignment (None: rows are ``0..N-1``)."""
+    dropped: int | torch.Tensor
+    """Assignments dropped by capacity (0-d int64 tensor, or 0)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.group_sizes_E.sum()) if self.rows_N is not None else self.order_N.numel()
+
+
+def permute_plan(
+    indices_TK: torch.Tensor,
+    num_experts: int,
+    capacity_factor: float | None = None,
+    pad_to_capacity: bool = False,
+) -> PermutePlan:
+    """The :class:`PermutePlan` of one rank's routing decision (module docstring)."""
+    tokens, top_k = indices_TK.shape
+    experts_A = indices_TK.reshape(-1)
+    order_A = torch.argsort(experts_A, stable=True)
+    counts_E = torch.bincount(experts_A, minlength=num_experts)
+    if capacity_factor is None:
+        return PermutePlan(order_A, counts_E, None, 0)
+    capacity = expert_capacity(tokens, top_k, num_experts, capacity_factor)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    sorted_experts_A = experts_A[order_A]
+    position_A = torch.arange(order_A.numel(), device=order_A.device) - starts_E[sorted_experts_A]
+    keep_A = position_A < capacity
+    order_N = order_A[keep_A]
+    kept_E = counts_E.clamp(max=capacity)
+    dropped = (counts_E - kept_E).sum()
+    if not pad_to_capacity:
+        return PermutePlan(order_N, kept_E, None, dropped)
+    rows_N = sorted_experts_A[keep_A] * capacity + position_A[keep_A]
+    return PermutePlan(order_N, torch.full_like(counts_E, capacity), rows_N, dropped)
+
+
+def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
+    """Rows of ``x_TD`` in the plan's order (each token once per kept assignment)."""
+    rows_ND = x_TD.index_select(0, plan.order_N // top_k)
+    if plan.rows_N is None:
+        return rows_ND
+    padded = rows_ND.new_zeros(plan.num_rows, x_TD.shape[1])
+    return padded.index_copy(0, plan.rows_N, rows_ND)
+
+
+def unpermute(y_ND: torch.Tensor, plan: PermutePlan, weights_TK: torch.Tensor) -> torch.Tensor:
+    """``out_t = Σ_j w_tj · y(a = t·K + j)`` over the kept assignments (dropped ones add 0).
+
+    The weighted sum runs in the wider of ``y``'s and the weights' dtypes (fp32 at least: the
+    router's weights are fp32) and returns ``y``'s dtype.
+    """
+    tokens, top_k = weights_TK.shape
+    if plan.rows_N is not None:
+        y_ND = y_ND.index_select(0, plan.rows_N)
+    per_assignment_AD = y_ND.new_zeros(tokens * top_k, y_ND.shape[1]).index_copy(
+        0, plan.order_N, y_ND
+    )
+    wide = torch.promote_types(y_ND.dtype, weights_TK.dtype)
+    weighted_TKD = per_assignment_AD.view(tokens, top_k, -1).to(wide) * weights_TK[..., None]
+    return weighted_TKD.sum(1).to(y_ND.dtype)

@@ -1,0 +1,155 @@
+"""Token dispatch to the experts of the expert-parallel (ep) group, and the way back.
+
+Shape suffixes: T this rank's tokens, K top-k, N this rank's kept assignments (rows of the
+permuted input, see :mod:`mt_parallel.moe.capacity`), M rows this rank's experts compute, D
+width, E all routed experts, P ep ranks, L = E/P local experts (rank ``r`` owns experts
+``[r·L, (r+1)·L)``).
+
+Both dispatchers map the permuted rows ``x_ND`` (sorted by global expert, ``sizes_E`` rows per
+expert) to the rows of the local experts, sorted by local expert, run ``compute(x_MD,
+local_sizes_L)`` and return its output rows aligned with ``x_ND``:
+
+* :class:`AllToAllDispatcher` (uneven splits): the ``P×L`` counts are exchanged first (one
+  small all-to-all), then the rows. Received rows arrive ordered (source rank, local expert)
+  and are regrouped to (local expert, source rank) for the grouped GEMM; the way back undoes
+  both. Traffic per rank: its own rows out and back. Split sizes are host integers (one
+  device-to-host copy of the counts per layer call, as in every uneven all-to-all).
+* :class:`AllGatherDispatcher`: every rank all-gathers the ``T`` tokens and routing of the
+  group (equal ``T`` on every rank), computes its local experts' rows for all of them, and a
+  reduce-scatter over the per-assignment outputs (each assignment computed by exactly one
+  rank, zeros elsewhere) returns each rank its own. Traffic ``P·T·D`` in, ``P·T·K·D`` back:
+  for small groups and small ``T``. Padding to capacity does not apply (it changes no value).
+
+Gradients: the all-to-all's backward is the all-to-all with the splits swapped; all-gather's
+is reduce-scatter (:func:`mt_parallel.all_gather_grad_rs`) and back. With ``ep=1`` (no group)
+both are the identity around ``compute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import mt_comm
+from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size, reduce_scatter_grad_ag
+from mt_parallel.moe.capacity import PermutePlan, permute, permute_plan, unpermute
+
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``compute(x_MD, local_sizes_L) -> y_MD``: the local experts on rows sorted by local expert."""
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return mt_comm.all_to_all(x.contiguous(), out_splits, in_splits, group=group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        back = mt_comm.all_to_all(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+) -> torch.Tensor:
+    """Differentiable uneven all-to-all of dim-0 rows over ``group``."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def _regroup(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
+    """Chunks laid out (row, col) in ``x`` (``sizes`` in that order) re-laid out (col, row)."""
+    chunks = x.split(sizes)
+    return torch.cat([chunks[r * cols + c] for c in range(cols) for r in range(rows)])
+
+
+class AllToAllDispatcher:
+    """Uneven all-to-all over the ep group (module docstring)."""
+
+    def __init__(self, num_experts: int, group: Any = None) -> None:
+        self.num_experts, self.group = num_experts, group
+
+    def __call__(
+        self, x_ND: torch.Tensor, sizes_E: torch.Tensor, compute: ExpertCompute
+    ) -> torch.Tensor:
+        ranks = group_size(self.group)
+        if ranks == 1:
+            return compute(x_ND, sizes_E)
+        local = self.num_experts // ranks
+        send_PL = sizes_E.view(ranks, local)
+        recv_PL = mt_comm.all_to_all(send_PL.contiguous(), group=self.group)
+        send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # one host read
+        in_splits = [sum(row) for row in send_host]
+        out_splits = [sum(row) for row in recv_host]
+        x_MD = all_to_all(x_ND, out_splits, in_splits, self.group)
+        by_source = [n for row in recv_host for n in row]
+        x_MD = _regroup(x_MD, by_source, ranks, local)
+        y_MD = compute(x_MD, recv_PL.sum(0))
+        by_expert = [recv_host[r][e] for e in range(local) for r in range(ranks)]
+        y_MD = _regroup(y_MD, by_expert, local, ranks)
+        return all_to_all(y_MD, in_splits, out_splits, self.group)
+
+
+class AllGatherDispatcher:
+    """All-gather the group's tokens, compute the local experts, reduce-scatter back."""
+
+    def __init__(self, num_experts: int, group: Any = None) -> None:
+        self.num_experts, self.group = num_experts, group
+
+    def __call__(
+        self, x_ND: torch.Tensor, sizes_E: torch.Tensor, compute: ExpertCompute
+    ) -> torch.Tensor:
+        """A group of one rank: every expert is local, nothing moves."""
+        if group_size(self.group) > 1:
+            raise RuntimeError("AllGatherDispatcher over several ranks: use dispatch_combine")
+        return compute(x_ND, sizes_E)
+
+    def dispatch_combine(
+        self,
+        x_TD: torch.Tensor,
+        indices_TK: torch.Tensor,
+        plan: PermutePlan,
+        compute: ExpertCompute,
+    ) -> torch.Tensor:
+        """Per-assignment outputs ``y_AD`` (``A = T·K``, zeros for dropped assignments)."""
+        tokens, top_k = indices_TK.shape
+        ranks, rank = group_size(self.group), group_rank(self.group)
+        local = self.num_experts // ranks
+        # Mark dropped assignments with expert -1, then gather the group's routing.
+        kept_A = torch.full((tokens * top_k,), -1, dtype=torch.long, device=x_TD.device)
+        kept_A[plan.order_N] = indices_TK.reshape(-1)[plan.order_N]
+        x_all = all_gather_grad_rs(x_TD, 0, self.group)
+        kept_all = mt_comm.all_gather(kept_A, dim=0, group=self.group)
+        mine = (kept_all >= rank * local) & (kept_all < (rank + 1) * local)
+        mine_A = torch.nonzero(mine).squeeze(1)
+        local_experts = kept_all[mine_A] - rank * local
+        order = torch.argsort(local_experts, stable=True)
+        rows = mine_A[order]
+        sizes_L = torch.bincount(local_experts, minlength=local)
+        y_MD = compute(x_all.index_select(0, rows // top_k), sizes_L)
+        y_all = y_MD.new_zeros(kept_all.numel(), x_TD.shape[1]).index_copy(0, rows, y_MD)
+        return reduce_scatter_grad_ag(y_all, 0, self.group)
+
+
+def dispatch_and_combine(
+    dispatcher: AllToAllDispatcher | AllGatherDispatcher,
+    x_TD: torch.Tensor,
+    indices_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    compute: ExpertCompute,
+    capacity_factor: float | None,
+    pad_to_capacity: bool,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """The routed experts' weighted output ``y_TD`` and the number of dropped assignments."""
+    plan = permute_plan(indices_TK, dispatcher.num_experts, capacity_factor, pad_to_capacity)
+    if isinstance(dispatcher, AllGatherDispatcher) and group_size(dispatcher.group) > 1:
+        y_AD = dispatcher.dispatch_combine(x_TD, indices_TK, plan, compute)
+        tokens, top_k = weights_TK.shape
+        wide = torch.promote_types(y_AD.dtype, weights_TK.dtype)
+        weighted = y_AD.view(tokens, top_k, -1).to(wide) * weights_TK[..., None]
+        return weighted.sum(1).to(y_AD.dtype), plan.dropped
+    x_ND = permute(x_TD, plan, indices_TK.shape[1])
+    y_ND = dispatcher(x_ND, plan.group_sizes_E, compute)
+    return unpermute(y_ND, plan, weights_TK), plan.dropped

@@ -1,0 +1,238 @@
+"""Routed experts: SwiGLU MLPs whose weights are one ``[experts, out, in]`` tensor per projection.
+
+Shape suffixes: M rows (tokens sorted by local expert), D width, F expert FFN width, L local
+experts; ``sizes_L`` rows per expert (summing to M).
+
+Per expert ``e`` (rows ``[o_{e-1}, o_e)``)::
+
+    y_e = (silu(x_e · Wg_eᵀ) ⊙ (x_e · Wu_eᵀ)) · Wd_eᵀ      Wg, Wu: [L, F, D], Wd: [L, D, F]
+
+Each projection is a :class:`GroupedLinear`: one GEMM over all experts with PyTorch's grouped
+GEMM ``torch._grouped_mm(x_MK, Wᵀ_LKN, offs)`` where the installed torch runs it for the
+device and dtype (:func:`grouped_mm_reason`: CUDA compute capability ≥ 9.0 or the CPU, bf16 /
+fp16 / fp32, rows 16-byte aligned), else a loop of one ``F.linear`` per non-empty expert (fp64,
+other devices): both compute the same products. On CUDA each group is padded to a multiple of
+:data:`CUDA_GROUP_ALIGN` rows first (zero rows, dropped after): the CUDA kernels want aligned
+group starts (torchtitan pads the same way); the CPU kernel takes any offsets.
+
+With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
+``mt_fp8.FP8GroupedLinear`` sharing the same weight (its grouped ``torch._scaled_grouped_mm``
+path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe).
+
+Expert parallelism (:meth:`GroupedLinear.shard_experts_`) keeps experts ``[r·L, (r+1)·L)`` of
+the full ``E`` on ep rank ``r``; init draws the full ``[E, out, in]`` tensor from the layer's
+generator and keeps the local slice, so every ep degree starts from the same experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt_fp8.ops import swiglu
+from mt_parallel.mappings import group_rank, group_size
+
+CUDA_GROUP_ALIGN = 16
+"""Rows each group is padded to a multiple of for the CUDA grouped GEMM (bf16 needs 8, FP8 16)."""
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def grouped_mm_reason(x_MK: torch.Tensor, weight_LNK: torch.Tensor) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run this GEMM here, or None when it can."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if x_MK.dtype not in GROUPED_MM_DTYPES or weight_LNK.dtype != x_MK.dtype:
+        return f"dtypes {x_MK.dtype}/{weight_LNK.dtype} (grouped GEMM takes bf16, fp16, fp32)"
+    if torch.compiler.is_compiling() and x_MK.dtype != torch.bfloat16:
+        # The traced (fake-tensor) kernel takes bf16 only, though the CPU one runs fp32 eagerly.
+        return f"torch.compile traces grouped GEMMs in bf16 only, got {x_MK.dtype}"
+    if x_MK.device.type == "cuda":
+        if torch.cuda.get_device_capability(x_MK.device) < (9, 0):
+            return "CUDA grouped GEMM needs compute capability >= 9.0"
+    elif x_MK.device.type != "cpu":
+        return f"no grouped GEMM on {x_MK.device.type}"
+    align = 16 // x_MK.element_size()
+    if any(d % align for d in weight_LNK.shape[1:]):
+        return f"weight dims {tuple(weight_LNK.shape[1:])} not multiples of {align} (16-byte rows)"
+    return None
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where each row of a grouped GEMM's input goes when groups are padded to ``align`` rows."""
+
+    dest_M: torch.Tensor
+    """The padded row of every input row."""
+    ends_L: torch.Tensor
+    """The padded groups' int32 end offsets (the kernel's ``offs``)."""
+    rows: int
+    """Rows of the padded input (a host int: one device-to-host read)."""
+
+    @classmethod
+    def of(cls, sizes_L: torch.Tensor, rows: int, align: int = CUDA_GROUP_ALIGN) -> PaddedLayout:
+        """The layout of ``rows`` input rows in groups of ``sizes_L`` (summing to ``rows``)."""
+        padded_L = (sizes_L + align - 1) // align * align
+        ends_L = torch.cumsum(padded_L, 0)
+        experts = torch.arange(sizes_L.numel(), device=sizes_L.device)
+        expert_M = torch.repeat_interleave(experts, sizes_L, output_size=rows)
+        first_L = torch.cumsum(sizes_L, 0) - sizes_L
+        index_M = torch.arange(rows, device=sizes_L.device)
+        dest_M = (ends_L - padded_L)[expert_M] + index_M - first_L[expert_M]
+        total = int(ends_L[-1]) if ends_L.numel() else 0
+        return cls(dest_M, ends_L.to(torch.int32), total)
+
+
+def grouped_mm(
+    x_MK: torch.Tensor,
+    weight_LNK: torch.Tensor,
+    sizes_L: torch.Tensor,
+    layout: PaddedLayout | None = None,
+) -> torch.Tensor:
+    """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring).
+
+    On CUDA the groups are padded by ``layout`` (computed here when not given: the projections
+    of one expert MLP share one, so the host reads its size once)."""
+    if x_MK.device.type != "cuda":
+        offs = torch.cumsum(sizes_L, 0).to(torch.int32)
+        return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
+    layout = layout or PaddedLayout.of(sizes_L, x_MK.shape[0])
+    padded = x_MK.new_zeros(layout.rows, x_MK.shape[1]).index_copy(0, layout.dest_M, x_MK)
+    out = torch._grouped_mm(padded, weight_LNK.transpose(-2, -1), offs=layout.ends_L)
+    return out.index_select(0, layout.dest_M)
+
+
+def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The same products as :func:`grouped_mm`, one ``F.linear`` per non-empty expert."""
+    outputs = [
+        F.linear(x_e, weight_LNK[e]) for e, x_e in enumerate(x_MK.split(sizes)) if sizes[e] > 0
+    ]
+    if not outputs:
+        return x_MK.new_zeros(0, weight_LNK.shape[1])
+    return torch.cat(outputs)
+
+
+class GroupedLinear(nn.Module):
+    """``E`` bias-free linears applied to contiguous row groups (module docstring)."""
+
+    def __init__(
+        self, num_experts: int, in_features: int, out_features: int, init_std: float
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = (
+            num_experts,
+            in_features,
+            out_features,
+        )
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.ep_group: Any = None
+        self._fp8: Any = None
+        self.reset_parameters()
+
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.ep_group)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Draw the full ``[E, out, in]`` weight and keep this ep rank's experts."""
+        full = torch.empty(self.num_experts, self.out_features, self.in_features)
+        if generator is None:
+            full = full.to(self.weight.device)
+        full.normal_(0.0, self.init_std, generator=generator)
+        local = self.weight.shape[0]
+        rank = group_rank(self.ep_group)
+        self.weight.copy_(full[rank * local : (rank + 1) * local])
+
+    @torch.no_grad()
+    def shard_experts_(self, ep_group: Any, edp_group: Any, dp_cp_size: int) -> None:
+        """Keep this ep rank's experts (module docstring) and mark the weight as expert-parallel:
+        ``expert_group`` (its norm is summed there), ``expert_data_group`` and
+        ``expert_grad_divisor`` (its gradient is summed over edp and divided by dp×cp)."""
+        ranks, rank = group_size(ep_group), group_rank(ep_group)
+        if self.num_experts % ranks:
+            raise ValueError(
+                f"parallel.ep={ranks} does not divide the {self.num_experts} routed experts"
+            )
+        if self.ep_size != 1:
+            raise RuntimeError(f"experts are already split over ep={self.ep_size}")
+        local = self.num_experts // ranks
+        data = self.weight.detach()[rank * local : (rank + 1) * local].clone()
+        self.weight = nn.Parameter(data)
+        self.weight.expert_group = ep_group  # type: ignore[attr-defined]
+        self.weight.expert_rank = (rank, ranks, group_rank(edp_group))  # type: ignore[attr-defined]
+        self.weight.expert_data_group = edp_group  # type: ignore[attr-defined]
+        self.weight.expert_grad_divisor = dp_cp_size  # type: ignore[attr-defined]
+        self.ep_group = ep_group
+
+    def enable_fp8(self, recipe: Any = None, fp8_gemms: Any = None, **fp8_kwargs: Any) -> None:
+        """Run the grouped GEMMs through ``mt_fp8.FP8GroupedLinear`` sharing this weight (not a
+        registered submodule, so the state dict keeps its names; its ``fp8_meta`` is)."""
+        from mt_fp8 import FP8_GEMMS, FP8GroupedLinear
+
+        if fp8_gemms is not None and tuple(fp8_gemms) != tuple(FP8_GEMMS):
+            raise ValueError(
+                f"fp8.gemms={list(fp8_gemms)}: MoE experts run all of {list(FP8_GEMMS)} in FP8 "
+                "or none (FP8GroupedLinear has no per-GEMM choice)"
+            )
+        local, out_features, in_features = self.weight.shape
+        fp8 = FP8GroupedLinear(
+            local, in_features, out_features, bias=False, device=self.weight.device,
+            dtype=self.weight.dtype, recipe=recipe, **fp8_kwargs,
+        )  # fmt: skip
+        del fp8.weight
+        fp8.weight = self.weight
+        self._fp8 = fp8
+        self.fp8_meta = fp8.fp8_meta
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return self._fp8 is not None
+
+    def forward(
+        self, x_MK: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
+    ) -> torch.Tensor:
+        """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP."""
+        if self._fp8 is not None:
+            if self._fp8.weight is not self.weight:
+                self._fp8.weight = self.weight
+            return self._fp8(x_MK, sizes_L)
+        weight = self.weight
+        if torch.is_autocast_enabled(x_MK.device.type):
+            dtype = torch.get_autocast_dtype(x_MK.device.type)
+            x_MK, weight = x_MK.to(dtype), weight.to(dtype)
+        else:
+            weight = weight.to(x_MK.dtype)
+        if grouped_mm_reason(x_MK, weight) is None:
+            return grouped_mm(x_MK, weight, sizes_L, layout)
+        return looped_mm(x_MK, weight, sizes_L.tolist())
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.weight.shape[0]}/{self.num_experts}, in_features={self.in_features}, "
+            f"out_features={self.out_features}" + (", fp8" if self._fp8 is not None else "")
+        )
+
+
+class GroupedExperts(nn.Module):
+    """The routed SwiGLU experts (module docstring): ``forward(x_MD, sizes_L) -> y_MD``."""
+
+    def __init__(
+        self, num_experts: int, dim: int, ffn_dim: int, init_std: float, out_init_std: float
+    ) -> None:
+        super().__init__()
+        self.gate_proj = GroupedLinear(num_experts, dim, ffn_dim, init_std)
+        self.up_proj = GroupedLinear(num_experts, dim, ffn_dim, init_std)
+        self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
+
+    def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+        layout = None
+        if x_MD.is_cuda and not self.gate_proj.fp8_enabled:
+            layout = PaddedLayout.of(sizes_L, x_MD.shape[0])
+        gate_MF = self.gate_proj(x_MD, sizes_L, layout)
+        up_MF = self.up_proj(x_MD, sizes_L, layout)
+        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, layout)

@@ -1,0 +1,161 @@
+"""The MoE feed-forward layer: router → dispatch → grouped experts → combine (+ shared experts).
+
+Shape suffixes: B batch, S sequence (this rank's), T = B·S, D width, K top-k.
+
+Math::
+
+    routing = router(m_BSD)                               (mt_parallel.moe.router)
+    y_t = Σ_j w_tj · Expert_{idx_tj}(m_t)   over kept assignments (capacity)
+        + SharedMLP(m_t)                    when n_shared_experts > 0
+
+``SharedMLP`` is one :class:`~mt_parallel.MLP` of width ``n_shared·shared_ffn_dim`` (the sum of
+the shared experts, exactly: SwiGLU experts side by side are one wider SwiGLU), TP-sharded like
+any MLP. The routed experts are not TP-sharded: under ``tp > 1`` every TP rank computes the
+same tokens' experts (tokens are replicated over TP), and their ep groups are separate.
+Sequence parallel is refused (the router would see only a sequence shard of each TP region).
+
+Auxiliary losses. The layer keeps its last forward's weighted auxiliary and z-losses in
+:attr:`MoE.aux_losses` (with graph) and its :class:`~mt_parallel.moe.stats.LoadStats`; the
+model adds the losses to the training loss (:func:`collect_aux_losses`), so their gradients
+reach the router through the normal backward (also under recompute and pipelines). A forward
+recomputed inside backward does not overwrite them.
+
+Expert parallelism is applied by :func:`apply_expert_parallel` (step 1 of
+:func:`mt_parallel.parallelize`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_parallel.layers import scaled_init_std
+from mt_parallel.mappings import group_size
+from mt_parallel.mlp import MLP
+from mt_parallel.moe.config import MoEConfig
+from mt_parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, dispatch_and_combine
+from mt_parallel.moe.experts import GroupedExperts
+from mt_parallel.moe.router import Router
+from mt_parallel.moe.stats import LoadStats, summarize
+
+
+class MoE(nn.Module):
+    """``forward(m_BSD) -> y_BSD`` (module docstring); a drop-in for :class:`~mt_parallel.MLP`."""
+
+    def __init__(
+        self, dim: int, cfg: MoEConfig, num_layers: int = 1, init_std: float = 0.02,
+        scaled_residual_init: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.cfg, self.dim = cfg, dim
+        out_std = scaled_init_std(init_std, num_layers) if scaled_residual_init else init_std
+        self.router = Router(dim, cfg, init_std)
+        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_dim, init_std, out_std)
+        self.shared_experts: MLP | None = None
+        if cfg.n_shared_experts > 0:
+            self.shared_experts = MLP(dim, cfg.shared_hidden_dim, num_layers, init_std)
+            self.shared_experts.down_proj.init_std = out_std
+        self.ep_group: Any = None
+        self.aux_losses: dict[str, torch.Tensor] = {}
+        self.load_stats: LoadStats | None = None
+
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
+        if sequence_parallel:
+            raise ValueError(
+                "MoE layers do not support parallel.sequence_parallel=true yet (the router would "
+                "see a sequence shard); use tp without sequence parallel"
+            )
+
+    def _dispatcher(self) -> AllToAllDispatcher | AllGatherDispatcher:
+        if self.cfg.dispatcher == "all_gather":
+            return AllGatherDispatcher(self.cfg.num_experts, self.ep_group)
+        return AllToAllDispatcher(self.cfg.num_experts, self.ep_group)
+
+    def forward(self, m_BSD: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = m_BSD.shape
+        routing = self.router(m_BSD)
+        x_TD = m_BSD.reshape(batch * seq, dim)
+        y_TD, dropped = dispatch_and_combine(
+            self._dispatcher(), x_TD, routing.indices_TK, routing.weights_TK,
+            self.experts, self.cfg.capacity_factor, self.cfg.pad_to_capacity,
+        )  # fmt: skip
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
+            self.aux_losses = {"moe_aux_loss": routing.aux_loss, "moe_z_loss": routing.z_loss}
+            assignments = routing.indices_TK.numel()
+            fraction = torch.as_tensor(dropped, device=m_BSD.device).float() / assignments
+            self.load_stats = LoadStats(routing.counts_E.detach(), fraction.detach())
+        y_BSD = y_TD.view(batch, seq, dim)
+        if self.shared_experts is not None:
+            y_BSD = y_BSD + self.shared_experts(m_BSD)
+        return y_BSD
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def collect_aux_losses(model: nn.Module) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The sum of every MoE layer's last auxiliary losses (None for a dense model) and the
+    values to log: each loss summed over layers (detached) and :func:`stats.summarize`. The
+    layers' references are released, so the graph is not kept past the backward."""
+    layers = moe_layers(model)
+    if not layers:
+        return None, {}
+    sums: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        for name, value in layer.aux_losses.items():
+            sums[name] = sums[name] + value if name in sums else value
+        layer.aux_losses = {}
+    total = sum(sums.values()) if sums else None
+    logged = {name: value.detach() for name, value in sums.items()}
+    logged.update(summarize([layer.load_stats for layer in layers if layer.load_stats is not None]))
+    return total, logged
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_group: Any, edp_group: Any, dp_cp_group: Any
+) -> nn.Module:
+    """Split every MoE layer's routed experts over ``ep_group`` (ep rank ``r`` keeps experts
+    ``[r·E/ep, (r+1)·E/ep)``), mark them for gradient reduction over ``edp_group`` and give the
+    routers ``dp_cp_group`` for the global token counts of the aux-loss-free bias."""
+    dp_cp_size = group_size(dp_cp_group)
+    for layer in moe_layers(model):
+        layer.router.count_group = dp_cp_group
+        if group_size(ep_group) > 1:
+            layer.cfg.check_expert_parallel(group_size(ep_group))
+            for proj in (layer.experts.gate_proj, layer.experts.up_proj, layer.experts.down_proj):
+                proj.shard_experts_(ep_group, edp_group, dp_cp_size)
+            layer.ep_group = ep_group
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert-parallel parameters (split over ep; their gradients skip DDP)."""
+    return [p for p in model.parameters() if getattr(p, "expert_group", None) is not None]
+
+
+@torch.no_grad()
+def reduce_expert_gradients(model: nn.Module) -> None:
+    """Sum expert gradients over their expert-data-parallel group and divide by dp×cp.
+
+    Each expert's gradient on an ep rank already sums the contributions of every token the ep
+    group routed to it (the all-to-all's backward brings them back); the gradient of the global
+    mean loss sums that over the edp replicas and divides by the dp×cp ranks whose mean losses
+    are averaged (module docstring of :mod:`mt_parallel.data_parallel`).
+    """
+    import mt_comm
+
+    params = [p for p in expert_parameters(model) if p.grad is not None]
+    if not params:
+        return
+    group, divisor = params[0].expert_data_group, params[0].expert_grad_divisor
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    if group_size(group) > 1:
+        mt_comm.all_reduce(flat, group=group)
+    flat.div_(divisor)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+        offset += p.numel()

@@ -1,0 +1,118 @@
+"""Token-choice top-k router: fp32 scores, optional group-limited selection, z-loss.
+
+Shape suffixes: B batch, S sequence (this rank's), T = B·S tokens, D width, E routed experts,
+K top-k, G expert groups (``n_group``).
+
+Math (``W_ED`` the router weight, ``b_E`` the aux-loss-free selection bias, zero otherwise)::
+
+    logits_TE = x_TD · W_EDᵀ                         fp32 GEMM, autocast off
+    s_TE      = softmax(logits)   or   sigmoid(logits)         (score_function)
+    c_TE      = s_TE + b_E                           selection scores; b never weights a token
+    group-limited (G > 1): group score = max of c over the group (softmax) or the sum of its
+      top two (sigmoid, DeepSeek-V3); keep the ``topk_group`` best groups, c = -inf elsewhere
+    idx_TK    = topk(c_TE, K)
+    w_TK      = s_TE[idx]  (/ Σ_K s_TE[idx] if normalize_weights) · routed_scaling_factor
+    z-loss    = z_coeff · mean_T(logsumexp(logits_T)²)
+
+The router GEMM runs in fp32 (fp64 for fp64 inputs) with autocast disabled: under bf16 autocast ``F.linear`` on fp32
+inputs still runs in bf16, which flips about one expert choice in nine (design notes, measured
+on an H200). Balancing losses and the bias update live in :mod:`mt_parallel.moe.balance`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mt_parallel.moe.balance import balancing_loss
+from mt_parallel.moe.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    """One forward's routing decision and its losses."""
+
+    indices_TK: torch.Tensor
+    """Chosen experts per token (int64)."""
+    weights_TK: torch.Tensor
+    """Their combine weights (fp32, differentiable)."""
+    counts_E: torch.Tensor
+    """Assignments per expert before capacity (int64, this rank's tokens)."""
+    aux_loss: torch.Tensor
+    """Balancing loss (0-d, 0 for ``aux_free`` and ``none``), already weighted."""
+    z_loss: torch.Tensor
+    """Router z-loss (0-d), already weighted."""
+
+
+def group_limited_mask(select_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """``select_TE`` with experts outside each token's ``topk_group`` best groups at -inf."""
+    tokens, experts = select_TE.shape
+    grouped_TGe = select_TE.view(tokens, cfg.n_group, experts // cfg.n_group)
+    if cfg.score_function == "sigmoid" and grouped_TGe.shape[-1] >= 2:
+        group_score_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
+    else:
+        group_score_TG = grouped_TGe.amax(dim=-1)
+    keep_TG = group_score_TG.topk(cfg.topk_group, dim=-1).indices
+    mask_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, keep_TG, True)
+    return grouped_TGe.masked_fill(~mask_TG[..., None], float("-inf")).view(tokens, experts)
+
+
+class Router(nn.Module):
+    """The router of one MoE layer (module docstring); ``forward(x_BSD) -> Routing``."""
+
+    def __init__(self, dim: int, cfg: MoEConfig, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.cfg, self.init_std = cfg, init_std
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, dim))
+        # The aux-loss-free bias is state, not a parameter: it is in the state dict (checkpoints)
+        # and moved only by balance.update_expert_biases after each optimizer step.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer(
+            "step_counts", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False
+        )
+        self.count_group = None
+        """The group whose token counts the bias update sums (dp×cp; set by expert parallel)."""
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        full = torch.empty(self.weight.shape, dtype=torch.float32)
+        if generator is None:
+            full = full.to(self.weight.device)
+        full.normal_(0.0, self.init_std, generator=generator)
+        self.weight.copy_(full)
+
+    def scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        if self.cfg.score_function == "softmax":
+            return logits_TE.softmax(dim=-1)
+        return logits_TE.sigmoid()
+
+    def forward(self, x_BSD: torch.Tensor) -> Routing:
+        cfg = self.cfg
+        batch, seq = x_BSD.shape[0], x_BSD.shape[1]
+        with torch.autocast(x_BSD.device.type, enabled=False):
+            wide = torch.promote_types(x_BSD.dtype, torch.float32)  # fp64 stays fp64 (tests)
+            logits_TE = F.linear(x_BSD.reshape(batch * seq, -1).to(wide), self.weight.to(wide))
+        scores_TE = self.scores(logits_TE)
+        select_TE = scores_TE.detach()
+        if cfg.balancing == "aux_free":
+            select_TE = select_TE + self.expert_bias
+        if cfg.n_group > 1:
+            select_TE = group_limited_mask(select_TE, cfg)
+        indices_TK = select_TE.topk(cfg.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, indices_TK)
+        if cfg.normalize_weights and cfg.top_k > 1:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * cfg.routed_scaling_factor
+        counts_E = torch.bincount(indices_TK.flatten(), minlength=cfg.num_experts)
+        if self.training and torch._C._current_graph_task_id() == -1:
+            # Not a recomputation inside backward (recompute=full runs this forward twice).
+            self.step_counts.add_(counts_E)
+        aux = balancing_loss(cfg, scores_TE, indices_TK, counts_E, batch)
+        z_loss = logits_TE.new_zeros(())
+        if cfg.z_loss_coeff > 0:
+            z_loss = cfg.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
+        return Routing(indices_TK, weights_TK, counts_E, aux, z_loss)

@@ -1,0 +1,137 @@
+"""One rank's pipeline chunks as a single module with the whole model's parameter names.
+
+:class:`PipelineModule` registers the children of this rank's :class:`PipelineChunk` s under
+their own names (the blocks of all its chunks in one ``ModuleDict`` keyed by the original block
+index), so ``state_dict()`` and ``named_parameters()`` give the whole model's keys for the part
+this rank holds: optimizers, gradient clipping and name-based checkpoints treat it as any other
+model, and a checkpoint saved at one ``pp`` loads at another.
+
+Its ``forward(tokens, positions, document_ids)`` runs the chunks forward only, in global chunk
+order (blocking p2p between consecutive chunks on different ranks, a shape header first), and
+broadcasts the logits from the rank holding the last chunk to every pipeline rank, so code
+written for a whole model (validation loss, greedy sampling) runs unchanged on every rank.
+Training does not use it: the schedule drives the chunks (:class:`PipelineSchedule`). The
+broadcast costs one logits tensor per forward; evaluation and samples are its only callers.
+``loss(logits, targets)`` is computed by the rank holding the head (its TP group is set there)
+and broadcast over the pipeline group (the model's extra values are not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import mt_comm
+from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+_HEADER = 8
+
+
+class PipelineModule(nn.Module):
+    """This rank's chunks under the whole model's names (module docstring)."""
+
+    def __init__(
+        self,
+        chunks: Sequence[PipelineChunk],
+        layout: PipelineLayout,
+        stage_ids: Sequence[int],
+        placement: dict[int, int],
+        pp_ranks: Sequence[int],
+        pp_group: Any,
+    ) -> None:
+        super().__init__()
+        blocks = nn.ModuleDict()
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                if name == layout.blocks:
+                    blocks.update(dict(child.items()))
+                else:
+                    self.add_module(name, child)
+        self.add_module(layout.blocks, blocks)
+        self.pipeline_chunks = list(chunks)
+        self.stage_ids, self.placement = list(stage_ids), dict(placement)
+        self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
+        self.num_stages = len(placement)
+        self.pp_rank = self.placement[self.stage_ids[0]]
+
+    @property
+    def last_chunk(self) -> PipelineChunk | None:
+        return next((c for c in self.pipeline_chunks if c.last), None)
+
+    def _global(self, stage: int) -> int:
+        return self.pp_ranks[self.placement[stage]]
+
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        mt_comm.send(header, self._global(stage), self.pp_group)
+        mt_comm.send(tensor.contiguous(), self._global(stage), self.pp_group)
+
+    def _recv(self, stage: int, device: torch.device) -> torch.Tensor:
+        header = mt_comm.recv(
+            torch.zeros(_HEADER, dtype=torch.int64, device=device),
+            self._global(stage),
+            self.pp_group,
+        )
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        shape = [int(n) for n in header[2 : 2 + ndim]]
+        return mt_comm.recv(
+            torch.empty(shape, dtype=dtype, device=device), self._global(stage), self.pp_group
+        )
+
+    def _broadcast_from_last(
+        self, tensor: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+        if tensor is not None:
+            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        source = self._global(self.num_stages - 1)
+        mt_comm.broadcast(header, source, self.pp_group)
+        if tensor is None:
+            ndim = int(header[0])
+            shape = [int(n) for n in header[2 : 2 + ndim]]
+            tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
+        return mt_comm.broadcast(tensor.contiguous(), source, self.pp_group)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        chunk_of = dict(zip(self.stage_ids, self.pipeline_chunks, strict=True))
+        x: torch.Tensor | None = tokens
+        for stage in range(self.num_stages):
+            if stage not in chunk_of:
+                continue
+            if stage > 0 and stage - 1 not in chunk_of:
+                x = self._recv(stage - 1, tokens.device)
+            assert x is not None
+            x = chunk_of[stage](x, positions, document_ids)
+            if stage + 1 < self.num_stages and stage + 1 not in chunk_of:
+                self._send(x, stage + 1)
+        holds_last = self.num_stages - 1 in chunk_of
+        return self._broadcast_from_last(x if holds_last else None, tokens.device)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss on the head's rank, broadcast over the pipeline (module docstring)."""
+        value: torch.Tensor | None = None
+        last = self.last_chunk
+        if last is not None:
+            assert last.loss_fn is not None
+            result = last.loss_fn(logits, targets)
+            value = (result[0] if isinstance(result, tuple) else result).reshape(())
+        return self._broadcast_from_last(value, logits.device)
+
+    def local_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        """The model's own loss (with its extras), for the rank holding the head."""
+        last = self.last_chunk
+        if last is None or last.loss_fn is None:
+            raise RuntimeError(f"pipeline rank {self.pp_rank} holds no output head")
+        return last.loss_fn(logits, targets)

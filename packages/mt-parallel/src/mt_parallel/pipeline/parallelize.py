@@ -1,0 +1,68 @@
+"""The pipeline-parallel form of a model: this rank's chunks, each made parallel.
+
+``pipeline_chunks(model, config, state, plan, fp8)`` is :func:`mt_parallel.parallelize` for
+``config.pp > 1``: it cuts the plain model into ``pp·v`` chunks by the plan's
+:class:`~mt_parallel.pipeline.split.PipelineLayout` (:func:`split_model`; ``v`` chunks per
+rank from the schedule), keeps this pipeline rank's (loop placement ``s mod pp``, or the V of
+``zbv``/``dualpipev``: rank ``r`` holds ``r`` and ``2·pp−1−r``), and runs the usual transform
+path on each (TP/SP → CP → FP8 → recompute → compile) with no data-parallel wrapper: the
+caller reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``,
+ZeRO-1's reduce-scatter for ``zero1``; torch's zero-bubble schedules skip DDP's hooks,
+pytorch#144530). The output head is named in the plan only on the last chunk.
+:func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
+parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from mt_comm import ParallelState
+from mt_parallel.config import ParallelConfig
+from mt_parallel.parallelize import FP8Options, ParallelizePlan, parallelize
+from mt_parallel.pipeline.module import PipelineModule
+from mt_parallel.pipeline.schedules import chunks_per_rank, rank_stages, stage_to_rank
+from mt_parallel.pipeline.split import PipelineChunk, split_model
+
+
+def pipeline_chunks(
+    model: nn.Module,
+    config: ParallelConfig,
+    state: ParallelState,
+    plan: ParallelizePlan,
+    fp8: FP8Options | None = None,
+) -> list[PipelineChunk]:
+    """This pipeline rank's chunks of ``model``, parallelized (module docstring)."""
+    if plan.pipeline is None:
+        raise ValueError(
+            f"{type(model).__name__}'s ParallelizePlan has no pipeline layout "
+            "(plan.pipeline): it cannot be cut into pipeline stages"
+        )
+    v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
+    stage_ids = rank_stages(config.pp_schedule, config.pp, v, state.rank("pp"))
+    chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
+    mode = "zero1" if config.data_parallel == "zero1" else "none"
+    chunk_config = dataclasses.replace(config, data_parallel=mode)
+    for chunk in chunks:
+        chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)
+        parallelize(chunk, chunk_config, state, chunk_plan, fp8)
+    return chunks
+
+
+def pipeline_module(
+    model: nn.Module,
+    config: ParallelConfig,
+    state: ParallelState,
+    plan: ParallelizePlan,
+    fp8: FP8Options | None = None,
+) -> PipelineModule:
+    """:func:`pipeline_chunks` as one :class:`PipelineModule` (the whole model's names)."""
+    chunks = pipeline_chunks(model, config, state, plan, fp8)
+    v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
+    assert plan.pipeline is not None
+    return PipelineModule(
+        chunks, plan.pipeline, rank_stages(config.pp_schedule, config.pp, v, state.rank("pp")),
+        stage_to_rank(config.pp_schedule, config.pp, v), state.ranks("pp"), state.group("pp"),
+    )  # fmt: skip

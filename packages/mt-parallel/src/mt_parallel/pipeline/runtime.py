@@ -1,0 +1,183 @@
+"""Running a schedule's action lists on ``torch.distributed.pipelining``'s runtime.
+
+Every schedule, GPipe and 1F1B included, runs through torch's ``_PipelineScheduleRuntime``
+with the compute-only action lists of :func:`mt_parallel.pipeline.schedule_actions`; torch
+lowers them to send/receive actions (``_add_send_recv``) and executes them with its
+``PipelineStage`` (activation buffers, p2p, split backward). One executor means one gradient
+path and one simulator for all six schedules; why torch's and not our own: docs/architecture.md.
+
+What this module adds around it:
+
+* Static stage shapes (:class:`StageShapes`): the stages are built with example input and
+  output tensors on the ``meta`` device, so torch never runs its shape-inference forward and
+  backward on uninitialised tensors (which would record FP8 amaxes and queue weight gradients).
+* The loss: the last chunk's loss function returns ``loss_m · f_m / M`` (``f_m`` a loss
+  factor, ``M`` the micro-batch count) for the backward, as the accumulation loop of a pp=1
+  step does, so the runtime's own gradient scaling is off (``scale_grads=False``);
+  ``loss_m · f_m`` (what the pp=1 step reports) and the model's extra values are kept per
+  micro-batch.
+* Split backward (``I``/``W``): chunks holding layers with a ``wgrad_sink`` attribute
+  (``mt_fp8.FP8Linear``; any layer may declare one) get one ``mt_fp8.WeightGradSink`` shared by
+  those layers and handed to torch as the stage's ``dw_builder``: ``I`` runs the chunk's
+  autograd backward with their weight-gradient GEMMs queued, ``W`` runs the queue. Other
+  parameters (norms, embedding, high-precision linears) get their gradients in ``I``. Chunks
+  without such layers use torch's own split
+  (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
+  is run from the saved intermediate gradients).
+* Data-parallel gradients are never reduced by the runtime: stages hold plain modules (no DDP
+  wrapper, whose hooks zero-bubble schedules skip, pytorch#144530), and the caller reduces the
+  gradients over dp×cp after :meth:`PipelineSchedule.step`, as ``data_parallel=none`` does.
+* p2p: torch's lowering posts each receive when its sender's action is issued, so between two
+  ranks the sends and receives are in the same order (checked in the tests); every operation
+  is its own batch of one, so gloo's batched send/receive ordering (pytorch#152938) is never
+  exercised with more than one operation per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+import mt_fp8
+from mt_parallel.pipeline.schedules import (
+    SCHEDULES,
+    chunks_per_rank,
+    schedule_actions,
+    stage_to_rank,
+)
+
+
+@dataclass(frozen=True)
+class StageShapes:
+    """The tensors crossing stage boundaries, for one micro-batch."""
+
+    tokens: tuple[tuple[int, ...], torch.dtype]
+    """The first chunk's input (token ids)."""
+    hidden: tuple[tuple[int, ...], torch.dtype]
+    """What one chunk passes to the next (the residual stream as the blocks see it)."""
+    logits: tuple[tuple[int, ...], torch.dtype]
+    """The last chunk's output."""
+
+    def example(self, which: str, requires_grad: bool) -> torch.Tensor:
+        shape, dtype = getattr(self, which)
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+@dataclass
+class PipelineStepResult:
+    """What one pipelined step leaves on this rank."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Each micro-batch's loss times its factor (not divided by ``M``), on the rank holding the
+    last chunk (else empty)."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The model's extra values summed over micro-batches (last chunk's rank)."""
+
+
+class PipelineSchedule:
+    """One rank's chunks and a schedule, run by torch's action runtime (module docstring)."""
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        schedule: str,
+        pp: int,
+        pp_rank: int,
+        microbatches: int,
+        chunks_asked: int,
+        shapes: StageShapes,
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None,
+        loss_fn: Callable[..., Any],
+    ) -> None:
+        v = chunks_per_rank(schedule, chunks_asked)
+        placement = stage_to_rank(schedule, pp, v)
+        self.stage_ids = sorted(s for s, r in placement.items() if r == pp_rank)
+        if len(chunks) != len(self.stage_ids):
+            raise ValueError(
+                f"rank {pp_rank} of a {schedule} pipeline holds chunks {self.stage_ids}, "
+                f"got {len(chunks)} modules"
+            )
+        self.schedule, self.microbatches, self.num_stages = schedule, microbatches, pp * v
+        self.actions = schedule_actions(schedule, pp, microbatches, v)
+        self.sinks: list[mt_fp8.WeightGradSink] = []
+        stages = []
+        for chunk, s in zip(chunks, self.stage_ids, strict=True):
+            first, last = s == 0, s == self.num_stages - 1
+            stages.append(
+                PipelineStage(
+                    chunk, s, self.num_stages, device,
+                    input_args=shapes.example("tokens", False) if first
+                    else shapes.example("hidden", True),
+                    output_args=shapes.example("logits" if last else "hidden", True),
+                    group=pp_group,
+                    dw_builder=self._weight_grad_sink(chunk) if SCHEDULES[schedule].split_backward
+                    else None,
+                )
+            )  # fmt: skip
+        self._loss_fn = loss_fn
+        self._result = PipelineStepResult()
+        self.runtime = _PipelineScheduleRuntime(
+            stages, microbatches, loss_fn=self._scaled_loss, scale_grads=False
+        )
+        self.runtime._prepare_schedule_with_comms(self.actions)
+
+    def _weight_grad_sink(self, chunk: nn.Module) -> Callable[[], Callable[[], None]] | None:
+        """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; None without."""
+        deferring = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
+        if not deferring:
+            return None
+        sink = mt_fp8.WeightGradSink()
+        for layer in deferring:
+            layer.wgrad_sink = sink
+        self.sinks.append(sink)
+        return sink.take
+
+    def _scaled_loss(
+        self, logits: torch.Tensor, target: tuple[torch.Tensor, float]
+    ) -> torch.Tensor:
+        targets, factor = target
+        value = self._loss_fn(logits, targets)
+        loss, extras = value if isinstance(value, tuple) else (value, {})
+        if factor != 1.0:
+            loss = loss * factor
+        self._result.losses.append(loss.detach())
+        for name, extra in extras.items():
+            self._result.extras[name] = self._result.extras.get(name, 0) + extra.detach().float()
+        return loss / self.microbatches
+
+    def step(
+        self,
+        tokens: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        kwargs: Sequence[dict[str, Any]] | None = None,
+        loss_factors: Sequence[float] | None = None,
+    ) -> PipelineStepResult:
+        """Forward and backward of ``M`` micro-batches; gradients accumulate into ``.grad``
+        (not reduced over data-parallel ranks). Every rank passes the same micro-batches."""
+        if len(tokens) != self.microbatches or len(targets) != self.microbatches:
+            raise ValueError(
+                f"the {self.schedule} pipeline runs {self.microbatches} micro-batches per step, "
+                f"got {len(tokens)} inputs and {len(targets)} targets"
+            )
+        factors = list(loss_factors) if loss_factors is not None else [1.0] * self.microbatches
+        self._result = PipelineStepResult()
+        for stage in self.runtime._stages:
+            stage.has_backward = True
+            stage.clear_runtime_states()
+        self.runtime._step_microbatches(
+            [(t,) for t in tokens],
+            list(kwargs) if kwargs is not None else None,
+            [(y, f) for y, f in zip(targets, factors, strict=True)],
+            return_outputs=False,
+        )
+        if any(len(sink) for sink in self.sinks):
+            raise RuntimeError("weight gradients were queued but never run (a W is missing)")
+        return self._result

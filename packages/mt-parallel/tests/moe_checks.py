@@ -1,0 +1,109 @@
+"""Functions run on every rank of a DistributedPool by the MoE expert-parallel tests.
+
+Each rank builds the same full MoE layer (same seed), splits it over ``ep`` (and its shared
+experts over ``tp``), runs its own tokens (dp×cp ranks see different tokens, TP ranks the same),
+and reduces gradients as training does (dense ones averaged over dp×cp as DDP would, expert
+ones by :func:`mt_parallel.moe.reduce_expert_gradients`). The reference is the unsplit layer on
+one process, run on every rank's tokens in turn, loss averaged over the dp×cp ranks. Returns
+the largest relative errors of the output, the auxiliary loss and every gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from parallel_checks import rel_err
+
+import mt_comm
+import mt_fp8
+import mt_parallel as mp
+from mt_parallel.moe import (
+    MoE,
+    MoEConfig,
+    apply_expert_parallel,
+    collect_aux_losses,
+    reduce_expert_gradients,
+)
+
+DIM, BATCH, SEQ = 16, 2, 6
+
+
+def _loss(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = layer(x)
+    aux, _ = collect_aux_losses(layer)
+    return (y * g).sum() + aux, y
+
+
+def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> dict:
+    state = mt_comm.init_parallel_state(tp=tp, ep=ep)
+    dtype = torch.float32 if fp8 else torch.float64
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
+    layer = MoE(DIM, cfg).to(dtype)
+    mp.init_weights(layer, seed=3)
+    with torch.no_grad():
+        layer.router.weight.mul_(25)  # spread the scores: ties must not decide the routing
+    reference = copy.deepcopy(layer)
+    mp.apply_tensor_parallel(layer, state.group("tp"))
+    apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+    if fp8:
+        mp.apply_fp8(layer, mt_fp8.recipe_from_name(fp8))
+        mp.apply_fp8(reference, mt_fp8.recipe_from_name(fp8))
+    ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=dtype)
+    gs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=dtype)
+
+    loss, y = _loss(layer, xs[rank], gs[rank])
+    loss.backward()  # each rank's own loss; the mean over ranks comes from the reductions
+    dense = [p for n, p in layer.named_parameters() if getattr(p, "expert_group", None) is None]
+    for p in dense:  # what DDP does (mp.all_reduce_gradients would round fp64 to fp32)
+        mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
+    reduce_expert_gradients(layer)
+
+    ref_losses = []
+    if fp8:
+        # One call on every rank's tokens: an expert's weight-gradient GEMM then quantizes the
+        # same rows (all ranks' tokens, in rank order, as the all-to-all delivers them) with the
+        # same per-expert scales. Needs balancing="none" (an aux loss is per call).
+        ref_loss, ref_y = _loss(reference, xs.flatten(0, 1), gs.flatten(0, 1))
+        expected_y = ref_y.view(ranks, BATCH, SEQ, DIM)[rank]
+        ref_losses = [loss.detach()] * ranks  # no per-rank reference loss
+        (ref_loss / ranks).backward()
+    else:
+        for r in range(ranks):
+            ref_loss, ref_y = _loss(reference, xs[r], gs[r])
+            ref_losses.append(ref_loss)
+            if r == rank:
+                expected_y = ref_y
+        (sum(ref_losses) / ranks).backward()
+
+    grads = {}
+    plan = mp.tp_shard_plan(reference)
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, plan, state.rank("tp"), tp)
+    local = cfg.num_experts // ep
+    for name, p in layer.named_parameters():
+        expected = shards[name]
+        if getattr(p, "expert_group", None) is not None:
+            e = state.rank("ep")
+            expected = full[name][e * local : (e + 1) * local]
+        grads[name] = rel_err(p.grad, expected)
+    return {"y": rel_err(y, expected_y), "loss": rel_err(loss, ref_losses[rank]), "grads": grads,
+            "dropped": float(layer.load_stats.dropped_fraction)}  # fmt: skip
+
+
+def bias_update_is_global(ep: int) -> dict:
+    """The aux-loss-free bias moves identically on every rank, from the world's counts."""
+    state = mt_comm.init_parallel_state(ep=ep)
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, balancing="aux_free")
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+    gen = torch.Generator().manual_seed(11 + state.rank("dp_cp"))
+    layer(torch.randn(BATCH, SEQ, DIM, generator=gen, dtype=torch.float64))
+    local = layer.router.step_counts.clone()
+    counts = mp.moe.update_expert_biases(layer)["router"]
+    summed = local.clone()
+    mt_comm.all_reduce(summed)
+    return {"bias": layer.router.expert_bias.clone(), "counts": counts, "summed": summed}

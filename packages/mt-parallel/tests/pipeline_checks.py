@@ -1,0 +1,151 @@
+"""Per-rank pipeline checks, run by the gloo tests on every rank of a :class:`DistributedPool`.
+
+Each check cuts the toy decoder LM (``toy_lm``) into pipeline chunks with
+:func:`mt_parallel.pipeline_chunks`, runs one step of a schedule through
+:class:`mt_parallel.PipelineSchedule` (torch's action runtime) and compares every micro-batch
+loss and every gradient this rank holds with one process running the whole model over the same
+micro-batches (the accumulation loop of a pp=1 step), in float64 unless FP8 is on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from parallel_checks import _batch, _lm, rel_err
+from toy_lm import PLAN
+
+import mt_comm
+import mt_fp8
+import mt_parallel as mp
+from mt_parallel.pipeline import StageShapes, chunks_per_rank
+
+BATCH, SEQ = 2, 16
+
+
+def _reference(layers: int, seed: int, dtype: torch.dtype, fp8: bool) -> torch.nn.Module:
+    model = _lm(layers=layers)
+    mp.init_weights(model, seed)
+    model = model.to(dtype)
+    if fp8:
+        mp.apply_fp8(model, mt_fp8.TensorwiseScaling(), skip=("lm_head",))
+    return model
+
+
+def _count_in_flight(runner: mp.PipelineSchedule, chunks: int) -> list[float]:
+    """After every forward, the micro-batch chunks whose activations this rank holds (torch's
+    ``fwd_cache`` keeps a chunk's inputs and outputs from its forward to its input-gradient
+    backward), in whole-stage units (a chunk is ``1/chunks`` of a stage)."""
+    counts: list[float] = [0.0]
+    stages = runner.runtime._stages
+    for stage in stages:
+        forward = stage.forward_one_chunk
+
+        def counted(*args, _forward=forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            counts.append(sum(len(s.fwd_cache) for s in stages) / chunks)
+            return out
+
+        stage.forward_one_chunk = counted
+    return counts
+
+
+def pipeline_lm(
+    schedule: str,
+    microbatches: int,
+    chunks: int = 1,
+    layers: list[int] | None = None,
+    tp: int = 1,
+    dp: int = 1,
+    sp: bool = False,
+    fp8: bool = False,
+    recompute: str = "none",
+    seed: int = 0,
+) -> dict[str, object]:
+    """One pipelined step against the whole model on one process (module docstring)."""
+    world = dist.get_world_size()
+    pp = world // (tp * dp)
+    config = mp.ParallelConfig(
+        tp=tp, dp=dp, pp=pp, sequence_parallel=sp, data_parallel="none", recompute=recompute,
+        pp_schedule=schedule, pp_chunks=chunks, pp_layers=layers or [],
+        pp_microbatches=microbatches,
+    )  # fmt: skip
+    state = mt_comm.init_parallel_state(dp=dp, tp=tp, pp=pp)
+    v = chunks_per_rank(schedule, chunks)
+    num_layers = sum(layers) if layers else pp * v
+    dtype = torch.float32 if fp8 else torch.float64
+    reference = _reference(num_layers, seed, dtype, fp8)
+    model = _reference(num_layers, seed, dtype, False)
+    options = mp.FP8Options(mt_fp8.TensorwiseScaling()) if fp8 else None
+    chunk_modules = mp.pipeline_chunks(model, config, state, PLAN, options)
+
+    tokens, targets = _batch(seed + 1, dp * microbatches * BATCH, SEQ)
+    rows = [slice((d * microbatches + k) * BATCH, (d * microbatches + k + 1) * BATCH)
+            for d in range(dp) for k in range(microbatches)]  # fmt: skip
+    ref_losses = []
+    for row in rows:
+        loss = reference.loss(reference(tokens[row]), targets[row])
+        (loss / len(rows)).backward()
+        ref_losses.append(loss.detach())
+
+    vocab_local = reference.lm_head.weight.shape[0] // tp
+    hidden_seq = SEQ // tp if sp else SEQ
+    shapes = StageShapes(
+        tokens=((BATCH, SEQ), torch.long),
+        hidden=((BATCH, hidden_seq, reference.embed.weight.shape[1]), dtype),
+        logits=((BATCH, SEQ, vocab_local), dtype),
+    )
+    runner = mp.PipelineSchedule(
+        chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
+        torch.device("cpu"), state.group("pp"), model.loss,
+    )  # fmt: skip
+    in_flight = _count_in_flight(runner, v)
+    mine = rows[state.rank("dp") * microbatches : (state.rank("dp") + 1) * microbatches]
+    result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
+    params = [p for c in chunk_modules for p in c.parameters()]
+    mp.all_reduce_gradients(params, state.group("dp"))
+
+    full = {name: p.grad for name, p in reference.named_parameters()}
+    expected = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    grads = {}
+    for chunk in chunk_modules:
+        for name, param in chunk.named_parameters():
+            grads[name] = rel_err(param.grad, expected[name])
+    dp_rank = state.rank("dp")
+    mine_ref = ref_losses[dp_rank * microbatches : (dp_rank + 1) * microbatches]
+    computed = dict(enumerate(result.losses))  # only the rank holding the last chunk has them
+    loss_errors = {str(k): rel_err(loss, mine_ref[k]) for k, loss in computed.items()}
+    return {
+        "grads": grads,
+        "losses": loss_errors,
+        "holds_last": any(c.last for c in chunk_modules),
+        "loss_count": len(result.losses),
+        "stages": runner.stage_ids,
+        "weight_grad_sinks": len(runner.sinks),
+        "peak_in_flight": max(in_flight),
+        "pp_rank": state.rank("pp"),
+        "names": sorted(grads),
+        "all_names": sorted(expected),
+    }
+
+
+def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
+    """:class:`mt_parallel.PipelineModule`'s forward-only pipeline: every rank gets the whole
+    model's logits and loss; its state dict keys are the whole model's for its chunks."""
+    pp = dist.get_world_size()
+    config = mp.ParallelConfig(pp=pp, pp_schedule=schedule, data_parallel="none")
+    state = mt_comm.init_parallel_state(pp=pp)
+    layers = pp * chunks_per_rank(schedule, 1)
+    reference = _reference(layers, seed, torch.float64, False)
+    module = mp.pipeline_module(_reference(layers, seed, torch.float64, False), config, state, PLAN)
+    tokens, targets = _batch(seed + 1, BATCH, SEQ)
+    with torch.no_grad():
+        logits = module(tokens)
+        loss = module.loss(logits, targets)
+        expected = reference(tokens)
+        expected_loss = reference.loss(expected, targets)
+    return {
+        "logits": rel_err(logits, expected),
+        "loss": rel_err(loss, expected_loss),
+        "keys": sorted(module.state_dict()),
+        "all_keys": sorted(reference.state_dict()),
+    }

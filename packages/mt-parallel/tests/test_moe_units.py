@@ -1,0 +1,321 @@
+"""MoE layers on one process: the layer against a token-by-token float64 reference, routing
+(group-limited selection, weights), balancing losses by hand, the aux-loss-free bias update,
+capacity accounting, grouped GEMM against the loop, and bad configurations."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from moe_reference import reference_moe
+from torch.utils.checkpoint import checkpoint
+
+from mt_parallel.moe import (
+    MoE,
+    MoEConfig,
+    bias_update,
+    collect_aux_losses,
+    expert_capacity,
+    group_limited_mask,
+    grouped_mm,
+    looped_mm,
+    max_violation,
+    permute_plan,
+    sequence_aux_loss,
+    switch_aux_loss,
+    update_expert_biases,
+)
+
+# Both sides in float64 with the same weights and short chains of dot products (length <= 64):
+# differences are a few ulps of 1.1e-16 relative to the largest entry; 1e-12 leaves a wide
+# margin and is far below what a wrong expert, weight or token (errors of 1e-2..1) produces.
+FP64_BOUND = 1e-12
+DIM = 32
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def make_layer(seed: int = 0, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **overrides})
+    layer = MoE(DIM, cfg).double()
+    layer.router.weight.data.normal_(0, 0.5)  # spread scores, so ties cannot decide the routing
+    return layer
+
+
+CONFIGS = {
+    "softmax-top2": {},
+    "sigmoid-grouped-shared": {
+        "score_function": "sigmoid", "n_group": 4, "topk_group": 2, "top_k": 3,
+        "routed_scaling_factor": 2.5, "n_shared_experts": 2, "balancing": "aux_free",
+    },
+    "softmax-grouped-unnormalized": {"n_group": 2, "topk_group": 1, "normalize_weights": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides", CONFIGS.values(), ids=CONFIGS.keys())
+def test_layer_matches_token_by_token_reference(overrides: dict) -> None:
+    layer = make_layer(**overrides)
+    x = torch.randn(2, 7, DIM, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y_ref = reference_moe(layer, x_ref)
+    assert rel(y, y_ref) < FP64_BOUND
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert rel(x.grad, x_ref.grad) < FP64_BOUND
+
+
+def test_gradients_of_every_parameter_match_the_reference() -> None:
+    layer = make_layer(n_shared_experts=1)
+    x = torch.randn(3, 5, DIM, dtype=torch.float64)
+    reference = make_layer(n_shared_experts=1)
+    grad = torch.randn(3, 5, DIM, dtype=torch.float64)
+    layer(x).backward(grad)
+    reference_moe(reference, x).backward(grad)
+    params = dict(reference.named_parameters())
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, name
+        assert rel(p.grad, params[name].grad) < FP64_BOUND, name
+
+
+def test_group_limited_selection_keeps_only_the_best_groups() -> None:
+    cfg = MoEConfig(num_experts=8, top_k=2, n_group=4, topk_group=2, score_function="sigmoid")
+    # Groups (pairs): sums of their top two = 0.3, 1.5, 0.2, 1.0: groups 1 and 3 win, although
+    # expert 0 alone (0.25) beats expert 6 (0.1).
+    select = torch.tensor([[0.25, 0.05, 0.9, 0.6, 0.1, 0.1, 0.1, 0.9]])
+    masked = group_limited_mask(select, cfg)
+    assert torch.isinf(masked[0, [0, 1, 4, 5]]).all()
+    assert torch.equal(masked[0, [2, 3, 6, 7]], select[0, [2, 3, 6, 7]])
+    softmax_cfg = MoEConfig(num_experts=8, top_k=2, n_group=4, topk_group=1)
+    # softmax ranks groups by their maximum: group 1 (0.9) ties group 3 (0.9); topk keeps one.
+    kept = ~torch.isinf(group_limited_mask(select, softmax_cfg))
+    assert kept.sum() == 2
+
+
+def test_switch_aux_loss_is_the_coefficient_when_balanced_and_larger_when_not() -> None:
+    tokens, experts, top_k = 8, 4, 2
+    flat = torch.full((tokens, experts), 1 / experts, dtype=torch.float64)
+    balanced = torch.full((experts,), tokens * top_k // experts)
+    assert switch_aux_loss(flat, balanced, top_k, 0.01).item() == pytest.approx(0.01, rel=1e-12)
+    skewed_probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]], dtype=torch.float64).repeat(tokens, 1)
+    skewed = torch.tensor([8, 4, 2, 2])
+    # E·Σ f·P = 4·(0.5·0.7 + 0.25·0.1 + 0.125·0.1 + 0.125·0.1) = 1.6
+    assert switch_aux_loss(skewed_probs, skewed, top_k, 1.0).item() == pytest.approx(1.6, rel=1e-12)
+
+
+def test_sequence_aux_loss_against_a_hand_computation() -> None:
+    # Two sequences of two tokens, 4 experts, top-1. Sequence 0 sends both tokens to expert 0;
+    # sequence 1 one token to expert 1 and one to expert 2.
+    probs = torch.tensor(
+        [[0.4, 0.2, 0.2, 0.2], [0.6, 0.2, 0.1, 0.1], [0.1, 0.5, 0.3, 0.1], [0.1, 0.2, 0.6, 0.1]],
+        dtype=torch.float64,
+    )
+    indices = torch.tensor([[0], [0], [1], [2]])
+    # Sequence 0: f = E/(K·S)·n = 4/2·[2,0,0,0] = [4,0,0,0]; P = [0.5, 0.2, 0.15, 0.15] -> 2.0
+    # Sequence 1: f = 2·[0,1,1,0] = [0,2,2,0]; P = [0.1, 0.35, 0.45, 0.1] -> 0.7 + 0.9 = 1.6
+    expected = 0.1 * (2.0 + 1.6) / 2
+    assert sequence_aux_loss(probs, indices, 2, 0.1).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_bias_update_sign_and_magnitude() -> None:
+    counts = torch.tensor([10, 2, 6, 6])  # mean 6
+    step = bias_update(counts, 1e-3)
+    assert step.tolist() == pytest.approx([-1e-3, 1e-3, 0.0, 0.0])
+
+
+def test_aux_free_bias_moves_from_the_steps_counts_and_steers_selection() -> None:
+    layer = make_layer(balancing="aux_free", bias_update_rate=0.01, score_function="sigmoid")
+    layer.router.weight.data.normal_(0, 0.02)
+    x = torch.randn(8, 16, DIM, dtype=torch.float64) + 1.0
+    layer.router.weight.data[:2] += 0.02  # experts 0 and 1 favoured by every token: skewed start
+    layer(x)
+    counts = layer.router.step_counts.clone()
+    assert counts.sum() == 8 * 16 * 2
+    update_expert_biases(layer)
+    expected = bias_update(counts, 0.01)
+    assert torch.equal(layer.router.expert_bias, expected.to(layer.router.expert_bias.dtype))
+    assert expected[0] < 0  # the overloaded expert is pushed down
+    assert layer.router.step_counts.sum() == 0  # reset for the next step
+    before = max_violation(counts)
+    assert before > 1.0
+    for _ in range(40):
+        layer(x)
+        update_expert_biases(layer)
+    layer(x)
+    assert max_violation(layer.router.step_counts) < before / 4
+
+
+def test_bias_counts_skip_recomputation_and_evaluation() -> None:
+    layer = make_layer(balancing="aux_free")
+    x = torch.randn(2, 6, DIM, dtype=torch.float64, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # forward runs twice
+    assert layer.router.step_counts.sum() == 2 * 6 * 2
+    layer.eval()
+    with torch.no_grad():
+        layer(x)
+    assert layer.router.step_counts.sum() == 2 * 6 * 2
+
+
+def test_capacity_drops_later_tokens_and_counts_them() -> None:
+    # 6 tokens, top-1, 3 experts, factor 1: capacity ceil(6/3) = 2. Expert 0 gets tokens
+    # 0, 1, 3, 5: tokens 3 and 5 are dropped (token order).
+    indices = torch.tensor([[0], [0], [1], [0], [2], [0]])
+    assert expert_capacity(6, 1, 3, 1.0) == 2
+    plan = permute_plan(indices, 3, capacity_factor=1.0)
+    assert plan.order_N.tolist() == [0, 1, 2, 4]
+    assert plan.group_sizes_E.tolist() == [2, 1, 1]
+    assert int(plan.dropped) == 2
+    padded = permute_plan(indices, 3, capacity_factor=1.0, pad_to_capacity=True)
+    assert padded.group_sizes_E.tolist() == [2, 2, 2]
+    assert padded.rows_N.tolist() == [0, 1, 2, 4]
+
+
+def test_padding_to_capacity_changes_nothing_but_the_shapes() -> None:
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    dropping = make_layer(capacity_factor=0.75)
+    padded = make_layer(capacity_factor=0.75, pad_to_capacity=True)
+    y = dropping(x)
+    assert dropping.load_stats.dropped_fraction > 0
+    assert rel(padded(x), y) < FP64_BOUND
+    dropless = make_layer()
+    assert rel(dropless(x), y) > 1e-3  # dropping changed the output
+
+
+def test_z_loss_and_logged_extras() -> None:
+    layer = make_layer(z_loss_coeff=1e-3)
+    x = torch.randn(2, 4, DIM, dtype=torch.float64)
+    layer(x)
+    logits = x.reshape(-1, DIM) @ layer.router.weight.double().T
+    expected = 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    total, logged = collect_aux_losses(layer)
+    assert rel(logged["moe_z_loss"], expected) < FP64_BOUND
+    assert total.requires_grad
+    assert set(logged) == {"moe_aux_loss", "moe_z_loss", "moe_max_vio", "moe_dropped"}
+    assert layer.aux_losses == {}  # released after collection
+
+
+def test_global_load_summary_finds_dead_experts() -> None:
+    from mt_parallel.moe import global_load_summary
+
+    load = global_load_summary({"a": torch.tensor([4, 4, 4, 4]), "b": torch.tensor([8, 0, 4, 4])})
+    assert load["max_vio"] == pytest.approx(1.0)  # layer b: 8 / 4 - 1
+    assert load["dead"] == {"b": [1]}
+
+
+def test_max_violation() -> None:
+    assert max_violation(torch.tensor([4, 4, 4, 4])).item() == 0.0
+    assert max_violation(torch.tensor([8, 4, 2, 2])).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 11, 16], [0, 0, 32, 0]], ids=["uneven", "one-expert"])
+def test_grouped_mm_matches_the_loop(sizes: list[int]) -> None:
+    # fp32 on the CPU: the grouped kernel and F.linear reduce over K=16 in possibly different
+    # orders; 16 products of O(1) values differ by a few fp32 ulps (u = 6e-8): 1e-5 bound.
+    torch.manual_seed(0)
+    x = torch.randn(sum(sizes), 16, requires_grad=True)
+    w = torch.randn(len(sizes), 8, 16, requires_grad=True)
+    group_sizes = torch.tensor(sizes)
+    y = grouped_mm(x, w, group_sizes)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y_loop = looped_mm(x2, w2, sizes)
+    assert rel(y, y_loop) < 1e-5
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_loop.backward(grad)
+    assert rel(x.grad, x2.grad) < 1e-5
+    assert rel(w.grad, w2.grad) < 1e-5
+
+
+def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
+    from mt_parallel.moe.experts import PaddedLayout
+
+    layout = PaddedLayout.of(torch.tensor([5, 0, 11, 16]), rows=32, align=16)
+    assert layout.dest_M.tolist() == [*range(5), *range(16, 27), *range(32, 48)]
+    assert layout.ends_L.tolist() == [16, 16, 32, 48] and layout.rows == 48
+
+
+def test_fp32_layer_takes_the_grouped_path_and_matches_fp64() -> None:
+    layer = make_layer()
+    x = torch.randn(2, 5, DIM, dtype=torch.float64)
+    expected = layer(x)
+    # fp32 compute of the same weights: chains of length-32 dot products in fp32 (u = 6e-8),
+    # relative error well under 1e-5.
+    assert rel(layer.float()(x.float()).double(), expected) < 1e-5
+
+
+BAD = {
+    "top_k > experts": ({"num_experts": 4, "top_k": 5}, "top_k=5 exceeds moe.num_experts=4"),
+    "capacity <= 0": ({"capacity_factor": 0.0}, "capacity_factor=0.0 must be > 0"),
+    "n_group": ({"num_experts": 8, "n_group": 3}, "n_group=3 does not divide"),
+    "topk_group": ({"n_group": 2, "topk_group": 3}, "topk_group=3 exceeds moe.n_group=2"),
+    "balancing": ({"balancing": "bogus"}, "valid: aux_loss, seq_aux_loss, aux_free, none"),
+    "pad": ({"pad_to_capacity": True}, "pad_to_capacity=true needs a moe.capacity_factor"),
+}
+
+
+@pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
+def test_bad_configurations_name_the_values(case: tuple[dict, str]) -> None:
+    overrides, message = case
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MoEConfig(**overrides)
+
+
+def test_ep_must_divide_the_experts() -> None:
+    with pytest.raises(
+        ValueError, match=re.escape("parallel.ep=3 does not divide moe.num_experts=8")
+    ):
+        MoEConfig(num_experts=8).check_expert_parallel(3)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1", "none"])
+def test_expert_parallel_needs_ddp(mode: str) -> None:
+    from mt_parallel import ParallelConfig
+
+    with pytest.raises(
+        ValueError, match=f"parallel.ep=2 needs parallel.data_parallel=ddp .got '{mode}'"
+    ):
+        ParallelConfig(ep=2, data_parallel=mode)
+
+
+def test_fp8_runs_the_experts_grouped_linears_on_their_own_weights() -> None:
+    import mt_fp8
+    import mt_parallel as mp
+
+    torch.manual_seed(0)
+    layer = MoE(DIM, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32, n_shared_experts=1))
+    x = torch.randn(2, 8, DIM)
+    expected = layer(x).detach()
+    weights = {n: p for n, p in layer.named_parameters()}
+    mp.apply_fp8(layer, mt_fp8.recipe_from_name("rowwise"))
+    experts = layer.experts
+    assert all(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    assert layer.shared_experts.gate_proj.fp8_enabled
+    assert dict(layer.named_parameters()) == weights  # shared, not copied; the router unchanged
+    y = layer(x)
+    y.sum().backward()
+    assert experts.gate_proj.weight.grad is not None and layer.router.weight.grad is not None
+    # FP8 changed the numbers (E4M3 operands: ~2^-4 relative per element), but not grossly:
+    # a wrong expert or weight would move the output by O(1) of its size.
+    error = rel(y, expected)
+    assert 0 < error < 0.25, error
+
+
+def test_fp8_min_features_keeps_small_expert_projections_high_precision() -> None:
+    import mt_fp8
+    import mt_parallel as mp
+
+    layer = MoE(64, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32))
+    plan = mp.ParallelizePlan(block_types=())
+    options = mp.FP8Options(recipe=mt_fp8.recipe_from_name("rowwise"), min_features=48)
+    mp.apply_fp8_options(layer, plan, options)
+    experts = layer.experts
+    # Every projection has a side of 32 < 48 (FFN 32, width 64): all stay high precision.
+    assert not any(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+    mp.apply_fp8_options(layer, plan, mp.FP8Options(recipe=options.recipe, min_features=32))
+    assert all(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))

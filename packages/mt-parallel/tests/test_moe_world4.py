@@ -1,0 +1,64 @@
+"""Expert parallelism on 4 gloo ranks against one process in float64 (one pool for the module):
+ep=2 and ep=4, all-to-all and all-gather dispatch, dropless and capacity dropping (the same
+assignments dropped), shared experts, ep×tp, ep×dp, FP8, and the global aux-loss-free bias."""
+
+from __future__ import annotations
+
+import moe_checks
+import pytest
+import torch
+from parallel_tolerances import FP32_VS_FP64, assert_close
+
+from mt_comm.testing import DistributedPool
+
+# Both sides in float64 (the same experts, weights and tokens; only the order of rows inside
+# each grouped GEMM and of the gradient sums differs): a few ulps of 1.1e-16. 1e-12 is far
+# below a wrong expert, weight, split or missing reduction (errors of 1e-2..1).
+FP64_BOUND = 1e-12
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as pool:
+        yield pool
+
+
+CASES = {
+    "ep2-dp2-dropless": {"ep": 2},
+    "ep4-dropless": {"ep": 4},
+    "ep4-all-gather": {"ep": 4, "dispatcher": "all_gather"},
+    "ep2-capacity": {"ep": 2, "capacity_factor": 0.75},
+    "ep4-capacity-padded": {"ep": 4, "capacity_factor": 0.75, "pad_to_capacity": True},
+    "ep2-tp2-shared-sigmoid": {
+        "ep": 2, "tp": 2, "n_shared_experts": 2, "score_function": "sigmoid",
+        "n_group": 4, "topk_group": 2, "balancing": "seq_aux_loss",
+    },
+    "ep4-z-loss": {"ep": 4, "z_loss_coeff": 1e-2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_expert_parallel_equals_one_process(pool: DistributedPool, case: dict) -> None:
+    results = pool.run(moe_checks.ep_parity, **case)
+    for result in results:
+        dropped = result.pop("dropped")
+        assert (dropped > 0) == ("capacity_factor" in case), dropped
+        assert_close(result, FP64_BOUND)
+
+
+def test_expert_parallel_fp8_equals_fp8_on_one_process(pool: DistributedPool) -> None:
+    # fp32 compute with FP8 GEMMs on both sides, the reference on all ranks' tokens at once:
+    # identical FP8 operands per expert (rowwise scales per token row and weight row; the
+    # wgrad's per-expert column scales over the same rows), so only fp32 accumulation order
+    # differs (FP32_VS_FP64 bound).
+    for result in pool.run(moe_checks.ep_parity, ep=4, fp8="rowwise", balancing="none"):
+        result.pop("dropped")
+        assert_close(result, FP32_VS_FP64)
+
+
+def test_aux_free_bias_moves_from_the_global_counts(pool: DistributedPool) -> None:
+    results = pool.run(moe_checks.bias_update_is_global, ep=2)
+    for result in results:
+        assert torch.equal(result["counts"], result["summed"])
+        assert torch.equal(result["bias"], results[0]["bias"])
+    assert results[0]["bias"].abs().sum() > 0

@@ -1,0 +1,93 @@
+"""Pipeline parallelism on 2 gloo ranks (one pool for the module): every schedule's losses and
+gradients against one process running the whole model (float64), with even and uneven splits
+and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients."""
+
+from __future__ import annotations
+
+import pipeline_checks as checks
+import pytest
+from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
+
+from mt_comm.testing import DistributedPool
+from mt_parallel.pipeline import SCHEDULES, check_microbatches
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as pool:
+        yield pool
+
+
+def check(
+    results: list[dict], microbatches: int, tol: float = FP64_VS_FP64, replicas: int = 1
+) -> None:
+    """Every gradient compared on some rank and within ``tol``, every loss too, and one rank
+    per pipeline replica (``replicas`` = dp·tp) holding the last chunk."""
+    names: set[str] = set()
+    for result in results:
+        assert result["grads"], result
+        assert_close({"grads": result["grads"]}, tol)
+        assert all(error < tol for error in result["losses"].values()), result["losses"]
+        names |= set(result["names"])
+        assert result["loss_count"] == (microbatches if result["holds_last"] else 0)
+    assert names == set(results[0]["all_names"])  # every gradient was compared somewhere
+    assert sum(r["holds_last"] for r in results) == replicas
+
+
+def chunks_of(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def runs(schedule: str, microbatches: int) -> bool:
+    try:
+        check_microbatches(schedule, 2, microbatches, chunks_of(schedule))
+    except ValueError:
+        return False
+    return True
+
+
+# p, 2p and the odd counts 3 and 5 where the schedule runs them (dualpipev needs 2p).
+CASES = [(name, m) for name in SCHEDULES for m in (2, 3, 4, 5) if runs(name, m)]
+
+
+@pytest.mark.parametrize(("schedule", "microbatches"), CASES, ids=[f"{s}-m{m}" for s, m in CASES])
+def test_schedule_matches_one_process(
+    pool: DistributedPool, schedule: str, microbatches: int
+) -> None:
+    chunks = chunks_of(schedule)
+    check(
+        pool.run(checks.pipeline_lm, schedule=schedule, microbatches=microbatches, chunks=chunks),
+        microbatches,
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layers"),
+    [("1f1b", [3, 0]), ("zbv", [1, 2, 2, 0]), ("interleaved_1f1b", [0, 2, 1, 1])],
+)
+def test_uneven_splits(pool: DistributedPool, schedule: str, layers: list[int]) -> None:
+    chunks = chunks_of(schedule)
+    results = pool.run(
+        checks.pipeline_lm, schedule=schedule, microbatches=4, chunks=chunks, layers=layers
+    )
+    check(results, 4)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "dualpipev", "1f1b"])
+def test_fp8_split_backward_defers_weight_gradients(pool: DistributedPool, schedule: str) -> None:
+    """FP8 (tensorwise, fp32) against the same FP8 model on one process: the zero-bubble
+    schedules queue the FP8 weight GEMMs in a sink (run as W), 1F1B runs them in B."""
+    results = pool.run(checks.pipeline_lm, schedule=schedule, microbatches=4, fp8=True)
+    check(results, 4, FP32_VS_FP64)
+    split = schedule != "1f1b"
+    assert all((r["weight_grad_sinks"] > 0) == split for r in results)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_module_forward_and_names(pool: DistributedPool, schedule: str) -> None:
+    results = pool.run(checks.pipeline_module_forward, schedule=schedule)
+    for result in results:
+        assert result["logits"] < FP64_VS_FP64 and result["loss"] < FP64_VS_FP64
+    keys = [set(r["keys"]) for r in results]
+    assert not keys[0] & keys[1]  # each parameter and buffer lives on one pipeline rank
+    assert keys[0] | keys[1] == set(results[0]["all_keys"])

@@ -1,0 +1,63 @@
+"""Pipeline parallelism on 4 gloo ranks (one pool for the module): every schedule at pp=4, and
+pp=2 composed with data parallelism (dp=2) and with tensor + sequence parallelism (tp=2),
+each against one process running the whole model (float64); at pp=4 the micro-batch chunks
+whose activations a rank holds at once peak exactly where the simulator says."""
+
+from __future__ import annotations
+
+import pipeline_checks as checks
+import pytest
+from parallel_tolerances import FP32_VS_FP64
+from test_pipeline_world2 import check, chunks_of
+
+from mt_comm.testing import DistributedPool
+from mt_parallel.pipeline import (
+    SCHEDULES,
+    chunks_per_rank,
+    minimum_microbatches,
+    schedule_actions,
+    simulate,
+)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_pp4_schedule_matches_one_process(pool: DistributedPool, schedule: str) -> None:
+    microbatches = minimum_microbatches(schedule, 4, chunks_of(schedule)) + 1  # odd for most
+    if schedule == "interleaved_1f1b":
+        microbatches = 8  # rounds of pp micro-batches
+    results = pool.run(
+        checks.pipeline_lm, schedule=schedule, microbatches=microbatches,
+        chunks=chunks_of(schedule),
+    )  # fmt: skip
+    check(results, microbatches)
+    # The activations held at once on each rank are the simulator's peak, exactly.
+    v = chunks_per_rank(schedule, chunks_of(schedule))
+    order = schedule_actions(schedule, 4, microbatches, v)
+    peaks = simulate(order, 4 * v, chunks_per_rank=v).peak_activations
+    for result in results:
+        assert result["peak_in_flight"] == peaks[result["pp_rank"]], (result["pp_rank"], peaks)
+    assert sorted(s for r in results for s in r["stages"]) == list(
+        range(4 * (2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1))
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "zbv"])
+def test_pp2_with_dp2(pool: DistributedPool, schedule: str) -> None:
+    """Gradients averaged over dp after the schedule (the flat all-reduce runs in fp32)."""
+    results = pool.run(checks.pipeline_lm, schedule=schedule, microbatches=4, dp=2)
+    check(results, 4, FP32_VS_FP64, replicas=2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "dualpipev"])
+def test_pp2_with_tp2_and_sequence_parallel(pool: DistributedPool, schedule: str) -> None:
+    results = pool.run(
+        checks.pipeline_lm, schedule=schedule, microbatches=4, tp=2, sp=True,
+        chunks=chunks_of(schedule),
+    )  # fmt: skip
+    check(results, 4, replicas=2)

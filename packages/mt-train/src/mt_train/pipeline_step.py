@@ -1,0 +1,136 @@
+"""The step object for ``parallel.pp > 1``: one schedule run per optimizer step.
+
+:class:`PipelineStep` shares ``run(batches, loss_factors, grad_norm, eager) -> StepResult`` and
+``reset()`` with :class:`~mt_train.step.EagerStep`, so the trainer's step, update, rewind and
+checkpoint code is the same at every ``pp``. A run:
+
+1. takes this rank's part of each micro-batch (:meth:`BatchRunner.local_batch`: under CP the
+   load-balanced tokens, targets, document ids and positions);
+2. runs the schedule (:class:`mt_parallel.PipelineSchedule`, torch's action runtime) with
+   ``M`` = the step's micro-batch count: the backward of micro-batch ``m`` starts from
+   ``loss_m · f_m / M``, as the pp=1 accumulation loop's; forward chunks run under autocast
+   when the run is bf16 (a pre/post hook pair per chunk; the loss upcasts outside it, as the
+   pp=1 step does);
+3. averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
+   trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
+   inside the schedule (pytorch#144530);
+4. makes the loss known on every pipeline rank: the rank holding the head sums its
+   micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
+   every rank the step's total (the model's extra values are reported by that rank only).
+
+The gradient norm then sums over the model-parallel group (tp×pp, :mod:`mt_train.update`), since
+each pipeline rank holds different parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+import mt_comm
+import mt_parallel
+from mt_comm import ParallelState
+from mt_train.data.dataset import Batch
+from mt_train.step import BatchRunner, GradNorm, StepResult
+
+
+class PipelineStep:
+    """A step of ``parallel.pp > 1`` (module docstring)."""
+
+    def __init__(
+        self,
+        runner: BatchRunner,
+        parallel: mt_parallel.ParallelConfig,
+        pstate: ParallelState,
+        microbatches: int,
+        micro_batch_size: int,
+        seq_len: int,
+        dim: int,
+        vocab_size: int,
+    ) -> None:
+        module = runner.module
+        if not isinstance(module, mt_parallel.PipelineModule):
+            raise TypeError(f"a pipeline step needs an mt_parallel.PipelineModule, got {module!r}")
+        self.runner, self.module, self.parallel = runner, module, parallel
+        self.pp_group, self.dp_cp_group = pstate.group("pp"), pstate.group("dp_cp")
+        local_seq = seq_len // parallel.cp
+        hidden_seq = local_seq // parallel.tp if parallel.sequence_parallel else local_seq
+        param_dtype = next(module.parameters()).dtype
+        logits_dtype = runner.autocast_dtype or param_dtype
+        shapes = mt_parallel.StageShapes(
+            tokens=((micro_batch_size, local_seq), torch.long),
+            hidden=((micro_batch_size, hidden_seq, dim), param_dtype),
+            logits=((micro_batch_size, local_seq, vocab_size // parallel.tp), logits_dtype),
+        )
+        self.schedule = mt_parallel.PipelineSchedule(
+            module.pipeline_chunks, parallel.pp_schedule, parallel.pp, pstate.rank("pp"),
+            microbatches, parallel.pp_chunks, shapes, runner.device, self.pp_group,
+            module.local_loss,
+        )  # fmt: skip
+        if runner.autocast_dtype is not None:
+            for chunk in module.pipeline_chunks:
+                self._autocast_forward(chunk)
+
+    def _autocast_forward(self, chunk: torch.nn.Module) -> None:
+        regions: list[contextlib.AbstractContextManager] = []
+
+        def enter(module: Any, args: Any) -> None:
+            region = self.runner.autocast()
+            region.__enter__()
+            regions.append(region)
+
+        def leave(module: Any, args: Any, output: Any) -> None:
+            regions.pop().__exit__(None, None, None)
+
+        chunk.register_forward_pre_hook(enter)
+        chunk.register_forward_hook(leave)
+
+    @property
+    def graph(self) -> None:
+        return None
+
+    def run(
+        self,
+        batches: list[Batch],
+        loss_factors: list[float] | None = None,
+        grad_norm: GradNorm | None = None,
+        eager: bool = False,
+    ) -> StepResult:
+        """Forward and backward through the schedule (module docstring); ``grad_norm`` is
+        left to the caller."""
+        tokens, targets, kwargs = [], [], []
+        for batch in batches:
+            inputs, target, docs, positions = self.runner.local_batch(batch)
+            tokens.append(inputs)
+            targets.append(target)
+            kwargs.append({"positions": positions, "document_ids": docs})
+        result = self.schedule.step(tokens, targets, kwargs, loss_factors)
+        if self.parallel.data_parallel == "ddp":
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+        device = self.runner.device
+        total = (
+            torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)
+        )
+        mt_comm.all_reduce(total, group=self.pp_group)
+        return StepResult(total, result.extras)
+
+    def reset(self) -> None:
+        """Nothing is cached between steps."""
+
+
+def pipeline_step(
+    runner: BatchRunner, cfg: Any, model_cfg: Any, pstate: ParallelState, dp: int
+) -> PipelineStep:
+    """The run's :class:`PipelineStep`: the step's micro-batches (checked against the
+    schedule), the micro-batch and stage shapes from the trainer and model configs."""
+    tr = cfg.trainer
+    microbatches = cfg.parallel.pipeline_microbatches(
+        tr.global_batch_size // (tr.micro_batch_size * dp)
+    )
+    return PipelineStep(
+        runner, cfg.parallel, pstate, microbatches, tr.micro_batch_size, tr.seq_len,
+        model_cfg.dim, model_cfg.vocab_size,
+    )  # fmt: skip
