@@ -121,7 +121,9 @@ class TensorParallelModule(nn.Module):
             self._set_param(name, torch.empty(local, device=device, dtype=dtype))
 
     def _set_param(self, name: str, data: torch.Tensor) -> None:
-        param = nn.Parameter(data)
+        # A replaced parameter (TP sharding) keeps the old one's requires_grad (frozen stays frozen).
+        old = getattr(self, name, None)
+        param = nn.Parameter(data, requires_grad=old.requires_grad if old is not None else True)
         if name in self.tp_shard_dims:
             param.tensor_parallel = True  # type: ignore[attr-defined]
         setattr(self, name, param)

@@ -145,7 +145,7 @@ class BatchRunner:
         all of them, or under CP its load-balanced part; and the model's extra values."""
         inputs, targets, docs, positions = self.local_batch(batch)
         with self.autocast():
-            logits = self.model(inputs, positions, docs)
+            logits = self.model(inputs, positions, docs, **batch.model_inputs())
         # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient
         # in their dtype: no fp32 copy of the (tokens × vocab) logits is ever materialised.
         loss = self.module.loss(logits, targets)

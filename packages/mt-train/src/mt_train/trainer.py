@@ -325,8 +325,13 @@ class Trainer:
         tr = cfg.trainer
         data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
         if cfg.data.path is None:
+            image_tokens = getattr(cfg.model, "image_tokens", None)
             ranks.on_rank0(
-                lambda: prepare_bundled(data_dir, cfg.data.val_every), self.rank, self.device
+                lambda: prepare_bundled(
+                    data_dir, cfg.data.val_every, cfg.data.bundled, image_tokens
+                ),
+                self.rank,
+                self.device,
             )
         ranks.barrier()
         try:

@@ -28,6 +28,7 @@ from mt_train.config.observability import CommConfig, ProfilingConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
+BUNDLED_DATA = ("kjv", "digits")
 SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto", "must")
@@ -223,9 +224,13 @@ class DataConfig:
     """Where the tokens come from: a folder written by ``mt-prepare-data``."""
 
     path: str | None = None
-    """Prepared data folder; null prepares the bundled King James corpus (byte tokens)."""
+    """Prepared data folder; null prepares the bundled set named by ``bundled``."""
+    bundled: str = "kjv"
+    """The bundled set prepared when ``path`` is null: ``kjv`` (the King James corpus, byte
+    tokens) or ``digits`` (scikit-learn's handwritten digits as image captions, for a
+    vision-language model; needs ``mt-train[vision]``)."""
     val_every: int = 50
-    """When preparing the bundled corpus: every n-th document goes to the validation split."""
+    """When preparing a bundled set: every n-th document (image) goes to the validation split."""
     document_masking: bool = False
     """Attention stays inside each packed document (mask ``causal ∧ same document``, Megatron's
     ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
@@ -246,6 +251,10 @@ class DataConfig:
     every parallel layout see the same samples."""
 
     def __post_init__(self) -> None:
+        if self.bundled not in BUNDLED_DATA:
+            raise ValueError(
+                f"data.bundled={self.bundled!r} is unknown; valid: {', '.join(BUNDLED_DATA)}"
+            )
         if self.sampling not in SAMPLINGS:
             raise ValueError(
                 f"data.sampling={self.sampling!r} is unknown; valid: {', '.join(SAMPLINGS)}"

@@ -48,19 +48,26 @@ from mt_train.data.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass
 class Batch:
-    """One micro-batch: inputs, targets and (optionally) document ids, all (B, T) int64."""
+    """One micro-batch: inputs, targets and (optionally) document ids, all (B, T) int64; for
+    image-text data also the images ``(N, C, H, W)`` float32 in [0, 1], in sample order."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     document_ids: torch.Tensor | None = None
+    images: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        docs = self.document_ids
+        docs, images = self.document_ids, self.images
         return Batch(
             self.inputs.to(device, non_blocking=True),
             self.targets.to(device, non_blocking=True),
             None if docs is None else docs.to(device, non_blocking=True),
+            None if images is None else images.to(device, non_blocking=True),
         )
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword inputs of the model beyond the tokens (the images, when there are any)."""
+        return {} if self.images is None else {"images": self.images}
 
 
 class PackedDataset:
@@ -224,12 +231,24 @@ class ResumableSampler:
 
 
 class DataModule:
-    """The train and validation datasets of a prepared folder, plus its tokenizer."""
+    """The train and validation datasets of a prepared folder, plus its tokenizer: packed
+    text windows, or image-text samples (:mod:`mt_train.data.image_text`) when ``meta.json``
+    says ``"kind": "image_text"``."""
 
     def __init__(self, folder: str | Path, seq_len: int, train_stride: int | None = None) -> None:
+        from mt_train.data.image_text import KIND, ImageTextDataset
+
         self.folder = Path(folder)
-        self.train = PackedDataset(folder, "train", seq_len, train_stride)
-        self.val = PackedDataset(folder, "val", seq_len)
+        meta_path = self.folder / "meta.json"
+        kind = json.loads(meta_path.read_text()).get("kind") if meta_path.is_file() else None
+        self.train: PackedDataset | ImageTextDataset
+        self.val: PackedDataset | ImageTextDataset
+        if kind == KIND:
+            self.train = ImageTextDataset(folder, "train", seq_len)
+            self.val = ImageTextDataset(folder, "val", seq_len)
+        else:
+            self.train = PackedDataset(folder, "train", seq_len, train_stride)
+            self.val = PackedDataset(folder, "val", seq_len)
         meta = self.train.meta
         self.tokenizer: Tokenizer = load_tokenizer(folder, meta["tokenizer"], meta["eos_token"])
         self.vocab_size = int(meta["vocab_size"])

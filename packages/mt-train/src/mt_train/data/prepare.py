@@ -237,8 +237,20 @@ def bundled_corpus() -> Path:
     return Path(str(resources.files("mt_train") / "corpus" / "kjv.txt.gz"))
 
 
-def prepare_bundled(out: Path, val_every: int = 50) -> dict[str, object]:
-    """The default run's data: the bundled corpus, one document per chapter, byte tokens."""
+def prepare_bundled(
+    out: Path, val_every: int = 50, name: str = "kjv", image_tokens: int | None = None
+) -> dict[str, object]:
+    """A bundled set: ``kjv``, the default run's corpus (one document per chapter, byte
+    tokens), or ``digits`` (:mod:`mt_train.data.digits`; ``image_tokens`` per image, the
+    model's)."""
+    if name == "digits":
+        from mt_train.data.digits import prepare_digits
+
+        if image_tokens is None:
+            raise ValueError(
+                "data.bundled=digits (image captions) needs a vision-language model: model=vlm_tiny"
+            )
+        return prepare_digits(out, val_every, image_tokens)
     meta_path = out / "meta.json"
     if meta_path.is_file():
         return json.loads(meta_path.read_text())
@@ -321,7 +333,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=30.0,
         help="seconds between progress lines when stderr is not a terminal",
     )
+    parser.add_argument(
+        "--image-text",
+        action="store_true",
+        help="JSONL of {image(s), prompt, text} samples (mt_train.data.image_text); byte tokens",
+    )
+    parser.add_argument("--image-shape", type=int, nargs=3, metavar=("C", "H", "W"))
+    parser.add_argument(
+        "--image-tokens", type=int, help="tokens per image (the model's; vlm_tiny: 4)"
+    )
+    parser.add_argument("--max-tokens", type=int, help="refuse samples longer than this")
     args = parser.parse_args(argv)
+    if args.image_text:
+        return _main_image_text(args)
     stats = ReadStats()
     try:
         files = input_files(args.inputs)
@@ -358,6 +382,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{k} {v['tokens']:,} tokens / {v['documents']} docs" for k, v in splits.items()
         )  # type: ignore[union-attr]
         + skipped
+    )
+    return 0
+
+
+def _main_image_text(args: argparse.Namespace) -> int:
+    from mt_train.data.image_text import read_jsonl_records, write_image_text
+
+    if args.image_shape is None or args.image_tokens is None:
+        return report(
+            "mt-prepare-data", "--image-text needs --image-shape C H W and --image-tokens N"
+        )
+    try:
+        meta = write_image_text(
+            args.out, read_jsonl_records(args.inputs), args.image_shape, args.image_tokens,
+            args.val_every, args.max_tokens,
+        )  # fmt: skip
+    except (OSError, ValueError, UserError) as err:
+        return report("mt-prepare-data", err)
+    splits = meta["splits"]
+    print(
+        f"wrote {args.out}: "
+        + ", ".join(f"{k} {v['samples']} samples / {v['images']} images" for k, v in splits.items())
     )
     return 0
 

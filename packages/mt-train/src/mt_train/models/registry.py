@@ -20,6 +20,7 @@ BUILTIN_FAMILY_PLUGINS = {
     "mt_train.llama": "mt_train.models.llama.plugin",
     "mt_train.moe": "mt_train.models.moe.plugin",
     "mt_train.deepseek_v3": "mt_train.models.deepseek_v3.plugin",
+    "mt_train.vlm": "mt_train.models.vlm.plugin",
 }
 """Plugin name -> module of mt-train's built-in model families."""
 

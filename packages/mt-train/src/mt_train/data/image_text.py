@@ -1,0 +1,286 @@
+"""Image-text data: ``mt-prepare-data --image-text`` and the dataset the trainer reads.
+
+Input: JSONL, one sample a line, ``{"image": I, "text": "..."}`` or ``{"images": [I, ...],
+"prompt": "...", "text": "..."}``; an image ``I`` is a path to a ``.npy`` array (relative to
+the JSONL file) or a nested list; arrays are ``H×W`` (grey) or ``C×H×W``, integers in
+``[0, 255]``. ``<image>`` marks where each image goes, in order; placeholders and images must
+match one to one. ``prompt`` (optional) carries no loss; ``text`` (the caption or answer) and
+the closing EOS do.
+
+Output folder (byte tokens; one extra id, ``image_token_id = 257``, for image tokens)::
+
+    meta.json              {"format": 1, "kind": "image_text", "tokenizer": "byte", "eos_id",
+                            "vocab_size": 258, "image_token_id", "image_tokens" (L),
+                            "image_shape": [C, H, W], "pixel_mean", "pixel_std" (per
+                            channel, of the train split's pixels / 255), "dtype": "uint16",
+                            "max_token_id", "splits": {"train": {"samples", "images",
+                            "tokens", "documents" (= samples)}, "val": ...}}
+    <split>.bin / .idx     every sample's ids (each ``<image>`` expanded to L image tokens,
+                           then EOS) concatenated; int64 sample offsets (samples + 1)
+    <split>.mask           uint8 per token: 1 where the token is a trained target
+    <split>.images         uint8 images ``(N, C, H, W)`` (memory-mapped)
+    <split>.image_idx      int64 image offsets per sample (samples + 1)
+    <split>.source         int64 JSONL line of each sample (for error messages)
+
+Record ``r`` goes to validation when ``r % val_every == val_every - 1``.
+
+Samples (:class:`ImageTextDataset`): sample ``i`` with ids ``t_0..t_n`` (``n + 1 ≤ T + 1``)
+gives inputs ``t_0..t_{n-1}`` padded with EOS to ``T`` and targets ``t_1..t_n`` where the
+mask is 1, else ``IGNORE_INDEX`` (image tokens, prompt, padding); its images follow in the
+batch's ``images`` in sample order, normalised per channel as CLIP's processor does with its
+data's statistics: ``(x/255 − pixel_mean) / pixel_std`` (float32). Sample indices come from the
+same :class:`~mt_train.data.dataset.ResumableSampler` as text windows.
+
+Bad input (a missing or unreadable image, a wrong shape or channel count, placeholders not
+matching images, a sample longer than the sequence) raises one line naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mt_train.data.dataset import Batch
+from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer
+
+FORMAT_VERSION = 1
+KIND = "image_text"
+IMAGE_PLACEHOLDER = "<image>"
+MIN_PIXEL_STD = 1e-3
+"""Floor of a channel's normalising std (a constant channel would divide by zero)."""
+IGNORE_INDEX = -100
+"""Targets that carry no loss (matches :data:`mt_train.models.vlm.IGNORE_INDEX`)."""
+
+
+class ImageTextError(ValueError):
+    """A sample that cannot be used; the message names it."""
+
+
+def _image_array(value: Any, where: str, base: Path) -> np.ndarray:
+    if isinstance(value, str):
+        path = (base / value) if not Path(value).is_absolute() else Path(value)
+        if not path.is_file():
+            raise ImageTextError(f"{where}: image file {str(path)!r} does not exist")
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise ImageTextError(
+                f"{where}: image file {str(path)!r} is not a readable .npy array ({err})"
+            ) from err
+    try:
+        return np.asarray(value)
+    except ValueError as err:
+        raise ImageTextError(f"{where}: the image is not a rectangular array ({err})") from err
+
+
+def load_image(value: Any, where: str, base: Path, shape: Sequence[int]) -> np.ndarray:
+    """One image as uint8 ``(C, H, W)``; raises naming ``where`` unless it has ``shape``."""
+    array = _image_array(value, where, base)
+    if array.ndim == 2:
+        array = array[None]
+    if array.ndim != 3 or tuple(array.shape) != tuple(shape):
+        raise ImageTextError(
+            f"{where}: image of shape {tuple(array.shape)}, expected {tuple(shape)} "
+            "(channels x height x width; a 2-D array is one channel)"
+        )
+    if not np.issubdtype(array.dtype, np.number) or (
+        array.size and (array.min() < 0 or array.max() > 255)
+    ):
+        raise ImageTextError(f"{where}: image values must be numbers in [0, 255]")
+    return np.rint(array).astype(np.uint8)
+
+
+def encode_sample(
+    record: dict[str, Any], where: str, base: Path, shape: Sequence[int], image_tokens: int,
+    tokenizer: ByteTokenizer, image_token_id: int, max_tokens: int | None,
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
+    """``(ids, mask, images)`` of one JSONL record (module docstring)."""
+    if "text" not in record:
+        raise ImageTextError(f"{where}: no field 'text' (fields: {sorted(record)})")
+    values = record.get("images", [record["image"]] if "image" in record else [])
+    if not isinstance(values, list):
+        raise ImageTextError(f"{where}: 'images' must be a list")
+    images = [load_image(v, f"{where} image {k}", base, shape) for k, v in enumerate(values)]
+    ids: list[int] = []
+    mask: list[int] = []
+    placeholders = 0
+    for part, trained in ((str(record.get("prompt", "")), 0), (str(record["text"]), 1)):
+        for k, piece in enumerate(part.split(IMAGE_PLACEHOLDER)):
+            if k:
+                placeholders += 1
+                ids += [image_token_id] * image_tokens
+                mask += [0] * image_tokens
+            encoded = tokenizer.encode(piece)
+            ids += encoded
+            mask += [trained] * len(encoded)
+    if placeholders != len(images):
+        raise ImageTextError(
+            f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images "
+            "(each image needs one placeholder, in order)"
+        )
+    ids.append(tokenizer.eos_id)
+    mask.append(1)
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise ImageTextError(
+            f"{where}: {len(ids)} tokens after expanding {len(images)} images to "
+            f"{image_tokens} tokens each, more than the {max_tokens} allowed"
+        )
+    return np.asarray(ids, np.uint16), np.asarray(mask, np.uint8), images
+
+
+def write_image_text(
+    out: Path,
+    records: Iterable[tuple[str, Path, dict[str, Any]]],
+    image_shape: Sequence[int],
+    image_tokens: int,
+    val_every: int,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """Write the folder of the module docstring from ``(where, base folder, record)``
+    triples; ``where`` names the record in errors (``file:line``)."""
+    if val_every < 2:
+        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    tokenizer = ByteTokenizer()
+    image_token_id = tokenizer.vocab_size
+    splits: dict[str, dict[str, list]] = {
+        s: {"ids": [], "mask": [], "images": [], "counts": [], "source": []}
+        for s in ("train", "val")
+    }
+    for r, (where, base, record) in enumerate(records):
+        ids, mask, images = encode_sample(
+            record, where, base, image_shape, image_tokens, tokenizer, image_token_id, max_tokens
+        )
+        split = splits["val" if r % val_every == val_every - 1 else "train"]
+        split["ids"].append(ids)
+        split["mask"].append(mask)
+        split["images"] += images
+        split["counts"].append(len(images))
+        split["source"].append(int(where.rsplit(":", 1)[-1]) if ":" in where else r)
+    out.mkdir(parents=True, exist_ok=True)
+    train_pixels = np.stack(splits["train"]["images"]).astype(np.float64) / 255.0
+    channel_axes = (0, 2, 3)
+    pixel_std = np.maximum(train_pixels.std(axis=channel_axes), MIN_PIXEL_STD)
+    meta: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kind": KIND,
+        "tokenizer": "byte",
+        "eos_token": EOS_TOKEN,
+        "eos_id": tokenizer.eos_id,
+        "vocab_size": tokenizer.vocab_size + 1,
+        "image_token_id": image_token_id,
+        "image_tokens": image_tokens,
+        "image_shape": list(image_shape),
+        "pixel_mean": train_pixels.mean(axis=channel_axes).tolist(),
+        "pixel_std": pixel_std.tolist(),
+        "dtype": "uint16",
+        "splits": {},
+    }
+    for name, split in splits.items():
+        if not split["ids"]:
+            raise ValueError(f"the {name} split is empty (val_every={val_every})")
+        lengths = [len(a) for a in split["ids"]]
+        np.concatenate(split["ids"]).tofile(out / f"{name}.bin")
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tofile(out / f"{name}.idx")
+        np.concatenate(split["mask"]).tofile(out / f"{name}.mask")
+        images = np.stack(split["images"]) if split["images"] else np.zeros((0, *image_shape))
+        images.astype(np.uint8).tofile(out / f"{name}.images")
+        starts = np.concatenate([[0], np.cumsum(split["counts"])]).astype(np.int64)
+        starts.tofile(out / f"{name}.image_idx")
+        np.asarray(split["source"], np.int64).tofile(out / f"{name}.source")
+        meta["splits"][name] = {
+            "samples": len(lengths), "images": len(split["images"]), "tokens": int(sum(lengths)),
+            "documents": len(lengths),
+        }  # fmt: skip
+    meta["max_token_id"] = image_token_id
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def read_jsonl_records(paths: Sequence[Path]) -> Iterable[tuple[str, Path, dict[str, Any]]]:
+    """``(file:line, the file's folder, record)`` for every non-empty line."""
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ImageTextError(f"{path}:{lineno}: not a JSON object ({err})") from err
+            if not isinstance(record, dict):
+                raise ImageTextError(f"{path}:{lineno}: not a JSON object")
+            yield f"{path}:{lineno}", path.parent, record
+
+
+class ImageTextDataset:
+    """One split of an image-text folder as fixed-length samples (module docstring)."""
+
+    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
+        folder = Path(folder)
+        self.meta = json.loads((folder / "meta.json").read_text())
+        if split not in self.meta["splits"]:
+            raise ValueError(
+                f"split {split!r} not in {folder}; splits: {list(self.meta['splits'])}"
+            )
+        self.tokens = np.memmap(folder / f"{split}.bin", dtype=np.uint16, mode="r")
+        self.mask = np.memmap(folder / f"{split}.mask", dtype=np.uint8, mode="r")
+        self.starts = np.fromfile(folder / f"{split}.idx", dtype=np.int64)
+        self.image_starts = np.fromfile(folder / f"{split}.image_idx", dtype=np.int64)
+        shape = tuple(self.meta["image_shape"])
+        n_images = int(self.image_starts[-1])
+        self.images = (
+            np.memmap(
+                folder / f"{split}.images", dtype=np.uint8, mode="r", shape=(n_images, *shape)
+            )
+            if n_images
+            else np.zeros((0, *shape), np.uint8)
+        )
+        self.pixel_mean = torch.tensor(self.meta["pixel_mean"]).view(-1, 1, 1)
+        self.pixel_std = torch.tensor(self.meta["pixel_std"]).view(-1, 1, 1)
+        self.source = np.fromfile(folder / f"{split}.source", dtype=np.int64)
+        self.seq_len, self.eos_id = seq_len, int(self.meta["eos_id"])
+        lengths = np.diff(self.starts)
+        too_long = np.flatnonzero(lengths > seq_len + 1)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ImageTextError(
+                f"{folder} {split} sample {i} (input line {self.source[i]}) has {lengths[i]} "
+                f"tokens, more than trainer.seq_len + 1 = {seq_len + 1} "
+                f"({too_long.size} samples are too long)"
+            )
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sample ``i``'s token ids, trained-target mask and uint8 images."""
+        a, b = self.starts[i], self.starts[i + 1]
+        images = self.images[self.image_starts[i] : self.image_starts[i + 1]]
+        return np.asarray(self.tokens[a:b], np.int64), np.asarray(self.mask[a:b]), images
+
+    def collate(self, indices: np.ndarray, documents: bool = False) -> Batch:
+        """Samples ``indices`` as a batch with their images (``documents`` is ignored: one
+        sample per row)."""
+        T = self.seq_len
+        inputs = np.full((len(indices), T), self.eos_id, np.int64)
+        targets = np.full((len(indices), T), IGNORE_INDEX, np.int64)
+        images = []
+        for row, i in enumerate(indices):
+            ids, mask, imgs = self.sample(int(i))
+            n = len(ids) - 1
+            inputs[row, :n] = ids[:-1]
+            targets[row, :n] = np.where(mask[1:] == 1, ids[1:], IGNORE_INDEX)
+            images.append(np.asarray(imgs))
+        pixels = self.normalize(np.concatenate(images))
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), None, pixels)
+
+    def normalize(self, images_NCHW: np.ndarray) -> torch.Tensor:
+        """uint8 images as the model's float32 input (module docstring)."""
+        pixels = torch.from_numpy(np.array(images_NCHW, dtype=np.float32)) / 255.0
+        return (pixels - self.pixel_mean) / self.pixel_std
