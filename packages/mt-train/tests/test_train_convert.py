@@ -140,7 +140,8 @@ def _edited_import(folder: Path, tmp_path: Path, **changes: object) -> tuple[int
         (
             {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
             "architectures=['GPT2LMHeadModel'] (model_type='gpt2') has no registered model "
-            "family; readable: DeepseekV3ForCausalLM, LlamaForCausalLM, MixtralForCausalLM",
+            "family; readable: DeepseekV3ForCausalLM, LlamaForCausalLM, "
+            "LlavaForConditionalGeneration, MixtralForCausalLM",
         ),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
