@@ -50,8 +50,11 @@ Dispatch is a table: :data:`IMPLEMENTATIONS` names each implementation with the 
 says why it cannot run given operands (``None`` when it can) and the function that runs it, and
 :data:`BACKEND_IMPLEMENTATIONS` lists, per ``backend`` argument, the implementations tried in
 order. ``backend="auto"`` takes the first fast path that applies (in the order above, with
-``"bf16"`` before ``"triton"`` and only off the CPU) and otherwise emulates; on a non-CPU device
-without FP8 GEMM support it warns once. ``backend="fast"`` raises instead of emulating, for users
+``"bf16"`` before ``"triton"``) and otherwise emulates; on a non-CPU device without FP8 GEMM
+support it warns once. On the CPU ``"auto"`` emulates instead of calling ``torch._scaled_mm``:
+torch 2.13's CPU kernel gave the emulation's result bit for bit with rowwise scales at the same
+speed, and with tensorwise scales (oneDNN) ran hundreds of times slower
+(docs/performance.md, "FP8 GEMMs on the CPU"); ``"fast"`` and ``"scaled_mm"`` still call it. ``backend="fast"`` raises instead of emulating, for users
 who demanded the fast path; so does a named backend that cannot run the operands, with every
 tried implementation's reason.
 """
@@ -364,8 +367,16 @@ def triton_block_scaled_mm(
     return block_scaled_mm(a, b, out_dtype, bias)
 
 
-def _always_considered(a: QuantizedTensor, named: bool) -> bool:
+def _always_considered(a: QuantizedTensor, backend: str) -> bool:
     return True
+
+
+def _off_the_cpu_under_auto(a: QuantizedTensor, backend: str) -> bool:
+    return backend != "auto" or a.data.device.type != "cpu"
+
+
+def _off_the_cpu_unless_named(a: QuantizedTensor, backend: str) -> bool:
+    return backend not in ("auto", "fast") or a.data.device.type != "cpu"
 
 
 def _no_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> None:
@@ -382,20 +393,19 @@ class GemmImplementation:
     """``run(a, b, out_dtype, bias)``, called only when :attr:`reason` gave None."""
     reason: Callable[[QuantizedTensor, QuantizedTensor, torch.dtype], str | None] = _no_reason
     """``reason(a, b, out_dtype)``: why it cannot run these operands here, or None if it can."""
-    considered: Callable[[QuantizedTensor, bool], bool] = _always_considered
-    """``considered(a, named)``: whether it is tried at all for ``a`` (``named``: the caller
-    passed a backend other than ``"auto"``/``"fast"``); one not considered adds no reason."""
+    considered: Callable[[QuantizedTensor, str], bool] = _always_considered
+    """``considered(a, backend)``: whether it is tried at all for ``a`` under the caller's
+    ``backend`` argument; one not considered adds no reason."""
 
 
 IMPLEMENTATIONS: dict[str, GemmImplementation] = {
-    "scaled_mm": GemmImplementation(scaled_mm, scaled_mm_reason),
+    # Under "auto" off the CPU only (module docstring).
+    "scaled_mm": GemmImplementation(scaled_mm, scaled_mm_reason, _off_the_cpu_under_auto),
     "blockwise_scaled_mm": GemmImplementation(
-        blockwise_scaled_mm, blockwise_reason, lambda a, named: _kind(a) == "block"
+        blockwise_scaled_mm, blockwise_reason, lambda a, backend: _kind(a) == "block"
     ),
     # Under "auto" and "fast" off the CPU only (module docstring).
-    "bf16": GemmImplementation(
-        bf16_mm, bf16_reason, lambda a, named: named or a.data.device.type != "cpu"
-    ),
+    "bf16": GemmImplementation(bf16_mm, bf16_reason, _off_the_cpu_unless_named),
     "triton": GemmImplementation(triton_block_scaled_mm, triton_reason),
     "emulate": GemmImplementation(emulated_mm),
 }
@@ -434,11 +444,10 @@ def fp8_gemm(
             f"FP8 GEMM contracts the last axis of both operands, got a {tuple(a.shape)} and "
             f"b {tuple(b.shape)}"
         )
-    named = backend not in ("auto", "fast")
     reasons = []
     for name in BACKEND_IMPLEMENTATIONS[backend]:
         implementation = IMPLEMENTATIONS[name]
-        if not implementation.considered(a, named):
+        if not implementation.considered(a, backend):
             continue
         reason = implementation.reason(a, b, out_dtype)
         if reason is None:
