@@ -13,7 +13,7 @@ import pytest
 from mt_train import compose_config, to_train_config
 from mt_train.cli import main, print_summary
 from mt_train.models import model_sizes
-from mt_train.trainer import TrainSummary
+from mt_train.summary import TrainSummary
 
 CONF = Path(str(resources.files("mt_train") / "conf"))
 # The model group's options are the registered families' named sizes; the others are YAML files.

@@ -205,12 +205,13 @@ def test_dead_experts_are_an_event(kjv_data: Path, tmp_path: Path) -> None:
     trainer = Trainer(to_train_config(compose_config(overrides(kjv_data))), output_dir=tmp_path)
     try:
         trainer.train_step()
-        assert set(trainer.expert_counts) == {"layers.0.mlp.router", "layers.1.mlp.router"}
-        trainer.expert_counts["layers.1.mlp.router"][[2, 5]] = 0  # two experts got no token
+        counts = trainer.expert_load.counts
+        assert set(counts) == {"layers.0.mlp.router", "layers.1.mlp.router"}
+        counts["layers.1.mlp.router"][[2, 5]] = 0  # two experts got no token
         metrics: dict = {}
-        trainer._log_expert_load(metrics)
+        trainer.expert_load.log(metrics, trainer.step)
         events = len(trainer.events.records)
-        trainer._log_expert_load({})  # the same dead experts: no second event
+        trainer.expert_load.log({}, trainer.step)  # the same dead experts: no second event
         assert len(trainer.events.records) == events
     finally:
         trainer.close()

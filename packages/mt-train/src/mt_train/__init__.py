@@ -2,7 +2,8 @@
 checkpoints, rewind, metrics, HF interop)."""
 
 from mt_train.config import TrainConfig, compose_config, to_train_config
-from mt_train.trainer import Trainer, TrainSummary
+from mt_train.summary import TrainSummary
+from mt_train.trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -40,7 +40,8 @@ from mt_train.errors import EXIT_USER_ERROR, RankZeroError, UserError, check_wri
 from mt_train.optim import optimizer_impl
 from mt_train.profiling import MEMORY_VIZ, check_memory_snapshot
 from mt_train.rewind.manager import RewindLimitError
-from mt_train.trainer import Trainer, TrainSummary
+from mt_train.summary import TrainSummary
+from mt_train.trainer import Trainer
 from mt_train.watchdog import (
     EXIT_COLLECTIVE_TIMEOUT,
     collective_timeout_message,

@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mt_train.errors import DiskError, RunLockedError
+from mt_train import fault_points
+from mt_train.errors import DiskError, RunLockedError, check_writable
 
 LOCK_FILE = "mt-train.lock"
 
@@ -139,3 +140,24 @@ class RunLock:
             except (OSError, ValueError):
                 continue
         self.paths = []
+
+
+def open_run_folder(output_dir: Path, checkpoint_dir: Path) -> RunLock:
+    """Rank 0 at start-up: create the run folder, check it can be written and take its lock
+    (and the checkpoint folder's, when that lies elsewhere); report a takeover on stderr."""
+    try:
+        fault_points.disk_write("run_dir", output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DiskError("the run folder", output_dir, err) from err
+    check_writable(output_dir, "the run folder")
+    inside = checkpoint_dir.resolve().is_relative_to(output_dir)
+    lock = RunLock([output_dir] if inside else [output_dir, checkpoint_dir])
+    for path, holder in lock.took_over:
+        print(
+            f"mt-train: took over {path} from pid {holder.get('pid')}, which is gone "
+            "(a crashed or killed run)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return lock

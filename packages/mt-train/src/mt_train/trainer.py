@@ -19,8 +19,8 @@ every gradient (:mod:`mt_train.update`).
 
 The trainer composes parts through narrow interfaces and knows no model family:
 
-* data: :class:`~mt_train.data.dataset.DataModule` and a
-  :class:`~mt_train.data.dataset.ResumableSampler`;
+* data: :func:`~mt_train.data.setup.open_training_data` (a data module and this rank's
+  sampler); MoE expert load: :class:`~mt_train.expert_load.ExpertLoadLog`;
 * model and parallelism: the config's family builds the plain model
   (:mod:`mt_train.models`), :func:`mt_parallel.parallelize` applies the family's plan;
 * the step: :class:`~mt_train.step.EagerStep`, :class:`~mt_train.cuda_graph.GraphedStep` or,
@@ -62,7 +62,6 @@ import math
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +75,11 @@ from mt_train.checkpoint.checkpointer import TPLayout, resolve_resume
 from mt_train.checkpoint.files import step_dir
 from mt_train.config.schema import TrainConfig
 from mt_train.cuda_graph import GraphedStep
-from mt_train.data.blend import BlendedDataModule, BlendedSampler, check_same_tokenizer
-from mt_train.data.checks import check_prepared, check_vocab
-from mt_train.data.dataset import Batch, DataModule, ResumableSampler
-from mt_train.data.prepare import prepare_bundled
-from mt_train.errors import DataError, DiskError, check_writable
+from mt_train.data.blend import BlendedSampler
+from mt_train.data.dataset import Batch
+from mt_train.data.setup import data_label, open_training_data
 from mt_train.evaluation import Evaluator
+from mt_train.expert_load import ExpertLoadLog
 from mt_train.loggers import run_info, write_run_record
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
@@ -96,41 +94,12 @@ from mt_train.rewind.faults import fault_injector
 from mt_train.rewind.manager import RewindManager
 from mt_train.rewind.preemption import StopRequest
 from mt_train.rewind.recovery import fired_faults
-from mt_train.run_lock import RunLock
+from mt_train.run_lock import RunLock, open_run_folder
 from mt_train.run_state import RunState
 from mt_train.step import BatchRunner, EagerStep, read_step_numbers
+from mt_train.summary import TrainSummary
 from mt_train.update import update_policy
 from mt_train.watchdog import flight_recorder_dump_path, flight_recorder_env
-
-
-@dataclass
-class TrainSummary:
-    """What a finished :meth:`Trainer.fit` reports."""
-
-    steps: int
-    train_loss: float
-    val_loss: float
-    wall_s: float
-    tokens_per_s: float
-    output_dir: str
-    checkpoint: str | None
-    losses: list[float]
-    rewinds: int
-    sample: str
-    stopped: str | None = None
-    """The signal that ended the run early (preemption), or None."""
-    tokens: int = 0
-    """Tokens trained on in healthy steps of this process."""
-    best_tokens_per_s: float = 0.0
-    """The best log interval's tokens/s."""
-    mfu: float | None = None
-    """Model FLOPs utilisation of ``tokens_per_s`` (None where the device's peak is unknown)."""
-    best_mfu: float | None = None
-    peak_memory_gib: float = 0.0
-    """The largest ``mem_gib`` (peak allocated memory) rank 0 logged."""
-    checkpoints_written: int = 0
-    traces: list[str] = field(default_factory=list)
-    """Profiler traces and memory snapshots written by rank 0."""
 
 
 class Trainer:
@@ -171,12 +140,15 @@ class Trainer:
         run_id = ranks.broadcast_str(uuid.uuid4().hex, self.device)
         ck = cfg.checkpoint
         self.ckpt_dir = Path(ck.dir).expanduser() if ck.dir else self.output_dir / "checkpoints"
-        ranks.on_rank0(self._open_run_folder, self.rank, self.device)
 
-        if cfg.data.blend_sources:
-            self._load_blend(cfg)
-        else:
-            self._load_folder(cfg)
+        def take_run_folder() -> None:
+            self.lock = open_run_folder(self.output_dir, self.ckpt_dir)
+
+        ranks.on_rank0(take_run_folder, self.rank, self.device)
+
+        self.data, self.sampler = open_training_data(
+            cfg, self.output_dir, self.rank, self.device, self.dp_rank, self.dp_size
+        )
 
         # Observability: step timer, profiler, watchdog (mt_train.observer), flight recorder.
         self.run_id = run_id
@@ -225,11 +197,10 @@ class Trainer:
             self.runner, self.data, cfg, self.pstate, self.collate, self.tp_group, self.cp_group
         )
         self.stopped: str | None = None
-        self.expert_counts: dict[str, torch.Tensor] = {}  # MoE: the last step's global counts
-        self._dead_experts: dict[str, list[int]] = {}
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
+        self.expert_load = ExpertLoadLog(self.events)
         self.guard = RewindManager(cfg.rewind, self.events, self.device)
         self.faults = fault_injector(
             cfg.fault, self.rank, fired_faults(self.output_dir, self.rank, self.device),
@@ -258,25 +229,6 @@ class Trainer:
             warn_if_fp8_emulated(cfg.fp8, self.device, self.ctx.device.name)
 
     # ------------------------------------------------------------------ state
-    def _open_run_folder(self) -> None:
-        """Rank 0: create the run folder, check it can be written, take its lock (and the
-        checkpoint folder's, when it lies elsewhere)."""
-        try:
-            fault_points.disk_write("run_dir", self.output_dir)
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DiskError("the run folder", self.output_dir, err) from err
-        check_writable(self.output_dir, "the run folder")
-        inside = self.ckpt_dir.resolve().is_relative_to(self.output_dir)
-        self.lock = RunLock([self.output_dir] if inside else [self.output_dir, self.ckpt_dir])
-        for path, holder in self.lock.took_over:
-            print(
-                f"mt-train: took over {path} from pid {holder.get('pid')}, which is gone "
-                "(a crashed or killed run)",
-                file=sys.stderr,
-                flush=True,
-            )
-
     def _record_kill_in_save(self, phase: str, step: int) -> None:
         """The ``fault`` event of ``fault.kill_in_save`` (written before the kill)."""
         self.events.emit(
@@ -319,51 +271,6 @@ class Trainer:
     def collate(self, dataset: Any, indices: Any) -> Batch:
         """A micro-batch on this rank's device (with document ids if masking is on)."""
         return dataset.collate(indices, self.cfg.data.document_masking).to(self.device)
-
-    def _load_folder(self, cfg: TrainConfig) -> None:
-        """``data.path`` (or the bundled corpus, prepared here by rank 0) and its sampler."""
-        tr = cfg.trainer
-        data_dir = Path(cfg.data.path).expanduser() if cfg.data.path else self.output_dir / "data"
-        if cfg.data.path is None:
-            image_tokens = getattr(cfg.model, "image_tokens", None)
-            ranks.on_rank0(
-                lambda: prepare_bundled(
-                    data_dir, cfg.data.val_every, cfg.data.bundled, image_tokens
-                ),
-                self.rank,
-                self.device,
-            )
-        ranks.barrier()
-        try:
-            data_meta = check_prepared(data_dir, tr.seq_len)
-        except DataError as err:
-            if cfg.data.path is not None:
-                raise
-            raise DataError(
-                f"{err} (the bundled corpus: delete {data_dir} to prepare it again)"
-            ) from None
-        if cfg.model.vocab_size is not None:
-            check_vocab(data_meta, cfg.model.vocab_size, data_dir)
-        self.data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
-        self.sampler = ResumableSampler(
-            len(self.data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size,
-            self.dp_rank, self.dp_size, independent=cfg.data.independent_draws,
-        )  # fmt: skip
-
-    def _load_blend(self, cfg: TrainConfig) -> None:
-        """``data.blend``: every folder checked, one tokenizer, the blended sampler."""
-        tr = cfg.trainer
-        sources = [(Path(f).expanduser(), w) for f, w in cfg.data.blend_sources]
-        folders = [f for f, _ in sources]
-        metas = [check_prepared(f, tr.seq_len) for f in folders]
-        check_same_tokenizer(folders, metas)
-        if cfg.model.vocab_size is not None:
-            check_vocab(metas[0], cfg.model.vocab_size, folders[0])
-        self.data = BlendedDataModule(sources, tr.seq_len, train_stride=cfg.data.train_stride)
-        self.sampler = self.data.sampler(
-            tr.seed, tr.global_batch_size, tr.micro_batch_size, self.dp_rank, self.dp_size,
-            cfg.data.independent_draws,
-        )  # fmt: skip
 
     @property
     def watch_fp8(self) -> bool:
@@ -427,11 +334,7 @@ class Trainer:
             self.guard.accept(self.step, signals)
         else:
             metrics["event"] = self.verdict.detector
-        # MoE aux-loss-free balancing: biases move from the step's global expert counts (a
-        # step that is not applied only resets them); a no-op for dense models.
-        self.expert_counts = mt_parallel.moe.update_expert_biases(
-            self.module, apply=not self.verdict.anomalous
-        )
+        self.expert_load.update(self.module, applied=not self.verdict.anomalous)
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
 
@@ -557,7 +460,7 @@ class Trainer:
         self.throughput.steps += 1
         self.logger.advance()
         if step % tr.log_interval == 0 or step == tr.max_steps:
-            self._log_expert_load(metrics)
+            self.expert_load.log(metrics, step)
             self.logger.log(step, {**metrics, **self.throughput.measure()})
         if step % tr.eval_interval == 0 or step == tr.max_steps:
             self.timer.start("eval")
@@ -569,21 +472,6 @@ class Trainer:
         ):
             self.timer.start("checkpoint")
             self.save()
-
-    def _log_expert_load(self, metrics: dict[str, Any]) -> None:
-        """MoE models, at log steps: the step's global-batch MaxVio (worst layer, and each
-        layer's as ``moe_max_vio_global/<router>``) into the metrics, and an
-        ``moe_dead_experts`` event when the experts that got no token of the whole global batch
-        change (and some did)."""
-        if not self.expert_counts:
-            return
-        load = mt_parallel.moe.global_load_summary(self.expert_counts)
-        metrics["moe_max_vio_global"] = load["max_vio"]
-        for layer, vio in load["per_layer"].items():
-            metrics[f"moe_max_vio_global/{layer}"] = vio
-        if load["dead"] and load["dead"] != self._dead_experts:  # when the set changes
-            self.events.emit("moe_dead_experts", self.step, experts=load["dead"])
-        self._dead_experts = load["dead"]
 
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
@@ -602,17 +490,10 @@ class Trainer:
             f"{self.world_size}x {self.ctx.device.name} [dp={self.dp} cp={p.cp} tp={p.tp}{sp}{ep}, "
             f"{p.data_parallel}{cp_attention}], {precision}{fp8}{docs}; "
             f"{tr.max_steps} steps of {tr.global_batch_size}x{tr.seq_len} tokens; "
-            f"data {self._data_label()} ({len(self.data.train)} train / {len(self.data.val)} val "
+            f"data {data_label(self.data)} ({len(self.data.train)} train / {len(self.data.val)} val "
             f"sequences); output {self.output_dir}"
             + (f"; resumed at step {self.step}" if self.step else "")
         )
-
-    def _data_label(self) -> str:
-        """The data folder, or the blend as ``weight·folder`` terms."""
-        if isinstance(self.data, BlendedDataModule):
-            terms = zip(self.data.weights, self.data.folders, strict=True)
-            return "blend " + " + ".join(f"{w:.3g}·{f}" for w, f in terms)
-        return str(self.data.folder)
 
     def close(self) -> None:
         """Finish pending saves and release the parallel groups (the process group stays)."""
