@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_checks import tiny_overrides
+from train_checks import export_round_trip, tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.hf_checkpoints import load_model, main
@@ -57,13 +57,7 @@ def test_import_matches_hf_logits(hf_model, tmp_path: Path) -> None:
 
 def test_round_trip_is_lossless(hf_model, tmp_path: Path) -> None:
     _, folder = hf_model
-    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
-    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "back")]) == 0
-    original = load_file(str(next(folder.glob("*.safetensors"))))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert original.keys() == back.keys()
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    export_round_trip(folder, tmp_path)
     # use_kernels=False: recent transformers default to hub kernels, which are not installed.
     reloaded = transformers.LlamaForCausalLM.from_pretrained(
         tmp_path / "back", use_kernels=False, attn_implementation="eager"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from train_checks import export_round_trip
 
 from mt_parallel.moe import MoE
 from mt_train.hf_checkpoints import load_model, main
@@ -87,13 +87,7 @@ def test_import_matches_hf_logits_and_expert_choices(hf_model, tmp_path: Path) -
 
 def test_round_trip_is_lossless(hf_model, tmp_path: Path) -> None:
     model, folder = hf_model
-    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
-    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "back")]) == 0
-    original = load_file(str(next(folder.glob("*.safetensors"))))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert original.keys() == back.keys()
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    export_round_trip(folder, tmp_path)
     reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(
         tmp_path / "back", attn_implementation="eager"
     ).eval()

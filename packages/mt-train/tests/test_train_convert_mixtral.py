@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_checks import export_round_trip
 
 from mt_train.hf_checkpoints import load_model, main
 from mt_train.models import build_model
@@ -74,13 +75,7 @@ def test_fused_in_memory_layout_imports_too(hf_model) -> None:
 
 def test_round_trip_is_lossless(hf_model, tmp_path: Path) -> None:
     model, folder = hf_model
-    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
-    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "back")]) == 0
-    original = load_file(str(next(folder.glob("*.safetensors"))))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert original.keys() == back.keys()
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    export_round_trip(folder, tmp_path)
     reloaded = transformers.MixtralForCausalLM.from_pretrained(
         tmp_path / "back", use_kernels=False, attn_implementation="eager"
     ).eval()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from train_checks import export_round_trip
 
 from mt_train.hf_checkpoints import load_model, main
 from mt_train.models import build_model, family_of, model_sizes
@@ -160,13 +160,7 @@ def test_import_matches_transformers_logits(hf_llava, tmp_path: Path) -> None:
 
 def test_export_round_trip_is_lossless(hf_llava, tmp_path: Path) -> None:
     model, folder = hf_llava
-    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
-    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "back")]) == 0
-    original = load_file(str(next(folder.glob("*.safetensors"))))
-    back = load_file(str(tmp_path / "back" / "model.safetensors"))
-    assert original.keys() == back.keys()
-    for key, tensor in original.items():
-        assert torch.equal(tensor, back[key]), key
+    export_round_trip(folder, tmp_path)
     reloaded = transformers.LlavaForConditionalGeneration.from_pretrained(
         tmp_path / "back", use_kernels=False, attn_implementation="eager"
     ).eval()

@@ -118,3 +118,20 @@ def snapshot_round_trip(overrides: list[str], output_dir: str | Path) -> dict:
     finally:
         trainer.close()
     return {"entries": sorted(host), "moved": len(moved), "differ": differ, "loss": loss}
+
+
+def export_round_trip(hf_folder: Path, work: Path) -> Path:
+    """``mt-convert import`` a transformers folder, ``export`` it back, and assert every tensor
+    of the exported safetensors equals the original bit for bit; the exported folder."""
+    from safetensors.torch import load_file
+
+    from mt_train.hf_checkpoints import main
+
+    assert main(["import", str(hf_folder), str(work / "mt")]) == 0
+    assert main(["export", str(work / "mt"), str(work / "back")]) == 0
+    original = load_file(str(next(hf_folder.glob("*.safetensors"))))
+    back = load_file(str(work / "back" / "model.safetensors"))
+    assert original.keys() == back.keys()
+    for key, tensor in original.items():
+        assert torch.equal(tensor, back[key]), key
+    return work / "back"

@@ -135,6 +135,25 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScalingConfig]:
     return theta, scaling
 
 
+def llama_fields_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Llama-shaped fields of a config (sizes, heads, norm, RoPE, init) read from an HF
+    ``config.json`` that :func:`refuse_unsupported` accepted; Mixtral configs share them."""
+    theta, scaling = rope_from_hf(hf)
+    heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": hf["vocab_size"],
+        "dim": hf["hidden_size"],
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or heads,
+        "ffn_dim": hf["intermediate_size"],
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "init_std": float(hf.get("initializer_range", 0.02)),
+    }
+
+
 class LlamaHF(HFAdapter):
     """The Llama family's Hugging Face adapter (module docstring)."""
 
@@ -143,21 +162,7 @@ class LlamaHF(HFAdapter):
 
     def config_from_hf(self, hf: dict[str, Any], name: str = "hf_llama") -> LlamaConfig:
         refuse_unsupported(hf)
-        theta, scaling = rope_from_hf(hf)
-        heads = hf["num_attention_heads"]
-        return LlamaConfig(
-            name=name,
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            ffn_dim=hf["intermediate_size"],
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
+        return LlamaConfig(name=name, **llama_fields_from_hf(hf))
 
     def config_to_hf(
         self, cfg: LlamaConfig, dtype: torch.dtype, max_position: int = 131072

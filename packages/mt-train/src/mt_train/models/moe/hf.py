@@ -33,7 +33,12 @@ import torch
 
 from mt_parallel.moe import MoEConfig
 from mt_train.models.family import HFAdapter
-from mt_train.models.llama.hf import hf_to_mt_name, mt_to_hf_name, refuse_unsupported, rope_from_hf
+from mt_train.models.llama.hf import (
+    hf_to_mt_name,
+    llama_fields_from_hf,
+    mt_to_hf_name,
+    refuse_unsupported,
+)
 from mt_train.models.moe.config import MoEModelConfig
 
 _HUB_EXPERT = re.compile(
@@ -72,20 +77,10 @@ class MixtralHF(HFAdapter):
                 f"router_jitter_noise={hf['router_jitter_noise']} is not supported: mt's router "
                 "has no input jitter"
             )
-        theta, scaling = rope_from_hf(hf)
-        heads, top_k = hf["num_attention_heads"], hf["num_experts_per_tok"]
+        top_k = hf["num_experts_per_tok"]
         return MoEModelConfig(
             name=name,
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            ffn_dim=hf["intermediate_size"],
-            norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            init_std=float(hf.get("initializer_range", 0.02)),
+            **llama_fields_from_hf(hf),
             moe=MoEConfig(
                 num_experts=hf["num_local_experts"],
                 top_k=top_k,
