@@ -185,3 +185,24 @@ def test_mla_rejects_bad_shapes() -> None:
         MultiLatentAttention(**{**MLA_SHAPES, "kv_lora_rank": 0}, q_lora_rank=None)
     with pytest.raises(ValueError, match="tp=3 does not divide MLA num_heads=4"):
         MultiLatentAttention(**MLA_SHAPES, q_lora_rank=None).check_tp(3)
+
+
+def test_block_fp8_keeps_a_kv_compression_of_unfit_width_high_precision() -> None:
+    # DeepSeek-V3's kv_a_proj writes kv_lora_rank + rope = 576 values, not a multiple of the
+    # 128x128 blocks: it stays high precision (named in a warning) and every other projection,
+    # 128-divisible, runs in FP8. Here kv_a writes 128 + 64 = 192.
+    import mt_fp8
+
+    mla = MultiLatentAttention(
+        dim=256, num_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=64,
+    )  # fmt: skip
+    options = mp.FP8Options(recipe=mt_fp8.recipe_from_name("block"))
+    with pytest.warns(UserWarning, match=r"1 linear\(s\) stay high precision.*divisible by 128: "
+                      r"kv_a_proj \(256->192\)$"):  # fmt: skip
+        mp.apply_fp8_options(mla, mp.ParallelizePlan(block_types=()), options)
+    fp8 = {name: p.fp8_enabled for name, p in mla.named_children() if hasattr(p, "gemm")}
+    assert fp8 == {"q_a_proj": True, "q_b_proj": True, "kv_a_proj": False, "kv_b_proj": True,
+                   "o_proj": True}, fp8  # fmt: skip
+    y = mla(torch.randn(1, 128, 256), torch.arange(128))
+    assert y.shape == (1, 128, 256) and torch.isfinite(y).all()

@@ -97,12 +97,19 @@ def parse_fp8_gemms(gemms: Iterable[str]) -> frozenset[str]:
     return parsed
 
 
-def check_dims(recipe: Recipe, in_features: int, out_features: int) -> str | None:
-    """Why a (in, out) layer cannot run ``recipe`` in FP8, or None if it can."""
+def dims_multiple(recipe: Recipe) -> int:
+    """What both dims of a linear must be divisible by to run ``recipe`` in FP8: 16 (the FP8
+    GEMMs) and every block size of its layouts."""
     need = 16
     for role in TensorRole:
         block = recipe.layout(role).block
         need = math.lcm(need, *(b for b in block if b > 0))
+    return need
+
+
+def check_dims(recipe: Recipe, in_features: int, out_features: int) -> str | None:
+    """Why a (in, out) layer cannot run ``recipe`` in FP8, or None if it can."""
+    need = dims_multiple(recipe)
     if in_features % need or out_features % need:
         return (
             f"in_features={in_features} and out_features={out_features} must both be divisible "

@@ -40,6 +40,7 @@ also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -161,18 +162,41 @@ def high_precision_linears(
     model: nn.Module, plan: ParallelizePlan, fp8: FP8Options
 ) -> tuple[str, ...]:
     """Names of the TP linears (and MoE expert projections) that stay high precision: the
-    plan's ``fp8_skip``, the output head (unless ``fp8.output_head``) and the layers below
-    ``fp8.min_features``."""
+    plan's ``fp8_skip``, the output head (unless ``fp8.output_head``), the layers below
+    ``fp8.min_features`` and those whose local dims the recipe cannot run (FP8 GEMMs need both
+    dims divisible by 16 and by the recipe's block, ``mt_fp8.linear_plan.check_dims``; e.g.
+    DeepSeek-V3's 576-wide ``kv_a_proj`` under 128×128 blocks). The last are named in one
+    warning, as ``mt_fp8.convert_to_fp8`` skips such layers."""
+    from mt_fp8 import TensorwiseScaling
+    from mt_fp8.linear_plan import check_dims, dims_multiple
+    from mt_parallel.moe.experts import GroupedLinear
+
     skip = list(plan.fp8_skip)
     if plan.output_head is not None and not fp8.output_head:
         skip.append(plan.output_head)
-    from mt_parallel.moe.experts import GroupedLinear
-
+    recipe = fp8.recipe if fp8.recipe is not None else TensorwiseScaling()
+    unfit = []
     for name, module in model.named_modules():
-        if isinstance(module, _ParallelLinear) and min(module.weight.shape) < fp8.min_features:
+        if isinstance(module, _ParallelLinear):
+            out_features, in_features = module.weight.shape
+        elif isinstance(module, GroupedLinear):
+            out_features, in_features = module.weight.shape[1:]  # [experts, out, in]
+        else:
+            continue
+        if name in skip:
+            continue
+        if min(out_features, in_features) < fp8.min_features:
             skip.append(name)
-        elif isinstance(module, GroupedLinear) and min(module.weight.shape[1:]) < fp8.min_features:
-            skip.append(name)  # an expert projection: [experts, out, in]
+        elif check_dims(recipe, in_features, out_features) is not None:
+            skip.append(name)
+            unfit.append(f"{name} ({in_features}->{out_features})")
+    if unfit:
+        warnings.warn(
+            f"{len(unfit)} linear(s) stay high precision: FP8 GEMMs with the {recipe.name} "
+            f"recipe need both local dims divisible by {dims_multiple(recipe)}: "
+            f"{', '.join(unfit)}",
+            stacklevel=2,
+        )
     return tuple(skip)
 
 
