@@ -87,6 +87,8 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
         "parallel.cp=2": "model.mtp_depth=1 is not supported with parallel.cp=2",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
+        "model.mtp_loss_weight_switch_step=-5": "model.mtp_loss_weight_switch_step=-5 must be",
+        "model.mtp_loss_weight_final=-1": "model.mtp_loss_weight_final=-1.0 must be >= 0",
     }
     for override, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -177,6 +179,30 @@ def test_mtp_losses_equal_the_truncated_reference(depth: int) -> None:
 
 def _aux(logged: dict) -> torch.Tensor:
     return logged["moe_aux_loss"] + logged["moe_z_loss"]
+
+
+def test_mtp_weight_switches_after_its_step(kjv_data: Path, tmp_path: Path) -> None:
+    cfg = _tiny(mtp_depth=1, mtp_loss_weight_switch_step=2, mtp_loss_weight_final=0.1)
+    model = DeepSeekV3(cfg).double()
+    mp.init_weights(model, seed=8)
+    model.train()
+    # The hook says when λ changed (a captured step must then be captured again); a rewind to
+    # before the switch brings 0.3 back.
+    assert [model.set_train_step(s) for s in (0, 1, 2, 3, 0)] == [False, False, True, False, True]
+    model.set_train_step(2)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(9))
+    loss, logged = model.loss(model(tokens), tokens.roll(-1, 1))
+    expected = logged["ce_loss"] + _aux(logged) + 0.1 * logged["mtp_loss_1"]
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=0)
+    # The trainer calls the hook before every step: after 2 steps λ is the final one.
+    plain = [o for o in tiny_overrides(kjv_data) if not o.startswith("model.")]
+    overrides = [
+        *plain, "model=deepseek_v3_tiny", "model.dim=64", "model.n_layers=2",
+        "model.ffn_dim=128", "model.moe.expert_ffn_dim=32", "trainer.max_steps=3",
+        "model.mtp_loss_weight_switch_step=2", "model.mtp_loss_weight_final=0.05",
+    ]  # fmt: skip
+    trainer = train_checks.fit(overrides, tmp_path)[0]
+    assert len(trainer.step_hooks) == 1 and trainer.module.mtp_weight == 0.05
 
 
 def test_mtp_depth_zero_is_the_plain_model() -> None:

@@ -166,6 +166,11 @@ class Trainer:
         if p.pp > 1:  # this rank's chunks, under the whole model's names
             self.module = self.model
         self.fp8_layers = fp8_layer_count(self.module)
+        # Per-step model settings (e.g. DeepSeek-V3's MTP weight switch): modules with a
+        # ``set_train_step(completed_steps) -> changed`` hook.
+        self.step_hooks = [
+            m.set_train_step for m in self.module.modules() if hasattr(m, "set_train_step")
+        ]
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
@@ -282,6 +287,8 @@ class Trainer:
         """One optimizer step, or an anomalous one that is not applied (``self.verdict`` and
         ``metrics["event"]`` say why)."""
         self.observer.begin_step(self.step + 1)
+        if any([hook(self.step) for hook in self.step_hooks]):  # every hook runs
+            self.drop_step_graph()
         faults = self.faults.begin_step(self.step + 1)
         if self.watch_fp8:
             mt_fp8.reset_fp8_health(self.module)

@@ -58,6 +58,12 @@ class DeepSeekV3Config(ModelConfig):
     """Multi-token prediction modules (DeepSeek-V3: 1); module ``k`` predicts token ``i+k+1``."""
     mtp_loss_weight: float = 0.3
     """λ of the training loss ``CE + aux + λ/mtp_depth · Σ_k MTP_k`` (V3: 0.3, later 0.1)."""
+    mtp_loss_weight_switch_step: int | None = None
+    """With a step ``N``: λ is ``mtp_loss_weight`` for the first ``N`` optimizer steps and
+    ``mtp_loss_weight_final`` after them (V3: 0.3 for its first 10T of 14.8T tokens, then 0.1);
+    None: λ stays constant."""
+    mtp_loss_weight_final: float = 0.1
+    """λ after ``mtp_loss_weight_switch_step``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,11 +81,27 @@ class DeepSeekV3Config(ModelConfig):
             raise ValueError(f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0")
         if not self.mtp_loss_weight >= 0:
             raise ValueError(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        if not self.mtp_loss_weight_final >= 0:
+            raise ValueError(
+                f"model.mtp_loss_weight_final={self.mtp_loss_weight_final} must be >= 0"
+            )
+        switch = self.mtp_loss_weight_switch_step
+        if switch is not None and (not isinstance(switch, int) or switch < 0):
+            raise ValueError(
+                f"model.mtp_loss_weight_switch_step={switch!r} must be null or an integer >= 0"
+            )
         if not 0 <= self.first_k_dense < self.n_layers:
             raise ValueError(
                 f"model.first_k_dense={self.first_k_dense} must be in [0, model.n_layers="
                 f"{self.n_layers}) (at least one MoE block)"
             )
+
+    def mtp_weight_at(self, completed_steps: int) -> float:
+        """λ of the step after ``completed_steps`` optimizer steps (the switch, if set)."""
+        switch = self.mtp_loss_weight_switch_step
+        if switch is not None and completed_steps >= switch:
+            return self.mtp_loss_weight_final
+        return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
         """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no SP."""

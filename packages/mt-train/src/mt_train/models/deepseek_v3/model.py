@@ -24,7 +24,9 @@ masking, ``doc[i] == doc[i+k]`` (the shifted token of another document is ignore
 ``targets[i+k]`` not ignored. The shifted tokens are ``tokens.roll(-k)``; the wrapped last ``k``
 positions are masked, and causality keeps them out of every valid position (the "truncate"
 formulation of the paper gives the same losses; tested). Each ``MTP_k`` is logged as
-``mtp_loss_{k}``. The MTP modules run only in training and are dropped at export. The MTP
+``mtp_loss_{k}``. λ may switch once during training (``mtp_loss_weight_switch_step``): the
+trainer calls :meth:`DeepSeekV3.set_train_step` before every step, as it does every module's
+``set_train_step`` hook. The MTP modules run only in training and are dropped at export. The MTP
 blocks are :func:`deepseek_block` s (MoE), so TP/EP/FP8/recompute apply; CP and PP are refused.
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
@@ -92,6 +94,15 @@ class DeepSeekV3(MoETransformer):
         super().__init__(cfg, deepseek_block)  # type: ignore[arg-type]
         self.mtp = nn.ModuleList(MTPModule(cfg, k + 1) for k in range(cfg.mtp_depth))
         self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.mtp_weight = cfg.mtp_weight_at(0)
+        """λ of the next training step."""
+
+    def set_train_step(self, completed_steps: int) -> bool:
+        """Set λ for the step after ``completed_steps``; whether it changed (a captured step
+        holds the old value as a constant and must be captured again)."""
+        weight = self.cfg.mtp_weight_at(completed_steps)
+        changed, self.mtp_weight = weight != self.mtp_weight, weight
+        return changed
 
     def forward(
         self,
@@ -129,7 +140,7 @@ class DeepSeekV3(MoETransformer):
             )
             logged[f"mtp_loss_{depth}"] = loss.detach()
             mtp_sum = mtp_sum + loss
-        return total + self.cfg.mtp_loss_weight / len(outputs) * mtp_sum, logged
+        return total + self.mtp_weight / len(outputs) * mtp_sum, logged
 
 
 def mtp_targets(
