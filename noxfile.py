@@ -34,6 +34,12 @@ TRITON_REQUIREMENT = os.environ.get("MT_TRITON_REQUIREMENT", "triton==3.9.0")
 FAKE_PLUGIN = "packages/mt-core/tests/fake_plugin"
 DEFAULT_TIER = ("-m", "not slow")
 """pytest's marker filter for the default tier; ``-m ""`` after it (``tests-full``) clears it."""
+TEST_WORKERS = os.environ.get("MT_TEST_WORKERS", "2")
+"""pytest-xdist workers per session (``MT_TEST_WORKERS``; ``0`` runs in one process)."""
+PARALLEL_ARGS = ("-n", TEST_WORKERS, "--dist", "loadfile")
+"""Test modules run on ``TEST_WORKERS`` processes, each module whole on one worker (so a
+module's spawned process pool starts once). Tests run with ``OMP_NUM_THREADS=1``, so one
+single-process test leaves the other core of a 2-core machine idle; two workers use it."""
 
 # package -> the mt packages it depends on (its own pyproject says the same;
 # packages/mt-core/tests/test_core_layering.py checks both agree).
@@ -88,7 +94,7 @@ def _install_package(session: nox.Session, package: str, *extra: str) -> None:
     """``package`` with its mt dependencies (and ``extra`` requirements) into the session."""
     local = [f"./packages/{dependency}" for dependency in PACKAGES[package]]
     extras = [FAKE_PLUGIN] if package in USES_FAKE_PLUGIN else []
-    _install(session, TORCH_REQUIREMENT, "numpy", "pytest", *extra)
+    _install(session, TORCH_REQUIREMENT, "numpy", "pytest", "pytest-xdist", *extra)
     # --reinstall-package: the version never changes between edits, so force a rebuild.
     _install(
         session,
@@ -103,6 +109,7 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
     session.run(
         "pytest",
         *DEFAULT_TIER,
+        *PARALLEL_ARGS,
         *args,
         *session.posargs,
         # The test fixtures are installed: a test that needs one must not skip.
@@ -135,13 +142,16 @@ for _package in PACKAGES:
 def tests_benchmarks(session: nox.Session) -> None:
     """CPU tests of the benchmark scripts' own logic (verdicts, generated doc tables), with every
     package installed (the quality harness reads model shapes through mt-train)."""
-    _install(session, TORCH_REQUIREMENT, "numpy", "pytest")
+    _install(session, TORCH_REQUIREMENT, "numpy", "pytest", "pytest-xdist")
     _install(
         session,
         *(f"--reinstall-package={name}" for name in PACKAGES),
         *(f"./packages/{name}" for name in PACKAGES),
     )
-    session.run("pytest", "benchmarks/tests", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run(
+        "pytest", "benchmarks/tests", *PARALLEL_ARGS, *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
 
 
 @nox.session
