@@ -1,0 +1,85 @@
+"""``mt-plan`` end to end: the table and launch line, ``explain``, and one-line bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mt_plan.cli import main
+from mt_plan.cluster import ClusterError, cluster_from_dict, load_cluster
+
+SMALL = [
+    "model=llama3_8b",
+    "model.n_layers=4",
+    "trainer.seq_len=4096",
+    "trainer.global_batch_size=8",
+]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_prints_a_ranked_table_and_a_launch_line(capsys, tmp_path) -> None:
+    path = tmp_path / "plan.jsonl"
+    code, out, err = run(capsys, "search", *SMALL, "--gpus", "4", "--pp", "1", "--fp8", "none",
+                         "--top", "3", "--json", str(path))  # fmt: skip
+    assert code == 0, err
+    assert "| 1 |" in out and "| 3 |" in out and "| 4 |" not in out
+    launch = out.strip().splitlines()[-1]
+    assert launch.startswith("torchrun --standalone --nproc-per-node 4 -m mt_train model=llama3_8b")
+    assert "trainer.global_batch_size=8" in launch and "parallel.tp=" in launch
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    speeds = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in rows)
+
+
+def test_explain_breaks_one_layout_down(capsys) -> None:
+    code, out, err = run(capsys, "explain", *SMALL, "trainer.micro_batch_size=2",
+                         "parallel.tp=2", "parallel.sequence_parallel=true", "--gpus", "4")  # fmt: skip
+    assert code == 0, err
+    assert "layout: tp2+sp cp1 dp2 ddp mb2 none none" in out
+    assert "attention_core" in out and "tp " in out and "gradients" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gpus", "0"], "--gpus=0 must be a positive integer"),
+        (["--gpus", "12"], "--gpus=12 is not a multiple of gpus_per_node=8 (whole nodes: 8 or 16)"),
+        (["--cluster", "tpu_pod"], "unknown cluster 'tpu_pod'; shipped: h200, h200_nodes"),
+        (["--calibration", "b200"], "unknown calibration table 'b200'; shipped: h200"),
+        (["--nodes", "0"], "nodes=0 must be a positive integer"),
+        (["model=gpt5"], "gpt5"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, message) -> None:
+    code, out, err = run(capsys, "search", *SMALL, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("mt-plan: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_a_model_that_fits_nowhere_names_the_gpus_it_needs(capsys) -> None:
+    code, _, err = run(capsys, "search", "model=llama3_70b", "trainer.seq_len=4096",
+                       "trainer.global_batch_size=64", "--gpus", "1")  # fmt: skip
+    assert code == 2
+    assert "model=llama3_70b fits no layout on 1 GPUs" in err
+    assert "the smallest GPU count that fits is 16" in err
+
+
+def test_cluster_validation_names_the_value() -> None:
+    data = json.loads(json.dumps(load_cluster("h200_nodes").to_dict()))
+    data["gpus_per_node"] = 0
+    with pytest.raises(ClusterError, match="gpus_per_node=0 must be a positive integer"):
+        cluster_from_dict(data)
+    data["gpus_per_node"] = 8
+    data["intra_node"]["bandwidth"] = 0
+    with pytest.raises(ClusterError, match="intra_node needs bandwidth > 0"):
+        cluster_from_dict(data)
+    del data["gpu"]
+    with pytest.raises(ClusterError, match="missing key 'gpu'"):
+        cluster_from_dict(data)
