@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from mt_plan.calibration import load_table
 from mt_plan.cli import main
 from mt_plan.cluster import ClusterError, cluster_from_dict, load_cluster
 
@@ -83,3 +84,23 @@ def test_cluster_validation_names_the_value() -> None:
     del data["gpu"]
     with pytest.raises(ClusterError, match="missing key 'gpu'"):
         cluster_from_dict(data)
+
+
+def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
+    path = tmp_path / "cpu.json"
+    code, _, err = run(capsys, "calibrate", "--tiny", "--device", "cpu", "--out", str(path))
+    assert code == 0, err
+    table = load_table(str(path))
+    kinds = {(e.op, e.dtype) for e in table.entries}
+    for kind in [("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_fwd", "bf16"),
+                 ("attention_bwd", "bf16"), ("rmsnorm", "bf16"), ("adamw", "fp32")]:  # fmt: skip
+        assert kind in kinds
+    assert all(e.rate > 0 for e in table.entries)
+    # a CPU-calibrated search is priced from measurements: far slower than the H200 seed table
+    h200 = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--json", str(tmp_path / "a"))
+    cpu = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--calibration", str(path),
+              "--json", str(tmp_path / "b"))  # fmt: skip
+    assert h200[0] == cpu[0] == 0
+    fast = json.loads((tmp_path / "a").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
+    slow = json.loads((tmp_path / "b").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
+    assert slow < fast / 100
