@@ -97,7 +97,9 @@ def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
         assert kind in kinds
     assert all(e.rate > 0 for e in table.entries)
     # a CPU-calibrated search is priced from measurements: far slower than the H200 seed table
-    h200 = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--json", str(tmp_path / "a"))
+    h200 = run(
+        capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--json", str(tmp_path / "a")
+    )
     cpu = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--calibration", str(path),
               "--json", str(tmp_path / "b"))  # fmt: skip
     assert h200[0] == cpu[0] == 0

@@ -47,7 +47,10 @@ def _timer(device, tiny: bool = False) -> Callable[[Callable[[], object]], float
         results = []
         for _ in range(trials):
             if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 for _ in range(repeat):
                     fn()
@@ -107,8 +110,12 @@ def _fp8_gemms(device, gemms, timeit, recipes) -> list[Entry]:
                 continue  # block recipes need 128-multiples; skip odd shapes for all recipes
             x = torch.randn(M, K, device=device)
             w = torch.randn(N, K, device=device)
-            qa = quantize(x, recipe.formats.for_role(TensorRole.INPUT), recipe.layout(TensorRole.INPUT))
-            qb = quantize(w, recipe.formats.for_role(TensorRole.WEIGHT), recipe.layout(TensorRole.WEIGHT))
+            qa = quantize(
+                x, recipe.formats.for_role(TensorRole.INPUT), recipe.layout(TensorRole.INPUT)
+            )
+            qb = quantize(
+                w, recipe.formats.for_role(TensorRole.WEIGHT), recipe.layout(TensorRole.WEIGHT)
+            )
             seconds = timeit(lambda qa=qa, qb=qb: fp8_gemm(qa, qb, torch.bfloat16))
             out.append(Entry("gemm", f"fp8_{recipe_name}", (M, N, K), 2.0 * M * N * K / seconds))
     return out
@@ -171,7 +178,9 @@ def _membound(device, dtype, tiny, timeit) -> list[Entry]:
             rms_norm(x, g, out_dtype=dtype).sum().backward()
 
         # cost model: forward 2·(4+A)·T·D over two norms → (4+A) per norm; backward (8+A)
-        out.append(Entry("rmsnorm", "bf16", (rows, cols), (12 + 2 * A) * rows * cols / timeit(norm)))
+        out.append(
+            Entry("rmsnorm", "bf16", (rows, cols), (12 + 2 * A) * rows * cols / timeit(norm))
+        )
         gate = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
         up = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
 
@@ -197,7 +206,9 @@ def _membound(device, dtype, tiny, timeit) -> list[Entry]:
     seq = 64 if tiny else 8192
     q = torch.randn(1, seq, heads, hd, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(1, seq, heads // 4 or 1, hd, device=device, dtype=dtype, requires_grad=True)
-    angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * torch.ones(hd // 2, device=device)
+    angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * torch.ones(
+        hd // 2, device=device
+    )
     cos, sin = angles.cos(), angles.sin()
 
     def rope(q=q, k=k):
