@@ -136,9 +136,10 @@ class _Phase:
 @dataclass
 class _LayerCost:
     phase: _Phase
-    comm_fwd: dict[str, tuple[str, float, int]]
-    """group → (collective, payload bytes, count) in forward; backward in ``comm_bwd``."""
-    comm_bwd: dict[str, tuple[str, float, int]]
+    comm_fwd: tuple[tuple[str, str, float], ...]
+    """(group, collective, payload bytes) of the forward, in the order they run."""
+    comm_bwd: tuple[tuple[str, str, float], ...]
+    """The same for the backward (with a recomputed forward's collectives)."""
     saved: float
     """Activation bytes kept for backward by one micro-batch."""
     full_acts: float
@@ -208,8 +209,8 @@ class CostModel:
         H = md.n_heads // tp
         fp8 = L.fp8
         ph = _Phase()
-        comm_f: dict[str, tuple[str, float, int]] = {}
-        comm_b: dict[str, tuple[str, float, int]] = {}
+        comm_f: list[tuple[str, str, float]] = []
+        comm_b: list[tuple[str, str, float]] = []
         saved = 0.0
         # attention projections
         if md.attention == "gqa":
@@ -222,7 +223,7 @@ class CostModel:
             kv_heads, qk, vd = Hkv, hd, hd
             saved += A * T * D * (0.5 if fp8 != "none" else 1.0)  # the q/k/v input (shared)
             saved += A * T * (H + 2 * Hkv) * hd  # q, k, v after RoPE, kept by the core
-            cp_kv = 2 * A * b * w.seq_len * Hkv * hd
+            cp_kv = (A * b * w.seq_len * Hkv * hd, A * b * w.seq_len * Hkv * hd)
             tp_in_grad = T * D
         else:
             qk, vd = md.qk_dim, md.v_head_dim
@@ -238,7 +239,7 @@ class CostModel:
             rope_bytes = 2 * A * T * (H + 1) * rope
             kv_heads = H
             saved += A * T * (D + qr + kvr + rope) + A * T * H * (2 * qk + vd)
-            cp_kv = A * b * w.seq_len * H * (qk + vd)
+            cp_kv = (A * b * w.seq_len * H * qk, A * b * w.seq_len * H * vd)
             tp_in_grad = T * ((qr or D) + kvr + rope)
         # attention core (causal)
         core_fwd_flops = b * H * (w.seq_len * w.seq_len / (2 * L.cp)) * 2 * (qk + vd)
@@ -280,9 +281,6 @@ class CostModel:
                 Fs = md.shared_ffn_dim // tp
                 self._mlp(ph, T, D, Fs, fp8)
                 saved += self._mlp_saved(T, D, Fs, fp8, L.recompute)
-            if L.ep > 1:
-                comm_f["ep"] = ("all_to_all", A * rows * D, 2)
-                comm_b["ep"] = ("all_to_all", A * rows * D, 2)
         # norms and residual adds (fp32 residual stream)
         nf, n1 = self._membound("rmsnorm", 2 * (4 + A) * Tn * D, (Tn, D))
         nb, _ = self._membound("rmsnorm", 2 * (8 + A) * Tn * D, (Tn, D))
@@ -290,19 +288,32 @@ class CostModel:
         ra, r4 = self._membound("copy", 2 * 12 * Tn * D, (Tn, D))
         ph.add("norm_residual", ra, ra, 0.0, r4)
         saved += 2 * 4 * Tn * D  # the norms' fp32 inputs
-        # tensor parallel traffic
+        # the block's collectives in execution order (the backward's mirror the forward's)
+        TD = A * T * D
+        moe_ep = md.moe and not dense and L.ep > 1
+        if tp > 1 and L.sp:
+            comm_f.append(("tp", "all_gather", TD))
+            comm_b.append(("tp", "reduce_scatter", TD))
+        for payload in cp_kv if L.cp > 1 else ():
+            comm_f.append(("cp", "all_gather", payload))
+            comm_b.append(("cp", "reduce_scatter", payload))
         if tp > 1:
-            n_tp = 1 + int(mlp_tp)
             if L.sp:
-                comm_f["tp"] = ("all_gather+reduce_scatter", A * T * D, n_tp)
-                comm_b["tp"] = ("all_gather+reduce_scatter", A * T * D, n_tp)
+                comm_f += [("tp", "reduce_scatter", TD), ("tp", "all_gather", TD)]
+                comm_b += [("tp", "all_gather", TD), ("tp", "reduce_scatter", TD)]
             else:
-                comm_f["tp"] = ("all_reduce", A * T * D, n_tp)
-                comm_b["tp"] = ("all_reduce", A * T * D, n_tp - 1)
-                comm_b["tp_attn_in"] = ("all_reduce", A * tp_in_grad, 1)
-        if L.cp > 1:
-            comm_f["cp"] = ("all_gather", cp_kv, 1)
-            comm_b["cp"] = ("reduce_scatter", cp_kv, 1)
+                comm_f.append(("tp", "all_reduce", TD))
+                comm_b.append(("tp", "all_reduce", A * tp_in_grad))
+                if mlp_tp:
+                    comm_b.append(("tp", "all_reduce", TD))
+        if moe_ep:
+            rows_bytes = A * T * md.top_k * D
+            comm_f += [("ep", "all_to_all", rows_bytes)] * 2
+            comm_b += [("ep", "all_to_all", rows_bytes)] * 2
+        if tp > 1 and mlp_tp:
+            comm_f.append(("tp", "reduce_scatter" if L.sp else "all_reduce", TD))
+            if L.sp:
+                comm_b.append(("tp", "all_gather", TD))
         full = saved
         # recompute: extra backward compute and what stays saved
         core_f = ph.classes.get("attention_core", 0.0) * cf / (cf + cb) if cf + cb else 0.0
@@ -313,9 +324,9 @@ class CostModel:
             saved = 4 * Tn * D
             if L.recompute == "full_keep":
                 saved += A * T * H * vd + 4 * b * H * s_loc
-            for group, (kind, payload, count) in list(comm_f.items()):
-                prev = comm_b.get(group + "_recompute")
-                comm_b[group + "_recompute"] = (kind, payload, count + (prev[2] if prev else 0))
+            # torch's checkpoint stops recomputing once every saved tensor is rebuilt: the
+            # block's last collective (its output) is not run again
+            comm_b += comm_f[:-1]
         elif L.recompute in ("selective", "selective_mlp"):
             extra = core_f
             saved -= 4 * b * H * s_loc
@@ -324,7 +335,7 @@ class CostModel:
                 extra += swiglu
             ph.igrad += extra
             ph.classes["recompute"] = extra
-        return _LayerCost(ph, comm_f, comm_b, saved, full)
+        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full)
 
     def _mlp(self, ph: _Phase, T: int, D: int, F: int, fp8: str) -> None:
         A = self.work.act_bytes
@@ -362,12 +373,7 @@ class CostModel:
         return self._collective(collective, payload, size, stride)
 
     def _collective_time(self, collective: str, payload: float, size: int, stride: int) -> float:
-        tier = tier_of(self.cluster, stride, size)
-        if collective == "all_gather+reduce_scatter":
-            return collective_time("all_gather", payload, size, tier) + collective_time(
-                "reduce_scatter", payload, size, tier
-            )
-        return collective_time(collective, payload, size, tier)
+        return collective_time(collective, payload, size, tier_of(self.cluster, stride, size))
 
     def chunk_layers(self, L: Layout) -> list[list[int]]:
         """The decoder layers of each pipeline chunk (``split_layers``'s even split)."""
@@ -390,8 +396,8 @@ class CostModel:
             return [[r, 2 * L.pp - 1 - r] for r in range(L.pp)]
         return [[r + k * L.pp for k in range(v)] for r in range(L.pp)]
 
-    def _ends(self, L: Layout) -> tuple[_Phase, _Phase, dict[str, float], dict[str, float]]:
-        """(embedding phase, head phase, their tp payloads forward and backward)."""
+    def _ends(self, L: Layout) -> tuple[_Phase, _Phase, dict[str, list], dict[str, list]]:
+        """(embedding phase, head phase, {"embedding"/"head": collectives} forward, backward)."""
         md, w = self.model, self.work
         A, T = w.act_bytes, L.micro_batch * w.seq_len // L.cp
         Tn = T // L.tp if L.sp else T
@@ -409,11 +415,20 @@ class CostModel:
             seconds, r5 = self._gemm("bf16", T, D, D)
             extra = md.extra_flops_per_token * T / (2.0 * T * D * D) * seconds
             emb.add("vision_encoder", extra / 3, extra / 3, extra / 3, r5)
-        fwd, bwd = {}, {}
+        fwd: dict[str, list] = {"embedding": [], "head": []}
+        bwd: dict[str, list] = {"embedding": [], "head": []}
         if L.tp > 1:
-            fwd["embedding"] = 4 * T * D
-            fwd["cross_entropy"] = 3 * 4 * T
-            bwd["head"] = A * T * D
+            # vocab-parallel embedding (fp32 output), the head's input, cross-entropy's three
+            # fp32 values per token; the final norm's gain with sequence parallel
+            if L.sp:
+                fwd["embedding"].append(("tp", "reduce_scatter", 4 * T * D))
+                bwd["embedding"].append(("tp", "all_gather", 4 * T * D))
+                fwd["head"].append(("tp", "all_gather", A * T * D))
+                bwd["head"] += [("tp", "reduce_scatter", A * T * D), ("tp", "all_reduce", 4 * D)]
+            else:
+                fwd["embedding"].append(("tp", "all_reduce", 4 * T * D))
+                bwd["head"].append(("tp", "all_reduce", A * T * D))
+            fwd["head"] += [("tp", "all_reduce", 4 * T)] * 3
         return emb, head, fwd, bwd
 
     def estimate(self, L: Layout) -> Estimate:
@@ -434,8 +449,7 @@ class CostModel:
                     group, size, "intra" if tier_of(cl, stride, size) is cl.intra_node else "inter"
                 ),
             )
-            factor = 2 if collective == "all_gather+reduce_scatter" else 1
-            g.payload_bytes += payload * times * factor
+            g.payload_bytes += payload * times
             g.seconds += seconds
             return seconds
 
@@ -444,6 +458,7 @@ class CostModel:
         classes: dict[str, float] = {}
         roofline = 0.0
         rank0 = set(placement[0])
+        rank_of = {c: r for r, held in enumerate(placement) for c in held}
         for c, layers in enumerate(chunks):
             f = i = wg = saved = biggest = 0.0
             count_comm = c in rank0
@@ -455,17 +470,18 @@ class CostModel:
                 wg += lc.phase.wgrad
                 saved += lc.saved
                 biggest = max(biggest, lc.full_acts)
-                for group, (kind, payload, n) in lc.comm_fwd.items():
-                    t = self._time(group, kind, payload, L) * n
-                    f += t
+                for group, kind, payload in lc.comm_fwd:
+                    f += self._time(group, kind, payload, L)
                     if count_comm:
-                        account(group, kind, payload, n * m)
-                for key, (kind, payload, n) in lc.comm_bwd.items():
-                    group = key.split("_")[0]
-                    t = self._time(group, kind, payload, L) * n
-                    i += t
+                        account(group, kind, payload, m)
+                for group, kind, payload in lc.comm_bwd:
+                    i += self._time(group, kind, payload, L)
                     if count_comm:
-                        account(group, kind, payload, n * m)
+                        account(group, kind, payload, m)
+                if L.sp:  # the two replicated norm gains: fp32 gradients, per micro-batch
+                    i += 2 * self._time("tp", "all_reduce", 4 * md.dim, L)
+                    if count_comm:
+                        account("tp", "all_reduce", 4 * md.dim, 2 * m)
                 if count_comm:
                     for cls, t in lc.phase.classes.items():
                         classes[cls] = classes.get(cls, 0.0) + t * m
@@ -477,25 +493,26 @@ class CostModel:
                     for cls, t in ph.classes.items():
                         classes[cls] = classes.get(cls, 0.0) + t * m
                     roofline += ph.roofline * m
-            if L.tp > 1 and (c == 0 or c == len(chunks) - 1):
-                first, last = c == 0, c == len(chunks) - 1
-                for name, payload in end_fwd.items():
-                    if (name == "embedding" and first) or (name == "cross_entropy" and last):
-                        f += self._time("tp", "all_reduce", payload, L)
-                        if count_comm:
-                            account("tp", "all_reduce", payload, m)
-                if last:
-                    i += self._time("tp", "all_reduce", end_bwd["head"], L)
+            ends_here = (["embedding"] if c == 0 else []) + (
+                ["head"] if c == len(chunks) - 1 else []
+            )
+            for end in ends_here:
+                for group, kind, payload in end_fwd[end]:
+                    f += self._time(group, kind, payload, L)
                     if count_comm:
-                        account("tp", "all_reduce", end_bwd["head"], m)
-            if L.pp > 1:
+                        account(group, kind, payload, m)
+                for group, kind, payload in end_bwd[end]:
+                    i += self._time(group, kind, payload, L)
+                    if count_comm:
+                        account(group, kind, payload, m)
+            if L.pp > 1:  # stage boundaries between ranks (a V keeps its turn on one rank)
                 hidden = 4 * L.micro_batch * w.seq_len // L.cp * md.dim // (L.tp if L.sp else 1)
                 p2p = self._time("pp", "p2p", hidden, L)
-                if c < len(chunks) - 1:
+                if c < len(chunks) - 1 and rank_of[c + 1] != rank_of[c]:
                     f += p2p
                     if count_comm:
                         account("pp", "p2p", hidden, m)
-                if c > 0:
+                if c > 0 and rank_of[c - 1] != rank_of[c]:
                     i += p2p
                     if count_comm:
                         account("pp", "p2p", hidden, m)
@@ -591,6 +608,9 @@ class CostModel:
         if W == 1:
             return 0.0
         grads = 4 * local
+        if self.model.moe:  # the step's expert counts (int64), summed for the router biases
+            counts = 8 * self.model.num_experts * self.model.moe_layers
+            account("dp", "all_reduce", counts / L.pp, 1)
         if L.dp_mode == "ddp":
             t = account("dp", "all_reduce", grads, 1)
             if experts and W // L.ep > 1:
