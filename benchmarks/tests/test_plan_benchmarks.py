@@ -16,3 +16,25 @@ def test_search_speed_smoke(tmp_path, capsys) -> None:
     assert row["fits"] > 0 and row["enumerated"] >= row["fits"] + row["rule"] + row["memory"]
     assert row["layouts_per_minute"] > 0
     assert "layouts/min" in capsys.readouterr().out
+
+
+def test_validation_harness_smoke(tmp_path, capsys) -> None:
+    import plan_validation
+
+    out = tmp_path / "validation.jsonl"
+    args = ["--tiny", "--out", str(out), "--warmup", "1", "--steps", "2"]
+    assert plan_validation.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["name"] for r in rows] == list(plan_validation.TINY_CONFIGS)
+    for row in rows:
+        assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0 and row["predicted_fits"]
+    text = capsys.readouterr().out
+    assert "Kendall τ of step times" in text and "debug-l4-s64: predicted best" in text
+
+
+def test_kendall_tau() -> None:
+    import plan_validation
+
+    assert plan_validation.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert plan_validation.kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert plan_validation.kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == 4 / 6
