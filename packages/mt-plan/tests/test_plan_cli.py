@@ -51,7 +51,10 @@ def test_explain_breaks_one_layout_down(capsys) -> None:
     [
         (["--gpus", "0"], "--gpus=0 must be a positive integer"),
         (["--gpus", "12"], "--gpus=12 is not a multiple of gpus_per_node=8 (whole nodes: 8 or 16)"),
-        (["--cluster", "tpu_pod"], "unknown cluster 'tpu_pod'; shipped: h200, h200_nodes"),
+        (
+            ["--cluster", "tpu_pod"],
+            "unknown cluster 'tpu_pod'; shipped: h100_nodes, h200, h200_nodes",
+        ),
         (["--calibration", "b200"], "unknown calibration table 'b200'; shipped: h200"),
         (["--nodes", "0"], "nodes=0 must be a positive integer"),
         (["model=gpt5"], "gpt5"),

@@ -135,7 +135,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
         schedules=args.schedules or defaults.schedules, sp=sp,
         dp_modes=args.dp_modes or defaults.dp_modes,
-        recompute=args.recompute or defaults.recompute, fp8=args.fp8 or defaults.fp8,
+        recompute=args.recompute or defaults.recompute, fp8=args.fp8,
     )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ each stage removed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mt_plan.cost import CostModel, Estimate
 from mt_plan.layout import DP_MODES, FP8_RECIPES, RECOMPUTE, SCHEDULES, Layout, layout_problem
@@ -42,7 +42,9 @@ class SearchSpace:
     ep: list[int] | None = None
     micro_batches: list[int] | None = None
     recompute: list[str] = field(default_factory=lambda: list(RECOMPUTE))
-    fp8: list[str] = field(default_factory=lambda: ["none", "tensorwise", "rowwise", "blockwise"])
+    fp8: list[str] | None = None
+    """None: no FP8 and every recipe whose GEMMs the calibration table measured (recipes the
+    table cannot tell apart would only tie)."""
     max_micro_batch: int = 16
 
     def __post_init__(self) -> None:
@@ -50,7 +52,7 @@ class SearchSpace:
             ("schedule", self.schedules, SCHEDULES),
             ("dp_mode", self.dp_modes, DP_MODES),
             ("recompute", self.recompute, RECOMPUTE),
-            ("fp8", self.fp8, FP8_RECIPES),
+            ("fp8", self.fp8 or ["none"], FP8_RECIPES),
         ):
             unknown = [v for v in values if v not in valid]
             if unknown or not values:
@@ -67,18 +69,27 @@ class SearchResult:
 
 
 def enumerate_layouts(
-    world: int, gpus_per_node: int, global_batch: int, model_experts: int, space: SearchSpace
+    world: int,
+    gpus_per_node: int,
+    global_batch: int,
+    model_experts: int,
+    space: SearchSpace,
+    pp_allowed: bool = True,
+    cp_allowed: bool = True,
 ) -> Iterator[Layout]:
-    """Every combination of the space's values whose world and batch arithmetic works."""
+    """Every combination of the space's values whose world and batch arithmetic works (pp and
+    cp above 1 only where the model family runs them)."""  # fmt: skip
     node = min(world, gpus_per_node)
     tps = space.tp or [d for d in divisors(node)]
     for tp in tps:
         if world % tp:
             continue
-        for cp in space.cp or divisors(node // tp if node % tp == 0 else 1):
+        for cp in space.cp or (
+            divisors(node // tp if node % tp == 0 else 1) if cp_allowed else [1]
+        ):
             if world % (tp * cp):
                 continue
-            for pp in space.pp or divisors(world // (tp * cp)):
+            for pp in space.pp or (divisors(world // (tp * cp)) if pp_allowed else [1]):
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
@@ -100,7 +111,7 @@ def enumerate_layouts(
                             for ep in eps:
                                 for mb in mbs:
                                     for rc in space.recompute:
-                                        for fp8 in space.fp8:
+                                        for fp8 in space.fp8 or ["none"]:
                                             yield Layout(
                                                 tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, sp=sp,
                                                 vpp=vpp, schedule=schedule, dp_mode=dp_mode,
@@ -112,12 +123,16 @@ def search(cost: CostModel, world: int, space: SearchSpace | None = None) -> Sea
     """Score every valid layout of ``world`` GPUs (module docstring)."""
     space = space or SearchSpace()
     md, w = cost.model, cost.work
+    if space.fp8 is None:
+        measured = [r for r in FP8_RECIPES[1:] if cost.table.has("gemm", f"fp8_{r}")]
+        space = replace(space, fp8=["none", *measured])
     counts = {"enumerated": 0, "rule": 0, "memory": 0, "fits": 0}
     fits: list[Estimate] = []
     too_big: list[Estimate] = []
     for layout in enumerate_layouts(
-        world, cost.cluster.gpus_per_node, w.global_batch, md.num_experts, space
-    ):
+        world, cost.cluster.gpus_per_node, w.global_batch, md.num_experts, space,
+        md.supports_pp, md.supports_cp,
+    ):  # fmt: skip
         counts["enumerated"] += 1
         if layout_problem(layout, md, world, w.global_batch, w.seq_len) is not None:
             counts["rule"] += 1
