@@ -26,6 +26,8 @@ from mt_plan.report import explain, launch_line, table
 from mt_plan.search import SearchSpace, search, smallest_world_that_fits
 
 EXIT_USER_ERROR = 2
+FP8_OPTION = {"block": "blockwise"}
+"""mt-fp8 recipe names whose ``fp8=`` config option is spelled differently."""
 SEARCHED_OVERRIDES = ("parallel.", "fp8=", "fp8.recipe", "trainer.micro_batch_size")
 """Overrides ``search`` chooses itself (ignored when given)."""
 
@@ -123,7 +125,7 @@ def layout_of(train: Any, world: int) -> Layout:
         tp=par.tp, cp=par.cp, pp=par.pp, dp=dp, ep=par.ep, sp=par.sequence_parallel,
         vpp=par.pp_chunks if par.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1,
         schedule=par.pp_schedule if par.pp > 1 else "1f1b", dp_mode=par.data_parallel,
-        micro_batch=tr.micro_batch_size, recompute=recompute, fp8=train.fp8.recipe,
+        micro_batch=tr.micro_batch_size, recompute=recompute, fp8=FP8_OPTION.get(train.fp8.recipe, train.fp8.recipe),
     )  # fmt: skip
 
 
