@@ -15,7 +15,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mt_train import Trainer, compose_config, to_train_config
@@ -86,13 +85,9 @@ def count_one_step(overrides: list[str], output_dir: str | Path) -> dict[str, li
 
 
 def local_parameters(overrides: list[str], output_dir: str | Path) -> int:
-    """Parameters this rank holds after parallelisation."""
+    """Parameters this rank holds after parallelisation (its tp shard, ep experts, pp stage)."""
     trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
     try:
         return sum(p.numel() for p in trainer.module.parameters())
     finally:
         trainer.close()
-
-
-def zeros_like_step(_: Any = None) -> torch.Tensor:
-    return torch.zeros(1)

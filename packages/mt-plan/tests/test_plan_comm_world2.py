@@ -95,3 +95,31 @@ def test_expert_parallel_bytes_match_up_to_the_routing(pool, kjv_data, tmp_path)
     prediction = predicted({"model": "mixtral_tiny"}, Layout(dp=2, ep=2, micro_batch=4))
     per_rank = counted(pool, kjv_data, tmp_path, extra)
     assert sum(per_rank) / 2 == pytest.approx(sum(prediction.values()), rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "extra,layout",
+    [
+        ({"parallel.tp": 2}, Layout(tp=2, micro_batch=4)),
+        ({"parallel.pp": 2, "model.n_layers": 3}, Layout(pp=2, micro_batch=4)),
+        ({"model": "mixtral_tiny", "parallel.ep": 2}, Layout(dp=2, ep=2, micro_batch=4)),
+    ],
+    ids=["tp2", "pp2", "ep2"],
+)
+def test_parameters_per_rank_equal_the_parallelised_model(pool, kjv_data, tmp_path, extra, layout):
+    """The memory model's weights per rank (4 bytes per parameter) start from these counts."""
+    model_extra = {k: v for k, v in extra.items() if k.startswith("model")}
+    tiny = {
+        k: v
+        for k, v in {**TINY, **model_extra}.items()
+        if k.startswith(("model", "trainer", "sched"))
+    }
+    config = resolve([f"{k}={v}" for k, v in tiny.items()] + ["model.vocab_size=320"])
+    cost = CostModel(shape_of(config.model), load_cluster("h200_nodes").with_gpus(2),
+                     load_table("h200"), Workload(seq_len=64, global_batch=8, act_bytes=4))  # fmt: skip
+    chunks, placement = cost.chunk_layers(layout), cost.rank_chunks(layout)
+    per_rank = pool.run(plan_comm_checks.local_parameters, overrides(kjv_data, **extra), tmp_path)
+    for rank, counted_params in enumerate(per_rank):
+        stage = rank * layout.pp // 2  # pp is the slowest dimension: ranks 0, 1 are stages 0, 1
+        dense, experts, _ = cost.rank_params(layout, placement[stage], chunks)
+        assert dense + experts == counted_params

@@ -535,7 +535,7 @@ class CostModel:
             last_backward = chunk_i[0] + chunk_w[0]
 
         # parameters per pipeline rank
-        params = [self._rank_params(L, placement[r], chunks) for r in range(L.pp)]
+        params = [self.rank_params(L, placement[r], chunks) for r in range(L.pp)]
         dp_exposed = self._data_parallel(L, params[0], m, last_backward, pipe_time, account, comm)
 
         # optimizer: AdamW over the parameters this rank updates, the clip's norm
@@ -581,7 +581,7 @@ class CostModel:
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
         )  # fmt: skip
 
-    def _rank_params(
+    def rank_params(
         self, L: Layout, rank_chunks: list[int], chunks: list[list[int]]
     ) -> tuple[float, float, float]:
         """(dense-parallel parameters, expert parameters, FP8-linear parameters) on one rank."""
