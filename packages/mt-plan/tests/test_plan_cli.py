@@ -109,3 +109,20 @@ def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
     fast = json.loads((tmp_path / "a").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
     slow = json.loads((tmp_path / "b").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
     assert slow < fast / 100
+
+
+@pytest.mark.gpu
+def test_calibrate_on_the_gpu(capsys, tmp_path) -> None:
+    """The full table on a CUDA GPU: every op kind measured, no rate above the datasheet peak."""
+    import torch
+
+    path = tmp_path / "gpu.json"
+    code, _, err = run(capsys, "calibrate", "--device", "cuda", "--out", str(path))
+    assert code == 0, err
+    table = load_table(str(path))
+    kinds = {(e.op, e.dtype) for e in table.entries}
+    assert {("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_bwd", "bf16"),
+            ("cross_entropy", "bf16"), ("adamw", "fp32")} <= kinds  # fmt: skip
+    assert table.device == torch.cuda.get_device_name()
+    bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm", "bf16"))
+    assert 1e14 < bf16 < 2.5e15  # a Hopper-class GPU: hundreds of dense bf16 TFLOP/s
