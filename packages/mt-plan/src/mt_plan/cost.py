@@ -221,7 +221,7 @@ class CostModel:
             self._linear(ph, "attention_proj", T, D, H * hd, fp8)
             rope_bytes = 2 * A * T * (H + Hkv) * hd
             kv_heads, qk, vd = Hkv, hd, hd
-            saved += A * T * D * (0.5 if fp8 != "none" else 1.0)  # the q/k/v input (shared)
+            saved += (1 if fp8 != "none" else A) * T * D  # the q/k/v input (shared; FP8: 1 byte)
             saved += A * T * (H + 2 * Hkv) * hd  # q, k, v after RoPE, kept by the core
             cp_kv = (A * b * w.seq_len * Hkv * hd, A * b * w.seq_len * Hkv * hd)
             tp_in_grad = T * D
@@ -347,7 +347,7 @@ class CostModel:
 
     def _mlp_saved(self, T: int, D: int, F: int, fp8: str, recompute: str) -> float:
         A = self.work.act_bytes
-        saved = A * T * D * (0.5 if fp8 != "none" else 1.0) + 2 * A * T * F
+        saved = (1 if fp8 != "none" else A) * T * D + 2 * A * T * F
         if recompute != "selective_mlp":
             saved += (1 if fp8 != "none" else A) * T * F
         return saved
