@@ -38,6 +38,18 @@ def test_search_prints_a_ranked_table_and_a_launch_line(capsys, tmp_path) -> Non
     assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in rows)
 
 
+def test_search_explains_a_row_of_its_table(capsys) -> None:
+    code, out, err = run(capsys, "search", *SMALL, "--gpus", "2", "--pp", "1", "--fp8", "none",
+                         "--explain", "2")  # fmt: skip
+    assert code == 0, err
+    second_row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+    assert f"layout: {second_row.split('|')[2].strip()}" in out
+    assert "memory of the fullest rank" in out
+    code, _, err = run(capsys, "search", *SMALL, "--gpus", "2", "--pp", "1", "--fp8", "none",
+                       "--explain", "100000")  # fmt: skip
+    assert code == 2 and "--explain=100000: the table has rows 1 to" in err
+
+
 def test_explain_breaks_one_layout_down(capsys) -> None:
     code, out, err = run(capsys, "explain", *SMALL, "trainer.micro_batch_size=2",
                          "parallel.tp=2", "parallel.sequence_parallel=true", "--gpus", "4")  # fmt: skip

@@ -60,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="write the estimates as JSON lines here")
     s = sub.choices["search"]
     s.add_argument("--top", type=int, default=10)
+    s.add_argument("--explain", type=int, metavar="N", help="also break down row N of the table")
     s.add_argument("--tp", type=_ints)
     s.add_argument("--cp", type=_ints)
     s.add_argument("--pp", type=_ints)
@@ -185,11 +186,18 @@ def run_search(args: argparse.Namespace) -> str:
         )
         raise PlanError(f"model={cost.model.name} fits no layout on {world} GPUs{closest}: {need}")
     best = result.ranked[0]
-    return "\n".join([
+    lines = [
         summary, "", table(result.ranked, args.top), "",
         "best layout's launch line:",
         launch_line(best, cost.cluster, overrides, cost.work.global_batch),
-    ])  # fmt: skip
+    ]  # fmt: skip
+    if args.explain is not None:
+        if not 1 <= args.explain <= len(result.ranked):
+            raise PlanError(
+                f"--explain={args.explain}: the table has rows 1 to {len(result.ranked)}"
+            )
+        lines += ["", explain(result.ranked[args.explain - 1])]
+    return "\n".join(lines)
 
 
 def run_explain(args: argparse.Namespace) -> str:
