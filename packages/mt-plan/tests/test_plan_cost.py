@@ -123,11 +123,17 @@ def test_zero1_shards_the_optimizer_and_tp_shards_the_weights() -> None:
     assert tp.comm["tp"].payload_bytes > 0 and "dp" not in tp.comm
 
 
-def test_first_calibration_point_is_within_reach() -> None:
-    """docs/performance.md (2026-12-04, 5f7f294): ours_graphed_bf16 on one H200 ran the 8-layer
-    Llama3-8B slice at 34,375 tokens/s with a 49.2 GiB peak. Before calibrating attention the
-    prediction must be faster (the roofline is a bound) but not absurdly so, and the memory
-    close: this guards the model against unit errors, it does not validate it."""
-    est = _cost(global_batch=1).estimate(Layout())
-    assert 34_375 < est.tokens_per_s_per_gpu < 1.3 * 34_375
-    assert est.peak_memory / 2**30 == pytest.approx(49.2, rel=0.1)
+@pytest.mark.parametrize(
+    "fp8,tokens_per_s,peak_gib", [("none", 34_375, 49.2), ("delayed", 43_294, 48.1)]
+)
+def test_first_calibration_points_are_within_reach(fp8, tokens_per_s, peak_gib) -> None:
+    """docs/performance.md (2026-12-04, 5f7f294): ours_graphed_bf16 and ours_graphed_fp8_delayed
+    on one H200 ran the 8-layer Llama3-8B slice at these tokens/s with these
+    ``max_memory_allocated`` peaks. Before calibrating attention the prediction must be faster
+    (the roofline is a bound) but not absurdly so, and the allocated memory within the issue's
+    ±5%: this guards the model against unit errors, it does not validate it."""
+    cost = _cost(global_batch=1)
+    est = cost.estimate(Layout(fp8=fp8))
+    assert tokens_per_s < est.tokens_per_s_per_gpu < 1.3 * tokens_per_s
+    allocated = est.peak_memory / (1 + cost.work.allocator_overhead)
+    assert allocated / 2**30 == pytest.approx(peak_gib, rel=0.05)

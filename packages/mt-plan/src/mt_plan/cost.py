@@ -42,11 +42,13 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
 Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
 master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks), FP8 weight caches (the
-FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), activations (each
-layer's saved tensors by recompute policy, times the in-flight micro-batches: 1 without pp,
-the simulator's peak with pp), the logits and their gradient on the last stage, and one
-recomputed block's activations while its backward runs. With ``m > 1`` gradients live while
-the next micro-batch's activations are built; with ``m = 1`` the peak is the larger of the two.
+FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), autocast's bf16
+copies of the high-precision linears' weights (the head, and every block linear without FP8),
+which the backward keeps, activations (each layer's saved tensors by recompute policy, times
+the in-flight micro-batches: 1 without pp, the simulator's peak with pp), the logits and their
+gradient on the last stage, and one recomputed block's activations while its backward runs.
+With ``m > 1`` (or pp) gradients live while the next micro-batch's forward tensors are built;
+with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two.
 The allocator's overhead (fragmentation, reserved above allocated) is a fraction on top.
 """
 
@@ -539,7 +541,8 @@ class CostModel:
         dp_exposed = self._data_parallel(L, params[0], m, last_backward, pipe_time, account, comm)
 
         # optimizer: AdamW over the parameters this rank updates, the clip's norm
-        local, experts, fp8_params = params[0]
+        local, experts, linear_params = params[0]
+        fp8_params = linear_params if L.fp8 != "none" else 0.0
         updated = local + experts
         if L.dp_mode in ("zero1", "fsdp"):
             updated /= L.dp * L.cp
@@ -560,11 +563,11 @@ class CostModel:
         worst: dict[str, float] = {}
         worst_total = -1.0
         for r in range(L.pp):
-            local_r, experts_r, fp8_r = params[r]
+            local_r, experts_r, linear_r = params[r]
             layers_r = [chunk_saved[c] for c in placement[r]]
             acts = inflight[r] * sum(layers_r)
             last = len(chunks) - 1 in placement[r]
-            mem = self._memory(L, local_r, experts_r, fp8_r, acts, max(chunk_full), last, m)
+            mem = self._memory(L, local_r, experts_r, linear_r, acts, max(chunk_full), last, m)
             total = sum(mem.values())
             if total > worst_total:
                 worst, worst_total = mem, total
@@ -584,22 +587,23 @@ class CostModel:
     def rank_params(
         self, L: Layout, rank_chunks: list[int], chunks: list[list[int]]
     ) -> tuple[float, float, float]:
-        """(dense-parallel parameters, expert parameters, FP8-linear parameters) on one rank."""
+        """(dense-parallel parameters, expert parameters, block-linear parameters) on one rank;
+        the block linears are the ones FP8 recipes convert (not the head, not the router)."""
         md, tp = self.model, L.tp
         split, rep = md.attention_params()
-        dense = experts = fp8 = 0.0
+        dense = experts = linear = 0.0
         for c in rank_chunks:
             for layer in chunks[c]:
                 m_split, m_rep, m_exp = md.mlp_params(layer)
                 dense += split / tp + rep + 2 * md.dim + m_split / tp + m_rep
                 experts += m_exp / L.ep
-                fp8 += split / tp + rep + m_split / tp + m_exp / L.ep
+                linear += split / tp + rep + m_split / tp + m_exp / L.ep
             if c == 0:
                 dense += md.embedding_params() / tp + md.extra_params
             if c == len(chunks) - 1:
                 dense += md.embedding_params() / tp + md.dim
                 dense += md.mtp_params()
-        return dense, experts, fp8 if L.fp8 != "none" else 0.0
+        return dense, experts, linear
 
     def _data_parallel(self, L, params, m, last_backward, compute, account, comm) -> float:
         """Exposed seconds of the gradient (and parameter) collectives of one step."""
@@ -638,7 +642,7 @@ class CostModel:
         L: Layout,
         local: float,
         experts: float,
-        fp8: float,
+        linear: float,
         acts: float,
         block: float,
         last_stage: bool,
@@ -667,16 +671,22 @@ class CostModel:
             mem["optimizer"] = 8 * params
             if W > 1:
                 mem["ddp_buckets"] = 4 * local
-        if fp8 and not (L.dp_mode == "fsdp" and W > 1):
-            mem["fp8_weight_cache"] = 2 * fp8
+        if L.fp8 != "none" and not (L.dp_mode == "fsdp" and W > 1):
+            mem["fp8_weight_cache"] = 2 * linear
         T = L.micro_batch * w.seq_len // L.cp
-        logits = 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0
-        transient = block if L.recompute in ("full", "full_keep") else 0.0
-        if m > 1 or L.pp > 1:
-            mem["activations"] = acts
-        else:
-            # one micro-batch: the gradients grow as the activations are freed
-            mem["activations"] = max(acts - mem["gradients"], 0.0)
-        mem["logits"] = logits
-        mem["recompute_transient"] = transient
+        head = md.embedding_params() / L.tp if last_stage else 0.0
+        # autocast's low-precision copies of the high-precision linears' fp32 weights, kept for
+        # the backward (FP8 layers quantize from fp32 and keep their FP8 cache instead)
+        high_precision = head + (linear if L.fp8 == "none" else 0.0)
+        forward_phase = {
+            "activations": acts,
+            "autocast_weight_copies": high_precision * w.act_bytes if w.act_bytes < 4 else 0.0,
+            "logits": 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0,
+            "recompute_transient": block if L.recompute in ("full", "full_keep") else 0.0,
+        }
+        mem.update(forward_phase)
+        if m == 1 and L.pp == 1:
+            # one micro-batch: the gradients grow while the forward's tensors are freed, so
+            # only what they exceed them by adds to the peak
+            mem["gradients"] = max(mem["gradients"] - sum(forward_phase.values()), 0.0)
         return mem

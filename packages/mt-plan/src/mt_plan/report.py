@@ -49,7 +49,7 @@ def explain(e: Estimate) -> str:
     )
     lines.append("compute per step and rank (s), by op class:")
     for name, seconds in sorted(e.compute.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {name:<20} {seconds:10.4f}")
+        lines.append(f"  {name:<24} {seconds:10.4f}")
     lines.append(
         "communication per step and rank: group, size, tier, payload GiB, time s, exposed s"
     )
@@ -65,5 +65,5 @@ def explain(e: Estimate) -> str:
         f"memory of the fullest rank (GiB), {e.peak_memory / GIB:.2f} with allocator overhead:"
     )
     for name, size in e.memory.items():
-        lines.append(f"  {name:<20} {size / GIB:10.3f}")
+        lines.append(f"  {name:<24} {size / GIB:10.3f}")
     return "\n".join(lines)
