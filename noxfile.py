@@ -49,6 +49,7 @@ PACKAGES: dict[str, list[str]] = {
     "mt-fp8": ["mt-core"],
     "mt-parallel": ["mt-core", "mt-comm", "mt-fp8"],
     "mt-train": ["mt-core", "mt-comm", "mt-fp8", "mt-parallel"],
+    "mt-plan": ["mt-core", "mt-comm", "mt-fp8", "mt-parallel", "mt-train"],
 }
 # Packages whose tests use the third-party test plugin (a fake accelerator).
 USES_FAKE_PLUGIN = {"mt-core", "mt-comm"}

@@ -1,6 +1,6 @@
 """Dependencies run one way: no package imports a package above it.
 
-The order, bottom to top, is mt_core < mt_comm, mt_fp8 < mt_parallel < mt_train,
+The order, bottom to top, is mt_core < mt_comm, mt_fp8 < mt_parallel < mt_train < mt_plan,
 and mt_fp8 must not import mt_comm (its amax process group is passed in).
 The check reads every source file's imports (``import x`` and
 ``from x import y``, also inside functions) without importing anything, and
@@ -22,6 +22,7 @@ ALLOWED = {
     "mt_fp8": {"mt_core"},
     "mt_parallel": {"mt_core", "mt_comm", "mt_fp8"},
     "mt_train": {"mt_core", "mt_comm", "mt_fp8", "mt_parallel"},
+    "mt_plan": {"mt_core", "mt_comm", "mt_fp8", "mt_parallel", "mt_train"},
 }
 
 

@@ -1,0 +1,286 @@
+"""mt-plan's predictions against measured mt-train steps on one GPU (the planner's validation).
+
+For each configuration of :data:`CONFIGS` (dense and MoE families, sizes, layer counts,
+sequences, micro-batches, recompute policies and FP8 recipes; all on one GPU) the script
+
+1. predicts the step time and the allocated peak memory with ``mt_plan`` (cluster ``h200``,
+   the calibration table given by ``--calibration``), and whether it fits;
+2. measures them in a subprocess of its own: mt-train's ``Trainer`` on the bundled corpus,
+   ``--warmup`` steps, then the median of ``--steps`` timed ``train_step`` calls between device
+   synchronisations, and ``torch.cuda.max_memory_allocated`` over the timed steps; a
+   configuration that runs out of memory is recorded as such.
+
+``--report`` reads the JSON lines back and prints the verdicts the issue asks for: median and
+largest |step-time error| (≤ 5% and ≤ 12%), memory error (within ±5%), the predicted best's
+measured speed within 5% of the measured best, Kendall's τ between predicted and measured
+step times (≥ 0.8), and no configuration predicted to fit that ran out of memory; ``--plot``
+writes the predicted-vs-measured figure (matplotlib).
+
+Run on an H200 (after ``mt-plan calibrate --out h200.json``)::
+
+    python benchmarks/plan_validation.py --calibration h200.json --out plan_validation.jsonl
+    python benchmarks/plan_validation.py --report plan_validation.jsonl --plot docs/img/plan_validation.png
+
+``--tiny`` measures two toy configurations on the CPU (a smoke run of the whole path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+L8 = ["model=llama3_8b", "model.n_layers=8"]
+MIXTRAL = ["model=mixtral_8x7b", "model.n_layers=2"]
+V2LITE = ["model=deepseek_v2_lite", "model.n_layers=4", "model.first_k_dense=1"]
+CONFIGS: dict[str, list[str]] = {
+    "8b-l8-s8k-bf16": [*L8, "trainer.seq_len=8192"],
+    "8b-l8-s8k-tensorwise": [*L8, "trainer.seq_len=8192", "fp8=tensorwise"],
+    "8b-l8-s8k-rowwise": [*L8, "trainer.seq_len=8192", "fp8=rowwise"],
+    "8b-l8-s8k-blockwise": [*L8, "trainer.seq_len=8192", "fp8=blockwise"],
+    "8b-l8-s8k-delayed": [*L8, "trainer.seq_len=8192", "fp8=delayed"],
+    "8b-l8-s4k-mb2": [*L8, "trainer.seq_len=4096", "trainer.micro_batch_size=2"],
+    "8b-l8-s8k-mb2": [*L8, "trainer.seq_len=8192", "trainer.micro_batch_size=2"],
+    "8b-l8-s8k-full": [*L8, "trainer.seq_len=8192", "parallel.recompute=full"],
+    "8b-l8-s8k-full-keep": [*L8, "trainer.seq_len=8192", "parallel.recompute=full",
+                            "parallel.recompute_keep=[attention]"],
+    "8b-l8-s8k-selective": [*L8, "trainer.seq_len=8192", "parallel.recompute=selective"],
+    "8b-l16-s4k": ["model=llama3_8b", "model.n_layers=16", "trainer.seq_len=4096"],
+    "8b-l4-s16k-full": ["model=llama3_8b", "model.n_layers=4", "trainer.seq_len=16384",
+                        "parallel.recompute=full"],
+    "8b-l32-s4k-full": ["model=llama3_8b", "trainer.seq_len=4096", "parallel.recompute=full"],
+    "1b-s8k-mb2": ["model=llama3_1b", "trainer.seq_len=8192", "trainer.micro_batch_size=2"],
+    "1b-s4k-mb4-tensorwise": ["model=llama3_1b", "trainer.seq_len=4096",
+                              "trainer.micro_batch_size=4", "fp8=tensorwise"],
+    "70b-l2-s4k-bf16": ["model=llama3_70b", "model.n_layers=2", "trainer.seq_len=4096"],
+    "70b-l2-s4k-tensorwise": ["model=llama3_70b", "model.n_layers=2", "trainer.seq_len=4096",
+                              "fp8=tensorwise"],
+    "mixtral-l2-s4k-bf16": [*MIXTRAL, "trainer.seq_len=4096"],
+    "mixtral-l2-s4k-rowwise": [*MIXTRAL, "trainer.seq_len=4096", "fp8=rowwise"],
+    "mixtral-l2-s4k-full": [*MIXTRAL, "trainer.seq_len=4096", "parallel.recompute=full"],
+    "v2lite-l4-s4k-bf16": [*V2LITE, "trainer.seq_len=4096"],
+    "v2lite-l4-s4k-tensorwise": [*V2LITE, "trainer.seq_len=4096", "fp8=tensorwise"],
+    "v2lite-l4-s2k-mb2": [*V2LITE, "trainer.seq_len=2048", "trainer.micro_batch_size=2"],
+}  # fmt: skip
+TINY_CONFIGS: dict[str, list[str]] = {
+    "debug-l4-s64-none": ["model=debug", "trainer.seq_len=64", "trainer.micro_batch_size=2"],
+    "debug-l4-s64-full": ["model=debug", "trainer.seq_len=64", "trainer.micro_batch_size=2",
+                       "parallel.recompute=full"],
+}  # fmt: skip
+COMMON = [
+    "trainer.max_steps=1000", "trainer.eval_interval=1000", "trainer.checkpoint_interval=1000",
+    "trainer.sample_tokens=0", "logging.progress_bar=false", "checkpoint.async_save=false",
+]  # fmt: skip
+
+
+def with_batch(overrides: list[str]) -> list[str]:
+    """One micro-batch per step unless the configuration says otherwise."""
+    mb = next((o.split("=")[1] for o in overrides if o.startswith("trainer.micro_batch_size")), "1")
+    extra = [] if any(o.startswith("trainer.micro_batch_size") for o in overrides) else [
+        f"trainer.micro_batch_size={mb}"]  # fmt: skip
+    return [*COMMON, *overrides, *extra, f"trainer.global_batch_size={mb}"]
+
+
+def predict(overrides: list[str], calibration: str, vocab: int) -> dict:
+    from mt_plan import CostModel, Workload, load_cluster, load_table
+    from mt_plan.cli import layout_of
+    from mt_plan.models import resolve, shape_of
+    from mt_train.models.build import resolve_vocab
+
+    train = resolve(overrides)
+    shape = shape_of(resolve_vocab(train.model, vocab))
+    tr = train.trainer
+    work = Workload(seq_len=tr.seq_len, global_batch=tr.global_batch_size,
+                    act_bytes=4 if tr.precision == "fp32" else 2)  # fmt: skip
+    cost = CostModel(shape, load_cluster("h200"), load_table(calibration), work)
+    est = cost.estimate(layout_of(train, 1))
+    return {
+        "predicted_step_s": est.step_time,
+        "predicted_alloc_bytes": est.peak_memory / (1 + work.allocator_overhead),
+        "predicted_fits": est.fits,
+        "tokens_per_step": tr.global_batch_size * tr.seq_len,
+        "roofline_share": est.roofline_share,
+    }
+
+
+def measure_one(overrides: list[str], warmup: int, steps: int, device: str) -> dict:
+    """Run in a subprocess of its own: time ``steps`` train steps after ``warmup``."""
+    import torch
+
+    from mt_train import Trainer, compose_config, to_train_config
+
+    cfg = to_train_config(compose_config([*overrides, f"trainer.device={device}"]))
+    cuda = torch.cuda.is_available() and device != "cpu"
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            trainer = Trainer(cfg, output_dir=folder)
+            try:
+                for _ in range(warmup):
+                    trainer.train_step()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    trainer.train_step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                peak = torch.cuda.max_memory_allocated() if cuda else None
+                vocab = trainer.model_cfg.vocab_size
+            finally:
+                trainer.close()
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    return {"oom": False, "measured_step_s": statistics.median(times),
+            "measured_alloc_bytes": peak, "vocab": vocab}  # fmt: skip
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's τ-a of two equally long sequences."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            score += (a[i] - a[j]) * (b[i] - b[j]) > 0
+            score -= (a[i] - a[j]) * (b[i] - b[j]) < 0
+    return score / (n * (n - 1) / 2)
+
+
+def best_verdicts(ran: list[dict]) -> list[str]:
+    """Per workload (configurations named alike up to the recipe: same model, layers,
+    sequence), whether the layout predicted to give the most tokens/s measured within 5% of
+    the measured best."""
+    groups: dict[str, list[dict]] = {}
+    for r in ran:
+        groups.setdefault("-".join(r["name"].split("-")[:3]), []).append(r)
+    out = []
+    for workload, members in groups.items():
+        if len(members) < 2:
+            continue
+
+        def speed(r: dict, key: str) -> float:
+            return r["tokens_per_step"] / r[key]
+
+        chosen = max(members, key=lambda r: speed(r, "predicted_step_s"))
+        best = max(speed(r, "measured_step_s") for r in members)
+        gap = 1 - speed(chosen, "measured_step_s") / best
+        tau = kendall_tau([speed(r, "predicted_step_s") for r in members],
+                          [speed(r, "measured_step_s") for r in members])  # fmt: skip
+        out.append(f"{workload}: predicted best {chosen['name']} is {gap:.1%} slower than the "
+                   f"measured best (≤ 5%); τ within {tau:.3f} over {len(members)}")  # fmt: skip
+    return out
+
+
+def report(rows: list[dict]) -> str:
+    ran = [r for r in rows if not r.get("oom") and "measured_step_s" in r]
+    lines = ["| config | predicted s | measured s | error | predicted GiB | measured GiB | error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in rows:
+        if r.get("oom"):
+            fit = "predicted to fit" if r["predicted_fits"] else "predicted not to fit"
+            lines.append(f"| {r['name']} | {r['predicted_step_s']:.4f} | OOM ({fit}) | | | | |")
+            continue
+        t_err = r["predicted_step_s"] / r["measured_step_s"] - 1
+        m = r.get("measured_alloc_bytes")
+        mem = (f"{r['predicted_alloc_bytes'] / 2**30:.2f} | {m / 2**30:.2f} | "
+               f"{r['predicted_alloc_bytes'] / m - 1:+.1%}") if m else "| |"  # fmt: skip
+        lines.append(f"| {r['name']} | {r['predicted_step_s']:.4f} | {r['measured_step_s']:.4f} "
+                     f"| {t_err:+.1%} | {mem} |")  # fmt: skip
+    if len(ran) >= 2:
+        errors = [abs(r["predicted_step_s"] / r["measured_step_s"] - 1) for r in ran]
+        tau = kendall_tau([r["predicted_step_s"] for r in ran], [r["measured_step_s"] for r in ran])
+        mem = [abs(r["predicted_alloc_bytes"] / r["measured_alloc_bytes"] - 1) for r in ran
+               if r.get("measured_alloc_bytes")]  # fmt: skip
+        bad_fits = [r["name"] for r in rows if r.get("oom") and r["predicted_fits"]]
+        lines += [
+            "",
+            f"step time |error|: median {statistics.median(errors):.1%} (target ≤ 5%), "
+            f"max {max(errors):.1%} (≤ 12%)",
+            f"memory |error|: max {max(mem):.1%} (≤ 5%)" if mem else "memory: not measured",
+            f"Kendall τ of step times: {tau:.3f} (≥ 0.8)",
+            *best_verdicts(ran),
+            f"predicted to fit but ran out of memory: {bad_fits or 'none'}",
+        ]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [r for r in rows if "measured_step_s" in r]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    x = [r["measured_step_s"] for r in ran]
+    y = [r["predicted_step_s"] for r in ran]
+    ax.loglog(x, y, "o")
+    lo, hi = min(x + y) * 0.8, max(x + y) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.plot([lo, hi], [lo * 1.05, hi * 1.05], "k:", lw=0.6)
+    ax.plot([lo, hi], [lo * 0.95, hi * 0.95], "k:", lw=0.6)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title("mt-plan on one H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calibration", default="h200")
+    parser.add_argument("--out", default="plan_validation.jsonl")
+    parser.add_argument("--only", help="comma-separated config names")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=300)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--report", help="JSON lines to report on (no runs)")
+    parser.add_argument("--plot", help="with --report: write the figure here")
+    parser.add_argument("--measure-one", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_one:
+        print(json.dumps(measure_one(json.loads(args.measure_one), args.warmup, args.steps,
+                                     args.device)))  # fmt: skip
+        return 0
+    if args.report:
+        rows = [json.loads(line) for line in Path(args.report).read_text().splitlines()]
+        print(report(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
+    configs = TINY_CONFIGS if args.tiny else CONFIGS
+    names = args.only.split(",") if args.only else list(configs)
+    device = "cpu" if args.tiny else args.device
+    rows = []
+    for name in names:
+        overrides = with_batch(configs[name])
+        command = [sys.executable, __file__, "--measure-one", json.dumps(overrides),
+                   "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--device", device]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
+            lines = done.stdout.strip().splitlines()
+            measured = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+                "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}  # fmt: skip
+        except subprocess.TimeoutExpired:
+            measured = {"error": f"timed out after {args.timeout_s} s"}
+        row = {"name": name, "overrides": overrides, **measured,
+               **predict(overrides, args.calibration, measured.get("vocab", 320))}  # fmt: skip
+        rows.append(row)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

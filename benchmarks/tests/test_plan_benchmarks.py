@@ -1,0 +1,40 @@
+"""The planner's benchmark scripts on the CPU: the search-speed script runs and reports a
+search that ranked layouts (the speed itself is a measurement for docs/benchmarks-log.md, not
+asserted here: a shared machine's load would make it flaky)."""
+
+from __future__ import annotations
+
+import json
+
+import plan_search_speed
+
+
+def test_search_speed_smoke(tmp_path, capsys) -> None:
+    out = tmp_path / "speed.jsonl"
+    assert plan_search_speed.main(["--tiny", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["fits"] > 0 and row["enumerated"] >= row["fits"] + row["rule"] + row["memory"]
+    assert row["layouts_per_minute"] > 0
+    assert "layouts/min" in capsys.readouterr().out
+
+
+def test_validation_harness_smoke(tmp_path, capsys) -> None:
+    import plan_validation
+
+    out = tmp_path / "validation.jsonl"
+    args = ["--tiny", "--out", str(out), "--warmup", "1", "--steps", "2"]
+    assert plan_validation.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["name"] for r in rows] == list(plan_validation.TINY_CONFIGS)
+    for row in rows:
+        assert row["measured_step_s"] > 0 and row["predicted_step_s"] > 0 and row["predicted_fits"]
+    text = capsys.readouterr().out
+    assert "Kendall τ of step times" in text and "debug-l4-s64: predicted best" in text
+
+
+def test_kendall_tau() -> None:
+    import plan_validation
+
+    assert plan_validation.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert plan_validation.kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    assert plan_validation.kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == 4 / 6

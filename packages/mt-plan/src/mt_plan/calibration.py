@@ -1,0 +1,181 @@
+"""Calibration tables: measured op speeds on one device, and the roofline for the rest.
+
+A table (JSON) has ``device`` and ``entries``; each entry is one measurement::
+
+    {"op": "gemm", "dtype": "bf16", "shape": [M, N, K], "flops_per_s": 7.6e14}
+    {"op": "grouped_gemm", "dtype": "bf16", "shape": [rows, N, K, groups], "flops_per_s": ...}
+    {"op": "attention_fwd", "dtype": "bf16", "shape": [batch·heads, seq, head_dim], ...}
+    {"op": "attention_bwd", ...}
+    {"op": "rmsnorm", "dtype": "bf16", "shape": [rows, cols], "bytes_per_s": 1.9e12}
+
+GEMM dtypes are ``bf16``, ``fp32`` and ``fp8_<recipe>`` (the FP8 GEMM path that recipe takes in
+mt-fp8). Memory-bound ops (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``,
+``quantize``, ``permute``, ``copy``) are rated in bytes per second for the minimum bytes the op
+moves.
+
+Lookup (:meth:`CalibrationTable.gemm_time`, :meth:`membound_time`). For an op and dtype with
+entries, the achieved rate of the nearest measured shape (Euclidean distance of the log shape)
+is used, never faster than the roofline: ``t = max(flops / rate, flops / peak, bytes / bw)``.
+An FP8 recipe without entries takes ``fp8_tensorwise``'s rate, any other dtype without entries
+the bf16 rate scaled by the ratio of the peaks (``source = "derived"``). With nothing to
+derive from, the roofline alone (``flops / peak`` and ``bytes / bw``,
+an optimistic bound) is used and the lookup says so (``source = "roofline"``), so ``--explain``
+shows which parts of a prediction are measured. ``mt-plan calibrate`` (:mod:`mt_plan.measure`)
+writes tables; ``mt_plan/data/calibration/h200.json`` ships the H200's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+MEMBOUND_OPS = (
+    "rmsnorm",
+    "swiglu",
+    "rope",
+    "cross_entropy",
+    "adamw",
+    "quantize",
+    "permute",
+    "copy",
+)
+COMPUTE_OPS = ("gemm", "grouped_gemm", "attention_fwd", "attention_bwd")
+FP8_REFERENCE = "fp8_tensorwise"
+"""The FP8 dtype whose rate stands in for an FP8 recipe without entries of its own."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    rate: float
+    """FLOP/s for compute ops, bytes/s for memory-bound ones."""
+
+
+@dataclass
+class CalibrationTable:
+    """Measured rates by (op, dtype) (module docstring)."""
+
+    device: str
+    entries: list[Entry] = field(default_factory=list)
+    source: str = ""
+    _by_key: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = field(
+        default_factory=dict, repr=False
+    )
+    _cache: dict[tuple, tuple[float, str]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for e in self.entries:
+            if e.op not in COMPUTE_OPS + MEMBOUND_OPS:
+                raise ValueError(
+                    f"calibration entry op={e.op!r}; valid: {', '.join(COMPUTE_OPS + MEMBOUND_OPS)}"
+                )
+            if not e.rate > 0 or not e.shape or min(e.shape) < 1:
+                raise ValueError(f"calibration entry {e} needs a positive rate and shape")
+            key = (e.op, e.dtype)
+            logs = tuple(math.log2(d) for d in e.shape)
+            self._by_key.setdefault(key, []).append((logs, e.rate))
+
+    def has(self, op: str, dtype: str) -> bool:
+        return (op, dtype) in self._by_key
+
+    def _rate(self, op: str, dtype: str, shape: tuple[int, ...]) -> float | None:
+        measured = self._by_key.get((op, dtype))
+        if not measured:
+            return None
+        logs = tuple(math.log2(max(d, 1)) for d in shape)
+        best = min(
+            measured,
+            key=lambda m: sum((a - b) ** 2 for a, b in zip(m[0], logs, strict=False)),
+        )
+        return best[1]
+
+    def compute_time(
+        self,
+        op: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        flops: float,
+        bytes_moved: float,
+        peak_flops: float,
+        bandwidth: float,
+        bf16_peak: float | None = None,
+    ) -> tuple[float, str]:
+        """(seconds, source) of a compute op: ``measured``, ``derived`` or ``roofline``
+        (module docstring); ``bf16_peak`` scales a bf16 rate to another dtype's peak."""  # fmt: skip
+        bf16_peak = bf16_peak or peak_flops
+        key = (op, dtype, shape, flops, bytes_moved)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        roof = max(flops / peak_flops, bytes_moved / bandwidth)
+        rate, source = self._rate(op, dtype, shape), "measured"
+        if rate is None and dtype.startswith("fp8_"):
+            rate, source = self._rate(op, FP8_REFERENCE, shape), "derived"
+        if rate is None and dtype != "bf16":
+            bf16 = self._rate(op, "bf16", shape)
+            if bf16 is not None:
+                rate, source = bf16 * peak_flops / bf16_peak, "derived"
+        result = (roof, "roofline") if rate is None else (max(flops / rate, roof), source)
+        self._cache[key] = result
+        return result
+
+    def membound_time(
+        self, op: str, dtype: str, shape: tuple[int, ...], bytes_moved: float, bandwidth: float
+    ) -> tuple[float, str]:
+        """(seconds, source) of a memory-bound op moving ``bytes_moved`` bytes."""
+        rate = self._rate(op, dtype, shape) or self._rate("copy", "bf16", shape)
+        if rate is None:
+            return bytes_moved / bandwidth, "roofline"
+        return max(bytes_moved / rate, bytes_moved / bandwidth), "measured"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "source": self.source,
+            "entries": [
+                {"op": e.op, "dtype": e.dtype, "shape": list(e.shape),
+                 ("bytes_per_s" if e.op in MEMBOUND_OPS else "flops_per_s"): e.rate}
+                for e in self.entries
+            ],
+        }  # fmt: skip
+
+
+def table_from_dict(data: dict[str, Any]) -> CalibrationTable:
+    """A table from its JSON form; a malformed entry is named."""
+    entries = []
+    for i, raw in enumerate(data.get("entries", [])):
+        try:
+            rate = raw["bytes_per_s"] if raw["op"] in MEMBOUND_OPS else raw["flops_per_s"]
+            entries.append(
+                Entry(raw["op"], raw["dtype"], tuple(int(d) for d in raw["shape"]), rate)
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"calibration entry {i} ({raw!r}) is malformed: {error!r}") from None
+    return CalibrationTable(data.get("device", "unknown"), entries, data.get("source", ""))
+
+
+def load_table(name_or_path: str | None) -> CalibrationTable:
+    """A shipped table by device name (``h200``), a JSON path, or an empty table (None)."""
+    if name_or_path is None:
+        return CalibrationTable("none")
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise ValueError(f"calibration file {name_or_path} does not exist")
+        return table_from_dict(json.loads(path.read_text()))
+    folder = resources.files("mt_plan") / "data" / "calibration"
+    shipped = sorted(
+        p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
+    )
+    if name_or_path not in shipped:
+        raise ValueError(
+            f"unknown calibration table {name_or_path!r}; shipped: {', '.join(shipped)}, or a "
+            "JSON path written by mt-plan calibrate"
+        )
+    return table_from_dict(json.loads((folder / f"{name_or_path}.json").read_text()))

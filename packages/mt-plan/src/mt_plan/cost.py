@@ -1,0 +1,692 @@
+"""The cost model: step time, memory per rank and communication of one layout (pure Python).
+
+Notation: ``b`` micro-batch, ``s`` sequence, ``T = b·s/cp`` tokens a rank's linears see per
+micro-batch (sequence parallel all-gathers them back to ``T``), ``T_n = T/tp`` with sequence
+parallel else ``T`` (the norm/residual region), ``A`` bytes per activation element (2 under bf16
+autocast, 4 in fp32), ``m`` micro-batches per step per rank, ``W = dp·cp`` the gradient group.
+
+Compute, per decoder layer and micro-batch, in three parts (the pipeline simulator's ``F``,
+``I``, ``W``): every linear as a GEMM (forward ``M×N×K``, input gradient ``M×K×N``, weight
+gradient ``K×N×M``; FP8 recipes run the block linears' GEMMs in ``fp8_<recipe>`` and add the
+quantization of inputs and output gradients as memory-bound ops; the output head and the fp32
+router stay high precision), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
+forward FLOPs, a FlashAttention backward of 2.5× that), and memory-bound ops by the bytes they
+must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy). Times come
+from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds to ``I``: ``full`` the whole
+block forward again (``full_keep`` without the attention core), ``selective`` the attention
+core, ``selective_mlp`` the core and SwiGLU.
+
+Communication, by group and collective (payloads in :mod:`mt_plan.comm`'s sense), and what our
+runtime overlaps (read from the code, see docs/architecture.md "Planner"):
+
+* tp: per dense layer and micro-batch, forward two all-reduces of ``T·D`` (attention and MLP
+  outputs, row-parallel) and backward two of the block inputs' gradients (column-parallel
+  entries); with sequence parallel each is an all-gather plus a reduce-scatter of ``T·D``. MoE
+  layers exchange only their shared experts' (routed experts are not TP-split). Embedding
+  (vocab-parallel, fp32 output) one all-reduce of ``T·D`` forward, the head one of ``T·D``
+  backward, cross-entropy three fp32 values per token. Not overlapped (synchronous autograd
+  functions); the forward ones repeat under full recompute.
+* cp (``all_gather``): K and V all-gathered per layer forward, their gradients reduce-scattered
+  backward; not overlapped. ``ring`` is not searched.
+* ep: all-to-all of ``T·k·D`` at dispatch and combine, forward and backward; not overlapped.
+* pp: one p2p of the fp32 hidden state ``4·T·D`` (``/tp`` with sp) per micro-batch and stage
+  boundary each way, charged to the chunk's ``F`` and ``I``.
+* dp (over dp×cp): ddp one all-reduce of the fp32 gradients per step (expert parameters over
+  the expert-data group), overlapped with the last micro-batch's backward when pp = 1 (DDP's
+  buckets; the last bucket stays exposed), exposed after the schedule when pp > 1 (the pipeline
+  reduces after it); zero1 a reduce-scatter of the gradients and an all-gather of the updated
+  fp32 parameters, exposed; fsdp an all-gather of each block's parameters in forward and in
+  backward of every micro-batch and a reduce-scatter at the last, prefetched: exposed only where
+  it exceeds the compute it hides behind.
+
+Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
+AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
+master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks), FP8 weight caches (the
+FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), autocast's bf16
+copies of the high-precision linears' weights (the head, and every block linear without FP8),
+which the backward keeps, activations (each layer's saved tensors by recompute policy, times
+the in-flight micro-batches: 1 without pp, the simulator's peak with pp), the logits and their
+gradient on the last stage, and one recomputed block's activations while its backward runs.
+With ``m > 1`` (or pp) gradients live while the next micro-batch's forward tensors are built;
+with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two.
+The allocator's overhead (fragmentation, reserved above allocated) is a fraction on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from mt_plan.calibration import CalibrationTable
+from mt_plan.cluster import Cluster
+from mt_plan.comm import collective_time, tier_of
+from mt_plan.layout import Layout
+from mt_plan.pipeline import pipeline_timing
+from mt_plan.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: sequence, global batch (sequences), precision and memory policy."""
+
+    seq_len: int
+    global_batch: int
+    act_bytes: int = 2
+    """Bytes per activation element: 2 (bf16 autocast, GPUs), 4 (fp32, the CPU default)."""
+    allocator_overhead: float = 0.05
+    """Reserved memory above the allocated peak, as a fraction of it."""
+    headroom: float = 0.05
+    """Fraction of the GPU's memory left unused by a layout that "fits"."""
+    ddp_bucket_bytes: float = 25 * 2**20
+    """torch DDP's default bucket size (its last bucket is not overlapped)."""
+
+
+@dataclass
+class GroupComm:
+    group: str
+    size: int
+    tier: str
+    payload_bytes: float = 0.0
+    """Bytes handed to collectives per step by one rank (module docstring)."""
+    seconds: float = 0.0
+    exposed: float = 0.0
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    step_time: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_memory: float
+    """Allocated peak plus allocator overhead, bytes."""
+    fits: bool
+    memory: dict[str, float]
+    compute: dict[str, float]
+    """Seconds per step per rank by op class (forward + backward + recompute)."""
+    comm: dict[str, GroupComm]
+    bubble_fraction: float
+    optimizer_time: float
+    roofline_share: float
+    """Share of compute time priced by the roofline (no calibration entry)."""
+    microbatches: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(g.exposed for g in self.comm.values())
+
+
+@dataclass
+class _Phase:
+    fwd: float = 0.0
+    igrad: float = 0.0
+    wgrad: float = 0.0
+    classes: dict[str, float] = field(default_factory=dict)
+    roofline: float = 0.0
+
+    def add(self, cls: str, fwd: float, igrad: float, wgrad: float, roofline: bool) -> None:
+        self.fwd += fwd
+        self.igrad += igrad
+        self.wgrad += wgrad
+        total = fwd + igrad + wgrad
+        self.classes[cls] = self.classes.get(cls, 0.0) + total
+        if roofline:
+            self.roofline += total
+
+
+@dataclass
+class _LayerCost:
+    phase: _Phase
+    comm_fwd: tuple[tuple[str, str, float], ...]
+    """(group, collective, payload bytes) of the forward, in the order they run."""
+    comm_bwd: tuple[tuple[str, str, float], ...]
+    """The same for the backward (with a recomputed forward's collectives)."""
+    saved: float
+    """Activation bytes kept for backward by one micro-batch."""
+    full_acts: float
+    """What the layer saves without recompute (the transient of a recomputed block)."""
+
+
+class CostModel:
+    """Prices layouts of one model on one cluster with one calibration table."""
+
+    def __init__(
+        self, model: ModelShape, cluster: Cluster, table: CalibrationTable, workload: Workload
+    ) -> None:
+        self.model, self.cluster, self.table, self.work = model, cluster, table, workload
+        self._layer = lru_cache(maxsize=4096)(self._layer_cost)
+        self._collective = lru_cache(maxsize=65536)(self._collective_time)
+
+    # -- compute primitives -------------------------------------------------------------------
+
+    def _gemm(self, dtype: str, M: int, N: int, K: int, groups: int = 0) -> tuple[float, bool]:
+        gpu = self.cluster.gpu
+        fp8 = dtype.startswith("fp8")
+        peak = gpu.peak_fp8_flops if fp8 else gpu.peak_bf16_flops
+        in_bytes = 1 if fp8 else 2
+        flops = 2.0 * M * N * K
+        moved = (M * K + K * N * max(groups, 1)) * in_bytes + M * N * 2
+        op, shape = ("grouped_gemm", (M, N, K, groups)) if groups else ("gemm", (M, N, K))
+        seconds, source = self.table.compute_time(
+            op, dtype, shape, flops, moved, peak, gpu.memory_bandwidth, gpu.peak_bf16_flops
+        )
+        return seconds, source == "roofline"
+
+    def _membound(self, op: str, bytes_moved: float, shape: tuple[int, ...]) -> tuple[float, bool]:
+        seconds, source = self.table.membound_time(
+            op, "bf16", shape, bytes_moved, self.cluster.gpu.memory_bandwidth
+        )
+        return seconds, source == "roofline"
+
+    def _gemm_dtype(self, fp8: str) -> str:
+        if fp8 == "none" or (fp8 == "mxfp8" and not self.cluster.gpu.mx_fp8):
+            return "bf16"
+        return f"fp8_{fp8}"
+
+    def _linear(
+        self, ph: _Phase, cls: str, M: int, N: int, K: int, fp8: str, groups: int = 0
+    ) -> None:
+        """A linear's three GEMMs (+ FP8 quantization of its input and output gradient)."""
+        dtype = self._gemm_dtype(fp8)
+        f, r1 = self._gemm(dtype, M, N, K, groups)
+        i, r2 = self._gemm(dtype, M, K, N, groups)
+        w, r3 = self._gemm(dtype, K, N, M, groups)
+        ph.add(cls, f, i, w, r1 or r2 or r3)
+        if fp8 != "none":
+            A = self.work.act_bytes
+            qf, rf = self._membound("quantize", (A + 2) * M * K, (M, K))
+            qb, rb = self._membound("quantize", (A + 2) * M * N, (M, N))
+            ph.add("fp8_quantize", qf, qb, 0.0, rf or rb)
+
+    # -- one decoder layer --------------------------------------------------------------------
+
+    def _layer_cost(self, dense: bool, L: Layout) -> _LayerCost:
+        md, w = self.model, self.work
+        A, b, tp = w.act_bytes, L.micro_batch, L.tp
+        s_loc = w.seq_len // L.cp
+        T = b * s_loc
+        Tn = T // tp if L.sp else T
+        D = md.dim
+        H = md.n_heads // tp
+        fp8 = L.fp8
+        ph = _Phase()
+        comm_f: list[tuple[str, str, float]] = []
+        comm_b: list[tuple[str, str, float]] = []
+        saved = 0.0
+        # attention projections
+        if md.attention == "gqa":
+            hd, Hkv = md.head_dim, md.n_kv_heads // tp
+            self._linear(ph, "attention_proj", T, H * hd, D, fp8)
+            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8)
+            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8)
+            self._linear(ph, "attention_proj", T, D, H * hd, fp8)
+            rope_bytes = 2 * A * T * (H + Hkv) * hd
+            kv_heads, qk, vd = Hkv, hd, hd
+            saved += (1 if fp8 != "none" else A) * T * D  # the q/k/v input (shared; FP8: 1 byte)
+            saved += A * T * (H + 2 * Hkv) * hd  # q, k, v after RoPE, kept by the core
+            cp_kv = (A * b * w.seq_len * Hkv * hd, A * b * w.seq_len * Hkv * hd)
+            tp_in_grad = T * D
+        else:
+            qk, vd = md.qk_dim, md.v_head_dim
+            qr, kvr, rope = md.q_lora_rank, md.kv_lora_rank, md.qk_rope_head_dim
+            if qr:
+                self._linear(ph, "attention_proj", T, qr, D, fp8)
+                self._linear(ph, "attention_proj", T, H * qk, qr, fp8)
+            else:
+                self._linear(ph, "attention_proj", T, H * qk, D, fp8)
+            self._linear(ph, "attention_proj", T, kvr + rope, D, fp8)
+            self._linear(ph, "attention_proj", T, H * (md.qk_nope_head_dim + vd), kvr, fp8)
+            self._linear(ph, "attention_proj", T, D, H * vd, fp8)
+            rope_bytes = 2 * A * T * (H + 1) * rope
+            kv_heads = H
+            saved += A * T * (D + qr + kvr + rope) + A * T * H * (2 * qk + vd)
+            cp_kv = (A * b * w.seq_len * H * qk, A * b * w.seq_len * H * vd)
+            tp_in_grad = T * ((qr or D) + kvr + rope)
+        # attention core (causal)
+        core_fwd_flops = b * H * (w.seq_len * w.seq_len / (2 * L.cp)) * 2 * (qk + vd)
+        core_bytes = A * T * (H * (qk + vd) * 2 + kv_heads * (qk + vd))
+        peak = self.cluster.gpu.peak_bf16_flops
+        bw = self.cluster.gpu.memory_bandwidth
+        shape = (b * H, s_loc, qk)
+        cf, src_f = self.table.compute_time(
+            "attention_fwd", "bf16", shape, core_fwd_flops, core_bytes, peak, bw
+        )
+        cb, src_b = self.table.compute_time(
+            "attention_bwd", "bf16", shape, 2.5 * core_fwd_flops, 2 * core_bytes, peak, bw
+        )
+        ph.add("attention_core", cf, cb, 0.0, "roofline" in (src_f, src_b))
+        saved += A * T * H * vd + 4 * b * H * s_loc  # the core's output and log-sum-exp
+        rf, r1 = self._membound("rope", rope_bytes, (T, (H + kv_heads) * qk))
+        ph.add("rope", rf, rf, 0.0, r1)
+        # feed-forward
+        if dense or not md.moe:
+            F = md.ffn_dim // tp
+            self._mlp(ph, T, D, F, fp8)
+            saved += self._mlp_saved(T, D, F, fp8, L.recompute)
+            mlp_tp = True
+        else:
+            k, E_loc = md.top_k, md.num_experts // L.ep
+            rows = T * k
+            self._linear(ph, "router", T, md.num_experts, D, "none")
+            Fe = md.expert_ffn_dim
+            self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
+            self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
+            self._linear(ph, "experts", rows, D, Fe, fp8, E_loc)
+            sw, r2 = self._membound("swiglu", 6 * A * rows * Fe, (rows, Fe))
+            ph.add("swiglu", sw, sw * 10 / 6, 0.0, r2)
+            pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
+            ph.add("moe_permute", pm, pm, 0.0, r3)
+            saved += 4 * T * D + A * rows * D * 2 + self._mlp_saved(rows, D, Fe, fp8, L.recompute)
+            mlp_tp = md.shared_ffn_dim > 0
+            if mlp_tp:
+                Fs = md.shared_ffn_dim // tp
+                self._mlp(ph, T, D, Fs, fp8)
+                saved += self._mlp_saved(T, D, Fs, fp8, L.recompute)
+        # norms and residual adds (fp32 residual stream)
+        nf, n1 = self._membound("rmsnorm", 2 * (4 + A) * Tn * D, (Tn, D))
+        nb, _ = self._membound("rmsnorm", 2 * (8 + A) * Tn * D, (Tn, D))
+        ph.add("norm_residual", nf, nb, 0.0, n1)
+        ra, r4 = self._membound("copy", 2 * 12 * Tn * D, (Tn, D))
+        ph.add("norm_residual", ra, ra, 0.0, r4)
+        saved += 2 * 4 * Tn * D  # the norms' fp32 inputs
+        # the block's collectives in execution order (the backward's mirror the forward's)
+        TD = A * T * D
+        moe_ep = md.moe and not dense and L.ep > 1
+        if tp > 1 and L.sp:
+            comm_f.append(("tp", "all_gather", TD))
+            comm_b.append(("tp", "reduce_scatter", TD))
+        for payload in cp_kv if L.cp > 1 else ():
+            comm_f.append(("cp", "all_gather", payload))
+            comm_b.append(("cp", "reduce_scatter", payload))
+        if tp > 1:
+            if L.sp:
+                comm_f += [("tp", "reduce_scatter", TD), ("tp", "all_gather", TD)]
+                comm_b += [("tp", "all_gather", TD), ("tp", "reduce_scatter", TD)]
+            else:
+                comm_f.append(("tp", "all_reduce", TD))
+                comm_b.append(("tp", "all_reduce", A * tp_in_grad))
+                if mlp_tp:
+                    comm_b.append(("tp", "all_reduce", TD))
+        if moe_ep:
+            rows_bytes = A * T * md.top_k * D
+            comm_f += [("ep", "all_to_all", rows_bytes)] * 2
+            comm_b += [("ep", "all_to_all", rows_bytes)] * 2
+        if tp > 1 and mlp_tp:
+            comm_f.append(("tp", "reduce_scatter" if L.sp else "all_reduce", TD))
+            if L.sp:
+                comm_b.append(("tp", "all_gather", TD))
+        full = saved
+        # recompute: extra backward compute and what stays saved
+        core_f = ph.classes.get("attention_core", 0.0) * cf / (cf + cb) if cf + cb else 0.0
+        if L.recompute in ("full", "full_keep"):
+            extra = ph.fwd - (core_f if L.recompute == "full_keep" else 0.0)
+            ph.igrad += extra
+            ph.classes["recompute"] = extra
+            saved = 4 * Tn * D
+            if L.recompute == "full_keep":
+                saved += A * T * H * vd + 4 * b * H * s_loc
+            # torch's checkpoint stops recomputing once every saved tensor is rebuilt: the
+            # block's last collective (its output) is not run again
+            comm_b += comm_f[:-1]
+        elif L.recompute in ("selective", "selective_mlp"):
+            extra = core_f
+            saved -= 4 * b * H * s_loc
+            if L.recompute == "selective_mlp":
+                swiglu = ph.classes.get("swiglu", 0.0) * 6 / 16
+                extra += swiglu
+            ph.igrad += extra
+            ph.classes["recompute"] = extra
+        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full)
+
+    def _mlp(self, ph: _Phase, T: int, D: int, F: int, fp8: str) -> None:
+        A = self.work.act_bytes
+        self._linear(ph, "mlp", T, F, D, fp8)
+        self._linear(ph, "mlp", T, F, D, fp8)
+        self._linear(ph, "mlp", T, D, F, fp8)
+        sw, r = self._membound("swiglu", 6 * A * T * F, (T, F))
+        ph.add("swiglu", sw, sw * 10 / 6, 0.0, r)
+
+    def _mlp_saved(self, T: int, D: int, F: int, fp8: str, recompute: str) -> float:
+        A = self.work.act_bytes
+        saved = (1 if fp8 != "none" else A) * T * D + 2 * A * T * F
+        if recompute != "selective_mlp":
+            saved += (1 if fp8 != "none" else A) * T * F
+        return saved
+
+    # -- the layout's pieces --------------------------------------------------------------------
+
+    @staticmethod
+    @lru_cache(maxsize=4096)
+    def _groups(tp: int, cp: int, dp: int, ep: int, pp: int) -> dict[str, tuple[int, int]]:
+        """(size, stride) of each group in mt-comm's rank layout (tp, cp, dp, pp; ep fastest
+        inside dp×cp; pp's p2p pairs are one pipeline stride apart)."""
+        return {
+            "tp": (tp, 1),
+            "cp": (cp, tp),
+            "dp": (dp * cp, tp),
+            "ep": (ep, tp),
+            "edp": (dp * cp // ep, tp * ep),
+            "pp": (2 if pp > 1 else 1, tp * cp * dp),
+        }
+
+    def _time(self, name: str, collective: str, payload: float, L: Layout) -> float:
+        size, stride = self._groups(L.tp, L.cp, L.dp, L.ep, L.pp)[name]
+        return self._collective(collective, payload, size, stride)
+
+    def _collective_time(self, collective: str, payload: float, size: int, stride: int) -> float:
+        return collective_time(collective, payload, size, tier_of(self.cluster, stride, size))
+
+    def chunk_layers(self, L: Layout) -> list[list[int]]:
+        """The decoder layers of each pipeline chunk (``split_layers``'s even split)."""
+        n = L.pp * L.chunks_per_rank()
+        base, extra = divmod(self.model.n_layers, n)
+        counts = [base] * n
+        order = [*range(1, n - 1), 0, n - 1] if n > 2 else list(range(n))
+        for c in order[:extra]:
+            counts[c] += 1
+        out, start = [], 0
+        for c in counts:
+            out.append(list(range(start, start + c)))
+            start += c
+        return out
+
+    def rank_chunks(self, L: Layout) -> list[list[int]]:
+        """The chunks each pipeline rank holds (loop placement, or a V for zbv/dualpipev)."""
+        v = L.chunks_per_rank()
+        if L.pp > 1 and L.schedule in ("zbv", "dualpipev"):
+            return [[r, 2 * L.pp - 1 - r] for r in range(L.pp)]
+        return [[r + k * L.pp for k in range(v)] for r in range(L.pp)]
+
+    def _ends(self, L: Layout) -> tuple[_Phase, _Phase, dict[str, list], dict[str, list]]:
+        """(embedding phase, head phase, {"embedding"/"head": collectives} forward, backward)."""
+        md, w = self.model, self.work
+        A, T = w.act_bytes, L.micro_batch * w.seq_len // L.cp
+        Tn = T // L.tp if L.sp else T
+        V, D = md.vocab_size // L.tp, md.dim
+        emb, head = _Phase(), _Phase()
+        ef, r1 = self._membound("copy", 8 * T * D, (T, D))
+        eb, r2 = self._membound("copy", 8 * T * D + 4 * V * D, (V, D))
+        emb.add("embedding", ef, eb, 0.0, r1 or r2)
+        nf, r3 = self._membound("rmsnorm", (4 + A) * Tn * D, (Tn, D))
+        head.add("norm_residual", nf, 2 * nf, 0.0, r3)
+        self._linear(head, "head", T, V, D, "none")
+        cf, r4 = self._membound("cross_entropy", 2 * A * T * V, (T, V))
+        head.add("cross_entropy", cf, 2 * cf, 0.0, r4)
+        if md.extra_flops_per_token:
+            seconds, r5 = self._gemm("bf16", T, D, D)
+            extra = md.extra_flops_per_token * T / (2.0 * T * D * D) * seconds
+            emb.add("vision_encoder", extra / 3, extra / 3, extra / 3, r5)
+        fwd: dict[str, list] = {"embedding": [], "head": []}
+        bwd: dict[str, list] = {"embedding": [], "head": []}
+        if L.tp > 1:
+            # vocab-parallel embedding (fp32 output), the head's input, cross-entropy's three
+            # fp32 values per token; the final norm's gain with sequence parallel
+            if L.sp:
+                fwd["embedding"].append(("tp", "reduce_scatter", 4 * T * D))
+                bwd["embedding"].append(("tp", "all_gather", 4 * T * D))
+                fwd["head"].append(("tp", "all_gather", A * T * D))
+                bwd["head"] += [("tp", "reduce_scatter", A * T * D), ("tp", "all_reduce", 4 * D)]
+            else:
+                fwd["embedding"].append(("tp", "all_reduce", 4 * T * D))
+                bwd["head"].append(("tp", "all_reduce", A * T * D))
+            fwd["head"] += [("tp", "all_reduce", 4 * T)] * 3
+        return emb, head, fwd, bwd
+
+    def estimate(self, L: Layout) -> Estimate:
+        """Step time, memory and communication of ``L`` (module docstring)."""
+        md, w, cl = self.model, self.work, self.cluster
+        m = L.microbatches(w.global_batch)
+        chunks = self.chunk_layers(L)
+        placement = self.rank_chunks(L)
+        emb, head, end_fwd, end_bwd = self._ends(L)
+        comm: dict[str, GroupComm] = {}
+
+        def account(group: str, collective: str, payload: float, times: float) -> float:
+            size, stride = self._groups(L.tp, L.cp, L.dp, L.ep, L.pp)[group]
+            seconds = self._time(group, collective, payload, L) * times
+            g = comm.setdefault(
+                group,
+                GroupComm(
+                    group, size, "intra" if tier_of(cl, stride, size) is cl.intra_node else "inter"
+                ),
+            )
+            g.payload_bytes += payload * times
+            g.seconds += seconds
+            return seconds
+
+        # per chunk: F, I, W seconds (compute + exposed in-layer comm), classes, saved bytes
+        chunk_f, chunk_i, chunk_w, chunk_saved, chunk_full = [], [], [], [], []
+        classes: dict[str, float] = {}
+        roofline = 0.0
+        rank0 = set(placement[0])
+        rank_of = {c: r for r, held in enumerate(placement) for c in held}
+        for c, layers in enumerate(chunks):
+            f = i = wg = saved = biggest = 0.0
+            count_comm = c in rank0
+            for layer in layers:
+                dense = not md.moe or layer < md.first_k_dense
+                lc = self._layer(dense, L)
+                f += lc.phase.fwd
+                i += lc.phase.igrad
+                wg += lc.phase.wgrad
+                saved += lc.saved
+                biggest = max(biggest, lc.full_acts)
+                for group, kind, payload in lc.comm_fwd:
+                    f += self._time(group, kind, payload, L)
+                    if count_comm:
+                        account(group, kind, payload, m)
+                for group, kind, payload in lc.comm_bwd:
+                    i += self._time(group, kind, payload, L)
+                    if count_comm:
+                        account(group, kind, payload, m)
+                if L.sp:  # the two replicated norm gains: fp32 gradients, per micro-batch
+                    i += 2 * self._time("tp", "all_reduce", 4 * md.dim, L)
+                    if count_comm:
+                        account("tp", "all_reduce", 4 * md.dim, 2 * m)
+                if count_comm:
+                    for cls, t in lc.phase.classes.items():
+                        classes[cls] = classes.get(cls, 0.0) + t * m
+                    roofline += lc.phase.roofline * m
+            ends = ([emb] if c == 0 else []) + ([head] if c == len(chunks) - 1 else [])
+            for ph in ends:
+                f, i, wg = f + ph.fwd, i + ph.igrad, wg + ph.wgrad
+                if count_comm or L.pp == 1:
+                    for cls, t in ph.classes.items():
+                        classes[cls] = classes.get(cls, 0.0) + t * m
+                    roofline += ph.roofline * m
+            ends_here = (["embedding"] if c == 0 else []) + (
+                ["head"] if c == len(chunks) - 1 else []
+            )
+            for end in ends_here:
+                for group, kind, payload in end_fwd[end]:
+                    f += self._time(group, kind, payload, L)
+                    if count_comm:
+                        account(group, kind, payload, m)
+                for group, kind, payload in end_bwd[end]:
+                    i += self._time(group, kind, payload, L)
+                    if count_comm:
+                        account(group, kind, payload, m)
+            if L.pp > 1:  # stage boundaries between ranks (a V keeps its turn on one rank)
+                hidden = 4 * L.micro_batch * w.seq_len // L.cp * md.dim // (L.tp if L.sp else 1)
+                p2p = self._time("pp", "p2p", hidden, L)
+                if c < len(chunks) - 1 and rank_of[c + 1] != rank_of[c]:
+                    f += p2p
+                    if count_comm:
+                        account("pp", "p2p", hidden, m)
+                if c > 0 and rank_of[c - 1] != rank_of[c]:
+                    i += p2p
+                    if count_comm:
+                        account("pp", "p2p", hidden, m)
+            chunk_f.append(f)
+            chunk_i.append(i)
+            chunk_w.append(wg)
+            chunk_saved.append(saved)
+            chunk_full.append(biggest)
+
+        # pipeline or accumulation loop
+        if L.pp > 1:
+            v = L.chunks_per_rank()
+            pipe_time, bubble, inflight = pipeline_timing(
+                L.schedule, L.pp, v, m, max(chunk_f), max(chunk_i), max(chunk_w)
+            )
+            last_backward = 0.0
+        else:
+            pipe_time = m * (chunk_f[0] + chunk_i[0] + chunk_w[0])
+            bubble, inflight = 0.0, (1.0,)
+            last_backward = chunk_i[0] + chunk_w[0]
+
+        # parameters per pipeline rank
+        params = [self.rank_params(L, placement[r], chunks) for r in range(L.pp)]
+        dp_exposed = self._data_parallel(L, params[0], m, last_backward, pipe_time, account, comm)
+
+        # optimizer: AdamW over the parameters this rank updates, the clip's norm
+        local, experts, linear_params = params[0]
+        fp8_params = linear_params if L.fp8 != "none" else 0.0
+        updated = local + experts
+        if L.dp_mode in ("zero1", "fsdp"):
+            updated /= L.dp * L.cp
+        adam, _ = self._membound("adamw", 28 * updated, (int(updated),))
+        norm, _ = self._membound("copy", 4 * updated, (int(updated),))
+        requant = 0.0
+        if L.fp8 != "none":
+            requant, _ = self._membound("quantize", 6 * fp8_params, (int(fp8_params),))
+        optimizer = adam + norm + requant
+        classes["optimizer"] = optimizer
+
+        step = pipe_time + dp_exposed + optimizer
+        tokens = w.global_batch * w.seq_len
+        per_gpu = tokens / step / L.world
+        mfu = per_gpu * md.flops_per_token(w.seq_len) / cl.gpu.peak_bf16_flops
+
+        # memory: the rank with the largest peak
+        worst: dict[str, float] = {}
+        worst_total = -1.0
+        for r in range(L.pp):
+            local_r, experts_r, linear_r = params[r]
+            layers_r = [chunk_saved[c] for c in placement[r]]
+            acts = inflight[r] * sum(layers_r)
+            last = len(chunks) - 1 in placement[r]
+            mem = self._memory(L, local_r, experts_r, linear_r, acts, max(chunk_full), last, m)
+            total = sum(mem.values())
+            if total > worst_total:
+                worst, worst_total = mem, total
+        peak_mem = worst_total * (1.0 + w.allocator_overhead)
+        fits = peak_mem <= cl.gpu.memory_bytes * (1.0 - w.headroom)
+        compute_total = sum(t for k, t in classes.items() if k != "optimizer")
+        for g in comm.values():
+            if g.group not in ("dp", "edp"):
+                g.exposed = g.seconds  # in-layer collectives are not overlapped
+        return Estimate(
+            layout=L, step_time=step, tokens_per_s_per_gpu=per_gpu, mfu=mfu,
+            peak_memory=peak_mem, fits=fits, memory=worst, compute=classes, comm=comm,
+            bubble_fraction=bubble, optimizer_time=optimizer,
+            roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
+        )  # fmt: skip
+
+    def rank_params(
+        self, L: Layout, rank_chunks: list[int], chunks: list[list[int]]
+    ) -> tuple[float, float, float]:
+        """(dense-parallel parameters, expert parameters, block-linear parameters) on one rank;
+        the block linears are the ones FP8 recipes convert (not the head, not the router)."""
+        md, tp = self.model, L.tp
+        split, rep = md.attention_params()
+        dense = experts = linear = 0.0
+        for c in rank_chunks:
+            for layer in chunks[c]:
+                m_split, m_rep, m_exp = md.mlp_params(layer)
+                dense += split / tp + rep + 2 * md.dim + m_split / tp + m_rep
+                experts += m_exp / L.ep
+                linear += split / tp + rep + m_split / tp + m_exp / L.ep
+            if c == 0:
+                dense += md.embedding_params() / tp + md.extra_params
+            if c == len(chunks) - 1:
+                dense += md.embedding_params() / tp + md.dim
+                dense += md.mtp_params()
+        return dense, experts, linear
+
+    def _data_parallel(self, L, params, m, last_backward, compute, account, comm) -> float:
+        """Exposed seconds of the gradient (and parameter) collectives of one step."""
+        local, experts, _ = params
+        W = L.dp * L.cp
+        if W == 1:
+            return 0.0
+        grads = 4 * local
+        if self.model.moe:  # the step's expert counts (int64), summed for the router biases
+            counts = 8 * self.model.num_experts * self.model.moe_layers
+            account("dp", "all_reduce", counts / L.pp, 1)
+        if L.dp_mode == "ddp":
+            t = account("dp", "all_reduce", grads, 1)
+            if experts and W // L.ep > 1:
+                t += account("edp", "all_reduce", 4 * experts, 1)
+            if L.pp == 1:
+                bucket = self._time("dp", "all_reduce", min(self.work.ddp_bucket_bytes, grads), L)
+                exposed = max(t - last_backward, bucket)
+            else:
+                exposed = t
+        elif L.dp_mode == "zero1":
+            exposed = account("dp", "reduce_scatter", grads, 1)
+            exposed += account("dp", "all_gather", grads, 1)
+        else:
+            gathers = account("dp", "all_gather", grads, 2 * m)
+            scatter = account("dp", "reduce_scatter", grads, 1)
+            first_block = gathers / (2 * m * max(self.model.n_layers, 1))
+            exposed = max(first_block, gathers + scatter - compute)
+        for g in ("dp", "edp"):
+            if g in comm:
+                comm[g].exposed = exposed if g == "dp" else 0.0
+        return exposed
+
+    def _memory(
+        self,
+        L: Layout,
+        local: float,
+        experts: float,
+        linear: float,
+        acts: float,
+        block: float,
+        last_stage: bool,
+        m: int,
+    ) -> dict[str, float]:
+        """Bytes by category on one rank (module docstring)."""  # fmt: skip
+        md, w = self.model, self.work
+        W = L.dp * L.cp
+        params = local + experts
+        mem: dict[str, float] = {}
+        if L.dp_mode == "fsdp" and W > 1:
+            layer_params = max(
+                md.attention_params()[0] / L.tp + md.attention_params()[1]
+                + sum(md.mlp_params(md.n_layers - 1)), 1.0,
+            )  # fmt: skip
+            mem["weights"] = 4 * params / W + 2 * 4 * layer_params
+            mem["gradients"] = 4 * params / W
+            mem["optimizer"] = 8 * params / W
+        elif L.dp_mode == "zero1" and W > 1:
+            mem["weights"] = 4 * params + 4 * params / W
+            mem["gradients"] = 4 * params
+            mem["optimizer"] = 8 * params / W
+        else:
+            mem["weights"] = 4 * params
+            mem["gradients"] = 4 * params
+            mem["optimizer"] = 8 * params
+            if W > 1:
+                mem["ddp_buckets"] = 4 * local
+        if L.fp8 != "none" and not (L.dp_mode == "fsdp" and W > 1):
+            mem["fp8_weight_cache"] = 2 * linear
+        T = L.micro_batch * w.seq_len // L.cp
+        head = md.embedding_params() / L.tp if last_stage else 0.0
+        # autocast's low-precision copies of the high-precision linears' fp32 weights, kept for
+        # the backward (FP8 layers quantize from fp32 and keep their FP8 cache instead)
+        high_precision = head + (linear if L.fp8 == "none" else 0.0)
+        forward_phase = {
+            "activations": acts,
+            "autocast_weight_copies": high_precision * w.act_bytes if w.act_bytes < 4 else 0.0,
+            "logits": 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0,
+            "recompute_transient": block if L.recompute in ("full", "full_keep") else 0.0,
+        }
+        mem.update(forward_phase)
+        if m == 1 and L.pp == 1:
+            # one micro-batch: the gradients grow while the forward's tensors are freed, so
+            # only what they exceed them by adds to the peak
+            mem["gradients"] = max(mem["gradients"] - sum(forward_phase.values()), 0.0)
+        return mem

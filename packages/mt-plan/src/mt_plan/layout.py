@@ -1,0 +1,167 @@
+"""A parallel layout and the trainer's rules for it, mirrored in pure Python.
+
+:func:`layout_problem` answers the question mt-train answers when it composes a config and
+checks the world size (``ParallelConfig.__post_init__``, the family's ``check_parallel``,
+``TrainConfig.__post_init__`` / ``check_world``, ``ParallelDims``): None when the trainer would
+run the layout, else the first rule it breaks. It is a mirror, not a call, because those checks
+live in modules that import torch and the search must not; ``test_plan_rules.py`` holds the two
+to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-batches):
+
+* ``dp = w / (tp·cp·pp)`` integral; ``global_batch % (micro_batch·dp) == 0``, ``m =
+  global_batch / (micro_batch·dp)``;
+* tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1 and
+  a family that allows it; ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
+* ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MoE/VLM families refuse pp,
+  VLM and MTP refuse cp;
+* pp: the schedule's chunks per rank (interleaved ≥ 2, zbv/dualpipev exactly 2, others 1),
+  ``layers ≥ pp·v``, ``m ≥ pp`` (gpipe: any; dualpipev ``2·pp``), interleaved schedules at
+  v > 1 run micro-batches in rounds (``m`` a multiple of ``m // pp`` rounds), no FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mt_plan.shape import ModelShape
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+DP_MODES = ("ddp", "fsdp", "zero1")
+RECOMPUTE = ("none", "selective", "selective_mlp", "full", "full_keep")
+"""``selective``: the attention core; ``selective_mlp``: attention core and SwiGLU;
+``full_keep``: full with ``recompute_keep=[attention]``."""
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: every knob the search turns."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    sp: bool = False
+    vpp: int = 1
+    """Chunks per pipeline rank (``parallel.pp_chunks``)."""
+    schedule: str = "1f1b"
+    dp_mode: str = "ddp"
+    micro_batch: int = 1
+    recompute: str = "none"
+    fp8: str = "none"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def chunks_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        return 2 if self.schedule in V_SCHEDULES else self.vpp
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.micro_batch * self.dp)
+
+    def overrides(self, global_batch: int) -> list[str]:
+        """The mt-train overrides that run this layout."""
+        out = [
+            f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}",
+            f"parallel.data_parallel={self.dp_mode}",
+            f"trainer.micro_batch_size={self.micro_batch}",
+            f"trainer.global_batch_size={global_batch}",
+        ]  # fmt: skip
+        if self.sp:
+            out.append("parallel.sequence_parallel=true")
+        if self.ep > 1:
+            out.append(f"parallel.ep={self.ep}")
+        if self.pp > 1:
+            out.append(f"parallel.pp_schedule={self.schedule}")
+            if self.schedule in ("interleaved_1f1b", "zero_bubble") and self.vpp > 1:
+                out.append(f"parallel.pp_chunks={self.vpp}")
+        if self.recompute == "selective":
+            out.append("parallel.recompute=selective")
+        elif self.recompute == "selective_mlp":
+            out += ["parallel.recompute=selective", "parallel.recompute_targets=[attention,mlp]"]
+        elif self.recompute == "full":
+            out.append("parallel.recompute=full")
+        elif self.recompute == "full_keep":
+            out += ["parallel.recompute=full", "parallel.recompute_keep=[attention]"]
+        if self.fp8 != "none":
+            out.append(f"fp8={self.fp8}")
+        return out
+
+    def label(self) -> str:
+        parts = [f"tp{self.tp}{'+sp' if self.sp else ''}", f"cp{self.cp}", f"dp{self.dp}"]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}/{self.schedule}" + (f"/v{self.vpp}" if self.vpp > 1 else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        return " ".join([*parts, self.dp_mode, f"mb{self.micro_batch}", self.recompute, self.fp8])
+
+
+def minimum_microbatches(schedule: str, pp: int, v: int) -> int:
+    """As ``mt_parallel.pipeline.schedules.minimum_microbatches``."""
+    if schedule == "gpipe" or pp == 1:
+        return 1
+    return pp * v if schedule == "dualpipev" else pp
+
+
+def layout_problem(
+    layout: Layout, model: ModelShape, world: int, global_batch: int, seq_len: int
+) -> str | None:
+    """The first trainer rule ``layout`` breaks (module docstring), or None."""
+    L = layout
+    if L.tp * L.cp * L.pp * L.dp != world:
+        return f"dp·cp·tp·pp = {L.dp}·{L.cp}·{L.tp}·{L.pp} does not equal the world size {world}"
+    if global_batch % L.micro_batch or global_batch % (L.micro_batch * L.dp):
+        return f"global batch {global_batch} is not a multiple of micro_batch·dp = {L.micro_batch}·{L.dp}"
+    for name, value in model.tp_divides:
+        if value % L.tp:
+            return f"tp={L.tp} does not divide {name}={value}"
+    if model.attention == "gqa" and model.n_heads % model.n_kv_heads:
+        return f"num_heads={model.n_heads} is not a multiple of num_kv_heads={model.n_kv_heads}"
+    if L.sp and (L.tp == 1 or not model.supports_sp):
+        return "sequence parallel needs tp > 1 and a family that allows it"
+    if L.cp > 1 and (not model.supports_cp or seq_len % (2 * L.cp)):
+        return f"cp={L.cp} needs the family's support and seq_len % 2·cp == 0 (seq {seq_len})"
+    if L.sp and (seq_len // L.cp) % L.tp:
+        return f"sequence parallel needs (seq/cp) % tp == 0, got {seq_len}/{L.cp} over {L.tp}"
+    if L.ep > 1:
+        if model.moe and model.num_experts % L.ep:  # dense models ignore ep
+            return f"ep={L.ep} does not divide the experts ({model.num_experts})"
+        if (L.dp * L.cp) % L.ep:
+            return f"ep={L.ep} does not divide dp·cp = {L.dp * L.cp}"
+        if L.dp_mode != "ddp":
+            return f"ep > 1 needs data_parallel=ddp, got {L.dp_mode}"
+    if L.dp_mode not in DP_MODES:
+        return f"data_parallel={L.dp_mode!r}; valid: {', '.join(DP_MODES)}"
+    if L.recompute not in RECOMPUTE or L.fp8 not in FP8_RECIPES:
+        return f"recompute={L.recompute!r} / fp8={L.fp8!r} unknown"
+    if L.pp == 1:
+        if L.vpp != 1:
+            return "pp_chunks > 1 needs pp > 1"
+        return None
+    if not model.supports_pp:
+        return f"the {model.family} family (model {model.name}) does not run pp > 1"
+    if L.schedule not in SCHEDULES:
+        return f"pp_schedule={L.schedule!r}; valid: {', '.join(SCHEDULES)}"
+    if L.schedule == "interleaved_1f1b" and L.vpp < 2:
+        return "interleaved_1f1b needs pp_chunks >= 2"
+    if L.schedule in ("gpipe", "1f1b", *V_SCHEDULES) and L.vpp != 1:
+        return f"{L.schedule} takes pp_chunks=1 (the search's vpp)"
+    v = L.chunks_per_rank()
+    if model.n_layers < L.pp * v:
+        return f"{model.n_layers} layers cannot fill pp·v = {L.pp}·{v} chunks"
+    m = L.microbatches(global_batch)
+    need = minimum_microbatches(L.schedule, L.pp, v)
+    if m < need:
+        return f"{L.schedule} at pp={L.pp} needs >= {need} micro-batches, got {m}"
+    if L.schedule in ("interleaved_1f1b", "zero_bubble") and v > 1:
+        rounds = max(1, m // L.pp)
+        if m % rounds:
+            return f"{m} micro-batches do not split into {rounds} rounds"
+    if L.dp_mode == "fsdp":
+        return "data_parallel=fsdp does not run with pp > 1"
+    return None

@@ -1,0 +1,225 @@
+"""``mt-plan calibrate``: measure the calibration table on this device (imports torch).
+
+What is timed is what the trainer runs: ``torch.matmul`` in bf16 (fp32 on the CPU, which has
+no fast bf16 GEMM) for the dense GEMMs, ``mt_fp8.fp8_gemm`` on operands quantized by each FP8
+recipe's own layouts (the GEMM only: quantization is its own memory-bound op), the grouped
+GEMM ``torch._grouped_mm`` the MoE experts use where it runs, SDPA's causal attention forward
+and forward + backward (the backward's time is the difference), and mt-fp8's fused ops
+(RMSNorm, SwiGLU, RoPE, cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the
+tensorwise quantizer and a device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a
+GEMM, the causal attention FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes
+:mod:`mt_plan.cost` charges them, so a measured rate plugs straight into the model.
+
+Timing: CUDA events around ``repeat`` calls after ``warmup`` calls, the median of ``trials``
+(wall clock on other devices). ``--tiny`` uses small shapes, fewer repeats and only the
+tensorwise FP8 recipe so the whole table is measured in seconds on a CPU (a smoke test of the
+command, not a calibration).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+from mt_plan.calibration import CalibrationTable, Entry
+
+FULL_GEMMS = [(m, n, k) for m in (2048, 8192, 16384) for n in (1024, 4096, 8192, 14336, 28672)
+              for k in (1024, 4096, 8192, 14336)]  # fmt: skip
+TINY_GEMMS = [(64, 64, 64), (128, 128, 128)]
+FULL_ATTENTION = [(bh, s, d) for bh in (8, 32, 64) for s in (2048, 4096, 8192) for d in (128, 192)]
+TINY_ATTENTION = [(4, 64, 32)]
+FULL_ROWS = [(8192, 4096), (16384, 8192), (8192, 14336), (8192, 28672)]
+TINY_ROWS = [(64, 64)]
+RECIPE_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block",
+             "delayed": "delayed", "mxfp8": "mxfp8"}  # fmt: skip
+
+
+def _timer(device, tiny: bool = False) -> Callable[[Callable[[], object]], float]:
+    import torch
+
+    counts = (1, 2, 1) if tiny else (3, 10, 3)
+
+    def measure(fn: Callable[[], object], warmup: int = counts[0], repeat: int = counts[1],
+                trials: int = counts[2]) -> float:  # fmt: skip
+        for _ in range(warmup):
+            fn()
+        results = []
+        for _ in range(trials):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                for _ in range(repeat):
+                    fn()
+                end.record()
+                end.synchronize()
+                results.append(start.elapsed_time(end) / 1e3 / repeat)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(repeat):
+                    fn()
+                results.append((time.perf_counter() - t0) / repeat)
+        return statistics.median(results)
+
+    return measure
+
+
+def calibrate(device_name: str = "auto", tiny: bool = False, fp8_recipes=None) -> CalibrationTable:
+    """Measure every entry kind (module docstring) and return the table."""
+    import torch
+
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    label = "bf16"  # the key the cost model looks up: the training GEMM dtype
+    timeit = _timer(device, tiny)
+    entries: list[Entry] = []
+    gemms = TINY_GEMMS if tiny else FULL_GEMMS
+    for M, N, K in gemms:
+        a = torch.randn(M, K, device=device, dtype=dtype)
+        b = torch.randn(K, N, device=device, dtype=dtype)
+        seconds = timeit(lambda a=a, b=b: a @ b)
+        entries.append(Entry("gemm", label, (M, N, K), 2.0 * M * N * K / seconds))
+    # NOTE: off the GPU the block and MX recipes run an exact emulation that takes seconds per
+    # GEMM; --tiny measures tensorwise only unless recipes are named
+    recipes = fp8_recipes or (["tensorwise"] if tiny else list(RECIPE_OF))
+    entries += _fp8_gemms(device, gemms, timeit, recipes)
+    entries += _grouped(device, dtype, label, tiny, timeit)
+    entries += _attention(device, dtype, label, tiny, timeit)
+    entries += _membound(device, dtype, tiny, timeit)
+    name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    source = f"mt-plan calibrate on {name}, torch {torch.__version__}" + (" (tiny)" if tiny else "")
+    return CalibrationTable(name, entries, source)
+
+
+def _fp8_gemms(device, gemms, timeit, recipes) -> list[Entry]:
+    import torch
+
+    from mt_fp8 import TensorRole, fp8_gemm, quantize, recipe_from_name
+
+    out = []
+    for recipe_name in recipes:
+        recipe = recipe_from_name(RECIPE_OF[recipe_name])
+        for M, N, K in gemms:
+            if K % 128 or M % 128 or N % 128:
+                continue  # block recipes need 128-multiples; skip odd shapes for all recipes
+            x = torch.randn(M, K, device=device)
+            w = torch.randn(N, K, device=device)
+            qa = quantize(
+                x, recipe.formats.for_role(TensorRole.INPUT), recipe.layout(TensorRole.INPUT)
+            )
+            qb = quantize(
+                w, recipe.formats.for_role(TensorRole.WEIGHT), recipe.layout(TensorRole.WEIGHT)
+            )
+            seconds = timeit(lambda qa=qa, qb=qb: fp8_gemm(qa, qb, torch.bfloat16))
+            out.append(Entry("gemm", f"fp8_{recipe_name}", (M, N, K), 2.0 * M * N * K / seconds))
+    return out
+
+
+def _grouped(device, dtype, label, tiny, timeit) -> list[Entry]:
+    import torch
+
+    out = []
+    shapes = [(256, 64, 64, 4)] if tiny else [
+        (rows, n, k, g) for rows in (8192, 32768) for (n, k) in ((14336, 4096), (2048, 7168))
+        for g in (8, 32)
+    ]  # fmt: skip
+    for rows, N, K, groups in shapes:
+        x = torch.randn(rows, K, device=device, dtype=dtype)
+        w = torch.randn(groups, K, N, device=device, dtype=dtype)
+        offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+        try:
+            torch._grouped_mm(x, w, offs=offs)
+        except (RuntimeError, NotImplementedError):
+            return out  # this torch/device has no grouped GEMM: the model falls back
+        seconds = timeit(lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w, offs=offs))
+        out.append(Entry("grouped_gemm", label, (rows, N, K, groups), 2.0 * rows * N * K / seconds))
+    return out
+
+
+def _attention(device, dtype, label, tiny, timeit) -> list[Entry]:
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for bh, s, d in TINY_ATTENTION if tiny else FULL_ATTENTION:
+        q, k, v = (torch.randn(1, bh, s, d, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        flops = bh * (s * s / 2) * 2 * (d + d)  # causal, as mt_plan.cost counts it
+        fwd = timeit(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+        def both(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        bwd = max(timeit(both) - fwd, 1e-9)
+        out.append(Entry("attention_fwd", label, (bh, s, d), flops / fwd))
+        out.append(Entry("attention_bwd", label, (bh, s, d), 2.5 * flops / bwd))
+    return out
+
+
+def _membound(device, dtype, tiny, timeit) -> list[Entry]:
+    import torch
+
+    from mt_fp8 import FP8Format, FusedAdamW
+    from mt_fp8.ops import apply_rotary, cross_entropy, quantize_transpose_amax, rms_norm, swiglu
+
+    A = torch.finfo(dtype).bits // 8
+    out = []
+    for rows, cols in TINY_ROWS if tiny else FULL_ROWS:
+        x = torch.randn(rows, cols, device=device, dtype=torch.float32, requires_grad=True)
+        g = torch.ones(cols, device=device, requires_grad=True)
+
+        def norm(x=x, g=g):
+            rms_norm(x, g, out_dtype=dtype).sum().backward()
+
+        # cost model: forward 2·(4+A)·T·D over two norms → (4+A) per norm; backward (8+A)
+        out.append(
+            Entry("rmsnorm", "bf16", (rows, cols), (12 + 2 * A) * rows * cols / timeit(norm))
+        )
+        gate = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
+        up = torch.randn(rows, cols, device=device, dtype=dtype, requires_grad=True)
+
+        def act(gate=gate, up=up):
+            swiglu(gate, up).sum().backward()
+
+        out.append(Entry("swiglu", "bf16", (rows, cols), 16 * A * rows * cols / timeit(act)))
+        vocab = cols
+        logits = torch.randn(rows, vocab, device=device, dtype=dtype, requires_grad=True)
+        target = torch.randint(0, vocab, (rows,), device=device)
+
+        def ce(logits=logits, target=target):
+            cross_entropy(logits, target).backward()
+
+        out.append(Entry("cross_entropy", "bf16", (rows, vocab), 6 * A * rows * vocab / timeit(ce)))
+        plain = torch.randn(rows, cols, device=device, dtype=dtype)
+        quant = timeit(lambda plain=plain: quantize_transpose_amax(plain, FP8Format.E4M3))
+        out.append(Entry("quantize", "bf16", (rows, cols), (A + 2) * rows * cols / quant))
+        copy_to = torch.empty_like(plain)
+        copied = timeit(lambda plain=plain, copy_to=copy_to: copy_to.copy_(plain))
+        out.append(Entry("copy", "bf16", (rows, cols), 2 * A * rows * cols / copied))
+    heads, hd = (2, 32) if tiny else (32, 128)
+    seq = 64 if tiny else 8192
+    q = torch.randn(1, seq, heads, hd, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, seq, heads // 4 or 1, hd, device=device, dtype=dtype, requires_grad=True)
+    angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * torch.ones(
+        hd // 2, device=device
+    )
+    cos, sin = angles.cos(), angles.sin()
+
+    def rope(q=q, k=k):
+        qr, kr = apply_rotary(q, k, cos, sin)
+        (qr.sum() + kr.sum()).backward()
+
+    width = (q.shape[2] + k.shape[2]) * hd
+    out.append(Entry("rope", "bf16", (seq, width), 2 * 2 * A * seq * width / timeit(rope)))
+    numel = 4096 if tiny else 256 * 2**20
+    param = torch.nn.Parameter(torch.randn(numel, device=device))
+    param.grad = torch.randn(numel, device=device)
+    opt = FusedAdamW([param], lr=1e-4)
+    out.append(Entry("adamw", "fp32", (numel,), 28 * numel / timeit(opt.step)))
+    return out

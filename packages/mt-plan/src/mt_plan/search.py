@@ -1,0 +1,174 @@
+"""The search: every layout of a world size, pruned by the trainer's rules and by memory,
+ranked by predicted tokens/s per GPU (pure Python; pipeline timings import torch once, see
+:mod:`mt_plan.pipeline`).
+
+Dimensions (each restricted by :class:`SearchSpace`): tp, cp, pp over the divisors of the world
+(tp and cp within a node: their collectives are per layer), dp the rest, sequence parallel on
+or off where tp > 1, the schedule and its chunks per rank when pp > 1, the data-parallel mode,
+ep over the divisors of dp·cp that divide the experts, the micro-batch over the divisors of
+``global_batch / dp``, the recompute policy and the FP8 recipe. Pruning order: the world and
+batch arithmetic while enumerating, then :func:`~mt_plan.layout.layout_problem` (the trainer's
+rules), then the cost model's memory check. ``SearchResult.counts`` reports how many layouts
+each stage removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from mt_plan.cost import CostModel, Estimate
+from mt_plan.layout import DP_MODES, FP8_RECIPES, RECOMPUTE, SCHEDULES, Layout, layout_problem
+
+DIMENSIONS = ("tp", "sp", "cp", "pp", "vpp", "schedule", "dp_mode", "ep", "micro_batch",
+              "recompute", "fp8")  # fmt: skip
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchSpace:
+    """Which values each dimension may take (None: every valid value)."""
+
+    tp: list[int] | None = None
+    cp: list[int] | None = None
+    pp: list[int] | None = None
+    vpp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    schedules: list[str] = field(default_factory=lambda: list(SCHEDULES))
+    sp: list[bool] = field(default_factory=lambda: [False, True])
+    dp_modes: list[str] = field(default_factory=lambda: list(DP_MODES))
+    ep: list[int] | None = None
+    micro_batches: list[int] | None = None
+    recompute: list[str] = field(default_factory=lambda: list(RECOMPUTE))
+    fp8: list[str] | None = None
+    """None: no FP8 and every recipe whose GEMMs the calibration table measured (recipes the
+    table cannot tell apart would only tie)."""
+    max_micro_batch: int = 16
+
+    def __post_init__(self) -> None:
+        for name, values, valid in (
+            ("schedule", self.schedules, SCHEDULES),
+            ("dp_mode", self.dp_modes, DP_MODES),
+            ("recompute", self.recompute, RECOMPUTE),
+            ("fp8", self.fp8 or ["none"], FP8_RECIPES),
+        ):
+            unknown = [v for v in values if v not in valid]
+            if unknown or not values:
+                raise ValueError(f"--{name} {unknown or values}: valid values {', '.join(valid)}")
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    """Layouts that fit, fastest first."""
+    too_big: list[Estimate]
+    """Valid layouts predicted not to fit, smallest peak memory first."""
+    counts: dict[str, int]
+
+
+def enumerate_layouts(
+    world: int,
+    gpus_per_node: int,
+    global_batch: int,
+    model_experts: int,
+    space: SearchSpace,
+    pp_allowed: bool = True,
+    cp_allowed: bool = True,
+) -> Iterator[Layout]:
+    """Every combination of the space's values whose world and batch arithmetic works (pp and
+    cp above 1 only where the model family runs them)."""  # fmt: skip
+    node = min(world, gpus_per_node)
+    tps = space.tp or [d for d in divisors(node)]
+    for tp in tps:
+        if world % tp:
+            continue
+        for cp in space.cp or (
+            divisors(node // tp if node % tp == 0 else 1) if cp_allowed else [1]
+        ):
+            if world % (tp * cp):
+                continue
+            for pp in space.pp or (divisors(world // (tp * cp)) if pp_allowed else [1]):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                per_dp = global_batch // dp
+                mbs = space.micro_batches or [
+                    d for d in divisors(per_dp) if d <= space.max_micro_batch
+                ]
+                eps = space.ep or ([1] if not model_experts else divisors(dp * cp))
+                pipes = [("1f1b", 1)] if pp == 1 else [
+                    (s, v) for s in space.schedules for v in (space.vpp if s in
+                    ("interleaved_1f1b", "zero_bubble") else [1])
+                ]  # fmt: skip
+                for sp in space.sp if tp > 1 else [False]:
+                    for schedule, vpp in pipes:
+                        modes = space.dp_modes if dp * cp > 1 else space.dp_modes[:1]
+                        for dp_mode in modes:
+                            for ep in eps:
+                                for mb in mbs:
+                                    for rc in space.recompute:
+                                        for fp8 in space.fp8 or ["none"]:
+                                            yield Layout(
+                                                tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, sp=sp,
+                                                vpp=vpp, schedule=schedule, dp_mode=dp_mode,
+                                                micro_batch=mb, recompute=rc, fp8=fp8,
+                                            )  # fmt: skip
+
+
+def search(cost: CostModel, world: int, space: SearchSpace | None = None) -> SearchResult:
+    """Score every valid layout of ``world`` GPUs (module docstring)."""
+    space = space or SearchSpace()
+    md, w = cost.model, cost.work
+    if space.fp8 is None:
+        measured = [r for r in FP8_RECIPES[1:] if cost.table.has("gemm", f"fp8_{r}")]
+        space = replace(space, fp8=["none", *measured])
+    counts = {"enumerated": 0, "rule": 0, "memory": 0, "fits": 0}
+    fits: list[Estimate] = []
+    too_big: list[Estimate] = []
+    for layout in enumerate_layouts(
+        world, cost.cluster.gpus_per_node, w.global_batch, md.num_experts, space,
+        md.supports_pp, md.supports_cp,
+    ):  # fmt: skip
+        counts["enumerated"] += 1
+        if layout_problem(layout, md, world, w.global_batch, w.seq_len) is not None:
+            counts["rule"] += 1
+            continue
+        est = cost.estimate(layout)
+        if est.fits:
+            counts["fits"] += 1
+            fits.append(est)
+        else:
+            counts["memory"] += 1
+            too_big.append(est)
+    fits.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    too_big.sort(key=lambda e: e.peak_memory)
+    return SearchResult(fits, too_big, counts)
+
+
+def smallest_world_that_fits(
+    cost: CostModel, start: int, limit: int, space: SearchSpace | None = None
+) -> tuple[int, Estimate] | None:
+    """The smallest power-of-two GPU count ≥ ``start`` (whole nodes above one node) with a
+    layout that fits, or None up to ``limit`` GPUs; searches only memory-saving settings (full
+    recompute, micro-batch 1, 1F1B) to stay quick."""
+    node = cost.cluster.gpus_per_node
+    lean = SearchSpace(
+        tp=None, cp=[1], pp=None, vpp=[1], schedules=["1f1b"], sp=[True, False],
+        dp_modes=["fsdp", "zero1", "ddp"], micro_batches=[1], recompute=["full"],
+        fp8=(space.fp8 if space else ["none"]),
+    )  # fmt: skip
+    candidates, n = [], 1
+    while n <= limit:
+        if n >= start and (n <= node or n % node == 0):
+            candidates.append(n)
+        n *= 2
+    for n in candidates:
+        cm = CostModel(cost.model, cost.cluster.with_gpus(n), cost.table, cost.work)
+        result = search(cm, n, lean)
+        if result.ranked:
+            return n, result.ranked[0]
+    return None

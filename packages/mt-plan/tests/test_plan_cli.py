@@ -1,0 +1,140 @@
+"""``mt-plan`` end to end: the table and launch line, ``explain``, and one-line bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mt_plan.calibration import load_table
+from mt_plan.cli import main
+from mt_plan.cluster import ClusterError, cluster_from_dict, load_cluster
+
+SMALL = [
+    "model=llama3_8b",
+    "model.n_layers=4",
+    "trainer.seq_len=4096",
+    "trainer.global_batch_size=8",
+]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_search_prints_a_ranked_table_and_a_launch_line(capsys, tmp_path) -> None:
+    path = tmp_path / "plan.jsonl"
+    code, out, err = run(capsys, "search", *SMALL, "--gpus", "4", "--pp", "1", "--fp8", "none",
+                         "--top", "3", "--json", str(path))  # fmt: skip
+    assert code == 0, err
+    assert "| 1 |" in out and "| 3 |" in out and "| 4 |" not in out
+    launch = out.strip().splitlines()[-1]
+    assert launch.startswith("torchrun --standalone --nproc-per-node 4 -m mt_train model=llama3_8b")
+    assert "trainer.global_batch_size=8" in launch and "parallel.tp=" in launch
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    speeds = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in rows)
+
+
+def test_search_explains_a_row_of_its_table(capsys) -> None:
+    code, out, err = run(capsys, "search", *SMALL, "--gpus", "2", "--pp", "1", "--fp8", "none",
+                         "--explain", "2")  # fmt: skip
+    assert code == 0, err
+    second_row = next(line for line in out.splitlines() if line.startswith("| 2 |"))
+    assert f"layout: {second_row.split('|')[2].strip()}" in out
+    assert "memory of the fullest rank" in out
+    code, _, err = run(capsys, "search", *SMALL, "--gpus", "2", "--pp", "1", "--fp8", "none",
+                       "--explain", "100000")  # fmt: skip
+    assert code == 2 and "--explain=100000: the table has rows 1 to" in err
+
+
+def test_explain_breaks_one_layout_down(capsys) -> None:
+    code, out, err = run(capsys, "explain", *SMALL, "trainer.micro_batch_size=2",
+                         "parallel.tp=2", "parallel.sequence_parallel=true", "--gpus", "4")  # fmt: skip
+    assert code == 0, err
+    assert "layout: tp2+sp cp1 dp2 ddp mb2 none none" in out
+    assert "attention_core" in out and "tp " in out and "gradients" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gpus", "0"], "--gpus=0 must be a positive integer"),
+        (["--gpus", "12"], "--gpus=12 is not a multiple of gpus_per_node=8 (whole nodes: 8 or 16)"),
+        (
+            ["--cluster", "tpu_pod"],
+            "unknown cluster 'tpu_pod'; shipped: h100_nodes, h200, h200_nodes",
+        ),
+        (["--calibration", "b200"], "unknown calibration table 'b200'; shipped: h200"),
+        (["--nodes", "0"], "nodes=0 must be a positive integer"),
+        (["model=gpt5"], "gpt5"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv, message) -> None:
+    code, out, err = run(capsys, "search", *SMALL, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("mt-plan: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_a_model_that_fits_nowhere_names_the_gpus_it_needs(capsys) -> None:
+    code, _, err = run(capsys, "search", "model=llama3_70b", "trainer.seq_len=4096",
+                       "trainer.global_batch_size=64", "--gpus", "1")  # fmt: skip
+    assert code == 2
+    assert "model=llama3_70b fits no layout on 1 GPUs" in err
+    assert "the smallest GPU count that fits is 16" in err
+
+
+def test_cluster_validation_names_the_value() -> None:
+    data = json.loads(json.dumps(load_cluster("h200_nodes").to_dict()))
+    data["gpus_per_node"] = 0
+    with pytest.raises(ClusterError, match="gpus_per_node=0 must be a positive integer"):
+        cluster_from_dict(data)
+    data["gpus_per_node"] = 8
+    data["intra_node"]["bandwidth"] = 0
+    with pytest.raises(ClusterError, match="intra_node needs bandwidth > 0"):
+        cluster_from_dict(data)
+    del data["gpu"]
+    with pytest.raises(ClusterError, match="missing key 'gpu'"):
+        cluster_from_dict(data)
+
+
+def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
+    path = tmp_path / "cpu.json"
+    code, _, err = run(capsys, "calibrate", "--tiny", "--device", "cpu", "--out", str(path))
+    assert code == 0, err
+    table = load_table(str(path))
+    kinds = {(e.op, e.dtype) for e in table.entries}
+    for kind in [("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_fwd", "bf16"),
+                 ("attention_bwd", "bf16"), ("rmsnorm", "bf16"), ("adamw", "fp32")]:  # fmt: skip
+        assert kind in kinds
+    assert all(e.rate > 0 for e in table.entries)
+    # a CPU-calibrated search is priced from measurements: far slower than the H200 seed table
+    h200 = run(
+        capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--json", str(tmp_path / "a")
+    )
+    cpu = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--calibration", str(path),
+              "--json", str(tmp_path / "b"))  # fmt: skip
+    assert h200[0] == cpu[0] == 0
+    fast = json.loads((tmp_path / "a").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
+    slow = json.loads((tmp_path / "b").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
+    assert slow < fast / 100
+
+
+@pytest.mark.gpu
+def test_calibrate_on_the_gpu(capsys, tmp_path) -> None:
+    """The full table on a CUDA GPU: every op kind measured, no rate above the datasheet peak."""
+    import torch
+
+    path = tmp_path / "gpu.json"
+    code, _, err = run(capsys, "calibrate", "--device", "cuda", "--out", str(path))
+    assert code == 0, err
+    table = load_table(str(path))
+    kinds = {(e.op, e.dtype) for e in table.entries}
+    assert {("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_bwd", "bf16"),
+            ("cross_entropy", "bf16"), ("adamw", "fp32")} <= kinds  # fmt: skip
+    assert table.device == torch.cuda.get_device_name()
+    bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm", "bf16"))
+    assert 1e14 < bf16 < 2.5e15  # a Hopper-class GPU: hundreds of dense bf16 TFLOP/s

@@ -1,0 +1,139 @@
+"""The cost model and search: torch-free, consistent with the trainer's models, and sane.
+
+* importing and running the cost model and the search (pp = 1) never imports torch;
+* every named mt-train size: the planner's parameter count equals the meta-built model's and its
+  FLOPs per token the family's ``flops_per_token`` (so its MFU is the trainer's MFU);
+* the pipeline timing the search uses equals a full run of mt-parallel's simulator (the
+  steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
+* memory and time respond the way the model says they must (recompute, ZeRO-1, tp).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mt_plan.calibration import load_table
+from mt_plan.cluster import load_cluster
+from mt_plan.cost import CostModel, Workload
+from mt_plan.layout import Layout
+from mt_plan.shape import ModelShape
+
+LLAMA_8B_8L = ModelShape(
+    name="llama3_8b_8l", family="llama", n_layers=8, dim=4096, vocab_size=128256, n_heads=32,
+    n_kv_heads=8, head_dim=128, ffn_dim=14336,
+    tp_divides=(("num_heads", 32), ("num_kv_heads", 8), ("ffn_dim", 14336), ("vocab_size", 128256)),
+)  # fmt: skip
+
+
+def test_cost_model_and_search_do_not_import_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from mt_plan.calibration import load_table
+        from mt_plan.cluster import load_cluster
+        from mt_plan.cost import CostModel, Workload
+        from mt_plan.search import SearchSpace, search
+        from mt_plan.shape import ModelShape
+        shape = ModelShape(name="m", family="llama", n_layers=4, dim=1024, vocab_size=32000,
+                           n_heads=8, n_kv_heads=8, head_dim=128, ffn_dim=4096)
+        cost = CostModel(shape, load_cluster("h200_nodes").with_gpus(4), load_table("h200"),
+                         Workload(seq_len=4096, global_batch=16))
+        result = search(cost, 4, SearchSpace(pp=[1]))
+        assert result.ranked, result.counts
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "mt_train", "mt_parallel")))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_shapes_match_the_meta_built_models_and_family_flops() -> None:
+    torch = pytest.importorskip("torch")
+    from mt_plan.models import resolve, shape_of
+    from mt_train.models.build import resolve_vocab
+    from mt_train.models.registry import family_of, model_sizes
+
+    for name in model_sizes():
+        cfg = resolve_vocab(resolve([f"model={name}"]).model, 257)
+        shape, family = shape_of(cfg), family_of(cfg)
+        with torch.device("meta"):
+            model = family.build(cfg)
+        counted = sum(p.numel() for p in model.parameters())
+        mtp = sum(p.numel() for p in model.mtp.parameters()) if hasattr(model, "mtp") else 0
+        assert shape.total_params() == counted - mtp, name
+        assert shape.mtp_params() == mtp, name
+        for seq in (1024, 8192):
+            assert shape.flops_per_token(seq) == pytest.approx(
+                family.flops_per_token(cfg, seq), rel=1e-12
+            ), name
+
+
+@pytest.mark.parametrize(
+    "schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
+                   ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)],
+)  # fmt: skip
+def test_pipeline_timing_equals_the_simulator(schedule: str, v: int) -> None:
+    from mt_parallel.pipeline.simulate import ChunkCosts, simulate
+    from mt_plan import pipeline
+
+    for pp, m in ((2, 16 if schedule != "dualpipev" else 24), (4, 64)):
+        # bucket centres (exp(k/10)) are exact; costs between them are within a bucket's chain
+        for costs in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 2.0 * 1.2214, 2.0 * 0.8187)):
+            makespan, bubble, peaks = pipeline.pipeline_timing(schedule, pp, v, m, *costs)
+            order = pipeline._actions(schedule, pp, v, m)
+            sim = simulate(order, pp * v, ChunkCosts(*costs), chunks_per_rank=v)
+            # NOTE: 1e-3: bucket centres are rounded to 4 digits in the third cost triple
+            assert makespan == pytest.approx(sim.makespan, rel=1e-3)
+            assert bubble == pytest.approx(sim.bubble_fraction, abs=1e-3)
+            assert peaks == tuple(sim.peak_activations[r] for r in range(pp))
+    if schedule == "1f1b":
+        _, bubble, _ = pipeline.pipeline_timing("1f1b", 4, 1, 64, 1.0, 1.0, 1.0)
+        assert bubble == pytest.approx(3 / (64 + 3))
+
+
+def _cost(world: int = 1, **work) -> CostModel:
+    cluster = load_cluster("h200_nodes").with_gpus(world)
+    return CostModel(LLAMA_8B_8L, cluster, load_table("h200"),
+                     Workload(seq_len=8192, global_batch=work.pop("global_batch", 8), **work))  # fmt: skip
+
+
+def test_recompute_trades_time_for_memory() -> None:
+    cost = _cost()
+    plain, full = (
+        cost.estimate(Layout(micro_batch=2)),
+        cost.estimate(Layout(micro_batch=2, recompute="full")),
+    )
+    assert full.memory["activations"] < plain.memory["activations"] / 4
+    assert full.step_time > plain.step_time
+    assert full.compute["recompute"] > 0
+
+
+def test_zero1_shards_the_optimizer_and_tp_shards_the_weights() -> None:
+    cost = _cost(8)
+    ddp = cost.estimate(Layout(dp=8))
+    zero1 = cost.estimate(Layout(dp=8, dp_mode="zero1"))
+    assert zero1.memory["optimizer"] == pytest.approx(ddp.memory["optimizer"] / 8)
+    tp = cost.estimate(Layout(tp=8, dp=1))
+    # the norms are replicated: a little more than an eighth
+    assert ddp.memory["weights"] / 8 < tp.memory["weights"] < ddp.memory["weights"] / 7.9
+    assert tp.comm["tp"].payload_bytes > 0 and "dp" not in tp.comm
+
+
+@pytest.mark.parametrize(
+    "fp8,tokens_per_s,peak_gib", [("none", 34_375, 49.2), ("delayed", 43_294, 48.1)]
+)
+def test_first_calibration_points_are_within_reach(fp8, tokens_per_s, peak_gib) -> None:
+    """docs/performance.md (2026-12-04, 5f7f294): ours_graphed_bf16 and ours_graphed_fp8_delayed
+    on one H200 ran the 8-layer Llama3-8B slice at these tokens/s with these
+    ``max_memory_allocated`` peaks. Before calibrating attention the prediction must be faster
+    (the roofline is a bound) but not absurdly so, and the allocated memory within the issue's
+    ±5%: this guards the model against unit errors, it does not validate it."""
+    cost = _cost(global_batch=1)
+    est = cost.estimate(Layout(fp8=fp8))
+    assert tokens_per_s < est.tokens_per_s_per_gpu < 1.3 * tokens_per_s
+    allocated = est.peak_memory / (1 + cost.work.allocator_overhead)
+    assert allocated / 2**30 == pytest.approx(peak_gib, rel=0.05)
