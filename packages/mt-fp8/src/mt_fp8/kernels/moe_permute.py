@@ -1,9 +1,10 @@
 """Triton MoE permute and unpermute (math, maps and orders in :mod:`mt_fp8.ops.moe_permute`).
 
 Every kernel reads rows through an index map (``-1``: no row) and masks the missing ones to
-zero, so padding and dropped assignments cost no gather of their own. Sums run in the order
-the PyTorch path uses, and ``enable_fp_fusion=False`` keeps ``acc + w·y`` a rounded product
-and a rounded sum (no FMA), which makes the results bit-identical to it.
+zero, so padding and dropped assignments cost no gather of their own. Sums run in a fixed
+order (unpermute: ``j``; permute's backward: ascending row), and ``enable_fp_fusion=False``
+keeps ``acc + w·y`` a rounded product and a rounded sum (no FMA), which is what makes the
+results bit-identical to the PyTorch path where its order is the same.
 
 NOTE: fp32 is rounded to bf16 by hand (:func:`_rounded`, round to nearest even on the bits):
 Triton's interpreter truncates in its fp32 -> bf16 cast, which would make the CPU kernel tests

@@ -20,9 +20,13 @@ CUDA tensors with fp32 weights and fp32/bf16/fp16 rows run :mod:`mt_fp8.kernels.
 one gather kernel each way instead of the PyTorch path's ``index_select``/``index_copy``
 chain and its ``[T·K, D]`` temporary. The kernels read rows through the inverse maps
 ``rows_TK`` (the row of each assignment, ``-1`` when dropped) and ``source_M`` (the token of
-each row, ``-1`` on padding), and sum in the PyTorch path's orders without fused multiply-adds,
-so both paths give bit-identical forwards, ``dx`` and ``dy``; ``dw`` is a length-D dot product
-whose summation order differs (fp32 rounding). Elsewhere the PyTorch path runs.
+each row, ``-1`` on padding), and sum without fused multiply-adds in the orders the PyTorch
+path takes on the CPU, so both give bit-identical permutes, ``dx`` and ``dy``, and
+bit-identical unpermutes up to ``K = 4``. Past 4 terms torch's CPU ``sum(1)`` interleaves them
+by 4 in some columns (which, depends on the SIMD width), and the kernel's ``j``-ordered sum
+can differ from it in the last bit; ``dw`` is a length-D dot product summed in another order.
+Both stay within fp32 rounding of the float64 result (``test_fp8_moe_permute.py``). Elsewhere
+the PyTorch path runs.
 """
 
 from __future__ import annotations
