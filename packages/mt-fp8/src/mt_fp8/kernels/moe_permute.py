@@ -178,21 +178,27 @@ def unpermute_triton(
 
 
 def unpermute_backward_triton(
-    dout_TD: torch.Tensor, y_MD: torch.Tensor, weights_TK: torch.Tensor, rows_TK: torch.Tensor
+    dout_TD: torch.Tensor,
+    y_MD: torch.Tensor,
+    weights_TK: torch.Tensor,
+    rows_TK: torch.Tensor,
+    padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dy, dw)``: ``dy[rows[t,j]] = w[t,j] · dout[t]`` (zero on rows no assignment reads),
-    ``dw[t,j] = <y[rows[t,j]], dout[t]>`` in fp32 (0 for dropped assignments)."""
+    """``(dy, dw)``: ``dy[rows[t,j]] = w[t,j] · dout[t]`` (zero on rows no assignment reads:
+    the padding rows, present only when ``padded``), ``dw[t,j] = <y[rows[t,j]], dout[t]>`` in
+    fp32 (0 for dropped assignments)."""
     dout_TD = dout_TD.contiguous()
     tokens, top_k = weights_TK.shape
     width = y_MD.shape[1]
-    dy = torch.zeros_like(y_MD)
+    dy = torch.zeros_like(y_MD) if padded else torch.empty_like(y_MD)
     dw = torch.empty_like(weights_TK)
     k_block = triton.next_power_of_2(top_k)
     block = _block(width, max(MAX_TILE // k_block, 16))
     if tokens:
         _unpermute_bwd[(tokens,)](
             dout_TD, y_MD, weights_TK, rows_TK, dy, dw, width,
-            TOP_K=top_k, BF16=_is_bf16(dy), K_BLOCK=k_block, BLOCK_D=block, enable_fp_fusion=False,
+            TOP_K=top_k, BF16=_is_bf16(dy), K_BLOCK=k_block, BLOCK_D=block, num_warps=8,
+            enable_fp_fusion=False,
         )  # fmt: skip
     return dy, dw
 
@@ -218,14 +224,19 @@ class TritonUnpermuteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, y_MD: torch.Tensor, weights_TK: torch.Tensor, rows_TK: torch.Tensor
+        ctx: Any,
+        y_MD: torch.Tensor,
+        weights_TK: torch.Tensor,
+        rows_TK: torch.Tensor,
+        padded: bool,
     ) -> torch.Tensor:
         y_MD, weights_TK = y_MD.contiguous(), weights_TK.contiguous()
         ctx.save_for_backward(y_MD, weights_TK, rows_TK)
+        ctx.padded = padded
         return unpermute_triton(y_MD, weights_TK, rows_TK)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
         y_MD, weights_TK, rows_TK = ctx.saved_tensors
-        dy, dw = unpermute_backward_triton(dout, y_MD, weights_TK, rows_TK)
-        return dy, dw, None
+        dy, dw = unpermute_backward_triton(dout, y_MD, weights_TK, rows_TK, ctx.padded)
+        return dy, dw, None, None

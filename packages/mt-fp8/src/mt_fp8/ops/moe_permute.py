@@ -121,4 +121,5 @@ def unpermute_rows(
     from mt_fp8.kernels.moe_permute import TritonUnpermuteFunction
 
     rows_TK = assignment_rows(order_N, rows_N, *weights_TK.shape)
-    return TritonUnpermuteFunction.apply(y_MD, weights_TK, rows_TK)
+    # Without padding every row holds a kept assignment, so the backward writes all of dy.
+    return TritonUnpermuteFunction.apply(y_MD, weights_TK, rows_TK, rows_N is not None)
