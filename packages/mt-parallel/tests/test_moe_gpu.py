@@ -1,6 +1,7 @@
 """MoE on one CUDA GPU: the grouped-GEMM experts (``torch._grouped_mm`` with groups padded to
 16 rows) against the per-expert loop on the same bf16 operands, and the MoE layer under bf16
-autocast (and with FP8 experts) against the float64 CPU reference. Skipped without CUDA."""
+autocast (and with FP8 experts) against the float64 CPU reference, and the layer with the fused
+Triton permute/unpermute against its PyTorch path. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -64,6 +65,49 @@ def test_moe_layer_on_cuda_matches_the_float64_reference(fp8: str | None) -> Non
     # of the largest output, 3e-2 with margin; FP8 (E4M3, 2^-4 per operand): 0.2. A wrong
     # expert, weight or padding row moves the output by O(1) of its size.
     assert _rel(y, expected) < (0.2 if fp8 else 3e-2)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "capacity_factor", "pad"),
+    [(2, None, False), (2, 1.0, True), (8, 1.0, False)],
+    ids=["top2-dropless", "top2-padded", "top8-dropping"],
+)
+def test_moe_layer_fused_permute_matches_the_pytorch_permute(
+    monkeypatch: pytest.MonkeyPatch, top_k: int, capacity_factor: float | None, pad: bool
+) -> None:
+    """The layer with mt-fp8's Triton permute/unpermute against the same layer with their
+    PyTorch path (everything else identical). Top-2: the forward is bit-identical (two fp32
+    products and one add in both, no FMA); top-8 sums 8 terms in another order (fp32, 8 · 2^-24
+    relative, then one bf16 rounding). Gradients: the routing weights' gradient is an fp32 dot
+    product in another order and reaches the input through the router, so a bf16 ulp
+    (2^-8 relative) may flip: 1e-2 of the largest entry."""
+    cfg = MoEConfig(
+        num_experts=16, top_k=top_k, expert_ffn_dim=256, capacity_factor=capacity_factor,
+        pad_to_capacity=pad,
+    )  # fmt: skip
+    layer = MoE(128, cfg).cuda()
+    mp.init_weights(layer, seed=1)
+    x = torch.randn(2, 64, 128, device="cuda")
+    dy = torch.randn(2, 64, 128, device="cuda")
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def forward_backward():
+        x_leaf = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x_leaf)
+        return y, torch.autograd.grad(y, [x_leaf, *params], dy.to(y.dtype), allow_unused=True)
+
+    y_fused, grads_fused = forward_backward()
+    monkeypatch.setattr("mt_fp8.ops.moe_permute.use_triton", lambda *tensors: False)
+    y_plain, grads_plain = forward_backward()
+    if top_k == 2:
+        assert torch.equal(y_fused, y_plain)
+    else:
+        assert _rel(y_fused, y_plain) < 1e-2
+    for fused, plain in zip(grads_fused, grads_plain, strict=True):
+        assert (fused is None) == (plain is None)
+        if fused is not None and plain.abs().max() > 0:
+            assert _rel(fused, plain) < 1e-2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mt_fp8.ops import permute_rows, unpermute_rows
+
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """``ceil(factor · tokens·top_k / num_experts)`` (module docstring)."""
@@ -72,26 +74,16 @@ def permute_plan(
 
 
 def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:
-    """Rows of ``x_TD`` in the plan's order (each token once per kept assignment)."""
-    rows_ND = x_TD.index_select(0, plan.order_N // top_k)
-    if plan.rows_N is None:
-        return rows_ND
-    padded = rows_ND.new_zeros(plan.num_rows, x_TD.shape[1])
-    return padded.index_copy(0, plan.rows_N, rows_ND)
+    """Rows of ``x_TD`` in the plan's order (each token once per kept assignment), zero rows on
+    padding (:func:`mt_fp8.ops.permute_rows`: one Triton gather on CUDA)."""
+    return permute_rows(x_TD, plan.order_N, plan.rows_N, plan.num_rows, top_k)
 
 
 def unpermute(y_ND: torch.Tensor, plan: PermutePlan, weights_TK: torch.Tensor) -> torch.Tensor:
     """``out_t = Σ_j w_tj · y(a = t·K + j)`` over the kept assignments (dropped ones add 0).
 
     The weighted sum runs in the wider of ``y``'s and the weights' dtypes (fp32 at least: the
-    router's weights are fp32) and returns ``y``'s dtype.
+    router's weights are fp32) and returns ``y``'s dtype (:func:`mt_fp8.ops.unpermute_rows`:
+    one Triton kernel reading ``y`` through the inverse map on CUDA).
     """
-    tokens, top_k = weights_TK.shape
-    if plan.rows_N is not None:
-        y_ND = y_ND.index_select(0, plan.rows_N)
-    per_assignment_AD = y_ND.new_zeros(tokens * top_k, y_ND.shape[1]).index_copy(
-        0, plan.order_N, y_ND
-    )
-    wide = torch.promote_types(y_ND.dtype, weights_TK.dtype)
-    weighted_TKD = per_assignment_AD.view(tokens, top_k, -1).to(wide) * weights_TK[..., None]
-    return weighted_TKD.sum(1).to(y_ND.dtype)
+    return unpermute_rows(y_ND, plan.order_N, plan.rows_N, weights_TK)
