@@ -106,6 +106,12 @@ def assert_bitwise(actual, expected):
     assert torch.equal(actual, expected), (actual.double() - expected.double()).abs().max().item()
 
 
+@pytest.fixture(autouse=True)
+def fused_on_cuda(monkeypatch):
+    """The kernels are opt-in on CUDA (mt_fp8.ops.moe_permute); these tests opt in."""
+    monkeypatch.setenv("MT_FUSED_MOE_PERMUTE", "1")
+
+
 @pytest.fixture(params=[False, True], ids=["one_block", "blocked_rows"])
 def block_sizes(request, monkeypatch):
     """Also run with rows split over several blocks (the kernels' masked loops)."""
