@@ -91,6 +91,24 @@ def test_rms_norm(device, with_residual):
     close(y, y_ref, tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [16384, 28672])
+def test_rms_norm_rows_wider_than_the_kernels_shared_memory_fall_back(width):
+    """28672 (a Llama-3-70B FFN width) overflows the backward's shared memory on Hopper (it once
+    failed with Triton's OutOfResources); such rows take the PyTorch path, narrower ones the kernel."""
+    from mt_fp8.kernels.rmsnorm import fits_device
+
+    device = torch.device("cuda")
+    assert fits_device(width, device) == (width <= 16384)
+    x, w = leaf((64, width), device, torch.float32, 0), leaf((width,), device, torch.float32, 1)
+    y = rms_norm(x, w, eps=1e-5)
+    y_ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    # fp32 sums over up to 28672 squares: relative error ~ width · 2^-24 ≈ 2e-3 at worst, 1e-4 typical
+    close(y, y_ref, 1e-4)
+    for got, want in zip(grads(y, [x, w]), grads(y_ref, [x, w]), strict=True):
+        close(got, want, 1e-3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_out_dtype_is_one_rounding_of_the_fp32_result(device, with_residual):

@@ -112,6 +112,18 @@ def _programs(device: torch.device) -> int:
     return 4
 
 
+def fits_device(dim: int, device: torch.device) -> bool:
+    """Whether a row of ``dim`` fits the kernels: each program holds a whole padded row, and the
+    backward's ``BWD_STAGES`` pipelined buffers take ``BWD_STAGES · next_power_of_2(dim) · 4``
+    bytes of shared memory, which must not exceed the device's per-block limit (on Hopper,
+    widths up to 16384 fit; 28672 does not)."""
+    if device.type != "cuda":
+        return True  # Triton's interpreter has no shared-memory limit
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    return BWD_STAGES * triton.next_power_of_2(dim) * 4 <= limit
+
+
 def _warps(tile_elements: int) -> int:
     """About 16 fp32 values per thread per tensor, 1 to 16 warps."""
     return min(max(tile_elements // 512, 1), 16)

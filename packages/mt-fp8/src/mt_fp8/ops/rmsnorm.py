@@ -19,7 +19,9 @@ with ``ĥ = h · rstd`` and incoming ``dy`` (and ``dh_out`` for the returned ``h
     dw  = Σ_R dy · ĥ
 
 Only ``rstd`` (R fp32 values) is saved besides ``h`` and ``w``. CUDA tensors run the Triton
-kernels of :mod:`mt_fp8.kernels.rmsnorm` (one read and one write of each tensor per pass).
+kernels of :mod:`mt_fp8.kernels.rmsnorm` (one read and one write of each tensor per pass) when a
+row fits their shared memory (:func:`mt_fp8.kernels.rmsnorm.fits_device`), else this module's
+PyTorch path.
 """
 
 from __future__ import annotations
@@ -80,12 +82,12 @@ def rms_norm(
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
     x_RD = x.reshape(-1, x.shape[-1])
     residual_RD = None if residual is None else residual.reshape(x_RD.shape)
+    apply = _plain_rmsnorm
     if use_triton(x_RD, weight):
-        from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction
+        from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction, fits_device
 
-        apply = TritonRMSNormFunction.apply
-    else:
-        apply = _plain_rmsnorm
+        if fits_device(x_RD.shape[-1], x_RD.device):
+            apply = TritonRMSNormFunction.apply
     y_RD, h_RD = apply(x_RD, weight, residual_RD, eps, out_dtype or x.dtype)
     if residual is None:
         return y_RD.reshape(x.shape)
