@@ -24,8 +24,16 @@ from mt_fp8 import (
     TensorwiseScaling,
     quantize,
 )
+from mt_fp8.quantized import MX_1X32_CEIL
 
-RECIPES = [DelayedScaling(), TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()]
+RECIPES = [
+    DelayedScaling(),
+    TensorwiseScaling(),
+    RowwiseScaling(),
+    BlockScaling(),
+    MXFP8Scaling(),
+    MXFP8Scaling(scale_rounding="floor"),
+]
 FORMATS = [FP8Format.E4M3, FP8Format.E5M2]
 
 
@@ -62,7 +70,13 @@ def test_roundtrip_error_within_mantissa_bound(recipe, fmt, role):
     bound = error_bound(x, q)
     scaled = (x / expand_scale(q)).abs()
     saturated = scaled > fmt.max
-    if layout.power_of_two:
+    if layout.power_of_two and layout.round_up:
+        # Rounded-up power-of-two scales: amax / s in (fmt.max / 2, fmt.max], nothing saturates.
+        assert torch.all(torch.log2(q.scale) == torch.round(torch.log2(q.scale)))
+        assert not saturated.any()
+        amax = (x.abs() / expand_scale(q)).reshape(q.scale.shape[0], q.scale.shape[1], -1)
+        assert (amax.amax(-1) > fmt.max / 2).all()
+    elif layout.power_of_two:
         # MX scales put the block's amax in [2^emax, 2^(emax+1)); above fmt.max it saturates.
         assert saturated.any() or fmt is FP8Format.E5M2
         deq = q.dequantize(torch.float64)
@@ -113,6 +127,21 @@ def test_block_scaling_beats_tensorwise_on_outliers():
     # plain rounding error (RMS ~ 2^-4/sqrt(3) ~ 0.036 at most).
     assert errors["tensorwise"] > 0.5
     assert errors["block"] < 0.1, errors
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_rounded_up_power_of_two_scales_are_the_smallest_that_do_not_saturate(fmt):
+    # Exact powers of two times fmt.max, their neighbours, tiny and zero blocks: the boundary
+    # cases of ceil(log2(amax / fmt.max)).
+    amax = torch.tensor(
+        [fmt.max, fmt.max * 2, fmt.max * 2 * (1 + 2**-23), fmt.max * (1 - 2**-23), 1e-3, 1e-40, 0.0]
+    )
+    x = torch.zeros(len(amax), 32)
+    x[:, 0] = amax
+    scale = quantize(x, fmt, MX_1X32_CEIL).scale[:, 0].double()
+    reference = torch.exp2(torch.ceil(torch.log2(amax.double() / fmt.max))).clamp(2.0**-126)
+    reference[amax == 0] = 1.0
+    assert torch.equal(scale, reference), (scale, reference)
 
 
 def test_zero_tensor_quantizes_to_zero_with_unit_scale():

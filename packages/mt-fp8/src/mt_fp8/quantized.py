@@ -12,6 +12,7 @@ is their only rounding):
     amax_b = max |x| over block b                 (computed in high precision, before the cast)
     s_b    = max(amax_b, fmt.max · 2^-126) / fmt.max
     s_b    = 2^clamp(floor(log2 amax_b) - fmt.emax, -126, 127)   (power-of-two layouts: MXFP8)
+    s_b    = 2^clamp(ceil(log2 RN(amax_b / fmt.max)), -126, 127)   (power-of-two, rounded up)
 
 Edge cases of :func:`scale_from_amax`, the one place scales come from (every recipe, the fused
 kernel, the delayed-scaling update):
@@ -80,9 +81,15 @@ class ScaleLayout:
     block: tuple[int, int]
     """Block shape (rows, columns); -1 means the whole axis."""
     power_of_two: bool = False
-    """Round scales up to a power of two (MXFP8's E8M0 shared exponents)."""
+    """Power-of-two scales (MXFP8's E8M0 shared exponents)."""
+    round_up: bool = False
+    """With ``power_of_two``: the smallest power of two at least ``amax / fmt.max`` (nothing
+    saturates, one bit of range may go unused) instead of the OCP spec's
+    ``2^(floor(log2 amax) - emax)`` (the block's top values saturate at ``fmt.max``)."""
 
     def __post_init__(self) -> None:
+        if self.round_up and not self.power_of_two:
+            raise ValueError("ScaleLayout.round_up applies to power-of-two scales only")
         if len(self.block) != 2 or any(b == 0 or b < -1 for b in self.block):
             raise ValueError(
                 f"ScaleLayout.block must be two positive ints or -1 (whole axis), got {self.block!r}"
@@ -95,7 +102,8 @@ class ScaleLayout:
             return "tensorwise"
         if (br, bc) == (1, -1):
             return "rowwise"
-        return f"{'mx' if self.power_of_two else 'block'}{br if br > 0 else 'R'}x{bc if bc > 0 else 'C'}"
+        kind = ("mxceil" if self.round_up else "mx") if self.power_of_two else "block"
+        return f"{kind}{br if br > 0 else 'R'}x{bc if bc > 0 else 'C'}"
 
     def resolve(self, shape_RC: tuple[int, int]) -> tuple[int, int]:
         """The concrete block shape for a tensor of ``shape_RC``; raises if it does not divide."""
@@ -118,6 +126,8 @@ BLOCKS_128X128 = ScaleLayout((128, 128))
 """DeepSeek-V3 weight blocks."""
 MX_1X32 = ScaleLayout((1, 32), power_of_two=True)
 """OCP MXFP8: 1×32 groups with power-of-two (E8M0) scales."""
+MX_1X32_CEIL = ScaleLayout((1, 32), power_of_two=True, round_up=True)
+"""MXFP8 1×32 groups with power-of-two scales rounded up (no saturation)."""
 
 
 MIN_SCALE = 2.0**-126
@@ -129,12 +139,14 @@ def scale_from_amax(
     fmt: FP8Format | torch.Tensor,
     power_of_two: bool = False,
     margin: int = 0,
+    round_up: bool = False,
 ) -> torch.Tensor:
     """Dequantization scales (fp32) from amaxes, with the edge cases of the module docstring.
 
     ``fmt`` is the format, or a tensor of format maxima broadcasting against ``amax`` (one per
     role, for the delayed-scaling update). ``margin`` (delayed scaling) multiplies the scale by
     ``2^margin``; the result is capped at the largest finite fp32 so it cannot overflow to inf.
+    ``round_up`` (power-of-two only): ``2^ceil(log2 RN(amax / fmt.max))``, see :class:`ScaleLayout`.
     """
     amax = amax.float()
     finite = torch.isfinite(amax)
@@ -146,7 +158,13 @@ def scale_from_amax(
         # floor(log2(safe)) exactly: frexp gives safe = m · 2^e with m in [0.5, 1). (A rounded
         # log2 reaches the next integer for values just below a large power of two.)
         safe = torch.where(finite, amax, torch.ones_like(amax)).clamp_min(MIN_SCALE)
-        exponent = (torch.frexp(safe).exponent - 1).float() - fmt.emax
+        if round_up:
+            # ceil(log2 s) of s = m · 2^e (m in [0.5, 1)) is e - 1 when m = 0.5, else e.
+            ratio = safe / torch.full_like(safe, fmt.max)
+            mantissa, exponent_int = torch.frexp(ratio)
+            exponent = (exponent_int - (mantissa == 0.5).to(exponent_int.dtype)).float()
+        else:
+            exponent = (torch.frexp(safe).exponent - 1).float() - fmt.emax
         scale = torch.exp2(exponent.clamp(-126.0, 127.0))
     else:
         fmt_max = (
@@ -304,7 +322,7 @@ def quantize(
         amax_GH = block_amax(x_RC, block)
         if amax_group is not None:
             reduce_amax_(amax_GH, amax_group)
-        scale_GH = scale_from_amax(amax_GH, fmt, layout.power_of_two)
+        scale_GH = scale_from_amax(amax_GH, fmt, layout.power_of_two, round_up=layout.round_up)
     else:
         scale_GH = (
             scale.float().reshape(-1, 1).expand(groups, hgroups)

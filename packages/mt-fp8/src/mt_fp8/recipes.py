@@ -32,8 +32,11 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
   The wgrad GEMM contracts over tokens, so it needs x and dy grouped 128×1: they are requantized
   from high precision in that orientation; weights' square blocks transpose exactly.
 * **MXFP8** (OCP Microscaling spec v1.0): 1×32 groups along the contraction axis in every GEMM,
-  scales ``2^(floor(log2 amax) - emax_elem)`` stored exactly as E8M0 (power of two, exponent in
-  [-127, 127]); elements whose scaled magnitude exceeds ``fmt.max`` saturate.
+  power-of-two scales stored exactly as E8M0 (exponent in [-127, 127]): by default
+  ``2^ceil(log2(amax / fmt.max))``, so nothing saturates (``scale_rounding="ceil"``, as NVIDIA's
+  MXFP8 training recipe rounds); ``scale_rounding="floor"`` gives the spec's
+  ``2^(floor(log2 amax) - emax_elem)``, where elements whose scaled magnitude exceeds
+  ``fmt.max`` saturate.
 
 In every recipe a block of zeros gets ``s = 1``, scales never go below ``2^-126`` (the smallest
 normal fp32), and a block holding ``inf`` or NaN gets ``s = NaN`` (its values dequantize to NaN);
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mt_fp8.formats import FormatConfig, TensorRole
-from mt_fp8.quantized import MX_1X32, ROWWISE, TENSORWISE, ScaleLayout
+from mt_fp8.quantized import MX_1X32, MX_1X32_CEIL, ROWWISE, TENSORWISE, ScaleLayout
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,11 @@ class MXFP8Scaling(Recipe):
     name: ClassVar[str] = "mxfp8"
     block: int = 32
     """Elements sharing one E8M0 scale; the OCP spec fixes it at 32."""
+    scale_rounding: str = "ceil"
+    """``"ceil"``: the smallest power of two at least ``amax / fmt.max`` (nothing saturates;
+    NVIDIA's MXFP8 training recipe); ``"floor"``: the OCP spec's ``2^(floor(log2 amax) - emax)``,
+    which saturates each block's top values at ``fmt.max``. docs/performance.md gives the
+    measured loss of each."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -172,9 +180,13 @@ class MXFP8Scaling(Recipe):
             raise ValueError(
                 f"MXFP8Scaling.block must be 32 (the OCP microscaling spec's block), got {self.block!r}"
             )
+        if self.scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"MXFP8Scaling.scale_rounding must be 'ceil' or 'floor', got {self.scale_rounding!r}"
+            )
 
     def layout(self, role: TensorRole) -> ScaleLayout:
-        return MX_1X32
+        return MX_1X32_CEIL if self.scale_rounding == "ceil" else MX_1X32
 
 
 RECIPES: dict[str, type[Recipe]] = {
