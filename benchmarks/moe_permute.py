@@ -32,8 +32,11 @@ import harness
 import torch
 
 from mt_fp8.ops import permute_rows, unpermute_rows
-from mt_fp8.ops.dispatch import use_triton
-from mt_fp8.ops.moe_permute import permute_rows_reference, unpermute_rows_reference
+from mt_fp8.ops.moe_permute import (
+    fused_permute_runs,
+    permute_rows_reference,
+    unpermute_rows_reference,
+)
 from mt_parallel.moe.capacity import PermutePlan, permute_plan
 
 SHAPES = [  # (name, tokens, hidden, experts, top_k)
@@ -118,7 +121,7 @@ def bench(
                 "op": op, "shape": name, "tokens": tokens, "hidden": hidden,
                 "experts": experts, "top_k": top_k, "capacity_factor": capacity,
                 "rows": num_rows, "dtype": str(dtype).removeprefix("torch."),
-                "fused_path": "triton" if use_triton(x_TD) else "pytorch", "bytes": nbytes,
+                "fused_path": "triton" if fused_permute_runs(x_TD) else "pytorch", "bytes": nbytes,
                 "pytorch_ms": pytorch_ms, "fused_ms": fused_ms,
                 "speedup": pytorch_ms / fused_ms,
                 "pytorch_gbps": nbytes / pytorch_ms / 1e6, "fused_gbps": nbytes / fused_ms / 1e6,

@@ -87,7 +87,8 @@ def assignment_rows(
     return rows_A.index_copy(0, order_N, _kept_rows(order_N, rows_N)).view(tokens, top_k)
 
 
-def _fused(x: torch.Tensor, weights_TK: torch.Tensor | None = None) -> bool:
+def fused_permute_runs(x: torch.Tensor, weights_TK: torch.Tensor | None = None) -> bool:
+    """Whether :func:`permute_rows` / :func:`unpermute_rows` take the Triton kernels for ``x``."""
     if weights_TK is not None and weights_TK.dtype != torch.float32:
         return False
     if x.is_cuda and os.environ.get("MT_FUSED_MOE_PERMUTE") != "1":
@@ -104,7 +105,7 @@ def permute_rows(
     top_k: int,
 ) -> torch.Tensor:
     """``x_MD``: each token's row once per kept assignment, in row order (module docstring)."""
-    if not _fused(x_TD):
+    if not fused_permute_runs(x_TD):
         return permute_rows_reference(x_TD, order_N, rows_N, num_rows, top_k)
     from mt_fp8.kernels.moe_permute import TritonPermuteFunction
 
@@ -121,7 +122,7 @@ def unpermute_rows(
     weights_TK: torch.Tensor,
 ) -> torch.Tensor:
     """``out_t = Σ_j w_tj · y(row of t·K + j)`` over the kept assignments (module docstring)."""
-    if not _fused(y_MD, weights_TK):
+    if not fused_permute_runs(y_MD, weights_TK):
         return unpermute_rows_reference(y_MD, order_N, rows_N, weights_TK)
     from mt_fp8.kernels.moe_permute import TritonUnpermuteFunction
 
