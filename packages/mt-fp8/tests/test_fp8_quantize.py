@@ -24,7 +24,7 @@ from mt_fp8 import (
     TensorwiseScaling,
     quantize,
 )
-from mt_fp8.quantized import MX_1X32_CEIL
+from mt_fp8.quantized import MX_1X32, MX_1X32_CEIL
 
 RECIPES = [
     DelayedScaling(),
@@ -169,3 +169,12 @@ def test_bad_inputs_have_clear_messages():
         MXFP8Scaling(block=64)
     with pytest.raises(ValueError, match="amax_history_len must be an int >= 1, got 0"):
         DelayedScaling(amax_history_len=0)
+
+
+def test_mxfp8_scale_rounding_picks_the_layout_and_rejects_other_values():
+    assert MXFP8Scaling().layout(TensorRole.INPUT) == MX_1X32
+    assert MXFP8Scaling(scale_rounding="ceil").layout(TensorRole.GRAD_OUTPUT) == MX_1X32_CEIL
+    with pytest.raises(ValueError, match="scale_rounding must be 'ceil' or 'floor', got 'up'"):
+        MXFP8Scaling(scale_rounding="up")
+    with pytest.raises(ValueError, match="round_up applies to power-of-two scales only"):
+        ScaleLayout((1, 32), round_up=True)

@@ -67,7 +67,6 @@ from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
     MX_1X32,
-    MX_1X32_CEIL,
     ROWWISE,
     TENSORWISE,
     QuantizedTensor,
@@ -79,8 +78,9 @@ from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache, weight_key
 from mt_fp8.wgrad import WeightGradSink
 
-FUSED_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, MX_1X32_CEIL, BLOCKS_128X128)
-"""Layouts the Triton block quantizer takes (:mod:`mt_fp8.kernels.block_quantize`)."""
+FUSED_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
+"""Layouts the Triton block quantizer takes (:mod:`mt_fp8.kernels.block_quantize`); MX scales
+rounded up (``MX_1X32_CEIL``) take the PyTorch quantizer."""
 
 FP8_GEMMS = ("forward", "dgrad", "wgrad")
 """The three GEMMs of a linear layer (:mod:`mt_fp8.recipes`), in the names ``fp8_gemms`` takes."""

@@ -60,7 +60,6 @@ import triton.language as tl
 
 from mt_fp8.formats import FP8Format
 from mt_fp8.kernels.quantize import (
-    _div_rn,
     _fp8_codes,
     _mul_rn,
     _reciprocal,
@@ -73,7 +72,6 @@ from mt_fp8.quantized import (
     GROUPS_1X128,
     MIN_SCALE,
     MX_1X32,
-    MX_1X32_CEIL,
     QuantizedTensor,
     ScaleLayout,
 )
@@ -87,7 +85,7 @@ ROWS_TILE = (64, 128, 4)
 COLUMNS_TILE = (128, 64, 4)
 """``_group_columns``: rows, columns and warps per program (the same sweep)."""
 
-GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, MX_1X32_CEIL, BLOCKS_128X128)
+GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
 """Layouts the kernels write."""
 
 FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -98,22 +96,13 @@ _NO_TRANSPOSE, _FUSED_TRANSPOSE, _BUFFERED_TRANSPOSE = 0, 1, 2
 
 
 @triton.jit
-def _pow2_scale_from_amax(
-    amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr, EMAX: tl.constexpr, CEIL: tl.constexpr
-):
+def _pow2_scale_from_amax(amax, min_scale, EMAX: tl.constexpr):
     """:func:`mt_fp8.quantized.scale_from_amax` with ``power_of_two`` elementwise; ``amax`` holds
     no NaN (NaN → inf). ``floor(log2 a)`` of a normal fp32 ``a`` is its biased exponent field
-    minus 127, exactly (the PyTorch path takes it from ``torch.frexp``); ``ceil`` adds one when
-    the mantissa field is non-zero. ``CEIL`` rounds ``RN(amax / fmt.max)`` up (the IEEE
-    division of :mod:`mt_fp8.kernels.quantize`, as the PyTorch path divides)."""
+    minus 127, exactly (the PyTorch path takes it from ``torch.frexp``)."""
     finite = amax < float("inf")
     safe = tl.maximum(tl.where(finite, amax, 1.0), min_scale)
-    if CEIL:
-        ratio = _div_rn(safe, tl.zeros_like(safe) + fmt_max, EXACT_DIV)
-        bits = ratio.to(tl.int32, bitcast=True)
-        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    else:
-        exponent = ((safe.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+    exponent = ((safe.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
     exponent = tl.minimum(tl.maximum(exponent, -126), 127)
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     scale = tl.where(amax > 0, scale, 1.0)
@@ -122,16 +111,10 @@ def _pow2_scale_from_amax(
 
 @triton.jit
 def _group_scales(
-    amax,
-    fmt_max,
-    min_scale,
-    EXACT_DIV: tl.constexpr,
-    POW2: tl.constexpr,
-    EMAX: tl.constexpr,
-    CEIL: tl.constexpr,
+    amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr, POW2: tl.constexpr, EMAX: tl.constexpr
 ):
     if POW2:
-        return _pow2_scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV, EMAX, CEIL)
+        return _pow2_scale_from_amax(amax, min_scale, EMAX)
     return _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV)
 
 
@@ -172,7 +155,6 @@ def _group_rows(
     BLOCK_C: tl.constexpr,
     GROUP_LEN: tl.constexpr,
     POW2: tl.constexpr,
-    CEIL: tl.constexpr,
     EMAX: tl.constexpr,
 ):
     """``q_RC`` and ``s_RH`` of one BLOCK_R × BLOCK_C tile: its rows' 1×GROUP_LEN groups."""
@@ -185,7 +167,7 @@ def _group_rows(
     x = tl.load(x_ptr + offs, mask=in_rows[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
     amax = tl.max(tl.reshape(magnitude_x, (BLOCK_R, GROUPS, GROUP_LEN)), axis=2)
-    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX, CEIL)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
     group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
     scale_offs = rows.to(tl.int64)[:, None] * (C // GROUP_LEN) + group_ids[None, :]
     tl.store(scale_ptr + scale_offs, scale, mask=in_rows[:, None])
@@ -218,7 +200,6 @@ def _group_columns(
     BLOCK_C: tl.constexpr,
     GROUP_LEN: tl.constexpr,
     POW2: tl.constexpr,
-    CEIL: tl.constexpr,
     EMAX: tl.constexpr,
     TRANSPOSE: tl.constexpr,
 ):
@@ -232,7 +213,7 @@ def _group_columns(
     x = tl.load(x_ptr + offs, mask=(rows < R)[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
     amax = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, BLOCK_C)), axis=1)
-    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX, CEIL)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
     group_ids = pid_r * GROUPS + tl.arange(0, GROUPS)
     groups_per_column = R_padded // GROUP_LEN
     scale_offs = cols.to(tl.int64)[None, :] * groups_per_column + group_ids[:, None]
@@ -373,7 +354,6 @@ def _launch_groups(
             BLOCK_C=block_c,
             GROUP_LEN=group,
             POW2=layout.power_of_two,
-            CEIL=layout.round_up,
             EMAX=fmt.emax,
             num_warps=warps,
             **constants,
@@ -399,7 +379,6 @@ def _launch_groups(
             BLOCK_C=block_c,
             GROUP_LEN=group,
             POW2=layout.power_of_two,
-            CEIL=layout.round_up,
             EMAX=fmt.emax,
             TRANSPOSE=transpose,
             num_warps=warps,
