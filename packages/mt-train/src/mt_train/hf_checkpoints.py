@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +76,27 @@ def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def import_hf(hf_dir: str | Path, out_root: str | Path) -> Path:
-    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it."""
+def import_hf(
+    hf_dir: str | Path,
+    out_root: str | Path,
+    mtp_depth: int | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it.
+    ``mtp_depth``: how many of the checkpoint's multi-token-prediction layers to import (None:
+    all it holds; 0: none); what is skipped is told through ``log`` in one line."""
     hf_dir, out_root = Path(hf_dir), Path(out_root)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")
     hf_cfg = json.loads(config_path.read_text())
     family, adapter = family_for_architectures(hf_cfg)
+    hf_tensors = _read_hf_tensors(hf_dir)
+    hf_cfg, note = adapter.import_view(hf_cfg, set(hf_tensors), mtp_depth)
+    if note is not None:
+        log(note)
     cfg = adapter.config_from_hf(hf_cfg, hf_dir.name)
-    state = adapter.tensors_from_hf(_read_hf_tensors(hf_dir), hf_cfg)
+    state = adapter.tensors_from_hf(hf_tensors, hf_cfg)
     tensors = {f"model/{k}": v for k, v in state.items()}
     expected = {f"model/{k}" for k in build_model(cfg, "meta").state_dict()}
     if set(tensors) != expected:
@@ -162,13 +173,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     imp = sub.add_parser("import", help="Hugging Face folder -> mt checkpoint root")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("out", type=Path)
+    imp.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=None,
+        help="multi-token-prediction layers to import (default: all the checkpoint holds)",
+    )
     exp = sub.add_parser("export", help="mt checkpoint (folder or root) -> Hugging Face folder")
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            written = import_hf(args.hf_dir, args.out)
+            written = import_hf(args.hf_dir, args.out, args.mtp_depth)
         else:
             written = export_hf(args.checkpoint, args.out)
     except (OSError, ValueError, KeyError, UserError) as err:
