@@ -21,10 +21,20 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from train_checks import export_round_trip
 
-from mt_train.hf_checkpoints import import_hf, load_model, main
+from mt_train.checkpoint.checkpointer import TPLayout, load_into
+from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder
+from mt_train.checkpoint.state import StateLayout
+from mt_train.hf_checkpoints import (
+    full_model_tensors,
+    import_hf,
+    load_model,
+    main,
+    model_config_of,
+)
 from mt_train.models import model_sizes
 from mt_train.models.deepseek_v3 import DeepSeekV3
 from mt_train.models.deepseek_v3.hf import DeepseekV3HF
+from mt_train.run_state import model_differences
 
 transformers = pytest.importorskip(
     "transformers", reason="the test extra: pip install 'mt-train[test]'"
@@ -162,6 +172,27 @@ def test_mtp_depth_selects_how_many_layers_are_imported(hub_mtp, tmp_path, capsy
         "--mtp-depth=3 but the checkpoint holds 2 multi-token-prediction layers "
         "(num_nextn_predict_layers=2); valid: 0 to 2" in capsys.readouterr().err
     )
+
+
+def test_init_from_loads_the_first_mtp_depth_modules(hub_mtp, tmp_path: Path) -> None:
+    """``checkpoint.init_from``'s loader (``load_into``) with ``model.mtp_depth`` below, at and
+    above the imported depth."""
+    folder = checkpoint_folder(import_hf(hub_mtp[2], tmp_path / "mt"))
+    reader = CheckpointReader(folder)
+    cfg, full = model_config_of(reader), full_model_tensors(reader)
+
+    def init_from(depth: int) -> DeepSeekV3:
+        model = DeepSeekV3(dataclasses.replace(cfg, mtp_depth=depth))
+        load_into(reader, model, None, StateLayout.of(model, None), TPLayout({}, 0, 1), "cpu")
+        return model
+
+    for depth in range(DEPTH + 1):
+        for name, tensor in init_from(depth).state_dict().items():
+            assert torch.equal(tensor, full[name]), name
+    with pytest.raises(KeyError, match=re.escape(f"the saved state has no 'model/mtp.{DEPTH}.")):
+        init_from(DEPTH + 1)
+    deeper = dataclasses.replace(cfg, mtp_depth=DEPTH + 1)
+    assert f"mtp_depth={DEPTH} (this run: {DEPTH + 1})" in model_differences(folder, deeper)
 
 
 def test_mtp_layers_the_config_does_not_name_or_unshared_copies_are_refused(hub_mtp) -> None:
