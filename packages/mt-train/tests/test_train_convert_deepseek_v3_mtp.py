@@ -148,9 +148,23 @@ def test_imported_mtp_logits_and_losses_match_a_transformers_reference(hub_mtp, 
 
 
 def test_mtp_round_trip_is_lossless(hub_mtp, tmp_path: Path) -> None:
-    back = export_round_trip(hub_mtp[2], tmp_path)
+    big, _, folder = hub_mtp
+    back = export_round_trip(folder, tmp_path)
     config = json.loads((back / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (LAYERS, DEPTH)
+    reloaded = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        back, attn_implementation="eager"
+    ).eval()
+    tokens_BT = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        main_model = transformers.DeepseekV3ForCausalLM(_hf_config(LAYERS)).eval()
+        state = {k: v for k, v in big.state_dict().items() if not k.startswith("model.layers.")}
+        for i in range(LAYERS):
+            state |= {
+                f"model.layers.{i}.{k}": v for k, v in big.model.layers[i].state_dict().items()
+            }
+        main_model.load_state_dict(state)
+        assert torch.equal(reloaded(tokens_BT).logits, main_model(tokens_BT).logits)
 
 
 def test_mtp_depth_selects_how_many_layers_are_imported(hub_mtp, tmp_path, capsys) -> None:

@@ -25,7 +25,10 @@ layer ``j = num_hidden_layers + k``: a decoder layer under the names above (mt:
     model.layers.j.embed_tokens / shared_head.head   (copies of embed / output, shared in mt)
 
 The input order, embedding first, is the one transformers' ``MtpLayer`` reads DeepSeek-V3
-checkpoints with (the paper writes the hidden state first). mt's modules share the
+checkpoints with (the paper writes the hidden state first). Depth ``k + 1`` reads depth ``k``'s
+block output before ``shared_head.norm``, the paper's ``h^k``; transformers' ``MtpModel`` (a
+drafting model) passes the normed state on instead. V3 has one MTP module, so its checkpoint
+does not tell the two apart; they differ only from depth 2 on. mt's modules share the
 main embedding and head, so import refuses an MTP layer whose copies differ from them, and
 export writes the copies back. :meth:`DeepseekV3HF.import_view` picks the depth: every MTP layer
 the safetensors hold (transformers' ``save_pretrained`` writes none, whatever its config says),
