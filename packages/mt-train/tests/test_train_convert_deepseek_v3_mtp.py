@@ -167,6 +167,41 @@ def test_mtp_round_trip_is_lossless(hub_mtp, tmp_path: Path) -> None:
         assert torch.equal(reloaded(tokens_BT).logits, main_model(tokens_BT).logits)
 
 
+def test_transformers_mtp_model_reads_the_exported_depth_1(hub_mtp, tmp_path, monkeypatch):
+    """transformers' own reader of DeepSeek MTP layers (``MtpModel``, a drafting model) loads
+    the export and its depth-1 logits equal mt's. Depth 2 is not compared: ``MtpModel`` passes
+    the normed state on (hf.py's docstring)."""
+    folder = hub_mtp[2]
+    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
+    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "back")]) == 0
+    # MtpModel finds the MTP keys through this pattern, which transformers writes for V3's 61.
+    monkeypatch.setattr(
+        transformers.DeepseekV3ForCausalLM,
+        "_keys_to_ignore_on_load_unexpected",
+        [rf"model\.layers\.({LAYERS}|{LAYERS + 1})\..*"],
+    )
+    hf_main = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager"
+    ).eval()
+    drafter = transformers.modeling_layers.MtpModel.from_pretrained(hf_main).eval()
+    ours = load_model(tmp_path / "mt").train()
+    tokens_BT = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    T = tokens_BT.shape[1]
+    with torch.no_grad():
+        before_norm: list[torch.Tensor] = []
+        hf_main.model.norm.register_forward_hook(lambda m, i, o: before_norm.append(i[0]))
+        hf_main.model(tokens_BT)
+        h_BTD = drafter.forward_layer(
+            0, before_norm[0][:, : T - 1], torch.arange(1, T)[None], None,
+            input_ids=tokens_BT[:, 1:],
+        )  # fmt: skip
+        want = drafter._project_to_logits(h_BTD)
+        ours(tokens_BT)
+        got = ours._mtp_outputs[0][0][:, : T - 1]
+    # As the reference comparison above: fp32 in another op order (4.5e-8 seen).
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_mtp_depth_selects_how_many_layers_are_imported(hub_mtp, tmp_path, capsys) -> None:
     folder = hub_mtp[2]
     full = load_model(import_hf(folder, tmp_path / "all")).state_dict()
