@@ -34,6 +34,7 @@ from mt_train.hf_checkpoints import (
 from mt_train.models import model_sizes
 from mt_train.models.deepseek_v3 import DeepSeekV3
 from mt_train.models.deepseek_v3.hf import DeepseekV3HF
+from mt_train.models.llama.hf import LlamaHF
 from mt_train.run_state import model_differences
 
 transformers = pytest.importorskip(
@@ -223,6 +224,26 @@ def test_mtp_depth_selects_how_many_layers_are_imported(hub_mtp, tmp_path, capsy
     )
 
 
+def test_export_mtp_depth_writes_the_first_modules(hub_mtp, tmp_path, capsys) -> None:
+    folder = hub_mtp[2]
+    original = load_file(str(next(folder.glob("*.safetensors"))))
+    assert main(["import", str(folder), str(tmp_path / "mt")]) == 0
+    for depth in (1, 0):
+        out = tmp_path / f"back{depth}"
+        assert main(["export", str(tmp_path / "mt"), str(out), "--mtp-depth", str(depth)]) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert config["num_nextn_predict_layers"] == depth
+        back = load_file(str(out / "model.safetensors"))
+        layers = [f"model.layers.{LAYERS + k}." for k in range(depth, DEPTH)]
+        assert back.keys() == {k for k in original if not k.startswith(tuple(layers))}
+        assert all(torch.equal(tensor, original[k]) for k, tensor in back.items())
+    assert main(["export", str(tmp_path / "mt"), str(tmp_path / "x"), "--mtp-depth", "3"]) != 0
+    assert (
+        "--mtp-depth=3 but the checkpoint's model has model.mtp_depth=2; valid: 0 to 2"
+        in capsys.readouterr().err
+    )
+
+
 def test_init_from_loads_the_first_mtp_depth_modules(hub_mtp, tmp_path: Path) -> None:
     """``checkpoint.init_from``'s loader (``load_into``) with ``model.mtp_depth`` below, at and
     above the imported depth."""
@@ -258,9 +279,9 @@ def test_mtp_layers_the_config_does_not_name_or_unshared_copies_are_refused(hub_
     with pytest.raises(ValueError, match=re.escape(f"{head} differs from the main model's lm_h")):
         adapter.tensors_from_hf(tensors, hf)
     with pytest.raises(ValueError, match=r"--mtp-depth=1: architectures=\['LlamaForCausalLM'\]"):
-        from mt_train.models.llama.hf import LlamaHF
-
         LlamaHF().import_view({"architectures": ["LlamaForCausalLM"]}, set(), 1)
+    with pytest.raises(ValueError, match="--mtp-depth=1: model 'debug' has no multi-token-pre"):
+        LlamaHF().export_view(model_sizes()["debug"], {}, 1)
 
 
 def test_export_writes_the_mtp_modules_under_the_hub_names() -> None:

@@ -7,7 +7,8 @@ family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads tha
 tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
 ``checkpoint.init_from=<root>`` trains from. ``import --mtp-depth D`` imports the first ``D``
 multi-token-prediction layers of a checkpoint that has them (default: all; the adapter's
-``import_view`` decides and refuses the rest). Export goes back through the family named in the
+``import_view`` decides and refuses the rest); ``export --mtp-depth D`` writes the first ``D``
+of the model's (``export_view``; 0 for plain next-token inference). Export goes back through the family named in the
 manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s
 ``torch_dtype`` with the dtype of the tensors it writes: the checkpoint's, or float32 when a
 checkpoint mixes dtypes (every weight then upcast, losslessly).
@@ -147,14 +148,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Modul
     return model
 
 
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint."""
+def export_hf(path: str | Path, out_dir: str | Path, mtp_depth: int | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint, with its
+    first ``mtp_depth`` multi-token-prediction modules (None: all it has; 0: none)."""
     reader = CheckpointReader(checkpoint_folder(Path(path)))
     cfg = model_config_of(reader)
     family = family_of(cfg)
     if family.hf is None:
         raise ValueError(f"model family {family.name!r} has no Hugging Face adapter")
-    tensors = family.hf.tensors_to_hf(full_model_tensors(reader))
+    cfg, state = family.hf.export_view(cfg, full_model_tensors(reader), mtp_depth)
+    tensors = family.hf.tensors_to_hf(state)
     dtypes = {t.dtype for t in tensors.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
@@ -184,12 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     exp = sub.add_parser("export", help="mt checkpoint (folder or root) -> Hugging Face folder")
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("out", type=Path)
+    exp.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=None,
+        help="multi-token-prediction modules to write (default: all; 0 for next-token inference)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
             written = import_hf(args.hf_dir, args.out, args.mtp_depth)
         else:
-            written = export_hf(args.checkpoint, args.out)
+            written = export_hf(args.checkpoint, args.out, args.mtp_depth)
     except (OSError, ValueError, KeyError, UserError) as err:
         return report("mt-convert", err.args[0] if isinstance(err, KeyError) and err.args else err)
     print(f"wrote {written}")

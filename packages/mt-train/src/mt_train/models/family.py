@@ -57,6 +57,18 @@ class HFAdapter:
             )
         return hf, None
 
+    def export_view(
+        self, cfg: Any, tensors: dict[str, torch.Tensor], mtp_depth: int | None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The config and tensors export writes with ``mtp_depth`` multi-token-prediction
+        modules (None: all the model has). Families without MTP refuse a depth above 0."""
+        if mtp_depth:
+            raise ValueError(
+                f"--mtp-depth={mtp_depth}: model {cfg.name!r} has no multi-token-prediction "
+                "modules (valid: 0 or unset)"
+            )
+        return cfg, tensors
+
     def config_from_hf(self, hf: dict[str, Any], name: str) -> ModelConfig:
         """The family's config of a Hugging Face ``config.json``; refuses what it cannot build."""
         raise NotImplementedError

@@ -34,7 +34,9 @@ export writes the copies back. :meth:`DeepseekV3HF.import_view` picks the depth:
 the safetensors hold (transformers' ``save_pretrained`` writes none, whatever its config says),
 or ``mt-convert import --mtp-depth D`` for the first ``D`` (0: none, one line names what is
 skipped; more than the checkpoint holds is refused naming both numbers). Export writes
-``num_nextn_predict_layers = model.mtp_depth``, so a round trip is bitwise lossless.
+``num_nextn_predict_layers = model.mtp_depth``, so a round trip is bitwise lossless;
+``mt-convert export --mtp-depth D`` (:meth:`DeepseekV3HF.export_view`) writes only the first
+``D`` (0: a plain next-token model).
 
 RoPE layout. With ``rope_interleave`` (DeepSeek's checkpoints) transformers rotates the pairs
 ``(x_2j, x_2j+1)`` and returns them de-interleaved; mt rotates ``(x_j, x_j+R/2)``. Import
@@ -54,6 +56,7 @@ dropping, a shared-expert width other than ``n_shared·moe_intermediate_size``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -283,6 +286,24 @@ class DeepseekV3HF(HFAdapter):
                 f"--mtp-depth={depth})"
             )
         return {**hf, "num_nextn_predict_layers": depth}, note
+
+    def export_view(
+        self, cfg: DeepSeekV3Config, tensors: dict[str, torch.Tensor], mtp_depth: int | None
+    ) -> tuple[DeepSeekV3Config, dict[str, torch.Tensor]]:
+        """The first ``mtp_depth`` MTP modules (None: all; 0: next-token inference only)."""
+        if mtp_depth is None:
+            return cfg, tensors
+        if not 0 <= mtp_depth <= cfg.mtp_depth:
+            raise ValueError(
+                f"--mtp-depth={mtp_depth} but the checkpoint's model has model.mtp_depth="
+                f"{cfg.mtp_depth}; valid: 0 to {cfg.mtp_depth}"
+            )
+        kept = {
+            name: tensor
+            for name, tensor in tensors.items()
+            if not ((mtp := _MT_MTP.match(name)) and int(mtp.group(1)) >= mtp_depth)
+        }
+        return dataclasses.replace(cfg, mtp_depth=mtp_depth), kept
 
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
