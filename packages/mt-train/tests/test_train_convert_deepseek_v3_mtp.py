@@ -274,6 +274,13 @@ def test_mtp_layers_the_config_does_not_name_or_unshared_copies_are_refused(hub_
         adapter.import_view({**hf, "num_nextn_predict_layers": 1}, set(tensors), None)
     with pytest.raises(ValueError, match=re.escape("--mtp-depth=-1 but the checkpoint holds 2")):
         adapter.import_view(hf, set(tensors), -1)
+    first = {n for n in tensors if not n.startswith(f"model.layers.{LAYERS + 1}.")}
+    view, note = adapter.import_view(hf, first, None)
+    assert view["num_nextn_predict_layers"] == 1
+    assert note == (
+        "the checkpoint holds 1 of its num_nextn_predict_layers=2 multi-token-prediction "
+        "layers (transformers' save_pretrained writes none); importing 1"
+    )
     head = f"model.layers.{LAYERS}.shared_head.head.weight"
     tensors[head] = tensors[head] + 1.0
     with pytest.raises(ValueError, match=re.escape(f"{head} differs from the main model's lm_h")):

@@ -285,6 +285,12 @@ class DeepseekV3HF(HFAdapter):
                 f"prediction layers (model.layers.{layers + depth}..{layers + len(held) - 1}; "
                 f"--mtp-depth={depth})"
             )
+        elif len(held) < claimed:
+            note = (
+                f"the checkpoint holds {len(held)} of its num_nextn_predict_layers={claimed} "
+                f"multi-token-prediction layers (transformers' save_pretrained writes none); "
+                f"importing {len(held)}"
+            )
         return {**hf, "num_nextn_predict_layers": depth}, note
 
     def export_view(
