@@ -3,15 +3,17 @@
 Import reads ``config.json``'s ``architectures`` and hands the folder to the registered model
 family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads that architecture
 (``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`; ``MixtralForCausalLM``:
-:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
-tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
+:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses).
+It writes an mt checkpoint root holding ``step-00000000`` (model tensors only; manifest
+``model`` = the family's config, ``model_family`` = its name), which
 ``checkpoint.init_from=<root>`` trains from. ``import --mtp-depth D`` imports the first ``D``
 multi-token-prediction layers of a checkpoint that has them (default: all; the adapter's
-``import_view`` decides and refuses the rest); ``export --mtp-depth D`` writes the first ``D``
-of the model's (``export_view``; 0 for plain next-token inference). Export goes back through the family named in the
-manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s
-``torch_dtype`` with the dtype of the tensors it writes: the checkpoint's, or float32 when a
-checkpoint mixes dtypes (every weight then upcast, losslessly).
+``import_view`` decides and refuses the rest); ``export --mtp-depth D`` writes the first
+``D`` of the model's (``export_view``; 0 for plain next-token inference). Export goes back
+through the family named in the manifest (checkpoints from before manifests named one are
+Llama) and labels ``config.json``'s ``torch_dtype`` with the dtype of the tensors it writes:
+the checkpoint's, or float32 when a checkpoint mixes dtypes (every weight then upcast,
+losslessly).
 """
 
 from __future__ import annotations

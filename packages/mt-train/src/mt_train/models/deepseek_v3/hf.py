@@ -256,7 +256,8 @@ class DeepseekV3HF(HFAdapter):
             "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "rope_interleave": True,
             "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-            "num_nextn_predict_layers": cfg.mtp_depth, "torch_dtype": dtype_name, "dtype": dtype_name,
+            "num_nextn_predict_layers": cfg.mtp_depth, "torch_dtype": dtype_name,
+            "dtype": dtype_name,
         }  # fmt: skip
 
     def import_view(
@@ -267,10 +268,11 @@ class DeepseekV3HF(HFAdapter):
         held = sorted({int(m.group(1)) - layers for n in names if (m := _HF_LAYER.match(n))})
         held = [k for k in held if k >= 0]
         if held != list(range(len(held))) or len(held) > claimed:
+            valid = f"model.layers.{layers}..{layers + claimed - 1}" if claimed else "none"
             raise ValueError(
                 f"multi-token-prediction layers {[layers + k for k in held]} in the checkpoint, "
                 f"num_hidden_layers={layers} and num_nextn_predict_layers={claimed} (valid: "
-                f"model.layers.{layers} to {layers + claimed - 1})"
+                f"{valid})"
             )
         depth = len(held) if mtp_depth is None else mtp_depth
         if not 0 <= depth <= len(held):
@@ -383,9 +385,10 @@ class DeepseekV3HF(HFAdapter):
                 raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
             hf_layer = f"model.layers.{layers + int(mtp.group(1))}"
             out[f"{hf_layer}.{_MTP_INVERSE[mtp.group(2)]}"] = tensor.contiguous()
-            if mtp.group(2) == "proj.weight":  # one per module: the hub's copies of the shared
-                for rest, main in _MTP_SHARED.items():  # embedding and head (cloned: a
-                    out[f"{hf_layer}.{rest}"] = tensors[main].clone()  # file holds no aliases)
+        modules = {int(m.group(1)) for n in tensors if (m := _MT_MTP.match(n))}
+        for k in sorted(modules):  # the Hub's copies of the shared embedding and head, cloned
+            for rest, main in _MTP_SHARED.items():  # (a safetensors file holds no aliases)
+                out[f"model.layers.{layers + k}.{rest}"] = tensors[main].clone()
         return out
 
 
