@@ -112,18 +112,3 @@ def test_unsupported_configs_are_refused_with_one_line() -> None:
 
     with pytest.raises(ValueError, match=r"model\.moe\.score_function='softmax' has no Deepseek"):
         adapter.config_to_hf(model_sizes()["deepseek_v2_lite"], torch.float32)
-
-
-def test_export_drops_the_mtp_modules() -> None:
-    import dataclasses
-
-    from mt_train.models import model_sizes
-    from mt_train.models.deepseek_v3 import DeepSeekV3
-
-    cfg = dataclasses.replace(model_sizes()["deepseek_v3_tiny"], vocab_size=VOCAB, n_layers=2)
-    with_mtp = DeepSeekV3(cfg).state_dict()
-    plain = DeepSeekV3(dataclasses.replace(cfg, mtp_depth=0)).state_dict()
-    assert any(k.startswith("mtp.") for k in with_mtp)
-    adapter = DeepseekV3HF()
-    assert adapter.tensors_to_hf(with_mtp).keys() == adapter.tensors_to_hf(plain).keys()
-    assert adapter.config_to_hf(cfg, torch.float32)["num_nextn_predict_layers"] == 0

@@ -3,12 +3,17 @@
 Import reads ``config.json``'s ``architectures`` and hands the folder to the registered model
 family whose Hugging Face adapter (:class:`mt_train.models.HFAdapter`) reads that architecture
 (``LlamaForCausalLM``: :mod:`mt_train.models.llama.hf`; ``MixtralForCausalLM``:
-:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses). It writes an mt checkpoint root holding ``step-00000000`` (model
-tensors only; manifest ``model`` = the family's config, ``model_family`` = its name), which
-``checkpoint.init_from=<root>`` trains from. Export goes back through the family named in the
-manifest (checkpoints from before manifests named one are Llama) and labels ``config.json``'s
-``torch_dtype`` with the dtype of the tensors it writes: the checkpoint's, or float32 when a
-checkpoint mixes dtypes (every weight then upcast, losslessly).
+:mod:`mt_train.models.moe.hf`; each documents its name map and the config fields it refuses).
+It writes an mt checkpoint root holding ``step-00000000`` (model tensors only; manifest
+``model`` = the family's config, ``model_family`` = its name), which
+``checkpoint.init_from=<root>`` trains from. ``import --mtp-depth D`` imports the first ``D``
+multi-token-prediction layers of a checkpoint that has them (default: all; the adapter's
+``import_view`` decides and refuses the rest); ``export --mtp-depth D`` writes the first
+``D`` of the model's (``export_view``; 0 for plain next-token inference). Export goes back
+through the family named in the manifest (checkpoints from before manifests named one are
+Llama) and labels ``config.json``'s ``torch_dtype`` with the dtype of the tensors it writes:
+the checkpoint's, or float32 when a checkpoint mixes dtypes (every weight then upcast,
+losslessly).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import dataclasses
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +81,27 @@ def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def import_hf(hf_dir: str | Path, out_root: str | Path) -> Path:
-    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it."""
+def import_hf(
+    hf_dir: str | Path,
+    out_root: str | Path,
+    mtp_depth: int | None = None,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it.
+    ``mtp_depth``: how many of the checkpoint's multi-token-prediction layers to import (None:
+    all it holds; 0: none); what is skipped is told through ``log`` in one line."""
     hf_dir, out_root = Path(hf_dir), Path(out_root)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")
     hf_cfg = json.loads(config_path.read_text())
     family, adapter = family_for_architectures(hf_cfg)
+    hf_tensors = _read_hf_tensors(hf_dir)
+    hf_cfg, note = adapter.import_view(hf_cfg, set(hf_tensors), mtp_depth)
+    if note is not None:
+        log(note)
     cfg = adapter.config_from_hf(hf_cfg, hf_dir.name)
-    state = adapter.tensors_from_hf(_read_hf_tensors(hf_dir), hf_cfg)
+    state = adapter.tensors_from_hf(hf_tensors, hf_cfg)
     tensors = {f"model/{k}": v for k, v in state.items()}
     expected = {f"model/{k}" for k in build_model(cfg, "meta").state_dict()}
     if set(tensors) != expected:
@@ -134,14 +150,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Modul
     return model
 
 
-def export_hf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint."""
+def export_hf(path: str | Path, out_dir: str | Path, mtp_depth: int | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint, with its
+    first ``mtp_depth`` multi-token-prediction modules (None: all it has; 0: none)."""
     reader = CheckpointReader(checkpoint_folder(Path(path)))
     cfg = model_config_of(reader)
     family = family_of(cfg)
     if family.hf is None:
         raise ValueError(f"model family {family.name!r} has no Hugging Face adapter")
-    tensors = family.hf.tensors_to_hf(full_model_tensors(reader))
+    cfg, state = family.hf.export_view(cfg, full_model_tensors(reader), mtp_depth)
+    tensors = family.hf.tensors_to_hf(state)
     dtypes = {t.dtype for t in tensors.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
@@ -162,15 +180,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     imp = sub.add_parser("import", help="Hugging Face folder -> mt checkpoint root")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("out", type=Path)
+    imp.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=None,
+        help="multi-token-prediction layers to import (default: all the checkpoint holds)",
+    )
     exp = sub.add_parser("export", help="mt checkpoint (folder or root) -> Hugging Face folder")
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("out", type=Path)
+    exp.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=None,
+        help="multi-token-prediction modules to write (default: all; 0 for next-token inference)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            written = import_hf(args.hf_dir, args.out)
+            written = import_hf(args.hf_dir, args.out, args.mtp_depth)
         else:
-            written = export_hf(args.checkpoint, args.out)
+            written = export_hf(args.checkpoint, args.out, args.mtp_depth)
     except (OSError, ValueError, KeyError, UserError) as err:
         return report("mt-convert", err.args[0] if isinstance(err, KeyError) and err.args else err)
     print(f"wrote {written}")

@@ -44,6 +44,31 @@ class HFAdapter:
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
 
+    def import_view(
+        self, hf: dict[str, Any], names: set[str], mtp_depth: int | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """``config.json`` as the import reads it, given the checkpoint's tensor ``names`` and
+        the multi-token-prediction depth asked for (None: what the checkpoint holds), and a
+        line to tell the user (or None). Families without MTP refuse a depth above 0."""
+        if mtp_depth:
+            raise ValueError(
+                f"--mtp-depth={mtp_depth}: architectures={hf.get('architectures')} have no "
+                "multi-token-prediction layers (valid: 0 or unset)"
+            )
+        return hf, None
+
+    def export_view(
+        self, cfg: Any, tensors: dict[str, torch.Tensor], mtp_depth: int | None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The config and tensors export writes with ``mtp_depth`` multi-token-prediction
+        modules (None: all the model has). Families without MTP refuse a depth above 0."""
+        if mtp_depth:
+            raise ValueError(
+                f"--mtp-depth={mtp_depth}: model {cfg.name!r} has no multi-token-prediction "
+                "modules (valid: 0 or unset)"
+            )
+        return cfg, tensors
+
     def config_from_hf(self, hf: dict[str, Any], name: str) -> ModelConfig:
         """The family's config of a Hugging Face ``config.json``; refuses what it cannot build."""
         raise NotImplementedError

@@ -15,6 +15,29 @@ Llama's adapter names them, :mod:`mt_train.models.llama.hf`)::
     model.layers.i.mlp.experts.e.{gate,up,down}_proj layers.i.mlp.experts.*_proj.weight[e]
     model.layers.i.mlp.shared_experts.*              layers.i.mlp.shared_experts.*
 
+Multi-token prediction. MTP module ``k`` (``k < num_nextn_predict_layers``) is stored as the
+layer ``j = num_hidden_layers + k``: a decoder layer under the names above (mt:
+``mtp.k.block.*``) plus::
+
+    model.layers.j.enorm / hnorm                     mtp.k.embed_norm / hidden_norm
+    model.layers.j.eh_proj       [D, 2D]             mtp.k.proj    (input [enorm(Emb); hnorm(h)])
+    model.layers.j.shared_head.norm                  mtp.k.norm    (a norm of its own)
+    model.layers.j.embed_tokens / shared_head.head   (copies of embed / output, shared in mt)
+
+The input order, embedding first, is the one transformers' ``MtpLayer`` reads DeepSeek-V3
+checkpoints with (the paper writes the hidden state first). Depth ``k + 1`` reads depth ``k``'s
+block output before ``shared_head.norm``, the paper's ``h^k``; transformers' ``MtpModel`` (a
+drafting model) passes the normed state on instead. V3 has one MTP module, so its checkpoint
+does not tell the two apart; they differ only from depth 2 on. mt's modules share the
+main embedding and head, so import refuses an MTP layer whose copies differ from them, and
+export writes the copies back. :meth:`DeepseekV3HF.import_view` picks the depth: every MTP layer
+the safetensors hold (transformers' ``save_pretrained`` writes none, whatever its config says),
+or ``mt-convert import --mtp-depth D`` for the first ``D`` (0: none, one line names what is
+skipped; more than the checkpoint holds is refused naming both numbers). Export writes
+``num_nextn_predict_layers = model.mtp_depth``, so a round trip is bitwise lossless;
+``mt-convert export --mtp-depth D`` (:meth:`DeepseekV3HF.export_view`) writes only the first
+``D`` (0: a plain next-token model).
+
 RoPE layout. With ``rope_interleave`` (DeepSeek's checkpoints) transformers rotates the pairs
 ``(x_2j, x_2j+1)`` and returns them de-interleaved; mt rotates ``(x_j, x_j+R/2)``. Import
 reorders the rotary rows of ``q_proj``/``q_b_proj`` (per head) and of ``kv_a_proj`` (the shared
@@ -28,14 +51,12 @@ than ``default`` and ``yarn`` (and YaRN with an explicit ``attention_factor`` or
 truncation), ``rms_norm_eps ≠ 1e-6`` (transformers' latent norms always use 1e-6, mt's
 ``model.norm_eps`` is every norm's), no shared experts, top-1 routing with ``norm_topk_prob``.
 Export refuses what ``DeepseekV3ForCausalLM`` cannot express (softmax scores, capacity
-dropping, a shared-expert width other than ``n_shared·moe_intermediate_size``). Multi-token
-prediction layers (``model.layers.{num_hidden_layers + k}``) are not imported (their layout is
-not mapped to mt's ``mtp.*`` modules yet; transformers ignores them too), and mt's MTP modules
-are dropped at export (``num_nextn_predict_layers: 0``).
+dropping, a shared-expert width other than ``n_shared·moe_intermediate_size``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -66,9 +87,18 @@ _LAYER = {
 }
 _TOP = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
         "lm_head.weight": "output.weight"}  # fmt: skip
+_LAYER_INVERSE = {mt: hf for hf, mt in _LAYER.items()}
+_MTP = {"enorm.weight": "embed_norm.weight", "hnorm.weight": "hidden_norm.weight",
+        "eh_proj.weight": "proj.weight", "shared_head.norm.weight": "norm.weight"}  # fmt: skip
+_MTP_INVERSE = {mt: hf for hf, mt in _MTP.items()}
+_MTP_SHARED = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "output.weight"}
+"""An MTP layer's copies of the main embedding and head (mt shares them)."""
+_MAIN_NAME = {mt: hf for hf, mt in _TOP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _MT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_MT_MTP_BLOCK = re.compile(r"^mtp\.(\d+)\.block\.(.+)$")
+_MT_MTP = re.compile(r"^mtp\.(\d+)\.(.+)$")
 _MT_EXPERTS = re.compile(r"^mlp\.experts\.(gate|up|down)_proj\.weight$")
 LATENT_NORM_EPS = 1e-6
 """The epsilon of transformers' ``q_a_layernorm`` / ``kv_a_layernorm`` (not configurable)."""
@@ -87,6 +117,16 @@ def _permute_rope_rows(weight: torch.Tensor, heads: int, nope: int, rope: int, i
     blocks = weight.view(heads, nope + rope, -1)
     rotary = blocks[:, nope:].index_select(1, order)
     return torch.cat([blocks[:, :nope], rotary], dim=1).reshape(weight.shape)
+
+
+def _rope_rows(name: str, tensor: torch.Tensor, hf: dict[str, Any], inverse: bool):
+    """``tensor`` with its rotary rows reordered (module docstring) if ``name`` has them."""
+    nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+    if name.endswith(("attention.q_proj.weight", "attention.q_b_proj.weight")):
+        return _permute_rope_rows(tensor, hf["num_attention_heads"], nope, rope, inverse)
+    if name.endswith("attention.kv_a_proj.weight"):
+        return _permute_rope_rows(tensor, 1, hf["kv_lora_rank"], rope, inverse)
+    return tensor
 
 
 def _yarn_from_hf(hf: dict[str, Any]) -> tuple[float, YarnConfig]:
@@ -162,6 +202,7 @@ class DeepseekV3HF(HFAdapter):
             qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"], ffn_dim=hf["intermediate_size"],
             first_k_dense=hf.get("first_k_dense_replace") or 0, norm_eps=LATENT_NORM_EPS,
+            mtp_depth=hf.get("num_nextn_predict_layers") or 0,
             rope_theta=theta, yarn=yarn, init_std=float(hf.get("initializer_range", 0.02)),
             moe=MoEConfig(
                 num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"],
@@ -215,23 +256,70 @@ class DeepseekV3HF(HFAdapter):
             "initializer_range": cfg.init_std, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_scaling": rope_scaling, "rope_interleave": True,
             "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-            "num_nextn_predict_layers": 0, "torch_dtype": dtype_name, "dtype": dtype_name,
+            "num_nextn_predict_layers": cfg.mtp_depth, "torch_dtype": dtype_name,
+            "dtype": dtype_name,
         }  # fmt: skip
 
-    def _rope_rows(self, name: str, tensor: torch.Tensor, hf: dict[str, Any], inverse: bool):
-        nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
-        if name.endswith(("attention.q_proj.weight", "attention.q_b_proj.weight")):
-            return _permute_rope_rows(tensor, hf["num_attention_heads"], nope, rope, inverse)
-        if name.endswith("attention.kv_a_proj.weight"):
-            return _permute_rope_rows(tensor, 1, hf["kv_lora_rank"], rope, inverse)
-        return tensor
+    def import_view(
+        self, hf: dict[str, Any], names: set[str], mtp_depth: int | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """``num_nextn_predict_layers`` set to the MTP depth to import (module docstring)."""
+        layers, claimed = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers") or 0
+        held = sorted({int(m.group(1)) - layers for n in names if (m := _HF_LAYER.match(n))})
+        held = [k for k in held if k >= 0]
+        if held != list(range(len(held))) or len(held) > claimed:
+            valid = f"model.layers.{layers}..{layers + claimed - 1}" if claimed else "none"
+            raise ValueError(
+                f"multi-token-prediction layers {[layers + k for k in held]} in the checkpoint, "
+                f"num_hidden_layers={layers} and num_nextn_predict_layers={claimed} (valid: "
+                f"{valid})"
+            )
+        depth = len(held) if mtp_depth is None else mtp_depth
+        if not 0 <= depth <= len(held):
+            raise ValueError(
+                f"--mtp-depth={mtp_depth} but the checkpoint holds {len(held)} multi-token-"
+                f"prediction layers (num_nextn_predict_layers={claimed}); valid: 0 to {len(held)}"
+            )
+        note = None
+        if depth < len(held):
+            note = (
+                f"skipping {len(held) - depth} of the checkpoint's {len(held)} multi-token-"
+                f"prediction layers (model.layers.{layers + depth}..{layers + len(held) - 1}; "
+                f"--mtp-depth={depth})"
+            )
+        elif len(held) < claimed:
+            note = (
+                f"the checkpoint holds {len(held)} of its num_nextn_predict_layers={claimed} "
+                f"multi-token-prediction layers (transformers' save_pretrained writes none); "
+                f"importing {len(held)}"
+            )
+        return {**hf, "num_nextn_predict_layers": depth}, note
+
+    def export_view(
+        self, cfg: DeepSeekV3Config, tensors: dict[str, torch.Tensor], mtp_depth: int | None
+    ) -> tuple[DeepSeekV3Config, dict[str, torch.Tensor]]:
+        """The first ``mtp_depth`` MTP modules (None: all; 0: next-token inference only)."""
+        if mtp_depth is None:
+            return cfg, tensors
+        if not 0 <= mtp_depth <= cfg.mtp_depth:
+            raise ValueError(
+                f"--mtp-depth={mtp_depth} but the checkpoint's model has model.mtp_depth="
+                f"{cfg.mtp_depth}; valid: 0 to {cfg.mtp_depth}"
+            )
+        kept = {
+            name: tensor
+            for name, tensor in tensors.items()
+            if not ((mtp := _MT_MTP.match(name)) and int(mtp.group(1)) >= mtp_depth)
+        }
+        return dataclasses.replace(cfg, mtp_depth=mtp_depth), kept
 
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
     ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-        layers = hf["num_hidden_layers"]
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        shared_copies: dict[str, str] = {}
+        layers, depth = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers") or 0
         for name, tensor in tensors.items():
             if name in _TOP:
                 out[_TOP[name]] = tensor
@@ -240,56 +328,87 @@ class DeepseekV3HF(HFAdapter):
             if match is None:
                 raise ValueError(f"unexpected tensor {name!r} in a DeepSeek-V3 checkpoint")
             layer, rest = int(match.group(1)), match.group(2)
-            if layer >= layers:
-                continue  # a multi-token-prediction layer (module docstring)
-            if expert := _HF_EXPERT.match(rest):
-                experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
+            if layer >= layers + depth:
+                continue  # an MTP layer beyond the imported depth (import_view told the user)
+            prefix = f"layers.{layer}" if layer < layers else f"mtp.{layer - layers}.block"
+            if layer >= layers and rest in _MTP_SHARED:
+                shared_copies[name] = _MTP_SHARED[rest]
+            elif layer >= layers and rest in _MTP:
+                out[f"mtp.{layer - layers}.{_MTP[rest]}"] = tensor
+            elif expert := _HF_EXPERT.match(rest):
+                experts.setdefault((prefix, expert.group(2)), {})[int(expert.group(1))] = tensor
             elif rest in _LAYER:
-                mt_name = f"layers.{layer}.{_LAYER[rest]}"
+                mt_name = f"{prefix}.{_LAYER[rest]}"
                 if hf.get("rope_interleave", True):
-                    tensor = self._rope_rows(mt_name, tensor, hf, inverse=False)
+                    tensor = _rope_rows(mt_name, tensor, hf, inverse=False)
                 out[mt_name] = tensor
             else:
                 raise ValueError(f"unexpected tensor {name!r} in a DeepSeek-V3 checkpoint")
         count = hf["n_routed_experts"]
-        for (layer, proj), by_expert in experts.items():
+        for (prefix, proj), by_expert in experts.items():
             if sorted(by_expert) != list(range(count)):
                 raise ValueError(
-                    f"layer {layer} {proj}_proj: experts {sorted(by_expert)} in the checkpoint, "
+                    f"{prefix} {proj}_proj: experts {sorted(by_expert)} in the checkpoint, "
                     f"n_routed_experts={count}"
                 )
-            out[f"layers.{layer}.mlp.experts.{proj}_proj.weight"] = torch.stack(
+            out[f"{prefix}.mlp.experts.{proj}_proj.weight"] = torch.stack(
                 [by_expert[e] for e in range(count)]
             )
         if hf.get("tie_word_embeddings") and "output.weight" not in out:
             out["output.weight"] = out["embed.weight"].clone()
+        for name, main in shared_copies.items():
+            if not torch.equal(tensors[name], out[main]):
+                raise ValueError(
+                    f"{name} differs from the main model's {_MAIN_NAME[main]}: mt's MTP modules "
+                    "share the main embedding and head (as DeepSeek-V3 trains them); import "
+                    "with --mtp-depth 0 to leave the MTP layers out"
+                )
         return out
 
     def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        inverse_top = {v: k for k, v in _TOP.items()}
-        inverse_layer = {v: k for k, v in _LAYER.items()}
+        layers = len({m.group(1) for n in tensors if (m := _MT_LAYER.match(n))})
         shapes = _shapes_from_tensors(tensors)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
-            if "fp8" in name or name.startswith("mtp."):
-                continue  # MTP modules are dropped at export (next-token inference)
-            if name in inverse_top:
-                out[inverse_top[name]] = tensor.contiguous()
+            if "fp8" in name:
                 continue
-            match = _MT_LAYER.match(name)
-            if match is None:
+            if name in _MAIN_NAME:
+                out[_MAIN_NAME[name]] = tensor.contiguous()
+                continue
+            match = _MT_LAYER.match(name) or _MT_MTP_BLOCK.match(name)
+            if match is not None:
+                layer = int(match.group(1)) + (layers if name.startswith("mtp.") else 0)
+                _layer_to_hf(f"model.layers.{layer}", match.group(2), tensor, out, name, shapes)
+                continue
+            mtp = _MT_MTP.match(name)
+            if mtp is None or mtp.group(2) not in _MTP_INVERSE:
                 raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
-            layer, rest = match.group(1), match.group(2)
-            if experts := _MT_EXPERTS.match(rest):
-                for e, weight in enumerate(tensor):
-                    key = f"model.layers.{layer}.mlp.experts.{e}.{experts.group(1)}_proj.weight"
-                    out[key] = weight.contiguous()
-            elif rest in inverse_layer:
-                tensor = self._rope_rows(name, tensor, shapes, inverse=True)
-                out[f"model.layers.{layer}.{inverse_layer[rest]}"] = tensor.contiguous()
-            else:
-                raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
+            hf_layer = f"model.layers.{layers + int(mtp.group(1))}"
+            out[f"{hf_layer}.{_MTP_INVERSE[mtp.group(2)]}"] = tensor.contiguous()
+        modules = {int(m.group(1)) for n in tensors if (m := _MT_MTP.match(n))}
+        for k in sorted(modules):  # the Hub's copies of the shared embedding and head, cloned
+            for rest, main in _MTP_SHARED.items():  # (a safetensors file holds no aliases)
+                out[f"model.layers.{layers + k}.{rest}"] = tensors[main].clone()
         return out
+
+
+def _layer_to_hf(
+    hf_layer: str,
+    rest: str,
+    tensor: torch.Tensor,
+    out: dict[str, torch.Tensor],
+    name: str,
+    shapes: dict[str, int],
+) -> None:
+    """Write one block tensor (``rest`` named as in a :func:`deepseek_block`) under ``hf_layer``."""
+    if experts := _MT_EXPERTS.match(rest):
+        for e, weight in enumerate(tensor):
+            out[f"{hf_layer}.mlp.experts.{e}.{experts.group(1)}_proj.weight"] = weight.contiguous()
+    elif rest in _LAYER_INVERSE:
+        tensor = _rope_rows(name, tensor, shapes, inverse=True)
+        out[f"{hf_layer}.{_LAYER_INVERSE[rest]}"] = tensor.contiguous()
+    else:
+        raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
 
 
 def _shapes_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, int]:

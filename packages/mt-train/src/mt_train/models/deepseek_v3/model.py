@@ -26,7 +26,8 @@ positions are masked, and causality keeps them out of every valid position (the 
 formulation of the paper gives the same losses; tested). Each ``MTP_k`` is logged as
 ``mtp_loss_{k}``. λ may switch once during training (``mtp_loss_weight_switch_step``): the
 trainer calls :meth:`DeepSeekV3.set_train_step` before every step, as it does every module's
-``set_train_step`` hook. The MTP modules run only in training and are dropped at export. The MTP
+``set_train_step`` hook. The MTP modules run only in training; ``mt-convert`` imports and
+exports them as DeepSeek's checkpoints store them (``export --mtp-depth 0`` drops them). The MTP
 blocks are :func:`deepseek_block` s (MoE), so TP/EP/FP8/recompute apply; CP and PP are refused.
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
