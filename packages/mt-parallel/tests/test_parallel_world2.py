@@ -93,6 +93,12 @@ def test_decoder_block_with_documents_cp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_flex_document_masking_under_tp(pool: DistributedPool, sp: bool) -> None:
+    for result in pool.run(sequence_checks.decoder_lm_documents, tp=2, sp=sp, kernel="flex"):
+        assert_close(result)
+
+
 def test_fp8_under_tp_is_the_same_on_every_rank_and_within_the_fp8_bound(
     pool: DistributedPool,
 ) -> None:
