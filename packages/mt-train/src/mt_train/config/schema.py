@@ -233,9 +233,9 @@ class DataConfig:
     """When preparing a bundled set: every n-th document (image) goes to the validation split."""
     document_masking: bool = False
     """Attention stays inside each packed document (mask ``causal ∧ same document``, Megatron's
-    ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
-    attention over the packed window keeps the fused causal kernels (an explicit mask is slower
-    on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
+    ``reset_attention_mask``), applied by ``document_masking_kernel``. Off by default, as in
+    torchtitan and Megatron: with windows much shorter than the documents few tokens cross a
+    boundary."""
     document_masking_kernel: str = "auto"
     """How the document masks are applied (:mod:`mt_parallel.document_attention`): ``flex``,
     PyTorch's FlexAttention with a block mask built from the document ids once per micro-batch
