@@ -69,6 +69,26 @@ def test_flex_core_equals_separate_documents_in_fp64(T: int) -> None:
     assert _rel(unmasked, ref_out) > 1e-3  # the documents do see each other without the mask
 
 
+def test_flex_core_with_value_heads_unlike_the_key_heads() -> None:
+    # Multi-latent attention's layout: V head dim 16 against a QK head dim of 24, all heads K/V.
+    ids = document_ids(8, 2, 40)
+    generator = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(2, HEADS, 40, 24, generator=generator, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(2, HEADS, 40, 16, generator=generator, dtype=torch.float64)
+    outputs, grads = {}, {}
+    for kernel in ("flex", "explicit"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        core = mp.CoreAttention()
+        core.set_document_mask_kernel(kernel)
+        with flex_backward_on_cpu():
+            outputs[kernel] = core(*inputs, ids)
+            grads[kernel] = torch.autograd.grad(outputs[kernel].square().sum(), inputs)
+    assert outputs["flex"].shape == (2, HEADS, 40, 16)
+    assert _rel(outputs["flex"], outputs["explicit"]) < FP64_VS_FP64
+    for name, mine, theirs in zip("qkv", grads["flex"], grads["explicit"], strict=True):
+        assert _rel(mine, theirs) < FP64_VS_FP64, name
+
+
 def _lm(kernel: str, fp8: bool = False) -> DecoderLM:
     model = DecoderLM(VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN)
     mp.init_weights(model, 0)
