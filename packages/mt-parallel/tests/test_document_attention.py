@@ -1,6 +1,6 @@
 """Document masking by FlexAttention (:mod:`mt_parallel.document_attention`) against running
 every document on its own (fp64) and against the explicit-mask path, forward and gradients;
-the block-mask cache; FP8 composition; the kernel choice and its refusals.
+the block-mask cache; recompute and FP8 composition; the kernel choice and its refusals.
 
 Bounds. Both fp64 comparisons (flex against the per-document SDPA reference) differ only in
 summation order and the softmax's formulation (flex's online log-sum-exp against SDPA's math
@@ -118,6 +118,20 @@ def test_flex_model_equals_explicit_mask(fp8: bool) -> None:
     ):
         assert _rel(mine, theirs) < FP32_VS_FP64, name
     assert _rel(flex_logits, _lm("flex", fp8)(tokens[:, :-1])) > 1e-3  # the mask mattered
+
+
+@pytest.mark.parametrize(
+    ("policy", "keep"), [("selective", ()), ("full", ()), ("full", ("attention",))]
+)
+def test_flex_under_recompute_changes_no_gradient_bit(policy: str, keep: tuple) -> None:
+    # The recomputation gets the same id tensor, so the same cached block mask: bit-identical.
+    tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(10))
+    ids = document_ids(11, 2, 33)
+    _, plain = _loss_and_grads(_lm("flex"), tokens, ids)
+    model = mp.apply_recompute(_lm("flex"), policy, 1, ("attention",), (mp.DecoderBlock,), keep)
+    _, recomputed = _loss_and_grads(model, tokens, ids)
+    for mine, theirs in zip(recomputed, plain, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_one_block_mask_per_micro_batch_shared_by_every_layer() -> None:
