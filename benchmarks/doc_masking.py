@@ -184,12 +184,17 @@ def _peak(device: str) -> float | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'kind':<10}{'mode':<10}{'stack':<10}{'ms':>10}{'tokens/s':>12}{'overhead':>10}")
+    print(
+        f"{'kind':<10}{'mode':<10}{'stack':<10}{'ms':>10}{'tokens/s':>10}{'overhead':>10}"
+        f"{'mask ms':>9}{'first loss':>12}"
+    )
     for row in rows:
         tokens_per_s = f"{row['tokens_per_s']:.0f}" if "tokens_per_s" in row else "-"
+        mask_ms = "-" if row.get("mask_ms") is None else f"{row['mask_ms']:.2f}"
+        loss = f"{row['first_loss']:.5f}" if "first_loss" in row else "-"
         print(
             f"{row['kind']:<10}{row.get('mode', '-'):<10}{row['stack']:<10}{row['ms']:>10.2f}"
-            f"{tokens_per_s:>12}{row['overhead']:>+10.1%}"
+            f"{tokens_per_s:>10}{row['overhead']:>+10.1%}{mask_ms:>9}{loss:>12}"
         )
 
 

@@ -25,15 +25,16 @@ import mt_parallel as mp
 CORE_BOUND = 2.0**-6
 
 
-def core_errors(kernel: str, T: int = 1024, d: int = 64) -> dict[str, float]:
-    """``kernel``'s bf16 attention core on CUDA against the fp64 per-document reference."""
+def core_errors(kernel: str, T: int = 1024, d: int = 64, dv: int = 64) -> dict[str, float]:
+    """``kernel``'s bf16 attention core on CUDA against the fp64 per-document reference
+    (``d`` the query/key head dim, ``dv`` the value one)."""
     generator = torch.Generator().manual_seed(0)
     ids = document_ids(1, 2, T, documents=T // 128)
-    shapes = ((2, HEADS, T, d), (2, KV_HEADS, T, d), (2, KV_HEADS, T, d))
+    shapes = ((2, HEADS, T, d), (2, KV_HEADS, T, d), (2, KV_HEADS, T, dv))
     ref = [
         torch.randn(s, generator=generator, dtype=torch.float64).requires_grad_() for s in shapes
     ]
-    dy = torch.randn(2, HEADS, T, d, generator=generator, dtype=torch.float64)
+    dy = torch.randn(2, HEADS, T, dv, generator=generator, dtype=torch.float64)
     ref_out = attention_by_document(*ref, ids)
     ref_out.backward(dy)
     core = mp.CoreAttention()
@@ -84,8 +85,10 @@ def model_errors(kernel: str) -> dict[str, object]:
 
 
 @pytest.mark.gpu
-def test_flex_core_on_gpu_matches_the_reference_like_the_explicit_mask() -> None:
-    flex, explicit = core_errors("flex"), core_errors("explicit")
+@pytest.mark.parametrize(("d", "dv"), [(128, 128), (192, 128)], ids=["llama", "mla"])
+def test_flex_core_on_gpu_matches_the_reference_like_the_explicit_mask(d: int, dv: int) -> None:
+    # Llama 3's head dim, and DeepSeek-V3's multi-latent attention (QK 192, V 128).
+    flex, explicit = core_errors("flex", d=d, dv=dv), core_errors("explicit", d=d, dv=dv)
     for name, error in flex.items():
         assert error < CORE_BOUND, (name, error, explicit[name])
         assert explicit[name] < CORE_BOUND, (name, explicit[name])
@@ -112,5 +115,6 @@ if __name__ == "__main__":
             f"{kernel_name} model: logits {outcome['logits']:.3e}, loss {outcome['loss']:.3e}, "
             f"worst grad {worst[0]} {worst[1]:.3e}"
         )
-    test_flex_core_on_gpu_matches_the_reference_like_the_explicit_mask()
+    for qk_dim, v_dim in ((128, 128), (192, 128)):
+        test_flex_core_on_gpu_matches_the_reference_like_the_explicit_mask(qk_dim, v_dim)
     print("GPU CHECK PASSED")
