@@ -206,7 +206,8 @@ def decoder_lm_documents(
 
     local_tokens, local_targets, positions, rows = _local_batch(state, tokens, targets)
     local_ids = mp.shard_sequence(ids[rows], 1, state.group("cp"))
-    on_cpu = flex_backward_on_cpu() if dev.type == "cpu" else contextlib.nullcontext()
+    lift = kernel == "flex" and dev.type == "cpu"
+    on_cpu = flex_backward_on_cpu() if lift else contextlib.nullcontext()
     with on_cpu:
         logits = model(local_tokens.to(dev), positions.to(dev), local_ids.to(dev))
         inner = model.module if hasattr(model, "module") else model  # DDP over dp×cp
