@@ -29,7 +29,7 @@ from toy_lm import DecoderLM
 
 import mt_fp8
 import mt_parallel as mp
-from mt_parallel.document_attention import BLOCK_MASKS
+from mt_parallel.document_attention import BLOCK_MASKS, document_block_mask
 
 VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN = 64, 32, 2, 4, 2, 64
 
@@ -149,6 +149,23 @@ def test_one_block_mask_per_micro_batch_shared_by_every_layer() -> None:
         ids2[:, 8:] += 1  # ids edited in place are not served a stale mask
         model(tokens, None, ids2)
         assert BLOCK_MASKS.builds == before + 4
+
+
+def test_compiled_block_mask_builder_equals_the_eager_one_and_compiles_once() -> None:
+    # CUDA builds block masks through torch.compile(create_block_mask); run that path on the
+    # CPU against the eager builder, for three batches of new ids (new mask_mod closures).
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    for seed in range(3):
+        ids = document_ids(20 + seed, 2, 200, documents=6)
+        compiled = document_block_mask(ids, compiled=True).as_tuple()
+        eager = document_block_mask(ids, compiled=False).as_tuple()
+        assert compiled[:2] == eager[:2]  # the sequence lengths
+        tensors = [(a, b) for a, b in zip(compiled, eager, strict=True) if torch.is_tensor(a)]
+        assert len(tensors) >= 4 and all(torch.equal(a, b) for a, b in tensors)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
 def test_kernel_choice_and_refusals() -> None:

@@ -18,7 +18,8 @@ row of ``M`` is empty. Two kernels compute it (:data:`DOCUMENT_MASK_KERNELS`):
   ``create_block_mask`` builds from the document ids (``mask_mod = causal ∧ same document``).
   The block mask records, per 128×128 tile, whether the tile is empty (skipped), full (run
   without evaluating the mask) or partial (``mask_mod`` evaluated per element), so the work is
-  that of the documents' own causal triangles. On CUDA the call is ``torch.compile``'d
+  that of the documents' own causal triangles. On CUDA the block mask is built by
+  ``torch.compile``'d ``create_block_mask`` and the call is ``torch.compile``'d
   ``flex_attention`` (PyTorch's fused Triton kernel, forward and backward); elsewhere it is
   torch's unfused eager implementation (forward only on the CPU: torch refuses its backward
   there). FlexAttention has no dropout and takes the whole sequence, so it is refused with
@@ -101,8 +102,14 @@ class _BlockMaskCache:
 BLOCK_MASKS = _BlockMaskCache()
 
 
-def document_block_mask(document_ids_BS: torch.Tensor) -> Any:
-    """FlexAttention ``BlockMask`` of ``causal ∧ same document`` for ``(B, S)`` document ids."""
+def document_block_mask(document_ids_BS: torch.Tensor, compiled: bool | None = None) -> Any:
+    """FlexAttention ``BlockMask`` of ``causal ∧ same document`` for ``(B, S)`` document ids.
+
+    ``compiled`` (default: on CUDA) builds it through ``torch.compile(create_block_mask)``,
+    torch's advice for long sequences: the eager builder materialises the whole
+    ``(B, 1, S, S)`` element mask and its intermediates before reducing it to tiles. Both give
+    the same block mask.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, S = document_ids_BS.shape
@@ -112,21 +119,28 @@ def document_block_mask(document_ids_BS: torch.Tensor) -> Any:
     ) -> torch.Tensor:
         return (kv_idx <= q_idx) & (document_ids_BS[b, q_idx] == document_ids_BS[b, kv_idx])
 
-    return create_block_mask(causal_same_document, B, None, S, S, device=document_ids_BS.device)
+    if compiled is None:
+        compiled = document_ids_BS.device.type == "cuda"
+    build = _compiled("create_block_mask", create_block_mask) if compiled else create_block_mask
+    return build(causal_same_document, B, None, S, S, device=document_ids_BS.device)
 
 
-_COMPILED_FLEX: dict[str, Any] = {}
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(name: str, function: Any) -> Any:
+    """``torch.compile(function)``, built once (new masks reuse the graph: the ids are an
+    input of it, not a constant)."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(function, dynamic=False)
+    return _COMPILED[name]
 
 
 def _flex_function(device_type: str) -> Any:
     """``torch.compile(flex_attention)`` on CUDA (the fused kernel), eager elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device_type != "cuda":
-        return flex_attention
-    if "cuda" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX["cuda"]
+    return _compiled("flex_attention", flex_attention) if device_type == "cuda" else flex_attention
 
 
 @torch.compiler.disable  # outside enclosing graphs (module docstring)
