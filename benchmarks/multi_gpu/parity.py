@@ -335,8 +335,7 @@ def checks(fp8_backend: str) -> list[Check]:
         Check("decoder_block_documents_flex", "sequence_checks", "decoder_lm_documents",
               lambda lay: {"cp": lay.cp, "tp": lay.tp, "sp": lay.sp, "kernel": "flex",
                            **_heads(lay)},
-              lambda lay: _need(lay.cp == 1, "needs cp = 1 (flex refuses CP)")
-              or _decoder_skip(lay), _fp32),
+              _decoder_skip, _fp32),
         Check("decoder_block_fsdp", "parallel_checks", "decoder_lm",
               lambda lay: decoder(lay, data_parallel="fsdp"),
               lambda lay: _need(lay.dp * lay.cp > 1, "needs dp·cp > 1") or _decoder_skip(lay),

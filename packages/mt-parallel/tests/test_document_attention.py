@@ -171,14 +171,15 @@ def test_compiled_block_mask_builder_equals_the_eager_one_and_compiles_once() ->
 def test_kernel_choice_and_refusals() -> None:
     assert mp.resolve_document_mask_kernel("auto", "cuda") == "flex"
     assert mp.resolve_document_mask_kernel("auto", "cpu") == "explicit"
-    assert mp.resolve_document_mask_kernel("auto", "cuda", cp=2) == "explicit"
+    assert mp.resolve_document_mask_kernel("auto", "cuda", cp=2) == "flex"
+    assert mp.resolve_document_mask_kernel("auto", "cuda", cp=2, ring=True) == "explicit"
     assert mp.resolve_document_mask_kernel("auto", "cuda", attention_dropout=0.1) == "explicit"
     assert mp.resolve_document_mask_kernel("explicit", "cuda") == "explicit"
     assert mp.resolve_document_mask_kernel("flex", "cuda") == "flex"
     with pytest.raises(ValueError, match=r"kernel='fused' is unknown; valid: auto, flex, explicit"):
         mp.resolve_document_mask_kernel("fused", "cuda")
-    with pytest.raises(ValueError, match=r"context parallelism \(cp=2\)"):
-        mp.resolve_document_mask_kernel("flex", "cuda", cp=2)
+    with pytest.raises(ValueError, match=r"inside ring attention \(cp=2, cp_attention=ring\)"):
+        mp.resolve_document_mask_kernel("flex", "cuda", cp=2, ring=True)
     with pytest.raises(ValueError, match=r"no attention dropout \(dropout=0.1\)"):
         mp.resolve_document_mask_kernel("flex", "cuda", attention_dropout=0.1)
     with pytest.raises(ValueError, match=r"needs a GPU"):

@@ -93,9 +93,11 @@ def test_decoder_block_with_documents_cp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_flex_document_masking_under_tp(pool: DistributedPool, sp: bool) -> None:
-    for result in pool.run(sequence_checks.decoder_lm_documents, tp=2, sp=sp, kernel="flex"):
+@pytest.mark.parametrize(
+    "degrees", [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2", "tp2-sp", "cp2"]
+)
+def test_flex_document_masking_under_tp_and_cp(pool: DistributedPool, degrees: dict) -> None:
+    for result in pool.run(sequence_checks.decoder_lm_documents, kernel="flex", **degrees):
         assert_close(result)
 
 

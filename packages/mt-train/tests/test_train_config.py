@@ -114,12 +114,14 @@ def test_issue_example_overrides_compose() -> None:
             "data.document_masking_kernel='fused' is unknown; valid: auto, flex, explicit",
         ),
         (
-            "parallel=cp2 data.document_masking=true data.document_masking_kernel=flex",
-            "data.document_masking_kernel=flex with parallel.cp=2 and model.dropout=0.0",
+            "parallel=cp2 parallel.cp_attention=ring data.document_masking=true "
+            "data.document_masking_kernel=flex",
+            "data.document_masking_kernel=flex does not run inside ring attention "
+            "(parallel.cp=2, parallel.cp_attention=ring): use parallel.cp_attention=all_gather",
         ),
         (
             "data.document_masking=true data.document_masking_kernel=flex model.dropout=0.1",
-            "data.document_masking_kernel=flex with parallel.cp=1 and model.dropout=0.1",
+            "data.document_masking_kernel=flex has no attention dropout (model.dropout=0.1)",
         ),
         (
             "data.document_masking=true data.document_masking_kernel=flex",

@@ -95,11 +95,11 @@ class CoreAttention(nn.Module):
 
     def set_document_mask_kernel(self, kernel: str) -> None:
         """Apply document masks with ``kernel``: ``explicit`` (SDPA with a boolean mask) or
-        ``flex`` (FlexAttention's block mask; refused with dropout or under CP)."""
+        ``flex`` (FlexAttention's block masks; refused with dropout or ring attention)."""
         if kernel not in ("explicit", "flex"):
             raise ValueError(f"document mask kernel={kernel!r} is unknown; valid: explicit, flex")
         if kernel == "flex":
-            check_flex(group_size(self.cp_group), self.dropout)
+            check_flex(group_size(self.cp_group), self.dropout, ring=self.cp_ring)
         self.document_mask_kernel = kernel
 
     def forks_rng(self) -> bool:
@@ -115,8 +115,8 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if document_ids_BS is not None and self.document_mask_kernel == "flex":
-            check_flex(group_size(self.cp_group), p)
-            return flex_document_attention(q_BHSd, k_BKSd, v_BKSd, document_ids_BS)
+            check_flex(group_size(self.cp_group), p, ring=self.cp_ring)
+            return flex_document_attention(q_BHSd, k_BKSd, v_BKSd, document_ids_BS, self.cp_group)
         if self.cp_ring and group_size(self.cp_group) > 1:
             if p > 0:
                 raise ValueError(RING_DROPOUT_ERROR)

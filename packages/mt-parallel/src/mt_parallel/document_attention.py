@@ -22,11 +22,17 @@ row of ``M`` is empty. Two kernels compute it (:data:`DOCUMENT_MASK_KERNELS`):
   ``torch.compile``'d ``create_block_mask`` and the call is ``torch.compile``'d
   ``flex_attention`` (PyTorch's fused Triton kernel, forward and backward); elsewhere it is
   torch's unfused eager implementation (forward only on the CPU: torch refuses its backward
-  there). FlexAttention has no dropout and takes the whole sequence, so it is refused with
-  attention dropout and under context parallelism (:func:`check_flex`).
+  there). FlexAttention has no dropout, so it is refused with attention dropout, and it does
+  not run inside ring attention (:func:`check_flex`).
 
-``auto`` picks ``flex`` on CUDA where it applies (no attention dropout, cp = 1) and ``explicit``
-everywhere else (:func:`resolve_document_mask_kernel`).
+Context parallelism (all-gather K/V, :mod:`mt_parallel.context_parallel`'s layout). Rank ``r``
+holds the query chunks ``g ∈ {r, 2·cp−1−r}`` of ``L = t/2`` tokens each; K/V and the document
+ids are all-gathered and put in global order, and chunk ``g`` attends to the keys
+``[0, (g+1)·L)`` with ``mask_mod = (kv ≤ q + g·L) ∧ doc_q[q] = doc[kv]``: one block mask per
+chunk, both built once per micro-batch (the ids are gathered then, not in every layer).
+
+``auto`` picks ``flex`` on CUDA where it applies (no attention dropout, no ring attention) and
+``explicit`` everywhere else (:func:`resolve_document_mask_kernel`).
 
 Block mask cache: one slot keyed by the document-id tensor (the object and its version
 counter). Every layer of a forward, and a recomputation, receives the same tensor, so the mask
@@ -42,16 +48,23 @@ from typing import Any
 
 import torch
 
+import mt_comm
+from mt_parallel.context_parallel import _global_order, check_document_ids
+from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size
+
 DOCUMENT_MASK_KERNELS = ("auto", "flex", "explicit")
 """``data.document_masking_kernel`` values (module docstring)."""
 
 
-def check_flex(cp: int, attention_dropout: float, device_type: str | None = None) -> None:
+def check_flex(
+    cp: int, attention_dropout: float, device_type: str | None = None, ring: bool = False
+) -> None:
     """Raise unless FlexAttention can run document masking here (module docstring)."""
-    if cp > 1:
+    if cp > 1 and ring:
         raise ValueError(
-            f"document_masking_kernel=flex does not run under context parallelism (cp={cp}): "
-            "use document_masking_kernel=explicit or auto"
+            f"document_masking_kernel=flex does not run inside ring attention (cp={cp}, "
+            "cp_attention=ring): use cp_attention=all_gather, or document_masking_kernel="
+            "explicit or auto"
         )
     if attention_dropout > 0:
         raise ValueError(
@@ -66,7 +79,11 @@ def check_flex(cp: int, attention_dropout: float, device_type: str | None = None
 
 
 def resolve_document_mask_kernel(
-    kernel: str, device_type: str, cp: int = 1, attention_dropout: float = 0.0
+    kernel: str,
+    device_type: str,
+    cp: int = 1,
+    attention_dropout: float = 0.0,
+    ring: bool = False,
 ) -> str:
     """``flex`` or ``explicit`` for ``kernel`` on ``device_type`` (module docstring)."""
     if kernel not in DOCUMENT_MASK_KERNELS:
@@ -74,55 +91,84 @@ def resolve_document_mask_kernel(
             f"document_masking_kernel={kernel!r} is unknown; valid: {', '.join(DOCUMENT_MASK_KERNELS)}"
         )
     if kernel == "auto":
-        fits = device_type == "cuda" and cp == 1 and attention_dropout == 0
+        fits = device_type == "cuda" and attention_dropout == 0 and not (cp > 1 and ring)
         return "flex" if fits else "explicit"
     if kernel == "flex":
-        check_flex(cp, attention_dropout, device_type)
+        check_flex(cp, attention_dropout, device_type, ring)
     return kernel
 
 
 class _BlockMaskCache:
-    """The block mask of the last document-id tensor seen (module docstring)."""
+    """The block masks of the last document-id tensor seen (module docstring)."""
 
     def __init__(self) -> None:
         self.key: tuple[torch.Tensor, int] | None = None
-        self.mask: Any = None
+        self.masks: Any = None
         self.builds = 0
-        """Block masks built so far (the tests count them)."""
+        """Times block masks were built (the tests count them)."""
 
-    def get(self, document_ids_BS: torch.Tensor) -> Any:
+    def get(self, document_ids_Bt: torch.Tensor, cp_group: Any = None) -> list[Any]:
+        """One block mask (cp = 1) or one per query chunk (cp > 1) for ``document_ids_Bt``."""
         key = self.key
-        if key is None or key[0] is not document_ids_BS or key[1] != document_ids_BS._version:
-            self.mask = document_block_mask(document_ids_BS)
-            self.key = (document_ids_BS, document_ids_BS._version)
+        if key is None or key[0] is not document_ids_Bt or key[1] != document_ids_Bt._version:
+            self.masks = _build_masks(document_ids_Bt, cp_group)
+            self.key = (document_ids_Bt, document_ids_Bt._version)
             self.builds += 1
-        return self.mask
+        return self.masks
 
 
 BLOCK_MASKS = _BlockMaskCache()
 
 
-def document_block_mask(document_ids_BS: torch.Tensor, compiled: bool | None = None) -> Any:
-    """FlexAttention ``BlockMask`` of ``causal ∧ same document`` for ``(B, S)`` document ids.
+def _build_masks(document_ids_Bt: torch.Tensor, cp_group: Any) -> list[Any]:
+    cp, rank = group_size(cp_group), group_rank(cp_group)
+    if cp == 1:
+        return [document_block_mask(document_ids_Bt)]
+    chunk = document_ids_Bt.shape[1] // 2
+    order = _global_order(chunk, cp).to(document_ids_Bt.device)
+    gathered = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)
+    doc_BS = gathered.index_select(1, order)
+    return [
+        document_block_mask(
+            document_ids_Bt[:, half * chunk : (half + 1) * chunk],
+            doc_BS[:, : (g + 1) * chunk],
+            query_offset=g * chunk,
+        )
+        for half, g in enumerate((rank, 2 * cp - 1 - rank))
+    ]
+
+
+def document_block_mask(
+    doc_q_Bq: torch.Tensor,
+    doc_k_Bk: torch.Tensor | None = None,
+    query_offset: int = 0,
+    compiled: bool | None = None,
+) -> Any:
+    """FlexAttention ``BlockMask`` of ``causal ∧ same document``: query ``i`` (global position
+    ``i + query_offset``, document ``doc_q_Bq[:, i]``) sees key ``j`` (document
+    ``doc_k_Bk[:, j]``; default: the queries' own ids) if ``j ≤ i + query_offset`` and the
+    documents match.
 
     ``compiled`` (default: on CUDA) builds it through ``torch.compile(create_block_mask)``,
     torch's advice for long sequences: the eager builder materialises the whole
-    ``(B, 1, S, S)`` element mask and its intermediates before reducing it to tiles. Both give
+    ``(B, 1, q, k)`` element mask and its intermediates before reducing it to tiles. Both give
     the same block mask.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
-    B, S = document_ids_BS.shape
+    doc_k_Bk = doc_q_Bq if doc_k_Bk is None else doc_k_Bk
+    B, q_len = doc_q_Bq.shape
 
     def causal_same_document(
         b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
     ) -> torch.Tensor:
-        return (kv_idx <= q_idx) & (document_ids_BS[b, q_idx] == document_ids_BS[b, kv_idx])
+        causal = kv_idx <= q_idx + query_offset
+        return causal & (doc_q_Bq[b, q_idx] == doc_k_Bk[b, kv_idx])
 
     if compiled is None:
-        compiled = document_ids_BS.device.type == "cuda"
+        compiled = doc_q_Bq.device.type == "cuda"
     build = _compiled("create_block_mask", create_block_mask) if compiled else create_block_mask
-    return build(causal_same_document, B, None, S, S, device=document_ids_BS.device)
+    return build(causal_same_document, B, None, q_len, doc_k_Bk.shape[1], device=doc_q_Bq.device)
 
 
 _COMPILED: dict[str, Any] = {}
@@ -145,24 +191,40 @@ def _flex_function(device_type: str) -> Any:
 
 @torch.compiler.disable  # outside enclosing graphs (module docstring)
 def flex_document_attention(
-    q_BHSd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor, document_ids_BS: torch.Tensor
+    q_BHtd: torch.Tensor,
+    k_BKtd: torch.Tensor,
+    v_BKtd: torch.Tensor,
+    document_ids_Bt: torch.Tensor,
+    cp_group: Any = None,
 ) -> torch.Tensor:
-    """Causal GQA attention inside each document, by FlexAttention (module docstring)."""
-    if document_ids_BS.shape != (q_BHSd.shape[0], q_BHSd.shape[2]):
-        raise ValueError(
-            f"document ids of shape {tuple(document_ids_BS.shape)} do not match the "
-            f"(batch, tokens) = {(q_BHSd.shape[0], q_BHSd.shape[2])} of the queries"
-        )
-    block_mask = BLOCK_MASKS.get(document_ids_BS)
-    device_type = q_BHSd.device.type
+    """Causal GQA attention inside each document, by FlexAttention; with a cp group of more
+    than one rank, of this rank's load-balanced queries over the all-gathered keys (module
+    docstring)."""
+    check_document_ids(q_BHtd, document_ids_Bt)
+    masks = BLOCK_MASKS.get(document_ids_Bt, cp_group)
+    device_type = q_BHtd.device.type
+    flex = _flex_function(device_type)
+    gqa = q_BHtd.shape[1] != k_BKtd.shape[1]
+    cp, rank = group_size(cp_group), group_rank(cp_group)
     with torch.autocast(device_type, enabled=False):
-        return _flex_function(device_type)(
-            q_BHSd,
-            k_BKSd.to(q_BHSd.dtype),
-            v_BKSd.to(q_BHSd.dtype),
-            block_mask=block_mask,
-            enable_gqa=q_BHSd.shape[1] != k_BKSd.shape[1],
-        )
+        k_BKtd, v_BKtd = k_BKtd.to(q_BHtd.dtype), v_BKtd.to(q_BHtd.dtype)
+        if cp == 1:
+            return flex(q_BHtd, k_BKtd, v_BKtd, block_mask=masks[0], enable_gqa=gqa)
+        chunk = q_BHtd.shape[2] // 2
+        order = _global_order(chunk, cp).to(q_BHtd.device)
+        k_BKSd = all_gather_grad_rs(k_BKtd, 2, cp_group).index_select(2, order)
+        v_BKSd = all_gather_grad_rs(v_BKtd, 2, cp_group).index_select(2, order)
+        outputs = [
+            flex(
+                q_BHtd[:, :, half * chunk : (half + 1) * chunk],
+                k_BKSd[:, :, : (g + 1) * chunk],
+                v_BKSd[:, :, : (g + 1) * chunk],
+                block_mask=masks[half],
+                enable_gqa=gqa,
+            )
+            for half, g in enumerate((rank, 2 * cp - 1 - rank))
+        ]
+        return torch.cat(outputs, dim=2)
 
 
 def apply_document_mask_kernel(model: torch.nn.Module, kernel: str) -> torch.nn.Module:

@@ -490,8 +490,9 @@ class Trainer:
             return None
         try:
             kernel = mt_parallel.resolve_document_mask_kernel(
-                data.document_masking_kernel, self.device.type, p.cp, self.model_cfg.dropout
-            )
+                data.document_masking_kernel, self.device.type, p.cp, self.model_cfg.dropout,
+                ring=p.cp_attention == "ring",
+            )  # fmt: skip
         except ValueError as err:
             raise UserError(f"data.{err}") from err
         mt_parallel.apply_document_mask_kernel(self.model, kernel)

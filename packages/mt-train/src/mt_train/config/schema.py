@@ -239,10 +239,10 @@ class DataConfig:
     document_masking_kernel: str = "auto"
     """How the document masks are applied (:mod:`mt_parallel.document_attention`): ``flex``,
     PyTorch's FlexAttention with a block mask built from the document ids once per micro-batch
-    (the fused path on GPUs; refused on the CPU, under ``parallel.cp > 1`` and with
-    ``model.dropout > 0``); ``explicit``, a boolean mask handed to SDPA (every device, CP and
-    dropout; the reference); ``auto``, ``flex`` on CUDA where it applies and ``explicit``
-    elsewhere."""
+    (the fused path on GPUs, also under CP with ``parallel.cp_attention=all_gather``; refused
+    on the CPU, with ring attention and with ``model.dropout > 0``); ``explicit``, a boolean
+    mask handed to SDPA (every device, ring attention and dropout; the reference); ``auto``,
+    ``flex`` on CUDA where it applies and ``explicit`` elsewhere."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -485,11 +485,16 @@ class TrainConfig:
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
             )
         flex = self.data.document_masking and self.data.document_masking_kernel == "flex"
-        if flex and (par.cp > 1 or model.dropout > 0):
+        if flex and par.cp > 1 and par.cp_attention == "ring":
             raise ValueError(
-                f"data.document_masking_kernel=flex with parallel.cp={par.cp} and "
-                f"model.dropout={model.dropout}: FlexAttention takes the whole sequence and "
-                "has no attention dropout; use data.document_masking_kernel=auto or explicit"
+                f"data.document_masking_kernel=flex does not run inside ring attention "
+                f"(parallel.cp={par.cp}, parallel.cp_attention=ring): use "
+                "parallel.cp_attention=all_gather, or data.document_masking_kernel=auto or explicit"
+            )
+        if flex and model.dropout > 0:
+            raise ValueError(
+                f"data.document_masking_kernel=flex has no attention dropout (model.dropout="
+                f"{model.dropout}): use data.document_masking_kernel=auto or explicit"
             )
         if tr.global_batch_size % tr.micro_batch_size:
             raise ValueError(
