@@ -1,7 +1,7 @@
 """Document-masked causal attention through PyTorch's FlexAttention, and the choice of kernel.
 
-Shape suffixes: B batch, H query heads, K key/value heads (GQA: H a multiple of K), S tokens,
-d head dim.
+Shape suffixes: B batch, H query heads, K key/value heads (GQA: H a multiple of K), S tokens
+of the sequence, t tokens this rank holds (``S/cp``; ``S`` at cp = 1), d head dim.
 
 Math (packed sequences, every kernel)::
 
@@ -36,7 +36,9 @@ chunk, both built once per micro-batch (the ids are gathered then, not in every 
 
 Block mask cache: one slot keyed by the document-id tensor (the object and its version
 counter). Every layer of a forward, and a recomputation, receives the same tensor, so the mask
-is built once per micro-batch and shared by all layers. The flex call runs outside any
+is built once per micro-batch and shared by all layers. Under CP every rank of the group
+receives its new ids at the same layer, so all of them miss the cache together and the
+all-gather of the ids is matched. The flex call runs outside any
 enclosing ``torch.compile`` graph (``torch.compiler.disable``: a compiled block breaks its graph
 around the attention core) and with autocast off (its inputs already carry the compute dtype),
 so the separately compiled kernel sees the same call in eager and compiled models.
