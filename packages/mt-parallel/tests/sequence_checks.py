@@ -10,7 +10,9 @@ CPU).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,25 @@ from toy_lm import PLAN, DecoderLM
 
 import mt_comm
 import mt_parallel as mp
+
+
+@contextlib.contextmanager
+def flex_backward_on_cpu() -> Iterator[None]:
+    """Let FlexAttention's eager implementation run its backward on the CPU.
+
+    torch refuses it in ``flex_attention``'s input checks (``_validate_device``) only; the
+    higher-order op underneath has a device-independent math forward and backward, which is
+    what the CPU tests run: they check the block mask, the GQA layout and the wiring, and the
+    GPU test holds the fused CUDA kernel to the same numbers.
+    """
+    import torch.nn.attention.flex_attention as flex
+
+    refusal = flex._validate_device
+    flex._validate_device = lambda *tensors: None
+    try:
+        yield
+    finally:
+        flex._validate_device = refusal
 
 
 def document_ids(seed: int, batch: int, seq: int, documents: int = 4) -> torch.Tensor:
@@ -156,8 +177,10 @@ def decoder_lm_documents(
     heads: int = HEADS,
     kv_heads: int = KV_HEADS,
     device: str | None = None,
+    kernel: str = "explicit",
 ) -> dict[str, object]:
-    """The decoder LM on packed rows (document ids) under parallelize() vs. per-document runs.
+    """The decoder LM on packed rows (document ids) under parallelize() vs. per-document runs,
+    with the document masks applied by ``kernel`` (``explicit`` or ``flex``).
 
     The parallel model gets global positions, the reference positions from 0 per document:
     RoPE scores depend only on position differences, so both must agree. dp is the world over
@@ -173,6 +196,7 @@ def decoder_lm_documents(
     model = _lm(heads=heads, kv_heads=kv_heads)
     mp.init_weights(model, seed)
     model = mp.parallelize(model.to(dev), config, state, PLAN)
+    mp.apply_document_mask_kernel(model, kernel)
 
     tokens, targets = _batch(seed + 1, 2 * dp, 16)
     ids = document_ids(seed + 2, 2 * dp, 16)
@@ -182,10 +206,13 @@ def decoder_lm_documents(
 
     local_tokens, local_targets, positions, rows = _local_batch(state, tokens, targets)
     local_ids = mp.shard_sequence(ids[rows], 1, state.group("cp"))
-    logits = model(local_tokens.to(dev), positions.to(dev), local_ids.to(dev))
-    inner = model.module if hasattr(model, "module") else model  # DDP over dp×cp
-    loss = inner.loss(logits, local_targets.to(dev))
-    loss.backward()
+    lift = kernel == "flex" and dev.type == "cpu"
+    on_cpu = flex_backward_on_cpu() if lift else contextlib.nullcontext()
+    with on_cpu:
+        logits = model(local_tokens.to(dev), positions.to(dev), local_ids.to(dev))
+        inner = model.module if hasattr(model, "module") else model  # DDP over dp×cp
+        loss = inner.loss(logits, local_targets.to(dev))
+        loss.backward()
     tp_rank = state.rank("tp")
     return {
         "logits": rel_err(logits, ref_logits[rows][:, positions].chunk(tp, dim=-1)[tp_rank]),

@@ -93,6 +93,14 @@ def test_decoder_block_with_documents_cp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
+@pytest.mark.parametrize(
+    "degrees", [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}], ids=["tp2", "tp2-sp", "cp2"]
+)
+def test_flex_document_masking_under_tp_and_cp(pool: DistributedPool, degrees: dict) -> None:
+    for result in pool.run(sequence_checks.decoder_lm_documents, kernel="flex", **degrees):
+        assert_close(result)
+
+
 def test_fp8_under_tp_is_the_same_on_every_rank_and_within_the_fp8_bound(
     pool: DistributedPool,
 ) -> None:

@@ -75,8 +75,11 @@ def test_cp_attention_with_documents_cp4(pool: DistributedPool) -> None:
         assert_close(result)
 
 
-def test_decoder_block_with_documents_cp2_tp2_sp(pool: DistributedPool) -> None:
-    for result in pool.run(sequence_checks.decoder_lm_documents, cp=2, tp=2, sp=True):
+@pytest.mark.parametrize("kernel", ["explicit", "flex"])
+def test_decoder_block_with_documents_cp2_tp2_sp(pool: DistributedPool, kernel: str) -> None:
+    for result in pool.run(
+        sequence_checks.decoder_lm_documents, cp=2, tp=2, sp=True, kernel=kernel
+    ):
         assert_close(result)
 
 

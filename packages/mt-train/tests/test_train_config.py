@@ -110,6 +110,24 @@ def test_issue_example_overrides_compose() -> None:
         ("parallel.pp=2 parallel.pp_schedule=zb", "pp_schedule='zb'; valid: gpipe, 1f1b"),
         ("parallel=cp2 trainer.seq_len=250", "needs the sequence length 250 to be divisible by"),
         (
+            "data.document_masking_kernel=fused",
+            "data.document_masking_kernel='fused' is unknown; valid: auto, flex, explicit",
+        ),
+        (
+            "parallel=cp2 parallel.cp_attention=ring data.document_masking=true "
+            "data.document_masking_kernel=flex",
+            "data.document_masking_kernel=flex does not run inside ring attention "
+            "(parallel.cp=2, parallel.cp_attention=ring): use parallel.cp_attention=all_gather",
+        ),
+        (
+            "data.document_masking=true data.document_masking_kernel=flex model.dropout=0.1",
+            "data.document_masking_kernel=flex has no attention dropout (model.dropout=0.1)",
+        ),
+        (
+            "data.document_masking=true data.document_masking_kernel=flex",
+            "data.document_masking_kernel=flex needs a GPU (torch's FlexAttention has no backward",
+        ),
+        (
             "parallel=cp2 parallel.cp_attention=ring model.dropout=0.1",
             "parallel.cp_attention=ring with model.dropout=0.1: ring attention has no attention "
             "dropout; use parallel.cp_attention=all_gather or model.dropout=0",

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mt_parallel
 from mt_train import compose_config, to_train_config
 from mt_train.data import ByteTokenizer, PackedDataset
 from mt_train.data.prepare import write_prepared
@@ -81,13 +82,17 @@ def test_forward_shapes_and_determinism(kjv_data) -> None:
 
 
 @torch.no_grad()
-def test_document_masking_loss_is_the_sum_of_per_document_losses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel", ["explicit", "flex"])
+def test_document_masking_loss_is_the_sum_of_per_document_losses(
+    tmp_path: Path, kernel: str
+) -> None:
     docs = ["In the beginning", "God created the heaven and the earth.", "And", "the earth was"]
     write_prepared(tmp_path, docs * 4, ByteTokenizer(), val_every=16)
     batch = PackedDataset(tmp_path, "train", seq_len=48).collate(np.arange(2), documents=True)
     assert batch.document_ids is not None and int(batch.document_ids.max()) >= 2
     cfg = LlamaConfig(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
     model = build_model(cfg, "cpu", seed=5).double()
+    mt_parallel.apply_document_mask_kernel(model, kernel)  # flex: forward only on the CPU
 
     def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, 320), targets.reshape(-1), reduction="sum")

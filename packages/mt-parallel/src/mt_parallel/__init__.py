@@ -26,6 +26,12 @@ from mt_parallel.data_parallel import (
     apply_data_parallel,
     set_fp8_weight_cache,
 )
+from mt_parallel.document_attention import (
+    DOCUMENT_MASK_KERNELS,
+    apply_document_mask_kernel,
+    flex_document_attention,
+    resolve_document_mask_kernel,
+)
 from mt_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -78,6 +84,7 @@ __all__ = [
     "Attention",
     "ColumnParallelLinear",
     "CoreAttention",
+    "DOCUMENT_MASK_KERNELS",
     "DecoderBlock",
     "DistributedOptimizer",
     "Dropout",
@@ -100,6 +107,7 @@ __all__ = [
     "all_reduce_gradients",
     "apply_context_parallel",
     "apply_data_parallel",
+    "apply_document_mask_kernel",
     "apply_fp8",
     "apply_fp8_options",
     "set_fp8_weight_cache",
@@ -110,6 +118,7 @@ __all__ = [
     "context_parallel_attention",
     "copy_to_group",
     "document_ids_from_cu_seqlens",
+    "flex_document_attention",
     "gather_from_group",
     "get_rng_tracker",
     "high_precision_linears",
@@ -126,6 +135,7 @@ __all__ = [
     "recompute_module",
     "reduce_from_group",
     "reduce_scatter_grad_ag",
+    "resolve_document_mask_kernel",
     "ring_attention",
     "rope_cos_sin",
     "scatter_to_group",

@@ -15,8 +15,10 @@ q and k are rotated together by ``mt_fp8.ops.apply_rotary`` (Triton on CUDA, PyT
 CPU, fp32; fp64 for fp64 inputs so fp64 references stay exact).
 
 :class:`CoreAttention` is causal softmax attention with GQA (query head ``h`` reads KV head
-``h // (H/K)``), masked to each token's own document when ``document_ids`` are given; with a cp
-group it is :func:`context_parallel_attention` (or :func:`ring_attention`). It is its own
+``h // (H/K)``), masked to each token's own document when ``document_ids`` are given (by an
+explicit mask, or by FlexAttention after ``set_document_mask_kernel("flex")``:
+:mod:`mt_parallel.document_attention`); with a cp group it is
+:func:`context_parallel_attention` (or :func:`ring_attention`). It is its own
 module so selective recompute can wrap exactly this part (``recompute_target = "attention"``),
 and it takes the cp group through ``set_context_parallel`` (the hook
 :func:`mt_parallel.apply_context_parallel` calls). The local head counts are read off the
@@ -33,6 +35,7 @@ from torch import nn
 
 from mt_fp8.ops import apply_rotary
 from mt_parallel.context_parallel import context_parallel_attention
+from mt_parallel.document_attention import check_flex, flex_document_attention
 from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 from mt_parallel.mappings import group_size
 from mt_parallel.ring_attention import ring_attention
@@ -77,6 +80,9 @@ class CoreAttention(nn.Module):
         self.cp_group: Any = None
         self.cp_ring = False
         self.tp_group: Any = None
+        self.document_mask_kernel = "explicit"
+        """How document masks are applied: ``explicit`` or ``flex``
+        (:mod:`mt_parallel.document_attention`)."""
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
         self.tp_group = tp_group
@@ -86,6 +92,15 @@ class CoreAttention(nn.Module):
         if ring and self.dropout > 0:
             raise ValueError(RING_DROPOUT_ERROR)
         self.cp_group, self.cp_ring = cp_group, ring
+
+    def set_document_mask_kernel(self, kernel: str) -> None:
+        """Apply document masks with ``kernel``: ``explicit`` (SDPA with a boolean mask) or
+        ``flex`` (FlexAttention's block masks; refused with dropout or ring attention)."""
+        if kernel not in ("explicit", "flex"):
+            raise ValueError(f"document mask kernel={kernel!r} is unknown; valid: explicit, flex")
+        if kernel == "flex":
+            check_flex(group_size(self.cp_group), self.dropout, ring=self.cp_ring)
+        self.document_mask_kernel = kernel
 
     def forks_rng(self) -> bool:
         """Whether the next forward draws from the RNG tracker (recompute then replays it)."""
@@ -99,6 +114,9 @@ class CoreAttention(nn.Module):
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        if document_ids_BS is not None and self.document_mask_kernel == "flex":
+            check_flex(group_size(self.cp_group), p, ring=self.cp_ring)
+            return flex_document_attention(q_BHSd, k_BKSd, v_BKSd, document_ids_BS, self.cp_group)
         if self.cp_ring and group_size(self.cp_group) > 1:
             if p > 0:
                 raise ValueError(RING_DROPOUT_ERROR)

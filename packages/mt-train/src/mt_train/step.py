@@ -24,7 +24,9 @@ sample, so its mean loss averaged over dp×cp is the mean over the global batch,
 FSDP2 / ZeRO-1 averaging gradients over dp×cp gives that loss's gradient.
 
 Document masking (``data.document_masking``): batches carry per-token document ids and
-attention stays inside each packed document (:mod:`mt_train.data.dataset`).
+attention stays inside each packed document (:mod:`mt_train.data.dataset`), by the kernel the
+trainer gave the attention cores (``data.document_masking_kernel``,
+:mod:`mt_parallel.document_attention`).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ from mt_train.cuda_graph import GraphedStep
 from mt_train.data.blend import BlendedSampler
 from mt_train.data.dataset import Batch
 from mt_train.data.setup import data_label, open_training_data
+from mt_train.errors import UserError
 from mt_train.evaluation import Evaluator
 from mt_train.expert_load import ExpertLoadLog
 from mt_train.loggers import run_info, write_run_record
@@ -165,6 +166,7 @@ class Trainer:
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
         if p.pp > 1:  # this rank's chunks, under the whole model's names
             self.module = self.model
+        self.document_mask_kernel = self.apply_document_mask_kernel()
         self.fp8_layers = fp8_layer_count(self.module)
         # Per-step model settings (e.g. DeepSeek-V3's MTP weight switch): modules with a
         # ``set_train_step(completed_steps) -> changed`` hook.
@@ -480,6 +482,22 @@ class Trainer:
             self.timer.start("checkpoint")
             self.save()
 
+    def apply_document_mask_kernel(self) -> str | None:
+        """The kernel that applies ``data.document_masking``'s masks on this device (None when
+        off), given to the attention cores (:mod:`mt_parallel.document_attention`)."""
+        data, p = self.cfg.data, self.cfg.parallel
+        if not data.document_masking:
+            return None
+        try:
+            kernel = mt_parallel.resolve_document_mask_kernel(
+                data.document_masking_kernel, self.device.type, p.cp, self.model_cfg.dropout,
+                ring=p.cp_attention == "ring",
+            )  # fmt: skip
+        except ValueError as err:
+            raise UserError(f"data.{err}") from err
+        mt_parallel.apply_document_mask_kernel(self.model, kernel)
+        return kernel
+
     def describe(self) -> str:
         c, tr, p = self.model_cfg, self.cfg.trainer, self.cfg.parallel
         precision = "bf16 autocast" if self.autocast_dtype else "fp32"
@@ -489,7 +507,9 @@ class Trainer:
             sp += f" pp={p.pp} {p.pp_schedule}"
         ep = f" ep={p.ep}" if p.ep > 1 else ""
         cp_attention = f", cp {p.cp_attention}" if p.cp > 1 else ""
-        docs = ", document masking" if self.cfg.data.document_masking else ""
+        docs = (
+            f", document masking ({self.document_mask_kernel})" if self.document_mask_kernel else ""
+        )
         params = self.family.num_params(self.module) / 1e6
         held = " on this pipeline rank" if p.pp > 1 else ""
         return (

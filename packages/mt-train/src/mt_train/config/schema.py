@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
-from mt_parallel import ParallelConfig, validate_cp_sequence
+from mt_parallel import DOCUMENT_MASK_KERNELS, ParallelConfig, validate_cp_sequence
 from mt_parallel.pipeline import chunks_per_rank, split_layers
 from mt_train.config.observability import CommConfig, ProfilingConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
@@ -233,9 +233,16 @@ class DataConfig:
     """When preparing a bundled set: every n-th document (image) goes to the validation split."""
     document_masking: bool = False
     """Attention stays inside each packed document (mask ``causal ∧ same document``, Megatron's
-    ``reset_attention_mask``). Off by default, as in torchtitan and Megatron: plain causal
-    attention over the packed window keeps the fused causal kernels (an explicit mask is slower
-    on GPUs), and with windows much shorter than the documents few tokens cross a boundary."""
+    ``reset_attention_mask``), applied by ``document_masking_kernel``. Off by default, as in
+    torchtitan and Megatron: with windows much shorter than the documents few tokens cross a
+    boundary."""
+    document_masking_kernel: str = "auto"
+    """How the document masks are applied (:mod:`mt_parallel.document_attention`): ``flex``,
+    PyTorch's FlexAttention with a block mask built from the document ids once per micro-batch
+    (the fused path on GPUs, also under CP with ``parallel.cp_attention=all_gather``; refused
+    on the CPU, with ring attention and with ``model.dropout > 0``); ``explicit``, a boolean
+    mask handed to SDPA (every device, ring attention and dropout; the reference); ``auto``,
+    ``flex`` on CUDA where it applies and ``explicit`` elsewhere."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -254,6 +261,11 @@ class DataConfig:
         if self.bundled not in BUNDLED_DATA:
             raise ValueError(
                 f"data.bundled={self.bundled!r} is unknown; valid: {', '.join(BUNDLED_DATA)}"
+            )
+        if self.document_masking_kernel not in DOCUMENT_MASK_KERNELS:
+            raise ValueError(
+                f"data.document_masking_kernel={self.document_masking_kernel!r} is unknown; "
+                f"valid: {', '.join(DOCUMENT_MASK_KERNELS)}"
             )
         if self.sampling not in SAMPLINGS:
             raise ValueError(
@@ -471,6 +483,18 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
+            )
+        flex = self.data.document_masking and self.data.document_masking_kernel == "flex"
+        if flex and par.cp > 1 and par.cp_attention == "ring":
+            raise ValueError(
+                f"data.document_masking_kernel=flex does not run inside ring attention "
+                f"(parallel.cp={par.cp}, parallel.cp_attention=ring): use "
+                "parallel.cp_attention=all_gather, or data.document_masking_kernel=auto or explicit"
+            )
+        if flex and model.dropout > 0:
+            raise ValueError(
+                f"data.document_masking_kernel=flex has no attention dropout (model.dropout="
+                f"{model.dropout}): use data.document_masking_kernel=auto or explicit"
             )
         if tr.global_batch_size % tr.micro_batch_size:
             raise ValueError(
