@@ -108,8 +108,8 @@ def assert_bitwise(actual, expected):
 
 @pytest.fixture(autouse=True)
 def fused_on_cuda(monkeypatch):
-    """The kernels are opt-in on CUDA (mt_fp8.ops.moe_permute); these tests opt in."""
-    monkeypatch.setenv("MT_FUSED_MOE_PERMUTE", "1")
+    """The kernels run by default on CUDA unless MT_FUSED_MOE_PERMUTE=0; these tests need them."""
+    monkeypatch.delenv("MT_FUSED_MOE_PERMUTE", raising=False)
 
 
 @pytest.fixture(params=[False, True], ids=["one_block", "blocked_rows"])

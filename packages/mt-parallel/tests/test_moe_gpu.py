@@ -85,7 +85,7 @@ def test_moe_layer_fused_permute_matches_the_pytorch_permute(
         num_experts=16, top_k=top_k, expert_ffn_dim=256, capacity_factor=capacity_factor,
         pad_to_capacity=pad,
     )  # fmt: skip
-    monkeypatch.setenv("MT_FUSED_MOE_PERMUTE", "1")
+    monkeypatch.delenv("MT_FUSED_MOE_PERMUTE", raising=False)  # the fused kernels: CUDA's default
     layer = MoE(128, cfg).cuda()
     mp.init_weights(layer, seed=1)
     x = torch.randn(2, 64, 128, device="cuda")

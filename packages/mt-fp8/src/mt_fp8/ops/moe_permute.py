@@ -26,8 +26,9 @@ bit-identical unpermutes up to ``K = 4``. Past 4 terms torch's CPU ``sum(1)`` in
 by 4 in some columns (which, depends on the SIMD width), and the kernel's ``j``-ordered sum
 can differ from it in the last bit; ``dw`` is a length-D dot product summed in another order.
 Both stay within fp32 rounding of the float64 result (``test_fp8_moe_permute.py``). Elsewhere
-the PyTorch path runs. The kernels have run only in Triton's interpreter so far, so on CUDA they
-are opt-in (``MT_FUSED_MOE_PERMUTE=1``) until their GPU tests have passed on a GPU.
+the PyTorch path runs. On CUDA the kernels run by default (their GPU tests passed on an H100
+on 2026-12-05, and docs/performance.md gives their speed); ``MT_FUSED_MOE_PERMUTE=0`` turns
+them off, for comparisons.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def fused_permute_runs(x: torch.Tensor, weights_TK: torch.Tensor | None = None) 
     """Whether :func:`permute_rows` / :func:`unpermute_rows` take the Triton kernels for ``x``."""
     if weights_TK is not None and weights_TK.dtype != torch.float32:
         return False
-    if x.is_cuda and os.environ.get("MT_FUSED_MOE_PERMUTE") != "1":
+    if x.is_cuda and os.environ.get("MT_FUSED_MOE_PERMUTE") == "0":
         return False
     tensors = (x,) if weights_TK is None else (x, weights_TK)
     return x.dtype in KERNEL_DTYPES and x.dim() == 2 and use_triton(*tensors)
