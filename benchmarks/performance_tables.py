@@ -56,6 +56,8 @@ SHARED_INIT_ROWS = (
     ("torchao rowwise", "torchao-rowwise", "plain bf16", "plain"),
     ("mt rowwise", "rowwise", "mt bf16", "none"),
     ("mt delayed", "delayed", "mt bf16", "none"),
+    ("mt blockwise", "blockwise", "mt bf16", "none"),
+    ("mt MXFP8", "mxfp8", "mt bf16", "none"),
 )
 """The rows of the shared-initial-weights table, as ``PARITY_ROWS``; a pair whose runs did not
 both finish is compared at the last validation step both reached (the cell says which)."""
@@ -305,7 +307,7 @@ def loss_parity_shared_init(data: Path) -> str:
     spreads = [
         f"{name} {spread['spread_pct']:.2f}%"
         for name, spread in result["parity"]["spreads"].items()
-        if name in ("none", "plain", "torchao-rowwise", "delayed")
+        if name in ("none", "plain", "torchao-rowwise", "delayed", "blockwise")
     ]
     return table(header, rows) + (
         "\nSeed spread of the complete runs, 100·(max − min)/mean of the final losses: "
