@@ -61,6 +61,11 @@ def test_sharded_and_context_parallel_layouts_validate() -> None:
     assert cfg.parallel.data_parallel == "zero1" and cfg.check_world(2) == 1
 
 
+def test_mxfp8_scale_rounding_is_an_override() -> None:
+    cfg = to_train_config(compose_config(["fp8=mxfp8", "fp8.recipe_args.scale_rounding=ceil"]))
+    assert dict(cfg.fp8.recipe_args) == {"scale_rounding": "ceil"}
+
+
 def test_issue_example_overrides_compose() -> None:
     cfg = to_train_config(
         compose_config(
@@ -85,6 +90,10 @@ def test_issue_example_overrides_compose() -> None:
         ),
         ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
         ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),
+        (
+            "fp8=mxfp8 fp8.recipe_args.scale_rounding=up",
+            "MXFP8Scaling.scale_rounding must be 'ceil' or 'floor', got 'up'",
+        ),
         (
             "scheduler.name=linear",
             "scheduler.name='linear' is unknown; valid: cosine, wsd, constant",
