@@ -13,7 +13,9 @@ checkpoint code is the same at every ``pp``. A run:
    pp=1 step does);
 3. averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
    trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
-   inside the schedule (pytorch#144530);
+   inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
+   expert-data-parallel group and divided by dp×cp instead
+   (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total (the model's extra values are reported by that rank only).
@@ -115,8 +117,13 @@ class PipelineStep:
             kwargs.append({"positions": positions, "document_ids": docs})
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
         if self.parallel.data_parallel == "ddp":
-            params = [p for p in self.module.parameters() if p.grad is not None]
+            params = [
+                p
+                for p in self.module.parameters()
+                if p.grad is not None and getattr(p, "expert_group", None) is None
+            ]
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+            mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (
             torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)

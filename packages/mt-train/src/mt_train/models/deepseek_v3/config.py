@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from mt_parallel import ParallelConfig, YarnConfig
 from mt_parallel.moe import MoEConfig
 from mt_train.config.schema import ModelConfig, positive
-from mt_train.models.moe.config import check_no_expert_pipeline
 
 
 @dataclass
@@ -116,7 +115,6 @@ class DeepSeekV3Config(ModelConfig):
                     f"tensor parallel size tp={parallel.tp} does not divide {name}={value}"
                 )
         self.moe.check_expert_parallel(parallel.ep)
-        check_no_expert_pipeline(parallel)
         if self.mtp_depth and (parallel.cp > 1 or parallel.pp > 1):
             raise ValueError(
                 f"model.mtp_depth={self.mtp_depth} is not supported with parallel.cp="

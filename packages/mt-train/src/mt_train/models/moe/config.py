@@ -16,15 +16,6 @@ from mt_parallel.moe import MoEConfig
 from mt_train.models.llama.config import LlamaConfig
 
 
-def check_no_expert_pipeline(parallel: ParallelConfig) -> None:
-    """Expert parallelism inside pipeline stages is not supported yet (one line)."""
-    if parallel.ep > 1 and parallel.pp > 1:
-        raise ValueError(
-            f"parallel.ep={parallel.ep} with parallel.pp={parallel.pp} is not supported yet "
-            "(expert parallelism inside pipeline stages); use ep=1 with pp, or pp=1 with ep"
-        )
-
-
 @dataclass
 class MoEModelConfig(LlamaConfig):
     """A Llama decoder with MoE feed-forward layers (module docstring)."""
@@ -44,11 +35,9 @@ class MoEModelConfig(LlamaConfig):
             )
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Llama's rules, the ep degree dividing the experts, no ep with pp, no sequence
-        parallel."""
+        """Llama's rules, the ep degree dividing the experts, no sequence parallel."""
         super().check_parallel(parallel, seq_len)
         self.moe.check_expert_parallel(parallel.ep)
-        check_no_expert_pipeline(parallel)
         if parallel.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel=true is not supported with MoE models yet (the "
