@@ -91,3 +91,18 @@ def test_mixtral_four_layers_matches_one_process_under_two_chunk_schedules(
 ) -> None:
     model = {**MOE, "model.n_layers": 4}
     check_against_one_process(pool, kjv_data, tmp_path, model, schedule, **extra)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_without_mtp_matches_one_process_at_pp2(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """MLA blocks, the dense layer 0 and MoE layers 1 (stage 0) and 2 (stage 1)."""
+    model = {
+        "model": "deepseek_v3_tiny", "model.dim": 64, "model.n_layers": 3, "model.ffn_dim": 128,
+        "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16,
+        "model.qk_rope_head_dim": 8, "model.v_head_dim": 16, "model.moe.expert_ffn_dim": 32,
+        "model.mtp_depth": 0, "scheduler": "constant", "trainer.micro_batch_size": 2,
+        "trainer.log_interval": 1,
+    }  # fmt: skip
+    check_against_one_process(pool, kjv_data, tmp_path, model, "1f1b")

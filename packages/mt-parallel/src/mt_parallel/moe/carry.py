@@ -53,7 +53,9 @@ class CarryAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_dtype, ctx.aux_device = scale, aux.dtype, aux.device
-        return h.view_as(h)
+        # NOTE: the same storage as a new non-view tensor (not ``h`` or ``h.view_as(h)``, which
+        # autograd tracks as a view): torch's split backward detaches stage outputs in place.
+        return h.detach()
 
     @staticmethod
     def backward(ctx: Any, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
