@@ -83,10 +83,14 @@ def test_deepseek_aux_free_bias_moves_per_stage_under_zero_bubble(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("schedule", "extra"),
-    [("interleaved_1f1b", {"parallel.pp_chunks": 2}), ("dualpipev", {})],
-    ids=["interleaved_1f1b", "dualpipev"],
+    [
+        ("interleaved_1f1b", {"parallel.pp_chunks": 2}),
+        ("dualpipev", {}),
+        ("1f1b", {"parallel.recompute": "full"}),
+    ],
+    ids=["interleaved_1f1b", "dualpipev", "1f1b-recompute-full"],
 )
-def test_mixtral_four_layers_matches_one_process_under_two_chunk_schedules(
+def test_mixtral_four_layers_matches_one_process(
     schedule: str, extra: dict, pool: DistributedPool, kjv_data: Path, tmp_path: Path
 ) -> None:
     model = {**MOE, "model.n_layers": 4}
@@ -106,3 +110,20 @@ def test_deepseek_v3_without_mtp_matches_one_process_at_pp2(
         "trainer.log_interval": 1,
     }  # fmt: skip
     check_against_one_process(pool, kjv_data, tmp_path, model, "1f1b")
+
+
+@pytest.mark.slow
+def test_deepseek_pp2_checkpoint_resumes_at_pp1_with_its_biases(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """Each stage saves its routers' aux-loss-free biases under the whole model's names; one
+    process joins them and continues the single-process curve."""
+    steps = {"trainer.max_steps": 12}
+    single = train_checks.run_losses(overrides(kjv_data, **DEEPSEEK, **steps), tmp_path / "full")
+    pp = {"parallel": "pp2", "trainer.max_steps": 8}
+    pool.run(train_checks.run_losses, overrides(kjv_data, **DEEPSEEK, **pp), tmp_path / "split")
+    manifest = (tmp_path / "split" / "checkpoints" / "step-00000008" / "manifest.json").read_text()
+    assert "model/layers.1.mlp.router.expert_bias" in manifest
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+    at_pp1 = train_checks.run_losses(overrides(kjv_data, **DEEPSEEK, **resume), tmp_path / "split")
+    assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
