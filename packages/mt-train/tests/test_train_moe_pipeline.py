@@ -1,4 +1,5 @@
-"""MoE models under pipeline parallelism on two gloo ranks (pp=2): mixtral_tiny with its
+"""MoE models under pipeline parallelism on two gloo ranks (pp=2): one step's gradients of
+every parameter, with unequal micro-batch loss factors, equal one process's; mixtral_tiny with its
 balancing and z-losses on and deepseek_moe_tiny with the aux-loss-free bias (its first stage
 holding only the dense layer) train with the single-process loss curve, and every logged MoE
 metric (auxiliary losses, MaxVio per micro-batch and over the global batch, dropped fraction,
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
 from train_checks import tiny_overrides
 
@@ -59,6 +61,31 @@ def check_against_one_process(
         assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
         assert set(names) <= set(row)
     return reference
+
+
+def test_first_step_gradients_with_loss_factors_equal_one_process_at_pp2(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """Every parameter's gradient (routers included: balancing and z-losses on both stages),
+    the loss and the MoE extras of one step with unequal micro-batch loss factors."""
+    factors = [1.0, 0.5, 2.0, 1.0]  # four micro-batches of 2
+    single = train_checks.first_step_gradients(
+        overrides(kjv_data, **MOE), tmp_path / "one", factors
+    )
+    pp = {**MOE, "parallel": "pp2"}
+    per_rank = pool.run(
+        train_checks.first_step_gradients, overrides(kjv_data, **pp), tmp_path / "pp", factors
+    )
+    held = [set(r["grads"]) for r in per_rank]
+    assert not held[0] & held[1] and held[0] | held[1] == set(single["grads"])
+    assert any("router" in name for name in held[0]) and any("router" in n for n in held[1])
+    for result in per_rank:
+        for name, grad in result["grads"].items():
+            # fp32, the same operations in the same order but the auxiliary losses' weight
+            # (f_m/M directly, not autograd's product): a few ulps of gradients of size <= 1.
+            torch.testing.assert_close(grad, single["grads"][name], rtol=1e-5, atol=1e-7)
+        assert result["loss"] == pytest.approx(single["loss"], rel=RTOL)
+        assert result["extras"] == pytest.approx(single["extras"], rel=RTOL)
 
 
 def test_mixtral_with_aux_and_z_losses_matches_one_process_at_pp2(

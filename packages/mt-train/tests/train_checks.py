@@ -102,6 +102,27 @@ def run_logged(overrides: list[str], output_dir: str | Path) -> dict:
     return {"losses": summary.losses, "rows": rows}
 
 
+def first_step_gradients(
+    overrides: list[str], output_dir: str | Path, loss_factors: list[float] | None = None
+) -> dict:
+    """One step's forward and backward (no update): the reported loss and extras, and this
+    rank's gradients by parameter name."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        micro = trainer.sampler.next_step()
+        batches = [trainer.collate(trainer.data.train, indices) for indices in micro]
+        result = trainer.step_runner.run(batches, loss_factors, None, eager=True)
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in trainer.module.named_parameters()
+            if p.grad is not None
+        }
+        extras = {name: float(value) for name, value in result.extras.items()}
+        return {"loss": float(result.total), "extras": extras, "grads": grads}
+    finally:
+        trainer.close()
+
+
 def run_summary(overrides: list[str], output_dir: str | Path) -> dict:
     """Train; the per-step losses and the greedy sample."""
     summary = fit(overrides, output_dir)[1]
