@@ -82,7 +82,7 @@ def carry_aux_losses(
             *(s.detach().float() for s in sums),
             torch.stack([s.max_violation for s in stats]).max(),
             torch.stack([s.dropped_fraction for s in stats]).sum(),
-            torch.tensor(float(len(stats)), device=h.device),
+            torch.full((), float(len(stats)), device=h.device),
         ]
     )
     return h, record
@@ -109,7 +109,10 @@ def pipeline_aux_summary(
     mt_comm.all_reduce(sums, group=group)
     mt_comm.all_reduce(vio_M, op="max", group=group)
     aux_M = sums[:, 0] + sums[:, 1]
-    weights_M = torch.tensor(list(factors), dtype=aux_M.dtype, device=device)
+    weights_M = torch.ones_like(aux_M)  # filled on the device: no host-to-device copy
+    for m, factor in enumerate(factors):
+        if factor != 1.0:
+            weights_M[m] = factor
     layers_M = sums[:, _LAYERS].clamp(min=1)
     logged = {
         AUX_NAMES[0]: sums[:, 0].sum(),
