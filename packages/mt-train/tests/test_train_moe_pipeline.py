@@ -154,3 +154,11 @@ def test_deepseek_pp2_checkpoint_resumes_at_pp1_with_its_biases(
     resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     at_pp1 = train_checks.run_losses(overrides(kjv_data, **DEEPSEEK, **resume), tmp_path / "split")
     assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
+
+
+@pytest.mark.slow
+def test_mixtral_fp8_experts_under_zero_bubble_match_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """FP8 (rowwise, emulated on the CPU) grouped experts in split-backward stages."""
+    check_against_one_process(pool, kjv_data, tmp_path, {**MOE, "fp8": "rowwise"}, "zero_bubble")
