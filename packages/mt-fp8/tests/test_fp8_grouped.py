@@ -24,6 +24,7 @@ from mt_fp8 import (
     RowwiseScaling,
     TensorRole,
     TensorwiseScaling,
+    WeightGradSink,
     clear_fp8_weight_caches,
     final_micro_batch,
     quantize,
@@ -283,6 +284,20 @@ def test_empty_groups_and_bad_group_sizes():
         fp8_grouped_linear(x, layer.weight, None, [100, -4, 0, 0], plan, emulated_grouped_mm)
     with pytest.raises(ValueError, match="at least one token"):
         fp8_grouped_linear(x[:0], layer.weight, None, [0] * E, plan, emulated_grouped_mm)
+
+
+def test_loop_with_a_weight_gradient_sink_computes_expert_gradients_in_backward():
+    """The loop's experts are views of one parameter, which a deferred weight gradient cannot
+    reach: with a sink set (as a zero-bubble pipeline stage does) the loop queues nothing and
+    its gradients equal the sink-less layer's, bit for bit."""
+    recipe = RowwiseScaling(formats=E4M3)
+    expected = run(make_layer(recipe), *inputs(UNEVEN), UNEVEN)
+    layer = make_layer(recipe)
+    layer.wgrad_sink = WeightGradSink()
+    got = run(layer, *inputs(UNEVEN), UNEVEN)
+    assert len(layer.wgrad_sink) == 0
+    for name in ("y", "dx", "dw", "db"):
+        assert torch.equal(got[name], expected[name]), name
 
 
 def test_grouped_weight_cache():

@@ -177,9 +177,13 @@ def cp_attention(
 
 # --------------------------------------------------------------------------- decoder block / LM
 def _lm(
-    dropout: float = 0.0, layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS
+    dropout: float = 0.0,
+    layers: int = 2,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    moe: mp.moe.MoEConfig | None = None,
 ) -> DecoderLM:
-    return DecoderLM(VOCAB, DIM, layers, heads, kv_heads, FFN, dropout=dropout)
+    return DecoderLM(VOCAB, DIM, layers, heads, kv_heads, FFN, dropout=dropout, moe=moe)
 
 
 def _batch(seed: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,15 @@ from mt_parallel.pipeline import StageShapes, chunks_per_rank
 BATCH, SEQ = 2, 16
 
 
-def _reference(layers: int, seed: int, dtype: torch.dtype, fp8: bool) -> torch.nn.Module:
-    model = _lm(layers=layers)
+# Two routed experts of four per token, balancing and z-losses on (their gradients cross
+# no stage boundary: mt_parallel.moe.carry).
+MOE = mp.moe.MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16, z_loss_coeff=1e-2)
+
+
+def _reference(
+    layers: int, seed: int, dtype: torch.dtype, fp8: bool, moe: bool = False
+) -> torch.nn.Module:
+    model = _lm(layers=layers, moe=MOE if moe else None)
     mp.init_weights(model, seed)
     model = model.to(dtype)
     if fp8:
@@ -60,8 +67,12 @@ def pipeline_lm(
     fp8: bool = False,
     recompute: str = "none",
     seed: int = 0,
+    moe: bool = False,
 ) -> dict[str, object]:
-    """One pipelined step against the whole model on one process (module docstring)."""
+    """One pipelined step against the whole model on one process (module docstring); with
+    ``moe`` MoE layers whose auxiliary losses the chunks carry, and the step's total loss
+    (cross-entropy on the last rank plus every stage's carried losses) compared instead of
+    each micro-batch's."""
     world = dist.get_world_size()
     pp = world // (tp * dp)
     config = mp.ParallelConfig(
@@ -73,8 +84,8 @@ def pipeline_lm(
     v = chunks_per_rank(schedule, chunks)
     num_layers = sum(layers) if layers else pp * v
     dtype = torch.float32 if fp8 else torch.float64
-    reference = _reference(num_layers, seed, dtype, fp8)
-    model = _reference(num_layers, seed, dtype, False)
+    reference = _reference(num_layers, seed, dtype, fp8, moe)
+    model = _reference(num_layers, seed, dtype, False, moe)
     options = mp.FP8Options(mt_fp8.TensorwiseScaling()) if fp8 else None
     chunk_modules = mp.pipeline_chunks(model, config, state, PLAN, options)
 
@@ -114,9 +125,23 @@ def pipeline_lm(
     mine_ref = ref_losses[dp_rank * microbatches : (dp_rank + 1) * microbatches]
     computed = dict(enumerate(result.losses))  # only the rank holding the last chunk has them
     loss_errors = {str(k): rel_err(loss, mine_ref[k]) for k, loss in computed.items()}
+    total_error = 0.0
+    if moe:
+        ce = torch.stack(result.losses).sum() if result.losses else torch.zeros((), dtype=dtype)
+        mt_comm.all_reduce(ce, group=state.group("pp"))
+        records = [c.aux_records for c in chunk_modules]
+        assert all(len(r) == microbatches for r in records if r), records
+        aux, _ = mp.moe.pipeline_aux_summary(
+            records, [1.0] * microbatches, state.group("pp"), torch.device("cpu")
+        )
+        # Per micro-batch the last rank sees only the cross-entropy; the step's total is
+        # compared instead (in fp32: the records are kept at logging precision).
+        loss_errors = {}
+        total_error = rel_err(ce.float() + aux, torch.stack(mine_ref).sum().float())
     return {
         "grads": grads,
         "losses": loss_errors,
+        "total_loss_error": total_error,
         "holds_last": any(c.last for c in chunk_modules),
         "loss_count": len(result.losses),
         "stages": runner.stage_ids,

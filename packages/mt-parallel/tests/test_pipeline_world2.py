@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 gloo ranks (one pool for the module): every schedule's losses and
 gradients against one process running the whole model (float64), with even and uneven splits
-and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients."""
+and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients; MoE
+layers' auxiliary losses carried across stages."""
 
 from __future__ import annotations
 
@@ -81,6 +82,28 @@ def test_fp8_split_backward_defers_weight_gradients(pool: DistributedPool, sched
     check(results, 4, FP32_VS_FP64)
     split = schedule != "1f1b"
     assert all((r["weight_grad_sinks"] > 0) == split for r in results)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "layers"),
+    [("1f1b", [2, 1]), ("zero_bubble", None), ("dualpipev", [1, 1, 0, 1]),
+     ("interleaved_1f1b", None)],
+)  # fmt: skip
+def test_moe_auxiliary_losses_reach_every_stage(
+    pool: DistributedPool, schedule: str, layers: list[int] | None
+) -> None:
+    """MoE layers with balancing and z-losses on both ranks (and one on a chunk with no MoE
+    layer): every gradient, routers included, equals one process's in float64; the step's
+    total loss (the last rank's cross-entropy plus the carried losses) to fp32 records."""
+    chunks = chunks_of(schedule)
+    results = pool.run(
+        checks.pipeline_lm, schedule=schedule, microbatches=4, chunks=chunks, layers=layers,
+        moe=True,
+    )  # fmt: skip
+    check(results, 4)
+    assert any("router" in name for r in results for name in r["names"])
+    # fp32 sums of a few values of size ~6: a few fp32 ulps.
+    assert all(r["total_loss_error"] < 1e-6 for r in results)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])

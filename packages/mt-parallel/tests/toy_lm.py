@@ -5,7 +5,9 @@ like at its smallest. Embedding (vocab-parallel) → ``num_layers`` pre-norm
 :class:`~mt_parallel.DecoderBlock` s (GQA :class:`~mt_parallel.Attention` with plain RoPE, SwiGLU
 :class:`~mt_parallel.MLP`) → RMSNorm → column-parallel LM head. ``forward`` returns the local
 vocabulary slice of the logits ``(B, S, V/tp)`` and :meth:`DecoderLM.loss` the cross-entropy
-(vocab-parallel under TP). :data:`PLAN` is its :class:`~mt_parallel.ParallelizePlan`.
+(vocab-parallel under TP). With ``moe`` the MLPs are :class:`mt_parallel.moe.MoE` layers and the
+training loss adds their auxiliary losses (:func:`mt_parallel.moe.collect_aux_losses`), as
+mt-train's MoE family does. :data:`PLAN` is its :class:`~mt_parallel.ParallelizePlan`.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ class DecoderLM(nn.Module):
         num_kv_heads: int,
         ffn_dim: int,
         dropout: float = 0.0,
+        moe: mp.moe.MoEConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed = mp.VocabParallelEmbedding(vocab_size, dim)
         self.layers = nn.ModuleList(
             mp.DecoderBlock(
                 mp.Attention(dim, num_heads, num_kv_heads, dropout=dropout, num_layers=num_layers),
-                mp.MLP(dim, ffn_dim, num_layers),
+                mp.moe.MoE(dim, moe, num_layers) if moe else mp.MLP(dim, ffn_dim, num_layers),
                 dim,
                 dropout=dropout,
             )
@@ -59,8 +62,11 @@ class DecoderLM(nn.Module):
         return self.lm_head(self.norm(x_BTD))
 
     def loss(self, logits_BSV_l: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over this rank's tokens (vocab-parallel over the TP group)."""
-        return mp.vocab_parallel_cross_entropy(logits_BSV_l, targets_BS, self.lm_head.tp_group)
+        """Mean cross-entropy over this rank's tokens (vocab-parallel over the TP group), plus
+        the MoE layers' auxiliary losses still held in training."""
+        ce = mp.vocab_parallel_cross_entropy(logits_BSV_l, targets_BS, self.lm_head.tp_group)
+        aux, _ = mp.moe.collect_aux_losses(self)
+        return ce + aux if aux is not None and self.training else ce
 
 
 PLAN = mp.ParallelizePlan(

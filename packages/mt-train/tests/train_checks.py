@@ -11,6 +11,8 @@ data. ``snapshot_round_trip`` checks that an in-memory snapshot restores this ra
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,37 @@ def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
 def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
     """Train with ``overrides`` and return the loss of every step."""
     return fit(overrides, output_dir)[1].losses
+
+
+def run_logged(overrides: list[str], output_dir: str | Path) -> dict:
+    """Train; the per-step losses and (on rank 0, which logs) the metric rows written."""
+    summary = fit(overrides, output_dir)[1]
+    path = Path(output_dir) / "metrics.jsonl"
+    rows = []
+    if os.environ.get("RANK", "0") == "0" and path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {"losses": summary.losses, "rows": rows}
+
+
+def first_step_gradients(
+    overrides: list[str], output_dir: str | Path, loss_factors: list[float] | None = None
+) -> dict:
+    """One step's forward and backward (no update): the reported loss and extras, and this
+    rank's gradients by parameter name."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        micro = trainer.sampler.next_step()
+        batches = [trainer.collate(trainer.data.train, indices) for indices in micro]
+        result = trainer.step_runner.run(batches, loss_factors, None, eager=True)
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in trainer.module.named_parameters()
+            if p.grad is not None
+        }
+        extras = {name: float(value) for name, value in result.extras.items()}
+        return {"loss": float(result.total), "extras": extras, "grads": grads}
+    finally:
+        trainer.close()
 
 
 def run_summary(overrides: list[str], output_dir: str | Path) -> dict:

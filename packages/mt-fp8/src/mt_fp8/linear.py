@@ -42,6 +42,7 @@ Shape suffixes: T tokens (all groups), E groups (experts), K in_features, N out_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -316,6 +317,10 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             if plan is None:
                 outputs.append(F.linear(x_e, self.weight[expert], bias))
             else:
+                # NOTE: an expert's weight is a view of the stacked parameter, whose ``.grad`` a
+                # deferred weight gradient cannot reach: the loop computes it in the backward
+                # (as the grouped path does), never in a ``wgrad_sink``.
+                plan = dataclasses.replace(plan, wgrad_sink=None)
                 outputs.append(fp8_linear(x_e, self.weight[expert], bias, plan))
         return torch.cat(outputs)
 

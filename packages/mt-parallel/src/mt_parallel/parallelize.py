@@ -233,12 +233,14 @@ def parallelize(
     state: ParallelState,
     plan: ParallelizePlan,
     fp8: FP8Options | None = None,
+    data_parallel: str | None = None,
 ) -> nn.Module:
     """Apply TP/SP → CP → FP8 (if ``fp8``) → recompute → compile → DP, in that order.
 
     ``state`` is ``mt_comm``'s parallel state with the same degrees as ``config``; ``plan``
     names the model's blocks and output head. Returns the model to train (a DDP wrapper in
-    ``ddp`` mode when dp×cp > 1, else ``model`` itself).
+    ``ddp`` mode when dp×cp > 1, else ``model`` itself). ``data_parallel`` overrides
+    ``config.data_parallel`` for the last step (pipeline chunks: ``none``, the caller reduces).
     """
     config.validate_world(state.dims.world_size)
     for dim in ("tp", "cp", "pp", "ep"):
@@ -268,5 +270,6 @@ def parallelize(
             if isinstance(module, plan.block_types):
                 module.compile()
     return apply_data_parallel(
-        model, config.data_parallel, state.group("dp_cp"), state.device_type, plan.block_types
-    )
+        model, data_parallel or config.data_parallel, state.group("dp_cp"), state.device_type,
+        plan.block_types,
+    )  # fmt: skip

@@ -59,8 +59,7 @@ def shape_of(cfg: Any) -> ModelShape:
         return ModelShape(
             family=family, num_experts=m.num_experts, top_k=m.top_k,
             expert_ffn_dim=m.expert_ffn_dim, shared_ffn_dim=m.shared_hidden_dim,
-            first_k_dense=cfg.first_k_dense, tp_divides=tp, supports_pp=False,
-            supports_sp=False, **f,
+            first_k_dense=cfg.first_k_dense, tp_divides=tp, supports_sp=False, **f,
         )  # fmt: skip
     if family == "deepseek_v3":
         m = cfg.moe

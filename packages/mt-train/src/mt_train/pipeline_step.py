@@ -13,10 +13,17 @@ checkpoint code is the same at every ``pp``. A run:
    pp=1 step does);
 3. averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
    trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
-   inside the schedule (pytorch#144530);
+   inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
+   expert-data-parallel group and divided by dp×cp instead
+   (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total (the model's extra values are reported by that rank only).
+   MoE models (``carries_aux_losses``): every chunk attached its layers' auxiliary losses to
+   its activations (:mod:`mt_parallel.moe.carry`); every rank adds the whole pipeline's
+   ``Σ_m f_m·a_m`` (reduced over the pp group) to that sum, so the total is the ``pp = 1`` step's ``Σ_m f_m·(CE_m + a_m)``, and the
+   MoE metrics (``moe_aux_loss``, ``moe_z_loss``, ``moe_max_vio``, ``moe_dropped``) and
+   ``ce_loss`` are reduced over the pipeline group, so every rank reports the whole model's.
 
 The gradient norm then sums over the model-parallel group (tp×pp, :mod:`mt_train.update`), since
 each pipeline rank holds different parameters.
@@ -49,11 +56,13 @@ class PipelineStep:
         seq_len: int,
         dim: int,
         vocab_size: int,
+        carries_aux_losses: bool = False,
     ) -> None:
         module = runner.module
         if not isinstance(module, mt_parallel.PipelineModule):
             raise TypeError(f"a pipeline step needs an mt_parallel.PipelineModule, got {module!r}")
         self.runner, self.module, self.parallel = runner, module, parallel
+        self.carries_aux_losses = carries_aux_losses
         self.pp_group, self.dp_cp_group = pstate.group("pp"), pstate.group("dp_cp")
         local_seq = seq_len // parallel.cp
         hidden_seq = local_seq // parallel.tp if parallel.sequence_parallel else local_seq
@@ -108,14 +117,29 @@ class PipelineStep:
             kwargs.append({"positions": positions, "document_ids": docs})
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
         if self.parallel.data_parallel == "ddp":
-            params = [p for p in self.module.parameters() if p.grad is not None]
+            params = [
+                p
+                for p in self.module.parameters()
+                if p.grad is not None and getattr(p, "expert_group", None) is None
+            ]
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+            mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (
             torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)
         )
         mt_comm.all_reduce(total, group=self.pp_group)
-        return StepResult(total, result.extras)
+        extras = result.extras
+        if self.carries_aux_losses:
+            factors = loss_factors or [1.0] * len(batches)
+            aux_total, extras = mt_parallel.moe.pipeline_aux_summary(
+                [c.aux_records for c in self.module.pipeline_chunks], factors, self.pp_group,
+                device,
+            )  # fmt: skip
+            total = total + aux_total  # already summed over the pipeline
+            ce = result.extras.get("ce_loss", torch.zeros((), device=device)).clone()
+            extras["ce_loss"] = mt_comm.all_reduce(ce, group=self.pp_group)
+        return StepResult(total, extras)
 
     def reset(self) -> None:
         """Nothing is cached between steps."""
@@ -132,5 +156,5 @@ def pipeline_step(
     )
     return PipelineStep(
         runner, cfg.parallel, pstate, microbatches, tr.micro_batch_size, tr.seq_len,
-        model_cfg.dim, model_cfg.vocab_size,
+        model_cfg.dim, model_cfg.vocab_size, getattr(model_cfg, "moe", None) is not None,
     )  # fmt: skip

@@ -163,6 +163,11 @@ class Trainer:
         self.model_cfg.check_parallel(p)
         self.family = family_of(self.model_cfg)
         self.module = build_model(self.model_cfg, self.device, tr.seed)
+        routers = {
+            name: m.cfg.num_experts
+            for name, m in self.module.named_modules()
+            if isinstance(m, mt_parallel.moe.Router)
+        }
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
         if p.pp > 1:  # this rank's chunks, under the whole model's names
             self.module = self.model
@@ -207,7 +212,11 @@ class Trainer:
         self.verdict = Verdict()
         self._stop = StopRequest()
         self.events = EventLog(self.output_dir / EVENTS_FILE if self.rank == 0 else None)
-        self.expert_load = ExpertLoadLog(self.events)
+        self.expert_load = (
+            ExpertLoadLog(self.events, self.pstate.group("pp"), routers, self.device)
+            if p.pp > 1
+            else ExpertLoadLog(self.events)
+        )
         self.guard = RewindManager(cfg.rewind, self.events, self.device)
         self.faults = fault_injector(
             cfg.fault, self.rank, fired_faults(self.output_dir, self.rank, self.device),

@@ -8,6 +8,7 @@ from mt_parallel.moe.balance import (
     update_expert_biases,
 )
 from mt_parallel.moe.capacity import PermutePlan, expert_capacity, permute, permute_plan, unpermute
+from mt_parallel.moe.carry import AuxLossScale, CarryAuxLoss, carry_aux_losses, pipeline_aux_summary
 from mt_parallel.moe.config import BALANCING_MODES, DISPATCHERS, SCORE_FUNCTIONS, MoEConfig
 from mt_parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, dispatch_and_combine
 from mt_parallel.moe.experts import (
@@ -34,6 +35,7 @@ __all__ = [
     "SCORE_FUNCTIONS",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
+    "AuxLossScale",
     "GroupedExperts",
     "GroupedLinear",
     "LoadStats",
@@ -42,7 +44,9 @@ __all__ = [
     "PermutePlan",
     "Router",
     "Routing",
+    "CarryAuxLoss",
     "apply_expert_parallel",
+    "carry_aux_losses",
     "bias_update",
     "collect_aux_losses",
     "dispatch_and_combine",
@@ -57,6 +61,7 @@ __all__ = [
     "moe_layers",
     "permute",
     "permute_plan",
+    "pipeline_aux_summary",
     "reduce_expert_gradients",
     "sequence_aux_loss",
     "switch_aux_loss",

@@ -5,10 +5,10 @@
 :class:`~mt_parallel.pipeline.split.PipelineLayout` (:func:`split_model`; ``v`` chunks per
 rank from the schedule), keeps this pipeline rank's (loop placement ``s mod pp``, or the V of
 ``zbv``/``dualpipev``: rank ``r`` holds ``r`` and ``2·pp−1−r``), and runs the usual transform
-path on each (TP/SP → CP → FP8 → recompute → compile) with no data-parallel wrapper: the
-caller reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``,
-ZeRO-1's reduce-scatter for ``zero1``; torch's zero-bubble schedules skip DDP's hooks,
-pytorch#144530). The output head is named in the plan only on the last chunk.
+path on each (TP/SP → EP → CP → FP8 → recompute → compile) with no data-parallel wrapper: the
+caller reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``, the
+experts split over ``ep`` over their expert-data-parallel group instead, ZeRO-1's
+reduce-scatter for ``zero1``; torch's zero-bubble schedules skip DDP's hooks, pytorch#144530). The output head is named in the plan only on the last chunk.
 :func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
 parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
 """
@@ -43,11 +43,9 @@ def pipeline_chunks(
     v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
     stage_ids = rank_stages(config.pp_schedule, config.pp, v, state.rank("pp"))
     chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
-    mode = "zero1" if config.data_parallel == "zero1" else "none"
-    chunk_config = dataclasses.replace(config, data_parallel=mode)
     for chunk in chunks:
         chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)
-        parallelize(chunk, chunk_config, state, chunk_plan, fp8)
+        parallelize(chunk, config, state, chunk_plan, fp8, data_parallel="none")
     return chunks
 
 

@@ -24,6 +24,10 @@ What this module adds around it:
   without such layers use torch's own split
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
   is run from the saved intermediate gradients).
+* MoE auxiliary losses: chunks that hold MoE layers (``carries_aux_losses``) get each
+  micro-batch's :class:`~mt_parallel.moe.AuxLossScale` (``f_m / M``) as the keyword
+  ``aux_loss_scale`` and attach their layers' losses to their output
+  (:mod:`mt_parallel.moe.carry`); their per-micro-batch records are cleared at each step.
 * Data-parallel gradients are never reduced by the runtime: stages hold plain modules (no DDP
   wrapper, whose hooks zero-bubble schedules skip, pytorch#144530), and the caller reduces the
   gradients over dp×cp after :meth:`PipelineSchedule.step`, as ``data_parallel=none`` does.
@@ -46,6 +50,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 import mt_fp8
+from mt_parallel.moe.carry import AuxLossScale
 from mt_parallel.pipeline.schedules import (
     SCHEDULES,
     chunks_per_rank,
@@ -172,9 +177,19 @@ class PipelineSchedule:
         for stage in self.runtime._stages:
             stage.has_backward = True
             stage.clear_runtime_states()
+        chunk_kwargs = [dict(k) for k in kwargs] if kwargs is not None else None
+        carrying = [
+            s.submod for s in self.runtime._stages if getattr(s.submod, "carries_aux_losses", False)
+        ]
+        if carrying:
+            for chunk in carrying:
+                chunk.aux_records = {}
+            chunk_kwargs = chunk_kwargs or [{} for _ in range(self.microbatches)]
+            for m, k in enumerate(chunk_kwargs):
+                k["aux_loss_scale"] = AuxLossScale(m, factors[m] / self.microbatches)
         self.runtime._step_microbatches(
             [(t,) for t in tokens],
-            list(kwargs) if kwargs is not None else None,
+            chunk_kwargs,
             [(y, f) for y, f in zip(targets, factors, strict=True)],
             return_outputs=False,
         )

@@ -14,6 +14,11 @@ the middle chunks first, so the chunks that also hold the embedding (chunk 0) an
 holds the embedding, the last the final modules, each its blocks under their original indices,
 so a chunk's ``state_dict`` keys are the whole model's (``layers.5.…`` stays ``layers.5.…``) and
 checkpoints move between pipeline layouts by name.
+
+A chunk holding MoE layers attaches their auxiliary losses to the hidden states after its
+blocks (:mod:`mt_parallel.moe.carry`: the gradient reaches the routers in the backward, no
+value crosses stages) when the schedule passes ``aux_loss_scale``, and keeps each
+micro-batch's record of them in :attr:`PipelineChunk.aux_records` for the step's metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from mt_parallel.moe.carry import AuxLossScale, carry_aux_losses
+from mt_parallel.moe.layer import moe_layers
 
 
 @dataclass(frozen=True)
@@ -100,17 +108,29 @@ class PipelineChunk(nn.Module):
             for name in layout.final:
                 self.add_module(name, getattr(model, name))
         self.loss_fn: Callable | None = model.loss if last and hasattr(model, "loss") else None
+        self.moe_layers = moe_layers(self)
+        self.aux_records: dict[int, torch.Tensor] = {}
+        """Micro-batch -> this chunk's MoE record (:mod:`mt_parallel.moe.carry`) of the step."""
+
+    @property
+    def carries_aux_losses(self) -> bool:
+        return bool(self.moe_layers)
 
     def forward(
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        aux_loss_scale: AuxLossScale | None = None,
     ) -> torch.Tensor:
         if self.first:
             x = getattr(self, self.layout.embedding)(x)
         for block in getattr(self, self.layout.blocks).values():
             x = block(x, positions, document_ids)
+        if self.moe_layers:
+            x, record = carry_aux_losses(self.moe_layers, x, aux_loss_scale)
+            if record is not None and aux_loss_scale is not None:
+                self.aux_records[aux_loss_scale.microbatch] = record
         if self.last:
             for name in self.layout.final:
                 x = getattr(self, name)(x)

@@ -35,14 +35,9 @@ class MoEModelConfig(LlamaConfig):
             )
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Llama's rules, the ep degree dividing the experts, no pipeline, no sequence parallel."""
+        """Llama's rules, the ep degree dividing the experts, no sequence parallel."""
         super().check_parallel(parallel, seq_len)
         self.moe.check_expert_parallel(parallel.ep)
-        if parallel.pp > 1:
-            raise ValueError(
-                f"parallel.pp={parallel.pp} is not supported with MoE models yet (each stage's "
-                "auxiliary losses would have to reach the last stage's loss)"
-            )
         if parallel.sequence_parallel:
             raise ValueError(
                 "parallel.sequence_parallel=true is not supported with MoE models yet (the "

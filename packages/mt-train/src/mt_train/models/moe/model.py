@@ -9,7 +9,10 @@ Per block (mt_parallel's pre-norm :class:`~mt_parallel.DecoderBlock`)::
 Loss (training): ``CE + Σ_layers (aux + z)``: the balancing and z-losses each MoE layer kept
 from this forward (:func:`mt_parallel.moe.collect_aux_losses`); logged extras: ``ce_loss``,
 ``moe_aux_loss``, ``moe_z_loss``, ``moe_max_vio`` (the worst layer's max/mean load − 1),
-``moe_dropped``. In evaluation (``model.eval()``) the loss is the cross-entropy alone.
+``moe_dropped``. In evaluation (``model.eval()``) the loss is the cross-entropy alone. Under
+pipeline parallelism each chunk has already attached its layers' auxiliary losses to its
+activations (:mod:`mt_parallel.moe.carry`), so none is left here and the loss is the
+cross-entropy; the pipeline step reports the auxiliary values over all stages.
 
 Parameter counts: ``total`` every parameter; ``active`` what one token uses (``top_k`` of the
 routed experts, all else): :func:`active_parameters`.
@@ -53,9 +56,10 @@ class MoETransformer(Llama):
         """``CE + auxiliary losses`` in training, ``CE`` in evaluation (module docstring)."""
         ce = super().loss(logits_BTV_l, targets_BT)
         aux, logged = collect_aux_losses(self)
-        if not self.training or aux is None:
+        if not self.training:
             return ce, logged
-        return ce + aux, {"ce_loss": ce.detach(), **logged}
+        total = ce if aux is None else ce + aux
+        return total, {"ce_loss": ce.detach(), **logged}
 
 
 def _expert_params_per_layer(cfg: MoEModelConfig) -> tuple[int, int]:

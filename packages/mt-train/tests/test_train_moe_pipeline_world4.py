@@ -1,0 +1,63 @@
+"""MoE models under pipeline and expert parallelism on four gloo ranks (pp=2 × dp=2, ep=2
+inside each stage): the loss curve and the global-batch MaxVio of every router (counts summed
+over each stage's dp×cp group, then met over the pipeline) equal one process's; experts are
+reduced over their expert-data-parallel group after the schedule, the rest over dp×cp. One
+pool for the module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import train_checks
+from test_train_moe_pipeline import DEEPSEEK, MOE, overrides
+
+from mt_comm.testing import DistributedPool
+
+# fp32 on the CPU; dp=2 × ep=2 adds gradient all-reduces and the experts' rows in another order
+# than one process (a few ulps per step, as in test_train_moe.py's ep=2 test); eight AdamW steps
+# keep that far below 1e-4.
+RTOL = 1e-4
+PP_EP = {"parallel": "pp2", "parallel.ep": 2}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as pool:
+        yield pool
+
+
+def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layout: object) -> None:
+    single = train_checks.run_logged(overrides(data, **model), tmp_path / "single")
+    per_rank = pool.run(
+        train_checks.run_logged, overrides(data, **model, **PP_EP, **layout), tmp_path / "run"
+    )
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
+    assert per_rank[0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    rows, reference = (
+        [r for r in run["rows"] if r["kind"] == "train"] for run in (per_rank[0], single)
+    )
+    assert len(rows) == len(reference) == 8
+    for row, ref in zip(rows, reference, strict=True):
+        names = [n for n in ref if n.startswith("moe_max_vio_global")]
+        assert len(names) == 3  # the worst and both routers (one per stage)
+        assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
+
+
+def test_mixtral_pp2_ep2_dp2_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    check(pool, kjv_data, tmp_path, MOE)
+
+
+@pytest.mark.slow
+def test_deepseek_pp2_ep2_dp2_under_zero_bubble_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    check(
+        pool,
+        kjv_data,
+        tmp_path,
+        {**DEEPSEEK, "model.n_layers": 3},
+        **{"parallel.pp_schedule": "zero_bubble"},
+    )
