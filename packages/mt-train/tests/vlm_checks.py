@@ -1,0 +1,99 @@
+"""Worker function for the VLM under sequence and context parallelism (spawned gloo ranks).
+
+:func:`vlm_parallel_step` builds ``vlm_tiny``'s shapes in float64 twice from one seed: a
+one-process reference fed the whole micro-batch, and the model under ``mt_parallel.parallelize``
+fed what the trainer feeds a rank (under CP its load-balanced chunks and their global
+positions, every image of the micro-batch). It returns each rank's errors against the
+reference after one forward and backward, so a test can bound them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import mt_comm
+import mt_parallel as mp
+from mt_train.models import model_sizes
+from mt_train.models.vlm import IGNORE_INDEX, VisionLanguageModel
+from mt_train.models.vlm.parallelize import vlm_plan
+
+VOCAB = 320
+SEQ = 32
+"""Two rows of 32 tokens: at cp=2 four chunks of 8, at tp=2 with SP shards of 8 or 4."""
+IMAGE_STARTS = ((3, 13), (6,))
+"""Where each row's images begin (4 tokens each): row 0's first image lies in chunk 0, its
+second straddles chunks 1 and 2 (two cp ranks); row 1's straddles an SP shard boundary."""
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
+    """``max|a − b| / max(max|b|, floor)`` in float64."""
+    expected = expected.detach().double()
+    scale = expected.abs().max().clamp_min(floor)
+    return float((actual.detach().double() - expected).abs().max() / scale)
+
+
+def vlm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens with image placeholders, targets masked on images and prompts, the images."""
+    cfg = model_sizes()["vlm_tiny"]
+    per_image, v = cfg.vision.tokens_per_image, cfg.vision
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (len(IMAGE_STARTS), SEQ), generator=g)
+    targets = torch.randint(0, 256, tokens.shape, generator=g)
+    for row, starts in enumerate(IMAGE_STARTS):
+        for start in starts:
+            tokens[row, start : start + per_image] = cfg.image_token_id
+            targets[row, : start + per_image] = IGNORE_INDEX  # the prompt and the image
+    n_images = sum(len(s) for s in IMAGE_STARTS)
+    images = torch.rand(n_images, v.channels, v.image_size, v.image_size, generator=g)
+    return tokens, targets, images.double()
+
+
+def vlm_parallel_step(tp: int, cp: int, sp: bool, seed: int = 0) -> dict[str, object]:
+    """Loss, logits and every gradient of one step against the one-process reference."""
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
+    cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
+    reference = VisionLanguageModel(cfg)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = VisionLanguageModel(cfg)
+    mp.init_weights(model, seed)
+    config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
+    model = mp.parallelize(model.double(), config, state, vlm_plan(cfg))
+    inner = model.module if hasattr(model, "module") else model  # DDP over cp
+
+    tokens, targets, images = vlm_batch(seed + 1)
+    ref_logits = reference(tokens, images=images)
+    ref_loss, ref_extras = reference.loss(ref_logits, targets)
+    ref_loss.backward()
+
+    cp_group = state.group("cp")
+    positions = mp.load_balanced_positions(SEQ, cp, state.rank("cp"))
+    local_tokens, local_targets = (mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets))
+    logits = model(local_tokens, positions if cp > 1 else None, None, images=images)
+    loss, extras = inner.loss(logits, local_targets)
+    loss.backward()  # DDP averages the gradients over cp
+
+    mean_loss = loss.detach().clone()
+    mt_comm.all_reduce(mean_loss, op="avg", group=cp_group)
+    plan = mp.tp_shard_plan(reference)
+    full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    expected = mp.shard_state_dict(full, plan, state.rank("tp"), tp)
+    # The attention key biases' gradient is zero in exact arithmetic (softmax is invariant to a
+    # shift of every score by q·b_k), so theirs is rounding noise: errors are relative to at
+    # least 1e-6 of the largest gradient.
+    floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
+    grads = {
+        name: rel_err(p.grad, expected[name], floor)
+        for name, p in inner.named_parameters()
+        if p.requires_grad and name in expected
+    }
+    ref_logits_local = ref_logits[:, positions].chunk(tp, dim=-1)[state.rank("tp")]
+    return {
+        "loss": rel_err(mean_loss, ref_loss),
+        "logits": rel_err(logits, ref_logits_local),
+        "grads": grads,
+        "graded": sorted(full),
+        "counts": (float(extras["loss_tokens"]), float(ref_extras["loss_tokens"])),
+    }
