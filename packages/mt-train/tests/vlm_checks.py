@@ -22,9 +22,11 @@ from mt_train.models.vlm.parallelize import vlm_plan
 VOCAB = 320
 SEQ = 32
 """Two rows of 32 tokens: at cp=2 four chunks of 8, at tp=2 with SP shards of 8 or 4."""
-IMAGE_STARTS = ((3, 13), (6,))
-"""Where each row's images begin (4 tokens each): row 0's first image lies in chunk 0, its
-second straddles chunks 1 and 2 (two cp ranks); row 1's straddles an SP shard boundary."""
+IMAGE_STARTS = ((3, 22), (14,))
+"""Where each row's images begin (4 tokens each). At cp=2 rank 0 holds chunks 0 and 3
+(positions 0-7, 24-31), rank 1 chunks 1 and 2: row 0's second image straddles ranks 1 and 0,
+and row 0's caption (positions 26-31) lies on rank 0 alone, so the ranks' unmasked target
+counts differ. At tp=2 with SP (shards 0-15, 16-31) row 1's image straddles the shards."""
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
