@@ -10,18 +10,13 @@ from pathlib import Path
 import pytest
 import train_checks
 from test_train_vlm_parallel import NO_DROPOUT, RTOL, vlm_overrides
-from vlm_checks import vlm_parallel_step
+from vlm_checks import FP64_BOUND, vlm_parallel_step
 
 from mt_comm.testing import DistributedPool
 from mt_train.data.prepare import prepare_bundled
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
-# float64: the layouts differ from one process only in summation order (TP's partial sums,
-# the SP reduce-scatter, the cp ranks' loss sums and DDP's gradient average), each ~1e-16
-# relative per operation over a few hundred terms; 1e-10 leaves that a wide margin while a
-# misplaced image feature or a wrong loss weight moves the loss and gradients by > 1e-3.
-FP64_BOUND = 1e-10
 LAYOUTS = {"tp2_sp": (2, 1, True), "cp2": (1, 2, False)}
 
 

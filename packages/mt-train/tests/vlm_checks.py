@@ -19,9 +19,16 @@ from mt_train.models import model_sizes
 from mt_train.models.vlm import IGNORE_INDEX, VisionLanguageModel
 from mt_train.models.vlm.parallelize import vlm_plan
 
+# float64: a layout differs from one process only in summation order (TP's partial sums,
+# the SP reduce-scatter, the cp ranks' loss sums and DDP's gradient average), each ~1e-16
+# relative per operation over a few hundred terms; 1e-10 leaves that a wide margin while a
+# misplaced image feature, a missing gradient sum or a wrong loss weight moves the loss or the
+# gradients by order 1 (each was tried).
+FP64_BOUND = 1e-10
 VOCAB = 320
 SEQ = 32
-"""Two rows of 32 tokens: at cp=2 four chunks of 8, at tp=2 with SP shards of 8 or 4."""
+"""Two rows of 32 tokens: at cp=2 four chunks of 8; SP shards of 16 at tp=2, of 8 at cp=2 × tp=2
+(where row 1's image, local positions 6-9 of rank 1, straddles them too)."""
 IMAGE_STARTS = ((3, 22), (14,))
 """Where each row's images begin (4 tokens each). At cp=2 rank 0 holds chunks 0 and 3
 (positions 0-7, 24-31), rank 1 chunks 1 and 2: row 0's second image straddles ranks 1 and 0,
