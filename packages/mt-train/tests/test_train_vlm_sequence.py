@@ -1,7 +1,8 @@
 """The vision-language model under sequence parallel (tp=2) and context parallel (cp=2) on two
-gloo ranks equals one process in float64: loss, logits and every gradient of a step whose
-images straddle cp chunks and SP shards (:mod:`vlm_checks`); and the trainer's digits run at
-those layouts reports the one-process losses. One pool for the module."""
+gloo ranks equals one process in float64: loss, logits and every gradient over two SGD steps
+on micro-batches whose images straddle cp chunks and SP shards (:mod:`vlm_checks`); and the
+trainer's digits run at those layouts reports the one-process losses. One pool for the
+module."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def test_step_matches_one_process_in_float64(layout: str, pool) -> None:
     for result in pool.run(vlm_parallel_step, tp, cp, sp):
         assert result["loss"] < FP64_BOUND
         assert result["logits"] < FP64_BOUND
-        assert len(result["grads"]) == len(result["graded"])  # vision, projector, language
+        assert sorted(result["grads"]) == result["graded"]  # vision, projector, language
         worst = max(result["grads"].items(), key=lambda kv: kv[1])
         assert worst[1] < FP64_BOUND, worst
-        trained, expected = result["counts"]
-        assert trained == expected  # the cp group's unmasked targets: the whole sequence's
+        for trained, expected in result["counts"]:
+            assert trained == expected  # the cp group's unmasked targets: the whole sequence's
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 :func:`vlm_parallel_step` builds ``vlm_tiny``'s shapes in float64 twice from one seed: a
 one-process reference fed the whole micro-batch, and the model under ``mt_parallel.parallelize``
 fed what the trainer feeds a rank (under CP its load-balanced chunks and their global
-positions, every image of the micro-batch). It returns each rank's errors against the
-reference after one forward and backward, so a test can bound them.
+positions, every image of the micro-batch). It returns each rank's worst errors against the
+reference over two forward/backward steps with an SGD update between, so a test can bound
+them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from mt_train.models.vlm.parallelize import vlm_plan
 # gradients by order 1 (each was tried).
 FP64_BOUND = 1e-10
 VOCAB = 320
+STEPS = 2
+LR = 0.5
+"""Plain SGD between the steps, large enough that step 2 runs on visibly different weights."""
 SEQ = 32
 """Two rows of 32 tokens: at cp=2 four chunks of 8; SP shards of 16 at tp=2, of 8 at cp=2 × tp=2
 (where row 1's image, local positions 6-9 of rank 1, straddles them too)."""
@@ -59,8 +63,11 @@ def vlm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, targets, images.double()
 
 
-def vlm_parallel_step(tp: int, cp: int, sp: bool, seed: int = 0) -> dict[str, object]:
-    """Loss, logits and every gradient of one step against the one-process reference."""
+def vlm_parallel_step(
+    tp: int, cp: int, sp: bool, seed: int = 0, steps: int = STEPS
+) -> dict[str, object]:
+    """The worst error of the loss, logits and every gradient over ``steps`` SGD steps (each
+    on a new micro-batch) against the one-process reference."""
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
     reference = VisionLanguageModel(cfg)
@@ -71,38 +78,48 @@ def vlm_parallel_step(tp: int, cp: int, sp: bool, seed: int = 0) -> dict[str, ob
     config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
     model = mp.parallelize(model.double(), config, state, vlm_plan(cfg))
     inner = model.module if hasattr(model, "module") else model  # DDP over cp
-
-    tokens, targets, images = vlm_batch(seed + 1)
-    ref_logits = reference(tokens, images=images)
-    ref_loss, ref_extras = reference.loss(ref_logits, targets)
-    ref_loss.backward()
-
-    cp_group = state.group("cp")
+    cp_group, tp_rank = state.group("cp"), state.rank("tp")
     positions = mp.load_balanced_positions(SEQ, cp, state.rank("cp"))
-    local_tokens, local_targets = (mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets))
-    logits = model(local_tokens, positions if cp > 1 else None, None, images=images)
-    loss, extras = inner.loss(logits, local_targets)
-    loss.backward()  # DDP averages the gradients over cp
-
-    mean_loss = loss.detach().clone()
-    mt_comm.all_reduce(mean_loss, op="avg", group=cp_group)
     plan = mp.tp_shard_plan(reference)
-    full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
-    expected = mp.shard_state_dict(full, plan, state.rank("tp"), tp)
-    # The attention key biases' gradient is zero in exact arithmetic (softmax is invariant to a
-    # shift of every score by q·b_k), so theirs is rounding noise: errors are relative to at
-    # least 1e-6 of the largest gradient.
-    floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
-    grads = {
-        name: rel_err(p.grad, expected[name], floor)
-        for name, p in inner.named_parameters()
-        if p.requires_grad and name in expected
-    }
-    ref_logits_local = ref_logits[:, positions].chunk(tp, dim=-1)[state.rank("tp")]
+    loss_errors, logits_errors, counts = [], [], []
+    grads: dict[str, float] = {}
+    for step in range(steps):
+        tokens, targets, images = vlm_batch(seed + 1 + step)
+        ref_logits = reference(tokens, images=images)
+        ref_loss, ref_extras = reference.loss(ref_logits, targets)
+        ref_loss.backward()
+
+        local_tokens, local_targets = (mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets))
+        logits = model(local_tokens, positions if cp > 1 else None, None, images=images)
+        loss, extras = inner.loss(logits, local_targets)
+        loss.backward()  # DDP averages the gradients over cp
+
+        mean_loss = loss.detach().clone()
+        mt_comm.all_reduce(mean_loss, op="avg", group=cp_group)
+        full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+        expected = mp.shard_state_dict(full, plan, tp_rank, tp)
+        # The attention key biases' gradient is zero in exact arithmetic (softmax is invariant
+        # to a shift of every score by q·b_k), so theirs is rounding noise: errors are relative
+        # to at least 1e-6 of the largest gradient.
+        floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
+        for name, p in inner.named_parameters():
+            if p.requires_grad and name in expected:
+                error = rel_err(p.grad, expected[name], floor)
+                grads[name] = max(grads.get(name, 0.0), error)
+        ref_logits_local = ref_logits[:, positions].chunk(tp, dim=-1)[tp_rank]
+        loss_errors.append(rel_err(mean_loss, ref_loss))
+        logits_errors.append(rel_err(logits, ref_logits_local))
+        counts.append((float(extras["loss_tokens"]), float(ref_extras["loss_tokens"])))
+        with torch.no_grad():
+            for module in (reference, inner):
+                for param in module.parameters():
+                    if param.grad is not None:
+                        param -= LR * param.grad
+                        param.grad = None
     return {
-        "loss": rel_err(mean_loss, ref_loss),
-        "logits": rel_err(logits, ref_logits_local),
+        "loss": max(loss_errors),
+        "logits": max(logits_errors),
         "grads": grads,
-        "graded": sorted(full),
-        "counts": (float(extras["loss_tokens"]), float(ref_extras["loss_tokens"])),
+        "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
+        "counts": counts,
     }
