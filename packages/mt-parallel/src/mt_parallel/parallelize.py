@@ -5,9 +5,10 @@ Order (each step assumes the previous ones; none edits model code):
 
 1. **Tensor parallel** (:func:`apply_tensor_parallel`): check every module's divisibility first
    (``check_tp``), then cut each TP layer's full parameters to this rank's shard, switch the
-   layers to SP if asked, and give every other module with a ``set_tensor_parallel(tp_group,
-   sequence_parallel)`` hook (norms, dropouts, the attention core) the TP group. Parameters are
-   *replaced*, so build optimizers after this step.
+   layers to SP if asked (except those the plan's ``sequence_parallel_skip`` names), and give
+   every other module with a ``set_tensor_parallel(tp_group, sequence_parallel)`` hook (norms,
+   dropouts, the attention core) the TP group. Parameters are *replaced*, so build optimizers
+   after this step.
 2. **Context parallel** (:func:`apply_context_parallel`): give every module with a
    ``set_context_parallel(cp_group, ring)`` hook (the attention cores) the cp group (and the
    all-gather or ring algorithm).
@@ -71,6 +72,10 @@ class ParallelizePlan:
     :attr:`FP8Options.output_head`, which then runs :attr:`FP8Options.output_head_gemms`."""
     fp8_skip: tuple[str, ...] = ()
     """Module-name fragments whose TP linears always stay in high precision (a router, say)."""
+    sequence_parallel_skip: tuple[str, ...] = ()
+    """Module-name fragments whose TP layers (and ``set_tensor_parallel`` hooks) stay plain TP
+    when sequence parallel is on: their inputs are replicated over the TP group, not sequence
+    shards (a vision encoder, whose image tokens are not the decoder's sequence)."""
     pipeline: PipelineLayout | None = None
     """Where the embedding, blocks and final modules are, for pipeline parallelism (None: the
     model cannot be pipelined)."""
@@ -97,9 +102,13 @@ class FP8Options:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_group: Any, sequence_parallel: bool = False
+    model: nn.Module,
+    tp_group: Any,
+    sequence_parallel: bool = False,
+    sequence_parallel_skip: tuple[str, ...] = (),
 ) -> nn.Module:
-    """Shard ``model``'s TP layers over ``tp_group`` in place (step 1 of the module docstring)."""
+    """Shard ``model``'s TP layers over ``tp_group`` in place (step 1 of the module docstring);
+    modules whose name contains an entry of ``sequence_parallel_skip`` keep SP off."""
     tp = group_size(tp_group)
     if sequence_parallel and tp == 1:
         raise ValueError("sequence parallel needs tensor parallelism (a tp group of > 1 rank)")
@@ -109,11 +118,12 @@ def apply_tensor_parallel(
         check = getattr(module, "check_tp", None)
         if check is not None:
             check(tp)
-    for module in model.modules():
+    for name, module in model.named_modules():
+        sp = sequence_parallel and not any(skip in name for skip in sequence_parallel_skip)
         if isinstance(module, TensorParallelModule):
-            module.shard_(tp_group, sequence_parallel)
+            module.shard_(tp_group, sp)
         elif hasattr(module, "set_tensor_parallel"):
-            module.set_tensor_parallel(tp_group, sequence_parallel)
+            module.set_tensor_parallel(tp_group, sp)
     return model
 
 
@@ -250,7 +260,7 @@ def parallelize(
                 f"{dim}={state.size(dim)}"
             )
     tp_group = state.group("tp")
-    apply_tensor_parallel(model, tp_group, config.sequence_parallel)
+    apply_tensor_parallel(model, tp_group, config.sequence_parallel, plan.sequence_parallel_skip)
     apply_expert_parallel(model, state.group("ep"), state.group("edp"), state.group("dp_cp"))
     if config.cp > 1:
         apply_context_parallel(model, state.group("cp"), config.cp_attention == "ring")

@@ -415,7 +415,9 @@ class CostModel:
         head.add("cross_entropy", cf, 2 * cf, 0.0, r4)
         if md.extra_flops_per_token:
             seconds, r5 = self._gemm("bf16", T, D, D)
-            extra = md.extra_flops_per_token * T / (2.0 * T * D * D) * seconds
+            # Every cp rank encodes all of the micro-batch's images (the VLM's encoder is
+            # replicated over cp), so its work is the whole micro-batch's, not T's.
+            extra = md.extra_flops_per_token * T * L.cp / (2.0 * T * D * D) * seconds
             emb.add("vision_encoder", extra / 3, extra / 3, extra / 3, r5)
         fwd: dict[str, list] = {"embedding": [], "head": []}
         bwd: dict[str, list] = {"embedding": [], "head": []}

@@ -18,9 +18,25 @@ number of images. The counts must agree (the error says both). Placeholder rows 
 embedding are overwritten, never read.
 
 Loss: next-token cross-entropy only where the target is not ``IGNORE_INDEX`` (the data
-masks image and prompt tokens and the padding); the mean is over this rank's unmasked
-targets. :meth:`VisionLanguageModel.loss` also reports the micro-batch's masked and trained
+masks image and prompt tokens and the padding); the mean is over the micro-batch's unmasked
+targets (under CP: ``cp·Σ_local / count_cp``, whose mean over the cp ranks is that mean). :meth:`VisionLanguageModel.loss` also reports the micro-batch's masked and trained
 target counts (``masked_tokens``, ``loss_tokens``), which the trainer logs.
+
+Sequence and context parallelism (the decoder's; the image tower stays replicated). Image
+features go to rows ``r`` of ``g_RD`` (``R = N·L``, the flattened features) by
+:meth:`VisionLanguageModel.image_slots`: ``r`` is the placeholder's row-major ordinal in the
+whole micro-batch, -1 for text. Under CP (``parallel.cp > 1``) a rank holds its load-balanced
+chunks (at ``positions_S``), so it all-gathers the cp ranks' placeholder masks (``B×T``
+integers) to number its own placeholders; every rank runs the encoder and projector on *all*
+images of the micro-batch and places the rows that fall in its chunks (the encoder's compute
+is repeated on each of the ``cp`` ranks; docs/architecture.md gives its FLOP share). Under SP (``parallel.tp > 1`` with
+``sequence_parallel``) the embedding comes out sequence-sharded; each TP rank places the
+rows of its shard, and ``g`` passes through ``copy_to_group`` (identity forward, all-reduce
+backward) so every rank's encoder sees the features' whole gradient, as under plain TP. The
+encoder and projector linears stay plain TP under SP (the plan's ``sequence_parallel_skip``).
+Each cp rank's gradient covers the paths through its own chunks' features (other ranks'
+losses reach them through the attention's K/V backward), so their sum over cp, which DDP /
+FSDP2 / ZeRO-1 average over dp×cp, is the whole sequence's gradient.
 
 Freezing (``model.freeze``): ``encoder`` (LLaVA's stage 2) or ``encoder_and_decoder``
 (stage 1, only the projector trains) sets ``requires_grad=False``, which the optimizer and
@@ -29,9 +45,12 @@ the gradient norm skip.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+import mt_comm
 import mt_parallel
 from mt_train.models.llama.model import Llama
 from mt_train.models.llama.model import flops_per_token as llama_flops
@@ -67,24 +86,80 @@ class VisionLanguageModel(nn.Module):
             self.vision.requires_grad_(False)
         if cfg.freeze == "encoder_and_decoder":
             self.language.requires_grad_(False)
+        self.tp_group: Any = None
+        """The TP group when sequence parallel is on (set by the TP transform)."""
+        self.cp_group: Any = None
+        """The cp group under context parallelism (set by the CP transform)."""
 
-    def embed(self, tokens_BT: torch.Tensor, images_NCHW: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with the projected image features at the placeholders."""
-        x_BTD = self.language.embed(tokens_BT)
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
+        """Hook of the TP transform: under SP each rank merges the features of its shard."""
+        self.tp_group = tp_group if sequence_parallel else None
+
+    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
+        """Hook of the CP transform: placeholder order and the loss mean span the cp group."""
+        self.cp_group = cp_group
+
+    def image_slots(
+        self, tokens_BT: torch.Tensor, positions_S: torch.Tensor | None, n_images: int
+    ) -> torch.Tensor:
+        """Each token's row of the flattened image features ``(N·L, D)``, -1 for text tokens.
+
+        Rows follow the placeholders' row-major order in the *whole* sequence; under CP this
+        rank's tokens sit at ``positions_S`` (by default the load-balanced chunks), so the cp
+        ranks' placeholder masks are gathered (a ``(B, T)`` integer all-gather) to count the
+        placeholders before each of its tokens. Checks the count against the images.
+        """
         placeholders_BT = tokens_BT == self.cfg.image_token_id
-        n_images = 0 if images_NCHW is None else images_NCHW.shape[0]
+        full_BT = placeholders_BT.long()
+        cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
+        if cp > 1:
+            seq_len = tokens_BT.shape[1] * cp
+            if positions_S is None:
+                rank = mt_comm.group_rank(self.cp_group)
+                positions_S = mt_parallel.load_balanced_positions(seq_len, cp, rank)
+            positions_S = positions_S.to(tokens_BT.device)
+            gathered_BT = mt_comm.all_gather(full_BT, dim=1, group=self.cp_group)
+            gathered_S = mt_comm.all_gather(positions_S.long(), dim=0, group=self.cp_group)
+            full_BT = torch.zeros_like(gathered_BT)
+            full_BT[:, gathered_S] = gathered_BT
         per_image = self.cfg.vision.tokens_per_image
-        found = int(placeholders_BT.sum())
+        found = int(full_BT.sum())
         if found != n_images * per_image:
             raise ValueError(
                 f"the batch has {found} image placeholder tokens (id {self.cfg.image_token_id}) "
                 f"for {n_images} images of {per_image} tokens each (model.vision gives "
                 f"{per_image} per image; prepare the data with that many)"
             )
+        rows_BT = full_BT.flatten().cumsum(0).view_as(full_BT) - 1
+        if cp > 1:
+            rows_BT = rows_BT[:, positions_S]
+        return torch.where(placeholders_BT, rows_BT, -1)
+
+    def embed(
+        self,
+        tokens_BT: torch.Tensor,
+        images_NCHW: torch.Tensor | None,
+        positions_S: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings with the projected image features at the placeholders (this
+        rank's sequence shard under SP: its slice of :meth:`image_slots`)."""
+        x_BTD = self.language.embed(tokens_BT)
+        n_images = 0 if images_NCHW is None else images_NCHW.shape[0]
+        slots_BT = self.image_slots(tokens_BT, positions_S, n_images)
         if n_images == 0:
             return x_BTD
-        g_NLD = self.projector(self.vision(images_NCHW))
-        return x_BTD.masked_scatter(placeholders_BT.unsqueeze(-1), g_NLD.to(x_BTD.dtype))
+        g_RD = self.projector(self.vision(images_NCHW)).flatten(0, 1)
+        if self.tp_group is not None:
+            # The features are replicated over tp; each rank places only those of its sequence
+            # shard, so their gradient is summed over tp (copy: identity, all-reduce backward).
+            shard = x_BTD.shape[1]
+            start = mt_comm.group_rank(self.tp_group) * shard
+            slots_BT = slots_BT[:, start : start + shard]
+            g_RD = mt_parallel.copy_to_group(g_RD, self.tp_group)
+        image_BT = slots_BT >= 0
+        return x_BTD.masked_scatter(
+            image_BT.unsqueeze(-1), g_RD[slots_BT[image_BT]].to(x_BTD.dtype)
+        )
 
     def forward(
         self,
@@ -94,7 +169,7 @@ class VisionLanguageModel(nn.Module):
         images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``(B, T, V_l)``; ``images`` ``(N, C, H, W)`` fill the placeholders in order."""
-        x_BTD = self.embed(tokens_BT, images)
+        x_BTD = self.embed(tokens_BT, images, positions_S)
         for layer in self.language.layers:
             x_BTD = layer(x_BTD, positions_S, document_ids_BT)
         return self.language.output(self.language.norm(x_BTD))
@@ -102,12 +177,28 @@ class VisionLanguageModel(nn.Module):
     def loss(
         self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean cross-entropy over unmasked targets, and the masked/trained counts."""
-        loss = mt_parallel.vocab_parallel_cross_entropy(
-            logits_BTV_l, targets_BT, self.language.output.tp_group, IGNORE_INDEX
+        """Mean cross-entropy over unmasked targets, and the masked/trained counts.
+
+        Under CP the counts are the cp group's and the loss is ``cp·Σ_local / count``: the cp
+        ranks' chunks hold different numbers of unmasked targets, so a per-rank mean averaged
+        over cp would weight them unequally; this one averages to the whole sequence's mean.
+        """
+        cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
+        counts = torch.stack(
+            [(targets_BT == IGNORE_INDEX).sum(), (targets_BT != IGNORE_INDEX).sum()]
+        ).float()
+        tp_group = self.language.output.tp_group
+        if cp == 1:
+            loss = mt_parallel.vocab_parallel_cross_entropy(
+                logits_BTV_l, targets_BT, tp_group, IGNORE_INDEX
+            )
+            return loss, {"masked_tokens": counts[0], "loss_tokens": counts[1]}
+        total = mt_parallel.vocab_parallel_cross_entropy(
+            logits_BTV_l, targets_BT, tp_group, IGNORE_INDEX, "sum"
         )
-        masked = (targets_BT == IGNORE_INDEX).sum().float()
-        return loss, {"masked_tokens": masked, "loss_tokens": targets_BT.numel() - masked}
+        mt_comm.all_reduce(counts, op="sum", group=self.cp_group)
+        masked, trained = counts.unbind()
+        return total * cp / trained.clamp(min=1), {"masked_tokens": masked, "loss_tokens": trained}
 
 
 def embedding_parameters(model: nn.Module) -> int:

@@ -1,0 +1,27 @@
+"""The vision-language model at cp=2 × tp=2 with sequence parallel on four gloo ranks equals
+one process in float64 (loss, logits and every gradient over two SGD steps,
+:mod:`vlm_checks`): both splits of the decoder's sequence at once, images straddling chunks
+and shards."""
+
+from __future__ import annotations
+
+import pytest
+from vlm_checks import FP64_BOUND, vlm_parallel_step
+
+from mt_comm.testing import DistributedPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as pool:
+        yield pool
+
+
+def test_cp2_tp2_sequence_parallel_step_matches_one_process(pool) -> None:
+    for result in pool.run(vlm_parallel_step, 2, 2, True):
+        assert result["loss"] < FP64_BOUND
+        assert result["logits"] < FP64_BOUND
+        assert sorted(result["grads"]) == result["graded"]
+        worst = max(result["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < FP64_BOUND, worst
+        assert all(trained == expected for trained, expected in result["counts"])

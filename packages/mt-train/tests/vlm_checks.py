@@ -1,0 +1,125 @@
+"""Worker function for the VLM under sequence and context parallelism (spawned gloo ranks).
+
+:func:`vlm_parallel_step` builds ``vlm_tiny``'s shapes in float64 twice from one seed: a
+one-process reference fed the whole micro-batch, and the model under ``mt_parallel.parallelize``
+fed what the trainer feeds a rank (under CP its load-balanced chunks and their global
+positions, every image of the micro-batch). It returns each rank's worst errors against the
+reference over two forward/backward steps with an SGD update between, so a test can bound
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import mt_comm
+import mt_parallel as mp
+from mt_train.models import model_sizes
+from mt_train.models.vlm import IGNORE_INDEX, VisionLanguageModel
+from mt_train.models.vlm.parallelize import vlm_plan
+
+# float64: a layout differs from one process only in summation order (TP's partial sums,
+# the SP reduce-scatter, the cp ranks' loss sums and DDP's gradient average), each ~1e-16
+# relative per operation over a few hundred terms; 1e-10 leaves that a wide margin while a
+# misplaced image feature, a missing gradient sum or a wrong loss weight moves the loss or the
+# gradients by order 1 (each was tried).
+FP64_BOUND = 1e-10
+VOCAB = 320
+STEPS = 2
+LR = 0.5
+"""Plain SGD between the steps, large enough that step 2 runs on visibly different weights."""
+SEQ = 32
+"""Two rows of 32 tokens: at cp=2 four chunks of 8; SP shards of 16 at tp=2, of 8 at cp=2 × tp=2
+(where row 1's image, local positions 6-9 of rank 1, straddles them too)."""
+IMAGE_STARTS = ((3, 22), (14,))
+"""Where each row's images begin (4 tokens each). At cp=2 rank 0 holds chunks 0 and 3
+(positions 0-7, 24-31), rank 1 chunks 1 and 2: row 0's second image straddles ranks 1 and 0,
+and row 0's caption (positions 26-31) lies on rank 0 alone, so the ranks' unmasked target
+counts differ. At tp=2 with SP (shards 0-15, 16-31) row 1's image straddles the shards."""
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
+    """``max|a − b| / max(max|b|, floor)`` in float64."""
+    expected = expected.detach().double()
+    scale = expected.abs().max().clamp_min(floor)
+    return float((actual.detach().double() - expected).abs().max() / scale)
+
+
+def vlm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens with image placeholders, targets masked on images and prompts, the images."""
+    cfg = model_sizes()["vlm_tiny"]
+    per_image, v = cfg.vision.tokens_per_image, cfg.vision
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (len(IMAGE_STARTS), SEQ), generator=g)
+    targets = torch.randint(0, 256, tokens.shape, generator=g)
+    for row, starts in enumerate(IMAGE_STARTS):
+        for start in starts:
+            tokens[row, start : start + per_image] = cfg.image_token_id
+            targets[row, : start + per_image] = IGNORE_INDEX  # the prompt and the image
+    n_images = sum(len(s) for s in IMAGE_STARTS)
+    images = torch.rand(n_images, v.channels, v.image_size, v.image_size, generator=g)
+    return tokens, targets, images.double()
+
+
+def vlm_parallel_step(
+    tp: int, cp: int, sp: bool, seed: int = 0, steps: int = STEPS
+) -> dict[str, object]:
+    """The worst error of the loss, logits and every gradient over ``steps`` SGD steps (each
+    on a new micro-batch) against the one-process reference."""
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
+    cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
+    reference = VisionLanguageModel(cfg)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = VisionLanguageModel(cfg)
+    mp.init_weights(model, seed)
+    config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
+    model = mp.parallelize(model.double(), config, state, vlm_plan(cfg))
+    inner = model.module if hasattr(model, "module") else model  # DDP over cp
+    cp_group, tp_rank = state.group("cp"), state.rank("tp")
+    positions = mp.load_balanced_positions(SEQ, cp, state.rank("cp"))
+    plan = mp.tp_shard_plan(reference)
+    loss_errors, logits_errors, counts = [], [], []
+    grads: dict[str, float] = {}
+    for step in range(steps):
+        tokens, targets, images = vlm_batch(seed + 1 + step)
+        ref_logits = reference(tokens, images=images)
+        ref_loss, ref_extras = reference.loss(ref_logits, targets)
+        ref_loss.backward()
+
+        local_tokens, local_targets = (mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets))
+        logits = model(local_tokens, positions if cp > 1 else None, None, images=images)
+        loss, extras = inner.loss(logits, local_targets)
+        loss.backward()  # DDP averages the gradients over cp
+
+        mean_loss = loss.detach().clone()
+        mt_comm.all_reduce(mean_loss, op="avg", group=cp_group)
+        full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+        expected = mp.shard_state_dict(full, plan, tp_rank, tp)
+        # The attention key biases' gradient is zero in exact arithmetic (softmax is invariant
+        # to a shift of every score by q·b_k), so theirs is rounding noise: errors are relative
+        # to at least 1e-6 of the largest gradient.
+        floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
+        for name, p in inner.named_parameters():
+            if p.requires_grad and name in expected:
+                error = rel_err(p.grad, expected[name], floor)
+                grads[name] = max(grads.get(name, 0.0), error)
+        ref_logits_local = ref_logits[:, positions].chunk(tp, dim=-1)[tp_rank]
+        loss_errors.append(rel_err(mean_loss, ref_loss))
+        logits_errors.append(rel_err(logits, ref_logits_local))
+        counts.append((float(extras["loss_tokens"]), float(ref_extras["loss_tokens"])))
+        with torch.no_grad():
+            for module in (reference, inner):
+                for param in module.parameters():
+                    if param.grad is not None:
+                        param -= LR * param.grad
+                        param.grad = None
+    return {
+        "loss": max(loss_errors),
+        "logits": max(logits_errors),
+        "grads": grads,
+        "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
+        "counts": counts,
+    }
