@@ -16,9 +16,11 @@ from mt_train.data.blend import (
     BlendedSampler,
     apportion,
     check_same_tokenizer,
+    data_order_change,
     parse_blend,
 )
 from mt_train.data.checks import check_prepared
+from mt_train.data.dataset import ResumableSampler
 from mt_train.errors import DataError
 
 SIZES = (50, 300, 17)
@@ -138,7 +140,24 @@ def test_mismatched_tokenizers_are_refused_in_one_line(tmp_path: Path) -> None:
     assert "different tokenizers" in message
 
 
-def test_training_on_a_blend_reports_sources_and_resumes_exactly(tmp_path: Path) -> None:
+def test_switching_between_one_folder_and_a_blend_at_resume_is_named() -> None:
+    single = ResumableSampler(100, seed=11, global_batch=16, micro_batch=2)
+    blended = BlendedSampler(SIZES, WEIGHTS, 11, 16, 2)
+    _steps(blended, 3)
+    single.next_step()
+    assert data_order_change(blended.state_dict(), blended) is None
+    assert data_order_change(single.state_dict(), single) is None
+    into_blend = data_order_change(single.state_dict(), blended)
+    assert into_blend is not None
+    assert "drawn from one folder, this run draws from data.blend" in into_blend
+    assert "after sample 16" in into_blend
+    out_of_blend = data_order_change(blended.state_dict(), single)
+    assert out_of_blend is not None and "after sample 48" in out_of_blend
+
+
+def test_training_on_a_blend_reports_sources_and_resumes_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from train_checks import fit, tiny_overrides
 
     docs = {"bible": "In the beginning God created", "verse": "And the earth was without form"}
@@ -157,6 +176,12 @@ def test_training_on_a_blend_reports_sources_and_resumes_exactly(tmp_path: Path)
     step4 = tmp_path / "whole/checkpoints/step-00000004"
     resumed = fit(overrides(8, **{"checkpoint.resume": step4}), tmp_path / "resumed")[1].losses
     assert resumed[-4:] == whole[4:]  # bit-exact: the same draws, model and optimizer state
+    capsys.readouterr()
+    one_folder = {"data.blend": None, "data.path": str(folders[0]), "checkpoint.resume": step4}
+    fit(tiny_overrides("unused", **{"trainer.max_steps": 5, **one_folder}), tmp_path / "single")
+    assert "samples were drawn from data.blend, this run draws from one folder" in (
+        capsys.readouterr().err
+    )
 
     records = [json.loads(line) for line in (tmp_path / "whole/metrics.jsonl").open()]
     train = [r for r in records if "tokens/bible" in r]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from mt_train.checkpoint.checkpointer import Checkpointer, TPLayout, load_into, 
 from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder, discard, step_dir
 from mt_train.checkpoint.state import StateLayout, live_state
 from mt_train.config.schema import ModelConfig, TrainConfig
+from mt_train.data.blend import data_order_change
 from mt_train.data.dataset import ResumableSampler
 from mt_train.errors import CheckpointError, DiskError
 from mt_train.models.registry import family_of
@@ -136,6 +138,9 @@ class RunState:
             saved = {"world_size": manifest["world_size"], **manifest["parallel"]}
             same = all(saved.get(k) == v for k, v in self.layout.items())
             self.sampler.load_state_dict(manifest["data"])
+            change = data_order_change(manifest["data"], self.sampler)
+            if change and self.rank == 0:
+                print(f"mt-train: warning: {change}", file=sys.stderr, flush=True)
             load_into(
                 reader, self.module, self.optimizer, self.state_layout, self.tp_layout,
                 self.device, self.rank if same else None,

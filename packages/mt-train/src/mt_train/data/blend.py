@@ -231,6 +231,22 @@ class BlendedSampler(ResumableSampler):
         super().load_state_dict(state)
 
 
+def data_order_change(saved: Mapping[str, Any], sampler: ResumableSampler) -> str | None:
+    """A warning line when a checkpoint's data order came from one folder and this run blends
+    (``data.blend``), or the other way round: the consumed count carries over, but the samples
+    drawn from there on follow this run's order, not the checkpointed run's."""
+    blended_before = "blend_weights" in saved
+    blended_now = isinstance(sampler, BlendedSampler)
+    if blended_before == blended_now:
+        return None
+    before, now = ("one folder", "data.blend") if blended_now else ("data.blend", "one folder")
+    return (
+        f"the checkpoint's samples were drawn from {before}, this run draws from {now}: it "
+        f"continues after sample {int(saved['consumed'])} in its own order, so the samples "
+        f"from here on differ from what the checkpointed run would have drawn"
+    )
+
+
 def source_names(folders: Sequence[Path]) -> list[str]:
     """Metric names of the sources: each folder's name, numbered where two share one."""
     names = [Path(f).name or str(f) for f in folders]
