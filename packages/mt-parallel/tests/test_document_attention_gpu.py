@@ -17,7 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 from sequence_checks import attention_by_document, document_ids, runs
-from test_parallel_gpu import BOUNDS, DIM, FFN, HEADS, KV_HEADS, LAYERS, VOCAB, _max_rel
+from test_parallel_gpu import (
+    BOUNDS,
+    DIM,
+    FFN,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    _max_rel,
+    errors_against,
+)
 from toy_lm import DecoderLM
 
 import mt_parallel as mp
@@ -71,17 +81,7 @@ def model_errors(kernel: str) -> dict[str, object]:
         logits = model(x.cuda(), None, ids.cuda())
         loss = model.loss(logits, y.cuda())
     loss.backward()
-    grads = {
-        name: _max_rel(p.grad, q.grad)
-        for (name, p), (_, q) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        )
-    }
-    return {
-        "logits": _max_rel(logits, ref_logits),
-        "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-        "grads": grads,
-    }
+    return errors_against(model, reference, logits, ref_logits, loss, ref_loss)
 
 
 @pytest.mark.gpu

@@ -24,6 +24,22 @@ def _max_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(error / expected.abs().max())
 
 
+def errors_against(model, reference, logits, ref_logits, loss, ref_loss) -> dict[str, object]:
+    """``model``'s logits, loss and every parameter gradient against ``reference``'s (both after
+    their backward), each as :func:`_max_rel` (the loss relative to its value)."""
+    grads = {
+        name: _max_rel(p.grad, q.grad)
+        for (name, p), (_, q) in zip(
+            model.named_parameters(), reference.named_parameters(), strict=True
+        )
+    }
+    return {
+        "logits": _max_rel(logits, ref_logits),
+        "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+        "grads": grads,
+    }
+
+
 def run_block_on_gpu(fp8: bool, compiled: bool = False) -> dict[str, object]:
     from mt_fp8 import TensorwiseScaling
 
@@ -48,16 +64,8 @@ def run_block_on_gpu(fp8: bool, compiled: bool = False) -> dict[str, object]:
         logits = model(x.cuda())
         loss = model.loss(logits, y.cuda())
     loss.backward()
-    grads = {
-        name: _max_rel(p.grad, q.grad)
-        for (name, p), (_, q) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        )
-    }
     return {
-        "logits": _max_rel(logits, ref_logits),
-        "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-        "grads": grads,
+        **errors_against(model, reference, logits, ref_logits, loss, ref_loss),
         "fp8_layers": sum(1 for m in model.modules() if getattr(m, "fp8_enabled", False)),
     }
 
