@@ -16,3 +16,11 @@ def kjv_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("kjv")
     prepare_bundled(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled digits image-text set (4 image tokens per image), once per session."""
+    folder = tmp_path_factory.mktemp("digits")
+    prepare_bundled(folder, val_every=5, name="digits", image_tokens=4)
+    return folder

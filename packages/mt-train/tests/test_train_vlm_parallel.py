@@ -12,7 +12,6 @@ import pytest
 import train_checks
 
 from mt_comm.testing import DistributedPool
-from mt_train.data.prepare import prepare_bundled
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
@@ -42,13 +41,6 @@ def vlm_overrides(data: Path, **extra: object) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("digits")
-    prepare_bundled(folder, val_every=5, name="digits", image_tokens=4)
-    return folder
 
 
 @pytest.fixture(scope="module")

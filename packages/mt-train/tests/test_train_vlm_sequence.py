@@ -14,7 +14,6 @@ from test_train_vlm_parallel import NO_DROPOUT, RTOL, vlm_overrides
 from vlm_checks import FP64_BOUND, vlm_parallel_step
 
 from mt_comm.testing import DistributedPool
-from mt_train.data.prepare import prepare_bundled
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
@@ -38,13 +37,6 @@ def test_step_matches_one_process_in_float64(layout: str, pool) -> None:
         assert worst[1] < FP64_BOUND, worst
         for trained, expected in result["counts"]:
             assert trained == expected  # the cp group's unmasked targets: the whole sequence's
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("digits")
-    prepare_bundled(folder, val_every=5, name="digits", image_tokens=4)
-    return folder
 
 
 @pytest.fixture(scope="module")
