@@ -119,9 +119,15 @@ def fits_device(dim: int, device: torch.device) -> bool:
     widths up to 16384 fit; 28672 does not)."""
     if device.type != "cuda":
         return True  # Triton's interpreter has no shared-memory limit
+    return BWD_STAGES * triton.next_power_of_2(dim) * 4 <= _shared_memory_limit(device)
+
+
+@functools.cache
+def _shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one block may opt into (read once per device: RMSNorm is on the
+    hot path)."""
     props = torch.cuda.get_device_properties(device)
-    limit = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    return BWD_STAGES * triton.next_power_of_2(dim) * 4 <= limit
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 def _warps(tile_elements: int) -> int:
