@@ -65,10 +65,9 @@ from mt_fp8.ops.quantize_transpose import quantize_transpose_amax, swiglu_quanti
 from mt_fp8.ops.swiglu import swiglu
 from mt_fp8.quantized import (
     BLOCKS_128X128,
-    GROUPS_1X128,
-    MX_1X32,
     ROWWISE,
     TENSORWISE,
+    TRITON_GROUP_LAYOUTS,
     QuantizedTensor,
     ScaleLayout,
     quantize,
@@ -77,10 +76,6 @@ from mt_fp8.recipes import DelayedScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache, weight_key
 from mt_fp8.wgrad import WeightGradSink
-
-FUSED_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
-"""Layouts the Triton block quantizer takes (:mod:`mt_fp8.kernels.block_quantize`); MX scales
-rounded up (``MX_1X32_CEIL``) take the PyTorch quantizer."""
 
 FP8_GEMMS = ("forward", "dgrad", "wgrad")
 """The three GEMMs of a linear layer (:mod:`mt_fp8.recipes`), in the names ``fp8_gemms`` takes."""
@@ -277,7 +272,7 @@ class LinearPlan:
     def _fused_block_layout(self, x_RC: torch.Tensor, layout: ScaleLayout) -> bool:
         """Whether the Triton block quantizer takes ``x`` in ``layout`` (1×128, MX 1×32 or
         128×128)."""
-        if layout not in FUSED_GROUP_LAYOUTS or x_RC.dtype == torch.float64:
+        if layout not in TRITON_GROUP_LAYOUTS or x_RC.dtype == torch.float64:
             return False
         # The kernel's tiles are 128 columns wide; it pads the transposed operand to a multiple
         # of the group length, and the wgrad GEMM's operands must agree on the token count.

@@ -128,6 +128,9 @@ MX_1X32 = ScaleLayout((1, 32), power_of_two=True)
 """OCP MXFP8: 1×32 groups with power-of-two (E8M0) scales."""
 MX_1X32_CEIL = ScaleLayout((1, 32), power_of_two=True, round_up=True)
 """MXFP8 1×32 groups with power-of-two scales rounded up (no saturation)."""
+TRITON_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
+"""Layouts the Triton block quantizer (:mod:`mt_fp8.kernels.block_quantize`) writes; MX scales
+rounded up (``MX_1X32_CEIL``) take the PyTorch quantizer."""
 
 
 MIN_SCALE = 2.0**-126

@@ -71,7 +71,7 @@ from mt_fp8.quantized import (
     BLOCKS_128X128,
     GROUPS_1X128,
     MIN_SCALE,
-    MX_1X32,
+    TRITON_GROUP_LAYOUTS,
     QuantizedTensor,
     ScaleLayout,
 )
@@ -85,8 +85,6 @@ ROWS_TILE = (64, 128, 4)
 COLUMNS_TILE = (128, 64, 4)
 """``_group_columns``: rows, columns and warps per program (the same sweep)."""
 
-GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
-"""Layouts the kernels write."""
 
 FUSED_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Input dtypes the kernels take (fp64 inputs stay on the PyTorch path, which divides in fp64)."""
@@ -301,9 +299,9 @@ def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
             "the Triton block quantizer takes a 2-D bfloat16, float16 or float32 tensor, got "
             f"{tuple(x_RC.shape)} {x_RC.dtype}"
         )
-    if layout not in GROUP_LAYOUTS:
+    if layout not in TRITON_GROUP_LAYOUTS:
         raise ValueError(
-            f"the Triton block quantizer takes the layouts {[g.name for g in GROUP_LAYOUTS]}, "
+            f"the Triton block quantizer takes the layouts {[g.name for g in TRITON_GROUP_LAYOUTS]}, "
             f"got {layout.name}"
         )
     layout.resolve((x_RC.shape[0], x_RC.shape[1]))  # raises unless the group divides C
