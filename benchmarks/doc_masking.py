@@ -222,14 +222,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         f"device: {name}, torch {torch.__version__}, {cfg.name} x{cfg.n_layers} layers, seq {seq}"
     )
-    rows = bench_attention(cfg, seq, args.doc_len, device, args)
-    if not args.skip_steps:
-        rows += bench_steps(cfg, seq, args.doc_len, device, args)
-    print_table(rows)
     common = {"device": name, "torch": torch.__version__, "recipe": args.recipe}
-    rows = [{**row, **common} for row in rows]
+    # Each phase's rows are written as soon as it ends, so a run cut short keeps the attention rows.
+    rows = [{**row, **common} for row in bench_attention(cfg, seq, args.doc_len, device, args)]
     for row in rows:
         harness.emit(row, args.out)
+    if not args.skip_steps:
+        steps = [{**row, **common} for row in bench_steps(cfg, seq, args.doc_len, device, args)]
+        for row in steps:
+            harness.emit(row, args.out)
+        rows += steps
+    print_table(rows)
     return rows
 
 

@@ -280,11 +280,12 @@ def main(argv: list[str] | None = None) -> None:
         device, shapes, seq, iters = "cuda", LAYER_SHAPES, SEQ, args.iters
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"device: {name}, torch {torch.__version__}, recipe {args.recipe}")
-    rows = bench_layers(shapes, seq, device, iters, args)
-    if not args.skip_models:
-        rows += bench_models(model_configs(args.smoke, args.layers), seq, device, iters, args)
-    for row in rows:
+    # Each phase's rows are written as soon as it ends, so a run cut short keeps the layer rows.
+    for row in bench_layers(shapes, seq, device, iters, args):
         harness.emit({**row, "device": name, "recipe": args.recipe}, args.out)
+    if not args.skip_models:
+        for row in bench_models(model_configs(args.smoke, args.layers), seq, device, iters, args):
+            harness.emit({**row, "device": name, "recipe": args.recipe}, args.out)
 
 
 if __name__ == "__main__":

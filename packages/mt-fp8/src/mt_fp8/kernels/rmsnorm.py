@@ -112,14 +112,23 @@ def _programs(device: torch.device) -> int:
     return 4
 
 
-def fits_device(dim: int, device: torch.device) -> bool:
-    """Whether a row of ``dim`` fits the kernels: each program holds a whole padded row, and the
-    backward's ``BWD_STAGES`` pipelined buffers take ``BWD_STAGES · next_power_of_2(dim) · 4``
-    bytes of shared memory, which must not exceed the device's per-block limit (on Hopper,
-    widths up to 16384 fit; 28672 does not)."""
+def backward_stages(dim: int, device: torch.device, bytes_per_column: int) -> int:
+    """Pipelining depth the backward can afford for rows of ``dim``, 0 when not even one stage
+    fits. Each stage buffers ``BWD_ROWS`` padded rows of every tensor the loop streams (``dy``,
+    ``h`` and, with a residual, ``dh_out``: ``bytes_per_column`` is the sum of their element
+    sizes) in shared memory, ``BWD_ROWS · next_power_of_2(dim) · bytes_per_column`` bytes, and
+    all stages must fit the device's per-block limit. Triton pipelines only when a program walks
+    several iterations, so a few rows can run where many cannot: the bound is the many-row one
+    (on Hopper, bf16 rows of 8192 with a residual take two stages; 16384 one; 28672 none)."""
     if device.type != "cuda":
-        return True  # Triton's interpreter has no shared-memory limit
-    return BWD_STAGES * triton.next_power_of_2(dim) * 4 <= _shared_memory_limit(device)
+        return BWD_STAGES  # Triton's interpreter has no shared-memory limit
+    per_stage = BWD_ROWS * triton.next_power_of_2(dim) * bytes_per_column
+    return min(BWD_STAGES, _shared_memory_limit(device) // per_stage)
+
+
+def fits_device(dim: int, device: torch.device, bytes_per_column: int) -> bool:
+    """Whether the kernels can run rows of ``dim`` at all (see :func:`backward_stages`)."""
+    return backward_stages(dim, device, bytes_per_column) >= 1
 
 
 @functools.cache
@@ -175,6 +184,10 @@ class TritonRMSNormFunction(torch.autograd.Function):
         programs = min(_programs(h_RD.device), triton.cdiv(rows, BWD_ROWS))
         dw_part = torch.empty(programs, dim, device=h_RD.device, dtype=torch.float32)
         block = triton.next_power_of_2(dim)
+        streamed = dy_RD.element_size() + h_RD.element_size()
+        stages = backward_stages(
+            dim, h_RD.device, streamed + (dh_out_RD.element_size() if has_dhout else 0)
+        )
         _rmsnorm_bwd[(programs,)](
             dy_RD.contiguous(),
             h_RD,
@@ -190,7 +203,7 @@ class TritonRMSNormFunction(torch.autograd.Function):
             HAS_DHOUT=has_dhout,
             ROWS=BWD_ROWS,
             BLOCK=block,
-            STAGES=BWD_STAGES,
+            STAGES=stages,
             num_warps=_warps(BWD_ROWS * block),
         )
         dw = dw_part.sum(0).to(weight_D.dtype)

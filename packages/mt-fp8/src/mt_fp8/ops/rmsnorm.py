@@ -86,7 +86,11 @@ def rms_norm(
     if use_triton(x_RD, weight):
         from mt_fp8.kernels.rmsnorm import TritonRMSNormFunction, fits_device
 
-        if fits_device(x_RD.shape[-1], x_RD.device):
+        # The backward streams dy (out_dtype), h and, with a residual, dh_out (x's dtype).
+        bytes_per_column = (out_dtype or x.dtype).itemsize + x.dtype.itemsize
+        if residual is not None:
+            bytes_per_column += x.dtype.itemsize
+        if fits_device(x_RD.shape[-1], x_RD.device, bytes_per_column):
             apply = TritonRMSNormFunction.apply
     y_RD, h_RD = apply(x_RD, weight, residual_RD, eps, out_dtype or x.dtype)
     if residual is None:
