@@ -62,10 +62,12 @@ def test_emulated_gemm_within_propagated_bound(recipe, fmt_a):
 
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(), RowwiseScaling()], ids=lambda r: r.name)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_scaled_mm_agrees_with_emulation(recipe, out_dtype):
+@pytest.mark.parametrize("k", [384, 201], ids=["k384", "k201-padded"])
+def test_scaled_mm_agrees_with_emulation(recipe, out_dtype, k):
+    # k=201 is zero-padded to 208 before torch._scaled_mm (gemm._pad_contraction).
     if isinstance(recipe, RowwiseScaling) and not gemm_module.cpu_scaled_mm_takes_rowwise():
         pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no rowwise scales")
-    _, _, qa, qb = quantized_pair(recipe, fmt_a=FP8Format.E5M2)
+    _, _, qa, qb = quantized_pair(recipe, k=k, fmt_a=FP8Format.E5M2)
     bias = torch.randn(qb.shape[0]).to(out_dtype)
     fast = fp8_gemm(qa, qb, out_dtype, bias=bias, backend="scaled_mm").double()
     slow = fp8_gemm(qa, qb, torch.float32, bias=bias, backend="emulate").double()
@@ -76,6 +78,16 @@ def test_scaled_mm_agrees_with_emulation(recipe, out_dtype):
     assert (
         (fast - slow).abs() <= qa.shape[1] * 2**-24 * magnitude + out_eps * slow.abs() + 1e-6
     ).all()
+
+
+def test_contraction_padding_appends_zero_bytes_only():
+    data = torch.randn(3, 21).to(torch.float8_e4m3fn)
+    padded = gemm_module._pad_contraction(data)
+    assert padded.shape == (3, 32) and padded.dtype == torch.float8_e4m3fn
+    assert torch.equal(padded[:, :21].view(torch.uint8), data.view(torch.uint8))
+    assert (padded[:, 21:].view(torch.uint8) == 0).all()
+    aligned = data[:, :16]
+    assert gemm_module._pad_contraction(aligned) is aligned
 
 
 def test_fast_backend_refuses_block_scaling_on_cpu():

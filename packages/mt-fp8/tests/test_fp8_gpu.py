@@ -64,6 +64,20 @@ def test_scaled_mm_on_cuda(layout, out_dtype, fmt_a):
     check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, torch.finfo(rounded).eps)
 
 
+@pytest.mark.parametrize("layout", [ScaleLayout((-1, -1)), ROWWISE], ids=["tensorwise", "rowwise"])
+def test_unaligned_contraction_takes_scaled_mm_on_cuda(layout):
+    """A weight gradient over 577 tokens (a ViT-L/14 image with its class token) runs on the
+    tensor cores, its contraction zero-padded to 592, instead of falling back to the fp32
+    emulation (which made FP8 slower than bf16 in the VLM's vision tower)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(384, 577, generator=generator).cuda()
+    b = torch.randn(256, 577, generator=generator).cuda() * 0.05
+    qa, qb = quantize(a, FP8Format.E5M2, layout), quantize(b, FP8Format.E4M3, layout)
+    assert gemm_module.scaled_mm_reason(qa, qb, torch.bfloat16) is None
+    fast = fp8_gemm(qa, qb, torch.bfloat16, backend="fast")
+    check(fast, fp8_gemm(qa, qb, backend="emulate"), qa, qb, torch.finfo(torch.bfloat16).eps)
+
+
 @pytest.mark.parametrize(
     ("layout_b", "fmt_a", "group"),
     [

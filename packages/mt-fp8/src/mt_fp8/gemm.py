@@ -9,7 +9,10 @@ Both operands are :class:`~mt_fp8.quantized.QuantizedTensor` s quantized along t
 
     * ``torch._scaled_mm(a, bᵀ, s_a, s_bᵀ)``: both operands tensorwise (fp32 scalars) or both
       rowwise (``(X, 1)`` and ``(1, Y)``). Runs on CPU and on CUDA with FP8 tensor cores
-      (compute capability ≥ 8.9); on CUDA both dims must be ``% 16``, two E5M2 operands are not
+      (compute capability ≥ 8.9); on CUDA ``Y`` must be ``% 16`` and a contraction ``Z`` that
+      is not is zero-padded to the next multiple of 16 (the weight gradient's token count, e.g.
+      577 tokens of a ViT image: zeros add nothing to the dot products, and tensorwise or
+      rowwise scales do not depend on ``Z``, so the result is the unpadded one's), two E5M2 operands are not
       supported (cuBLAS needs one E4M3 operand), rowwise GEMMs write bf16 (another output
       dtype is that bf16 result converted), and scale pointers must be 16-byte aligned
       (a scale view at another offset, such as one expert's slice of stacked scales, is
@@ -158,8 +161,8 @@ def scaled_mm_reason(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dt
     if device.type == "cpu" and kinds[0] == "rowwise" and not cpu_scaled_mm_takes_rowwise():
         return f"torch {torch.__version__}'s CPU torch._scaled_mm takes tensorwise scales only"
     if device.type == "cuda":
-        if a.shape[1] % 16 or b.shape[0] % 16:
-            return f"torch._scaled_mm on CUDA needs K and N divisible by 16, got K={a.shape[1]}, N={b.shape[0]}"
+        if b.shape[0] % 16:
+            return f"torch._scaled_mm on CUDA needs N divisible by 16, got N={b.shape[0]}"
         if a.fmt is FP8Format.E5M2 and b.fmt is FP8Format.E5M2:
             return "cuBLAS FP8 GEMMs need at least one E4M3 operand"
     return None
@@ -266,6 +269,17 @@ def _aligned_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.clone(memory_format=torch.contiguous_format)
 
 
+def _pad_contraction(data_XZ: torch.Tensor) -> torch.Tensor:
+    """FP8 ``data`` with zero columns appended up to a multiple of 16 columns (cuBLAS's FP8
+    GEMMs need 16-byte leading dimensions); unchanged when already aligned."""
+    pad = -data_XZ.shape[1] % 16
+    if pad == 0:
+        return data_XZ
+    # NOTE: padded as bytes: F.pad has no float8 kernels; the byte 0 is +0 in both formats.
+    padded = F.pad(data_XZ.view(torch.uint8), (0, pad))
+    return padded.view(data_XZ.dtype)
+
+
 def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -281,12 +295,13 @@ def scaled_mm(
             # accumulator, as a bf16 autocast GEMM gives.
             gemm_dtype = torch.bfloat16
     scale_a, scale_b = _aligned_scale(scale_a), _aligned_scale(scale_b)
+    data_a, data_b = _pad_contraction(a.data), _pad_contraction(b.data)
     # cuBLAS fuses a bias only in a 16-bit output dtype matching the bias; otherwise add it after.
     fused_bias = bias is not None and bias.dtype == gemm_dtype and gemm_dtype != torch.float32
     # NOTE: b.data is (Y, Z) row-major, so b.data.t() is the column-major (Z, Y) cuBLAS wants.
     out = torch._scaled_mm(
-        a.data,
-        b.data.t(),
+        data_a,
+        data_b.t(),
         scale_a,
         scale_b,
         bias=bias if fused_bias else None,
