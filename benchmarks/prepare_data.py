@@ -124,8 +124,15 @@ def measure(command: list[str], poll_s: float = 0.05) -> dict[str, float]:
 
 
 def run(
-    sizes_mb: list[float], workers: int, batch: int, vocab_size: int, sample_mb: float = 2.0
+    sizes_mb: list[float],
+    workers: int,
+    batch: int,
+    vocab_size: int,
+    sample_mb: float = 2.0,
+    out_json: Path | None = None,
 ) -> list[dict]:
+    """One row per size, printed (and, with ``out_json``, the rows so far written there) as
+    each size finishes, so a run stopped early keeps its smaller sizes."""
     from mt_train.data.tokenizer import train_bpe
 
     rows = []
@@ -162,6 +169,9 @@ def run(
                 "bare_peak_rss_gb": round(bare["peak_rss_gb"], 3),
                 "ratio": round(bare["seconds"] / mt["seconds"], 3),
             })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+            if out_json is not None:
+                out_json.write_text(json.dumps(rows, indent=2) + "\n")
             corpus.unlink()
             for name in os.listdir(out):
                 (out / name).unlink()
@@ -178,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-mb", type=float, default=2.0, help="BPE training sample")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = run(args.sizes_mb, args.workers, args.batch, args.vocab_size, args.sample_mb)
-    for row in rows:
-        print(json.dumps(row))
-    if args.out:
-        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    run(args.sizes_mb, args.workers, args.batch, args.vocab_size, args.sample_mb, args.out)
     return 0
 
 
