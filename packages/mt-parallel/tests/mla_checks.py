@@ -43,3 +43,46 @@ def tp_parity(tp: int, q_lora_rank: int | None) -> dict:
     grads = {name: rel_err(p.grad, shards[name]) for name, p in layer.named_parameters()}
     return {"y": rel_err(y, expected), "x_grad": rel_err(x_local.grad, x_ref.grad),
             "grads": grads}  # fmt: skip
+
+
+def sp_parity(tp: int, q_lora_rank: int | None) -> dict:
+    """The fp32 layer at ``tp`` with sequence parallel (each rank given its S/tp tokens) against
+    the fp64 layer on one process, and against the fp32 layer at ``tp`` without SP."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    group, rank = state.group("tp"), state.rank("tp")
+    yarn = YarnConfig(factor=40.0, original_max_position=16, mscale_all_dim=1.0)
+    reference = MultiLatentAttention(**SHAPES, q_lora_rank=q_lora_rank, yarn=yarn).double()
+    mp.init_weights(reference, seed=5)
+    sequence_parallel = mp.apply_tensor_parallel(
+        copy.deepcopy(reference).float(), group, sequence_parallel=True
+    )
+    tensor_parallel = mp.apply_tensor_parallel(copy.deepcopy(reference).float(), group)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8, SHAPES["dim"], generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 8, SHAPES["dim"], generator=gen, dtype=torch.float64)
+    positions = torch.arange(8) + 20
+    x_ref = x.clone().requires_grad_()
+    expected = reference(x_ref, positions)
+    (expected * g).sum().backward()
+    x_tp = x.float().requires_grad_()
+    y_tp = tensor_parallel(x_tp, positions)
+    (y_tp * g.float()).sum().backward()
+    x_sp = x.float().chunk(tp, dim=1)[rank].requires_grad_()
+    y_sp = sequence_parallel(x_sp, positions)
+    (y_sp * g.float().chunk(tp, dim=1)[rank]).sum().backward()
+
+    def mine(full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(tp, dim=1)[rank]
+
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), rank, tp)
+    tp_grads = dict(tensor_parallel.named_parameters())
+    sp_params = dict(sequence_parallel.named_parameters())
+    return {
+        "y": rel_err(y_sp, mine(expected)),
+        "x_grad": rel_err(x_sp.grad, mine(x_ref.grad)),
+        "grads": {name: rel_err(p.grad, shards[name]) for name, p in sp_params.items()},
+        "y_vs_tp": rel_err(y_sp, mine(y_tp)),
+        "x_grad_vs_tp": rel_err(x_sp.grad, mine(x_tp.grad)),
+        "grads_vs_tp": {n: rel_err(p.grad, tp_grads[n].grad) for n, p in sp_params.items()},
+    }

@@ -23,10 +23,22 @@ are unchanged because q and k are permuted alike).
 
 Tensor parallelism (Megatron's MLA): ``q_b``/``q_proj`` and ``kv_b`` are column parallel (heads
 split), ``o_proj`` row parallel; the compressed projections ``q_a``, ``kv_a`` and their RMSNorms
-are replicated (:class:`ReplicatedLinear`), so every TP rank computes the full latent. Their
-gradients stay identical across ranks: the column-parallel ``q_b``/``kv_b`` all-reduce their input
-gradient, and the shared rotary key, which every rank uses only for its own heads, passes
-through ``copy_to_group`` (gradient summed over TP). Sequence parallel is refused.
+are replicated (:class:`ReplicatedLinear`). The latents ``[RMSNorm_q(q_a(n)), RMSNorm_kv(c),
+k_rot]`` (width Q + C + R) are the one input the column-parallel ``q_b``/``kv_b`` and the shared
+rotary key read, and are prepared together like a column-parallel input: without sequence
+parallel every TP rank computes them for all tokens and ``copy_to_group`` sums their gradient
+over TP (each rank back-propagates only its own heads), so the replicated weights' gradients
+stay identical across ranks.
+
+Sequence parallel (Megatron's, Megatron-LM's ``MLASelfAttention``): ``n`` is this rank's S/tp
+tokens. ``q_a``, ``kv_a`` and the latent RMSNorms run on them, and the latents are all-gathered
+along the sequence (backward: reduce-scatter, which sums the heads' contributions), so Q + C + R
+values per token cross the TP group instead of D; ``q_b``/``kv_b`` then run on all S tokens
+without a gather of their own, the core attention is unchanged and ``o_proj`` reduce-scatters
+back to the shard. The norms run before the gather, on S/tp tokens rather than S. The replicated
+weights now see only their rank's tokens, so their gradients are summed over TP as the SP
+norms' are (``copy_to_group`` on the weight). Without ``q_lora_rank``, ``q_proj`` all-gathers
+``n`` itself, as any SP column-parallel layer does.
 """
 
 from __future__ import annotations
@@ -34,16 +46,19 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from mt_fp8 import fp8_linear
 from mt_fp8.ops import apply_rotary
 from mt_parallel.attention import CoreAttention
 from mt_parallel.layers import (
+    SEQUENCE_DIM,
     ColumnParallelLinear,
     RowParallelLinear,
     _ParallelLinear,
     scaled_init_std,
 )
-from mt_parallel.mappings import copy_to_group, group_size
+from mt_parallel.mappings import all_gather_grad_rs, copy_to_group, group_size
 from mt_parallel.norm import RMSNorm
 from mt_parallel.yarn import YarnConfig, yarn_cos_sin, yarn_frequencies
 
@@ -52,7 +67,11 @@ class ReplicatedLinear(_ParallelLinear):
     """``y = x Wᵀ (+ b)`` with the same full weight on every TP rank (MLA's compressions).
 
     A tensor-parallel layer with nothing to shard: it is initialised like the others (the same
-    full matrix at every TP degree) and can run in FP8; its input is used as it is.
+    full matrix at every TP degree) and can run in FP8; its input is used as it is. Under
+    sequence parallel the input is this rank's tokens, so the weight's gradient is summed over
+    TP (``copy_to_group`` on the weight, as the SP norms do), FP8 current scaling reduces the
+    input's and output gradient's amax over TP, and the FP8 weight is quantized at each call
+    (the weight cache keys on the parameter itself, not the ``copy_to_group`` view).
     """
 
     tp_shard_dims: ClassVar[dict[str, int]] = {}
@@ -61,10 +80,19 @@ class ReplicatedLinear(_ParallelLinear):
         super().__init__(in_features, out_features, False, None, False, init_std, None, None)
 
     def _gemm_bias(self) -> torch.Tensor | None:
-        return self.bias if self.has_bias else None
+        return None
+
+    def enable_fp8(self, recipe: Any = None, **fp8_kwargs: Any) -> None:
+        if self.sequence_parallel:
+            fp8_kwargs.setdefault("amax_reduction_roles", ("input", "grad_output"))
+        super().enable_fp8(recipe, **fp8_kwargs)
 
     def forward(self, x_BSK: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x_BSK)
+        if not self.sequence_parallel:
+            return self.gemm(x_BSK)
+        weight = copy_to_group(self.weight, self.tp_group)
+        plan = None if self._fp8 is None else self._fp8.linear_plan(x_BSK, None)
+        return F.linear(x_BSK, weight) if plan is None else fp8_linear(x_BSK, weight, None, plan)
 
 
 class MultiLatentAttention(torch.nn.Module):
@@ -126,6 +154,7 @@ class MultiLatentAttention(torch.nn.Module):
         )
         self.core = CoreAttention(dropout)
         self.tp_group: Any = None
+        self.sequence_parallel = False
         freqs_P = yarn_frequencies(qk_rope_head_dim, rope_theta, self.yarn)
         self.register_buffer("inv_freq_P", freqs_P, persistent=False)
 
@@ -137,12 +166,8 @@ class MultiLatentAttention(torch.nn.Module):
             )
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
-        if sequence_parallel:
-            raise ValueError(
-                "multi-head latent attention does not support parallel.sequence_parallel=true; "
-                "use tp without sequence parallel"
-            )
-        self.tp_group = tp_group
+        """Under SP the latents are all-gathered along the sequence (module docstring)."""
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
     def rope_tables(
         self, positions_S: torch.Tensor, dtype: torch.dtype
@@ -156,18 +181,29 @@ class MultiLatentAttention(torch.nn.Module):
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        B, S, _ = n_BSD.shape
-        N, R, V = self.nope_dim, self.rope_dim, self.v_dim
+        N, R, C = self.nope_dim, self.rope_dim, self.kv_lora_rank
+        c_BsC, k_rot_BsR = self.kv_a_proj(n_BSD).split([C, R], dim=-1)
+        latents = [self.kv_a_norm(c_BsC), k_rot_BsR]
+        if self.q_a_proj is not None:
+            assert self.q_a_norm is not None
+            latents.insert(0, self.q_a_norm(self.q_a_proj(n_BSD)))
+        latent_BsL = torch.cat(latents, dim=-1)
+        if self.sequence_parallel:
+            latent_BSL = all_gather_grad_rs(latent_BsL, SEQUENCE_DIM, self.tp_group)
+        else:
+            latent_BSL = copy_to_group(latent_BsL, self.tp_group)
+        B, S, _ = latent_BSL.shape
+        c_BSC, k_rot_BSR = latent_BSL[..., -C - R :].split([C, R], dim=-1)
+        # The GEMMs (FP8 kernels included) read contiguous inputs; the latents are narrow.
         if self.q_proj is not None:
             q = self.q_proj(n_BSD)
         else:
-            assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(n_BSD)))
+            assert self.q_b_proj is not None
+            q = self.q_b_proj.forward_prepared(latent_BSL[..., : -C - R].contiguous())
         q_BSHE = q.view(B, S, -1, N + R)
-        c_BSC, k_rot_BS1R = self.kv_a_proj(n_BSD).split([self.kv_lora_rank, R], dim=-1)
-        kv_BSHW = self.kv_b_proj(self.kv_a_norm(c_BSC)).view(B, S, -1, N + V)
-        k_nope_BSHN, v_BSHV = kv_BSHW.split([N, V], dim=-1)
-        k_rot_BS1R = copy_to_group(k_rot_BS1R.reshape(B, S, 1, R), self.tp_group)
+        kv_BSHW = self.kv_b_proj.forward_prepared(c_BSC.contiguous()).view(B, S, -1, N + self.v_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHW.split([N, self.v_dim], dim=-1)
+        k_rot_BS1R = k_rot_BSR.reshape(B, S, 1, R)
         if positions_S is None:
             if group_size(self.core.cp_group) > 1:
                 raise ValueError("context-parallel attention needs the tokens' global positions")
@@ -184,4 +220,4 @@ class MultiLatentAttention(torch.nn.Module):
         o_BHSV = self.core(
             q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHV.transpose(1, 2), document_ids_BS
         )
-        return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
+        return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * self.v_dim))
