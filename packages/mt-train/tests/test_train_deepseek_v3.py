@@ -84,6 +84,7 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.first_k_dense=4": "model.first_k_dense=4 must be in [0, model.n_layers=4)",
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
+        "parallel=tp2": "(the MoE router of their MoE blocks; MLA supports it)",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
         "parallel.cp=2": "model.mtp_depth=1 is not supported with parallel.cp=2",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",

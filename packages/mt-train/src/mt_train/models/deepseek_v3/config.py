@@ -123,8 +123,9 @@ class DeepSeekV3Config(ModelConfig):
             )
         if parallel.sequence_parallel:
             raise ValueError(
-                "parallel.sequence_parallel=true is not supported with DeepSeek-V3 models (MLA "
-                "and the MoE router); use tp without sequence parallel"
+                "parallel.sequence_parallel=true is not supported with DeepSeek-V3 models (the "
+                "MoE router of their MoE blocks; MLA supports it); use tp without sequence "
+                "parallel"
             )
 
     def summary(self) -> str:
