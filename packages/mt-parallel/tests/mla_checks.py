@@ -20,6 +20,9 @@ from mt_parallel.yarn import YarnConfig
 
 SHAPES = {"dim": 32, "num_heads": 4, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
           "qk_rope_head_dim": 6, "v_head_dim": 10}  # fmt: skip
+# FP8 GEMMs need every (local) GEMM side divisible by 16 at tp=1 and tp=2.
+FP8_SHAPES = {"dim": 32, "num_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 16, "v_head_dim": 8}  # fmt: skip
 
 
 def tp_parity(tp: int, q_lora_rank: int | None) -> dict:
@@ -85,4 +88,36 @@ def sp_parity(tp: int, q_lora_rank: int | None) -> dict:
         "y_vs_tp": rel_err(y_sp, mine(y_tp)),
         "x_grad_vs_tp": rel_err(x_sp.grad, mine(x_tp.grad)),
         "grads_vs_tp": {n: rel_err(p.grad, tp_grads[n].grad) for n, p in sp_params.items()},
+    }
+
+
+def fp8_sp_parity(tp: int, q_lora_rank: int | None) -> dict:
+    """The layer in FP8 (current tensorwise scaling, emulated) at ``tp`` with sequence parallel
+    against the same FP8 layer on one process; both fp32."""
+    from mt_fp8 import TensorwiseScaling
+
+    state = mt_comm.init_parallel_state(tp=tp)
+    group, rank = state.group("tp"), state.rank("tp")
+    reference = MultiLatentAttention(**FP8_SHAPES, q_lora_rank=q_lora_rank)
+    mp.init_weights(reference, seed=5)
+    layer = mp.apply_tensor_parallel(copy.deepcopy(reference), group, sequence_parallel=True)
+    mp.apply_fp8(layer, TensorwiseScaling(), amax_group=group, backend="emulate")
+    mp.apply_fp8(reference, TensorwiseScaling(), backend="emulate")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8, FP8_SHAPES["dim"], generator=gen)
+    g = torch.randn(2, 8, FP8_SHAPES["dim"], generator=gen)
+    x_ref = x.clone().requires_grad_()
+    expected = reference(x_ref, None)
+    (expected * g).sum().backward()
+    x_sp = x.chunk(tp, dim=1)[rank].requires_grad_()
+    y = layer(x_sp, None)
+    (y * g.chunk(tp, dim=1)[rank]).sum().backward()
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), rank, tp)
+    linears = [m for m in layer.modules() if isinstance(m, mp.ReplicatedLinear)]
+    return {
+        "fp8": bool(linears) and all(m.fp8_enabled for m in linears),
+        "y": rel_err(y, expected.chunk(tp, dim=1)[rank]),
+        "x_grad": rel_err(x_sp.grad, x_ref.grad.chunk(tp, dim=1)[rank]),
+        "grads": {name: rel_err(p.grad, shards[name]) for name, p in layer.named_parameters()},
     }

@@ -38,3 +38,14 @@ def test_mla_sequence_parallel_equals_one_process_and_tp(pool: DistributedPool, 
             replicated |= {"q_a_proj.weight", "q_a_norm.weight"}
         assert set(result["grads"]) >= replicated | {"kv_b_proj.weight", "o_proj.weight"}
         assert_close(result, FP32_VS_FP64)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 16], ids=["no-q-lora", "q-lora"])
+def test_mla_sequence_parallel_fp8_equals_fp8_on_one_process(pool: DistributedPool, q_lora_rank):
+    for result in pool.run(mla_checks.fp8_sp_parity, tp=2, q_lora_rank=q_lora_rank):
+        assert result.pop("fp8"), "the replicated compressions did not run in FP8"
+        # The sharded tensors' amaxes (the replicated compressions' sequence-shard inputs and
+        # output gradients included) are reduced over TP, so every rank quantizes with the
+        # one-process scales and SP changes only the fp32 summation order (FP32_VS_FP64); a
+        # rank-local scale moves values by an FP8 step (2^-4 relative, E4M3).
+        assert_close(result, FP32_VS_FP64)
