@@ -2,7 +2,8 @@
 
 Shape suffixes: B batch, S tokens in the TP region (``T_seq/cp``), D model width, H query heads
 (this TP rank's), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim``, E = N + R, V =
-``v_head_dim``, Q = ``q_lora_rank``, C = ``kv_lora_rank``, P = R/2.
+``v_head_dim``, Q = ``q_lora_rank``, C = ``kv_lora_rank``, P = R/2, L = (Q +) C + R the
+latents' width, s the tokens of ``n`` (S/tp under sequence parallel, else S).
 
 Math (``n`` the block's normalised input)::
 
@@ -30,9 +31,11 @@ parallel every TP rank computes them for all tokens and ``copy_to_group`` sums t
 over TP (each rank back-propagates only its own heads), so the replicated weights' gradients
 stay identical across ranks.
 
-Sequence parallel (Megatron's, Megatron-LM's ``MLASelfAttention``): ``n`` is this rank's S/tp
-tokens. ``q_a``, ``kv_a`` and the latent RMSNorms run on them, and the latents are all-gathered
-along the sequence (backward: reduce-scatter, which sums the heads' contributions), so Q + C + R
+Sequence parallel (Megatron-LM's MLA layout; Megatron gathers the normed q and kv latents in
+its SP up-projections and the rotary key on its own, here one all-gather of their
+concatenation): ``n`` is this rank's s = S/tp tokens. ``q_a``, ``kv_a`` and the latent RMSNorms
+run on them, and the latents are all-gathered along the sequence (backward: reduce-scatter,
+which sums the heads' contributions), so Q + C + R
 values per token cross the TP group instead of D; ``q_b``/``kv_b`` then run on all S tokens
 without a gather of their own, the core attention is unchanged and ``o_proj`` reduce-scatters
 back to the shard. The norms run before the gather, on S/tp tokens rather than S. The replicated
@@ -80,7 +83,7 @@ class ReplicatedLinear(_ParallelLinear):
         super().__init__(in_features, out_features, False, None, False, init_std, None, None)
 
     def _gemm_bias(self) -> torch.Tensor | None:
-        return None
+        return self.bias if self.has_bias else None
 
     def enable_fp8(self, recipe: Any = None, **fp8_kwargs: Any) -> None:
         if self.sequence_parallel:
@@ -90,7 +93,7 @@ class ReplicatedLinear(_ParallelLinear):
     def forward(self, x_BSK: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return self.gemm(x_BSK)
-        weight = copy_to_group(self.weight, self.tp_group)
+        weight = copy_to_group(self.weight, self.tp_group)  # built without a bias
         plan = None if self._fp8 is None else self._fp8.linear_plan(x_BSK, None)
         return F.linear(x_BSK, weight) if plan is None else fp8_linear(x_BSK, weight, None, plan)
 
