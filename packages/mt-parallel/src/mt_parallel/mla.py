@@ -99,7 +99,7 @@ class ReplicatedLinear(_ParallelLinear):
 
 
 class MultiLatentAttention(torch.nn.Module):
-    """MLA (module docstring): ``forward(n_BSD, positions_S, document_ids_BS) -> y_BSD``.
+    """MLA (module docstring): ``forward(n_BsD, positions_S, document_ids_BS) -> y_BsD``.
 
     ``latent_norm_eps`` is the epsilon of the two latent RMSNorms (DeepSeek: 1e-6).
     """
@@ -180,16 +180,16 @@ class MultiLatentAttention(torch.nn.Module):
 
     def forward(
         self,
-        n_BSD: torch.Tensor,
+        n_BsD: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         N, R, C = self.nope_dim, self.rope_dim, self.kv_lora_rank
-        c_BsC, k_rot_BsR = self.kv_a_proj(n_BSD).split([C, R], dim=-1)
+        c_BsC, k_rot_BsR = self.kv_a_proj(n_BsD).split([C, R], dim=-1)
         latents = [self.kv_a_norm(c_BsC), k_rot_BsR]
         if self.q_a_proj is not None:
             assert self.q_a_norm is not None
-            latents.insert(0, self.q_a_norm(self.q_a_proj(n_BSD)))
+            latents.insert(0, self.q_a_norm(self.q_a_proj(n_BsD)))
         latent_BsL = torch.cat(latents, dim=-1)
         if self.sequence_parallel:
             latent_BSL = all_gather_grad_rs(latent_BsL, SEQUENCE_DIM, self.tp_group)
@@ -199,7 +199,7 @@ class MultiLatentAttention(torch.nn.Module):
         c_BSC, k_rot_BSR = latent_BSL[..., -C - R :].split([C, R], dim=-1)
         # The GEMMs (FP8 kernels included) read contiguous inputs; the latents are narrow.
         if self.q_proj is not None:
-            q = self.q_proj(n_BSD)
+            q = self.q_proj(n_BsD)
         else:
             assert self.q_b_proj is not None
             q = self.q_b_proj.forward_prepared(latent_BSL[..., : -C - R].contiguous())
@@ -210,7 +210,7 @@ class MultiLatentAttention(torch.nn.Module):
         if positions_S is None:
             if group_size(self.core.cp_group) > 1:
                 raise ValueError("context-parallel attention needs the tokens' global positions")
-            positions_S = torch.arange(S, device=n_BSD.device)
+            positions_S = torch.arange(S, device=n_BsD.device)
         table_dtype = torch.float64 if q_BSHE.dtype == torch.float64 else torch.float32
         cos_SP, sin_SP = self.rope_tables(positions_S, table_dtype)
         q_nope_BSHN, q_rot_BSHR = q_BSHE.split([N, R], dim=-1)
