@@ -63,7 +63,6 @@ path quantizes once more).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +72,13 @@ import torch
 from mt_fp8.formats import FP8Format, TensorRole
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear_plan import LinearPlan
-from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.quantized import (
+    QuantizedTensor,
+    ScaleLayout,
+    cast_to_fp8,
+    reduce_amax_,
+    scale_from_amax,
+)
 from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
 from mt_fp8.weight_cache import weight_key
 
@@ -233,12 +238,25 @@ def grouped_gemm_reason(
 
 @dataclass
 class _Rows:
-    """A (T, C) operand quantized along C, group by group: ``data`` (T, C) FP8, ``scale_T`` (T,)."""
+    """A (T, C) operand quantized along C with the loop's per-group scales: ``data`` (T, C) FP8,
+    ``scale_T`` (T,) fp32 (tensorwise: each group's scale repeated over its tokens)."""
 
     data: torch.Tensor
     scale_T: torch.Tensor
-    groups: list[QuantizedTensor | None]
-    """Each group's operand as the loop quantizes it (views where possible); None if empty."""
+    layout: ScaleLayout
+    fmt: FP8Format
+    group_scales: torch.Tensor | None
+    """Tensorwise: the (E',) scales of the non-empty groups, in order; rowwise: None."""
+
+    def group(self, start: int, end: int) -> QuantizedTensor:
+        """The group of tokens ``[start, end)`` as the loop quantizes it (a view of ``data``)."""
+        if self.group_scales is None:
+            scale = self.scale_T[start:end].reshape(-1, 1)
+        else:
+            # NOTE: a copy, not a view into scale_T: cuBLAS refuses scale pointers at some
+            # offsets (mt_fp8.quantized.quantize).
+            scale = self.scale_T[start : start + 1].reshape(1, 1).clone()
+        return QuantizedTensor(self.data[start:end], scale, self.layout, self.fmt)
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -249,50 +267,79 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The token counts of the non-empty groups, as an int64 tensor on ``device``."""
+    return torch.tensor([size for size in sizes if size], dtype=torch.int64, device=device)
+
+
+def _segment_amax(x_TC: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    """(G, C) fp32: ``max |x|`` over each segment of ``counts_G`` consecutive rows, per column.
+
+    NaN is counted as ``+inf`` (as the Triton quantizers count it): either way the scale is NaN
+    (:func:`~mt_fp8.quantized.scale_from_amax`), and no reduction's NaN handling is relied on.
+    """
+    inf = float("inf")
+    magnitude = x_TC.abs().nan_to_num(nan=inf, posinf=inf)
+    return torch.segment_reduce(magnitude, "max", lengths=counts_G, axis=0, unsafe=True).float()
+
+
+def _amax_group_reduced(plan: LinearPlan, amax: torch.Tensor, role: TensorRole) -> torch.Tensor:
+    group = plan.reduction_group(role)
+    return amax if group is None else reduce_amax_(amax, group)
+
+
+def _health(plan: LinearPlan, role: TensorRole) -> torch.Tensor | None:
+    return plan.meta.health[int(role)] if plan.track_health else None
+
+
 def _quantize_rows(
-    plan: LinearPlan,
-    x_TC: torch.Tensor,
-    sizes: Sequence[int],
-    role: TensorRole,
-    transposed: bool,
+    plan: LinearPlan, x_TC: torch.Tensor, sizes: Sequence[int], role: TensorRole
 ) -> _Rows:
-    """``x`` quantized along C with the loop's per-group scales (module docstring)."""
-    bounds = _bounds(sizes)
+    """``x`` quantized along C with the loop's per-group scales (module docstring), in a
+    number of kernels that does not depend on the number of groups."""
+    fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
     if isinstance(plan.recipe, RowwiseScaling):
         q = plan.quantize(x_TC, role, record=True)  # rows are independent: as per group
-        groups = [
-            QuantizedTensor(q.data[s:e], q.scale[s:e], q.layout, q.fmt) if e > s else None
-            for s, e in bounds
-        ]
-        return _Rows(q.data, q.scale.reshape(-1), groups)
-    groups = [
-        plan.quantize(x_TC[s:e], role, record=True, transposed=transposed) if e > s else None
-        for s, e in bounds
-    ]
-    present = [q for q in groups if q is not None]
-    data = torch.cat([q.data for q in present])
-    counts = torch.tensor([q.shape[0] for q in present], device=x_TC.device)
-    scales = torch.cat([q.scale.reshape(1) for q in present])
-    return _Rows(data, scales.repeat_interleave(counts, output_size=x_TC.shape[0]), groups)
+        return _Rows(q.data, q.scale.reshape(-1), layout, fmt, None)
+    counts_G = _present(sizes, x_TC.device)
+    amax_G = _segment_amax(x_TC, counts_G).amax(dim=1)
+    scale_G = scale_from_amax(_amax_group_reduced(plan, amax_G, role), fmt)
+    scale_T = scale_G.repeat_interleave(counts_G, output_size=x_TC.shape[0])
+    data = cast_to_fp8(x_TC.contiguous(), scale_T[:, None], fmt, _health(plan, role))
+    return _Rows(data, scale_T, layout, fmt, scale_G)
 
 
 def _quantize_columns(
     plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2d × 2d wgrad operand: each non-empty group's ``x_eᵀ`` (C, T_e) quantized along its
+    tokens, as the loop's, side by side in ``data`` (C, T); scales (E'·C,) group-major.
+
+    Tensorwise: the exact transpose of ``rows``. Rowwise: per (group, column) amaxes by one
+    segmented reduction, then one cast of ``x`` with a scale per element (its group's column
+    scale) and one FP8 transpose copy; no health counts, as the loop's transposed operands.
+    """
+    columns = x_TC.shape[1]
+    if rows.group_scales is not None:
+        return rows.data.t().contiguous(), rows.group_scales.repeat_interleave(columns)
+    counts_G = _present(sizes, x_TC.device)
+    scale_GC = scale_from_amax(_segment_amax(x_TC, counts_G), rows.fmt)
+    scale_TC = scale_GC.repeat_interleave(counts_G, dim=0, output_size=x_TC.shape[0])
+    data_TC = cast_to_fp8(x_TC.contiguous(), scale_TC, rows.fmt)
+    return data_TC.t().contiguous(), scale_GC.reshape(-1)
+
+
+def _group_columns(
+    plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
 ) -> list[QuantizedTensor | None]:
-    """Each group's ``x_eᵀ`` (C, T_e) quantized along its tokens, as the loop's wgrad operand."""
+    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad."""
     exact = not isinstance(plan.recipe, RowwiseScaling)
     return [
-        None if q is None else plan.quantize_transposed(x_TC[s:e], q if exact else None, role)
-        for (s, e), q in zip(_bounds(sizes), rows.groups, strict=True)
+        None
+        if t == s
+        else plan.quantize_transposed(x_TC[s:t], rows.group(s, t) if exact else None, role)
+        for s, t in _bounds(sizes)
     ]
-
-
-def _concat_columns(groups: list[QuantizedTensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """2d × 2d operand: the groups' (C, T_e) data side by side, scales (E'·C,) group-major."""
-    present = [q for q in groups if q is not None]
-    data = torch.cat([q.data for q in present], dim=1)
-    scales = torch.cat([q.scale.reshape(-1, 1).expand(q.shape[0], 1).reshape(-1) for q in present])
-    return data, scales
 
 
 @dataclass
@@ -301,10 +348,11 @@ class _Stacked:
 
     data: torch.Tensor
     scale: torch.Tensor
-    template: QuantizedTensor
+    layout: ScaleLayout
+    fmt: FP8Format
 
     def expert(self, e: int) -> QuantizedTensor:
-        return QuantizedTensor(self.data[e], self.scale[e], self.template.layout, self.template.fmt)
+        return QuantizedTensor(self.data[e], self.scale[e], self.layout, self.fmt)
 
     def column_scales(self) -> torch.Tensor:
         """(E, R): the rowwise ``scale_b`` of a 3-D grouped operand."""
@@ -332,24 +380,57 @@ def _rows_by_experts(
             rows.data, weight.data.transpose(1, 2), rows.scale_T, weight.column_scales(), offs
         ).to(out_dtype)
         if bias is not None:
-            for e, (s, t) in enumerate(_bounds(plan.sizes)):
-                if t > s:
-                    out[s:t] += bias[e]
+            counts_E = torch.tensor(plan.sizes, dtype=torch.int64, device=out.device)
+            out += bias.repeat_interleave(counts_E, dim=0, output_size=out.shape[0])
         return out
     return torch.cat(
         [
             rows.data.new_empty(0, out_features, dtype=out_dtype)
-            if q is None
+            if t == s
             else fp8_gemm(
-                q, weight.expert(e), out_dtype, None if bias is None else bias[e], lp.backend
+                rows.group(s, t),
+                weight.expert(e),
+                out_dtype,
+                None if bias is None else bias[e],
+                lp.backend,
             )
-            for e, q in enumerate(rows.groups)
+            for e, (s, t) in enumerate(_bounds(plan.sizes))
         ]
     )
 
 
-def _stack(qs: list[QuantizedTensor]) -> _Stacked:
-    return _Stacked(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]), qs[0])
+def _quantize_weights(
+    plan: LinearPlan, weight_ENK: torch.Tensor, need_transpose: bool
+) -> tuple[_Stacked, _Stacked | None]:
+    """``W`` per (expert, output row) or per expert and ``Wᵀ`` per (expert, input column) or
+    its exact transpose, as the loop quantizes each expert, in one quantization each."""
+    experts, out_features, in_features = weight_ENK.shape
+    role = TensorRole.WEIGHT
+    fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
+    if isinstance(plan.recipe, RowwiseScaling):
+        q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
+        weight = _Stacked(
+            q.data.view(weight_ENK.shape), q.scale.view(experts, out_features, 1), layout, fmt
+        )
+        if not need_transpose:
+            return weight, None
+        # The rows of the stacked transposes are the columns of each W_e: no health counts,
+        # as the loop's quantize_transposed.
+        weight_EKN = weight_ENK.transpose(1, 2).reshape(-1, out_features)
+        q_t = plan.quantize(weight_EKN, role, record=False)
+        shape_t = (experts, in_features, out_features)
+        weight_t = _Stacked(
+            q_t.data.view(shape_t), q_t.scale.view(experts, in_features, 1), layout, fmt
+        )
+        return weight, weight_t
+    amax_E = weight_ENK.abs().amax(dim=(1, 2)).float()
+    scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
+    scale_rows = scale_E.repeat_interleave(out_features)[:, None]
+    data = cast_to_fp8(weight_ENK.reshape(-1, in_features), scale_rows, fmt, _health(plan, role))
+    weight = _Stacked(data.view(weight_ENK.shape), scale_E.view(experts, 1, 1), layout, fmt)
+    if not need_transpose:
+        return weight, None
+    return weight, _Stacked(weight.data.transpose(1, 2).contiguous(), weight.scale, layout, fmt)
 
 
 def _weight_operands(
@@ -362,10 +443,7 @@ def _weight_operands(
         cached = cache.lookup(key, weight_ENK)
         if cached is not None:
             return cached.weight, cached.weight_transposed
-    per_expert = dataclasses.replace(plan, weight_cache=None)
-    pairs = [per_expert.weight_operands(w_NK, need_transpose) for w_NK in weight_ENK.unbind(0)]
-    weight = _stack([w for w, _ in pairs])
-    weight_t = _stack([wt for _, wt in pairs if wt is not None]) if need_transpose else None
+    weight, weight_t = _quantize_weights(plan, weight_ENK, need_transpose)
     if key is not None:
         cache.store(key, weight_ENK, weight, weight_t)  # type: ignore[union-attr]
     return weight, weight_t
@@ -409,7 +487,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         lp, sizes = plan.linear, plan.sizes
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         offs = _offsets(sizes, x_TK.device)
-        x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT, transposed=need_dw)
+        x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT)
         weight, weight_t = _weight_operands(lp, weight_ENK, need_transpose=need_dx)
         bias = None if bias_EN is None else bias_EN.to(lp.out_dtype)
         y_TN = _rows_by_experts(
@@ -417,17 +495,16 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         )
         saved: list[torch.Tensor | None] = [offs]
         if need_dw:
-            x_t = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
             if "wgrad" in plan.grouped:
-                saved += list(_concat_columns(x_t))
+                saved += list(_quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT))
             else:
-                for q in x_t:
+                for q in _group_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT):
                     saved += [None, None] if q is None else [q.data, q.scale]
             ctx.x_t_format = (lp.recipe.layout(TensorRole.INPUT), lp.recipe.formats.input)
         if need_dx:
             assert weight_t is not None
             saved += [weight_t.data, weight_t.scale]
-            ctx.weight_t_template = weight_t.template
+            ctx.weight_t_format = (weight_t.layout, weight_t.fmt)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
         ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
@@ -447,15 +524,14 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
-            dy_rows = _quantize_rows(
-                lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT, transposed=bool(need_dw)
-            )
+            dy_rows = _quantize_rows(lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT)
             if need_dw:
-                dy_t = _quantize_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
                 layout, fmt = ctx.x_t_format
                 if "wgrad" in plan.grouped:
                     x_t_data, x_t_scales = saved.pop(0), saved.pop(0)
-                    dy_t_data, dy_t_scales = _concat_columns(dy_t)
+                    dy_t_data, dy_t_scales = _quantize_columns(
+                        lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT
+                    )
                     present = [e for e, (s, t) in enumerate(bounds) if t > s]
                     dw_GNK = plan.gemm(
                         dy_t_data,
@@ -469,6 +545,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                     dw.index_copy_(0, index, dw_GNK.to(w_dtype))
                 else:
                     parts = []
+                    dy_t = _group_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
                     for q_dy in dy_t:
                         data, scale = saved.pop(0), saved.pop(0)
                         if q_dy is None:
@@ -478,8 +555,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                             parts.append(fp8_gemm(q_dy, q_x, w_dtype, None, lp.backend))
                     dw = torch.stack(parts)
             if need_dx:
-                template = ctx.weight_t_template
-                weight_t = _Stacked(saved.pop(0), saved.pop(0), template)
+                weight_t = _Stacked(saved.pop(0), saved.pop(0), *ctx.weight_t_format)
                 dx = _rows_by_experts(
                     plan, "dgrad", dy_rows, weight_t, offs, x_dtype, in_features, None
                 )
