@@ -35,8 +35,34 @@ Both recipes give exactly the loop path's FP8 bytes and scale values:
 * Tensorwise: one scale per group for each of ``x_e``, ``W_e``, ``dy_e`` (their transposes are
   exact), expanded to the rowwise vectors above: the same values the loop's scalars have.
 
-The operands come from the same :class:`~mt_fp8.linear_plan.LinearPlan` quantizers as the loop
-(Triton kernels on CUDA), so health counts (``track_health``) are the loop's too.
+Operand construction. Each operand is built for all groups at once, in a number of kernels
+that does not depend on E (a per-group quantize cost about 0.45 ms per expert on an H200,
+2026-12-05, ``benchmarks/grouped_gemm.py`` at 2cc88b0), from the same scale math as the loop's
+quantizers (:func:`~mt_fp8.quantized.scale_from_amax`, :func:`~mt_fp8.quantized.cast_to_fp8`,
+both elementwise, so a value and its scale give the same bits whatever tensor holds them):
+
+* Rowwise ``x``, ``dy`` and ``W``: one :meth:`~mt_fp8.linear_plan.LinearPlan.quantize` of the
+  (T, C) rows, or of the stacked (E·N, K) weight rows (the loop's quantizers, Triton on CUDA).
+* Rowwise ``Wᵀ``: one quantize of the (E·K, N) rows of the transposed stack: row ``(e, k)`` is
+  column ``k`` of ``W_e``, which the loop quantizes as a row of ``W_eᵀ``.
+* Rowwise wgrad operands ``xᵀ`` and ``dyᵀ``: amaxes per (group, column) by one segmented
+  reduction over the non-empty groups (``torch.segment_reduce``; NaN counted as ``+inf``, which
+  gives the same NaN scale), one ``scale_from_amax`` on those (E', C) amaxes, one
+  ``cast_to_fp8`` of ``x`` with each element's group-column scale, one FP8 transpose copy. Its
+  cost is plain-PyTorch memory passes over (T, C) fp32 temporaries, not the Triton kernels'
+  single read.
+* Tensorwise: per-group amaxes by the same segmented reduction (then a max over C), or one
+  ``amax`` over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
+  (the loop: one per group); one cast with each row's group scale. The transposes are exact:
+  one FP8 transpose copy each.
+
+On CUDA the loop quantizes some of these with its Triton kernels, which are bit-identical to
+:func:`~mt_fp8.quantized.quantize` (tested in test_fp8_rowwise_fast.py and test_fp8_ops.py);
+test_fp8_grouped.py checks the byte and scale identity of every operand against the loop's
+quantizers on CPU and (marked ``gpu``) on CUDA. Health counts (``track_health``) are the
+loop's: the casts of ``x``, ``dy`` and ``W`` count them, transposed operands count nothing.
+The bias adds in one op; its gradient stays one fp32 sum per group (the loop's summation
+order, so the loop's bits).
 
 Where the kernel cannot take a GEMM, that GEMM runs per group through
 :func:`~mt_fp8.gemm.fp8_gemm` on the same operands (see :func:`gemm_reason`): it accepts
@@ -55,8 +81,8 @@ multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad 
 Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
 stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
 (:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer,
-``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes each
-expert as the loop does. The loop path's per-expert caches are separate (a layer that switches
+``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes
+all experts at once (above), to the bytes the loop gives each. The loop path's per-expert caches are separate (a layer that switches
 path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
