@@ -47,10 +47,12 @@ both elementwise, so a value and its scale give the same bits whatever tensor ho
   column ``k`` of ``W_e``, which the loop quantizes as a row of ``W_eᵀ``.
 * Rowwise wgrad operands ``xᵀ`` and ``dyᵀ``: amaxes per (group, column) by one segmented
   reduction over the non-empty groups (``torch.segment_reduce``; NaN counted as ``+inf``, which
-  gives the same NaN scale), one ``scale_from_amax`` on those (E', C) amaxes, one
-  ``cast_to_fp8`` of ``x`` with each element's group-column scale, one FP8 transpose copy. Its
-  cost is plain-PyTorch memory passes over (T, C) fp32 temporaries, not the Triton kernels'
-  single read.
+  gives the same NaN scale), one ``scale_from_amax`` on those (E', C) amaxes, then one cast of
+  ``x`` with each element's group-column scale, stored transposed: where the loop's quantizers
+  are Triton kernels, one launch of
+  :func:`~mt_fp8.kernels.rowwise_quantize.quantize_group_columns_transposed` (the cast of the
+  loop's ``quantize_columns_transposed``, the scale looked up by the row's group), else
+  ``cast_to_fp8`` with the scales repeated to (T, C) and one FP8 transpose copy.
 * Tensorwise: per-group amaxes by the same segmented reduction (then a max over C), or one
   ``amax`` over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
   (the loop: one per group); one cast with each row's group scale. The transposes are exact:
@@ -350,7 +352,15 @@ def _quantize_columns(
         return rows.data.t().contiguous(), rows.group_scales.repeat_interleave(columns)
     counts_G = _present(sizes, x_TC.device)
     scale_GC = scale_from_amax(_segment_amax(x_TC, counts_G), rows.fmt)
-    scale_TC = scale_GC.repeat_interleave(counts_G, dim=0, output_size=x_TC.shape[0])
+    tokens = x_TC.shape[0]
+    if plan._fused_rowwise(x_TC, rows.layout):
+        from mt_fp8.kernels.rowwise_quantize import quantize_group_columns_transposed
+
+        groups = torch.arange(len(counts_G), device=x_TC.device, dtype=torch.int32)
+        group_T = groups.repeat_interleave(counts_G, output_size=tokens)
+        data_CT = quantize_group_columns_transposed(x_TC, scale_GC, group_T, rows.fmt)
+        return data_CT, scale_GC.reshape(-1)
+    scale_TC = scale_GC.repeat_interleave(counts_G, dim=0, output_size=tokens)
     data_TC = cast_to_fp8(x_TC.contiguous(), scale_TC, rows.fmt)
     return data_TC.t().contiguous(), scale_GC.reshape(-1)
 
