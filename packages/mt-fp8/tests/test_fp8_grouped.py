@@ -43,6 +43,7 @@ from mt_fp8.recipes import DelayedScaling, recipe_from_name
 E, K, N = 4, 64, 96
 ALIGNED = [48, 0, 32, 80]  # every size % 16: the wgrad GEMM is grouped too
 UNEVEN = [37, 0, 50, 73]  # wgrad per group; forward/dgrad still grouped
+FULL = [48, 16, 32, 80]  # aligned, no expert without tokens
 E4M3 = FormatConfig.all_e4m3()
 ROUNDING = 2.0**-6
 
@@ -249,7 +250,7 @@ def test_grouped_operands_are_the_loops(recipe):
         assert torch.equal(wgrad[3][g * K : (g + 1) * K], xt_q.scale.expand(K, 1).reshape(K))
 
 
-@pytest.mark.parametrize("sizes", [ALIGNED, UNEVEN], ids=["aligned", "uneven"])
+@pytest.mark.parametrize("sizes", [ALIGNED, UNEVEN, FULL], ids=["aligned", "uneven", "full"])
 @pytest.mark.parametrize("formats", [FormatConfig(), E4M3], ids=["hybrid", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])

@@ -576,9 +576,12 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                         x_t_scales,
                         _offsets([sizes[e] for e in present], dy_TN.device),
                     )
-                    dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
-                    index = torch.tensor(present, device=dw.device)
-                    dw.index_copy_(0, index, dw_GNK.to(w_dtype))
+                    if len(present) == len(sizes):
+                        dw = dw_GNK.to(w_dtype)
+                    else:  # the experts with no tokens get zeros
+                        dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
+                        index = torch.tensor(present, device=dw.device)
+                        dw.index_copy_(0, index, dw_GNK.to(w_dtype))
                 else:
                     parts = []
                     dy_t = _group_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
