@@ -307,7 +307,7 @@ def _segment_amax(x_TC: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
     (:func:`~mt_fp8.quantized.scale_from_amax`), and no reduction's NaN handling is relied on.
     """
     inf = float("inf")
-    magnitude = x_TC.abs().nan_to_num(nan=inf, posinf=inf)
+    magnitude = x_TC.abs().nan_to_num_(nan=inf, posinf=inf)
     return torch.segment_reduce(magnitude, "max", lengths=counts_G, axis=0, unsafe=True).float()
 
 
