@@ -323,26 +323,29 @@ def test_grouped_weight_cache():
 # ---------------------------------------------------------------------------------------------
 # Operands built for all groups at once against the loop's per-group quantizations
 
-SEGMENTS = [37, 0, 50, 16, 0, 5, 21]  # uneven, empty groups, counts not multiples of 16
+SEGMENTS = {
+    "uneven": [37, 0, 50, 16, 0, 5, 21],  # empty groups, counts not multiples of 16
+    "aligned": [48, 0, 32, 16, 0, 96, 64],  # multiples of 16: amaxes over 16-row blocks first
+}
 ZERO_GROUP = 3  # an all-zero group: its scales are 1 (mt_fp8.quantized.scale_from_amax)
 
 
-def segmented_inputs(dtype, device):
+def segmented_inputs(segments, dtype, device):
     """x (T, K) whose groups have different ranges (so that their scales differ), W (E, N, K)."""
     generator = torch.Generator().manual_seed(2)
-    total = sum(SEGMENTS)
-    ranges = torch.tensor([4.0**e for e in range(len(SEGMENTS))])
+    total = sum(segments)
+    ranges = torch.tensor([4.0**e for e in range(len(segments))])
     ranges[ZERO_GROUP] = 0.0
     x = torch.randn(total, K, generator=generator)
-    x = x * ranges.repeat_interleave(torch.tensor(SEGMENTS))[:, None]
-    x[40, 3] = float("inf")  # group 2: NaN scales (its row, its column, its whole group)
-    x[1, 5] = float("nan")  # group 0
-    w = torch.randn(len(SEGMENTS), N, K, generator=generator) * ranges[:, None, None].clamp_min(1)
+    x = x * ranges.repeat_interleave(torch.tensor(segments))[:, None]
+    x[40, 3] = float("inf")  # NaN scales: its row, its group column, its whole group
+    x[1, 5] = float("nan")
+    w = torch.randn(len(segments), N, K, generator=generator) * ranges[:, None, None].clamp_min(1)
     return x.to(device, dtype), w.to(device, dtype)
 
 
-def segmented_plan(recipe, dtype, device):
-    layer = FP8GroupedLinear(len(SEGMENTS), K, N, recipe=recipe, dtype=dtype, device=device)
+def segmented_plan(segments, recipe, dtype, device):
+    layer = FP8GroupedLinear(len(segments), K, N, recipe=recipe, dtype=dtype, device=device)
     return layer.linear_plan(torch.empty(0, K, dtype=dtype, device=device), None)
 
 
@@ -357,20 +360,22 @@ def assert_quantized_equal(data, scale, expected):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("segments", list(SEGMENTS.values()), ids=list(SEGMENTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
-def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, device):
+def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, segments, device):
     """Rows, wgrad columns and stacked weights equal, byte for byte and scale for scale, what
     the loop's quantizers give each group (the Triton kernels on CUDA), health counts too."""
     recipe = recipe_cls(formats=E4M3)
-    x_TK, w_ENK = segmented_inputs(dtype, device)
-    plan, loop_plan = segmented_plan(recipe, dtype, device), segmented_plan(recipe, dtype, device)
+    x_TK, w_ENK = segmented_inputs(segments, dtype, device)
+    plan = segmented_plan(segments, recipe, dtype, device)
+    loop_plan = segmented_plan(segments, recipe, dtype, device)
     role = TensorRole.INPUT
-    rows = grouped_module._quantize_rows(plan, x_TK, SEGMENTS, role)
-    data_KT, scales = grouped_module._quantize_columns(plan, x_TK, rows, SEGMENTS, role)
+    rows = grouped_module._quantize_rows(plan, x_TK, segments, role)
+    data_KT, scales = grouped_module._quantize_columns(plan, x_TK, rows, segments, role)
     weight, weight_t = grouped_module._quantize_weights(plan, w_ENK, need_transpose=True)
     present = 0
-    for e, (s, t) in enumerate(grouped_module._bounds(SEGMENTS)):
+    for e, (s, t) in enumerate(grouped_module._bounds(segments)):
         w_q, w_t_q = loop_plan.weight_operands(w_ENK[e], need_transpose=True)
         assert_quantized_equal(weight.data[e], weight.column_scales()[e], w_q)
         assert_quantized_equal(weight_t.data[e], weight_t.column_scales()[e], w_t_q)
@@ -383,7 +388,7 @@ def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, d
         q_t = loop_plan.quantize_transposed(x_TK[s:t], q, role)
         assert_quantized_equal(data_KT[:, s:t], scales[present * K : (present + 1) * K], q_t)
         present += 1
-    assert data_KT.shape == (K, sum(SEGMENTS)) and scales.shape == (present * K,)
+    assert data_KT.shape == (K, sum(segments)) and scales.shape == (present * K,)
     assert (rows.scale_T == 1).any() and rows.scale_T.isnan().any()  # the edge cases
     assert scales.isnan().any() and not scales.isnan().all()
     assert torch.equal(plan.meta.health, loop_plan.meta.health)
