@@ -84,8 +84,8 @@ Weight cache: the grouped path keeps one entry per layer with the FP8 weights of
 stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
 (:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer,
 ``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes
-all experts at once (above), to the bytes the loop gives each. The loop path's per-expert caches are separate (a layer that switches
-path quantizes once more).
+all experts at once (above), to the bytes the loop gives each. The loop path's per-expert
+caches are separate (a layer that switches path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
 
@@ -356,8 +356,8 @@ def _quantize_columns(
     tokens, as the loop's, side by side in ``data`` (C, T); scales (E'·C,) group-major.
 
     Tensorwise: the exact transpose of ``rows``. Rowwise: per (group, column) amaxes by one
-    segmented reduction, then one cast of ``x`` with a scale per element (its group's column
-    scale) and one FP8 transpose copy; no health counts, as the loop's transposed operands.
+    segmented reduction, then one cast of ``x`` with each element's group-column scale, stored
+    transposed (module docstring); no health counts, as the loop's transposed operands.
     """
     columns = x_TC.shape[1]
     if rows.group_scales is not None:
