@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import mt_fp8.grouped as grouped_module
 from mt_fp8 import (
     FormatConfig,
     FP8Format,
@@ -41,6 +43,7 @@ from mt_fp8.recipes import DelayedScaling, recipe_from_name
 E, K, N = 4, 64, 96
 ALIGNED = [48, 0, 32, 80]  # every size % 16: the wgrad GEMM is grouped too
 UNEVEN = [37, 0, 50, 73]  # wgrad per group; forward/dgrad still grouped
+FULL = [48, 16, 32, 80]  # aligned, no expert without tokens
 E4M3 = FormatConfig.all_e4m3()
 ROUNDING = 2.0**-6
 
@@ -247,7 +250,7 @@ def test_grouped_operands_are_the_loops(recipe):
         assert torch.equal(wgrad[3][g * K : (g + 1) * K], xt_q.scale.expand(K, 1).reshape(K))
 
 
-@pytest.mark.parametrize("sizes", [ALIGNED, UNEVEN], ids=["aligned", "uneven"])
+@pytest.mark.parametrize("sizes", [ALIGNED, UNEVEN, FULL], ids=["aligned", "uneven", "full"])
 @pytest.mark.parametrize("formats", [FormatConfig(), E4M3], ids=["hybrid", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
@@ -315,6 +318,118 @@ def test_grouped_weight_cache():
     with final_micro_batch():  # the last micro-batch's backward frees the entry
         run(layer, x, dy, ALIGNED, emulated_grouped_mm)
     assert layer.grouped_weight_cache.entry is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands built for all groups at once against the loop's per-group quantizations
+
+SEGMENTS = {
+    "uneven": [37, 0, 50, 16, 0, 5, 21],  # empty groups, counts not multiples of 16
+    "aligned": [48, 0, 32, 16, 0, 96, 64],  # multiples of 16: amaxes over 16-row blocks first
+}
+ZERO_GROUP = 3  # an all-zero group: its scales are 1 (mt_fp8.quantized.scale_from_amax)
+
+
+def segmented_inputs(segments, dtype, device):
+    """x (T, K) whose groups have different ranges (so that their scales differ), W (E, N, K)."""
+    generator = torch.Generator().manual_seed(2)
+    total = sum(segments)
+    ranges = torch.tensor([4.0**e for e in range(len(segments))])
+    ranges[ZERO_GROUP] = 0.0
+    x = torch.randn(total, K, generator=generator)
+    x = x * ranges.repeat_interleave(torch.tensor(segments))[:, None]
+    x[40, 3] = float("inf")  # NaN scales: its row, its group column, its whole group
+    x[1, 5] = float("nan")
+    w = torch.randn(len(segments), N, K, generator=generator) * ranges[:, None, None].clamp_min(1)
+    return x.to(device, dtype), w.to(device, dtype)
+
+
+def segmented_plan(segments, recipe, dtype, device):
+    layer = FP8GroupedLinear(len(segments), K, N, recipe=recipe, dtype=dtype, device=device)
+    return layer.linear_plan(torch.empty(0, K, dtype=dtype, device=device), None)
+
+
+def assert_quantized_equal(data, scale, expected):
+    """Equal bytes and scales; where the expected value is NaN, only NaN-ness (the FP8 NaN
+    codes of the Triton and PyTorch casts may differ in sign)."""
+    expected_scale = expected.scale.expand(data.shape[0], 1).reshape(-1)
+    nan_scale, nan_data = expected_scale.isnan(), expected.data.float().isnan()
+    assert torch.equal(scale.isnan(), nan_scale) and torch.equal(data.float().isnan(), nan_data)
+    assert torch.equal(scale[~nan_scale], expected_scale[~nan_scale])
+    assert torch.equal(as_bytes(data)[~nan_data], as_bytes(expected.data)[~nan_data])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("segments", list(SEGMENTS.values()), ids=list(SEGMENTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
+def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, segments, device):
+    """Rows, wgrad columns and stacked weights equal, byte for byte and scale for scale, what
+    the loop's quantizers give each group (the Triton kernels on CUDA), health counts too."""
+    recipe = recipe_cls(formats=E4M3)
+    x_TK, w_ENK = segmented_inputs(segments, dtype, device)
+    plan = segmented_plan(segments, recipe, dtype, device)
+    loop_plan = segmented_plan(segments, recipe, dtype, device)
+    role = TensorRole.INPUT
+    rows = grouped_module._quantize_rows(plan, x_TK, segments, role)
+    data_KT, scales = grouped_module._quantize_columns(plan, x_TK, rows, segments, role)
+    weight, weight_t = grouped_module._quantize_weights(plan, w_ENK, need_transpose=True)
+    present = 0
+    for e, (s, t) in enumerate(grouped_module._bounds(segments)):
+        w_q, w_t_q = loop_plan.weight_operands(w_ENK[e], need_transpose=True)
+        assert_quantized_equal(weight.data[e], weight.column_scales()[e], w_q)
+        assert_quantized_equal(weight_t.data[e], weight_t.column_scales()[e], w_t_q)
+        if t == s:
+            continue
+        q = loop_plan.quantize(x_TK[s:t], role, record=True, transposed=True)
+        assert_quantized_equal(rows.data[s:t], rows.scale_T[s:t], q)
+        group = rows.group(s, t)
+        torch.testing.assert_close(group.scale, q.scale, rtol=0, atol=0, equal_nan=True)
+        q_t = loop_plan.quantize_transposed(x_TK[s:t], q, role)
+        assert_quantized_equal(data_KT[:, s:t], scales[present * K : (present + 1) * K], q_t)
+        present += 1
+    assert data_KT.shape == (K, sum(segments)) and scales.shape == (present * K,)
+    assert (rows.scale_T == 1).any() and rows.scale_T.isnan().any()  # the edge cases
+    assert scales.isnan().any() and not scales.isnan().all()
+    assert torch.equal(plan.meta.health, loop_plan.meta.health)
+
+
+def one_op_grouped_mm(a, b, scale_a, scale_b, offs):
+    """A stand-in for the grouped kernel that dispatches one op (the operands are what count)."""
+    if b.dim() == 3:
+        return a.new_zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
+    return a.new_zeros(len(offs), a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+
+class AtenOpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(recipe, experts):
+    """Aten ops of one forward + backward with every GEMM grouped (no bias: its gradient is
+    one fp32 sum per group, as the loop's, so that its bits stay the loop's)."""
+    layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
+    sizes = [16 * (e % 3) for e in range(experts)]  # aligned, a third of them empty
+    x = torch.randn(sum(sizes), K, dtype=torch.bfloat16, requires_grad=True)
+    plan = layer.linear_plan(x, None)
+    counter = AtenOpCount()
+    with counter:
+        y = fp8_grouped_linear(x, layer.weight, None, sizes, plan, one_op_grouped_mm)
+        y.backward(torch.ones_like(y))
+    assert x.grad is not None and layer.weight.grad is not None
+    return counter.count
+
+
+@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls):
+    recipe = recipe_cls(formats=E4M3)
+    assert ops_per_call(recipe, 4) == ops_per_call(recipe, 32)
 
 
 # ---------------------------------------------------------------------------------------------

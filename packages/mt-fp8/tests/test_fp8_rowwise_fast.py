@@ -24,7 +24,7 @@ from test_fp8_block_fast import (
 )
 
 from mt_fp8 import FP8Format, RowwiseScaling, quantize
-from mt_fp8.quantized import ROWWISE
+from mt_fp8.quantized import ROWWISE, QuantizedTensor
 
 
 def rowwise_kernels():
@@ -59,6 +59,30 @@ def test_rowwise_kernel_matches_quantize(device, dtype, shape, fmt):
     assert_same_quantization(q_t, quantize(x.t(), fmt, ROWWISE))
     if shape[0] > 150:  # columns with inf and NaN: NaN scales
         assert q_t.scale.isnan().any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_group_column_quantizer_matches_quantize_per_group(device, dtype, fmt):
+    # Groups of rows (uneven, one shorter than a 128-row tile, boundaries inside tiles), each
+    # quantized along its rows with its own column scales, side by side in one xᵀ.
+    sizes = [70, 100, 31]
+    x = awkward_input(sum(sizes), 1100, dtype, device)
+    starts = [0, 70, 170]
+    expected = [
+        quantize(x[s : s + n].t(), fmt, ROWWISE) for s, n in zip(starts, sizes, strict=True)
+    ]
+    scale_GC = torch.stack([q.scale.reshape(-1) for q in expected])
+    group_R = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
+    q_CR = rowwise_kernels().quantize_group_columns_transposed(x, scale_GC, group_R, fmt)
+    assert q_CR.shape == (1100, sum(sizes))
+    for s, n, q in zip(starts, sizes, expected, strict=True):
+        got = QuantizedTensor(q_CR[:, s : s + n].contiguous(), q.scale, ROWWISE, fmt)
+        assert_same_quantization(got, q)
+    assert scale_GC.isnan().any() and (scale_GC == 1).any()  # the edge cases are there
+    with pytest.raises(ValueError, match="scale_GC must be fp32 of shape"):
+        rowwise_kernels().quantize_group_columns_transposed(x, scale_GC[:, :5], group_R, fmt)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -35,8 +35,36 @@ Both recipes give exactly the loop path's FP8 bytes and scale values:
 * Tensorwise: one scale per group for each of ``x_e``, ``W_e``, ``dy_e`` (their transposes are
   exact), expanded to the rowwise vectors above: the same values the loop's scalars have.
 
-The operands come from the same :class:`~mt_fp8.linear_plan.LinearPlan` quantizers as the loop
-(Triton kernels on CUDA), so health counts (``track_health``) are the loop's too.
+Operand construction. Each operand is built for all groups at once, in a number of kernels
+that does not depend on E (a per-group quantize cost about 0.45 ms per expert on an H200,
+2026-12-05, ``benchmarks/grouped_gemm.py`` at 2cc88b0), from the same scale math as the loop's
+quantizers (:func:`~mt_fp8.quantized.scale_from_amax`, :func:`~mt_fp8.quantized.cast_to_fp8`,
+both elementwise, so a value and its scale give the same bits whatever tensor holds them):
+
+* Rowwise ``x``, ``dy`` and ``W``: one :meth:`~mt_fp8.linear_plan.LinearPlan.quantize` of the
+  (T, C) rows, or of the stacked (E·N, K) weight rows (the loop's quantizers, Triton on CUDA).
+* Rowwise ``Wᵀ``: one quantize of the (E·K, N) rows of the transposed stack: row ``(e, k)`` is
+  column ``k`` of ``W_e``, which the loop quantizes as a row of ``W_eᵀ``.
+* Rowwise wgrad operands ``xᵀ`` and ``dyᵀ``: amaxes per (group, column) by one segmented
+  reduction over the non-empty groups (``torch.segment_reduce``; NaN counted as ``+inf``, which
+  gives the same NaN scale), one ``scale_from_amax`` on those (E', C) amaxes, then one cast of
+  ``x`` with each element's group-column scale, stored transposed: where the loop's quantizers
+  are Triton kernels, one launch of
+  :func:`~mt_fp8.kernels.rowwise_quantize.quantize_group_columns_transposed` (the cast of the
+  loop's ``quantize_columns_transposed``, the scale looked up by the row's group), else
+  ``cast_to_fp8`` with the scales repeated to (T, C) and one FP8 transpose copy.
+* Tensorwise: per-group amaxes by the same segmented reduction (then a max over C), or one
+  ``amax`` over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
+  (the loop: one per group); one cast with each row's group scale. The transposes are exact:
+  one FP8 transpose copy each.
+
+On CUDA the loop quantizes some of these with its Triton kernels, which are bit-identical to
+:func:`~mt_fp8.quantized.quantize` (tested in test_fp8_rowwise_fast.py and test_fp8_ops.py);
+test_fp8_grouped.py checks the byte and scale identity of every operand against the loop's
+quantizers on CPU and (marked ``gpu``) on CUDA. Health counts (``track_health``) are the
+loop's: the casts of ``x``, ``dy`` and ``W`` count them, transposed operands count nothing.
+The bias adds in one op; its gradient stays one fp32 sum per group (the loop's summation
+order, so the loop's bits).
 
 Where the kernel cannot take a GEMM, that GEMM runs per group through
 :func:`~mt_fp8.gemm.fp8_gemm` on the same operands (see :func:`gemm_reason`): it accepts
@@ -55,15 +83,15 @@ multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad 
 Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
 stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
 (:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer,
-``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes each
-expert as the loop does. The loop path's per-expert caches are separate (a layer that switches
-path quantizes once more).
+``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes
+all experts at once (above), to the bytes the loop gives each. The loop path's per-expert
+caches are separate (a layer that switches path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +101,13 @@ import torch
 from mt_fp8.formats import FP8Format, TensorRole
 from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear_plan import LinearPlan
-from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.quantized import (
+    QuantizedTensor,
+    ScaleLayout,
+    cast_to_fp8,
+    reduce_amax_,
+    scale_from_amax,
+)
 from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
 from mt_fp8.weight_cache import weight_key
 
@@ -233,12 +267,25 @@ def grouped_gemm_reason(
 
 @dataclass
 class _Rows:
-    """A (T, C) operand quantized along C, group by group: ``data`` (T, C) FP8, ``scale_T`` (T,)."""
+    """A (T, C) operand quantized along C with the loop's per-group scales: ``data`` (T, C) FP8,
+    ``scale_T`` (T,) fp32 (tensorwise: each group's scale repeated over its tokens)."""
 
     data: torch.Tensor
     scale_T: torch.Tensor
-    groups: list[QuantizedTensor | None]
-    """Each group's operand as the loop quantizes it (views where possible); None if empty."""
+    layout: ScaleLayout
+    fmt: FP8Format
+    group_scales: torch.Tensor | None
+    """Tensorwise: the (E',) scales of the non-empty groups, in order; rowwise: None."""
+
+    def group(self, start: int, end: int) -> QuantizedTensor:
+        """The group of tokens ``[start, end)`` as the loop quantizes it (a view of ``data``)."""
+        if self.group_scales is None:
+            scale = self.scale_T[start:end].reshape(-1, 1)
+        else:
+            # NOTE: a copy, not a view into scale_T: cuBLAS refuses scale pointers at some
+            # offsets (mt_fp8.quantized.quantize).
+            scale = self.scale_T[start : start + 1].reshape(1, 1).clone()
+        return QuantizedTensor(self.data[start:end], scale, self.layout, self.fmt)
 
 
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -249,50 +296,98 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The token counts of the non-empty groups, as an int64 tensor on ``device``."""
+    return torch.tensor([size for size in sizes if size], dtype=torch.int64, device=device)
+
+
+def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tensor) -> torch.Tensor:
+    """(G, C) fp32: ``max |x|`` over the rows of each non-empty group (``counts_G``), per column.
+
+    First a max over blocks of ``b`` rows, ``b`` the gcd of the group sizes (16 at least where
+    the wgrad GEMM is grouped), by PyTorch's ordinary reduction; then ``torch.segment_reduce``
+    over those block maxima (a max of maxima is the max: the bits do not depend on ``b``).
+    NOTE: segment_reduce's CUDA kernel walks each segment serially in one thread per (group,
+    column), so the block step shortens those walks ``b``-fold.
+
+    NaN is counted as ``+inf`` (as the Triton quantizers count it): either way the scale is NaN
+    (:func:`~mt_fp8.quantized.scale_from_amax`), and no reduction's NaN handling is relied on.
+    """
+    inf = float("inf")
+    magnitude = x_TC.abs().nan_to_num_(nan=inf, posinf=inf)
+    block = math.gcd(*sizes)
+    if block > 1:
+        tokens, columns = magnitude.shape
+        magnitude = magnitude.reshape(tokens // block, block, columns).amax(dim=1)
+    lengths = counts_G // block
+    return torch.segment_reduce(magnitude, "max", lengths=lengths, axis=0, unsafe=True).float()
+
+
+def _amax_group_reduced(plan: LinearPlan, amax: torch.Tensor, role: TensorRole) -> torch.Tensor:
+    group = plan.reduction_group(role)
+    return amax if group is None else reduce_amax_(amax, group)
+
+
+def _health(plan: LinearPlan, role: TensorRole) -> torch.Tensor | None:
+    return plan.meta.health[int(role)] if plan.track_health else None
+
+
 def _quantize_rows(
-    plan: LinearPlan,
-    x_TC: torch.Tensor,
-    sizes: Sequence[int],
-    role: TensorRole,
-    transposed: bool,
+    plan: LinearPlan, x_TC: torch.Tensor, sizes: Sequence[int], role: TensorRole
 ) -> _Rows:
-    """``x`` quantized along C with the loop's per-group scales (module docstring)."""
-    bounds = _bounds(sizes)
+    """``x`` quantized along C with the loop's per-group scales (module docstring), in a
+    number of kernels that does not depend on the number of groups."""
+    fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
     if isinstance(plan.recipe, RowwiseScaling):
         q = plan.quantize(x_TC, role, record=True)  # rows are independent: as per group
-        groups = [
-            QuantizedTensor(q.data[s:e], q.scale[s:e], q.layout, q.fmt) if e > s else None
-            for s, e in bounds
-        ]
-        return _Rows(q.data, q.scale.reshape(-1), groups)
-    groups = [
-        plan.quantize(x_TC[s:e], role, record=True, transposed=transposed) if e > s else None
-        for s, e in bounds
-    ]
-    present = [q for q in groups if q is not None]
-    data = torch.cat([q.data for q in present])
-    counts = torch.tensor([q.shape[0] for q in present], device=x_TC.device)
-    scales = torch.cat([q.scale.reshape(1) for q in present])
-    return _Rows(data, scales.repeat_interleave(counts, output_size=x_TC.shape[0]), groups)
+        return _Rows(q.data, q.scale.reshape(-1), layout, fmt, None)
+    counts_G = _present(sizes, x_TC.device)
+    amax_G = _segment_amax(x_TC, sizes, counts_G).amax(dim=1)
+    scale_G = scale_from_amax(_amax_group_reduced(plan, amax_G, role), fmt)
+    scale_T = scale_G.repeat_interleave(counts_G, output_size=x_TC.shape[0])
+    data = cast_to_fp8(x_TC.contiguous(), scale_T[:, None], fmt, _health(plan, role))
+    return _Rows(data, scale_T, layout, fmt, scale_G)
 
 
 def _quantize_columns(
     plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 2d × 2d wgrad operand: each non-empty group's ``x_eᵀ`` (C, T_e) quantized along its
+    tokens, as the loop's, side by side in ``data`` (C, T); scales (E'·C,) group-major.
+
+    Tensorwise: the exact transpose of ``rows``. Rowwise: per (group, column) amaxes by one
+    segmented reduction, then one cast of ``x`` with each element's group-column scale, stored
+    transposed (module docstring); no health counts, as the loop's transposed operands.
+    """
+    columns = x_TC.shape[1]
+    if rows.group_scales is not None:
+        return rows.data.t().contiguous(), rows.group_scales.repeat_interleave(columns)
+    counts_G = _present(sizes, x_TC.device)
+    scale_GC = scale_from_amax(_segment_amax(x_TC, sizes, counts_G), rows.fmt)
+    tokens = x_TC.shape[0]
+    if plan._fused_rowwise(x_TC, rows.layout):
+        from mt_fp8.kernels.rowwise_quantize import quantize_group_columns_transposed
+
+        groups = torch.arange(len(counts_G), device=x_TC.device, dtype=torch.int32)
+        group_T = groups.repeat_interleave(counts_G, output_size=tokens)
+        data_CT = quantize_group_columns_transposed(x_TC, scale_GC, group_T, rows.fmt)
+        return data_CT, scale_GC.reshape(-1)
+    scale_TC = scale_GC.repeat_interleave(counts_G, dim=0, output_size=tokens)
+    data_TC = cast_to_fp8(x_TC.contiguous(), scale_TC, rows.fmt)
+    return data_TC.t().contiguous(), scale_GC.reshape(-1)
+
+
+def _group_columns(
+    plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
 ) -> list[QuantizedTensor | None]:
-    """Each group's ``x_eᵀ`` (C, T_e) quantized along its tokens, as the loop's wgrad operand."""
+    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad."""
     exact = not isinstance(plan.recipe, RowwiseScaling)
     return [
-        None if q is None else plan.quantize_transposed(x_TC[s:e], q if exact else None, role)
-        for (s, e), q in zip(_bounds(sizes), rows.groups, strict=True)
+        None
+        if t == s
+        else plan.quantize_transposed(x_TC[s:t], rows.group(s, t) if exact else None, role)
+        for s, t in _bounds(sizes)
     ]
-
-
-def _concat_columns(groups: list[QuantizedTensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """2d × 2d operand: the groups' (C, T_e) data side by side, scales (E'·C,) group-major."""
-    present = [q for q in groups if q is not None]
-    data = torch.cat([q.data for q in present], dim=1)
-    scales = torch.cat([q.scale.reshape(-1, 1).expand(q.shape[0], 1).reshape(-1) for q in present])
-    return data, scales
 
 
 @dataclass
@@ -301,10 +396,11 @@ class _Stacked:
 
     data: torch.Tensor
     scale: torch.Tensor
-    template: QuantizedTensor
+    layout: ScaleLayout
+    fmt: FP8Format
 
     def expert(self, e: int) -> QuantizedTensor:
-        return QuantizedTensor(self.data[e], self.scale[e], self.template.layout, self.template.fmt)
+        return QuantizedTensor(self.data[e], self.scale[e], self.layout, self.fmt)
 
     def column_scales(self) -> torch.Tensor:
         """(E, R): the rowwise ``scale_b`` of a 3-D grouped operand."""
@@ -332,24 +428,57 @@ def _rows_by_experts(
             rows.data, weight.data.transpose(1, 2), rows.scale_T, weight.column_scales(), offs
         ).to(out_dtype)
         if bias is not None:
-            for e, (s, t) in enumerate(_bounds(plan.sizes)):
-                if t > s:
-                    out[s:t] += bias[e]
+            counts_E = torch.tensor(plan.sizes, dtype=torch.int64, device=out.device)
+            out += bias.repeat_interleave(counts_E, dim=0, output_size=out.shape[0])
         return out
     return torch.cat(
         [
             rows.data.new_empty(0, out_features, dtype=out_dtype)
-            if q is None
+            if t == s
             else fp8_gemm(
-                q, weight.expert(e), out_dtype, None if bias is None else bias[e], lp.backend
+                rows.group(s, t),
+                weight.expert(e),
+                out_dtype,
+                None if bias is None else bias[e],
+                lp.backend,
             )
-            for e, q in enumerate(rows.groups)
+            for e, (s, t) in enumerate(_bounds(plan.sizes))
         ]
     )
 
 
-def _stack(qs: list[QuantizedTensor]) -> _Stacked:
-    return _Stacked(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]), qs[0])
+def _quantize_weights(
+    plan: LinearPlan, weight_ENK: torch.Tensor, need_transpose: bool
+) -> tuple[_Stacked, _Stacked | None]:
+    """``W`` per (expert, output row) or per expert and ``Wᵀ`` per (expert, input column) or
+    its exact transpose, as the loop quantizes each expert, in one quantization each."""
+    experts, out_features, in_features = weight_ENK.shape
+    role = TensorRole.WEIGHT
+    fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
+    if isinstance(plan.recipe, RowwiseScaling):
+        q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
+        weight = _Stacked(
+            q.data.view(weight_ENK.shape), q.scale.view(experts, out_features, 1), layout, fmt
+        )
+        if not need_transpose:
+            return weight, None
+        # The rows of the stacked transposes are the columns of each W_e: no health counts,
+        # as the loop's quantize_transposed.
+        weight_EKN = weight_ENK.transpose(1, 2).reshape(-1, out_features)
+        q_t = plan.quantize(weight_EKN, role, record=False)
+        shape_t = (experts, in_features, out_features)
+        weight_t = _Stacked(
+            q_t.data.view(shape_t), q_t.scale.view(experts, in_features, 1), layout, fmt
+        )
+        return weight, weight_t
+    amax_E = weight_ENK.abs().amax(dim=(1, 2)).float()
+    scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
+    scale_rows = scale_E.repeat_interleave(out_features)[:, None]
+    data = cast_to_fp8(weight_ENK.reshape(-1, in_features), scale_rows, fmt, _health(plan, role))
+    weight = _Stacked(data.view(weight_ENK.shape), scale_E.view(experts, 1, 1), layout, fmt)
+    if not need_transpose:
+        return weight, None
+    return weight, _Stacked(weight.data.transpose(1, 2).contiguous(), weight.scale, layout, fmt)
 
 
 def _weight_operands(
@@ -362,10 +491,7 @@ def _weight_operands(
         cached = cache.lookup(key, weight_ENK)
         if cached is not None:
             return cached.weight, cached.weight_transposed
-    per_expert = dataclasses.replace(plan, weight_cache=None)
-    pairs = [per_expert.weight_operands(w_NK, need_transpose) for w_NK in weight_ENK.unbind(0)]
-    weight = _stack([w for w, _ in pairs])
-    weight_t = _stack([wt for _, wt in pairs if wt is not None]) if need_transpose else None
+    weight, weight_t = _quantize_weights(plan, weight_ENK, need_transpose)
     if key is not None:
         cache.store(key, weight_ENK, weight, weight_t)  # type: ignore[union-attr]
     return weight, weight_t
@@ -409,7 +535,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         lp, sizes = plan.linear, plan.sizes
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         offs = _offsets(sizes, x_TK.device)
-        x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT, transposed=need_dw)
+        x_rows = _quantize_rows(lp, x_TK, sizes, TensorRole.INPUT)
         weight, weight_t = _weight_operands(lp, weight_ENK, need_transpose=need_dx)
         bias = None if bias_EN is None else bias_EN.to(lp.out_dtype)
         y_TN = _rows_by_experts(
@@ -417,17 +543,16 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         )
         saved: list[torch.Tensor | None] = [offs]
         if need_dw:
-            x_t = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
             if "wgrad" in plan.grouped:
-                saved += list(_concat_columns(x_t))
+                saved += list(_quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT))
             else:
-                for q in x_t:
+                for q in _group_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT):
                     saved += [None, None] if q is None else [q.data, q.scale]
             ctx.x_t_format = (lp.recipe.layout(TensorRole.INPUT), lp.recipe.formats.input)
         if need_dx:
             assert weight_t is not None
             saved += [weight_t.data, weight_t.scale]
-            ctx.weight_t_template = weight_t.template
+            ctx.weight_t_format = (weight_t.layout, weight_t.fmt)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
         ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
@@ -447,15 +572,14 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
-            dy_rows = _quantize_rows(
-                lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT, transposed=bool(need_dw)
-            )
+            dy_rows = _quantize_rows(lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT)
             if need_dw:
-                dy_t = _quantize_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
                 layout, fmt = ctx.x_t_format
                 if "wgrad" in plan.grouped:
                     x_t_data, x_t_scales = saved.pop(0), saved.pop(0)
-                    dy_t_data, dy_t_scales = _concat_columns(dy_t)
+                    dy_t_data, dy_t_scales = _quantize_columns(
+                        lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT
+                    )
                     present = [e for e, (s, t) in enumerate(bounds) if t > s]
                     dw_GNK = plan.gemm(
                         dy_t_data,
@@ -464,11 +588,15 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                         x_t_scales,
                         _offsets([sizes[e] for e in present], dy_TN.device),
                     )
-                    dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
-                    index = torch.tensor(present, device=dw.device)
-                    dw.index_copy_(0, index, dw_GNK.to(w_dtype))
+                    if len(present) == len(sizes):
+                        dw = dw_GNK.to(w_dtype)
+                    else:  # the experts with no tokens get zeros
+                        dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
+                        index = torch.tensor(present, device=dw.device)
+                        dw.index_copy_(0, index, dw_GNK.to(w_dtype))
                 else:
                     parts = []
+                    dy_t = _group_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
                     for q_dy in dy_t:
                         data, scale = saved.pop(0), saved.pop(0)
                         if q_dy is None:
@@ -478,8 +606,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                             parts.append(fp8_gemm(q_dy, q_x, w_dtype, None, lp.backend))
                     dw = torch.stack(parts)
             if need_dx:
-                template = ctx.weight_t_template
-                weight_t = _Stacked(saved.pop(0), saved.pop(0), template)
+                weight_t = _Stacked(saved.pop(0), saved.pop(0), *ctx.weight_t_format)
                 dx = _rows_by_experts(
                     plan, "dgrad", dy_rows, weight_t, offs, x_dtype, in_features, None
                 )

@@ -23,6 +23,10 @@ wgrad and dgrad GEMMs' operand) is :func:`quantize_columns_transposed`, two kern
                             amax_c  = max_p a[p, c]                       (one PyTorch amax)
     _quantize_columns:      s_c = scale_from_amax(amax_c),  qᵀ[c, r] = sat(rne(x[r, c] · s_c⁻¹))
 
+:func:`quantize_group_columns_transposed` is the second kernel for rows in groups (the grouped
+expert GEMMs' wgrad operands, :mod:`mt_fp8.grouped`): given per-(group, column) scales and each
+row's group, ``qᵀ[c, r] = sat(rne(x[r, c] · s_{group(r), c}⁻¹))`` for all groups in one launch.
+
 ``qᵀ`` is stored transposed from registers for bf16 and fp16 inputs; fp32 inputs store the
 column-scaled tile untransposed into an ``(R, C)`` buffer and PyTorch's FP8 (byte) transpose
 copy makes ``qᵀ`` from it, because Triton's transposed FP8 store gave garbage for fp32 inputs on
@@ -265,3 +269,92 @@ def quantize_columns_transposed(x_RC: torch.Tensor, fmt: FP8Format) -> Quantized
     if not fused:
         q_CR.copy_(target.t())  # FP8 tensors support no arithmetic; a transpose is a copy
     return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
+
+
+@triton.jit
+def _quantize_group_columns(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    group_ptr,
+    R,
+    C,
+    fmt_max,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """``_quantize_columns`` with each row's columns scaled by its group's column scales
+    ``scale[group[r], c]`` (given), stored transposed (TRANSPOSE) or untransposed."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_rows, in_cols = rows < R, cols < C
+    mask = in_rows[:, None] & in_cols[None, :]
+    group = tl.load(group_ptr + rows, mask=in_rows, other=0).to(tl.int64)
+    scale = tl.load(scale_ptr + group[:, None] * C + cols[None, :], mask=mask, other=1.0)
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    clamped = tl.clamp(
+        _mul_rn(x, _reciprocal(scale, EXACT_DIV), EXACT_DIV),
+        -fmt_max,
+        fmt_max,
+        propagate_nan=tl.PropagateNan.ALL,
+    )
+    if TRANSPOSE:
+        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        mask_t = in_cols[:, None] & in_rows[None, :]
+        _store_fp8(q_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
+    else:
+        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+def quantize_group_columns_transposed(
+    x_RC: torch.Tensor, scale_GC: torch.Tensor, group_R: torch.Tensor, fmt: FP8Format
+) -> torch.Tensor:
+    """``xᵀ`` (C, R) FP8, each row ``r`` of ``x`` scaled by its group's column scales
+    ``scale_GC[group_R[r]]`` (fp32, from :func:`~mt_fp8.quantized.scale_from_amax`): for the
+    rows of each group, bit-identical to ``quantize(x_g.t(), fmt, ROWWISE).data`` with those
+    scales (the cast of :func:`quantize_columns_transposed`). The grouped wgrad operands of
+    :mod:`mt_fp8.grouped`, all groups side by side in one launch."""
+    _check_input(x_RC)
+    x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    if scale_GC.dtype != torch.float32 or scale_GC.dim() != 2 or scale_GC.shape[1] != cols:
+        raise ValueError(
+            f"scale_GC must be fp32 of shape (groups, {cols}), got {tuple(scale_GC.shape)} "
+            f"{scale_GC.dtype}"
+        )
+    if group_R.shape != (rows,):
+        raise ValueError(f"group_R must hold one group index per row ({rows}), got {group_R.shape}")
+    device = x_RC.device
+    q_CR = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
+    if rows == 0 or cols == 0:
+        return q_CR
+    block_r, block_c, warps = COLUMN_TILE
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    fused = x_RC.dtype != torch.float32  # see the module docstring
+    target = q_CR if fused else torch.empty(rows, cols, device=device, dtype=fmt.dtype)
+    arguments = {
+        k: v for k, v in cast_arguments(fmt).items() if k not in ("saturation", "half_subnormal")
+    }
+    _quantize_group_columns[grid](
+        x_RC,
+        target,
+        scale_GC.contiguous(),
+        group_R.to(torch.int32).contiguous(),
+        rows,
+        cols,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        TRANSPOSE=fused,
+        num_warps=warps,
+        **arguments,
+    )
+    if not fused:
+        q_CR.copy_(target.t())  # FP8 tensors support no arithmetic; a transpose is a copy
+    return q_CR
