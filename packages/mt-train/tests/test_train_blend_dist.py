@@ -1,7 +1,8 @@
 """``data.blend`` across processes (two gloo ranks, one pool for the module): a run stopped by
 SIGTERM resumes with ``checkpoint.resume=auto`` at another data-parallel size (dp=2 → 1 and
 1 → 2) and continues the uninterrupted run's losses and per-source token counts; a rewind on a
-blend at dp=2 skips the draws it names, and no rank trains on them afterwards.
+blend at dp=2 skips the draws it names: no rank trains on them afterwards, and the per-source
+token counts leave them out.
 
 The blend is the 3:1 two-source one of ``train_checks.blend_sources``; global batch 8, so the
 draws of step k are ``[8(k-1), 8k)`` at every dp.
@@ -10,11 +11,12 @@ draws of step k are ``[8(k-1), 8k)`` at every dp.
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
 import train_checks
-from train_checks import blend_sources, tiny_overrides
+from train_checks import blend_sources, rewind_overrides, tiny_overrides
 
 from mt_comm.testing import DistributedPool
 
@@ -85,3 +87,47 @@ def test_blend_resumes_at_another_dp(
     assert _tokens(resumed["rows"]) == expected
     bible, verse = expected[STEPS]
     assert bible + verse == STEPS * 8 * 64 and bible > verse  # steps · batch · seq, 3:1
+
+
+# The fault scenario of test_train_rewind_dist on a blend: rank 1's gradient norm spikes at
+# step 16, both ranks rewind to step 8 (the newest stable checkpoint) and skip the draws of
+# steps 9-16.
+REWIND_STEPS, FAULT, STABLE = 24, 16, 8
+
+
+def _logged_tokens(folder: Path) -> dict[int, tuple[int, ...]]:
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return _tokens(rows)
+
+
+def test_rewind_on_a_blend_never_trains_on_the_skipped_draws(
+    pool, blend: str, tmp_path: Path
+) -> None:
+    # What one process draws in 32 uninterrupted steps, step by step (the draws at any dp).
+    steps = {"trainer.max_steps": 2 * FAULT, "trainer.log_interval": STABLE}
+    reference = train_checks.run_collated(_overrides(blend, **steps), tmp_path / "reference")
+    fault = {"fault.rank": 1, "fault.grad_spike_at_step": FAULT, "fault.spike_factor": 100.0}
+    extra = {"trainer.max_steps": REWIND_STEPS, "trainer.eval_interval": REWIND_STEPS, **fault}
+    overrides = rewind_overrides("unused", **{"data.path": None, "data.blend": blend, **extra})
+    results = pool.run(train_checks.run_collated, overrides, tmp_path / "rewound")
+
+    for result in results:
+        assert result["steps"] == REWIND_STEPS
+        (rewind,) = [e for e in result["events"] if e["event"] == "rewind"]
+        assert rewind["restored"]["step"] == STABLE
+        assert rewind["skipped"]["draws"] == [[STABLE * 8, FAULT * 8]]
+    # Every step any rank ran, the undone steps 9-16 included: the union of both ranks' rows.
+    ran = [sorted(a + b) for a, b in zip(*(r["collated"] for r in results), strict=True)]
+    drawn = [sorted(rows) for rows in reference["collated"]]
+    # Steps 1-16 as drawn uninterrupted; after the rewind, steps 9-24 train on the draws of
+    # uninterrupted steps 17-32: the skipped draws (steps 9-16) come back at no step. Draw
+    # for draw, not by row: a source's rows repeat in its next epoch.
+    assert len(ran) == REWIND_STEPS + FAULT - STABLE
+    assert ran == drawn
+
+    # Per-source tokens count only trained draws: [0, 64) and [128, 256).
+    whole = _logged_tokens(tmp_path / "reference")
+    ends = zip(whole[STABLE], whole[FAULT], whole[2 * FAULT], strict=True)
+    trained = tuple(before + end - skipped for before, skipped, end in ends)
+    assert trained != whole[REWIND_STEPS]  # counting the skipped draws would show
+    assert max(_logged_tokens(tmp_path / "rewound").items()) == (REWIND_STEPS, trained)
