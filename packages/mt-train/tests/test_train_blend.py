@@ -158,15 +158,9 @@ def test_switching_between_one_folder_and_a_blend_at_resume_is_named() -> None:
 def test_training_on_a_blend_reports_sources_and_resumes_exactly(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from train_checks import fit, tiny_overrides
+    from train_checks import blend_sources, fit, tiny_overrides
 
-    docs = {"bible": "In the beginning God created", "verse": "And the earth was without form"}
-    folders = []
-    for name, text in docs.items():
-        folder = tmp_path / name
-        write_prepared(folder, [f"{text} {i}. " * 9 for i in range(20)], ByteTokenizer(), 4)
-        folders.append(folder)
-    blend = f"'3 {folders[0]} 1 {folders[1]}'"
+    blend = blend_sources(tmp_path)
 
     def overrides(steps: int, **extra: object) -> list[str]:
         extra = {"data.path": None, "data.blend": blend, "trainer.max_steps": steps, **extra}
@@ -177,7 +171,11 @@ def test_training_on_a_blend_reports_sources_and_resumes_exactly(
     resumed = fit(overrides(8, **{"checkpoint.resume": step4}), tmp_path / "resumed")[1].losses
     assert resumed[-4:] == whole[4:]  # bit-exact: the same draws, model and optimizer state
     capsys.readouterr()
-    one_folder = {"data.blend": None, "data.path": str(folders[0]), "checkpoint.resume": step4}
+    one_folder = {
+        "data.blend": None,
+        "data.path": str(tmp_path / "bible"),
+        "checkpoint.resume": step4,
+    }
     fit(tiny_overrides("unused", **{"trainer.max_steps": 5, **one_folder}), tmp_path / "single")
     assert "samples were drawn from data.blend, this run draws from one folder" in (
         capsys.readouterr().err

@@ -5,7 +5,9 @@ sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it a
 the per-step losses (module level so spawned ranks can run it by name), ``run_summary`` the
 losses and the greedy sample. ``rewind_overrides`` adds rewind with windows sized for a 60-step
 run; ``run_rewind`` trains and returns what a rank saw (losses, its in-memory events) as plain
-data. ``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
+data; ``run_collated`` also returns the training rows this rank collated, step by step.
+``blend_sources`` writes the two-source byte-token blend the ``data.blend`` tests train on.
+``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
 (whatever the data-parallel mode shards).
 """
 
@@ -85,6 +87,47 @@ def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
         "rewinds": summary.rewinds,
         "events": trainer.events.records,
     }
+
+
+def run_collated(overrides: list[str], output_dir: str | Path) -> dict:
+    """``run_rewind``'s record plus ``collated``: for every training step this rank ran
+    (undone ones included), the training-set rows it collated, in order."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    collated: list[list[int]] = []
+    next_step, collate = trainer.sampler.next_step, trainer.collate
+
+    def drawing() -> Any:
+        collated.append([])
+        return next_step()
+
+    def recording(dataset: Any, indices: Any) -> Any:
+        if dataset is trainer.data.train:
+            collated[-1].extend(int(i) for i in indices)
+        return collate(dataset, indices)
+
+    trainer.sampler.next_step = drawing  # type: ignore[method-assign]
+    trainer.collate = recording  # type: ignore[method-assign]
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    return {
+        "steps": summary.steps,
+        "losses": summary.losses,
+        "events": trainer.events.records,
+        "collated": collated,
+    }
+
+
+def blend_sources(folder: Path) -> str:
+    """Two byte-token sources under ``folder`` (``bible``, ``verse``; 20 documents each); the
+    ``data.blend`` override weighting them 3:1."""
+    from mt_train.data import ByteTokenizer, write_prepared
+
+    docs = {"bible": "In the beginning God created", "verse": "And the earth was without form"}
+    for name, text in docs.items():
+        write_prepared(folder / name, [f"{text} {i}. " * 9 for i in range(20)], ByteTokenizer(), 4)
+    return f"'3 {folder / 'bible'} 1 {folder / 'verse'}'"
 
 
 def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
