@@ -37,6 +37,8 @@ step (docs/benchmarks-log.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -182,6 +184,40 @@ def _column_amax_partials(x_ptr, partial_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _cast_column_tile(
+    x_ptr,
+    q_ptr,
+    inverse,
+    rows,
+    cols,
+    R,
+    C,
+    fmt_max,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    EXACT_DIV: tl.constexpr,
+    SOFTWARE_CAST: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    """The tile ``x[rows, cols]`` times ``inverse`` (its reciprocal scales, tile-shaped),
+    clamped and cast to FP8, stored transposed (TRANSPOSE) into ``qᵀ`` (C, R) or untransposed
+    into the (R, C) buffer: the cast of both column quantizers."""
+    in_rows, in_cols = rows < R, cols < C
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    mask = in_rows[:, None] & in_cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    clamped = tl.clamp(
+        _mul_rn(x, inverse, EXACT_DIV), -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL
+    )
+    if TRANSPOSE:
+        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        mask_t = in_cols[:, None] & in_rows[None, :]
+        _store_fp8(q_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
+    else:
+        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+
+
+@triton.jit
 def _quantize_columns(
     x_ptr,
     q_ptr,
@@ -205,25 +241,17 @@ def _quantize_columns(
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    in_rows, in_cols = rows < R, cols < C
+    in_cols = cols < C
     scale = _scale_from_amax(
         tl.load(amax_ptr + cols, mask=in_cols, other=0.0), fmt_max, min_scale, EXACT_DIV
     )
     if pid_r == 0:
         tl.store(scale_ptr + cols, scale, mask=in_cols)
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    mask = in_rows[:, None] & in_cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inverse = tl.broadcast_to(_reciprocal(scale, EXACT_DIV)[None, :], (BLOCK_R, BLOCK_C))
-    clamped = tl.clamp(
-        _mul_rn(x, inverse, EXACT_DIV), -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL
-    )
-    if TRANSPOSE:
-        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-        mask_t = in_cols[:, None] & in_rows[None, :]
-        _store_fp8(q_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
-    else:
-        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+    _cast_column_tile(
+        x_ptr, q_ptr, inverse, rows, cols, R, C, fmt_max,
+        MANTISSA, BIAS, EXACT_DIV, SOFTWARE_CAST, TRANSPOSE,
+    )  # fmt: skip
 
 
 def quantize_columns_transposed(x_RC: torch.Tensor, fmt: FP8Format) -> QuantizedTensor:
@@ -242,33 +270,44 @@ def quantize_columns_transposed(x_RC: torch.Tensor, fmt: FP8Format) -> Quantized
         return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
     if cols == 0:
         return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
-    block_r, block_c, warps = COLUMN_TILE
+    block_r, block_c, _ = COLUMN_TILE
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     partial = torch.empty(grid[0], cols, device=device, dtype=torch.float32)
     _column_amax_partials[grid](x_RC, partial, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c)
     amax_C = partial.amax(dim=0)
+    _launch_column_cast(_quantize_columns, x_RC, q_CR, fmt, amax_C, scale_C1, min_scale=MIN_SCALE)
+    return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
+
+
+def _launch_column_cast(
+    kernel: Any, x_RC: torch.Tensor, q_CR: torch.Tensor, fmt: FP8Format, *tensors: Any, **extra: Any
+) -> None:
+    """Run a column-cast kernel (``kernel(x, q, *tensors, R, C, ...)``) over ``COLUMN_TILE``
+    tiles of the non-empty ``x_RC`` into ``q_CR``: transposed in the kernel for 16-bit inputs,
+    else into an (R, C) buffer copied transposed afterwards (module docstring)."""
+    rows, cols = x_RC.shape
+    block_r, block_c, warps = COLUMN_TILE
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     fused = x_RC.dtype != torch.float32  # see the module docstring
-    target = q_CR if fused else torch.empty(rows, cols, device=device, dtype=fmt.dtype)
+    target = q_CR if fused else torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
     arguments = {
         k: v for k, v in cast_arguments(fmt).items() if k not in ("saturation", "half_subnormal")
     }
-    _quantize_columns[grid](
+    kernel[grid](
         x_RC,
         target,
-        amax_C,
-        scale_C1,
+        *tensors,
         rows,
         cols,
-        min_scale=MIN_SCALE,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
         TRANSPOSE=fused,
         num_warps=warps,
+        **extra,
         **arguments,
     )
     if not fused:
         q_CR.copy_(target.t())  # FP8 tensors support no arithmetic; a transpose is a copy
-    return QuantizedTensor(q_CR, scale_C1, ROWWISE, fmt)
 
 
 @triton.jit
@@ -297,20 +336,10 @@ def _quantize_group_columns(
     mask = in_rows[:, None] & in_cols[None, :]
     group = tl.load(group_ptr + rows, mask=in_rows, other=0).to(tl.int64)
     scale = tl.load(scale_ptr + group[:, None] * C + cols[None, :], mask=mask, other=1.0)
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    clamped = tl.clamp(
-        _mul_rn(x, _reciprocal(scale, EXACT_DIV), EXACT_DIV),
-        -fmt_max,
-        fmt_max,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
-    if TRANSPOSE:
-        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
-        mask_t = in_cols[:, None] & in_rows[None, :]
-        _store_fp8(q_ptr + offs_t, tl.trans(clamped), mask_t, MANTISSA, BIAS, SOFTWARE_CAST)
-    else:
-        _store_fp8(q_ptr + offs, clamped, mask, MANTISSA, BIAS, SOFTWARE_CAST)
+    _cast_column_tile(
+        x_ptr, q_ptr, _reciprocal(scale, EXACT_DIV), rows, cols, R, C, fmt_max,
+        MANTISSA, BIAS, EXACT_DIV, SOFTWARE_CAST, TRANSPOSE,
+    )  # fmt: skip
 
 
 def quantize_group_columns_transposed(
@@ -335,26 +364,12 @@ def quantize_group_columns_transposed(
     q_CR = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
     if rows == 0 or cols == 0:
         return q_CR
-    block_r, block_c, warps = COLUMN_TILE
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
-    fused = x_RC.dtype != torch.float32  # see the module docstring
-    target = q_CR if fused else torch.empty(rows, cols, device=device, dtype=fmt.dtype)
-    arguments = {
-        k: v for k, v in cast_arguments(fmt).items() if k not in ("saturation", "half_subnormal")
-    }
-    _quantize_group_columns[grid](
+    _launch_column_cast(
+        _quantize_group_columns,
         x_RC,
-        target,
+        q_CR,
+        fmt,
         scale_GC.contiguous(),
         group_R.to(torch.int32).contiguous(),
-        rows,
-        cols,
-        BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        TRANSPOSE=fused,
-        num_warps=warps,
-        **arguments,
     )
-    if not fused:
-        q_CR.copy_(target.t())  # FP8 tensors support no arithmetic; a transpose is a copy
     return q_CR
