@@ -328,10 +328,6 @@ def _amax_group_reduced(plan: LinearPlan, amax: torch.Tensor, role: TensorRole) 
     return amax if group is None else reduce_amax_(amax, group)
 
 
-def _health(plan: LinearPlan, role: TensorRole) -> torch.Tensor | None:
-    return plan.meta.health[int(role)] if plan.track_health else None
-
-
 def _quantize_rows(
     plan: LinearPlan, x_TC: torch.Tensor, sizes: Sequence[int], role: TensorRole
 ) -> _Rows:
@@ -345,7 +341,7 @@ def _quantize_rows(
     amax_G = _segment_amax(x_TC, sizes, counts_G).amax(dim=1)
     scale_G = scale_from_amax(_amax_group_reduced(plan, amax_G, role), fmt)
     scale_T = scale_G.repeat_interleave(counts_G, output_size=x_TC.shape[0])
-    data = cast_to_fp8(x_TC.contiguous(), scale_T[:, None], fmt, _health(plan, role))
+    data = cast_to_fp8(x_TC.contiguous(), scale_T[:, None], fmt, plan.health_stats(role))
     return _Rows(data, scale_T, layout, fmt, scale_G)
 
 
@@ -474,7 +470,9 @@ def _quantize_weights(
     amax_E = weight_ENK.abs().amax(dim=(1, 2)).float()
     scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
     scale_rows = scale_E.repeat_interleave(out_features)[:, None]
-    data = cast_to_fp8(weight_ENK.reshape(-1, in_features), scale_rows, fmt, _health(plan, role))
+    data = cast_to_fp8(
+        weight_ENK.reshape(-1, in_features), scale_rows, fmt, plan.health_stats(role)
+    )
     weight = _Stacked(data.view(weight_ENK.shape), scale_E.view(experts, 1, 1), layout, fmt)
     if not need_transpose:
         return weight, None

@@ -80,7 +80,7 @@ def quantize_shared_input(
         return plan.quantize(x_MK, role, record=True, transposed=transposed)
     key = _input_key(plan, x_MK, transposed)
     owner = x_MK._base if x_MK._base is not None else x_MK
-    health = plan.meta.health[int(role)] if plan.track_health else None
+    health = plan.health_stats(role)
     last = _last
     if last is not None and last.key == key and last.owner() is owner:
         if health is not None:

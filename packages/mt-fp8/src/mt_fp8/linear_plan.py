@@ -157,6 +157,10 @@ class LinearPlan:
             return None
         return self.amax_group
 
+    def health_stats(self, role: TensorRole, record: bool = True) -> torch.Tensor | None:
+        """The health counters a cast of ``role`` adds to, or None (not recorded or tracked)."""
+        return self.meta.health[int(role)] if (record and self.track_health) else None
+
     def delayed_scale(self, role: TensorRole) -> torch.Tensor | None:
         """The delayed-scaling scale of ``role``, or None for current scaling: other recipes,
         and delayed scaling before its first update (:mod:`mt_fp8.state`)."""
@@ -175,7 +179,7 @@ class LinearPlan:
         """
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.delayed_scale(role)
-        stats = self.meta.health[int(role)] if (record and self.track_health) else None
+        stats = self.health_stats(role, record)
         fmt = self.recipe.formats.for_role(role)
         layout = self.recipe.layout(role)
         group = self.reduction_group(role)
@@ -209,7 +213,7 @@ class LinearPlan:
     ) -> QuantizedTensor:
         """``x`` (or ``silu(x)·up`` with ``up``) with its transpose, from one fused pass; the
         amax it returns doubles as the delayed-scaling record."""
-        stats = self.meta.health[int(role)] if (record and self.track_health) else None
+        stats = self.health_stats(role, record)
         fmt = self.recipe.formats.for_role(role)
         scale, group = self.delayed_scale(role), self.reduction_group(role)
         if up_RC is None:
