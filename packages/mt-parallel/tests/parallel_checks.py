@@ -145,6 +145,39 @@ def tp_layers(
     }
 
 
+def cp_sequence_mean_ce(seed: int = 0, device: str | None = None) -> dict[str, object]:
+    """``sequence_mean_cross_entropy`` at cp=2 (fp64 logits, the cp ranks holding different
+    numbers of ignored targets) against the one-process mean: the cp group's mean of the
+    shares, the logged mean, the count and the logits' gradient (averaged over cp, as DDP)."""
+    dev = device_of(device)
+    state = mt_comm.init_parallel_state(cp=2)
+    cp_group = state.group("cp")
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 16, VOCAB, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    targets[0, 10:] = -100  # rank 0 holds positions 12-15 (all ignored), rank 1 none of them
+    targets[1, 5] = -100
+    reference = logits.clone().requires_grad_(True)
+    ref_loss = mp.vocab_parallel_cross_entropy(reference, targets)
+    ref_loss.backward()
+
+    local = mp.shard_sequence(logits, 1, cp_group).to(dev).requires_grad_(True)
+    result = mp.sequence_mean_cross_entropy(
+        local, mp.shard_sequence(targets, 1, cp_group).to(dev), None, cp_group
+    )
+    # The objective is the cp group's mean of the shares: each rank's part of its gradient is
+    # the gradient of its share over cp.
+    (result.loss / 2).backward()
+    share = result.loss.detach().clone()
+    mt_comm.all_reduce(share, op="avg", group=cp_group)
+    return {
+        "shares": rel_err(share, ref_loss),
+        "mean": rel_err(result.mean, ref_loss),
+        "grad": rel_err(mp.unshard_sequence(local.grad, 1, cp_group), reference.grad),
+        "count": (float(result.count), float((targets != -100).sum())),
+    }
+
+
 # --------------------------------------------------------------------------- CP attention
 def cp_attention(
     seed: int = 0, cp: int | None = None, tp: int = 1, device: str | None = None

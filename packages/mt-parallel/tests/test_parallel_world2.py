@@ -1,6 +1,6 @@
-"""mt-parallel on 2 gloo ranks (one pool for the module): TP/SP, CE, CP, block, DP, ZeRO-1,
-clipping, recompute, FP8, document masking, dropout regions and bad input, each against a
-single-process fp64 reference."""
+"""mt-parallel on 2 gloo ranks (one pool for the module): TP/SP, CE (and the whole sequence's
+mean under CP), CP, block, DP, ZeRO-1, clipping, recompute, FP8, document masking, dropout
+regions and bad input, each against a single-process fp64 reference."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def test_tp_layers_and_vocab_parallel_ce(pool: DistributedPool, sp: bool) -> Non
         assert result["init"] == 0.0  # same full weights at tp=1 and tp=2
         assert result["ce_vs_torch"] < FP64_VS_FP64
         assert_close(result)
+
+
+def test_sequence_mean_ce_cp2(pool: DistributedPool) -> None:
+    for result in pool.run(checks.cp_sequence_mean_ce):
+        count, expected = result.pop("count")
+        assert count == expected  # the cp group's unignored targets
+        assert_close(result, FP64_VS_FP64)  # fp64 on both sides
 
 
 def test_cp_attention_cp2(pool: DistributedPool) -> None:

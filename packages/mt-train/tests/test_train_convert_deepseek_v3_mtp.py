@@ -137,7 +137,7 @@ def test_imported_mtp_logits_and_losses_match_a_transformers_reference(hub_mtp, 
         want = _reference_mtp_logits(big, extras, tokens_BT)
         _, logged = ours.loss(ours(tokens_BT), targets_BT)
         ours(tokens_BT)
-        got = [logits for logits, _ in ours._mtp_outputs]
+        got = list(ours._mtp_logits)
     for k in range(1, DEPTH + 1):
         # Same fp32 math in another op order: a few ulps of logits of size ~1 (2.1e-7 seen);
         # 1e-5 is far below what the MTP block's RoPE row order (2.2e-3 when left out) or a
@@ -198,7 +198,7 @@ def test_transformers_mtp_model_reads_the_exported_depth_1(hub_mtp, tmp_path, mo
         )  # fmt: skip
         want = drafter._project_to_logits(h_BTD)
         ours(tokens_BT)
-        got = ours._mtp_outputs[0][0][:, : T - 1]
+        got = ours._mtp_logits[0][:, : T - 1]
     # As the reference comparison above: fp32 in another op order (4.5e-8 seen).
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 

@@ -86,7 +86,7 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "parallel.tp=3": "tp=3 does not divide",
         "parallel=tp2": "(the MoE router of their MoE blocks; MLA supports it)",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
-        "parallel.cp=2": "model.mtp_depth=1 is not supported with parallel.cp=2",
+        "parallel.pp=2": "model.mtp_depth=1 is not supported with parallel.pp=2",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
         "model.mtp_loss_weight_switch_step=-5": "model.mtp_loss_weight_switch_step=-5 must be",
         "model.mtp_loss_weight_final=-1": "model.mtp_loss_weight_final=-1.0 must be >= 0",

@@ -1,12 +1,16 @@
-"""deepseek_v3_tiny (MLA + MoE + MTP) trained on 2 gloo ranks against one process: tp=2, ep=2
-(dp=2) and, without MTP, ep=2 carved out of cp=2 (one pool for the module)."""
+"""deepseek_v3_tiny (MLA + MoE + MTP) on 2 gloo ranks against one process: trained at tp=2,
+ep=2 (dp=2), cp=2 with MTP and ep=2 carved out of cp=2; and one float64 step of multi-token
+prediction (depths 1 and 2) at cp=2 on packed documents, loss by loss and gradient by gradient
+(:mod:`mtp_checks`). One pool for the module."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import train_checks
+from mtp_checks import mtp_cp_step
 from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool
@@ -39,7 +43,8 @@ def pool():
 LAYOUTS = {
     "tp2-mtp": {"parallel.tp": 2},
     "ep2-mtp": {"parallel": "ep2"},
-    # MTP is refused under cp; balancing off: an aux statistic is per rank's tokens under cp.
+    "cp2-mtp": {"parallel": "cp2", "data.document_masking": "true"},
+    # Balancing off: an aux statistic is per rank's tokens under cp.
     "cp2-ep2": {"parallel": "cp2", "parallel.ep": 2, "model.mtp_depth": 0,
                 "model.moe.balancing": "none"},
 }  # fmt: skip
@@ -49,8 +54,44 @@ LAYOUTS = {
 def test_layout_matches_one_process(
     layout: dict, pool: DistributedPool, kjv_data: Path, tmp_path: Path
 ) -> None:
-    same_model = {k: v for k, v in layout.items() if k.startswith("model.")}
-    single = train_checks.run_losses(overrides(kjv_data, **same_model), tmp_path / "single")
+    same_job = {k: v for k, v in layout.items() if not k.startswith("parallel")}
+    single = train_checks.run_losses(overrides(kjv_data, **same_job), tmp_path / "single")
     per_rank = pool.run(train_checks.run_losses, overrides(kjv_data, **layout), tmp_path / "run")
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
+    if layout is LAYOUTS["cp2-mtp"]:
+        # Logged extras are a dp rank's micro-batches'; at cp=2 (dp=1) the MTP loss is the
+        # whole sequence's over the cp group, so the whole batch's as in one process.
+        logged, expected = (_logged(tmp_path / run, "mtp_loss_1") for run in ("run", "single"))
+        assert len(logged) >= 2 and logged == pytest.approx(expected, rel=RTOL)
+
+
+def _logged(run: Path, name: str) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row[name] for row in rows if name in row]
+
+
+# float64: cp=2 differs from one process only in summation order (the cp ranks' loss sums, the
+# all-gathered attention, DDP's gradient average), ~1e-16 relative per operation over a few
+# hundred terms; 1e-10 leaves a wide margin, while a shifted token or target taken from the
+# wrong chunk, a per-rank mean instead of the whole sequence's (the ranks' valid MTP targets
+# differ in number) or a missing gradient term moves a loss or a gradient by far more.
+FP64_BOUND = 1e-10
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_at_cp2_equals_one_process_in_float64(depth: int, pool: DistributedPool) -> None:
+    per_rank = pool.run(mtp_cp_step, depth)
+    for result in per_rank:
+        assert result["mtp_keys"] == [f"mtp_loss_{k}" for k in range(1, depth + 1)]
+        assert result["loss"] < FP64_BOUND
+        assert result["ce_loss"] < FP64_BOUND
+        assert max(result["mtp"]) < FP64_BOUND, result["mtp"]
+        # Every parameter, the MTP modules and the shared embedding and head included.
+        assert sorted(result["grads"]) == result["params"]
+        assert any(name.startswith("mtp.") for name in result["grads"])
+        worst = max(result["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < FP64_BOUND, worst
+    # Rank 0 holds the sequence's tail, whose shifted targets are masked: the ranks hold
+    # different numbers of MTP targets, so a per-rank mean would not be the sequence's.
+    assert per_rank[0]["counts"] != per_rank[1]["counts"]

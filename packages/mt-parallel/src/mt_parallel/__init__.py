@@ -19,7 +19,11 @@ from mt_parallel.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from mt_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mt_parallel.cross_entropy import (
+    SequenceMean,
+    sequence_mean_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
 from mt_parallel.data_parallel import (
     accumulate,
     all_reduce_gradients,
@@ -97,6 +101,7 @@ __all__ = [
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
+    "SequenceMean",
     "StageShapes",
     "SwiGLU",
     "TensorParallelModule",
@@ -139,6 +144,7 @@ __all__ = [
     "ring_attention",
     "rope_cos_sin",
     "scatter_to_group",
+    "sequence_mean_cross_entropy",
     "shard_sequence",
     "shard_state_dict",
     "tp_shard_plan",

@@ -18,11 +18,19 @@ Tokens whose target is ``ignore_index`` get loss 0 and gradient 0.
 Without TP (one rank holds the whole vocabulary) the mean goes through mt-fp8's chunked
 cross-entropy (``mt_fp8.ops.cross_entropy``: the same math, Triton on CUDA, logits kept in their
 dtype and upcast one chunk at a time, only the log-sum-exp saved for backward).
+
+The whole sequence's mean under context parallelism (:func:`sequence_mean_cross_entropy`).
+The cp ranks of a sequence hold ``n_r`` unignored targets each (``N = Σ_r n_r``), unequal
+once some targets are ignored (an image, a prompt, the tail of a shifted sequence). Each rank
+returns the share ``cp·Σ_local / N``, so the mean over the cp group (the gradient average of
+DDP / FSDP2 / ZeRO-1 over dp×cp) is ``Σ_all / N``, the one-process mean; a per-rank mean
+averaged over cp would weight the ranks' targets unequally. One all-reduce of two scalars
+(``Σ_local`` detached and ``n_r``) gives ``N`` and the whole sequence's mean for logging.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,3 +116,39 @@ def vocab_parallel_cross_entropy(
         count = (target_BT != ignore_index).sum().clamp(min=1)
         return loss_BT.sum() / count
     raise ValueError(f"reduction={reduction!r}; valid: none, sum, mean")
+
+
+class SequenceMean(NamedTuple):
+    """:func:`sequence_mean_cross_entropy`'s result."""
+
+    loss: torch.Tensor
+    """This cp rank's share ``cp·Σ_local / N`` (0-d, differentiable): its mean over the cp group
+    is the whole sequence's mean."""
+    mean: torch.Tensor
+    """The whole sequence's mean ``Σ_all / N`` (0-d, detached; equal on every cp rank)."""
+    count: torch.Tensor
+    """``N``, the cp group's unignored targets (0-d, the loss's dtype)."""
+
+
+def sequence_mean_cross_entropy(
+    logits_BTV_l: torch.Tensor,
+    target_BT: torch.Tensor,
+    tp_group: Any = None,
+    cp_group: Any = None,
+    ignore_index: int = -100,
+) -> SequenceMean:
+    """Mean cross-entropy over the unignored targets of the whole sequence, which the cp group
+    holds in parts (module docstring); without CP the plain mean. Logits vocab-sharded over
+    ``tp_group`` as in :func:`vocab_parallel_cross_entropy`, whose chunked mean it calls."""
+    local_mean = vocab_parallel_cross_entropy(logits_BTV_l, target_BT, tp_group, ignore_index)
+    local_count = (target_BT != ignore_index).sum().to(local_mean.dtype)
+    cp = group_size(cp_group)
+    if cp == 1:
+        return SequenceMean(local_mean, local_mean.detach(), local_count)
+    # The mean divides by max(n, 1), so mean·n is the local sum (0 when n = 0).
+    local_sum = local_mean * local_count
+    totals = torch.stack([local_sum.detach(), local_count])
+    mt_comm.all_reduce(totals, op="sum", group=cp_group)
+    total_sum, count = totals.unbind()
+    divisor = count.clamp(min=1)
+    return SequenceMean(local_sum * (cp / divisor), total_sum / divisor, count)

@@ -21,7 +21,13 @@ samples; each keeps its load-balanced part of the inputs, targets and document i
 (``mt_parallel.shard_sequence``: chunks ``r`` and ``2·cp−1−r`` of ``2·cp``) and passes the
 global positions of those tokens to the model. Every rank holds ``T/cp`` tokens of each
 sample, so its mean loss averaged over dp×cp is the mean over the global batch, and DDP /
-FSDP2 / ZeRO-1 averaging gradients over dp×cp gives that loss's gradient.
+FSDP2 / ZeRO-1 averaging gradients over dp×cp gives that loss's gradient. A model whose
+inputs reach across the cut (DeepSeek-V3's multi-token prediction reads token ``t+k`` at
+position ``t``) has a ``sequence_inputs(tokens, targets, document_ids) -> {name: (B, T,
+...)}`` hook: the runner calls it on the whole micro-batch, cuts each tensor like the tokens
+and passes them as keyword inputs, so nothing shifted crosses ranks; a loss over targets that
+the ranks hold in unequal numbers is that model's to normalise
+(``mt_parallel.sequence_mean_cross_entropy``).
 
 Document masking (``data.document_masking``): batches carry per-token document ids and
 attention stays inside each packed document (:mod:`mt_train.data.dataset`), by the kernel the
@@ -142,12 +148,24 @@ class BatchRunner:
             positions = positions.to(self.device)
         return inputs, targets, docs, positions  # type: ignore[return-value]
 
+    def model_inputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs beyond tokens, positions and document ids: the batch's
+        (images) and the per-token inputs the model derives from the whole sequence (its
+        ``sequence_inputs`` hook, module docstring), under CP cut like the tokens."""
+        derive = getattr(self.module, "sequence_inputs", None)
+        derived = {} if derive is None else derive(batch.inputs, batch.targets, batch.document_ids)
+        if self.cp > 1:
+            derived = {
+                k: mt_parallel.shard_sequence(v, 1, self.cp_group) for k, v in derived.items()
+            }
+        return {**batch.model_inputs(), **derived}
+
     def micro_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):
         all of them, or under CP its load-balanced part; and the model's extra values."""
         inputs, targets, docs, positions = self.local_batch(batch)
         with self.autocast():
-            logits = self.model(inputs, positions, docs, **batch.model_inputs())
+            logits = self.model(inputs, positions, docs, **self.model_inputs(batch))
         # The loss upcasts the (bf16) logits to fp32 a chunk at a time and returns their gradient
         # in their dtype: no fp32 copy of the (tokens × vocab) logits is ever materialised.
         loss = self.module.loss(logits, targets)

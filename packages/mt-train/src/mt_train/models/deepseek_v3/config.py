@@ -104,7 +104,8 @@ class DeepSeekV3Config(ModelConfig):
         return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no SP."""
+        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no SP; no MTP
+        under pp."""
         super().check_parallel(parallel, seq_len)
         widths = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim}
         if self.moe.n_shared_experts:
@@ -115,11 +116,12 @@ class DeepSeekV3Config(ModelConfig):
                     f"tensor parallel size tp={parallel.tp} does not divide {name}={value}"
                 )
         self.moe.check_expert_parallel(parallel.ep)
-        if self.mtp_depth and (parallel.cp > 1 or parallel.pp > 1):
+        if self.mtp_depth and parallel.pp > 1:
             raise ValueError(
-                f"model.mtp_depth={self.mtp_depth} is not supported with parallel.cp="
-                f"{parallel.cp}, parallel.pp={parallel.pp} yet (the shifted tokens cross the "
-                "sequence shards and the pipeline stages); use mtp_depth=0 or cp=pp=1"
+                f"model.mtp_depth={self.mtp_depth} is not supported with parallel.pp="
+                f"{parallel.pp} (the MTP modules would run on the last stage and embed the "
+                "shifted tokens with the input embedding, which lives on the first stage); use "
+                "mtp_depth=0 or pp=1"
             )
         if parallel.sequence_parallel:
             raise ValueError(

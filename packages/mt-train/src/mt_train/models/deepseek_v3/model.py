@@ -1,6 +1,7 @@
 """The DeepSeek-V3 model (and V2-Lite), assembled from mt_parallel's layers.
 
-Shape suffixes: B batch, T sequence, D width, V vocabulary (``V_l`` this TP rank's slice).
+Shape suffixes: B batch, T sequence, D width, V vocabulary (``V_l`` this TP rank's slice), K the
+MTP depths.
 
 Per block (mt_parallel's pre-norm :class:`~mt_parallel.DecoderBlock`)::
 
@@ -28,7 +29,23 @@ formulation of the paper gives the same losses; tested). Each ``MTP_k`` is logge
 trainer calls :meth:`DeepSeekV3.set_train_step` before every step, as it does every module's
 ``set_train_step`` hook. The MTP modules run only in training; ``mt-convert`` imports and
 exports them as DeepSeek's checkpoints store them (``export --mtp-depth 0`` drops them). The MTP
-blocks are :func:`deepseek_block` s (MoE), so TP/EP/FP8/recompute apply; CP and PP are refused.
+blocks are :func:`deepseek_block` s (MoE), so TP/EP/FP8/recompute apply.
+
+Context parallelism. A cp rank holds two chunks of the sequence, so the token ``t_{i+k}`` and
+the target ``targets[i+k]`` of its chunks' last ``k`` positions live on another rank. They are
+shifted on the whole sequence before the cut: :meth:`DeepSeekV3.sequence_inputs` turns the
+micro-batch's tokens, targets and document ids into ``mtp_tokens_BTK`` (``t_{i+k}``) and
+``mtp_targets_BTK`` (the masked ``targets[i+k]``), which the trainer cuts like the tokens
+(``mt_parallel.shard_sequence``) and passes to :meth:`DeepSeekV3.forward`; no activation
+crosses ranks beyond the MTP blocks' own CP attention, which sees the global positions as the
+main blocks do. Each rank's ``MTP_k`` is its share ``cp·Σ_local / N_k`` of the whole
+sequence's mean (``mt_parallel.sequence_mean_cross_entropy``: the ranks hold different numbers
+of valid MTP targets, the masked tail all on the rank of the last chunk), so the mean over the
+cp group, which gradient averaging takes, is the one-process ``MTP_k``; the logged
+``mtp_loss_{k}`` is the whole sequence's mean on every rank. Called without those inputs (a
+one-process caller) the model shifts its own tokens and targets, the same functions on the
+same whole sequence; under CP that is refused. Pipeline parallelism stays refused
+(:meth:`~mt_train.models.deepseek_v3.config.DeepSeekV3Config.check_parallel`).
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
 ``active`` (:func:`active_parameters`) is what one token uses: all but the ``num_experts -
@@ -38,9 +55,12 @@ top_k`` routed experts it skips and the input-embedding lookup (which is not a G
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+import mt_comm
 import mt_parallel
 from mt_parallel.moe import MoE
 from mt_train.models.deepseek_v3.config import DeepSeekV3Config
@@ -94,9 +114,13 @@ class DeepSeekV3(MoETransformer):
     def __init__(self, cfg: DeepSeekV3Config) -> None:
         super().__init__(cfg, deepseek_block)  # type: ignore[arg-type]
         self.mtp = nn.ModuleList(MTPModule(cfg, k + 1) for k in range(cfg.mtp_depth))
-        self._mtp_outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._mtp_logits: list[torch.Tensor] = []
+        self._mtp_targets_BTK: torch.Tensor | None = None
+        self._mtp_documents_BT: torch.Tensor | None = None
         self.mtp_weight = cfg.mtp_weight_at(0)
         """λ of the next training step."""
+        self.cp_group: Any = None
+        """The cp group under context parallelism (set by the CP transform)."""
 
     def set_train_step(self, completed_steps: int) -> bool:
         """Set λ for the step after ``completed_steps``; whether it changed (a captured step
@@ -105,43 +129,103 @@ class DeepSeekV3(MoETransformer):
         changed, self.mtp_weight = weight != self.mtp_weight, weight
         return changed
 
+    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
+        """Hook of the CP transform: the MTP losses are means over the cp group's sequence."""
+        self.cp_group = cp_group
+
+    def sequence_inputs(
+        self,
+        tokens_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """The MTP inputs shifted on the whole sequence (module docstring), keyword inputs of
+        :meth:`forward` whose dim 1 is the sequence: the trainer calls this on the whole
+        micro-batch and cuts the tensors like the tokens. Empty in evaluation or without MTP."""
+        if not (self.training and len(self.mtp)):
+            return {}
+        depths = len(self.mtp)
+        return {
+            "mtp_tokens_BTK": shifted_tokens(tokens_BT, depths),
+            "mtp_targets_BTK": shifted_targets(targets_BT, depths, document_ids_BT),
+        }
+
     def forward(
         self,
         tokens_BT: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BT: torch.Tensor | None = None,
+        mtp_tokens_BTK: torch.Tensor | None = None,
+        mtp_targets_BTK: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Main logits ``(B, T, V_l)``; in training also each MTP depth's, kept for :meth:`loss`."""
+        """Main logits ``(B, T, V_l)``; in training also each MTP depth's, kept for :meth:`loss`.
+
+        ``mtp_tokens_BTK``/``mtp_targets_BTK``: this rank's part of :meth:`sequence_inputs`
+        (required under CP); without them the tokens are shifted here and the targets in
+        :meth:`loss`, on the sequence this call holds."""
         if not (self.training and len(self.mtp)):
             return super().forward(tokens_BT, positions_S, document_ids_BT)
+        if mtp_tokens_BTK is None:
+            self._check_whole_sequence()
+            mtp_tokens_BTK = shifted_tokens(tokens_BT, len(self.mtp))
         h_BTD = self.embed(tokens_BT)
         for layer in self.layers:
             h_BTD = layer(h_BTD, positions_S, document_ids_BT)
-        self._mtp_outputs = []
+        self._mtp_logits = []
+        self._mtp_targets_BTK, self._mtp_documents_BT = mtp_targets_BTK, document_ids_BT
         mtp_h_BTD = h_BTD
         for depth, module in enumerate(self.mtp, start=1):
-            e_BTD = self.embed(tokens_BT.roll(-depth, dims=1))
+            e_BTD = self.embed(mtp_tokens_BTK[..., depth - 1])
             mtp_h_BTD = module(mtp_h_BTD, e_BTD, positions_S, document_ids_BT)
-            self._mtp_outputs.append((self.output(module.norm(mtp_h_BTD)), document_ids_BT))
+            self._mtp_logits.append(self.output(module.norm(mtp_h_BTD)))
         return self.output(self.norm(h_BTD))
 
     def loss(
         self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``CE + aux + λ/D·Σ_k MTP_k`` in training, ``CE`` in evaluation (module docstring)."""
+        """``CE + aux + λ/D·Σ_k MTP_k`` in training, ``CE`` in evaluation (module docstring);
+        under CP each ``MTP_k`` is this rank's share of the whole sequence's mean."""
         total, logged = super().loss(logits_BTV_l, targets_BT)
-        outputs, self._mtp_outputs = self._mtp_outputs, []
+        outputs, self._mtp_logits = self._mtp_logits, []
+        targets_BTK, self._mtp_targets_BTK = self._mtp_targets_BTK, None
+        documents_BT, self._mtp_documents_BT = self._mtp_documents_BT, None
         if not self.training or not outputs:
             return total, logged
+        if targets_BTK is None:
+            targets_BTK = shifted_targets(targets_BT, len(outputs), documents_BT)
         mtp_sum = total.new_zeros(())
-        for depth, (mtp_logits_BTV_l, document_ids_BT) in enumerate(outputs, start=1):
-            shifted_BT = mtp_targets(targets_BT, depth, document_ids_BT)
-            loss = mt_parallel.vocab_parallel_cross_entropy(
-                mtp_logits_BTV_l, shifted_BT, self.output.tp_group
-            )
-            logged[f"mtp_loss_{depth}"] = loss.detach()
-            mtp_sum = mtp_sum + loss
+        for depth, mtp_logits_BTV_l in enumerate(outputs, start=1):
+            result = mt_parallel.sequence_mean_cross_entropy(
+                mtp_logits_BTV_l, targets_BTK[..., depth - 1], self.output.tp_group,
+                self.cp_group,
+            )  # fmt: skip
+            logged[f"mtp_loss_{depth}"] = result.mean
+            mtp_sum = mtp_sum + result.loss
         return total + self.mtp_weight / len(outputs) * mtp_sum, logged
+
+    def _check_whole_sequence(self) -> None:
+        cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
+        if cp > 1:
+            raise ValueError(
+                f"DeepSeekV3 with mtp_depth={len(self.mtp)} under context parallelism (cp={cp}) "
+                "needs mtp_tokens_BTK and mtp_targets_BTK shifted on the whole sequence: call "
+                "sequence_inputs on the whole micro-batch and cut each tensor with "
+                "mt_parallel.shard_sequence(x, 1, cp_group), as mt-train's BatchRunner does"
+            )
+
+
+def shifted_tokens(tokens_BT: torch.Tensor, depths: int) -> torch.Tensor:
+    """``t_{i+k}`` at ``[:, i, k-1]`` for ``k = 1..depths`` (wrapped past the end)."""
+    return torch.stack([tokens_BT.roll(-k, dims=1) for k in range(1, depths + 1)], dim=-1)
+
+
+def shifted_targets(
+    targets_BT: torch.Tensor, depths: int, document_ids_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`mtp_targets` of every depth, stacked on the last dim."""
+    return torch.stack(
+        [mtp_targets(targets_BT, k, document_ids_BT) for k in range(1, depths + 1)], dim=-1
+    )
 
 
 def mtp_targets(

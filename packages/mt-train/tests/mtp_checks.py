@@ -1,0 +1,119 @@
+"""Worker function for DeepSeek-V3's multi-token prediction under context parallelism (spawned
+gloo ranks).
+
+:func:`mtp_cp_step` builds a tiny DeepSeek-V3 in float64 twice from one seed: a one-process
+reference fed the whole micro-batch of packed documents, and the model under
+``mt_parallel.parallelize`` fed what mt-train's ``BatchRunner`` feeds a cp rank: its
+load-balanced chunks, their global positions and document ids, and the model's
+``sequence_inputs`` (the shifted tokens and MTP targets of the whole sequence) cut the same
+way. It returns each rank's errors against the reference: the main loss, every ``mtp_loss_k``
+and every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import mt_comm
+import mt_parallel as mp
+from mt_train.models import model_sizes
+from mt_train.models.deepseek_v3 import DeepSeekV3
+from mt_train.models.llama.parallelize import llama_plan
+
+VOCAB = 96
+SEQ = 32
+"""At cp=2 four chunks of 8: rank 0 holds positions 0-7 and 24-31, rank 1 positions 8-23."""
+DOCUMENTS = (
+    # Row 0: boundaries at 8 (a chunk boundary: the shifted tokens of positions 6 and 7 on
+    # rank 0 are rank 1's) and at 19 (inside rank 1's chunk 2), and a document from 27 (on
+    # rank 0's last chunk); row 1: one document, so the masked tail is the only cut.
+    [0] * 8 + [1] * 11 + [2] * 8 + [3] * 5,
+    [0] * SEQ,
+)
+IGNORED = ((0, 12), (1, 25))
+"""Targets set to ``-100``: each must stay ignored at every depth that reads it."""
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) -> float:
+    """``max|a − b| / max(max|b|, floor)`` in float64."""
+    expected = expected.detach().double()
+    scale = expected.abs().max().clamp_min(floor)
+    return float((actual.detach().double() - expected).abs().max() / scale)
+
+
+def tiny_config(depth: int):
+    """deepseek_v3_tiny's routing (sigmoid, groups, aux-loss-free, a shared expert) at small
+    widths, with ``depth`` MTP modules and λ = 0.3."""
+    base = model_sizes()["deepseek_v3_tiny"]
+    cfg = dataclasses.replace(
+        base, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, q_lora_rank=16, kv_lora_rank=8,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, ffn_dim=64, dropout=0.0,
+        mtp_depth=depth,
+    )  # fmt: skip
+    cfg.moe = dataclasses.replace(base.moe, expert_ffn_dim=16)
+    return cfg
+
+
+def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, next-token targets (a few ignored) and document ids ``(2, SEQ)``."""
+    stream = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    tokens, targets = stream[:, :-1], stream[:, 1:].clone()
+    for row, position in IGNORED:
+        targets[row, position] = -100
+    return tokens, targets, torch.tensor(DOCUMENTS)
+
+
+def mtp_cp_step(depth: int, seed: int = 0) -> dict[str, object]:
+    """One forward and backward at cp=2 against the one-process reference (module docstring)."""
+    state = mt_comm.init_parallel_state(cp=2)
+    cp_group, cp_rank = state.group("cp"), state.rank("cp")
+    cfg = tiny_config(depth)
+    reference = DeepSeekV3(cfg)
+    mp.init_weights(reference, seed)
+    reference = reference.double().train()
+    model = DeepSeekV3(cfg)
+    mp.init_weights(model, seed)
+    model = mp.parallelize(model.double(), mp.ParallelConfig(cp=2), state, llama_plan(cfg))
+    inner = model.module if hasattr(model, "module") else model  # DDP over cp
+    inner.train()
+
+    tokens, targets, docs = packed_batch(seed + 1)
+    ref_loss, ref_logged = reference.loss(reference(tokens, None, docs), targets)
+    ref_loss.backward()
+
+    derived = inner.sequence_inputs(tokens, targets, docs)
+    local = {k: mp.shard_sequence(v, 1, cp_group) for k, v in derived.items()}
+    local_tokens, local_targets, local_docs = (
+        mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets, docs)
+    )
+    positions = mp.load_balanced_positions(SEQ, 2, cp_rank)
+    loss, logged = inner.loss(model(local_tokens, positions, local_docs, **local), local_targets)
+    loss.backward()  # DDP averages the gradients over cp
+
+    mean_loss = loss.detach().clone()
+    mt_comm.all_reduce(mean_loss, op="avg", group=cp_group)
+    mean_ce = logged["ce_loss"].clone()  # this rank's mean over its T/cp tokens
+    mt_comm.all_reduce(mean_ce, op="avg", group=cp_group)
+    counts = [int((local["mtp_targets_BTK"][..., k] != -100).sum()) for k in range(depth)]
+    grads: dict[str, float] = {}
+    ref_params = dict(reference.named_parameters())
+    floor = 1e-6 * max(float(p.grad.abs().max()) for p in ref_params.values() if p.grad is not None)
+    for name, p in inner.named_parameters():
+        want = ref_params[name].grad
+        want = torch.zeros_like(ref_params[name]) if want is None else want
+        got = torch.zeros_like(p) if p.grad is None else p.grad
+        grads[name] = rel_err(got, want, floor)
+    return {
+        "loss": rel_err(mean_loss, ref_loss),
+        "ce_loss": rel_err(mean_ce, ref_logged["ce_loss"]),
+        "mtp": [
+            rel_err(logged[f"mtp_loss_{k}"], ref_logged[f"mtp_loss_{k}"])
+            for k in range(1, depth + 1)
+        ],
+        "mtp_keys": sorted(k for k in logged if k.startswith("mtp_loss_")),
+        "grads": grads,
+        "params": sorted(ref_params),
+        "counts": counts,
+    }
