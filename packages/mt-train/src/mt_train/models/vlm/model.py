@@ -179,26 +179,18 @@ class VisionLanguageModel(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean cross-entropy over unmasked targets, and the masked/trained counts.
 
-        Under CP the counts are the cp group's and the loss is ``cp·Σ_local / count``: the cp
-        ranks' chunks hold different numbers of unmasked targets, so a per-rank mean averaged
-        over cp would weight them unequally; this one averages to the whole sequence's mean.
+        Under CP the counts are the cp group's and the loss is ``cp·Σ_local / count``
+        (``mt_parallel.sequence_mean_cross_entropy``): the cp ranks' chunks hold different
+        numbers of unmasked targets, so a per-rank mean averaged over cp would weight them
+        unequally; this one averages to the whole sequence's mean.
         """
         cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
-        counts = torch.stack(
-            [(targets_BT == IGNORE_INDEX).sum(), (targets_BT != IGNORE_INDEX).sum()]
-        ).float()
-        tp_group = self.language.output.tp_group
-        if cp == 1:
-            loss = mt_parallel.vocab_parallel_cross_entropy(
-                logits_BTV_l, targets_BT, tp_group, IGNORE_INDEX
-            )
-            return loss, {"masked_tokens": counts[0], "loss_tokens": counts[1]}
-        total = mt_parallel.vocab_parallel_cross_entropy(
-            logits_BTV_l, targets_BT, tp_group, IGNORE_INDEX, "sum"
+        result = mt_parallel.sequence_mean_cross_entropy(
+            logits_BTV_l, targets_BT, self.language.output.tp_group, self.cp_group, IGNORE_INDEX
         )
-        mt_comm.all_reduce(counts, op="sum", group=self.cp_group)
-        masked, trained = counts.unbind()
-        return total * cp / trained.clamp(min=1), {"masked_tokens": masked, "loss_tokens": trained}
+        trained = result.count.float()
+        masked = targets_BT.numel() * cp - trained
+        return result.loss, {"masked_tokens": masked, "loss_tokens": trained}
 
 
 def embedding_parameters(model: nn.Module) -> int:
