@@ -117,10 +117,15 @@ def cp_attention_documents(
 
 
 def ring_attention(
-    documents: bool, seed: int = 0, cp: int | None = None, tp: int = 1, device: str | None = None
+    documents: bool,
+    seed: int = 0,
+    cp: int | None = None,
+    tp: int = 1,
+    device: str | None = None,
+    value_dim: int = 8,
 ) -> dict[str, dict[str, float]]:
     """Ring attention at cp (default: world over tp) vs. the all-gather version and the fp64
-    reference."""
+    reference; values of ``value_dim`` (keys 8: MLA's V head dim differs from its QK one)."""
     dev = device_of(device)
     cp = mt_comm.group_size() // tp if cp is None else cp
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
@@ -130,8 +135,8 @@ def ring_attention(
     ids = document_ids(seed + 1, B, T) if documents else None
     q = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
     k = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
-    v = torch.randn(B, KV_HEADS, T, d, generator=generator, dtype=torch.float64)
-    dy = torch.randn(B, HEADS, T, d, generator=generator, dtype=torch.float64)
+    v = torch.randn(B, KV_HEADS, T, value_dim, generator=generator, dtype=torch.float64)
+    dy = torch.randn(B, HEADS, T, value_dim, generator=generator, dtype=torch.float64)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     if documents:
         ref_out = attention_by_document(*ref, ids)

@@ -146,7 +146,15 @@ def test_fsdp2_gradients_and_clipping_dp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_ring_attention_cp2_equals_all_gather(pool: DistributedPool, documents: bool) -> None:
-    for result in pool.run(sequence_checks.ring_attention, documents=documents):
+@pytest.mark.parametrize(
+    ("documents", "value_dim"),
+    [(False, 8), (True, 8), (True, 12)],
+    ids=["causal", "documents", "documents-mla-v12"],
+)
+def test_ring_attention_cp2_equals_all_gather(
+    pool: DistributedPool, documents: bool, value_dim: int
+) -> None:
+    for result in pool.run(
+        sequence_checks.ring_attention, documents=documents, value_dim=value_dim
+    ):
         assert_close(result)

@@ -65,8 +65,9 @@ def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, targets, torch.tensor(DOCUMENTS)
 
 
-def mtp_cp_step(depth: int, seed: int = 0) -> dict[str, object]:
-    """One forward and backward at cp=2 against the one-process reference (module docstring)."""
+def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> dict[str, object]:
+    """One forward and backward at cp=2 against the one-process reference (module docstring),
+    the attention's K/V all-gathered or passed around the ring (``cp_attention``)."""
     state = mt_comm.init_parallel_state(cp=2)
     cp_group, cp_rank = state.group("cp"), state.rank("cp")
     cfg = tiny_config(depth)
@@ -75,7 +76,9 @@ def mtp_cp_step(depth: int, seed: int = 0) -> dict[str, object]:
     reference = reference.double().train()
     model = DeepSeekV3(cfg)
     mp.init_weights(model, seed)
-    model = mp.parallelize(model.double(), mp.ParallelConfig(cp=2), state, llama_plan(cfg))
+    model = mp.parallelize(
+        model.double(), mp.ParallelConfig(cp=2, cp_attention=cp_attention), state, llama_plan(cfg)
+    )
     inner = model.module if hasattr(model, "module") else model  # DDP over cp
     inner.train()
 

@@ -1,7 +1,8 @@
 """deepseek_v3_tiny (MLA + MoE + MTP) on 2 gloo ranks against one process: trained at tp=2,
-ep=2 (dp=2), cp=2 with MTP and ep=2 carved out of cp=2; and one float64 step of multi-token
-prediction (depths 1 and 2) at cp=2 on packed documents, loss by loss and gradient by gradient
-(:mod:`mtp_checks`). One pool for the module."""
+ep=2 (dp=2), cp=2 on packed documents and ep=2 carved out of cp=2; and one float64 step of
+multi-token prediction (depths 1 and 2, all-gather and ring attention) at cp=2 on packed
+documents, loss by loss and gradient by gradient (:mod:`mtp_checks`). One pool for the
+module."""
 
 from __future__ import annotations
 
@@ -45,8 +46,7 @@ LAYOUTS = {
     "ep2-mtp": {"parallel": "ep2"},
     "cp2-mtp": {"parallel": "cp2", "data.document_masking": "true"},
     # Balancing off: an aux statistic is per rank's tokens under cp.
-    "cp2-ep2": {"parallel": "cp2", "parallel.ep": 2, "model.mtp_depth": 0,
-                "model.moe.balancing": "none"},
+    "cp2-ep2-mtp": {"parallel": "cp2", "parallel.ep": 2, "model.moe.balancing": "none"},
 }  # fmt: skip
 
 
@@ -79,9 +79,15 @@ def _logged(run: Path, name: str) -> list[float]:
 FP64_BOUND = 1e-10
 
 
-@pytest.mark.parametrize("depth", [1, 2])
-def test_mtp_at_cp2_equals_one_process_in_float64(depth: int, pool: DistributedPool) -> None:
-    per_rank = pool.run(mtp_cp_step, depth)
+@pytest.mark.parametrize(
+    ("depth", "cp_attention"),
+    [(1, "all_gather"), (2, "all_gather"), (2, "ring")],
+    ids=["depth1", "depth2", "depth2-ring"],
+)
+def test_mtp_at_cp2_equals_one_process_in_float64(
+    depth: int, cp_attention: str, pool: DistributedPool
+) -> None:
+    per_rank = pool.run(mtp_cp_step, depth, cp_attention)
     for result in per_rank:
         assert result["mtp_keys"] == [f"mtp_loss_{k}" for k in range(1, depth + 1)]
         assert result["loss"] < FP64_BOUND

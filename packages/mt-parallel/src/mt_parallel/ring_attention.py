@@ -3,7 +3,8 @@
 Layout and shapes as in :mod:`mt_parallel.context_parallel`: rank ``r`` of ``c`` CP ranks holds
 the load-balanced chunks ``r`` and ``2c−1−r`` (``L`` tokens each, ``t = 2L``) of q, k, v. Shape
 suffixes: B batch, H = K·G query heads in K groups of G (GQA: query head ``k·G + g`` reads KV
-head ``k``), t local tokens, d head dim.
+head ``k``), t local tokens, d query/key head dim, e value head dim (equal to d except in
+multi-latent attention). K and V travel as one ``(B, K, t, d + e)`` message.
 
 Forward. Step ``s = 0..c−1``: this rank holds the K/V of rank ``src = r − s (mod c)`` and sends
 them on to rank ``r+1`` (receiving the next from ``r−1``) while it computes the block::
@@ -165,22 +166,22 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q_BHtd, k_BKtd, v_BKtd, group: Any, doc_q, doc_all):  # type: ignore[override]
         B, H, t, d = q_BHtd.shape
-        K = k_BKtd.shape[1]
+        K, e = k_BKtd.shape[1], v_BKtd.shape[-1]
         work = torch.float64 if q_BHtd.dtype == torch.float64 else torch.float32
         scale = 1.0 / math.sqrt(d)
         ring, plan = _Ring(group), _Plan(group_rank(group), group_size(group), t, doc_all)
         q = q_BHtd.to(work).view(B, K, H // K, t, d)
-        out = torch.zeros_like(q)
+        out = torch.zeros((B, K, H // K, t, e), dtype=work, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
-        kv = torch.stack([k_BKtd, v_BKtd]).contiguous()
+        kv = torch.cat([k_BKtd, v_BKtd], dim=-1).contiguous()
         for s in range(plan.cp):
             if s + 1 < plan.cp:
                 next_kv, works = ring.start(kv, KV_TAG)
             rows, keys, _, _ = plan.step(s)
             o_b, lse_b = _block_forward(
                 q[:, :, :, rows],
-                kv[0, :, :, keys].to(work),
-                kv[1, :, :, keys].to(work),
+                kv[:, :, keys, :d].to(work),
+                kv[:, :, keys, d:].to(work),
                 plan.mask(s, doc_q, q.device),
                 scale,
             )
@@ -194,20 +195,20 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         ctx.save_for_backward(q_BHtd, k_BKtd, v_BKtd, out, lse, doc_q, doc_all)
         ctx.group, ctx.scale = group, scale
-        return out.view(B, H, t, d).to(q_BHtd.dtype)
+        return out.view(B, H, t, e).to(q_BHtd.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout_BHtd):  # type: ignore[override]
         q_BHtd, k_BKtd, v_BKtd, out, lse, doc_q, doc_all = ctx.saved_tensors
         B, H, t, d = q_BHtd.shape
-        K, work = k_BKtd.shape[1], out.dtype
+        K, e, work = k_BKtd.shape[1], v_BKtd.shape[-1], out.dtype
         ring = _Ring(ctx.group)
         plan = _Plan(group_rank(ctx.group), group_size(ctx.group), t, doc_all)
         q = q_BHtd.to(work).view(B, K, H // K, t, d)
-        do = dout_BHtd.to(work).view_as(q)
+        do = dout_BHtd.to(work).view_as(out)
         delta = (do * out).sum(-1)
         dq = torch.zeros_like(q)
-        kv = torch.stack([k_BKtd, v_BKtd]).contiguous()
+        kv = torch.cat([k_BKtd, v_BKtd], dim=-1).contiguous()
         arrived, grad_works = None, []
         for s in range(plan.cp):
             if s + 1 < plan.cp:
@@ -215,8 +216,8 @@ class _RingAttention(torch.autograd.Function):
             rows, keys, _, _ = plan.step(s)
             dq_b, dk_b, dv_b = _block_backward(
                 q[:, :, :, rows],
-                kv[0, :, :, keys].to(work),
-                kv[1, :, :, keys].to(work),
+                kv[:, :, keys, :d].to(work),
+                kv[:, :, keys, d:].to(work),
                 do[:, :, :, rows],
                 lse[..., rows],
                 delta[..., rows],
@@ -224,8 +225,8 @@ class _RingAttention(torch.autograd.Function):
                 ctx.scale,
             )
             dq[:, :, :, rows] += dq_b
-            dkv = torch.zeros((2, B, K, t, d), dtype=work, device=q.device)
-            dkv[0, :, :, keys], dkv[1, :, :, keys] = dk_b, dv_b
+            dkv = torch.zeros((B, K, t, d + e), dtype=work, device=q.device)
+            dkv[:, :, keys, :d], dkv[:, :, keys, d:] = dk_b, dv_b
             if arrived is not None:
                 _wait(grad_works)
                 dkv += arrived
@@ -236,8 +237,8 @@ class _RingAttention(torch.autograd.Function):
         _wait(grad_works)
         return (
             dq.view(B, H, t, d).to(q_BHtd.dtype),
-            arrived[0].to(k_BKtd.dtype),
-            arrived[1].to(v_BKtd.dtype),
+            arrived[..., :d].to(k_BKtd.dtype),
+            arrived[..., d:].to(v_BKtd.dtype),
             None,
             None,
             None,
