@@ -92,6 +92,11 @@ def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> 
         mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets, docs)
     )
     positions = mp.load_balanced_positions(SEQ, 2, cp_rank)
+    try:  # shifting this rank's chunks would read the wrong tokens: refused
+        inner(local_tokens, positions, local_docs)
+        refusal = ""
+    except ValueError as error:
+        refusal = str(error)
     loss, logged = inner.loss(model(local_tokens, positions, local_docs, **local), local_targets)
     loss.backward()  # DDP averages the gradients over cp
 
@@ -119,4 +124,5 @@ def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> 
         "grads": grads,
         "params": sorted(ref_params),
         "counts": counts,
+        "refusal": refusal,
     }

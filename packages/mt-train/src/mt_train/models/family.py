@@ -16,7 +16,11 @@ The model a family builds is a plain (tp=1) ``nn.Module`` with::
 in ``extras`` (an auxiliary loss, a load-balance statistic) is averaged over the step's
 micro-batches and logged under its name, read in the step's one host synchronisation. Its
 layers are mt-parallel's (or carry the same hooks), so ``plan`` is all
-:func:`mt_parallel.parallelize` needs.
+:func:`mt_parallel.parallelize` needs. Optional model hooks the trainer calls:
+``set_train_step(completed_steps) -> changed`` before every step, and
+``sequence_inputs(tokens_BT, targets_BT, document_ids_BT) -> {name: (B, T, ...)}``, keyword
+inputs of ``forward`` made from the whole micro-batch and, under context parallelism, cut
+like the tokens (DeepSeek-V3's shifted MTP tokens and targets; :mod:`mt_train.step`).
 """
 
 from __future__ import annotations

@@ -119,9 +119,9 @@ class DeepSeekV3Config(ModelConfig):
         if self.mtp_depth and parallel.pp > 1:
             raise ValueError(
                 f"model.mtp_depth={self.mtp_depth} is not supported with parallel.pp="
-                f"{parallel.pp} (the MTP modules would run on the last stage and embed the "
-                "shifted tokens with the input embedding, which lives on the first stage); use "
-                "mtp_depth=0 or pp=1"
+                f"{parallel.pp}: the MTP modules would run on the last stage and embed the "
+                "shifted tokens with the input embedding, which lives on the first stage, and "
+                "the pipeline has no weights shared across stages; use mtp_depth=0 or pp=1"
             )
         if parallel.sequence_parallel:
             raise ValueError(
