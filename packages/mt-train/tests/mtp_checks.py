@@ -6,8 +6,9 @@ reference fed the whole micro-batch of packed documents, and the model under
 ``mt_parallel.parallelize`` fed what mt-train's ``BatchRunner`` feeds a cp rank: its
 load-balanced chunks, their global positions and document ids, and the model's
 ``sequence_inputs`` (the shifted tokens and MTP targets of the whole sequence) cut the same
-way. It returns each rank's errors against the reference: the main loss, every ``mtp_loss_k``
-and every parameter gradient.
+way (and, with tensor parallelism, its vocabulary and head shards). It returns each rank's
+errors against the reference: the main loss, every ``mtp_loss_k`` and every parameter
+gradient.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from mt_train.models import model_sizes
 from mt_train.models.deepseek_v3 import DeepSeekV3
 from mt_train.models.llama.parallelize import llama_plan
 
+# float64: cp=2 (× tp) differs from one process only in summation order (the cp ranks' loss
+# sums, the all-gathered or ring attention, TP partial sums, DDP's gradient average), ~1e-16
+# relative per operation over a few hundred terms; 1e-10 leaves a wide margin, while a shifted
+# token or target taken from the wrong chunk (tried: the loss off by 1.3e-4) or a per-rank
+# mean instead of the whole sequence's (the ranks' valid MTP targets differ in number; tried:
+# 2.3e-5) moves the loss by orders of magnitude more.
+FP64_BOUND = 1e-10
 VOCAB = 96
 SEQ = 32
 """At cp=2 four chunks of 8: rank 0 holds positions 0-7 and 24-31, rank 1 positions 8-23."""
@@ -65,11 +73,14 @@ def packed_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, targets, torch.tensor(DOCUMENTS)
 
 
-def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> dict[str, object]:
-    """One forward and backward at cp=2 against the one-process reference (module docstring),
-    the attention's K/V all-gathered or passed around the ring (``cp_attention``)."""
-    state = mt_comm.init_parallel_state(cp=2)
-    cp_group, cp_rank = state.group("cp"), state.rank("cp")
+def mtp_cp_step(
+    depth: int, cp_attention: str = "all_gather", tp: int = 1, seed: int = 0
+) -> dict[str, object]:
+    """One forward and backward at cp=2 (× ``tp``) against the one-process reference (module
+    docstring), the attention's K/V all-gathered or passed around the ring (``cp_attention``);
+    under TP each rank's gradients are compared with its shard of the reference's."""
+    state = mt_comm.init_parallel_state(cp=2, tp=tp)
+    cp_group, cp_rank, tp_rank = state.group("cp"), state.rank("cp"), state.rank("tp")
     cfg = tiny_config(depth)
     reference = DeepSeekV3(cfg)
     mp.init_weights(reference, seed)
@@ -77,7 +88,10 @@ def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> 
     model = DeepSeekV3(cfg)
     mp.init_weights(model, seed)
     model = mp.parallelize(
-        model.double(), mp.ParallelConfig(cp=2, cp_attention=cp_attention), state, llama_plan(cfg)
+        model.double(),
+        mp.ParallelConfig(tp=tp, cp=2, cp_attention=cp_attention),
+        state,
+        llama_plan(cfg),
     )
     inner = model.module if hasattr(model, "module") else model  # DDP over cp
     inner.train()
@@ -107,12 +121,14 @@ def mtp_cp_step(depth: int, cp_attention: str = "all_gather", seed: int = 0) -> 
     counts = [int((local["mtp_targets_BTK"][..., k] != -100).sum()) for k in range(depth)]
     grads: dict[str, float] = {}
     ref_params = dict(reference.named_parameters())
-    floor = 1e-6 * max(float(p.grad.abs().max()) for p in ref_params.values() if p.grad is not None)
+    full = {
+        name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in ref_params.items()
+    }
+    expected = mp.shard_state_dict(full, mp.tp_shard_plan(reference), tp_rank, tp)
+    floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
     for name, p in inner.named_parameters():
-        want = ref_params[name].grad
-        want = torch.zeros_like(ref_params[name]) if want is None else want
         got = torch.zeros_like(p) if p.grad is None else p.grad
-        grads[name] = rel_err(got, want, floor)
+        grads[name] = rel_err(got, expected[name], floor)
     return {
         "loss": rel_err(mean_loss, ref_loss),
         "ce_loss": rel_err(mean_ce, ref_logged["ce_loss"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import train_checks
-from mtp_checks import mtp_cp_step
+from mtp_checks import FP64_BOUND, mtp_cp_step
 from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool
@@ -69,14 +69,6 @@ def test_layout_matches_one_process(
 def _logged(run: Path, name: str) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [row[name] for row in rows if name in row]
-
-
-# float64: cp=2 differs from one process only in summation order (the cp ranks' loss sums, the
-# all-gathered attention, DDP's gradient average), ~1e-16 relative per operation over a few
-# hundred terms; 1e-10 leaves a wide margin, while a shifted token or target taken from the
-# wrong chunk, a per-rank mean instead of the whole sequence's (the ranks' valid MTP targets
-# differ in number) or a missing gradient term moves a loss or a gradient by far more.
-FP64_BOUND = 1e-10
 
 
 @pytest.mark.parametrize(

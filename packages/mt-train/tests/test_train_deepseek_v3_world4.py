@@ -1,0 +1,29 @@
+"""DeepSeek-V3's multi-token prediction at cp=2 × tp=2 on 4 gloo ranks equals one process in
+float64 (:mod:`mtp_checks`): the MTP losses' vocabulary-parallel cross-entropy over tp inside
+the whole sequence's mean over cp. Slow: the default tier covers cp=2 (world 2) and tp=2
+(test_train_deepseek_v3_world2.py) apart."""
+
+from __future__ import annotations
+
+import pytest
+from mtp_checks import FP64_BOUND, mtp_cp_step
+
+from mt_comm.testing import DistributedPool
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as pool:
+        yield pool
+
+
+def test_mtp_at_cp2_tp2_equals_one_process_in_float64(pool: DistributedPool) -> None:
+    for result in pool.run(mtp_cp_step, 2, "all_gather", 2):
+        assert result["loss"] < FP64_BOUND
+        assert result["ce_loss"] < FP64_BOUND
+        assert max(result["mtp"]) < FP64_BOUND, result["mtp"]
+        assert sorted(result["grads"]) == result["params"]
+        worst = max(result["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < FP64_BOUND, worst
