@@ -3,7 +3,7 @@
 For each configuration of :data:`CONFIGS` (dense and MoE families, sizes, layer counts,
 sequences, micro-batches, recompute policies and FP8 recipes; all on one GPU) the script
 
-1. predicts the step time and the allocated peak memory with ``mt_plan`` (cluster ``h200``,
+1. predicts the step time and the allocated peak memory with ``mt_plan`` (cluster ``--cluster``, default ``h200``,
    the calibration table given by ``--calibration``), and whether it fits;
 2. measures them in a subprocess of its own: mt-train's ``Trainer`` on the bundled corpus,
    ``--warmup`` steps, then the median of ``--steps`` timed ``train_step`` calls between device
@@ -86,7 +86,7 @@ def with_batch(overrides: list[str]) -> list[str]:
     return [*COMMON, *overrides, *extra, f"trainer.global_batch_size={mb}"]
 
 
-def predict(overrides: list[str], calibration: str, vocab: int) -> dict:
+def predict(overrides: list[str], calibration: str, vocab: int, cluster: str = "h200") -> dict:
     from mt_plan import CostModel, Workload, load_cluster, load_table
     from mt_plan.cli import layout_of
     from mt_plan.models import resolve, shape_of
@@ -97,7 +97,7 @@ def predict(overrides: list[str], calibration: str, vocab: int) -> dict:
     tr = train.trainer
     work = Workload(seq_len=tr.seq_len, global_batch=tr.global_batch_size,
                     act_bytes=4 if tr.precision == "fp32" else 2)  # fmt: skip
-    cost = CostModel(shape, load_cluster("h200"), load_table(calibration), work)
+    cost = CostModel(shape, load_cluster(cluster), load_table(calibration), work)
     est = cost.estimate(layout_of(train, 1))
     return {
         "predicted_step_s": est.step_time,
@@ -235,6 +235,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", default="h200")
+    parser.add_argument("--cluster", default="h200", help="mt-plan cluster of the predictions")
     parser.add_argument("--out", default="plan_validation.jsonl")
     parser.add_argument("--only", help="comma-separated config names")
     parser.add_argument("--warmup", type=int, default=3)
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             measured = {"error": f"timed out after {args.timeout_s} s"}
         row = {"name": name, "overrides": overrides, **measured,
-               **predict(overrides, args.calibration, measured.get("vocab", 320))}  # fmt: skip
+               **predict(overrides, args.calibration, measured.get("vocab", 320), args.cluster)}  # fmt: skip
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
