@@ -47,18 +47,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) 
     return float((actual.detach().double() - expected).abs().max() / scale)
 
 
-def vlm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vlm_batch(
+    seed: int, image_starts: tuple[tuple[int, ...], ...] = IMAGE_STARTS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens with image placeholders, targets masked on images and prompts, the images."""
     cfg = model_sizes()["vlm_tiny"]
     per_image, v = cfg.vision.tokens_per_image, cfg.vision
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (len(IMAGE_STARTS), SEQ), generator=g)
+    tokens = torch.randint(0, 256, (len(image_starts), SEQ), generator=g)
     targets = torch.randint(0, 256, tokens.shape, generator=g)
-    for row, starts in enumerate(IMAGE_STARTS):
+    for row, starts in enumerate(image_starts):
         for start in starts:
             tokens[row, start : start + per_image] = cfg.image_token_id
             targets[row, : start + per_image] = IGNORE_INDEX  # the prompt and the image
-    n_images = sum(len(s) for s in IMAGE_STARTS)
+    n_images = sum(len(s) for s in image_starts)
     images = torch.rand(n_images, v.channels, v.image_size, v.image_size, generator=g)
     return tokens, targets, images.double()
 
@@ -122,4 +124,75 @@ def vlm_parallel_step(
         "grads": grads,
         "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
         "counts": counts,
+    }
+
+
+PIPELINE_IMAGE_STARTS = (IMAGE_STARTS, ((), ()), ((0,), (27,)), ((8, 12), ()))
+"""Four micro-batches of two rows: three images (at tp=2 with SP row 1's straddles the shards),
+none (the first chunk gets no ``images`` input), one at each end of the rows, two adjacent in
+one row. Their image counts and unmasked target counts all differ, so an image placed in
+another micro-batch's forward, or a loss weighted by the wrong count, changes the result."""
+
+
+def vlm_pipeline_step(
+    schedule: str, chunks: int = 1, layers: int = 2, tp: int = 1, sp: bool = False, seed: int = 0
+) -> dict[str, object]:
+    """One pipelined step of ``vlm_tiny``'s shapes in float64 at ``pp = world / tp`` against
+    one process running the pp=1 accumulation loop over the same micro-batches: each
+    micro-batch's loss (on the rank holding the head) and every gradient this rank holds."""
+    import torch.distributed as dist
+
+    pp = dist.get_world_size() // tp
+    microbatches = len(PIPELINE_IMAGE_STARTS)
+    state = mt_comm.init_parallel_state(tp=tp, pp=pp)
+    config = mp.ParallelConfig(
+        tp=tp, pp=pp, sequence_parallel=sp, data_parallel="none", pp_schedule=schedule,
+        pp_chunks=chunks, pp_microbatches=microbatches,
+    )  # fmt: skip
+    cfg = dataclasses.replace(
+        model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0, n_layers=layers
+    )
+    reference = VisionLanguageModel(cfg)
+    mp.init_weights(reference, seed)
+    reference = reference.double()
+    model = VisionLanguageModel(cfg)
+    mp.init_weights(model, seed)
+    chunk_modules = mp.pipeline_chunks(model.double(), config, state, vlm_plan(cfg))
+
+    batches = [vlm_batch(seed + 1 + m, starts) for m, starts in enumerate(PIPELINE_IMAGE_STARTS)]
+    ref_losses = []
+    for tokens, targets, images in batches:
+        loss, _ = reference.loss(reference(tokens, images=images if len(images) else None), targets)
+        (loss / microbatches).backward()
+        ref_losses.append(loss.detach())
+
+    rows = len(PIPELINE_IMAGE_STARTS[0])
+    shapes = mp.StageShapes(
+        tokens=((rows, SEQ), torch.long),
+        hidden=((rows, SEQ // tp if sp else SEQ, cfg.dim), torch.float64),
+        logits=((rows, SEQ, VOCAB // tp), torch.float64),
+    )
+    runner = mp.PipelineSchedule(
+        chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
+        torch.device("cpu"), state.group("pp"), model.loss,
+    )  # fmt: skip
+    kwargs = [{"images": images} if len(images) else {} for _, _, images in batches]
+    result = runner.step([b[0] for b in batches], [b[1] for b in batches], kwargs)
+
+    full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    expected = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    # As in vlm_parallel_step: the key biases' gradient is rounding noise around zero.
+    floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
+    grads = {
+        name: rel_err(p.grad, expected[name], floor)
+        for chunk in chunk_modules
+        for name, p in chunk.named_parameters()
+        if p.requires_grad
+    }
+    return {
+        "grads": grads,
+        "losses": [rel_err(loss, ref_losses[m]) for m, loss in enumerate(result.losses)],
+        "holds_last": any(c.last for c in chunk_modules),
+        "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
+        "sinks": len(runner.sinks),
     }

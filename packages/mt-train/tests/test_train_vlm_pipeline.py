@@ -1,0 +1,120 @@
+"""The vision-language model under pipeline parallelism on two gloo ranks (pp=2): the encoder,
+projector and image placement run on the first stage, which receives each micro-batch's
+images; later stages receive hidden states only. One step of ``vlm_tiny``'s shapes in float64
+equals one process (every micro-batch's loss, every gradient) under 1F1B and the split
+backward of ZB-H1 and interleaved zero bubble, with image counts that differ between
+micro-batches (:mod:`vlm_checks`); the digits captions train as one process does, and a pp=2
+checkpoint resumes bit for bit at pp=2 and continues one process's curve at pp=1. One pool
+for the module; references run in this process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import train_checks
+from test_train_vlm_parallel import vlm_overrides
+from vlm_checks import FP64_BOUND, vlm_pipeline_step
+
+from mt_comm.testing import DistributedPool
+
+pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
+
+# fp32 on the CPU: a pipelined step runs each micro-batch's chunk forwards and backwards in
+# the pp=1 accumulation loop's order, so the curves agree but for the gradient norm's sum of
+# squares over two ranks (an ulp of the clip coefficient), as for Llama
+# (test_train_pipeline.py); 8 AdamW steps stay below 1e-6.
+RTOL = 1e-6
+NO_DROPOUT = {"model.dropout": 0.0}
+CONSTANT = {"scheduler": "constant"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize(
+    ("schedule", "chunks", "layers"),
+    [("1f1b", 1, 2), ("zero_bubble", 1, 2), ("zero_bubble", 2, 4)],
+    ids=["1f1b", "zero_bubble", "interleaved_zero_bubble"],
+)
+def test_pipelined_step_equals_one_process(
+    pool: DistributedPool, schedule: str, chunks: int, layers: int
+) -> None:
+    per_rank = pool.run(vlm_pipeline_step, schedule, chunks, layers)
+    graded = per_rank[0]["graded"]
+    held = [set(r["grads"]) for r in per_rank]
+    assert not held[0] & held[1] and held[0] | held[1] == set(graded)
+    # The image tower is on the first stage (rank 0), the head on the last.
+    assert any(n.startswith("vision.") for n in held[0]) and "projector.linear_1.weight" in held[0]
+    assert "language.output.weight" in held[1]
+    for result in per_rank:
+        assert max(result["grads"].values()) < FP64_BOUND, result["grads"]
+        if result["holds_last"]:
+            assert len(result["losses"]) == 4 and max(result["losses"]) < FP64_BOUND
+        else:
+            assert result["losses"] == []
+
+
+@pytest.fixture(scope="module")
+def reference(digits: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    overrides = vlm_overrides(digits, **NO_DROPOUT, **{"trainer.log_interval": 1})
+    return train_checks.run_logged(overrides, tmp_path_factory.mktemp("single"))
+
+
+def test_digits_at_pp2_match_one_process(
+    pool: DistributedPool, digits: Path, reference: dict, tmp_path: Path
+) -> None:
+    """Losses of every step, and the token counts the model reports (logged by rank 0, which
+    holds the first stage: they are summed over the pipeline)."""
+    overrides = vlm_overrides(
+        digits, **NO_DROPOUT, **{"trainer.log_interval": 1, "parallel": "pp2"}
+    )
+    per_rank = pool.run(train_checks.run_logged, overrides, tmp_path)
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    assert per_rank[0]["losses"] == pytest.approx(reference["losses"], rel=RTOL)
+    assert reference["losses"][-1] < reference["losses"][0]
+    rows, expected = (
+        [r for r in run["rows"] if r["kind"] == "train"] for run in (per_rank[0], reference)
+    )
+    assert len(rows) == len(expected) == 8
+    for row, ref in zip(rows, expected, strict=True):
+        assert row["loss_tokens"] == ref["loss_tokens"] > 0
+        assert row["masked_tokens"] == ref["masked_tokens"] > 0
+
+
+def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(
+    pool: DistributedPool, digits: Path, tmp_path: Path
+) -> None:
+    """Dropout on for the resume (each stage's RNG state is in its checkpoint); off for the
+    pp=2 to pp=1 load, which continues one process's curve."""
+    pp2 = {"parallel": "pp2", **CONSTANT}
+    full = pool.run(
+        train_checks.run_losses,
+        vlm_overrides(digits, **pp2, **{"trainer.max_steps": 12}),
+        tmp_path / "full",
+    )[0]
+    pool.run(train_checks.run_losses, vlm_overrides(digits, **pp2), tmp_path / "split")
+    step = tmp_path / "split" / "checkpoints" / "step-00000008"
+    manifest = (step / "manifest.json").read_text()
+    assert "model/vision.embeddings.patch" in manifest
+    assert "model/language.layers.1.attention.q_proj.weight" in manifest
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+    resumed = pool.run(
+        train_checks.run_losses, vlm_overrides(digits, **pp2, **resume), tmp_path / "split"
+    )
+    assert resumed[0] == resumed[1] == full[8:]  # exact float equality, step by step
+
+    plain = {**CONSTANT, **NO_DROPOUT}
+    single = train_checks.run_losses(
+        vlm_overrides(digits, **plain, **{"trainer.max_steps": 12}), tmp_path / "one"
+    )
+    pool.run(
+        train_checks.run_losses,
+        vlm_overrides(digits, **plain, **{"parallel": "pp2"}),
+        tmp_path / "pp2",
+    )
+    at_pp1 = train_checks.run_losses(vlm_overrides(digits, **plain, **resume), tmp_path / "pp2")
+    assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
