@@ -135,49 +135,80 @@ another micro-batch's forward, or a loss weighted by the wrong count, changes th
 
 
 def vlm_pipeline_step(
-    schedule: str, chunks: int = 1, layers: int = 2, tp: int = 1, sp: bool = False, seed: int = 0
+    schedule: str,
+    chunks: int = 1,
+    layers: int = 2,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    fp8: bool = False,
+    seed: int = 0,
 ) -> dict[str, object]:
-    """One pipelined step of ``vlm_tiny``'s shapes in float64 at ``pp = world / tp`` against
-    one process running the pp=1 accumulation loop over the same micro-batches: each
-    micro-batch's loss (on the rank holding the head) and every gradient this rank holds."""
+    """One pipelined step of ``vlm_tiny``'s shapes in float64 at ``pp = world / (tp·cp)``
+    against one process running the pp=1 accumulation loop over the same micro-batches: each
+    micro-batch's loss (on the ranks holding the head; under CP its mean over the cp ranks,
+    which the trainer reports) and every gradient this rank holds (under CP averaged over the
+    cp ranks, as the trainer's data-parallel reduction does). With ``fp8`` both run every
+    linear but the head in tensorwise FP8, in fp32."""
     import torch.distributed as dist
 
-    pp = dist.get_world_size() // tp
+    import mt_fp8
+
+    pp = dist.get_world_size() // (tp * cp)
     microbatches = len(PIPELINE_IMAGE_STARTS)
-    state = mt_comm.init_parallel_state(tp=tp, pp=pp)
+    state = mt_comm.init_parallel_state(tp=tp, cp=cp, pp=pp)
     config = mp.ParallelConfig(
-        tp=tp, pp=pp, sequence_parallel=sp, data_parallel="none", pp_schedule=schedule,
+        tp=tp, cp=cp, pp=pp, sequence_parallel=sp, data_parallel="none", pp_schedule=schedule,
         pp_chunks=chunks, pp_microbatches=microbatches,
     )  # fmt: skip
     cfg = dataclasses.replace(
         model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0, n_layers=layers
     )
+    dtype = torch.float32 if fp8 else torch.float64
+    options = mp.FP8Options(mt_fp8.TensorwiseScaling()) if fp8 else None
     reference = VisionLanguageModel(cfg)
     mp.init_weights(reference, seed)
-    reference = reference.double()
+    reference = reference.to(dtype)
+    if options is not None:
+        mp.apply_fp8_options(reference, vlm_plan(cfg), options, None)
     model = VisionLanguageModel(cfg)
     mp.init_weights(model, seed)
-    chunk_modules = mp.pipeline_chunks(model.double(), config, state, vlm_plan(cfg))
+    chunk_modules = mp.pipeline_chunks(model.to(dtype), config, state, vlm_plan(cfg), options)
 
-    batches = [vlm_batch(seed + 1 + m, starts) for m, starts in enumerate(PIPELINE_IMAGE_STARTS)]
+    batches = [
+        (tokens, targets, images.to(dtype))
+        for m, starts in enumerate(PIPELINE_IMAGE_STARTS)
+        for tokens, targets, images in [vlm_batch(seed + 1 + m, starts)]
+    ]
     ref_losses = []
     for tokens, targets, images in batches:
         loss, _ = reference.loss(reference(tokens, images=images if len(images) else None), targets)
         (loss / microbatches).backward()
         ref_losses.append(loss.detach())
 
-    rows = len(PIPELINE_IMAGE_STARTS[0])
+    rows, local = len(PIPELINE_IMAGE_STARTS[0]), SEQ // cp
     shapes = mp.StageShapes(
-        tokens=((rows, SEQ), torch.long),
-        hidden=((rows, SEQ // tp if sp else SEQ, cfg.dim), torch.float64),
-        logits=((rows, SEQ, VOCAB // tp), torch.float64),
+        tokens=((rows, local), torch.long),
+        hidden=((rows, local // tp if sp else local, cfg.dim), dtype),
+        logits=((rows, local, VOCAB // tp), dtype),
     )
     runner = mp.PipelineSchedule(
         chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
         torch.device("cpu"), state.group("pp"), model.loss,
     )  # fmt: skip
-    kwargs = [{"images": images} if len(images) else {} for _, _, images in batches]
-    result = runner.step([b[0] for b in batches], [b[1] for b in batches], kwargs)
+    cp_group = state.group("cp")
+    positions = mp.load_balanced_positions(SEQ, cp, state.rank("cp")) if cp > 1 else None
+    kwargs = [
+        {"positions": positions, **({"images": images} if len(images) else {})}
+        for _, _, images in batches
+    ]
+    tokens, targets = (
+        [mp.shard_sequence(b[i], 1, cp_group) if cp > 1 else b[i] for b in batches] for i in (0, 1)
+    )
+    result = runner.step(tokens, targets, kwargs)
+    losses = [mt_comm.all_reduce(loss.clone(), op="avg", group=cp_group) for loss in result.losses]
+    for param in (p for c in chunk_modules for p in c.parameters() if p.grad is not None):
+        mt_comm.all_reduce(param.grad, op="avg", group=cp_group)  # float64, not a flat fp32
 
     full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     expected = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
@@ -191,8 +222,14 @@ def vlm_pipeline_step(
     }
     return {
         "grads": grads,
-        "losses": [rel_err(loss, ref_losses[m]) for m, loss in enumerate(result.losses)],
+        "losses": [rel_err(loss, ref_losses[m]) for m, loss in enumerate(losses)],
         "holds_last": any(c.last for c in chunk_modules),
         "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
         "sinks": len(runner.sinks),
+        "fp8_layers": sorted(
+            name
+            for chunk in chunk_modules
+            for name, m in chunk.named_modules()
+            if getattr(m, "fp8_enabled", False)
+        ),
     }
