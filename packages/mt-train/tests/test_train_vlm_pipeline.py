@@ -13,11 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
 from test_train_vlm_parallel import vlm_overrides
 from vlm_checks import FP64_BOUND, vlm_pipeline_step
 
 from mt_comm.testing import DistributedPool
+from mt_train.hf_checkpoints import load_model
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
@@ -117,6 +119,10 @@ def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(
         vlm_overrides(digits, **plain, **{"parallel": "pp2"}),
         tmp_path / "pp2",
     )
+    # mt-convert's loader joins the stage files by name (a strict load of every tensor).
+    exported = load_model(tmp_path / "pp2" / "checkpoints")
+    tokens = torch.tensor([[1, 2, *[exported.cfg.image_token_id] * 4, 3]])
+    assert torch.isfinite(exported(tokens, images=torch.zeros(1, 1, 8, 8))).all()
     at_pp1 = train_checks.run_losses(vlm_overrides(digits, **plain, **resume), tmp_path / "pp2")
     assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
 
