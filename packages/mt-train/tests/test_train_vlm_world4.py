@@ -50,7 +50,8 @@ def test_pipeline_with_a_split_sequence_matches_one_process(
         worst = max(result["grads"].items(), key=lambda kv: kv[1])
         assert worst[1] < FP64_BOUND, worst
         assert len(result["losses"]) == (4 if result["holds_last"] else 0)
-        assert all(error < FP64_BOUND for error in result["losses"])
+        assert all(error < FP64_BOUND for error in result["losses"] + result["total"])
+        assert len(result["total"]) == int(result["holds_last"])
 
 
 # fp32 on the CPU: DP averages the gradients with an all-reduce and TP splits the dot products

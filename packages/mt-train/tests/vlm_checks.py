@@ -16,6 +16,7 @@ import torch
 
 import mt_comm
 import mt_parallel as mp
+from mt_train.loss_weights import micro_batch_weights
 from mt_train.models import model_sizes
 from mt_train.models.vlm import IGNORE_INDEX, VisionLanguageModel
 from mt_train.models.vlm.parallelize import vlm_plan
@@ -145,11 +146,13 @@ def vlm_pipeline_step(
     seed: int = 0,
 ) -> dict[str, object]:
     """One pipelined step of ``vlm_tiny``'s shapes in float64 at ``pp = world / (tp·cp)``
-    against one process running the pp=1 accumulation loop over the same micro-batches: each
-    micro-batch's loss (on the ranks holding the head; under CP its mean over the cp ranks,
-    which the trainer reports) and every gradient this rank holds (under CP averaged over the
-    cp ranks, as the trainer's data-parallel reduction does). With ``fp8`` both run every
-    linear but the head in tensorwise FP8, in fp32."""
+    against one process running the whole batch (all micro-batches' rows) at once: the step's
+    loss, the masked mean over the whole batch (on the ranks holding the head; under CP the
+    mean over the cp ranks, which the trainer reports), with the trainer's micro-batch weights
+    (:mod:`mt_train.loss_weights`), each micro-batch's own masked mean, and every gradient
+    this rank holds (under CP averaged over the cp ranks, as the trainer's data-parallel
+    reduction does). With ``fp8`` both run every linear but the head in tensorwise FP8, in
+    fp32."""
     import torch.distributed as dist
 
     import mt_fp8
@@ -180,11 +183,25 @@ def vlm_pipeline_step(
         for m, starts in enumerate(PIPELINE_IMAGE_STARTS)
         for tokens, targets, images in [vlm_batch(seed + 1 + m, starts)]
     ]
+    counts = torch.cat([(b[1] != IGNORE_INDEX).sum(1) for b in batches]).numpy()
+    factors = micro_batch_weights(counts, len(batches[0][0]), 1, 0)
+    assert factors is not None
+    whole = [torch.cat([b[i] for b in batches]) for i in range(3)]
+    ref_loss, _ = reference.loss(reference(whole[0], images=whole[2]), whole[1])
+    if not fp8:
+        ref_loss.backward()
     ref_losses = []
-    for tokens, targets, images in batches:
+    for m, (tokens, targets, images) in enumerate(batches):
         loss, _ = reference.loss(reference(tokens, images=images if len(images) else None), targets)
-        (loss / microbatches).backward()
+        if fp8:
+            # Tensorwise scales are per tensor, so a whole-batch forward quantizes with other
+            # scales than the pipeline's micro-batches: the FP8 reference accumulates the same
+            # micro-batches with the same weights (equal to the whole-batch loss in exact
+            # arithmetic, as the float64 runs check).
+            (loss * factors[m] / microbatches).backward()
         ref_losses.append(loss.detach())
+    if fp8:
+        ref_loss = sum(loss * f for loss, f in zip(ref_losses, factors, strict=True)) / microbatches
 
     rows, local = len(PIPELINE_IMAGE_STARTS[0]), SEQ // cp
     shapes = mp.StageShapes(
@@ -205,8 +222,9 @@ def vlm_pipeline_step(
     tokens, targets = (
         [mp.shard_sequence(b[i], 1, cp_group) if cp > 1 else b[i] for b in batches] for i in (0, 1)
     )
-    result = runner.step(tokens, targets, kwargs)
+    result = runner.step(tokens, targets, kwargs, factors)
     losses = [mt_comm.all_reduce(loss.clone(), op="avg", group=cp_group) for loss in result.losses]
+    total = [rel_err(sum(losses) / microbatches, ref_loss)] if losses else []
     for param in (p for c in chunk_modules for p in c.parameters() if p.grad is not None):
         mt_comm.all_reduce(param.grad, op="avg", group=cp_group)  # float64, not a flat fp32
 
@@ -222,7 +240,9 @@ def vlm_pipeline_step(
     }
     return {
         "grads": grads,
-        "losses": [rel_err(loss, ref_losses[m]) for m, loss in enumerate(losses)],
+        "losses": [rel_err(loss / factors[m], ref_losses[m]) for m, loss in enumerate(losses)],
+        "total": total,
+        "factors": factors,
         "holds_last": any(c.last for c in chunk_modules),
         "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
         "sinks": len(runner.sinks),
