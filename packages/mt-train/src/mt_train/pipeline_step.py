@@ -139,10 +139,9 @@ class PipelineStep:
             torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)
         )
         mt_comm.all_reduce(total, group=self.pp_group)
-        extras = result.extras
         if not self.carries_aux_losses:
             extras = self._pipeline_extras(result.extras)
-        if self.carries_aux_losses:
+        else:
             factors = loss_factors or [1.0] * len(batches)
             aux_total, extras = mt_parallel.moe.pipeline_aux_summary(
                 [c.aux_records for c in self.module.pipeline_chunks], factors, self.pp_group,

@@ -70,7 +70,7 @@ def place_module(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
-        child = node._modules.get(name)
+        child = dict(node.named_children()).get(name)
         if child is None:
             child = nn.Module()
             node.add_module(name, child)
@@ -151,13 +151,6 @@ class PipelineChunk(nn.Module):
     @property
     def carries_aux_losses(self) -> bool:
         return bool(self.moe_layers)
-
-    def held_modules(self) -> dict[str, nn.Module]:
-        """Every module this chunk holds (each block as ``<blocks>.<index>``) by its path."""
-        held = {path: self.get_submodule(path) for path in self.held_paths}
-        for index, block in self.get_submodule(self.layout.blocks).items():
-            held[f"{self.layout.blocks}.{index}"] = block
-        return held
 
     def forward(
         self,
