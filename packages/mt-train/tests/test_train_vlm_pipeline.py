@@ -6,7 +6,7 @@ whole batch; each micro-batch's loss; every gradient) under 1F1B and the split b
 ZB-H1 and interleaved zero bubble, with image and trained-target counts that differ between
 micro-batches (:mod:`vlm_checks`), and with tensorwise FP8 on both towers, whose first-stage
 encoder linears defer their weight GEMMs to the split backward's sink. The digits captions
-train as one process does, and a pp=2 checkpoint resumes bit for bit at pp=2 and continues
+train as one process does (also with FP8 and full recompute under ZB-H1), and a pp=2 checkpoint resumes bit for bit at pp=2 and continues
 one process's curve at pp=1. With captions of different lengths the step's loss is the masked
 mean over the whole batch at every micro-batch size and pp (:mod:`mt_train.loss_weights`).
 One pool for the module; references run in this process."""
@@ -197,3 +197,20 @@ def test_masked_mean_over_the_whole_batch_at_any_micro_batch_and_pp(
     # AdamW steps); without the weights the curves differ from the first step on (1e-4).
     assert accumulated == pytest.approx(whole, rel=RTOL)
     assert per_rank[0] == pytest.approx(whole, rel=RTOL)
+
+
+def test_fp8_and_full_recompute_under_zero_bubble_match_one_process(
+    pool: DistributedPool, digits: Path, tmp_path: Path
+) -> None:
+    """The trainer's tensorwise FP8 on both towers, full recompute of the vision and decoder
+    blocks, ZB-H1: the same three steps as one process with the same options."""
+    extra = {**NO_DROPOUT, "fp8": "tensorwise", "parallel.recompute": "full",
+             "trainer.max_steps": 3, "trainer.eval_interval": 3, "trainer.eval_batches": 1,
+             "checkpoint.enabled": False}  # fmt: skip
+    single = train_checks.run_losses(vlm_overrides(digits, **extra), tmp_path / "one")
+    pp2 = {"parallel": "pp2", "parallel.pp_schedule": "zero_bubble"}
+    per_rank = pool.run(
+        train_checks.run_losses, vlm_overrides(digits, **extra, **pp2), tmp_path / "pp2"
+    )
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == pytest.approx(single, rel=RTOL)  # observed bit-equal
