@@ -1,8 +1,8 @@
 """The vision-language model on two gloo ranks: dp=2 and tp=2 (both towers' heads and MLPs
 split, the projector too) train the digits captions as one process does, in fp32 and with
-tensorwise FP8 on both towers; a checkpointed run
-resumes bit for bit on the CPU; pipeline parallel is refused (sequence and context parallel:
-test_train_vlm_sequence.py). One pool for the module; references run in this process."""
+tensorwise FP8 on both towers; a checkpointed run resumes bit for bit on the CPU (sequence and
+context parallel: test_train_vlm_sequence.py; pipeline parallel: test_train_vlm_pipeline.py).
+One pool for the module; references run in this process."""
 
 from __future__ import annotations
 
@@ -94,10 +94,3 @@ def test_checkpoint_resumes_bit_for_bit(digits: Path, tmp_path: Path) -> None:
         tmp_path / "run",
     )
     assert resumed == full[8:]  # exact float equality, step by step
-
-
-def test_pipeline_parallel_is_refused(digits: Path) -> None:
-    from mt_train import compose_config, to_train_config
-
-    with pytest.raises(ValueError, match=r"has no pipeline split yet: parallel\.pp=2"):
-        to_train_config(compose_config(vlm_overrides(digits, **{"parallel.pp": 2})))

@@ -16,6 +16,7 @@ import torch
 
 import mt_comm
 import mt_parallel as mp
+from mt_train.loss_weights import micro_batch_weights
 from mt_train.models import model_sizes
 from mt_train.models.vlm import IGNORE_INDEX, VisionLanguageModel
 from mt_train.models.vlm.parallelize import vlm_plan
@@ -47,18 +48,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-30) 
     return float((actual.detach().double() - expected).abs().max() / scale)
 
 
-def vlm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def vlm_batch(
+    seed: int, image_starts: tuple[tuple[int, ...], ...] = IMAGE_STARTS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens with image placeholders, targets masked on images and prompts, the images."""
     cfg = model_sizes()["vlm_tiny"]
     per_image, v = cfg.vision.tokens_per_image, cfg.vision
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (len(IMAGE_STARTS), SEQ), generator=g)
+    tokens = torch.randint(0, 256, (len(image_starts), SEQ), generator=g)
     targets = torch.randint(0, 256, tokens.shape, generator=g)
-    for row, starts in enumerate(IMAGE_STARTS):
+    for row, starts in enumerate(image_starts):
         for start in starts:
             tokens[row, start : start + per_image] = cfg.image_token_id
             targets[row, : start + per_image] = IGNORE_INDEX  # the prompt and the image
-    n_images = sum(len(s) for s in IMAGE_STARTS)
+    n_images = sum(len(s) for s in image_starts)
     images = torch.rand(n_images, v.channels, v.image_size, v.image_size, generator=g)
     return tokens, targets, images.double()
 
@@ -122,4 +125,131 @@ def vlm_parallel_step(
         "grads": grads,
         "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
         "counts": counts,
+    }
+
+
+PIPELINE_IMAGE_STARTS = (IMAGE_STARTS, ((), ()), ((0,), (27,)), ((8, 12), ()))
+"""Four micro-batches of two rows: three images (at tp=2 with SP row 1's straddles the shards),
+none (the first chunk gets no ``images`` input), one at each end of the rows, two adjacent in
+one row. Their image counts and unmasked target counts all differ, so an image placed in
+another micro-batch's forward, or a loss weighted by the wrong count, changes the result."""
+
+
+def vlm_pipeline_step(
+    schedule: str,
+    chunks: int = 1,
+    layers: int = 2,
+    tp: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    fp8: bool = False,
+    seed: int = 0,
+) -> dict[str, object]:
+    """One pipelined step of ``vlm_tiny``'s shapes in float64 at ``pp = world / (tp·cp)``
+    against one process running the whole batch (all micro-batches' rows) at once: the step's
+    loss, the masked mean over the whole batch (on the ranks holding the head; under CP the
+    mean over the cp ranks, which the trainer reports), with the trainer's micro-batch weights
+    (:mod:`mt_train.loss_weights`), each micro-batch's own masked mean, and every gradient
+    this rank holds (under CP averaged over the cp ranks, as the trainer's data-parallel
+    reduction does). With ``fp8`` both run every linear but the head in tensorwise FP8, in
+    fp32."""
+    import torch.distributed as dist
+
+    import mt_fp8
+
+    pp = dist.get_world_size() // (tp * cp)
+    microbatches = len(PIPELINE_IMAGE_STARTS)
+    state = mt_comm.init_parallel_state(tp=tp, cp=cp, pp=pp)
+    config = mp.ParallelConfig(
+        tp=tp, cp=cp, pp=pp, sequence_parallel=sp, data_parallel="none", pp_schedule=schedule,
+        pp_chunks=chunks, pp_microbatches=microbatches,
+    )  # fmt: skip
+    cfg = dataclasses.replace(
+        model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0, n_layers=layers
+    )
+    dtype = torch.float32 if fp8 else torch.float64
+    options = mp.FP8Options(mt_fp8.TensorwiseScaling()) if fp8 else None
+    reference = VisionLanguageModel(cfg)
+    mp.init_weights(reference, seed)
+    reference = reference.to(dtype)
+    if options is not None:
+        mp.apply_fp8_options(reference, vlm_plan(cfg), options, None)
+    model = VisionLanguageModel(cfg)
+    mp.init_weights(model, seed)
+    chunk_modules = mp.pipeline_chunks(model.to(dtype), config, state, vlm_plan(cfg), options)
+
+    batches = [
+        (tokens, targets, images.to(dtype))
+        for m, starts in enumerate(PIPELINE_IMAGE_STARTS)
+        for tokens, targets, images in [vlm_batch(seed + 1 + m, starts)]
+    ]
+    counts = torch.cat([(b[1] != IGNORE_INDEX).sum(1) for b in batches]).numpy()
+    factors = micro_batch_weights(counts, len(batches[0][0]), 1, 0)
+    assert factors is not None
+    whole = [torch.cat([b[i] for b in batches]) for i in range(3)]
+    ref_loss, _ = reference.loss(reference(whole[0], images=whole[2]), whole[1])
+    if not fp8:
+        ref_loss.backward()
+    ref_losses = []
+    for m, (tokens, targets, images) in enumerate(batches):
+        loss, _ = reference.loss(reference(tokens, images=images if len(images) else None), targets)
+        if fp8:
+            # Tensorwise scales are per tensor, so a whole-batch forward quantizes with other
+            # scales than the pipeline's micro-batches: the FP8 reference accumulates the same
+            # micro-batches with the same weights (equal to the whole-batch loss in exact
+            # arithmetic, as the float64 runs check).
+            (loss * factors[m] / microbatches).backward()
+        ref_losses.append(loss.detach())
+    if fp8:
+        ref_loss = sum(loss * f for loss, f in zip(ref_losses, factors, strict=True)) / microbatches
+
+    rows, local = len(PIPELINE_IMAGE_STARTS[0]), SEQ // cp
+    shapes = mp.StageShapes(
+        tokens=((rows, local), torch.long),
+        hidden=((rows, local // tp if sp else local, cfg.dim), dtype),
+        logits=((rows, local, VOCAB // tp), dtype),
+    )
+    runner = mp.PipelineSchedule(
+        chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
+        torch.device("cpu"), state.group("pp"), model.loss,
+    )  # fmt: skip
+    cp_group = state.group("cp")
+    positions = mp.load_balanced_positions(SEQ, cp, state.rank("cp")) if cp > 1 else None
+    kwargs = [
+        {"positions": positions, **({"images": images} if len(images) else {})}
+        for _, _, images in batches
+    ]
+    tokens, targets = (
+        [mp.shard_sequence(b[i], 1, cp_group) if cp > 1 else b[i] for b in batches] for i in (0, 1)
+    )
+    result = runner.step(tokens, targets, kwargs, factors)
+    losses = [mt_comm.all_reduce(loss.clone(), op="avg", group=cp_group) for loss in result.losses]
+    total = [rel_err(sum(losses) / microbatches, ref_loss)] if losses else []
+    for param in (p for c in chunk_modules for p in c.parameters() if p.grad is not None):
+        mt_comm.all_reduce(param.grad, op="avg", group=cp_group)  # float64, not a flat fp32
+
+    full = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    expected = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    # As in vlm_parallel_step: the key biases' gradient is rounding noise around zero.
+    floor = 1e-6 * max(float(g.abs().max()) for g in full.values())
+    grads = {
+        name: rel_err(p.grad, expected[name], floor)
+        for chunk in chunk_modules
+        for name, p in chunk.named_parameters()
+        if p.requires_grad
+    }
+    return {
+        "grads": grads,
+        "losses": [rel_err(loss / factors[m], ref_losses[m]) for m, loss in enumerate(losses)],
+        "total": total,
+        "factors": factors,
+        "holds_last": any(c.last for c in chunk_modules),
+        "graded": sorted(name for name, p in reference.named_parameters() if p.requires_grad),
+        "sinks": len(runner.sinks),
+        "fp8_layers": sorted(
+            name
+            for chunk in chunk_modules
+            for name, m in chunk.named_modules()
+            if getattr(m, "fp8_enabled", False)
+        ),
     }

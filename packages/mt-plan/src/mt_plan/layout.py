@@ -11,8 +11,8 @@ to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-b
   global_batch / (micro_batch·dp)``;
 * tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1 and
   a family that allows it; ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
-* ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; VLM
-  and MTP refuse pp;
+* ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MTP
+  refuses pp;
 * pp: the schedule's chunks per rank (interleaved ≥ 2, zbv/dualpipev exactly 2, others 1),
   ``layers ≥ pp·v``, ``m ≥ pp`` (gpipe: any; dualpipev ``2·pp``), interleaved schedules at
   v > 1 run micro-batches in rounds (``m`` a multiple of ``m // pp`` rounds), no FSDP.

@@ -94,7 +94,7 @@ def shape_of(cfg: Any) -> ModelShape:
               ("model.vision.n_heads", v.n_heads), ("model.vision.ffn_dim", v.ffn_dim))  # fmt: skip
         return ModelShape(
             family=family, extra_params=tower + projector, extra_flops_per_token=extra_flops,
-            tp_divides=tp, supports_pp=False, **f,
+            tp_divides=tp, **f,
         )  # fmt: skip
     raise ValueError(
         f"mt-plan has no cost model for the model family {family!r} (model={cfg.name}); "

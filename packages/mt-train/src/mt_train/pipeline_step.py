@@ -5,7 +5,9 @@
 checkpoint code is the same at every ``pp``. A run:
 
 1. takes this rank's part of each micro-batch (:meth:`BatchRunner.local_batch`: under CP the
-   load-balanced tokens, targets, document ids and positions);
+   load-balanced tokens, targets, document ids and positions) and, on the rank holding the
+   first chunk, the batch's model inputs (a VLM's images, which its first chunk merges into
+   the embeddings: later stages receive hidden states only);
 2. runs the schedule (:class:`mt_parallel.PipelineSchedule`, torch's action runtime) with
    ``M`` = the step's micro-batch count: the backward of micro-batch ``m`` starts from
    ``loss_m · f_m / M``, as the pp=1 accumulation loop's; forward chunks run under autocast
@@ -18,7 +20,9 @@ checkpoint code is the same at every ``pp``. A run:
    (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
-   every rank the step's total (the model's extra values are reported by that rank only).
+   every rank the step's total; the model's extra values (a VLM's token counts) are summed
+   over the pp group the same way (their names, which only the head's rank sees, are
+   broadcast over the group once).
    MoE models (``carries_aux_losses``): every chunk attached its layers' auxiliary losses to
    its activations (:mod:`mt_parallel.moe.carry`); every rank adds the whole pipeline's
    ``Σ_m f_m·a_m`` (reduced over the pp group) to that sum, so the total is the ``pp = 1`` step's ``Σ_m f_m·(CE_m + a_m)``, and the
@@ -39,6 +43,7 @@ import torch
 import mt_comm
 import mt_parallel
 from mt_comm import ParallelState
+from mt_train import ranks
 from mt_train.data.dataset import Batch
 from mt_train.step import BatchRunner, GradNorm, StepResult
 
@@ -64,6 +69,10 @@ class PipelineStep:
         self.runner, self.module, self.parallel = runner, module, parallel
         self.carries_aux_losses = carries_aux_losses
         self.pp_group, self.dp_cp_group = pstate.group("pp"), pstate.group("dp_cp")
+        self.holds_first = any(c.first for c in module.pipeline_chunks)
+        self.head_rank = module.pp_ranks[module.placement[module.num_stages - 1]]
+        self.extra_names: list[str] | None = None
+        """The names of the model's extra values, agreed over the pp group at the first step."""
         local_seq = seq_len // parallel.cp
         hidden_seq = local_seq // parallel.tp if parallel.sequence_parallel else local_seq
         param_dtype = next(module.parameters()).dtype
@@ -114,7 +123,8 @@ class PipelineStep:
             inputs, target, docs, positions = self.runner.local_batch(batch)
             tokens.append(inputs)
             targets.append(target)
-            kwargs.append({"positions": positions, "document_ids": docs})
+            first_inputs = batch.model_inputs() if self.holds_first else {}
+            kwargs.append({"positions": positions, "document_ids": docs, **first_inputs})
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
         if self.parallel.data_parallel == "ddp":
             params = [
@@ -129,8 +139,9 @@ class PipelineStep:
             torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)
         )
         mt_comm.all_reduce(total, group=self.pp_group)
-        extras = result.extras
-        if self.carries_aux_losses:
+        if not self.carries_aux_losses:
+            extras = self._pipeline_extras(result.extras)
+        else:
             factors = loss_factors or [1.0] * len(batches)
             aux_total, extras = mt_parallel.moe.pipeline_aux_summary(
                 [c.aux_records for c in self.module.pipeline_chunks], factors, self.pp_group,
@@ -140,6 +151,20 @@ class PipelineStep:
             ce = result.extras.get("ce_loss", torch.zeros((), device=device)).clone()
             extras["ce_loss"] = mt_comm.all_reduce(ce, group=self.pp_group)
         return StepResult(total, extras)
+
+    def _pipeline_extras(self, extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The head's rank's ``extras`` on every pipeline rank (module docstring, step 4)."""
+        if self.extra_names is None:
+            names = ranks.broadcast_str(
+                "\n".join(sorted(extras)), self.runner.device, self.head_rank, self.pp_group
+            )
+            self.extra_names = names.split("\n") if names else []
+        if not self.extra_names:
+            return {}
+        zero = torch.zeros((), device=self.runner.device)
+        values = torch.stack([extras.get(n, zero).float() for n in self.extra_names])
+        mt_comm.all_reduce(values, group=self.pp_group)
+        return dict(zip(self.extra_names, values.unbind(), strict=True))
 
     def reset(self) -> None:
         """Nothing is cached between steps."""

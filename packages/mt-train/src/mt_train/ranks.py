@@ -25,17 +25,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_str(value: str, device: torch.device, src: int = 0) -> str:
-    """Rank ``src``'s ``value`` on every rank."""
-    if not active():
+def broadcast_str(value: str, device: torch.device, src: int = 0, group: Any = None) -> str:
+    """Global rank ``src``'s ``value`` on every rank of ``group`` (None: the world)."""
+    if not active(group):
         return value
     data = torch.tensor(list(value.encode("utf-8")), dtype=torch.uint8, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    mt_comm.broadcast(length, src=src)
+    mt_comm.broadcast(length, src=src, group=group)
     buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
     if dist.get_rank() == src:
         buffer.copy_(data)
-    mt_comm.broadcast(buffer, src=src)
+    mt_comm.broadcast(buffer, src=src, group=group)
     return bytes(buffer.cpu().tolist()).decode("utf-8")
 
 

@@ -6,7 +6,8 @@ and the accumulation loop over a step's micro-batches::
 
     for m < A:  loss_m, extras_m = model.loss(model(x_m), y_m);  backward(loss_m · f_m / A)
 
-(``f_m`` a fault drill's loss factor, 1 otherwise; gradients reduced over dp×cp only at the
+(``f_m`` a fault drill's loss factor times, for data with masked targets, the weight that makes
+the step's loss the global batch's masked mean, :mod:`mt_train.loss_weights`; 1 otherwise; gradients reduced over dp×cp only at the
 last micro-batch, :func:`mt_parallel.accumulate`). A step object runs it and returns a
 :class:`StepResult`: :class:`EagerStep` launches every kernel from Python;
 :class:`mt_train.cuda_graph.GraphedStep` replays a captured CUDA graph. Both share

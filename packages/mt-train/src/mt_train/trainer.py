@@ -42,7 +42,8 @@ a run folder that cannot be written or that another live run holds (:mod:`mt_tra
 a data folder that does not match its ``meta.json`` or the model's vocabulary
 (:mod:`mt_train.data.checks`), a checkpoint that does not fit the model.
 
-The reported loss is the mean over the global batch. An anomalous step is never applied:
+The reported loss is the mean over the global batch (over its trained targets when the data
+masks some, :mod:`mt_train.loss_weights`, whatever the micro-batch size, dp or pp). An anomalous step is never applied:
 with ``rewind`` off a non-finite loss or norm stops the run with the report rewind's bound
 gives (:class:`~mt_train.rewind.manager.RewindLimitError`); with it on the trainer restores
 the newest stable checkpoint (from memory or disk), skips data, cools the LR and carries on
@@ -82,6 +83,7 @@ from mt_train.errors import UserError
 from mt_train.evaluation import Evaluator
 from mt_train.expert_load import ExpertLoadLog
 from mt_train.loggers import run_info, write_run_record
+from mt_train.loss_weights import token_weights
 from mt_train.metrics import MetricsLogger, Throughput
 from mt_train.models import build_model, family_of, parallelize, resolve_vocab
 from mt_train.models.build import fp8_layer_count, warn_if_fp8_emulated
@@ -306,6 +308,9 @@ class Trainer:
         micro = self.sampler.next_step()
         batches = [self.collate(self.data.train, indices) for indices in micro]
         factors = [faults.loss * self.faults.micro_loss_factor(indices) for indices in micro]
+        weights = token_weights(self.data.train, self.sampler)
+        if weights is not None:  # masked targets: the loss is the global batch's masked mean
+            factors = [f * w for f, w in zip(factors, weights, strict=True)]
         clean = all(f == 1.0 for f in factors) and faults.fp8_inputs == 1.0
         # The norm joins a captured step when nothing runs between the backward and it.
         capture_norm = self.update.graph_norm if self.pstate.size("dp_cp") == 1 else None

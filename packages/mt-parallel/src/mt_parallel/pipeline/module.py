@@ -1,12 +1,13 @@
 """One rank's pipeline chunks as a single module with the whole model's parameter names.
 
-:class:`PipelineModule` registers the children of this rank's :class:`PipelineChunk` s under
-their own names (the blocks of all its chunks in one ``ModuleDict`` keyed by the original block
-index), so ``state_dict()`` and ``named_parameters()`` give the whole model's keys for the part
+:class:`PipelineModule` registers the modules of this rank's :class:`PipelineChunk` s at their
+paths in the model (the blocks of all its chunks in one ``ModuleDict`` keyed by the original
+block index), so ``state_dict()`` and ``named_parameters()`` give the whole model's keys for the part
 this rank holds: optimizers, gradient clipping and name-based checkpoints treat it as any other
 model, and a checkpoint saved at one ``pp`` loads at another.
 
-Its ``forward(tokens, positions, document_ids)`` runs the chunks forward only, in global chunk
+Its ``forward(tokens, positions, document_ids, **inputs)`` runs the chunks forward only (the
+layout's first-chunk inputs, such as images, read by the first chunk), in global chunk
 order (blocking p2p between consecutive chunks on different ranks, a shape header first), and
 broadcasts the logits from the rank holding the last chunk to every pipeline rank, so code
 written for a whole model (validation loss, greedy sampling) runs unchanged on every rank.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 import mt_comm
-from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout
+from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout, place_module
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 _HEADER = 8
@@ -44,14 +45,13 @@ class PipelineModule(nn.Module):
         pp_group: Any,
     ) -> None:
         super().__init__()
+        for chunk in chunks:
+            for path in chunk.held_paths:
+                place_module(self, path, chunk.get_submodule(path))
         blocks = nn.ModuleDict()
         for chunk in chunks:
-            for name, child in chunk.named_children():
-                if name == layout.blocks:
-                    blocks.update(dict(child.items()))
-                else:
-                    self.add_module(name, child)
-        self.add_module(layout.blocks, blocks)
+            blocks.update(dict(chunk.get_submodule(layout.blocks).items()))
+        place_module(self, layout.blocks, blocks)
         self.pipeline_chunks = list(chunks)
         self.stage_ids, self.placement = list(stage_ids), dict(placement)
         self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
@@ -104,6 +104,7 @@ class PipelineModule(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        **inputs: Any,
     ) -> torch.Tensor:
         chunk_of = dict(zip(self.stage_ids, self.pipeline_chunks, strict=True))
         x: torch.Tensor | None = tokens
@@ -113,7 +114,7 @@ class PipelineModule(nn.Module):
             if stage > 0 and stage - 1 not in chunk_of:
                 x = self._recv(stage - 1, tokens.device)
             assert x is not None
-            x = chunk_of[stage](x, positions, document_ids)
+            x = chunk_of[stage](x, positions, document_ids, **inputs)
             if stage + 1 < self.num_stages and stage + 1 not in chunk_of:
                 self._send(x, stage + 1)
         holds_last = self.num_stages - 1 in chunk_of

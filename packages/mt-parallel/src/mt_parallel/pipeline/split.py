@@ -7,12 +7,22 @@ and the modules after the blocks (final norm, output head), so that its forward 
     x = embedding(tokens);  x = block(x, positions, document_ids) for each block;
     logits = final[-1](… final[0](x))
 
+Names are module paths (``language.layers`` for a decoder inside a larger model). A model whose
+first stage does more than look tokens up (a vision-language model merging image features
+into the embeddings) names the extra modules its first chunk holds (``first_extra``), the
+function that computes the first chunk's hidden states from them (``embed(chunk, tokens,
+positions, **inputs)``, given the chunk, whose module names are the model's) and the keyword
+inputs only that function reads (``first_inputs``, the images: every chunk receives a
+micro-batch's keywords, the others drop these); ``last_extra`` names parameter-free modules
+the last chunk holds for the model's loss (a loss that reduces over the cp group keeps it there).
+
 :func:`split_layers` cuts ``L`` blocks into ``C`` consecutive chunks (``C = pp·v``): a user list
 (``parallel.pp_layers``), or automatically ``⌊L/C⌋`` blocks each with the remainder given to
 the middle chunks first, so the chunks that also hold the embedding (chunk 0) and the head
 (chunk ``C−1``) get the fewest. :class:`PipelineChunk` is one chunk as a module: the first
-holds the embedding, the last the final modules, each its blocks under their original indices,
-so a chunk's ``state_dict`` keys are the whole model's (``layers.5.…`` stays ``layers.5.…``) and
+holds the embedding (and ``first_extra``), the last the final modules (and ``last_extra``),
+each its blocks under their original indices, every module at its path in the model, so a
+chunk's ``state_dict`` keys are the whole model's (``layers.5.…`` stays ``layers.5.…``) and
 checkpoints move between pipeline layouts by name.
 
 A chunk holding MoE layers attaches their auxiliary losses to the hidden states after its
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,14 +46,36 @@ from mt_parallel.moe.layer import moe_layers
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """Where a model's pipeline pieces are (module docstring)."""
+    """Where a model's pipeline pieces are (module docstring); every name is a module path."""
 
     embedding: str
-    """Attribute of the token embedding (runs on the first chunk)."""
+    """The token embedding (runs on the first chunk)."""
     blocks: str
-    """Attribute of the ``nn.ModuleList`` of blocks, each ``block(x, positions, document_ids)``."""
+    """The ``nn.ModuleList`` of blocks, each ``block(x, positions, document_ids)``."""
     final: tuple[str, ...]
-    """Attributes applied in order after the blocks on the last chunk (norm, output head)."""
+    """Modules applied in order after the blocks on the last chunk (norm, output head)."""
+    first_extra: tuple[str, ...] = ()
+    """Further modules the first chunk holds, for ``embed`` (an image encoder, a projector)."""
+    embed: Callable[..., torch.Tensor] | None = None
+    """The first chunk's hidden states, ``embed(chunk, tokens, positions, **inputs)``; None:
+    ``embedding(tokens)``."""
+    first_inputs: tuple[str, ...] = ()
+    """Keyword inputs of a micro-batch read by ``embed`` only; other chunks drop them."""
+    last_extra: tuple[str, ...] = ()
+    """Parameter-free modules the last chunk holds for the model's loss (its groups)."""
+
+
+def place_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at the dotted ``path`` under ``root``, adding empty containers."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        child = dict(node.named_children()).get(name)
+        if child is None:
+            child = nn.Module()
+            node.add_module(name, child)
+        node = child
+    node.add_module(leaf, module)
 
 
 def split_layers(
@@ -85,9 +118,9 @@ def split_layers(
 
 
 class PipelineChunk(nn.Module):
-    """One pipeline chunk of a model (module docstring); ``forward(x, positions, document_ids)``
-    takes token ids on the first chunk and hidden states elsewhere, and returns hidden states,
-    or the logits on the last chunk."""
+    """One pipeline chunk of a model (module docstring); ``forward(x, positions, document_ids,
+    **inputs)`` takes token ids on the first chunk and hidden states elsewhere, and returns
+    hidden states, or the logits on the last chunk."""
 
     def __init__(
         self,
@@ -100,13 +133,16 @@ class PipelineChunk(nn.Module):
         super().__init__()
         self.layout, self.first, self.last = layout, first, last
         self.block_ids = blocks
-        if first:
-            self.add_module(layout.embedding, getattr(model, layout.embedding))
-        all_blocks = getattr(model, layout.blocks)
-        self.add_module(layout.blocks, nn.ModuleDict({str(i): all_blocks[i] for i in blocks}))
-        if last:
-            for name in layout.final:
-                self.add_module(name, getattr(model, name))
+        before = [layout.embedding, *layout.first_extra] if first else []
+        after = [p for p in (*layout.final, *layout.last_extra) if last and p not in before]
+        for path in before:
+            place_module(self, path, model.get_submodule(path))
+        all_blocks = model.get_submodule(layout.blocks)
+        place_module(self, layout.blocks, nn.ModuleDict({str(i): all_blocks[i] for i in blocks}))
+        for path in after:
+            place_module(self, path, model.get_submodule(path))
+        self.held_paths = (*before, *after)
+        """The paths of the modules this chunk holds besides its blocks."""
         self.loss_fn: Callable | None = model.loss if last and hasattr(model, "loss") else None
         self.moe_layers = moe_layers(self)
         self.aux_records: dict[int, torch.Tensor] = {}
@@ -122,10 +158,19 @@ class PipelineChunk(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         aux_loss_scale: AuxLossScale | None = None,
+        **inputs: Any,
     ) -> torch.Tensor:
-        if self.first:
-            x = getattr(self, self.layout.embedding)(x)
-        for block in getattr(self, self.layout.blocks).values():
+        unknown = sorted(set(inputs) - set(self.layout.first_inputs))
+        if unknown:
+            raise TypeError(
+                f"pipeline chunk got keyword inputs {unknown}; its layout's first chunk reads "
+                f"{list(self.layout.first_inputs)}"
+            )
+        if self.first and self.layout.embed is not None:
+            x = self.layout.embed(self, x, positions, **inputs)
+        elif self.first:
+            x = self.get_submodule(self.layout.embedding)(x)
+        for block in self.get_submodule(self.layout.blocks).values():
             x = block(x, positions, document_ids)
         if self.moe_layers:
             x, record = carry_aux_losses(self.moe_layers, x, aux_loss_scale)
@@ -133,7 +178,7 @@ class PipelineChunk(nn.Module):
                 self.aux_records[aux_loss_scale.microbatch] = record
         if self.last:
             for name in self.layout.final:
-                x = getattr(self, name)(x)
+                x = self.get_submodule(name)(x)
         return x
 
 
@@ -146,5 +191,5 @@ def split_model(
 ) -> list[PipelineChunk]:
     """The chunks ``stage_ids`` (global indices, ascending) of ``model`` cut into
     ``num_stages`` chunks; modules of other chunks are not referenced by the result."""
-    ranges = split_layers(len(getattr(model, layout.blocks)), num_stages, layers)
+    ranges = split_layers(len(model.get_submodule(layout.blocks)), num_stages, layers)
     return [PipelineChunk(model, layout, ranges[s], s == 0, s == num_stages - 1) for s in stage_ids]

@@ -190,6 +190,12 @@ class ResumableSampler:
         self.last_draws = (base, self.consumed)
         return micro
 
+    def step_samples(self) -> np.ndarray:
+        """The samples of the last step of :meth:`next_step` over every rank, in draw order
+        (rank ``r``'s micro-batch ``m`` is the slice ``[(m·dp + r)·b, (m·dp + r + 1)·b)``)."""
+        start, end = self.last_draws
+        return self._sample(np.arange(start, end, dtype=np.int64))
+
     def next_draw(self) -> int:
         """Where the next step starts drawing: ``consumed`` moved past any skipped range."""
         position = self.consumed

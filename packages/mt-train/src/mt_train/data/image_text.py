@@ -264,6 +264,17 @@ class ImageTextDataset:
         images = self.images[self.image_starts[i] : self.image_starts[i + 1]]
         return np.asarray(self.tokens[a:b], np.int64), np.asarray(self.mask[a:b]), images
 
+    def target_counts(self, indices: np.ndarray) -> np.ndarray:
+        """The trained (unmasked) targets of each sample of ``indices``, as :meth:`collate`
+        makes them, read from the masks alone."""
+        return np.array(
+            [
+                int(np.count_nonzero(self.mask[self.starts[i] + 1 : self.starts[i + 1]]))
+                for i in indices
+            ],
+            dtype=np.int64,
+        )
+
     def collate(self, indices: np.ndarray, documents: bool = False) -> Batch:
         """Samples ``indices`` as a batch with their images (``documents`` is ignored: one
         sample per row)."""

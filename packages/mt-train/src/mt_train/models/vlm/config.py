@@ -145,7 +145,7 @@ class VLMConfig(LlamaConfig):
         return self.vision.tokens_per_image
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """The decoder's rules plus the encoder's heads and FFN over tp; no PP yet."""
+        """The decoder's rules plus the encoder's heads and FFN over tp."""
         super().check_parallel(parallel, seq_len)
         v = self.vision
         for name, value in (("n_heads", v.n_heads), ("ffn_dim", v.ffn_dim)):
@@ -154,12 +154,6 @@ class VLMConfig(LlamaConfig):
                     f"tensor parallel size tp={parallel.tp} does not divide "
                     f"model.vision.{name}={value}"
                 )
-        if parallel.pp > 1:
-            raise ValueError(
-                f"model={self.name} (a vision-language model) has no pipeline split yet: "
-                f"parallel.pp={parallel.pp}; use parallel.pp=1 (tp, sequence_parallel, cp and "
-                f"dp are supported)"
-            )
 
     def summary(self) -> str:
         v = self.vision

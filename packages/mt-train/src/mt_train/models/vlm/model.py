@@ -24,7 +24,7 @@ target counts (``masked_tokens``, ``loss_tokens``), which the trainer logs.
 
 Sequence and context parallelism (the decoder's; the image tower stays replicated). Image
 features go to rows ``r`` of ``g_RD`` (``R = N·L``, the flattened features) by
-:meth:`VisionLanguageModel.image_slots`: ``r`` is the placeholder's row-major ordinal in the
+:meth:`ImagePlacement.image_slots`: ``r`` is the placeholder's row-major ordinal in the
 whole micro-batch, -1 for text. Under CP (``parallel.cp > 1``) a rank holds its load-balanced
 chunks (at ``positions_S``), so it all-gathers the cp ranks' placeholder masks (``B×T``
 integers) to number its own placeholders; every rank runs the encoder and projector on *all*
@@ -37,6 +37,16 @@ encoder and projector linears stay plain TP under SP (the plan's ``sequence_para
 Each cp rank's gradient covers the paths through its own chunks' features (other ranks'
 losses reach them through the attention's K/V backward), so their sum over cp, which DDP /
 FSDP2 / ZeRO-1 average over dp×cp, is the whole sequence's gradient.
+
+Pipeline parallelism (``parallel.pp > 1``, as Megatron-LM's LLaVA): the encoder, the
+projector and the placement run on the first chunk with the embedding and its blocks
+(:mod:`mt_train.models.vlm.parallelize` declares them in the plan's ``PipelineLayout``, with
+:func:`embed_with_images` as the first chunk's input function); only the images of a
+micro-batch are an extra input, read there, and every later stage receives the hidden
+states ``[B, T, D]`` (``T/tp`` under SP) of the merged sequence, the static shape a text model
+passes. The last chunk holds the head and :class:`CaptionLoss`. The two parameter-free modules
+(:class:`ImagePlacement`, :class:`CaptionLoss`) hold the groups their hooks receive, so each
+chunk's own transforms set them; neither adds a state-dict key.
 
 Freezing (``model.freeze``): ``encoder`` (LLaVA's stage 2) or ``encoder_and_decoder``
 (stage 1, only the projector trains) sets ``requires_grad=False``, which the optimizer and
@@ -73,19 +83,14 @@ class Projector(nn.Module):
         return self.linear_2(torch.nn.functional.gelu(self.linear_1(f_NLE)))
 
 
-class VisionLanguageModel(nn.Module):
-    """``forward(tokens_BT, positions_S, document_ids_BT, images=None)`` (module docstring)."""
+class ImagePlacement(nn.Module):
+    """Writes the projected image features over their placeholders (module docstring); holds
+    no parameters, only the groups its hooks receive, so it can sit on the first pipeline chunk
+    with the encoder."""
 
-    def __init__(self, cfg: VLMConfig) -> None:
+    def __init__(self, image_token_id: int, tokens_per_image: int) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.vision = VisionTransformer(cfg.vision, cfg.init_std)
-        self.projector = Projector(cfg.vision.dim, cfg.dim, cfg.projector_bias, cfg.init_std)
-        self.language = Llama(cfg)
-        if cfg.freeze != "none":
-            self.vision.requires_grad_(False)
-        if cfg.freeze == "encoder_and_decoder":
-            self.language.requires_grad_(False)
+        self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
         self.tp_group: Any = None
         """The TP group when sequence parallel is on (set by the TP transform)."""
         self.cp_group: Any = None
@@ -96,7 +101,7 @@ class VisionLanguageModel(nn.Module):
         self.tp_group = tp_group if sequence_parallel else None
 
     def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
-        """Hook of the CP transform: placeholder order and the loss mean span the cp group."""
+        """Hook of the CP transform: the placeholders are numbered over the cp group."""
         self.cp_group = cp_group
 
     def image_slots(
@@ -109,7 +114,7 @@ class VisionLanguageModel(nn.Module):
         ranks' placeholder masks are gathered (a ``(B, T)`` integer all-gather) to count the
         placeholders before each of its tokens. Checks the count against the images.
         """
-        placeholders_BT = tokens_BT == self.cfg.image_token_id
+        placeholders_BT = tokens_BT == self.image_token_id
         full_BT = placeholders_BT.long()
         cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
         if cp > 1:
@@ -122,11 +127,11 @@ class VisionLanguageModel(nn.Module):
             gathered_S = mt_comm.all_gather(positions_S.long(), dim=0, group=self.cp_group)
             full_BT = torch.zeros_like(gathered_BT)
             full_BT[:, gathered_S] = gathered_BT
-        per_image = self.cfg.vision.tokens_per_image
+        per_image = self.tokens_per_image
         found = int(full_BT.sum())
         if found != n_images * per_image:
             raise ValueError(
-                f"the batch has {found} image placeholder tokens (id {self.cfg.image_token_id}) "
+                f"the batch has {found} image placeholder tokens (id {self.image_token_id}) "
                 f"for {n_images} images of {per_image} tokens each (model.vision gives "
                 f"{per_image} per image; prepare the data with that many)"
             )
@@ -135,20 +140,19 @@ class VisionLanguageModel(nn.Module):
             rows_BT = rows_BT[:, positions_S]
         return torch.where(placeholders_BT, rows_BT, -1)
 
-    def embed(
+    def forward(
         self,
+        x_BTD: torch.Tensor,
         tokens_BT: torch.Tensor,
-        images_NCHW: torch.Tensor | None,
+        g_RD: torch.Tensor | None,
         positions_S: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token embeddings with the projected image features at the placeholders (this
-        rank's sequence shard under SP: its slice of :meth:`image_slots`)."""
-        x_BTD = self.language.embed(tokens_BT)
-        n_images = 0 if images_NCHW is None else images_NCHW.shape[0]
+        """``x_BTD`` (this rank's sequence shard under SP) with the feature rows ``g_RD``
+        (None: no image) written at their placeholders."""
+        n_images = 0 if g_RD is None else g_RD.shape[0] // self.tokens_per_image
         slots_BT = self.image_slots(tokens_BT, positions_S, n_images)
-        if n_images == 0:
+        if g_RD is None:
             return x_BTD
-        g_RD = self.projector(self.vision(images_NCHW)).flatten(0, 1)
         if self.tp_group is not None:
             # The features are replicated over tp; each rank places only those of its sequence
             # shard, so their gradient is summed over tp (copy: identity, all-reduce backward).
@@ -160,6 +164,74 @@ class VisionLanguageModel(nn.Module):
         return x_BTD.masked_scatter(
             image_BT.unsqueeze(-1), g_RD[slots_BT[image_BT]].to(x_BTD.dtype)
         )
+
+
+class CaptionLoss(nn.Module):
+    """The masked-mean cross-entropy of :meth:`VisionLanguageModel.loss` (parameter-free; holds
+    the cp group its hook receives, so it can sit on the last pipeline chunk with the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cp_group: Any = None
+        """The cp group under context parallelism (set by the CP transform)."""
+
+    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
+        """Hook of the CP transform: the loss's token count spans the cp group."""
+        self.cp_group = cp_group
+
+    def forward(
+        self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor, tp_group: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
+        result = mt_parallel.sequence_mean_cross_entropy(
+            logits_BTV_l, targets_BT, tp_group, self.cp_group, IGNORE_INDEX
+        )
+        trained = result.count.float()
+        masked = targets_BT.numel() * cp - trained
+        return result.loss, {"masked_tokens": masked, "loss_tokens": trained}
+
+
+def embed_with_images(
+    tree: nn.Module,
+    tokens_BT: torch.Tensor,
+    positions_S: torch.Tensor | None = None,
+    images: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token embeddings with the projected image features at the placeholders, computed by
+    the modules of ``tree`` at the model's names (``language.embed``, ``vision``,
+    ``projector``, ``image_placement``): the whole model, or its first pipeline chunk."""
+    x_BTD = tree.language.embed(tokens_BT)
+    g_RD = None
+    if images is not None and images.shape[0] > 0:
+        g_RD = tree.projector(tree.vision(images)).flatten(0, 1)
+    return tree.image_placement(x_BTD, tokens_BT, g_RD, positions_S)
+
+
+class VisionLanguageModel(nn.Module):
+    """``forward(tokens_BT, positions_S, document_ids_BT, images=None)`` (module docstring)."""
+
+    def __init__(self, cfg: VLMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vision = VisionTransformer(cfg.vision, cfg.init_std)
+        self.projector = Projector(cfg.vision.dim, cfg.dim, cfg.projector_bias, cfg.init_std)
+        self.language = Llama(cfg)
+        self.image_placement = ImagePlacement(cfg.image_token_id, cfg.vision.tokens_per_image)
+        self.caption_loss = CaptionLoss()
+        if cfg.freeze != "none":
+            self.vision.requires_grad_(False)
+        if cfg.freeze == "encoder_and_decoder":
+            self.language.requires_grad_(False)
+
+    def embed(
+        self,
+        tokens_BT: torch.Tensor,
+        images_NCHW: torch.Tensor | None,
+        positions_S: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings with the projected image features at the placeholders (this
+        rank's sequence shard under SP: its slice of :meth:`ImagePlacement.image_slots`)."""
+        return embed_with_images(self, tokens_BT, positions_S, images_NCHW)
 
     def forward(
         self,
@@ -184,13 +256,7 @@ class VisionLanguageModel(nn.Module):
         numbers of unmasked targets, so a per-rank mean averaged over cp would weight them
         unequally; this one averages to the whole sequence's mean.
         """
-        cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
-        result = mt_parallel.sequence_mean_cross_entropy(
-            logits_BTV_l, targets_BT, self.language.output.tp_group, self.cp_group, IGNORE_INDEX
-        )
-        trained = result.count.float()
-        masked = targets_BT.numel() * cp - trained
-        return result.loss, {"masked_tokens": masked, "loss_tokens": trained}
+        return self.caption_loss(logits_BTV_l, targets_BT, self.language.output.tp_group)
 
 
 def embedding_parameters(model: nn.Module) -> int:
