@@ -107,3 +107,77 @@ def bias_update_is_global(ep: int) -> dict:
     summed = local.clone()
     mt_comm.all_reduce(summed)
     return {"bias": layer.router.expert_bias.clone(), "counts": counts, "summed": summed}
+
+
+def sp_parity(tp: int, ep: int = 1, **moe: object) -> dict:
+    """The float64 layer at ``tp`` with sequence parallel (each TP rank given its S/tp tokens of
+    its dp×cp rank's micro-batch), split over ``ep``, against the unsplit layer on one process
+    run on every dp×cp rank's micro-batch in turn. Returns relative errors of the output, the
+    input gradient, every parameter gradient, the logged auxiliary losses and MaxVio, and the
+    exact-equality flags of the expert counts and (after the update) the aux-loss-free bias."""
+    state = mt_comm.init_parallel_state(tp=tp, ep=ep)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    with torch.no_grad():
+        layer.router.weight.mul_(25)  # spread the scores: ties must not decide the routing
+    reference = copy.deepcopy(layer)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+    ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=torch.float64)
+    gs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=torch.float64)
+
+    def mine(full_BSD: torch.Tensor) -> torch.Tensor:
+        return full_BSD.chunk(tp, dim=1)[tp_rank]
+
+    x = mine(xs[rank]).clone().requires_grad_()
+    y = layer(x)
+    counts = layer.load_stats.counts_E.clone()
+    aux, logged = collect_aux_losses(layer)
+    # This rank's share of Σ y·g plus the whole auxiliary loss, which every TP rank holds.
+    ((y * mine(gs[rank])).sum() + aux).backward()
+    dense = [p for p in layer.parameters() if getattr(p, "expert_group", None) is None]
+    for p in dense:  # what DDP does
+        mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
+    reduce_expert_gradients(layer)
+    global_counts = mp.moe.update_expert_biases(layer)["router"]
+
+    ref_losses = []
+    for r in range(ranks):
+        x_ref = xs[r].clone().requires_grad_()
+        ref_y = reference(x_ref)
+        ref_counts = reference.load_stats.counts_E.clone()
+        ref_aux, ref_logged = collect_aux_losses(reference)
+        ref_losses.append((ref_y * gs[r]).sum() + ref_aux)
+        if r == rank:
+            expected = (ref_y, x_ref, ref_counts, ref_logged)
+    ref_step_counts = reference.router.step_counts.clone()
+    (sum(ref_losses) / ranks).backward()
+    mp.moe.update_expert_biases(reference)
+    ref_y, x_ref, ref_counts, ref_logged = expected
+
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), tp_rank, tp)
+    local = cfg.num_experts // ep
+    grads = {}
+    for name, p in layer.named_parameters():
+        expected_grad = shards[name]
+        if getattr(p, "expert_group", None) is not None:
+            e = state.rank("ep")
+            expected_grad = full[name][e * local : (e + 1) * local]
+        grads[name] = rel_err(p.grad, expected_grad)
+    stats = {name: rel_err(value, ref_logged[name]) for name, value in logged.items()}
+    return {
+        "losses": {name: float(logged[name]) for name in ("moe_aux_loss", "moe_z_loss")},
+        "y": rel_err(y, mine(ref_y)),
+        "x_grad": rel_err(x.grad, mine(x_ref.grad) * ranks),  # own loss, not the mean's share
+        "grads": grads,
+        "stats": stats,
+        "counts_equal": torch.equal(counts, ref_counts),
+        "step_counts_equal": torch.equal(global_counts, ref_step_counts),
+        "bias_equal": torch.equal(layer.router.expert_bias, reference.router.expert_bias),
+        "bias_moved": bool(reference.router.expert_bias.abs().sum() > 0),
+    }
