@@ -74,6 +74,7 @@ CASES = [
     ({"parallel.pp": 2, "parallel.pp_schedule": "zbv", "model.n_layers": 4},
      Layout(pp=2, schedule="zbv", micro_batch=4), "pp"),
     ({"model": "mixtral_tiny", "parallel.tp": 2}, Layout(tp=2, micro_batch=4), "tp"),
+    ({"model": "mixtral_tiny", "parallel": "tp2"}, Layout(tp=2, sp=True, micro_batch=4), "tp"),
 ]  # fmt: skip
 
 

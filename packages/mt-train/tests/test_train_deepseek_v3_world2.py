@@ -1,5 +1,6 @@
-"""deepseek_v3_tiny (MLA + MoE + MTP) trained on 2 gloo ranks against one process: tp=2, ep=2
-(dp=2) and, without MTP, ep=2 carved out of cp=2 (one pool for the module)."""
+"""deepseek_v3_tiny (MLA + MoE + MTP) trained on 2 gloo ranks against one process: tp=2, tp=2
+with sequence parallel, ep=2 (dp=2) and, without MTP, ep=2 carved out of cp=2 (one pool for
+the module)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def test_layout_matches_one_process(
     per_rank = pool.run(train_checks.run_losses, overrides(kjv_data, **layout), tmp_path / "run")
     assert per_rank[0] == per_rank[1]
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
+
+
+def test_sequence_parallel_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # tp=2 with SP (parallel=tp2), MTP on: MLA's latents all-gathered, the routers and routed
+    # experts on each rank's half of every sequence. Besides the losses (RTOL, as above), the
+    # logged CE, MTP losses and MaxVio (per batch, and of the global batch per router) equal
+    # one process's: MaxVio comes from the expert counts, which are summed over TP; counted
+    # per rank, they are those of half the sequences and MaxVio moves by O(0.1) (rank 0 logs).
+    single = train_checks.run_logged(overrides(kjv_data), tmp_path / "single")
+    per_rank = pool.run(
+        train_checks.run_logged, overrides(kjv_data, parallel="tp2"), tmp_path / "run"
+    )
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    assert per_rank[0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    expected = train_checks.model_metrics(single["rows"])
+    assert any(key.startswith("moe_max_vio_global/") for _, key in expected)
+    assert train_checks.model_metrics(per_rank[0]["rows"]) == pytest.approx(expected, rel=RTOL)

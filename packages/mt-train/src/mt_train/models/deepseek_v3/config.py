@@ -104,7 +104,7 @@ class DeepSeekV3Config(ModelConfig):
         return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no SP."""
+        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; MTP without cp/pp."""
         super().check_parallel(parallel, seq_len)
         widths = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim}
         if self.moe.n_shared_experts:
@@ -120,12 +120,6 @@ class DeepSeekV3Config(ModelConfig):
                 f"model.mtp_depth={self.mtp_depth} is not supported with parallel.cp="
                 f"{parallel.cp}, parallel.pp={parallel.pp} yet (the shifted tokens cross the "
                 "sequence shards and the pipeline stages); use mtp_depth=0 or cp=pp=1"
-            )
-        if parallel.sequence_parallel:
-            raise ValueError(
-                "parallel.sequence_parallel=true is not supported with DeepSeek-V3 models (the "
-                "MoE router of their MoE blocks; MLA supports it); use tp without sequence "
-                "parallel"
             )
 
     def summary(self) -> str:
