@@ -181,3 +181,36 @@ def sp_parity(tp: int, ep: int = 1, **moe: object) -> dict:
         "bias_equal": torch.equal(layer.router.expert_bias, reference.router.expert_bias),
         "bias_moved": bool(reference.router.expert_bias.abs().sum() > 0),
     }
+
+
+def fp8_delayed_sp_scales(tp: int) -> dict:
+    """Delayed-scaling FP8 experts at ``tp`` with sequence parallel: one forward and backward on
+    this rank's tokens, then ``update_fp8_scales`` with no group (each layer's own amax group).
+    Returns, per expert projection, whether the ranks' recorded amaxes differed before the
+    update (each saw other tokens), whether their scales agree after it, and whether the FP8
+    weight gradients are the TP sum (equal and nonzero on every rank)."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    recipe = mt_fp8.recipe_from_name("delayed")
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, balancing="none")
+    layer = MoE(DIM, cfg)
+    mp.init_weights(layer, seed=3)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    mp.apply_fp8(layer, recipe, amax_group=tp_group)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, SEQ, DIM, generator=gen).chunk(tp, dim=1)[tp_rank]
+    (layer(x) * x).sum().backward()
+    projections = {n: getattr(layer.experts, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    before = {n: proj.fp8_meta.amax_history[0].clone() for n, proj in projections.items()}
+    mt_fp8.update_fp8_scales(layer, recipe)
+    result = {}
+    for name, proj in projections.items():
+        amaxes = mt_comm.all_gather(before[name][None], dim=0, group=tp_group)
+        scales = mt_comm.all_gather(proj.fp8_meta.scale[None].clone(), dim=0, group=tp_group)
+        grads = mt_comm.all_gather(proj.weight.grad[None], dim=0, group=tp_group)
+        result[name] = {
+            "amaxes_differed": not torch.equal(amaxes[0], amaxes[1]),
+            "scales_agree": torch.equal(scales[0], scales[1]),
+            "grads_summed": torch.equal(grads[0], grads[1]) and bool(grads[0].abs().sum() > 0),
+        }
+    return result

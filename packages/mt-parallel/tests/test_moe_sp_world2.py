@@ -49,3 +49,15 @@ def test_sequence_parallel_moe_equals_one_process(pool: DistributedPool, case: d
         assert (losses["moe_aux_loss"] > 0) == (case["balancing"] != "aux_free")
         assert (losses["moe_z_loss"] > 0) == ("z_loss_coeff" in case)
         assert_close(result, FP64_BOUND)
+
+
+def test_sequence_parallel_fp8_expert_scales_agree_over_tp(pool: DistributedPool) -> None:
+    # Each TP rank's experts quantize other tokens, so their recorded amaxes differ; the
+    # delayed-scaling update MAX-reduces them over TP (the experts' amax group), so the scales
+    # every rank uses next are the same (those of all the tokens, as on one process). The
+    # weight gradients through FP8GroupedLinear's weight view are summed over TP.
+    for result in pool.run(moe_checks.fp8_delayed_sp_scales, tp=2):
+        for name, flags in result.items():
+            assert flags["amaxes_differed"], name
+            assert flags["scales_agree"], name
+            assert flags["grads_summed"], name
