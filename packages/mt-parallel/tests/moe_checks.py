@@ -214,3 +214,32 @@ def fp8_delayed_sp_scales(tp: int) -> dict:
             "grads_summed": torch.equal(grads[0], grads[1]) and bool(grads[0].abs().sum() > 0),
         }
     return result
+
+
+def sp_capacity(tp: int, **moe: object) -> dict:
+    """Capacity under sequence parallel is per TP rank: the routed output of this rank's S/tp
+    tokens equals the one-process layer's on those tokens alone, and the logged dropped fraction
+    is the mean of the shards' (float64)."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    with torch.no_grad():
+        layer.router.weight.mul_(25)
+    reference = copy.deepcopy(layer)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    gen = torch.Generator().manual_seed(7)
+    shards = torch.randn(BATCH, SEQ, DIM, generator=gen, dtype=torch.float64).chunk(tp, dim=1)
+    y = layer(shards[tp_rank])
+    dropped = []
+    for r, shard in enumerate(shards):
+        ref_y = reference(shard)
+        dropped.append(reference.load_stats.dropped_fraction)
+        if r == tp_rank:
+            expected = ref_y
+    return {
+        "y": rel_err(y, expected),
+        "dropped": rel_err(layer.load_stats.dropped_fraction, torch.stack(dropped).mean()),
+        "dropped_fraction": float(layer.load_stats.dropped_fraction),
+    }

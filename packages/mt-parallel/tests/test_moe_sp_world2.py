@@ -61,3 +61,12 @@ def test_sequence_parallel_fp8_expert_scales_agree_over_tp(pool: DistributedPool
             assert flags["amaxes_differed"], name
             assert flags["scales_agree"], name
             assert flags["grads_summed"], name
+
+
+def test_sequence_parallel_capacity_is_counted_per_rank(pool: DistributedPool) -> None:
+    # The documented semantics (Megatron-Core's): each TP rank's experts take at most
+    # ceil(c·T_rank·K/E) of the rank's own assignments, so the output is the one-process
+    # layer's on the shard alone; the logged dropped fraction is the whole sequences'.
+    for result in pool.run(moe_checks.sp_capacity, tp=2, capacity_factor=0.75):
+        assert result.pop("dropped_fraction") > 0
+        assert_close(result, FP64_BOUND)
