@@ -24,8 +24,9 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   entries); with sequence parallel each is an all-gather plus a reduce-scatter of ``T·D``. MoE
   layers exchange only their shared experts' (routed experts are not TP-split); with sequence
   parallel the router and routed experts run on the rank's ``T/tp`` tokens and their fp32
-  weight gradients are all-reduced over tp in every micro-batch's backward (the router's
-  E-sized statistics sums are latency-bound scalars, not counted). MLA with sequence parallel
+  weight gradients are all-reduced over tp: the router's in every micro-batch's backward, the
+  experts' there too at ep = 1 and once per step, exposed, at ep > 1 (with the expert-data
+  sum); the router's E-sized statistics sums are latency-bound scalars, not counted. MLA with sequence parallel
   gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead of ``T·D`` and sums
   its replicated compressions' and latent norms' gradients. Embedding
   (vocab-parallel, fp32 output) one all-reduce of ``T·D`` forward, the head one of ``T·D``
@@ -319,9 +320,10 @@ class CostModel:
                     comm_f.append(("tp", "all_gather", TD))
                     comm_b.append(("tp", "reduce_scatter", TD))
                 if md.moe and not dense:  # replicated router and experts: fp32 gradient sums
-                    E_loc, Fe = md.num_experts // L.ep, md.expert_ffn_dim
                     comm_b.append(("tp", "all_reduce", 4 * md.num_experts * D))
-                    comm_b += [("tp", "all_reduce", 4 * E_loc * D * Fe)] * 3
+                    if L.ep == 1:  # split over ep: once per step (_data_parallel)
+                        expert_bytes = 4 * md.num_experts * D * md.expert_ffn_dim
+                        comm_b += [("tp", "all_reduce", expert_bytes)] * 3
             else:
                 comm_f.append(("tp", "all_reduce", TD))
                 comm_b.append(("tp", "all_reduce", A * tp_in_grad))
@@ -645,6 +647,8 @@ class CostModel:
                 exposed = max(t - last_backward, bucket)
             else:
                 exposed = t
+            if experts and L.ep > 1 and L.sp:  # their TP sum, after the backward
+                exposed += account("tp", "all_reduce", 4 * experts, 1)
         elif L.dp_mode == "zero1":
             exposed = account("dp", "reduce_scatter", grads, 1)
             exposed += account("dp", "all_gather", grads, 1)

@@ -22,9 +22,14 @@ path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe).
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
 them on the rows of its own S/tp tokens, so every projection's weight gradient is summed over
-TP (``copy_to_group`` on the weight, as the SP norms do; under FP8 the view is what
-``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter). That sum
-is an all-reduce of every expert weight's gradient in each micro-batch's backward. FP8: the
+TP. Split over ep (ep > 1) the experts are expert-parallel parameters whose gradients
+:func:`mt_parallel.moe.reduce_expert_gradients` sums over their expert-data-parallel group once
+per step; it sums them over TP there too (Megatron-Core's expert-data-parallel group spans TP
+when the expert-tensor-parallel size is 1), one all-reduce per step. With ep = 1 the experts are
+ordinary parameters under DDP, FSDP2 or ZeRO-1, so the sum happens in the backward
+(``copy_to_group`` on the weight, as the SP norms do; under FP8 the view is what
+``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter): an
+all-reduce of every expert weight's gradient in each micro-batch's backward. FP8: the
 delayed-scaling amaxes of the experts are MAX-reduced over TP at the scale update
 (``fp8_meta.amax_group``), so every TP rank uses the scales the one-process layer would;
 current scaling keeps each rank's own per-expert scales (equal to one process up to FP8
@@ -153,6 +158,12 @@ class GroupedLinear(nn.Module):
         self.sequence_group = tp_group if sequence_parallel else None
 
     @property
+    def sums_gradient_in_backward(self) -> bool:
+        """Whether the forward sums the weight's gradient over TP (SP with ep = 1); split
+        over ep, :func:`~mt_parallel.moe.reduce_expert_gradients` does (module docstring)."""
+        return group_size(self.sequence_group) > 1 and self.ep_size == 1
+
+    @property
     def ep_size(self) -> int:
         return group_size(self.ep_group)
 
@@ -218,7 +229,9 @@ class GroupedLinear(nn.Module):
         self, x_MK: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
     ) -> torch.Tensor:
         """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP."""
-        weight = copy_to_group(self.weight, self.sequence_group)
+        weight = self.weight
+        if self.sums_gradient_in_backward:
+            weight = copy_to_group(weight, self.sequence_group)
         if self._fp8 is not None:
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight

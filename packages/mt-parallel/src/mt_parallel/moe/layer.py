@@ -18,8 +18,9 @@ Sequence parallel (Megatron-Core's layout with expert-tensor-parallel size 1): `
 TP rank's S/tp tokens of each sequence. The router and the routed experts (replicated over
 TP) act on those tokens only, with no gather, and the routed output stays sequence-sharded;
 their weights' gradients are summed over TP (:mod:`~mt_parallel.moe.router`,
-:mod:`~mt_parallel.moe.experts`). The shared experts are an SP MLP (all-gather of ``m`` along
-the sequence, column/row parallel, reduce-scatter back). The load-balancing statistics are
+:mod:`~mt_parallel.moe.experts`: in the backward, or once per step with the
+expert-data-parallel sum when the experts are split over ep). The shared experts are an SP MLP
+(all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The load-balancing statistics are
 those of the whole TP region, as without SP: expert counts (aux loss, aux-loss-free bias,
 :class:`LoadStats`) and probability means (aux and sequence-aux losses, z-loss) are summed
 over TP, and the dropped fraction too. Capacity (``capacity_factor``) is counted per rank on
@@ -52,7 +53,7 @@ from mt_parallel.mappings import group_size
 from mt_parallel.mlp import MLP
 from mt_parallel.moe.config import MoEConfig
 from mt_parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, dispatch_and_combine
-from mt_parallel.moe.experts import GroupedExperts
+from mt_parallel.moe.experts import GroupedExperts, GroupedLinear
 from mt_parallel.moe.router import Router
 from mt_parallel.moe.stats import LoadStats, summarize
 
@@ -155,22 +156,36 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "expert_group", None) is not None]
 
 
+def expert_sequence_group(model: nn.Module) -> Any:
+    """The TP group over which expert-parallel experts under sequence parallel still need their
+    gradients summed (each TP rank routed other tokens to them), or None."""
+    for module in model.modules():
+        split = isinstance(module, GroupedLinear) and module.ep_size > 1
+        if split and group_size(module.sequence_group) > 1:
+            return module.sequence_group
+    return None
+
+
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module) -> None:
-    """Sum expert gradients over their expert-data-parallel group and divide by dp×cp.
+    """Sum expert gradients over their expert-data-parallel group (and, under sequence
+    parallel, over TP) and divide by dp×cp.
 
     Each expert's gradient on an ep rank already sums the contributions of every token the ep
     group routed to it (the all-to-all's backward brings them back); the gradient of the global
     mean loss sums that over the edp replicas and divides by the dp×cp ranks whose mean losses
-    are averaged (module docstring of :mod:`mt_parallel.data_parallel`).
+    are averaged (module docstring of :mod:`mt_parallel.data_parallel`). Under sequence
+    parallel each TP rank's ep group routed other tokens, so the TP ranks' sums are added too
+    (:mod:`mt_parallel.moe.experts`: once per step here instead of in every backward).
     """
     params = [p for p in expert_parameters(model) if p.grad is not None]
     if not params:
         return
     group, divisor = params[0].expert_data_group, params[0].expert_grad_divisor
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if group_size(group) > 1:
-        mt_comm.all_reduce(flat, group=group)
+    for sum_group in (group, expert_sequence_group(model)):
+        if group_size(sum_group) > 1:
+            mt_comm.all_reduce(flat, group=sum_group)
     flat.div_(divisor)
     offset = 0
     for p in params:
