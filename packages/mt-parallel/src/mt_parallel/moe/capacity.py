@@ -12,9 +12,8 @@ every expert-parallel layout drops the same assignments. Under sequence parallel
 rank holds S/tp tokens of each sequence, so ``T`` is its share and capacity is counted per TP
 rank (Megatron-Core's semantics): an expert may drop on one rank's shard what another rank's
 shard had room for, unlike the layer without SP; dropless routing is unaffected.
-``pad_to_capacity`` gives every
-expert exactly ``C`` rows (zeros past its kept ones): static shapes at the price of computing
-on padding.
+``pad_to_capacity`` gives every expert exactly ``C`` rows (zeros past its kept ones): static
+shapes at the price of computing on padding.
 """
 
 from __future__ import annotations

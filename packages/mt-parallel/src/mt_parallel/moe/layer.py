@@ -20,10 +20,10 @@ TP) act on those tokens only, with no gather, and the routed output stays sequen
 their weights' gradients are summed over TP (:mod:`~mt_parallel.moe.router`,
 :mod:`~mt_parallel.moe.experts`: in the backward, or once per step with the
 expert-data-parallel sum when the experts are split over ep). The shared experts are an SP MLP
-(all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The load-balancing statistics are
-those of the whole TP region, as without SP: expert counts (aux loss, aux-loss-free bias,
-:class:`LoadStats`) and probability means (aux and sequence-aux losses, z-loss) are summed
-over TP, and the dropped fraction too. Capacity (``capacity_factor``) is counted per rank on
+(all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The
+load-balancing statistics are those of the whole TP region, as without SP: expert counts (aux
+loss, aux-loss-free bias, :class:`LoadStats`) and probability means (aux and sequence-aux
+losses, z-loss) are summed over TP, and the dropped fraction too. Capacity (``capacity_factor``) is counted per rank on
 its own S/tp tokens, ``C = ceil(c·(B·S/tp)·K/E)``, as Megatron-Core does: with a capacity the
 kept assignments can differ from the layer without SP (an expert overloaded on one rank's
 shard and idle on another's drops there); dropless routing is exact. With ``ep > 1`` each TP
