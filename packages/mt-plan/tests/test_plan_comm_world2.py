@@ -142,8 +142,9 @@ def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, sp: boo
     kv_lora_rank 32: the latent norm's gain gradient (4·32 bytes) is not one."""
     trainer = {k: v for k, v in TINY.items() if not k.startswith("model")}
     extra = {**DEEPSEEK, "parallel.tp": 2, "parallel.sequence_parallel": str(sp).lower()}
-    config = resolve([f"{k}={v}" for k, v in {**trainer, **DEEPSEEK}.items()
-                      if k.startswith(("model", "trainer", "sched"))] + ["model.vocab_size=320"])  # fmt: skip
+    composed = {**trainer, **DEEPSEEK}
+    keys = [f"{k}={v}" for k, v in composed.items() if k.startswith(("model", "trainer", "sched"))]
+    config = resolve([*keys, "model.vocab_size=320"])
     cost = CostModel(shape_of(config.model), load_cluster("h200_nodes").with_gpus(2),
                      load_table("h200"), Workload(seq_len=64, global_batch=8, act_bytes=4))  # fmt: skip
     layout = Layout(tp=2, sp=sp, micro_batch=4)

@@ -26,9 +26,9 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   parallel the router and routed experts run on the rank's ``T/tp`` tokens and their fp32
   weight gradients are all-reduced over tp: the router's in every micro-batch's backward, the
   experts' there too at ep = 1 and once per step, exposed, at ep > 1 (with the expert-data
-  sum); the router's E-sized statistics sums are latency-bound scalars, not counted. MLA with sequence parallel
-  gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead of ``T·D`` and sums
-  its replicated compressions' and latent norms' gradients. Embedding
+  sum); the router's E-sized statistics sums are latency-bound scalars, not counted. MLA with
+  sequence parallel gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead
+  of ``T·D`` and sums its replicated compressions' and latent norms' gradients. Embedding
   (vocab-parallel, fp32 output) one all-reduce of ``T·D`` forward, the head one of ``T·D``
   backward, cross-entropy three fp32 values per token. Not overlapped (synchronous autograd
   functions); the forward ones repeat under full recompute.

@@ -23,10 +23,11 @@ expert-data-parallel sum when the experts are split over ep). The shared experts
 (all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The
 load-balancing statistics are those of the whole TP region, as without SP: expert counts (aux
 loss, aux-loss-free bias, :class:`LoadStats`) and probability means (aux and sequence-aux
-losses, z-loss) are summed over TP, and the dropped fraction too. Capacity (``capacity_factor``) is counted per rank on
-its own S/tp tokens, ``C = ceil(c·(B·S/tp)·K/E)``, as Megatron-Core does: with a capacity the
-kept assignments can differ from the layer without SP (an expert overloaded on one rank's
-shard and idle on another's drops there); dropless routing is exact. With ``ep > 1`` each TP
+losses, z-loss) are summed over TP, and the dropped fraction too. Capacity
+(``capacity_factor``) is counted per rank on its own S/tp tokens, ``C = ceil(c·(B·S/tp)·K/E)``,
+as Megatron-Core does: with a capacity the kept assignments can differ from the layer without
+SP (an expert overloaded on one rank's shard and idle on another's drops there); dropless
+routing is exact. With ``ep > 1`` each TP
 rank dispatches its own tokens over its ep group (the ep groups are carved from dp×cp, one per
 TP rank, as without SP).
 
