@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from parallel_checks import rel_err
+from parallel_checks import device_of, rel_err
 
 import mt_comm
 import mt_fp8
@@ -109,20 +109,25 @@ def bias_update_is_global(ep: int) -> dict:
     return {"bias": layer.router.expert_bias.clone(), "counts": counts, "summed": summed}
 
 
-def sp_parity(tp: int, ep: int = 1, **moe: object) -> dict:
-    """The float64 layer at ``tp`` with sequence parallel (each TP rank given its S/tp tokens of
-    its dp×cp rank's micro-batch), split over ``ep``, against the unsplit layer on one process
-    run on every dp×cp rank's micro-batch in turn. Returns relative errors of the output, the
-    input gradient, every parameter gradient, the logged auxiliary losses and MaxVio, and the
-    exact-equality flags of the expert counts and (after the update) the aux-loss-free bias."""
+def sp_parity(
+    tp: int, ep: int = 1, dtype: str = "float64", device: str | None = None, **moe: object
+) -> dict:
+    """The layer at ``tp`` with sequence parallel (each TP rank given its S/tp tokens of its
+    dp×cp rank's micro-batch), split over ``ep``, in ``dtype`` on ``device`` (default: this
+    process's), against the unsplit float64 layer on one process on the CPU, run on every dp×cp
+    rank's micro-batch in turn. Returns relative errors of the output, the input gradient, every
+    parameter gradient, the logged auxiliary losses and MaxVio, and the exact-equality flags of
+    the expert counts and (after the update) the aux-loss-free bias."""
     state = mt_comm.init_parallel_state(tp=tp, ep=ep)
     tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    dev, dt = device_of(device), getattr(torch, dtype)
     cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
     layer = MoE(DIM, cfg).double()
     mp.init_weights(layer, seed=3)
     with torch.no_grad():
         layer.router.weight.mul_(25)  # spread the scores: ties must not decide the routing
     reference = copy.deepcopy(layer)
+    layer.to(dev, dt)
     mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
     apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
     ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
@@ -133,17 +138,17 @@ def sp_parity(tp: int, ep: int = 1, **moe: object) -> dict:
     def mine(full_BSD: torch.Tensor) -> torch.Tensor:
         return full_BSD.chunk(tp, dim=1)[tp_rank]
 
-    x = mine(xs[rank]).clone().requires_grad_()
+    x = mine(xs[rank]).to(dev, dt).clone().requires_grad_()
     y = layer(x)
-    counts = layer.load_stats.counts_E.clone()
+    counts = layer.load_stats.counts_E.cpu()
     aux, logged = collect_aux_losses(layer)
     # This rank's share of Σ y·g plus the whole auxiliary loss, which every TP rank holds.
-    ((y * mine(gs[rank])).sum() + aux).backward()
+    ((y * mine(gs[rank]).to(dev, dt)).sum() + aux).backward()
     dense = [p for p in layer.parameters() if getattr(p, "expert_group", None) is None]
     for p in dense:  # what DDP does
         mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
     reduce_expert_gradients(layer)
-    global_counts = mp.moe.update_expert_biases(layer)["router"]
+    global_counts = mp.moe.update_expert_biases(layer)["router"].cpu()
 
     ref_losses = []
     for r in range(ranks):
@@ -178,7 +183,9 @@ def sp_parity(tp: int, ep: int = 1, **moe: object) -> dict:
         "stats": stats,
         "counts_equal": torch.equal(counts, ref_counts),
         "step_counts_equal": torch.equal(global_counts, ref_step_counts),
-        "bias_equal": torch.equal(layer.router.expert_bias, reference.router.expert_bias),
+        "bias_equal": torch.equal(  # γ·sign steps: the same bits in float32 and float64
+            layer.router.expert_bias.cpu().double(), reference.router.expert_bias.float().double()
+        ),
         "bias_moved": bool(reference.router.expert_bias.abs().sum() > 0),
     }
 
