@@ -53,6 +53,10 @@ SP_CASES = {
         "score_function": "sigmoid", "n_group": 4, "topk_group": 2, "balancing": "aux_free",
         "n_shared_experts": 2,
     },
+    "sigmoid-seq-aux-all-gather": {
+        "score_function": "sigmoid", "n_group": 4, "topk_group": 2, "balancing": "seq_aux_loss",
+        "dispatcher": "all_gather",
+    },
 }  # fmt: skip
 
 
