@@ -16,9 +16,9 @@ with SP, cp=2, dp=N, and for N ≥ 4 the largest combination dp=N/4 × cp=2 × t
 with SP and cp=N.
 
 The checks are the worker functions of the CPU test suite (``packages/mt-parallel/tests``:
-``parallel_checks.py``, ``sequence_checks.py``), run on this process's device: each rank runs
-the parallel computation in fp32 on its device and the same model on one process in float64 on
-its host CPU (the reference; on CUDA the fused Triton ops compute in fp32 whatever the input
+``parallel_checks.py``, ``sequence_checks.py``, ``moe_checks.py``), run on this process's
+device: each rank runs the parallel computation in fp32 on its device and the same model on
+one process in float64 on its host CPU (the reference; on CUDA the fused Triton ops compute in fp32 whatever the input
 dtype, so a float64 GPU model would not be a float64 reference), and reports the largest
 relative error ``max|a − b| / max|b|`` of the outputs, the loss and every parameter gradient.
 
@@ -267,7 +267,7 @@ def eval_dropout(results: list[Any], tol: Any, layout: Layout) -> Verdict:
 @dataclass
 class Check:
     name: str
-    module: str  # parallel_checks or sequence_checks
+    module: str  # parallel_checks, sequence_checks or moe_checks
     function: str
     kwargs: Callable[[Layout], dict[str, Any]]
     skip: Callable[[Layout], str | None]
@@ -293,6 +293,18 @@ def _heads(layout: Layout) -> dict[str, int]:
 
 def _fp32(results: list[Any], tol: Any) -> Verdict:
     return within(results, tol.FP32_VS_FP64)
+
+
+def eval_moe_sp(results: list[Any], tol: Any) -> Verdict:
+    """Errors within the fp32 bound ("losses" are values, not errors) and the expert counts and
+    the aux-loss-free bias equal to the reference's."""
+    verdict = within(results, tol.FP32_VS_FP64, skip=("losses",))
+    return require(verdict, results, ("counts_equal", "step_counts_equal", "bias_equal"))
+
+
+# DeepSeek-style routing (sigmoid, group-limited, sequence-aux loss, shared experts) for moe_sp.
+MOE_SP = {"score_function": "sigmoid", "n_group": 4, "topk_group": 2,
+          "balancing": "seq_aux_loss", "n_shared_experts": 2, "dtype": "float32"}  # fmt: skip
 
 
 def checks(fp8_backend: str) -> list[Check]:
@@ -356,6 +368,11 @@ def checks(fp8_backend: str) -> list[Check]:
               lambda lay: {"steps": 3, "tp": lay.tp},
               lambda lay: _need(lay.cp == 1 and lay.dp > 1, "needs cp = 1, dp > 1") or kv2(lay),
               eval_zero1, env={"MT_FP8_DISABLE_TRITON": "1"}),
+        # moe_checks' micro-batch has 6 tokens per sequence: they split over tp = 2.
+        Check("moe_sp", "moe_checks", "sp_parity", lambda lay: {"tp": lay.tp, **MOE_SP},
+              lambda lay: _need(lay.sp and lay.tp == 2 and lay.cp == 1,
+                                "needs tp = 2 with sequence parallel, cp = 1"),
+              eval_moe_sp),
         Check("recompute_full", "parallel_checks", "recompute_bits",
               lambda lay: {"policy": "full", "tp": lay.tp, "sp": lay.sp},
               lambda lay: tp_needed(lay) or _need(lay.cp == 1, "needs cp = 1") or kv2(lay),

@@ -550,3 +550,53 @@ def test_block_recipe_loop_matches_float64():
         assert (error <= bound).all(), f"{name}: {(error - bound).max()}"
         assert error.max() > 0  # FP8 really ran (the exact product is not FP8-representable)
     assert torch.equal(out["dw"][1], torch.zeros_like(out["dw"][1]))  # the expert with no tokens
+
+
+class _TwiceGradient(torch.autograd.Function):
+    """A view of its input whose backward doubles the gradient (as a TP sum over two equal
+    ranks would)."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def check_weight_view(device: str) -> None:
+    """``forward(x, sizes, weight=view)`` against ``forward(x, sizes)``: on the CPU the
+    per-expert loop, on CUDA the grouped kernel."""
+    recipe = TensorwiseScaling(formats=E4M3)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = make_layer(recipe, dtype, device)
+    x, dy = inputs(ALIGNED, dtype, device)
+    if device == "cuda":
+        assert grouped_gemm_reason(x, layer.weight, ALIGNED, recipe, "auto", dtype) is None
+
+    def cache_entry():
+        cache = layer.grouped_weight_cache if device == "cuda" else layer.expert_weight_caches[0]
+        return cache.entry
+
+    plain = run(layer, x, dy, ALIGNED)
+    cached = cache_entry()
+    assert cached is not None
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    y = layer(x, ALIGNED, _TwiceGradient.apply(layer.weight))
+    y.backward(dy.to(y.dtype))
+    # The same FP8 operands (the cached FP8 weight is found through the view's base, no new
+    # quantization), and the gradient reaches the parameter through the view's backward.
+    assert torch.equal(y, plain["y"]) and torch.equal(x.grad, plain["dx"])
+    assert torch.equal(layer.weight.grad, 2 * plain["dw"])
+    assert cache_entry() is cached
+
+
+def test_weight_view_is_multiplied_and_differentiated_like_the_weight():
+    check_weight_view("cpu")
+
+
+@pytest.mark.gpu
+def test_weight_view_on_the_grouped_cuda_path():
+    check_weight_view("cuda")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from parallel_checks import rel_err
+from parallel_checks import device_of, rel_err
 
 import mt_comm
 import mt_fp8
@@ -107,3 +107,146 @@ def bias_update_is_global(ep: int) -> dict:
     summed = local.clone()
     mt_comm.all_reduce(summed)
     return {"bias": layer.router.expert_bias.clone(), "counts": counts, "summed": summed}
+
+
+def sp_parity(
+    tp: int, ep: int = 1, dtype: str = "float64", device: str | None = None, **moe: object
+) -> dict:
+    """The layer at ``tp`` with sequence parallel (each TP rank given its S/tp tokens of its
+    dp×cp rank's micro-batch), split over ``ep``, in ``dtype`` on ``device`` (default: this
+    process's), against the unsplit float64 layer on one process on the CPU, run on every dp×cp
+    rank's micro-batch in turn. Returns relative errors of the output, the input gradient, every
+    parameter gradient, the logged auxiliary losses and MaxVio, and the exact-equality flags of
+    the expert counts and (after the update) the aux-loss-free bias."""
+    state = mt_comm.init_parallel_state(tp=tp, ep=ep)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    dev, dt = device_of(device), getattr(torch, dtype)
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    with torch.no_grad():
+        layer.router.weight.mul_(25)  # spread the scores: ties must not decide the routing
+    reference = copy.deepcopy(layer)
+    layer.to(dev, dt)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+    ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=torch.float64)
+    gs = torch.randn(ranks, BATCH, SEQ, DIM, generator=gen, dtype=torch.float64)
+
+    def mine(full_BSD: torch.Tensor) -> torch.Tensor:
+        return full_BSD.chunk(tp, dim=1)[tp_rank]
+
+    x = mine(xs[rank]).to(dev, dt).clone().requires_grad_()
+    y = layer(x)
+    counts = layer.load_stats.counts_E.cpu()
+    aux, logged = collect_aux_losses(layer)
+    # This rank's share of Σ y·g plus the whole auxiliary loss, which every TP rank holds.
+    ((y * mine(gs[rank]).to(dev, dt)).sum() + aux).backward()
+    dense = [p for p in layer.parameters() if getattr(p, "expert_group", None) is None]
+    for p in dense:  # what DDP does
+        mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
+    reduce_expert_gradients(layer)
+    global_counts = mp.moe.update_expert_biases(layer)["router"].cpu()
+
+    ref_losses = []
+    for r in range(ranks):
+        x_ref = xs[r].clone().requires_grad_()
+        ref_y = reference(x_ref)
+        ref_counts = reference.load_stats.counts_E.clone()
+        ref_aux, ref_logged = collect_aux_losses(reference)
+        ref_losses.append((ref_y * gs[r]).sum() + ref_aux)
+        if r == rank:
+            expected = (ref_y, x_ref, ref_counts, ref_logged)
+    ref_step_counts = reference.router.step_counts.clone()
+    (sum(ref_losses) / ranks).backward()
+    mp.moe.update_expert_biases(reference)
+    ref_y, x_ref, ref_counts, ref_logged = expected
+
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), tp_rank, tp)
+    local = cfg.num_experts // ep
+    grads = {}
+    for name, p in layer.named_parameters():
+        expected_grad = shards[name]
+        if getattr(p, "expert_group", None) is not None:
+            e = state.rank("ep")
+            expected_grad = full[name][e * local : (e + 1) * local]
+        grads[name] = rel_err(p.grad, expected_grad)
+    stats = {name: rel_err(value, ref_logged[name]) for name, value in logged.items()}
+    return {
+        "losses": {name: float(logged[name]) for name in ("moe_aux_loss", "moe_z_loss")},
+        "y": rel_err(y, mine(ref_y)),
+        "x_grad": rel_err(x.grad, mine(x_ref.grad) * ranks),  # own loss, not the mean's share
+        "grads": grads,
+        "stats": stats,
+        "counts_equal": torch.equal(counts, ref_counts),
+        "step_counts_equal": torch.equal(global_counts, ref_step_counts),
+        "bias_equal": torch.equal(  # γ·sign steps: the same bits in float32 and float64
+            layer.router.expert_bias.cpu().double(), reference.router.expert_bias.float().double()
+        ),
+        "bias_moved": bool(reference.router.expert_bias.abs().sum() > 0),
+    }
+
+
+def fp8_delayed_sp_scales(tp: int) -> dict:
+    """Delayed-scaling FP8 experts at ``tp`` with sequence parallel: one forward and backward on
+    this rank's tokens, then ``update_fp8_scales`` with no group (each layer's own amax group).
+    Returns, per expert projection, whether the ranks' recorded amaxes differed before the
+    update (each saw other tokens), whether their scales agree after it, and whether the FP8
+    weight gradients are the TP sum (equal and nonzero on every rank)."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    recipe = mt_fp8.recipe_from_name("delayed")
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, balancing="none")
+    layer = MoE(DIM, cfg)
+    mp.init_weights(layer, seed=3)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    mp.apply_fp8(layer, recipe, amax_group=tp_group)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, SEQ, DIM, generator=gen).chunk(tp, dim=1)[tp_rank]
+    (layer(x) * x).sum().backward()
+    projections = {n: getattr(layer.experts, n) for n in ("gate_proj", "up_proj", "down_proj")}
+    before = {n: proj.fp8_meta.amax_history[0].clone() for n, proj in projections.items()}
+    mt_fp8.update_fp8_scales(layer, recipe)
+    result = {}
+    for name, proj in projections.items():
+        amaxes = mt_comm.all_gather(before[name][None], dim=0, group=tp_group)
+        scales = mt_comm.all_gather(proj.fp8_meta.scale[None].clone(), dim=0, group=tp_group)
+        grads = mt_comm.all_gather(proj.weight.grad[None], dim=0, group=tp_group)
+        result[name] = {
+            "amaxes_differed": not torch.equal(amaxes[0], amaxes[1]),
+            "scales_agree": torch.equal(scales[0], scales[1]),
+            "grads_summed": torch.equal(grads[0], grads[1]) and bool(grads[0].abs().sum() > 0),
+        }
+    return result
+
+
+def sp_capacity(tp: int, **moe: object) -> dict:
+    """Capacity under sequence parallel is per TP rank: the routed output of this rank's S/tp
+    tokens equals the one-process layer's on those tokens alone, and the logged dropped fraction
+    is the mean of the shards' (float64)."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    cfg = MoEConfig(**{"num_experts": 8, "top_k": 2, "expert_ffn_dim": 16, **moe})
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    with torch.no_grad():
+        layer.router.weight.mul_(25)
+    reference = copy.deepcopy(layer)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    gen = torch.Generator().manual_seed(7)
+    shards = torch.randn(BATCH, SEQ, DIM, generator=gen, dtype=torch.float64).chunk(tp, dim=1)
+    y = layer(shards[tp_rank])
+    dropped = []
+    for r, shard in enumerate(shards):
+        ref_y = reference(shard)
+        dropped.append(reference.load_stats.dropped_fraction)
+        if r == tp_rank:
+            expected = ref_y
+    return {
+        "y": rel_err(y, expected),
+        "dropped": rel_err(layer.load_stats.dropped_fraction, torch.stack(dropped).mean()),
+        "dropped_fraction": float(layer.load_stats.dropped_fraction),
+    }

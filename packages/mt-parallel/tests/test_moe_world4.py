@@ -1,6 +1,7 @@
 """Expert parallelism on 4 gloo ranks against one process in float64 (one pool for the module):
 ep=2 and ep=4, all-to-all and all-gather dispatch, dropless and capacity dropping (the same
-assignments dropped), shared experts, ep×tp, ep×dp, FP8, and the global aux-loss-free bias."""
+assignments dropped), shared experts, ep×tp, ep×tp with sequence parallel, ep×dp, FP8, and the
+global aux-loss-free bias."""
 
 from __future__ import annotations
 
@@ -43,6 +44,33 @@ def test_expert_parallel_equals_one_process(pool: DistributedPool, case: dict) -
     for result in results:
         dropped = result.pop("dropped")
         assert (dropped > 0) == ("capacity_factor" in case), dropped
+        assert_close(result, FP64_BOUND)
+
+
+SP_CASES = {
+    "softmax-aux": {"balancing": "aux_loss", "z_loss_coeff": 1e-2},
+    "sigmoid-aux-free-shared": {
+        "score_function": "sigmoid", "n_group": 4, "topk_group": 2, "balancing": "aux_free",
+        "n_shared_experts": 2,
+    },
+    "sigmoid-seq-aux-all-gather": {
+        "score_function": "sigmoid", "n_group": 4, "topk_group": 2, "balancing": "seq_aux_loss",
+        "dispatcher": "all_gather",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SP_CASES.values(), ids=SP_CASES.keys())
+def test_expert_parallel_with_sequence_parallel_equals_one_process(
+    pool: DistributedPool, case: dict
+) -> None:
+    # tp=2 with SP × ep=2: each TP rank dispatches its half of the sequences over its own ep
+    # group; the expert gradients are summed over TP in the backward and over edp after it.
+    for result in pool.run(moe_checks.sp_parity, tp=2, ep=2, **case):
+        assert result.pop("counts_equal") and result.pop("step_counts_equal")
+        assert result.pop("bias_equal")
+        assert result.pop("bias_moved") == (case["balancing"] == "aux_free")
+        result.pop("losses")
         assert_close(result, FP64_BOUND)
 
 

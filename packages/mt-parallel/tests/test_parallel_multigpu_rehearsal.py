@@ -2,9 +2,10 @@
 
 One ``torchrun`` of the very script a multi-GPU machine runs, on 4 gloo processes with small
 shapes: layouts dp2×tp2 with sequence parallel, dp2×cp2, dp=4 and cp2×tp2 with SP, and the
-layer, attention and decoder-block checks that apply to each. It proves the launcher (layout
-parsing, group handling, result gathering, the PASS/FAIL table and the exit status) and the
-device-agnostic worker functions under torchrun rather than the test pool. The GPU variant
+layer, attention, decoder-block and MoE (tp=2 with SP) checks that apply to each. It proves
+the launcher (layout parsing, group handling, result gathering, the PASS/FAIL table and the
+exit status) and the device-agnostic worker functions under torchrun rather than the test
+pool. The GPU variant
 (marked ``gpu``, at least 2 GPUs) runs the same command with NCCL on every visible GPU.
 """
 
@@ -25,7 +26,7 @@ SCRIPT = REPO / "benchmarks" / "multi_gpu" / "parity.py"
 LAYOUTS = "tp2-sp,cp2,dp4,dp1-cp2-tp2-sp"
 CHECKS = (
     "tp_layers,tp_layers_sp,fp8_tp,cp_attention,ring_attention,decoder_block,"
-    "decoder_block_ring,decoder_block_fsdp,dp_accumulation,zero1,recompute_full"
+    "decoder_block_ring,decoder_block_fsdp,dp_accumulation,zero1,recompute_full,moe_sp"
 )
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -86,6 +87,7 @@ def test_parity_launcher_rehearsal_on_gloo(tmp_path: Path) -> None:
     for expected in (
         ("dp2-cp1-tp2-sp", "tp_layers_sp"),
         ("dp2-cp1-tp2-sp", "recompute_full"),
+        ("dp2-cp1-tp2-sp", "moe_sp"),
         ("dp2-cp2-tp1", "ring_attention"),
         ("dp2-cp2-tp1", "decoder_block_ring"),
         ("dp4-cp1-tp1", "dp_accumulation"),

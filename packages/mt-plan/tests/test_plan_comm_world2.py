@@ -74,6 +74,7 @@ CASES = [
     ({"parallel.pp": 2, "parallel.pp_schedule": "zbv", "model.n_layers": 4},
      Layout(pp=2, schedule="zbv", micro_batch=4), "pp"),
     ({"model": "mixtral_tiny", "parallel.tp": 2}, Layout(tp=2, micro_batch=4), "tp"),
+    ({"model": "mixtral_tiny", "parallel": "tp2"}, Layout(tp=2, sp=True, micro_batch=4), "tp"),
 ]  # fmt: skip
 
 
@@ -123,3 +124,37 @@ def test_parameters_per_rank_equal_the_parallelised_model(pool, kjv_data, tmp_pa
         stage = rank * layout.pp // 2  # pp is the slowest dimension: ranks 0, 1 are stages 0, 1
         dense, experts, _ = cost.rank_params(layout, placement[stage], chunks)
         assert dense + experts == counted_params
+
+
+DEEPSEEK = {
+    "model": "deepseek_v3_tiny", "model.dim": 64, "model.n_layers": 2, "model.n_heads": 4,
+    "model.ffn_dim": 128, "model.q_lora_rank": 32, "model.kv_lora_rank": 32,
+    "model.qk_nope_head_dim": 16, "model.qk_rope_head_dim": 8, "model.v_head_dim": 16,
+    "model.moe.expert_ffn_dim": 32, "model.moe.num_experts": 8, "model.mtp_depth": 0,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, sp: bool) -> None:
+    """DeepSeek-V3 (MLA, MoE with a shared expert) at tp=2, and with sequence parallel: the
+    latents' gather, the replicated compressions', norms', router's and experts' gradient sums.
+    8 experts: the router's per-micro-batch expert counts (8 int64, 64 bytes) stay a scalar;
+    kv_lora_rank 32: the latent norm's gain gradient (4·32 bytes) is not one."""
+    trainer = {k: v for k, v in TINY.items() if not k.startswith("model")}
+    extra = {**DEEPSEEK, "parallel.tp": 2, "parallel.sequence_parallel": str(sp).lower()}
+    composed = {**trainer, **DEEPSEEK}
+    keys = [f"{k}={v}" for k, v in composed.items() if k.startswith(("model", "trainer", "sched"))]
+    config = resolve([*keys, "model.vocab_size=320"])
+    cost = CostModel(shape_of(config.model), load_cluster("h200_nodes").with_gpus(2),
+                     load_table("h200"), Workload(seq_len=64, global_batch=8, act_bytes=4))  # fmt: skip
+    layout = Layout(tp=2, sp=sp, micro_batch=4)
+    prediction = sum(c.payload_bytes for c in cost.estimate(layout).comm.values())
+    per_rank = pool.run(
+        plan_comm_checks.count_one_step,
+        [f"{k}={v}" for k, v in {"data.path": str(kjv_data), **trainer, **extra}.items()],
+        tmp_path,
+    )
+    for groups in per_rank:
+        assert (
+            sum(b for items in groups.values() for _, b in items if b > SCALAR_BYTES) == prediction
+        )

@@ -77,6 +77,8 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
     cfg = to_train_config(compose_config(["model=deepseek_v3_tiny", "parallel=ep2"])).model
     assert cfg.moe.score_function == "sigmoid" and cfg.moe.n_shared_experts == 1
     assert cfg.q_lora_rank == 64 and cfg.first_k_dense == 1
+    sequence_parallel = to_train_config(compose_config(["model=deepseek_v3_tiny", "parallel=tp2"]))
+    assert sequence_parallel.parallel.sequence_parallel  # MLA and MoE both run under SP
     lite = to_train_config(compose_config(["model=deepseek_v2_lite"])).model
     assert lite.q_lora_rank is None and lite.yarn.mscale_all_dim == 0.707
     bad = {
@@ -84,7 +86,6 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.first_k_dense=4": "model.first_k_dense=4 must be in [0, model.n_layers=4)",
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
-        "parallel=tp2": "(the MoE router of their MoE blocks; MLA supports it)",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
         "parallel.pp=2": "model.mtp_depth=1 is not supported with parallel.pp=2",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",

@@ -1,8 +1,8 @@
 """deepseek_v3_tiny (MLA + MoE + MTP) on 2 gloo ranks against one process: trained at tp=2,
-ep=2 (dp=2), cp=2 on packed documents and ep=2 carved out of cp=2; and one float64 step of
-multi-token prediction (depths 1 and 2, all-gather and ring attention) at cp=2 on packed
-documents, loss by loss and gradient by gradient (:mod:`mtp_checks`). One pool for the
-module."""
+tp=2 with sequence parallel, ep=2 (dp=2), cp=2 on packed documents and ep=2 carved out of
+cp=2; and one float64 step of multi-token prediction (depths 1 and 2, all-gather and ring
+attention) at cp=2 on packed documents, loss by loss and gradient by gradient
+(:mod:`mtp_checks`). One pool for the module."""
 
 from __future__ import annotations
 
@@ -94,3 +94,22 @@ def test_mtp_at_cp2_equals_one_process_in_float64(
     # Rank 0 holds the sequence's tail, whose shifted targets are masked: the ranks hold
     # different numbers of MTP targets, so a per-rank mean would not be the sequence's.
     assert per_rank[0]["counts"] != per_rank[1]["counts"]
+
+
+def test_sequence_parallel_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # tp=2 with SP (parallel=tp2), MTP on: MLA's latents all-gathered, the routers and routed
+    # experts on each rank's half of every sequence. Besides the losses (RTOL, as above), the
+    # logged CE, MTP losses and MaxVio (per batch, and of the global batch per router) equal
+    # one process's: MaxVio comes from the expert counts, which are summed over TP; counted
+    # per rank, they are those of half the sequences and MaxVio moves by O(0.1) (rank 0 logs).
+    single = train_checks.run_logged(overrides(kjv_data), tmp_path / "single")
+    per_rank = pool.run(
+        train_checks.run_logged, overrides(kjv_data, parallel="tp2"), tmp_path / "run"
+    )
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    assert per_rank[0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    expected = train_checks.model_metrics(single["rows"])
+    assert any(key.startswith("moe_max_vio_global/") for _, key in expected)
+    assert train_checks.model_metrics(per_rank[0]["rows"]) == pytest.approx(expected, rel=RTOL)

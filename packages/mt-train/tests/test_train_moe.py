@@ -262,6 +262,31 @@ def test_expert_parallel_over_context_parallel_ranks_matches_one_process(
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tensor_and_sequence_parallel_run_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path, recompute: str
+) -> None:
+    # tp=2 with SP (parallel=tp2): each rank routes half of every sequence; the aux loss, the
+    # z-loss and the logged load statistics (rank 0 logs) are those of the whole sequences,
+    # so the loss curve (CE + aux + z) and the logged values are one process's up to fp32
+    # summation order (RTOL); an unsummed router gradient moves the curve by ~1e-3. Full
+    # recompute runs the routers' TP sums again inside the backward, on both ranks alike.
+    steps = {
+        "trainer.max_steps": 6,
+        "model.moe.z_loss_coeff": 1e-3,
+        "parallel.recompute": recompute,
+    }
+    single = train_checks.run_logged(overrides(kjv_data, **steps), tmp_path / "single")
+    per_rank = pool.run(
+        train_checks.run_logged, overrides(kjv_data, parallel="tp2", **steps), tmp_path / "run"
+    )
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    assert per_rank[0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
+    expected = train_checks.model_metrics(single["rows"])
+    assert {"moe_aux_loss", "moe_z_loss", "moe_max_vio"} <= {key for _, key in expected}
+    assert train_checks.model_metrics(per_rank[0]["rows"]) == pytest.approx(expected, rel=RTOL)
+
+
 @pytest.mark.parametrize("mode", ["fsdp", "zero1"])
 def test_moe_under_fsdp_and_zero1_at_ep1_matches_one_process(
     mode: str, pool: DistributedPool, kjv_data: Path, tmp_path: Path

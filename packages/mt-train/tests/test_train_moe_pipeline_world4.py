@@ -30,7 +30,7 @@ def pool():
 def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layout: object) -> None:
     single = train_checks.run_logged(overrides(data, **model), tmp_path / "single")
     per_rank = pool.run(
-        train_checks.run_logged, overrides(data, **model, **PP_EP, **layout), tmp_path / "run"
+        train_checks.run_logged, overrides(data, **model, **{**PP_EP, **layout}), tmp_path / "run"
     )
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     assert per_rank[0]["losses"] == pytest.approx(single["losses"], rel=RTOL)
@@ -61,3 +61,13 @@ def test_deepseek_pp2_ep2_dp2_under_zero_bubble_matches_one_process(
         {**DEEPSEEK, "model.n_layers": 3},
         **{"parallel.pp_schedule": "zero_bubble"},
     )
+
+
+@pytest.mark.slow
+def test_mixtral_pp2_tp2_with_sequence_parallel_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # pp=2 × tp=2 with SP (dp=1, so ep=1): each stage's routers see their TP rank's half of the
+    # sequence; the carried aux losses and the global MaxVio are the whole sequences'.
+    layout = {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.ep": 1}
+    check(pool, kjv_data, tmp_path, MOE, **layout)

@@ -1,6 +1,7 @@
-"""MoE training on 4 gloo ranks: ep=4 (dp=4) and ep2 × tp2 (dp=2) match one process step by
-step (slow: the default tier covers the same code with ep=2 in the trainer and ep×tp at the
-layer level, mt-parallel's test_moe_world4.py)."""
+"""MoE training on 4 gloo ranks: ep=4 (dp=4), ep2 × tp2 and ep2 × tp2 with sequence parallel
+(dp=2) match one process step by step (slow: the default tier covers the same code with ep=2
+and tp=2 with SP in the trainer and ep×tp (with SP) at the layer level, mt-parallel's
+test_moe_world4.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ def pool():
 
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel": "ep2", "parallel.ep": 4}, {"parallel": "ep2", "parallel.tp": 2}],
-    ids=["ep4-dp4", "ep2-tp2-dp2"],
+    [
+        {"parallel": "ep2", "parallel.ep": 4},
+        {"parallel": "ep2", "parallel.tp": 2},
+        {"parallel": "tp2", "parallel.ep": 2},
+    ],
+    ids=["ep4-dp4", "ep2-tp2-dp2", "ep2-tp2-sp-dp2"],
 )
 def test_expert_parallel_layouts_match_one_process(
     pool: DistributedPool, layout: dict, kjv_data: Path, tmp_path: Path

@@ -145,6 +145,21 @@ def run_logged(overrides: list[str], output_dir: str | Path) -> dict:
     return {"losses": summary.losses, "rows": rows}
 
 
+MODEL_METRIC_PREFIXES = ("ce_loss", "moe_", "mtp_loss")
+
+
+def model_metrics(rows: list[dict]) -> dict[tuple[int, str], float]:
+    """The model's logged extras (CE, MoE losses and load statistics, MTP losses) of every
+    train row, by ``(step, name)``."""
+    return {
+        (row["step"], key): value
+        for row in rows
+        if row["kind"] == "train"
+        for key, value in row.items()
+        if key.startswith(MODEL_METRIC_PREFIXES)
+    }
+
+
 def first_step_gradients(
     overrides: list[str], output_dir: str | Path, loss_factors: list[float] | None = None
 ) -> dict:

@@ -290,8 +290,16 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
 
     @torch.compiler.disable  # eager inside compiled models (module docstring)
     def forward(
-        self, x_TK: torch.Tensor, group_sizes: Sequence[int] | torch.Tensor
+        self,
+        x_TK: torch.Tensor,
+        group_sizes: Sequence[int] | torch.Tensor,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``weight``: the ``[E, N, K]`` tensor to multiply by instead of ``self.weight``, a
+        differentiable view of it (mt-parallel's sequence-parallel experts pass one whose
+        gradient is summed over the TP group); its FP8 copies are cached under the parameter
+        the view belongs to (``weight_cache.weight_owner``)."""
+        weight = self.weight if weight is None else weight
         sizes = [
             int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes) else group_sizes)
         ]
@@ -303,10 +311,10 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         plan = self.linear_plan(x_TK, self._grouped_weight_cache)
         if plan is not None:
             reason = grouped_gemm_reason(
-                x_TK, self.weight, sizes, plan.recipe, self.backend, plan.out_dtype
+                x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
             )
             if reason is None:
-                return fp8_grouped_linear(x_TK, self.weight, self.bias, sizes, plan)
+                return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
         outputs = []
         for expert, x_e in enumerate(torch.split(x_TK, sizes)):
             if x_e.shape[0] == 0:
@@ -315,13 +323,13 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             bias = None if self.bias is None else self.bias[expert]
             plan = self.linear_plan(x_e, self._weight_caches[expert])
             if plan is None:
-                outputs.append(F.linear(x_e, self.weight[expert], bias))
+                outputs.append(F.linear(x_e, weight[expert], bias))
             else:
                 # NOTE: an expert's weight is a view of the stacked parameter, whose ``.grad`` a
                 # deferred weight gradient cannot reach: the loop computes it in the backward
                 # (as the grouped path does), never in a ``wgrad_sink``.
                 plan = dataclasses.replace(plan, wgrad_sink=None)
-                outputs.append(fp8_linear(x_e, self.weight[expert], bias, plan))
+                outputs.append(fp8_linear(x_e, weight[expert], bias, plan))
         return torch.cat(outputs)
 
     def extra_repr(self) -> str:

@@ -22,7 +22,13 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
 * tp: per dense layer and micro-batch, forward two all-reduces of ``T·D`` (attention and MLP
   outputs, row-parallel) and backward two of the block inputs' gradients (column-parallel
   entries); with sequence parallel each is an all-gather plus a reduce-scatter of ``T·D``. MoE
-  layers exchange only their shared experts' (routed experts are not TP-split). Embedding
+  layers exchange only their shared experts' (routed experts are not TP-split); with sequence
+  parallel the router and routed experts run on the rank's ``T/tp`` tokens and their fp32
+  weight gradients are all-reduced over tp: the router's in every micro-batch's backward, the
+  experts' there too at ep = 1 and once per step, exposed, at ep > 1 (with the expert-data
+  sum); the router's E-sized statistics sums are latency-bound scalars, not counted. MLA with
+  sequence parallel gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead
+  of ``T·D`` and sums its replicated compressions' and latent norms' gradients. Embedding
   (vocab-parallel, fp32 output) one all-reduce of ``T·D`` forward, the head one of ``T·D``
   backward, cross-entropy three fp32 values per token. Not overlapped (synchronous autograd
   functions); the forward ones repeat under full recompute.
@@ -227,6 +233,7 @@ class CostModel:
             saved += A * T * (H + 2 * Hkv) * hd  # q, k, v after RoPE, kept by the core
             cp_kv = (A * b * w.seq_len * Hkv * hd, A * b * w.seq_len * Hkv * hd)
             tp_in_grad = T * D
+            sp_gather, sp_replicated = T * D, []
         else:
             qk, vd = md.qk_dim, md.v_head_dim
             qr, kvr, rope = md.q_lora_rank, md.kv_lora_rank, md.qk_rope_head_dim
@@ -243,6 +250,10 @@ class CostModel:
             saved += A * T * (D + qr + kvr + rope) + A * T * H * (2 * qk + vd)
             cp_kv = (A * b * w.seq_len * H * qk, A * b * w.seq_len * H * vd)
             tp_in_grad = T * ((qr or D) + kvr + rope)
+            # SP: the latents are gathered, not n (plus n itself for q_proj without q-lora);
+            # the replicated q_a/kv_a weights and latent norm gains get fp32 gradient sums.
+            sp_gather = T * (qr + kvr + rope) + (0 if qr else T * D)
+            sp_replicated = [4 * D * (kvr + rope), 4 * kvr] + ([4 * D * qr, 4 * qr] if qr else [])
         # attention core (causal)
         core_fwd_flops = b * H * (w.seq_len * w.seq_len / (2 * L.cp)) * 2 * (qk + vd)
         core_bytes = A * T * (H * (qk + vd) * 2 + kv_heads * (qk + vd))
@@ -266,9 +277,10 @@ class CostModel:
             saved += self._mlp_saved(T, D, F, fp8, L.recompute)
             mlp_tp = True
         else:
+            # Under SP the router and routed experts run on this rank's Tn tokens.
             k, E_loc = md.top_k, md.num_experts // L.ep
-            rows = T * k
-            self._linear(ph, "router", T, md.num_experts, D, "none")
+            rows = Tn * k
+            self._linear(ph, "router", Tn, md.num_experts, D, "none")
             Fe = md.expert_ffn_dim
             self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
             self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
@@ -277,7 +289,7 @@ class CostModel:
             ph.add("swiglu", sw, sw * 10 / 6, 0.0, r2)
             pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
             ph.add("moe_permute", pm, pm, 0.0, r3)
-            saved += 4 * T * D + A * rows * D * 2 + self._mlp_saved(rows, D, Fe, fp8, L.recompute)
+            saved += 4 * Tn * D + A * rows * D * 2 + self._mlp_saved(rows, D, Fe, fp8, L.recompute)
             mlp_tp = md.shared_ffn_dim > 0
             if mlp_tp:
                 Fs = md.shared_ffn_dim // tp
@@ -294,22 +306,31 @@ class CostModel:
         TD = A * T * D
         moe_ep = md.moe and not dense and L.ep > 1
         if tp > 1 and L.sp:
-            comm_f.append(("tp", "all_gather", TD))
-            comm_b.append(("tp", "reduce_scatter", TD))
+            comm_f.append(("tp", "all_gather", A * sp_gather))
+            comm_b.append(("tp", "reduce_scatter", A * sp_gather))
+            comm_b += [("tp", "all_reduce", payload) for payload in sp_replicated]
         for payload in cp_kv if L.cp > 1 else ():
             comm_f.append(("cp", "all_gather", payload))
             comm_b.append(("cp", "reduce_scatter", payload))
         if tp > 1:
             if L.sp:
-                comm_f += [("tp", "reduce_scatter", TD), ("tp", "all_gather", TD)]
-                comm_b += [("tp", "all_gather", TD), ("tp", "reduce_scatter", TD)]
+                comm_f.append(("tp", "reduce_scatter", TD))
+                comm_b.append(("tp", "all_gather", TD))
+                if mlp_tp:  # the MLP's (or shared experts') input
+                    comm_f.append(("tp", "all_gather", TD))
+                    comm_b.append(("tp", "reduce_scatter", TD))
+                if md.moe and not dense:  # replicated router and experts: fp32 gradient sums
+                    comm_b.append(("tp", "all_reduce", 4 * md.num_experts * D))
+                    if L.ep == 1:  # split over ep: once per step (_data_parallel)
+                        expert_bytes = 4 * md.num_experts * D * md.expert_ffn_dim
+                        comm_b += [("tp", "all_reduce", expert_bytes)] * 3
             else:
                 comm_f.append(("tp", "all_reduce", TD))
                 comm_b.append(("tp", "all_reduce", A * tp_in_grad))
                 if mlp_tp:
                     comm_b.append(("tp", "all_reduce", TD))
         if moe_ep:
-            rows_bytes = A * T * md.top_k * D
+            rows_bytes = A * Tn * md.top_k * D
             comm_f += [("ep", "all_to_all", rows_bytes)] * 2
             comm_b += [("ep", "all_to_all", rows_bytes)] * 2
         if tp > 1 and mlp_tp:
@@ -626,6 +647,8 @@ class CostModel:
                 exposed = max(t - last_backward, bucket)
             else:
                 exposed = t
+            if experts and L.ep > 1 and L.sp:  # their TP sum, after the backward
+                exposed += account("tp", "all_reduce", 4 * experts, 1)
         elif L.dp_mode == "zero1":
             exposed = account("dp", "reduce_scatter", grads, 1)
             exposed += account("dp", "all_gather", grads, 1)

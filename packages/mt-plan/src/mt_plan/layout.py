@@ -9,8 +9,8 @@ to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-b
 
 * ``dp = w / (tp·cp·pp)`` integral; ``global_batch % (micro_batch·dp) == 0``, ``m =
   global_batch / (micro_batch·dp)``;
-* tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1 and
-  a family that allows it; ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
+* tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1
+  (every family allows it); ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
 * ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MTP
   refuses pp;
 * pp: the schedule's chunks per rank (interleaved ≥ 2, zbv/dualpipev exactly 2, others 1),
@@ -122,8 +122,8 @@ def layout_problem(
             return f"tp={L.tp} does not divide {name}={value}"
     if model.attention == "gqa" and model.n_heads % model.n_kv_heads:
         return f"num_heads={model.n_heads} is not a multiple of num_kv_heads={model.n_kv_heads}"
-    if L.sp and (L.tp == 1 or not model.supports_sp):
-        return "sequence parallel needs tp > 1 and a family that allows it"
+    if L.sp and L.tp == 1:
+        return "sequence parallel needs tp > 1"
     if L.cp > 1 and (not model.supports_cp or seq_len % (2 * L.cp)):
         return f"cp={L.cp} needs the family's support and seq_len % 2·cp == 0 (seq {seq_len})"
     if L.sp and (seq_len // L.cp) % L.tp:

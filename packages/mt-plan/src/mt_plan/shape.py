@@ -61,7 +61,6 @@ class ModelShape:
     """(name, value) pairs tensor parallelism must divide (the family's check_parallel)."""
     supports_pp: bool = True
     supports_cp: bool = True
-    supports_sp: bool = True
 
     # -- per-layer parameter counts -----------------------------------------------------------
 

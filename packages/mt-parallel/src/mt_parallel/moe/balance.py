@@ -17,15 +17,25 @@ the softmax scores, or the sigmoid scores divided by their sum over experts (Dee
   only shifts the *selection* scores; overloaded experts become less likely. Counting skips
   the recomputation of a forward inside backward (``recompute=full``) and evaluation forwards.
 * ``none``: nothing.
+
+Sequence parallel (``group``: the TP group when ``parallel.sequence_parallel``): each TP rank
+routes its own S/tp tokens of every sequence, and the statistics above are those of the whole
+sequences, as without SP: ``n_e`` (and a sequence's ``n_e(seq)``) are summed over the group,
+``P_e`` is the group's sum of per-rank probability sums divided by the region's token count
+(:func:`token_mean`, through ``reduce_from_group``: its backward is the identity, so each
+rank's probabilities get exactly their share of the loss's gradient, and the router weight's
+TP-summed gradient is the one-process gradient). Every TP rank then holds the whole loss.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 import mt_comm
-from mt_parallel.mappings import group_size
+from mt_parallel.mappings import group_size, reduce_from_group
 from mt_parallel.moe.config import MoEConfig
 
 
@@ -36,26 +46,49 @@ def router_probabilities(cfg: MoEConfig, scores_TE: torch.Tensor) -> torch.Tenso
     return scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
 
 
+def token_mean(x: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+    """``x.mean(dim)`` over the tokens of the whole TP region: this rank's, and under sequence
+    parallel those of every rank of ``group`` (module docstring); the gradient of the sum
+    reaches each rank's own tokens."""
+    if group_size(group) == 1:
+        return x.mean(dim)
+    return reduce_from_group(x.sum(dim), group) / (x.shape[dim] * group_size(group))
+
+
 def switch_aux_loss(
-    probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, coeff: float
+    probs_TE: torch.Tensor,
+    counts_E: torch.Tensor,
+    top_k: int,
+    coeff: float,
+    group: Any = None,
 ) -> torch.Tensor:
-    """``α · E · Σ_e f_e · P_e`` over the micro-batch (module docstring)."""
-    tokens, experts = probs_TE.shape
+    """``α · E · Σ_e f_e · P_e`` over the micro-batch (module docstring). Under sequence
+    parallel ``probs_TE`` are this rank's tokens and ``counts_E`` the TP region's counts."""
+    tokens, experts = probs_TE.shape[0] * group_size(group), probs_TE.shape[1]
     fraction_E = counts_E.to(probs_TE.dtype) / (tokens * top_k)
-    return coeff * experts * (fraction_E * probs_TE.mean(0)).sum()
+    return coeff * experts * (fraction_E * token_mean(probs_TE, 0, group)).sum()
 
 
 def sequence_aux_loss(
-    probs_TE: torch.Tensor, indices_TK: torch.Tensor, batch: int, coeff: float
+    probs_TE: torch.Tensor,
+    indices_TK: torch.Tensor,
+    batch: int,
+    coeff: float,
+    group: Any = None,
 ) -> torch.Tensor:
-    """DeepSeek-V3's per-sequence balance loss, averaged over the ``batch`` sequences."""
+    """DeepSeek-V3's per-sequence balance loss, averaged over the ``batch`` sequences. Under
+    sequence parallel each rank holds ``S/tp`` tokens of every sequence; the per-sequence
+    counts and probability means are those of the whole sequences (module docstring)."""
     tokens, experts = probs_TE.shape
-    top_k, seq = indices_TK.shape[1], tokens // batch
+    top_k, local_seq = indices_TK.shape[1], tokens // batch
+    seq = local_seq * group_size(group)
     one_hot_BSKE = torch.zeros(tokens, top_k, experts, dtype=probs_TE.dtype, device=probs_TE.device)
     one_hot_BSKE.scatter_(2, indices_TK[..., None], 1.0)
-    counts_BE = one_hot_BSKE.view(batch, seq * top_k, experts).sum(1)
+    counts_BE = one_hot_BSKE.view(batch, local_seq * top_k, experts).sum(1)
+    if group_size(group) > 1:
+        mt_comm.all_reduce(counts_BE, group=group)
     fraction_BE = counts_BE * experts / (top_k * seq)
-    mean_prob_BE = probs_TE.view(batch, seq, experts).mean(1)
+    mean_prob_BE = token_mean(probs_TE.view(batch, local_seq, experts), 1, group)
     return coeff * (fraction_BE * mean_prob_BE).sum(-1).mean()
 
 
@@ -65,14 +98,16 @@ def balancing_loss(
     indices_TK: torch.Tensor,
     counts_E: torch.Tensor,
     batch: int,
+    group: Any = None,
 ) -> torch.Tensor:
-    """The configured auxiliary loss (0-d zeros for ``aux_free`` and ``none``)."""
+    """The configured auxiliary loss (0-d zeros for ``aux_free`` and ``none``); ``group``: the
+    TP group under sequence parallel, ``counts_E`` then already summed over it."""
     if cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
         probs_TE = router_probabilities(cfg, scores_TE)
-        return switch_aux_loss(probs_TE, counts_E, cfg.top_k, cfg.aux_loss_coeff)
+        return switch_aux_loss(probs_TE, counts_E, cfg.top_k, cfg.aux_loss_coeff, group)
     if cfg.balancing == "seq_aux_loss" and cfg.aux_loss_coeff > 0:
         probs_TE = router_probabilities(cfg, scores_TE)
-        return sequence_aux_loss(probs_TE, indices_TK, batch, cfg.aux_loss_coeff)
+        return sequence_aux_loss(probs_TE, indices_TK, batch, cfg.aux_loss_coeff, group)
     return scores_TE.new_zeros(())
 
 

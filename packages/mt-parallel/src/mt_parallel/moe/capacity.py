@@ -8,9 +8,12 @@ order. Dropless (``capacity_factor=None``) keeps all. With a capacity factor ``c
 takes at most ``C = ceil(c · T·K / E)`` of this rank's assignments, the first ``C`` in token
 order; the rest are dropped (they add nothing to the output: the residual stream carries the
 token). Capacity is counted on the tokens of the rank that routes them, before dispatch, so
-every expert-parallel layout drops the same assignments. ``pad_to_capacity`` gives every
-expert exactly ``C`` rows (zeros past its kept ones): static shapes at the price of computing
-on padding.
+every expert-parallel layout drops the same assignments. Under sequence parallel the routing
+rank holds S/tp tokens of each sequence, so ``T`` is its share and capacity is counted per TP
+rank (Megatron-Core's semantics): an expert may drop on one rank's shard what another rank's
+shard had room for, unlike the layer without SP; dropless routing is unaffected.
+``pad_to_capacity`` gives every expert exactly ``C`` rows (zeros past its kept ones): static
+shapes at the price of computing on padding.
 """
 
 from __future__ import annotations

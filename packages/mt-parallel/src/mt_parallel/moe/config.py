@@ -46,7 +46,8 @@ class MoEConfig:
     """γ of ``aux_free``: each step ``b_e += γ·sign(mean load − load_e)``."""
     capacity_factor: float | None = None
     """Tokens each expert may take, as a multiple of the balanced share ``T·k/E`` of a rank's
-    ``T`` tokens; assignments past it are dropped (in token order). None: dropless."""
+    ``T`` tokens (under sequence parallel the TP rank's share of the sequence); assignments past
+    it are dropped (in token order). None: dropless."""
     pad_to_capacity: bool = False
     """With a capacity factor: every expert computes exactly its capacity (static shapes)."""
     n_shared_experts: int = 0

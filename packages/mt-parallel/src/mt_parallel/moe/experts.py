@@ -19,6 +19,24 @@ With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
 ``mt_fp8.FP8GroupedLinear`` sharing the same weight (its grouped ``torch._scaled_grouped_mm``
 path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe).
 
+Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
+over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
+them on the rows of its own S/tp tokens, so every projection's weight gradient is summed over
+TP. Split over ep (ep > 1) the experts are expert-parallel parameters whose gradients
+:func:`mt_parallel.moe.reduce_expert_gradients` sums over their expert-data-parallel group once
+per step; it sums them over TP there too (Megatron-Core's expert-data-parallel group spans TP
+when the expert-tensor-parallel size is 1), one all-reduce per step. With ep = 1 the experts are
+ordinary parameters under DDP, FSDP2 or ZeRO-1, so the sum happens in the backward
+(``copy_to_group`` on the weight, as the SP norms do; under FP8 the view is what
+``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter): an
+all-reduce of every expert weight's gradient in each micro-batch's backward. FP8: the
+delayed-scaling amaxes of the experts are MAX-reduced over TP at the scale update
+(``fp8_meta.amax_group``), so every TP rank uses the scales the one-process layer would;
+current scaling keeps each rank's own per-expert scales (equal to one process up to FP8
+rounding): its per-expert calls depend on which experts got rows on the rank (an empty expert
+is skipped, the grouped path needs tokens), so a per-call reduction could pair different
+collectives on different ranks.
+
 Expert parallelism (:meth:`GroupedLinear.shard_experts_`) keeps experts ``[r·L, (r+1)·L)`` of
 the full ``E`` on ep rank ``r``; init draws the full ``[E, out, in]`` tensor from the layer's
 generator and keeps the local slice, so every ep degree starts from the same experts.
@@ -34,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
-from mt_parallel.mappings import group_rank, group_size
+from mt_parallel.mappings import copy_to_group, group_rank, group_size
 
 CUDA_GROUP_ALIGN = 16
 """Rows each group is padded to a multiple of for the CUDA grouped GEMM (bf16 needs 8, FP8 16)."""
@@ -130,8 +148,20 @@ class GroupedLinear(nn.Module):
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.ep_group: Any = None
+        self.sequence_group: Any = None
+        """The TP group under sequence parallel (each rank's rows are its own tokens), else None."""
         self._fp8: Any = None
         self.reset_parameters()
+
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
+        """Under SP the weight's gradient is summed over TP (module docstring)."""
+        self.sequence_group = tp_group if sequence_parallel else None
+
+    @property
+    def sums_gradient_in_backward(self) -> bool:
+        """Whether the forward sums the weight's gradient over TP (SP with ep = 1); split
+        over ep, :func:`~mt_parallel.moe.reduce_expert_gradients` does (module docstring)."""
+        return group_size(self.sequence_group) > 1 and self.ep_size == 1
 
     @property
     def ep_size(self) -> int:
@@ -186,6 +216,8 @@ class GroupedLinear(nn.Module):
         )  # fmt: skip
         del fp8.weight
         fp8.weight = self.weight
+        if group_size(self.sequence_group) > 1:  # delayed scaling agrees over TP (module doc)
+            fp8.fp8_meta.amax_group = self.sequence_group
         self._fp8 = fp8
         self.fp8_meta = fp8.fp8_meta
 
@@ -197,11 +229,13 @@ class GroupedLinear(nn.Module):
         self, x_MK: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
     ) -> torch.Tensor:
         """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP."""
+        weight = self.weight
+        if self.sums_gradient_in_backward:
+            weight = copy_to_group(weight, self.sequence_group)
         if self._fp8 is not None:
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight
-            return self._fp8(x_MK, sizes_L)
-        weight = self.weight
+            return self._fp8(x_MK, sizes_L, weight)
         if torch.is_autocast_enabled(x_MK.device.type):
             dtype = torch.get_autocast_dtype(x_MK.device.type)
             x_MK, weight = x_MK.to(dtype), weight.to(dtype)

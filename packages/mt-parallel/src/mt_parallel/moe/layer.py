@@ -10,9 +10,26 @@ Math::
 
 ``SharedMLP`` is one :class:`~mt_parallel.MLP` of width ``n_shared·shared_ffn_dim`` (the sum of
 the shared experts, exactly: SwiGLU experts side by side are one wider SwiGLU), TP-sharded like
-any MLP. The routed experts are not TP-sharded: under ``tp > 1`` every TP rank computes the
-same tokens' experts (tokens are replicated over TP), and their ep groups are separate.
-Sequence parallel is refused (the router would see only a sequence shard of each TP region).
+any MLP. The routed experts are not TP-sharded: under ``tp > 1`` without sequence parallel
+every TP rank computes the same tokens' experts (tokens are replicated over TP), and their ep
+groups are separate.
+
+Sequence parallel (Megatron-Core's layout with expert-tensor-parallel size 1): ``m`` is this
+TP rank's S/tp tokens of each sequence. The router and the routed experts (replicated over
+TP) act on those tokens only, with no gather, and the routed output stays sequence-sharded;
+their weights' gradients are summed over TP (:mod:`~mt_parallel.moe.router`,
+:mod:`~mt_parallel.moe.experts`: in the backward, or once per step with the
+expert-data-parallel sum when the experts are split over ep). The shared experts are an SP MLP
+(all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The
+load-balancing statistics are those of the whole TP region, as without SP: expert counts (aux
+loss, aux-loss-free bias, :class:`LoadStats`) and probability means (aux and sequence-aux
+losses, z-loss) are summed over TP, and the dropped fraction too. Capacity
+(``capacity_factor``) is counted per rank on its own S/tp tokens, ``C = ceil(c·(B·S/tp)·K/E)``,
+as Megatron-Core does: with a capacity the kept assignments can differ from the layer without
+SP (an expert overloaded on one rank's shard and idle on another's drops there); dropless
+routing is exact. With ``ep > 1`` each TP
+rank dispatches its own tokens over its ep group (the ep groups are carved from dp×cp, one per
+TP rank, as without SP).
 
 Auxiliary losses. The layer keeps its last forward's weighted auxiliary and z-losses in
 :attr:`MoE.aux_losses` (with graph) and its :class:`~mt_parallel.moe.stats.LoadStats`; the
@@ -31,12 +48,13 @@ from typing import Any
 import torch
 from torch import nn
 
+import mt_comm
 from mt_parallel.layers import scaled_init_std
 from mt_parallel.mappings import group_size
 from mt_parallel.mlp import MLP
 from mt_parallel.moe.config import MoEConfig
 from mt_parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, dispatch_and_combine
-from mt_parallel.moe.experts import GroupedExperts
+from mt_parallel.moe.experts import GroupedExperts, GroupedLinear
 from mt_parallel.moe.router import Router
 from mt_parallel.moe.stats import LoadStats, summarize
 
@@ -58,15 +76,15 @@ class MoE(nn.Module):
             self.shared_experts = MLP(dim, cfg.shared_hidden_dim, num_layers, init_std)
             self.shared_experts.down_proj.init_std = out_std
         self.ep_group: Any = None
+        self.sequence_group: Any = None
+        """The TP group under sequence parallel (its ranks hold different tokens), else None."""
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.load_stats: LoadStats | None = None
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
-        if sequence_parallel:
-            raise ValueError(
-                "MoE layers do not support parallel.sequence_parallel=true yet (the router would "
-                "see a sequence shard); use tp without sequence parallel"
-            )
+        """Under SP the routed part runs on this rank's tokens (module docstring); the router's
+        and experts' own hooks sum their gradients and statistics over TP."""
+        self.sequence_group = tp_group if sequence_parallel else None
 
     def _dispatcher(self) -> AllToAllDispatcher | AllGatherDispatcher:
         if self.cfg.dispatcher == "all_gather":
@@ -83,8 +101,11 @@ class MoE(nn.Module):
         )  # fmt: skip
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.aux_losses = {"moe_aux_loss": routing.aux_loss, "moe_z_loss": routing.z_loss}
-            assignments = routing.indices_TK.numel()
-            fraction = torch.as_tensor(dropped, device=m_BSD.device).float() / assignments
+            assignments = routing.indices_TK.numel() * group_size(self.sequence_group)
+            dropped = torch.as_tensor(dropped, device=m_BSD.device)
+            if self.cfg.capacity_factor is not None and group_size(self.sequence_group) > 1:
+                dropped = mt_comm.all_reduce(dropped.clone(), group=self.sequence_group)
+            fraction = dropped.float() / assignments
             self.load_stats = LoadStats(routing.counts_E.detach(), fraction.detach())
         y_BSD = y_TD.view(batch, seq, dim)
         if self.shared_experts is not None:
@@ -136,24 +157,36 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "expert_group", None) is not None]
 
 
+def expert_sequence_group(model: nn.Module) -> Any:
+    """The TP group over which expert-parallel experts under sequence parallel still need their
+    gradients summed (each TP rank routed other tokens to them), or None."""
+    for module in model.modules():
+        split = isinstance(module, GroupedLinear) and module.ep_size > 1
+        if split and group_size(module.sequence_group) > 1:
+            return module.sequence_group
+    return None
+
+
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module) -> None:
-    """Sum expert gradients over their expert-data-parallel group and divide by dp×cp.
+    """Sum expert gradients over their expert-data-parallel group (and, under sequence
+    parallel, over TP) and divide by dp×cp.
 
     Each expert's gradient on an ep rank already sums the contributions of every token the ep
     group routed to it (the all-to-all's backward brings them back); the gradient of the global
     mean loss sums that over the edp replicas and divides by the dp×cp ranks whose mean losses
-    are averaged (module docstring of :mod:`mt_parallel.data_parallel`).
+    are averaged (module docstring of :mod:`mt_parallel.data_parallel`). Under sequence
+    parallel each TP rank's ep group routed other tokens, so the TP ranks' sums are added too
+    (:mod:`mt_parallel.moe.experts`: once per step here instead of in every backward).
     """
-    import mt_comm
-
     params = [p for p in expert_parameters(model) if p.grad is not None]
     if not params:
         return
     group, divisor = params[0].expert_data_group, params[0].expert_grad_divisor
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if group_size(group) > 1:
-        mt_comm.all_reduce(flat, group=group)
+    for sum_group in (group, expert_sequence_group(model)):
+        if group_size(sum_group) > 1:
+            mt_comm.all_reduce(flat, group=sum_group)
     flat.div_(divisor)
     offset = 0
     for p in params:

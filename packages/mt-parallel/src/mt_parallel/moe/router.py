@@ -12,7 +12,14 @@ Math (``W_ED`` the router weight, ``b_E`` the aux-loss-free selection bias, zero
       top two (sigmoid, DeepSeek-V3); keep the ``topk_group`` best groups, c = -inf elsewhere
     idx_TK    = topk(c_TE, K)
     w_TK      = s_TE[idx]  (/ Σ_K s_TE[idx] if normalize_weights) · routed_scaling_factor
-    z-loss    = z_coeff · mean_T(logsumexp(logits_T)²)
+    z-loss    = z_coeff · mean_T(logsumexp(logits_T)²)          over the TP region's tokens
+
+Sequence parallel (:meth:`Router.set_tensor_parallel`): the router routes this rank's S/tp
+tokens; ``counts_E`` (and the balancing and z-losses, :mod:`mt_parallel.moe.balance`) are
+those of the whole TP region, summed over the TP group, so every TP rank holds the statistics
+and losses of the full sequences. The weight, replicated over TP but now seeing different
+tokens on each rank, gets its gradient summed over TP (``copy_to_group`` on the weight, as the
+SP norms do).
 
 The router GEMM runs in fp32 (fp64 for fp64 inputs) with autocast disabled: under bf16 autocast ``F.linear`` on fp32
 inputs still runs in bf16, which flips about one expert choice in nine (design notes, measured
@@ -22,12 +29,15 @@ on an H200). Balancing losses and the bias update live in :mod:`mt_parallel.moe.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mt_parallel.moe.balance import balancing_loss
+import mt_comm
+from mt_parallel.mappings import copy_to_group, group_size
+from mt_parallel.moe.balance import balancing_loss, token_mean
 from mt_parallel.moe.config import MoEConfig
 
 
@@ -40,7 +50,8 @@ class Routing:
     weights_TK: torch.Tensor
     """Their combine weights (fp32, differentiable)."""
     counts_E: torch.Tensor
-    """Assignments per expert before capacity (int64, this rank's tokens)."""
+    """Assignments per expert before capacity (int64; the TP region's tokens: this rank's, or
+    under sequence parallel every TP rank's)."""
     aux_loss: torch.Tensor
     """Balancing loss (0-d, 0 for ``aux_free`` and ``none``), already weighted."""
     z_loss: torch.Tensor
@@ -75,7 +86,13 @@ class Router(nn.Module):
         )
         self.count_group = None
         """The group whose token counts the bias update sums (dp×cp; set by expert parallel)."""
+        self.sequence_group: Any = None
+        """The TP group under sequence parallel (its ranks route different tokens), else None."""
         self.reset_parameters()
+
+    def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
+        """Under SP: statistics over the TP region, weight gradient summed (module docstring)."""
+        self.sequence_group = tp_group if sequence_parallel else None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -91,11 +108,12 @@ class Router(nn.Module):
         return logits_TE.sigmoid()
 
     def forward(self, x_BSD: torch.Tensor) -> Routing:
-        cfg = self.cfg
+        cfg, group = self.cfg, self.sequence_group
         batch, seq = x_BSD.shape[0], x_BSD.shape[1]
+        weight = copy_to_group(self.weight, group)
         with torch.autocast(x_BSD.device.type, enabled=False):
             wide = torch.promote_types(x_BSD.dtype, torch.float32)  # fp64 stays fp64 (tests)
-            logits_TE = F.linear(x_BSD.reshape(batch * seq, -1).to(wide), self.weight.to(wide))
+            logits_TE = F.linear(x_BSD.reshape(batch * seq, -1).to(wide), weight.to(wide))
         scores_TE = self.scores(logits_TE)
         select_TE = scores_TE.detach()
         if cfg.balancing == "aux_free":
@@ -108,11 +126,14 @@ class Router(nn.Module):
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.routed_scaling_factor
         counts_E = torch.bincount(indices_TK.flatten(), minlength=cfg.num_experts)
+        if group_size(group) > 1:
+            mt_comm.all_reduce(counts_E, group=group)
         if self.training and torch._C._current_graph_task_id() == -1:
             # Not a recomputation inside backward (recompute=full runs this forward twice).
             self.step_counts.add_(counts_E)
-        aux = balancing_loss(cfg, scores_TE, indices_TK, counts_E, batch)
+        aux = balancing_loss(cfg, scores_TE, indices_TK, counts_E, batch, group)
         z_loss = logits_TE.new_zeros(())
         if cfg.z_loss_coeff > 0:
-            z_loss = cfg.z_loss_coeff * torch.logsumexp(logits_TE, dim=-1).square().mean()
+            lse_sq_T = torch.logsumexp(logits_TE, dim=-1).square()
+            z_loss = cfg.z_loss_coeff * token_mean(lse_sq_T, 0, group)
         return Routing(indices_TK, weights_TK, counts_E, aux, z_loss)

@@ -104,8 +104,7 @@ class DeepSeekV3Config(ModelConfig):
         return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no SP; no MTP
-        under pp."""
+        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no MTP under pp."""
         super().check_parallel(parallel, seq_len)
         widths = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim}
         if self.moe.n_shared_experts:
@@ -122,12 +121,6 @@ class DeepSeekV3Config(ModelConfig):
                 f"{parallel.pp}: the MTP modules would run on the last stage and embed the "
                 "shifted tokens with the input embedding, which lives on the first stage, and "
                 "the pipeline has no weights shared across stages; use mtp_depth=0 or pp=1"
-            )
-        if parallel.sequence_parallel:
-            raise ValueError(
-                "parallel.sequence_parallel=true is not supported with DeepSeek-V3 models (the "
-                "MoE router of their MoE blocks; MLA supports it); use tp without sequence "
-                "parallel"
             )
 
     def summary(self) -> str:

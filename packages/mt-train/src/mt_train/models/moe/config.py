@@ -35,14 +35,9 @@ class MoEModelConfig(LlamaConfig):
             )
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Llama's rules, the ep degree dividing the experts, no sequence parallel."""
+        """Llama's rules and the ep degree dividing the experts."""
         super().check_parallel(parallel, seq_len)
         self.moe.check_expert_parallel(parallel.ep)
-        if parallel.sequence_parallel:
-            raise ValueError(
-                "parallel.sequence_parallel=true is not supported with MoE models yet (the "
-                "router would see a sequence shard); use tp without sequence parallel"
-            )
 
     def summary(self) -> str:
         m = self.moe
