@@ -73,7 +73,10 @@ def row_shard_start(tensor: DTensor) -> int:
             f"placements {tuple(tensor.placements)}"
         )
     mesh = tensor.device_mesh
-    rows, world, rank = tensor.shape[0], mesh.size(), mesh.get_local_rank()
+    # The coordinate, not get_local_rank(): that resolves the mesh's process group by name, and
+    # a state dict's DTensors may carry an equal mesh of an earlier, destroyed group (DTensor's
+    # sharding cache compares meshes by ranks, not groups: a second trainer in one process).
+    rows, world, (rank,) = tensor.shape[0], mesh.size(), mesh.get_coordinate()
     first_row = min(rank * math.ceil(rows / world), rows)
     return first_row * (tensor.numel() // rows if rows else 0)
 
