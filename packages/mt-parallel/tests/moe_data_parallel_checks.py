@@ -62,9 +62,9 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
-def train_steps(mode: str, ep: int = 2) -> dict:
+def train_steps(mode: str, ep: int = 2, num_experts: int = 8) -> dict:
     state = mt_comm.init_parallel_state(ep=ep)
-    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16)
+    cfg = MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_dim=16)
     torch.manual_seed(0)
     model = TwoBlocks(cfg).double()
     for i, block in enumerate(model.blocks):

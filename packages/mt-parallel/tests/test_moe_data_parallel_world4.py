@@ -2,7 +2,8 @@
 is held by an expert-data-parallel group of 2 ranks), in float64 against one process and
 against each other: ``ddp``, ``fsdp`` (experts sharded over the edp mesh) and ``zero1`` (the
 experts' optimizer state sharded over edp) reach the same parameters and gradient norms after
-clipped AdamW steps with gradient accumulation (one pool for the module)."""
+clipped AdamW steps with gradient accumulation, also when FSDP2 cannot split the local experts
+evenly over edp (one pool for the module)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,16 @@ MODES = ("ddp", "fsdp", "zero1")
 @pytest.fixture(scope="module")
 def runs():
     with DistributedPool(world_size=4) as pool:
-        yield {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
+        out = {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
+        # 2 experts over ep=2: one local expert, which FSDP2 cannot split evenly over 2 edp
+        # ranks (dim 0 has 1 row: one rank holds it, the other an empty shard)
+        out["fsdp-uneven"] = pool.run(
+            moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2
+        )
+        yield out
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, "fsdp-uneven"])
 def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
     for result in runs[mode]:
         assert any(result["clipped"]), result["clipped"]  # clipping is part of the check
@@ -52,5 +59,6 @@ def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> 
     # 8 experts over ep=2: 4 per rank, which FSDP2 splits over the 2 edp ranks.
     assert {r["expert_local_rows"] for r in runs["ddp"]} == {4}
     assert {r["expert_local_rows"] for r in runs["fsdp"]} == {2}
+    assert sorted(r["expert_local_rows"] for r in runs["fsdp-uneven"]) == [0, 0, 1, 1]
     # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
     assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}
