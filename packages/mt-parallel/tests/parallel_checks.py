@@ -395,7 +395,8 @@ def zero1_steps(
         norm = opt.step(max_grad_norm=max_norm)
         norms.append(rel_err(norm, ref_norm))
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    shard = flat[opt.lo : opt.lo + opt.master.numel()]
+    (dense,) = opt.partitions  # no experts: one partition over dp×cp
+    shard = flat[dense.lo : dense.lo + opt.master.numel()]
     plan = mp.tp_shard_plan(reference)
     expected = mp.shard_state_dict(
         {n: p.detach() for n, p in reference.named_parameters()}, plan, state.rank("tp"), tp

@@ -75,6 +75,9 @@ CASES = [
      Layout(pp=2, schedule="zbv", micro_batch=4), "pp"),
     ({"model": "mixtral_tiny", "parallel.tp": 2}, Layout(tp=2, micro_batch=4), "tp"),
     ({"model": "mixtral_tiny", "parallel": "tp2"}, Layout(tp=2, sp=True, micro_batch=4), "tp"),
+    # the experts' gradients and parameters too (over the expert-data group, dp at ep=1)
+    ({"model": "mixtral_tiny", "parallel.data_parallel": "zero1"},
+     Layout(dp=2, dp_mode="zero1", micro_batch=4), "dp"),
 ]  # fmt: skip
 
 

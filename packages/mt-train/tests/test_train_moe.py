@@ -55,10 +55,10 @@ def test_moe_sizes_compose_and_bad_expert_parallel_is_one_clear_error() -> None:
         ValueError, match=re.escape("parallel.ep=3 does not divide moe.num_experts=8")
     ):
         to_train_config(compose_config(["model=mixtral_tiny", "parallel.ep=3"]))
-    with pytest.raises(
-        ValueError, match=re.escape("parallel.ep=2 needs parallel.data_parallel=ddp")
-    ):
-        to_train_config(compose_config(["model=mixtral_tiny", "parallel=zero1", "parallel.ep=2"]))
+    with pytest.raises(ValueError, match=re.escape("parallel.ep=2 with parallel.compile=true")):
+        to_train_config(
+            compose_config(["model=mixtral_tiny", "parallel=ep2", "parallel.compile=true"])
+        )
     with pytest.raises(ValueError, match=re.escape("moe.top_k=9 exceeds moe.num_experts=8")):
         to_train_config(compose_config(["model=mixtral_tiny", "model.moe.top_k=9"]))
 

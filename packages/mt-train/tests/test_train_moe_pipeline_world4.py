@@ -1,8 +1,8 @@
 """MoE models under pipeline and expert parallelism on four gloo ranks (pp=2 × dp=2, ep=2
 inside each stage): the loss curve and the global-batch MaxVio of every router (counts summed
 over each stage's dp×cp group, then met over the pipeline) equal one process's; experts are
-reduced over their expert-data-parallel group after the schedule, the rest over dp×cp. One
-pool for the module."""
+reduced over their expert-data-parallel group after the schedule (by ZeRO-1 at its step), the
+rest over dp×cp. One pool for the module."""
 
 from __future__ import annotations
 
@@ -71,3 +71,14 @@ def test_mixtral_pp2_tp2_with_sequence_parallel_matches_one_process(
     # sequence; the carried aux losses and the global MaxVio are the whole sequences'.
     layout = {"parallel.tp": 2, "parallel.sequence_parallel": "true", "parallel.ep": 1}
     check(pool, kjv_data, tmp_path, MOE, **layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero1", "none"])
+def test_mixtral_pp2_ep2_dp2_under_zero1_and_none_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path, mode: str
+) -> None:
+    # Slow: the default tier checks ep=2 under zero1 and none at pp=1
+    # (test_train_moe_data_parallel_world4.py) and this layout under ddp above. After the
+    # schedule, ZeRO-1 reduce-scatters the experts over edp; none reduces them like ddp.
+    check(pool, kjv_data, tmp_path, MOE, **{"parallel.data_parallel": mode})

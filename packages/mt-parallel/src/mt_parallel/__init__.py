@@ -28,6 +28,7 @@ from mt_parallel.data_parallel import (
     accumulate,
     all_reduce_gradients,
     apply_data_parallel,
+    is_expert_parameter,
     set_fp8_weight_cache,
 )
 from mt_parallel.document_attention import (
@@ -128,6 +129,7 @@ __all__ = [
     "get_rng_tracker",
     "high_precision_linears",
     "init_weights",
+    "is_expert_parameter",
     "is_recomputed",
     "layer_generator",
     "load_balanced_positions",

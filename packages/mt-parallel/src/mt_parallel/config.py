@@ -52,7 +52,9 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree for MoE layers, carved out of dp×cp (1 for dense models): each
     ep rank keeps ``1/ep`` of every MoE layer's routed experts (``ep`` must divide dp·cp and
-    the expert count; needs ``data_parallel=ddp``)."""
+    the expert count). Expert weights are reduced (and under ``fsdp`` / ``zero1`` sharded)
+    over the expert-data-parallel group, the ``dp·cp/ep`` ranks that hold the same experts;
+    every other parameter over dp×cp (:mod:`mt_parallel.data_parallel`)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence between TP regions (needs ``tp > 1``)."""
     data_parallel: str = "ddp"
@@ -118,12 +120,6 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.recompute_keep={list(self.recompute_keep)!r} needs "
                 f"parallel.recompute=full (got {self.recompute!r})"
-            )
-        if self.ep > 1 and self.data_parallel != "ddp":
-            raise ValueError(
-                f"parallel.ep={self.ep} needs parallel.data_parallel=ddp (got "
-                f"{self.data_parallel!r}): FSDP2 and ZeRO-1 do not shard expert-parallel "
-                "parameters yet"
             )
         if self.ep > 1 and self.compile:
             raise ValueError(

@@ -17,9 +17,23 @@ Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
 * ``none``: no wrapper; call :func:`all_reduce_gradients` yourself.
 
 Expert-parallel parameters (MoE experts split over ``ep``, marked by
-:func:`mt_parallel.moe.apply_expert_parallel`) differ between the ranks of the dp×cp group: DDP
-ignores them, and :func:`accumulate` reduces them over the expert-data-parallel group at the end
-of the last micro-batch (:func:`mt_parallel.moe.reduce_expert_gradients`).
+:func:`mt_parallel.moe.apply_expert_parallel`) differ between the ranks of the dp×cp group. The
+gradient of the global mean loss for them is ``Σ_edp g / (dp·cp)``: summed over the
+expert-data-parallel (edp) group, the ``dp·cp/ep`` ranks holding the same experts (each rank's
+gradient already sums every token its ep group routed to them), divided by all dp×cp ranks
+whose mean losses are averaged. Who computes it, per mode:
+
+* ``ddp`` and ``none``: DDP ignores them (``none``'s caller leaves them out), and
+  :func:`accumulate` all-reduces them over edp at the end of the last micro-batch
+  (:func:`mt_parallel.moe.reduce_expert_gradients`);
+* ``fsdp``: each maximal submodule holding only expert parameters (an MoE layer's
+  ``experts``) is its own ``fully_shard`` unit over a mesh of the edp group, as torchtitan
+  shards ``moe.experts``, with a sum reduce-scatter divided by dp×cp
+  (``set_force_sum_reduction_for_comms`` + ``set_gradient_divide_factor``): the same sum and
+  division as ``ddp``'s; the rest is sharded over dp×cp as above;
+* ``zero1``: :class:`~mt_parallel.DistributedOptimizer` reduce-scatters them over edp at its
+  step (sum, then the division) and shards their optimizer state there; it marks them so
+  :func:`accumulate` leaves them alone.
 
 Gradient accumulation: run every micro-batch but the last inside :func:`accumulate`'s
 ``is_last=False`` context (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``), so
@@ -68,23 +82,69 @@ def apply_data_parallel(
         # FSDP2 re-materialises unsharded weights with their version counter preserved: FP8
         # layers must not cache FP8 weights keyed on it (mt_fp8.linear, "weight cache").
         set_fp8_weight_cache(model, False)
-        # fully_shard replaces the parameters by DTensor ones: carry our TP marks over.
-        marked = {n for n, p in model.named_parameters() if getattr(p, "tensor_parallel", False)}
+        # fully_shard replaces the parameters by DTensor ones: carry our marks over.
+        marks = {
+            name: {mark: getattr(p, mark) for mark in PARAMETER_MARKS if hasattr(p, mark)}
+            for name, p in model.named_parameters()
+        }
+        for experts in expert_modules(model):  # first: the blocks skip parameters sharded here
+            param = next(experts.parameters())
+            edp_mesh = DeviceMesh.from_group(param.expert_data_group, device_type)
+            fully_shard(experts, mesh=edp_mesh)
+            experts.set_force_sum_reduction_for_comms(True)
+            experts.set_gradient_divide_factor(float(param.expert_grad_divisor))
         for module in model.modules():
             if isinstance(module, block_types):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         for name, param in model.named_parameters():
-            if name in marked:
-                param.tensor_parallel = True  # type: ignore[attr-defined]
+            for mark, value in marks[name].items():
+                setattr(param, mark, value)
         return model
     raise ValueError(f"data parallel mode {mode!r}; valid: ddp, fsdp, zero1, none")
+
+
+PARAMETER_MARKS = (
+    "tensor_parallel",
+    "expert_group",
+    "expert_rank",
+    "expert_data_group",
+    "expert_grad_divisor",
+)
+"""Attributes that earlier transforms set on parameters (TP sharding, expert parallelism) and
+that FSDP2's DTensor parameters must keep."""
+
+REDUCED_BY_OPTIMIZER = "expert_grads_reduced_by_optimizer"
+"""Set (True) on expert parameters whose gradients an optimizer reduces at its step (ZeRO-1),
+so :func:`accumulate` does not reduce them first."""
+
+
+def is_expert_parameter(param: nn.Parameter) -> bool:
+    return getattr(param, "expert_group", None) is not None
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The largest submodules of ``model`` whose parameters are all expert-parallel (module
+    docstring: FSDP2 shards each over its edp group)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        params = list(module.parameters())
+        if params and all(is_expert_parameter(p) for p in params):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
 
 
 @contextlib.contextmanager
 def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
     """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``
-    (expert-parallel ones too, after the backward: module docstring).
+    (expert-parallel ones too, after the backward, unless FSDP2 or ZeRO-1 reduce them: module
+    docstring).
 
     The last micro-batch also runs inside :func:`mt_fp8.final_micro_batch`: FP8 layers free
     their cached FP8 weights as their backward finishes, not at the next step's forward.
@@ -100,10 +160,15 @@ def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
                 yield
         else:
             yield
-    if is_last:
+    # FSDP2 (set_sync) reduce-scatters expert gradients itself, ZeRO-1 at its step.
+    if is_last and set_sync is None and not _optimizer_reduces_experts(model):
         from mt_parallel.moe.layer import reduce_expert_gradients
 
         reduce_expert_gradients(model)
+
+
+def _optimizer_reduces_experts(model: nn.Module) -> bool:
+    return any(getattr(p, REDUCED_BY_OPTIMIZER, False) for p in model.parameters())
 
 
 def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:

@@ -9,25 +9,36 @@ gradient reduction, gradients are identical over dp×cp, so no reduction there, 
 gradients that are themselves sharded over dp×cp (FSDP2 DTensors, the ZeRO-1 shards), whose
 partial sums are summed over dp×cp first. Expert-parallel parameters (MoE experts split over
 ``ep``: ``param.expert_group``) are different experts on each ep rank: their partial sums are
-summed over that group first. Clip coefficient: ``min(1, max_norm / (‖g‖ + 1e-6))``,
-torch's formula.
+summed over that group first; sharded further over their expert-data-parallel (edp) group
+(FSDP2's edp mesh, ZeRO-1's expert shard), every element sits on exactly one rank of
+dp×cp = ep×edp, so they join the dp×cp sum of the other sharded gradients instead. Clip
+coefficient: ``min(1, max_norm / (‖g‖ + 1e-6))``, torch's formula.
 
-Distributed optimizer (ZeRO-1). All parameters of this rank are viewed as one flat vector (fp32, or fp64 for fp64 parameters) of
-length ``n`` padded to ``W·s`` (``W`` = dp×cp ranks, ``s`` = shard length); rank ``i`` owns
-elements ``[i·s, (i+1)·s)``. :meth:`DistributedOptimizer.step` is
+Distributed optimizer (ZeRO-1). The parameters of this rank form one or two *partitions*,
+each viewed as one flat vector (fp32, or fp64 for fp64 parameters) of length ``n`` padded to
+``W·s`` over its group of ``W`` ranks (``s`` = shard length); group rank ``i`` owns elements
+``[i·s, (i+1)·s)``. The dense partition (every parameter but the experts) is sharded over
+dp×cp; with expert parallelism, the expert partition (``param.expert_data_group``) over the
+edp group, whose ranks hold the same experts. This rank's master shard is the dense shard
+followed by the expert shard. :meth:`DistributedOptimizer.step` is
 :meth:`~DistributedOptimizer.reduce_gradients` (1–2) then
 :meth:`~DistributedOptimizer.apply_update` (3–5); a caller that judges the step on its norm
 first (a trainer's anomaly detectors) calls the two itself and may skip the second:
 
-1. reduce-scatter the flat gradient (average over dp×cp): each rank gets only its shard;
-2. global norm from the shards (above);
+1. reduce-scatter each partition's flat gradient: the dense one averaged over dp×cp, the
+   expert one summed over edp and divided by dp×cp (``param.expert_grad_divisor``; the
+   gradient of the global mean loss, :mod:`mt_parallel.data_parallel`); each rank gets only
+   its shards;
+2. global norm from the shards (above): each element of either partition lies in exactly one
+   rank's shard of dp×cp, so the squared sums are added over dp×cp, then over tp×pp;
 3. clipping, and with a ``decay`` filter the decoupled weight decay ``θ ← θ·(1 - lr·λ)`` of the
    selected parameters' master elements (the inner optimizer then runs with ``λ = 0``; decay
    before the update is torch's AdamW order);
 4. the inner optimizer (AdamW by default) updates the fp32 master shard, holding its state
    (two moments) only for the shard: optimizer memory per rank is ``1/W``;
-5. all-gather the updated master shards and copy them into the model parameters (cast to their
-   dtype, e.g. bf16: bf16 compute with fp32 master weights).
+5. all-gather the updated master shards (each partition over its group) and copy them into
+   the model parameters (cast to their dtype, e.g. bf16: bf16 compute with fp32 master
+   weights).
 
 Why ours and not ``torch.distributed.optim.ZeroRedundancyOptimizer``: ZeRO shards whole
 parameters (uneven with few large matrices), expects DDP to all-reduce the full gradients first
@@ -43,12 +54,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 import mt_comm
+from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
 from mt_parallel.mappings import group_rank, group_size
 
 
@@ -105,12 +118,13 @@ def clip_grad_norm_(
     expert_grads, expert_group = [], None
     for param in params:
         grad, dp_sharded = _local_grad(param)
-        if grad is not None and getattr(param, "expert_group", None) is not None:
+        expert = getattr(param, "expert_group", None) is not None
+        if grad is not None and expert and not dp_sharded:
             expert_group = param.expert_group  # type: ignore[attr-defined]
             if tp_rank == 0:
                 expert_grads.append(grad.detach())
         elif grad is not None and _counts_here(param, tp_rank):
-            counted[dp_sharded].append(grad.detach())
+            counted[dp_sharded].append(grad.detach())  # FSDP2's edp-sharded experts too
     # One multi-tensor norm per (device, dtype) group, read once, accumulated in the gradients'
     # dtype (fp32 for fp32 gradients); the per-tensor norms are summed in fp64.
     for dp_sharded, grads in counted.items():
@@ -134,6 +148,29 @@ def clip_grad_norm_(
     return total.float()
 
 
+@dataclass(frozen=True)
+class _Partition:
+    """Parameters whose flat vector is sharded over ``group`` (module docstring)."""
+
+    params: list[nn.Parameter]
+    group: Any
+    shard: int
+    """Elements per rank (``s``)."""
+    lo: int
+    """First element of the flat vector this rank owns."""
+    offset: int
+    """Where this rank's shard starts in the master shard."""
+    divisor: int | None
+    """None: the gradient is averaged over ``group``; else summed, then divided by it."""
+
+    @classmethod
+    def of(
+        cls, params: list[nn.Parameter], group: Any, offset: int, divisor: int | None
+    ) -> _Partition:
+        shard = math.ceil(sum(p.numel() for p in params) / group_size(group))
+        return cls(params, group, shard, group_rank(group) * shard, offset, divisor)
+
+
 class DistributedOptimizer:
     """ZeRO-1 over ``group`` (dp×cp) around an inner optimizer (module docstring).
 
@@ -142,7 +179,10 @@ class DistributedOptimizer:
     except the weight decay when ``decay`` is given: then ``kwargs["weight_decay"]`` (default 0)
     applies, decoupled, only to the parameters for which ``decay(param)`` is true (e.g.
     ``lambda p: p.dim() >= 2``: matrices, not norm gains or biases). ``inner`` is the inner
-    optimizer (give it to an LR scheduler).
+    optimizer (give it to an LR scheduler). Expert-parallel parameters among ``params`` form
+    the expert partition over their ``expert_data_group``; they are marked
+    (:data:`mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`) so that
+    :func:`mt_parallel.accumulate` leaves their gradients to :meth:`reduce_gradients`.
     """
 
     def __init__(
@@ -160,16 +200,30 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer got no trainable parameters")
         self.group, self.tp_group = group, tp_group
         self.mp_group = tp_group if mp_group is None else mp_group
-        world, rank = group_size(group), group_rank(group)
         self.numel = sum(p.numel() for p in self.params)
-        self.shard = math.ceil(self.numel / world)
-        self.lo = rank * self.shard
+        dense = [p for p in self.params if getattr(p, "expert_data_group", None) is None]
+        experts = [p for p in self.params if getattr(p, "expert_data_group", None) is not None]
+        self.partitions: list[_Partition] = []
+        if dense:
+            self.partitions.append(_Partition.of(dense, group, 0, None))
+        if experts:
+            edp_group, divisor = experts[0].expert_data_group, experts[0].expert_grad_divisor
+            offset = sum(part.shard for part in self.partitions)
+            self.partitions.append(_Partition.of(experts, edp_group, offset, divisor))
+            for param in experts:
+                setattr(param, REDUCED_BY_OPTIMIZER, True)
+        self.shard = sum(part.shard for part in self.partitions)
         device = self.params[0].device
         # Master weights in at least fp32 (fp64 parameters keep fp64 masters).
         self.master_dtype = torch.promote_types(self.params[0].dtype, torch.float32)
         with torch.no_grad():
-            flat = self._flatten([p.detach() for p in self.params], device)
-        self.master = nn.Parameter(flat[self.lo : self.lo + self.shard].clone())
+            shards = [
+                self._flatten(part, [p.detach() for p in part.params], device)[
+                    part.lo : part.lo + part.shard
+                ]
+                for part in self.partitions
+            ]
+        self.master = nn.Parameter(torch.cat(shards))
         self.weight_decay = 0.0
         self.decay_mask: torch.Tensor | None = None
         if decay is not None:
@@ -191,21 +245,27 @@ class DistributedOptimizer:
         return self.inner.param_groups
 
     def shard_slices(self) -> list[tuple[nn.Parameter, int, slice]]:
-        """``(param, start, local)`` for every parameter overlapping this rank's shard: its
-        elements from ``start`` (of the flattened parameter) sit at ``local`` in the shard."""
-        out, offset = [], 0
-        for param in self.params:
-            start, end = max(offset, self.lo), min(offset + param.numel(), self.lo + self.shard)
-            if start < end:
-                out.append((param, start - offset, slice(start - self.lo, end - self.lo)))
-            offset += param.numel()
+        """``(param, start, local)`` for every parameter overlapping this rank's shards: its
+        elements from ``start`` (of the flattened parameter) sit at ``local`` in the master
+        shard."""
+        out = []
+        for part in self.partitions:
+            offset, hi = 0, part.lo + part.shard
+            for param in part.params:
+                start, end = max(offset, part.lo), min(offset + param.numel(), hi)
+                if start < end:
+                    local = slice(part.offset + start - part.lo, part.offset + end - part.lo)
+                    out.append((param, start - offset, local))
+                offset += param.numel()
         return out
 
-    def _flatten(self, tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-        padded = self.shard * group_size(self.group)
+    def _flatten(
+        self, part: _Partition, tensors: list[torch.Tensor | None], device: torch.device
+    ) -> torch.Tensor:
+        padded = part.shard * group_size(part.group)
         flat = torch.zeros(padded, dtype=self.master_dtype, device=device)
         offset = 0
-        for param, tensor in zip(self.params, tensors, strict=True):
+        for param, tensor in zip(part.params, tensors, strict=True):
             if tensor is not None:
                 flat[offset : offset + param.numel()] = tensor.reshape(-1)
             offset += param.numel()
@@ -213,13 +273,17 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
-        """Steps 1–2: reduce-scatter (average) the gradients to this rank's shard; returns the
-        global gradient norm. :meth:`apply_update` then uses the reduced shard."""
-        flat_grad = self._flatten([p.grad for p in self.params], self.master.device)
-        if group_size(self.group) > 1:
-            grad = mt_comm.reduce_scatter(flat_grad, op="avg", group=self.group)
-        else:
-            grad = flat_grad
+        """Steps 1–2: reduce-scatter the gradients to this rank's shards (averaged; experts
+        summed over edp and divided by dp×cp); returns the global gradient norm.
+        :meth:`apply_update` then uses the reduced shard."""
+        shards = []
+        for part in self.partitions:
+            flat = self._flatten(part, [p.grad for p in part.params], self.master.device)
+            op = "avg" if part.divisor is None else "sum"
+            if group_size(part.group) > 1:
+                flat = mt_comm.reduce_scatter(flat, op=op, group=part.group)
+            shards.append(flat if part.divisor is None else flat.div_(part.divisor))
+        grad = torch.cat(shards)
         sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)
         if self._norm_slices:
             norms = torch._foreach_norm([grad[local] for local in self._norm_slices])
@@ -246,13 +310,14 @@ class DistributedOptimizer:
         self.master.grad = grad
         self.inner.step()
         self.master.grad = None
-        full = self.master.detach()
-        if group_size(self.group) > 1:
-            full = mt_comm.all_gather(full.contiguous(), group=self.group)
-        offset = 0
-        for param in self.params:
-            param.copy_(full[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
+        for part in self.partitions:
+            full = self.master.detach()[part.offset : part.offset + part.shard]
+            if group_size(part.group) > 1:
+                full = mt_comm.all_gather(full.contiguous(), group=part.group)
+            offset = 0
+            for param in part.params:
+                param.copy_(full[offset : offset + param.numel()].view_as(param))
+                offset += param.numel()
         return norm.to(self.master_dtype)
 
     def step(self, max_grad_norm: float = 0.0) -> torch.Tensor:
@@ -279,7 +344,7 @@ class DistributedOptimizer:
         if state["master"].shape != self.master.shape:
             raise ValueError(
                 f"master shard of shape {tuple(state['master'].shape)} does not match this "
-                f"rank's shard {tuple(self.master.shape)} (different dp×cp size or model?)"
+                f"rank's shard {tuple(self.master.shape)} (different dp×cp or ep size, or model?)"
             )
         with torch.no_grad():
             self.master.copy_(state["master"])

@@ -35,7 +35,8 @@ reuses this function unchanged. Pipeline parallelism cuts the model into chunks 
 this function on each (:func:`mt_parallel.pipeline.pipeline_chunks`). Expert parallelism is
 part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` keeps each ep
 rank's routed experts (their gradients are reduced over the expert-data-parallel group, not by
-DDP) and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
+DDP; under FSDP2 step 6 shards them over that group, ZeRO-1 shards their optimizer state there)
+and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
 also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
 """
 

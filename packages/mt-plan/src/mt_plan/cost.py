@@ -43,11 +43,13 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   reduces after it); zero1 a reduce-scatter of the gradients and an all-gather of the updated
   fp32 parameters, exposed; fsdp an all-gather of each block's parameters in forward and in
   backward of every micro-batch and a reduce-scatter at the last, prefetched: exposed only where
-  it exceeds the compute it hides behind.
+  it exceeds the compute it hides behind. Under zero1 and fsdp expert parameters take the same
+  collectives over the expert-data group instead of dp×cp.
 
 Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
-master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks), FP8 weight caches (the
+master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks; expert parameters ``/(W/ep)``
+in both), FP8 weight caches (the
 FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), autocast's bf16
 copies of the high-precision linears' weights (the head, and every block linear without FP8),
 which the backward keeps, activations (each layer's saved tensors by recompute policy, times
@@ -568,7 +570,7 @@ class CostModel:
         fp8_params = linear_params if L.fp8 != "none" else 0.0
         updated = local + experts
         if L.dp_mode in ("zero1", "fsdp"):
-            updated /= L.dp * L.cp
+            updated = self._sharded(L, local, experts)
         adam, _ = self._membound("adamw", 28 * updated, (int(updated),))
         norm, _ = self._membound("copy", 4 * updated, (int(updated),))
         requant = 0.0
@@ -628,6 +630,13 @@ class CostModel:
                 dense += md.mtp_params()
         return dense, experts, linear
 
+    @staticmethod
+    def _sharded(L: Layout, local: float, experts: float) -> float:
+        """Parameters per rank once zero1/fsdp shard them: dense ones over dp×cp, expert ones
+        over their expert-data-parallel group (dp·cp/ep ranks)."""
+        W = L.dp * L.cp
+        return local / W + experts / max(W // L.ep, 1)
+
     def _data_parallel(self, L, params, m, last_backward, compute, account, comm) -> float:
         """Exposed seconds of the gradient (and parameter) collectives of one step."""
         local, experts, _ = params
@@ -652,9 +661,15 @@ class CostModel:
         elif L.dp_mode == "zero1":
             exposed = account("dp", "reduce_scatter", grads, 1)
             exposed += account("dp", "all_gather", grads, 1)
+            if experts and W // L.ep > 1:
+                exposed += account("edp", "reduce_scatter", 4 * experts, 1)
+                exposed += account("edp", "all_gather", 4 * experts, 1)
         else:
             gathers = account("dp", "all_gather", grads, 2 * m)
             scatter = account("dp", "reduce_scatter", grads, 1)
+            if experts and W // L.ep > 1:
+                gathers += account("edp", "all_gather", 4 * experts, 2 * m)
+                scatter += account("edp", "reduce_scatter", 4 * experts, 1)
             first_block = gathers / (2 * m * max(self.model.n_layers, 1))
             exposed = max(first_block, gathers + scatter - compute)
         for g in ("dp", "edp"):
@@ -683,13 +698,15 @@ class CostModel:
                 md.attention_params()[0] / L.tp + md.attention_params()[1]
                 + sum(md.mlp_params(md.n_layers - 1)), 1.0,
             )  # fmt: skip
-            mem["weights"] = 4 * params / W + 2 * 4 * layer_params
-            mem["gradients"] = 4 * params / W
-            mem["optimizer"] = 8 * params / W
+            sharded = self._sharded(L, local, experts)
+            mem["weights"] = 4 * sharded + 2 * 4 * layer_params
+            mem["gradients"] = 4 * sharded
+            mem["optimizer"] = 8 * sharded
         elif L.dp_mode == "zero1" and W > 1:
-            mem["weights"] = 4 * params + 4 * params / W
+            sharded = self._sharded(L, local, experts)
+            mem["weights"] = 4 * params + 4 * sharded
             mem["gradients"] = 4 * params
-            mem["optimizer"] = 8 * params / W
+            mem["optimizer"] = 8 * sharded
         else:
             mem["weights"] = 4 * params
             mem["gradients"] = 4 * params

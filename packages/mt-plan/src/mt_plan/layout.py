@@ -133,8 +133,6 @@ def layout_problem(
             return f"ep={L.ep} does not divide the experts ({model.num_experts})"
         if (L.dp * L.cp) % L.ep:
             return f"ep={L.ep} does not divide dp·cp = {L.dp * L.cp}"
-        if L.dp_mode != "ddp":
-            return f"ep > 1 needs data_parallel=ddp, got {L.dp_mode}"
     if L.dp_mode not in DP_MODES:
         return f"data_parallel={L.dp_mode!r}; valid: {', '.join(DP_MODES)}"
     if L.recompute not in RECOMPUTE or L.fp8 not in FP8_RECIPES:

@@ -16,8 +16,9 @@ checkpoint code is the same at every ``pp``. A run:
 3. averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
    trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
    inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
-   expert-data-parallel group and divided by dp×cp instead
-   (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``);
+   expert-data-parallel group and divided by dp×cp instead, for ``ddp`` and ``none``
+   (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``; ZeRO-1 reduces them
+   at its step);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total; the model's extra values (a VLM's token counts) are summed
@@ -133,6 +134,7 @@ class PipelineStep:
                 if p.grad is not None and getattr(p, "expert_group", None) is None
             ]
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+        if self.parallel.data_parallel in ("ddp", "none"):
             mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (

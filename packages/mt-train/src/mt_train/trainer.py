@@ -318,8 +318,9 @@ class Trainer:
         result = self.step_runner.run(batches, factors, capture_norm, eager=not clean)
         self.timer.start("grad_sync")
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.cfg.parallel.data_parallel == "none":
-            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+        if self.cfg.parallel.data_parallel == "none":  # expert ones: reduced by accumulate
+            dense = [p for p in params if not mt_parallel.is_expert_parameter(p)]
+            mt_parallel.all_reduce_gradients(dense, self.dp_cp_group)
         norm_t = result.norm
         if faults.grads != 1.0:
             norm_t = None  # the fault changes the gradients after a captured norm

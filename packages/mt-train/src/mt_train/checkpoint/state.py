@@ -24,8 +24,13 @@ entry that is a piece on this rank, its ``start`` and the full shape.
 Expert parallelism (``parallel.ep > 1``): an MoE layer's routed-expert weights ``[E, out, in]``
 are split along dim 0 over the ep ranks, so ep rank ``r`` holds the flat elements
 ``[r·n, (r+1)·n)`` (``n`` its local numel) of the whole tensor: a piece, with its AdamW moments.
-Its expert-data-parallel replicas (edp rank > 0) hold the same piece and do not write it
-(:attr:`StateLayout.replicas`); loading re-cuts pieces for any ep degree (ep=2 → ep=1 and back).
+Under ``ddp`` and ``none`` its expert-data-parallel replicas (edp rank > 0) hold the same piece
+and do not write it (:attr:`StateLayout.replicas`). Under ``fsdp`` the local experts are a
+DTensor sharded along dim 0 over the edp ranks (the rule above, over edp), and under ``zero1``
+their moments are slices of the edp-sharded expert partition: a piece of a piece, starting at
+``r·n`` plus its start within the local experts, written by every rank that holds it (ZeRO-1's
+weights themselves stay whole on each edp rank, replicas as under ``ddp``). Loading re-cuts
+pieces for any ep degree and data-parallel mode (ep=2 → ep=1 and back).
 
 Invariant: ZeRO-1's master weights equal the fp32 parameters after every step (it copies them
 in), so neither snapshots nor checkpoints store them; they are rebuilt from the restored
@@ -68,7 +73,10 @@ def row_shard_start(tensor: DTensor) -> int:
             f"placements {tuple(tensor.placements)}"
         )
     mesh = tensor.device_mesh
-    rows, world, rank = tensor.shape[0], mesh.size(), mesh.get_local_rank()
+    # The coordinate, not get_local_rank(): that resolves the mesh's process group by name, and
+    # a state dict's DTensors may carry an equal mesh of an earlier, destroyed group (DTensor's
+    # sharding cache compares meshes by ranks, not groups: a second trainer in one process).
+    rows, world, (rank,) = tensor.shape[0], mesh.size(), mesh.get_coordinate()
     first_row = min(rank * math.ceil(rows / world), rows)
     return first_row * (tensor.numel() // rows if rows else 0)
 
@@ -87,24 +95,14 @@ class StateLayout:
     @classmethod
     def of(cls, module: nn.Module, optimizer: Any) -> StateLayout:
         layout = cls()
-        if isinstance(optimizer, Zero1AdamW):
+        zero1 = isinstance(optimizer, Zero1AdamW)
+        if zero1:
             for name, param in zip(optimizer.names, optimizer.params, strict=True):
                 for key in MOMENTS:
                     layout.shapes[f"optim/{name}/{key}"] = list(param.shape)
             for view in optimizer.views():
                 for key in MOMENTS:
                     layout.starts[f"optim/{view.name}/{key}"] = view.start
-        for short, param in named_parameters(module).items():
-            expert = getattr(param, "expert_rank", None)
-            if expert is None:
-                continue
-            ep_rank, ep_size, edp_rank = expert
-            names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
-            for name in names:
-                layout.starts[name] = ep_rank * param.numel()
-                layout.shapes[name] = [param.shape[0] * ep_size, *param.shape[1:]]
-                if edp_rank != 0:
-                    layout.replicas.add(name)
         for key, value in module.state_dict().items():
             if isinstance(value, DTensor):
                 short = canonical_key(key)
@@ -113,6 +111,21 @@ class StateLayout:
                 for name in names:
                     layout.starts[name] = start
                     layout.shapes[name] = list(value.shape)
+        for short, param in named_parameters(module).items():
+            expert = getattr(param, "expert_rank", None)
+            if expert is None:
+                continue
+            ep_rank, ep_size, edp_rank = expert
+            names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
+            for name in names:
+                layout.shapes[name] = [param.shape[0] * ep_size, *param.shape[1:]]
+                within = layout.starts.get(name)  # FSDP2's or ZeRO-1's edp shard, if any
+                if within is not None:
+                    layout.starts[name] = ep_rank * param.numel() + within
+                elif not (zero1 and name.startswith("optim/")):  # else not in this shard
+                    layout.starts[name] = ep_rank * param.numel()  # whole, as on every edp rank
+                    if edp_rank != 0:
+                        layout.replicas.add(name)
         return layout
 
 

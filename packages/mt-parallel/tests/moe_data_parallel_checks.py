@@ -1,0 +1,129 @@
+"""Run on every rank of a DistributedPool by test_moe_data_parallel_world4.py: a two-block MoE
+model in float64 trained a few AdamW steps (two micro-batches each, global-norm clipping) with
+expert parallelism under each data-parallel mode, against the unsplit model on one process.
+
+Each rank builds the same model (same seeds), splits its experts over ``ep``, and trains on its
+own tokens; the reference runs every rank's tokens in turn with the loss averaged over the
+dp×cp ranks and micro-batches (what the modes' gradient reductions must reproduce), clipped by
+torch's ``clip_grad_norm_``. Returns the relative errors of every parameter after the last step
+and of every step's gradient norm, this rank's final parameters (the local experts and the
+rest, whole) for comparing the modes with each other, and how the mode sharded the experts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from parallel_checks import rel_err
+from torch import nn
+
+import mt_comm
+import mt_parallel as mp
+from mt_parallel.mappings import group_size
+from mt_parallel.moe import MoE, MoEConfig, apply_expert_parallel, collect_aux_losses
+
+DIM, BATCH, SEQ, STEPS, MICRO = 16, 2, 6, 3, 2
+LR, MAX_NORM = 1e-2, 0.05
+
+
+class Block(nn.Module):
+    """A dense projection, then an MoE feed-forward with a residual."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.moe = MoE(DIM, cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h + self.moe(h)
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(cfg), Block(cfg)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _loss(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    aux, _ = collect_aux_losses(model)
+    return (y * g).sum() + aux
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    full = param.full_tensor() if hasattr(param, "full_tensor") else param
+    return full.detach().clone()
+
+
+def train_steps(mode: str, ep: int = 2, num_experts: int = 8) -> dict:
+    state = mt_comm.init_parallel_state(ep=ep)
+    cfg = MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_dim=16)
+    torch.manual_seed(0)
+    model = TwoBlocks(cfg).double()
+    for i, block in enumerate(model.blocks):
+        mp.init_weights(block.moe, seed=3 + i)
+        with torch.no_grad():
+            block.moe.router.weight.mul_(25)  # spread the scores: ties must not decide routing
+    reference = copy.deepcopy(model)
+    dp_cp, tp = state.group("dp_cp"), state.group("tp")
+    apply_expert_parallel(model, state.group("ep"), state.group("edp"), dp_cp)
+    wrapped = mp.apply_data_parallel(model, mode, dp_cp, "cpu", (Block,))
+    if mode == "zero1":
+        optimizer = mp.DistributedOptimizer(model.parameters(), dp_cp, tp, lr=LR)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+
+    ranks, rank = state.size("dp_cp"), state.rank("dp_cp")
+    gen = torch.Generator().manual_seed(7)
+    shape = (STEPS, MICRO, ranks, BATCH, SEQ, DIM)
+    xs = torch.randn(shape, generator=gen, dtype=torch.float64)
+    gs = torch.randn(shape, generator=gen, dtype=torch.float64)
+    norms, clipped = [], []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            with mp.accumulate(wrapped, is_last=micro == MICRO - 1):
+                (_loss(wrapped, xs[step, micro, rank], gs[step, micro, rank]) / MICRO).backward()
+        if mode == "zero1":
+            norm = optimizer.step(MAX_NORM)
+        else:
+            norm = mp.clip_grad_norm_(list(model.parameters()), MAX_NORM, tp, None, dp_cp)
+            optimizer.step()
+        optimizer.zero_grad()
+
+        for micro in range(MICRO):
+            for r in range(ranks):
+                (
+                    _loss(reference, xs[step, micro, r], gs[step, micro, r]) / (MICRO * ranks)
+                ).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        norms.append(rel_err(norm, ref_norm))
+        clipped.append(bool(ref_norm > MAX_NORM))
+
+    expected = dict(reference.named_parameters())
+    local = cfg.num_experts // ep
+    errors, final = {}, {}
+    for name, param in model.named_parameters():
+        want = expected[name]
+        if mp.is_expert_parameter(param):
+            e = state.rank("ep")
+            want = want[e * local : (e + 1) * local]
+        final[name] = _whole(param)
+        errors[name] = rel_err(final[name], want)
+    expert = model.blocks[0].moe.experts.gate_proj.weight
+    sharding = {
+        "expert_local_rows": int(getattr(expert, "to_local", lambda: expert)().shape[0]),
+        "partition_groups": [group_size(p.group) for p in optimizer.partitions]
+        if mode == "zero1"
+        else [],
+    }
+    return {"params": errors, "norms": norms, "clipped": clipped, "final": final, **sharding}

@@ -1,0 +1,64 @@
+"""Expert parallelism under each data-parallel mode on 4 gloo ranks (ep=2, dp=4: each expert
+is held by an expert-data-parallel group of 2 ranks), in float64 against one process and
+against each other: ``ddp``, ``fsdp`` (experts sharded over the edp mesh) and ``zero1`` (the
+experts' optimizer state sharded over edp) reach the same parameters and gradient norms after
+clipped AdamW steps with gradient accumulation, also when FSDP2 cannot split the local experts
+evenly over edp (one pool for the module)."""
+
+from __future__ import annotations
+
+import moe_data_parallel_checks
+import pytest
+from parallel_checks import rel_err
+
+from mt_comm.testing import DistributedPool
+
+# Both sides in float64 with the same experts, tokens and order of micro-batches; only the
+# order of the terms of each gradient sum (rows inside the grouped GEMMs, the ranks in a
+# collective, AdamW's elementwise math is identical) differs: a few ulps of 1.1e-16, which
+# three AdamW steps move by a few more (lr·(g/√v) is smooth in g away from g = 0). 1e-12
+# stays far below a wrong expert scaling: dividing the expert gradients by edp = 2 instead of
+# dp = 4 (FSDP2's default average, or ZeRO-1's) was measured to move the norms by 2e-5 and the
+# parameters by 5e-6 relative (AdamW is nearly scale-free per element, so the change comes
+# through the clip coefficient), as do a missing reduction or a gradient counted twice.
+FP64_BOUND = 1e-12
+# mp.clip_grad_norm_ sums in float64 but returns the norm as float32 (ZeRO-1 returns it in the
+# master dtype): one rounding, relative error ≤ 2⁻²⁴ ≈ 6e-8, on top of the fp64 ulps.
+NORM_BOUND = 2**-23
+MODES = ("ddp", "fsdp", "zero1")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with DistributedPool(world_size=4) as pool:
+        out = {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
+        # 2 experts over ep=2: one local expert, which FSDP2 cannot split evenly over 2 edp
+        # ranks (dim 0 has 1 row: one rank holds it, the other an empty shard)
+        out["fsdp-uneven"] = pool.run(
+            moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2
+        )
+        yield out
+
+
+@pytest.mark.parametrize("mode", [*MODES, "fsdp-uneven"])
+def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
+    for result in runs[mode]:
+        assert any(result["clipped"]), result["clipped"]  # clipping is part of the check
+        assert max(result["norms"]) < NORM_BOUND, result["norms"]
+        assert max(result["params"].values()) < FP64_BOUND, result["params"]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_sharded_modes_equal_ddp(runs: dict, mode: str) -> None:
+    for ours, ddp in zip(runs[mode], runs["ddp"], strict=True):
+        for name, value in ddp["final"].items():
+            assert rel_err(ours["final"][name], value) < FP64_BOUND, name
+
+
+def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> None:
+    # 8 experts over ep=2: 4 per rank, which FSDP2 splits over the 2 edp ranks.
+    assert {r["expert_local_rows"] for r in runs["ddp"]} == {4}
+    assert {r["expert_local_rows"] for r in runs["fsdp"]} == {2}
+    assert sorted(r["expert_local_rows"] for r in runs["fsdp-uneven"]) == [0, 0, 1, 1]
+    # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
+    assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}
