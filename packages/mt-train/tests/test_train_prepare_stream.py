@@ -51,16 +51,21 @@ def test_readers_never_hold_a_whole_file(tmp_path: Path, name: str) -> None:
         path.write_text(("Chapter 1\n" + "word " * 200 + "\n") * (CORPUS_MB * 1000))
     else:
         _write_jsonl(path, CORPUS_MB)
-    tracemalloc.start()
-    try:
-        documents = sum(1 for _ in read_records([path], doc_start="Chapter"))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert documents > 1000
-    # A reader that read the file whole would hold at least its size (8 MB of text);
-    # one line or one 1 KB document at a time, plus the 128 KB gzip buffer, stays far below.
-    assert peak < (1 << 20), f"peak {peak} bytes while reading {path.stat().st_size}"
+    for read in (
+        lambda: read_records([path], doc_start="Chapter"),
+        lambda: read_chunks([path], doc_start="Chapter", chunk_bytes=1 << 16),
+    ):
+        tracemalloc.start()
+        try:
+            pieces = sum(1 for _ in read())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert pieces > 100
+        # A reader that read the file whole would hold at least its size (8 MB of text); one
+        # line, one 1 KB document or one 64 KB chunk at a time, plus the 128 KB gzip buffer,
+        # stays far below.
+        assert peak < (1 << 20), f"peak {peak} bytes while reading {path.stat().st_size}"
 
 
 def test_writer_memory_does_not_grow_with_the_corpus(
@@ -402,6 +407,10 @@ def test_bpe_is_trained_on_the_leading_sample_only(tmp_path: Path) -> None:
     assert saved == (tmp_path / "two/tokenizer.json").read_text()  # deterministic
     expected = train_bpe(texts[:40], 300).tokenizer.to_str()
     assert json.loads(saved)["model"] == json.loads(expected)["model"]  # the later text unseen
+
+    # encode_batch (encode_batch_fast, no offsets) gives the ids of encode, one text at a time.
+    tokenizer = train_bpe(texts[:40], 300)
+    assert tokenizer.encode_batch(texts) == [tokenizer.tokenizer.encode(t).ids for t in texts]
 
 
 def test_progress_redraws_one_line_on_a_terminal() -> None:
