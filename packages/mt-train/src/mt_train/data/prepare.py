@@ -27,9 +27,9 @@ and the ``(line, reason)`` of its bad records, which :class:`mt_train.data.reade
 judges in input order (the first bad record of the input stops the run, whichever worker
 finished first). Results are appended to the token and offset files as they come back, so
 memory is bounded by the chunks in flight, not by the corpus. Documents given as strings
-(:func:`write_prepared`) take the same path in chunks of ``BATCH_CHARS`` characters. ``max_token_id`` (the largest id written) lets ``mt-train``
-check the data against ``model.vocab_size`` without reading every token
-(:mod:`mt_train.data.checks`).
+(:func:`write_prepared`) take the same path in chunks of ``BATCH_CHARS`` characters.
+``max_token_id`` (the largest id written) lets ``mt-train`` check the data against
+``model.vocab_size`` without reading every token (:mod:`mt_train.data.checks`).
 
 Atomicity. Everything is written into a temporary sibling folder ``.<out>.partial-<pid>``
 and ``meta.json`` last; only then is the folder renamed to ``out`` (an existing prepared
@@ -121,7 +121,7 @@ def _encode(
     in a pool worker the tokenizer and ``text_key`` are the ones :func:`_init_worker` set."""
     tok = tokenizer or _worker_tokenizer
     assert tok is not None, "the pool initializer sets the tokenizer"
-    texts, bad = parse_chunk(chunk, text_key or _worker_text_key)
+    texts, bad = parse_chunk(chunk, _worker_text_key if text_key is None else text_key)
     encoded = tok.encode_batch(texts) if texts else []
     lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
     flat = np.empty(int(lengths.sum()), dtype=token_dtype(tok))
