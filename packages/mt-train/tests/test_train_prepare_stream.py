@@ -7,6 +7,8 @@ import gzip
 import io
 import json
 import re
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -411,6 +413,17 @@ def test_bpe_is_trained_on_the_leading_sample_only(tmp_path: Path) -> None:
     # encode_batch (encode_batch_fast, no offsets) gives the ids of encode, one text at a time.
     tokenizer = train_bpe(texts[:40], 300)
     assert tokenizer.encode_batch(texts) == [tokenizer.tokenizer.encode(t).ids for t in texts]
+
+
+def test_prepare_data_starts_without_torch() -> None:
+    # The command's start-up was 2 s of importing torch through mt_train's exports
+    # (docs/performance.md); they load on first use now, and the data modules need no torch.
+    code = (
+        "import sys; import mt_train.data.prepare, mt_train.data.readers;"
+        "print(sorted(m for m in ('torch', 'mt_train.trainer') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_progress_redraws_one_line_on_a_terminal() -> None:
