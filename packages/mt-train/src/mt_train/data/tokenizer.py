@@ -74,7 +74,7 @@ class HFTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of ``texts``; ``encode_batch_fast`` skips the character offsets (the same ids,
-        and ~20% faster on one core than ``encode_batch``: docs/performance.md)."""
+        faster than ``encode_batch``: docs/performance.md, data preparation)."""
         encoded = self.tokenizer.encode_batch_fast(list(texts))  # type: ignore[attr-defined]
         return [e.ids for e in encoded]
 
