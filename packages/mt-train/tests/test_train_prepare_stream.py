@@ -7,6 +7,9 @@ import gzip
 import io
 import json
 import re
+import subprocess
+import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -16,9 +19,17 @@ import pytest
 from mt_train.data import ByteTokenizer, bundled_corpus, prepare
 from mt_train.data.checks import check_prepared
 from mt_train.data.prepare import main as prepare_main
-from mt_train.data.prepare import read_documents, write_prepared
+from mt_train.data.prepare import prepare_files, read_documents, write_prepared
 from mt_train.data.progress import Progress
-from mt_train.data.readers import ReadStats, input_files, read_records
+from mt_train.data.readers import (
+    BadRecord,
+    ReadStats,
+    Tally,
+    input_files,
+    parse_chunk,
+    read_chunks,
+    read_records,
+)
 from mt_train.errors import DataError
 
 CORPUS_MB = 8
@@ -42,16 +53,21 @@ def test_readers_never_hold_a_whole_file(tmp_path: Path, name: str) -> None:
         path.write_text(("Chapter 1\n" + "word " * 200 + "\n") * (CORPUS_MB * 1000))
     else:
         _write_jsonl(path, CORPUS_MB)
-    tracemalloc.start()
-    try:
-        documents = sum(1 for _ in read_records([path], doc_start="Chapter"))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert documents > 1000
-    # A reader that read the file whole would hold at least its size (8 MB of text);
-    # one line or one 1 KB document at a time, plus the 128 KB gzip buffer, stays far below.
-    assert peak < (1 << 20), f"peak {peak} bytes while reading {path.stat().st_size}"
+    for read in (
+        lambda: read_records([path], doc_start="Chapter"),
+        lambda: read_chunks([path], doc_start="Chapter", chunk_bytes=1 << 16),
+    ):
+        tracemalloc.start()
+        try:
+            pieces = sum(1 for _ in read())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert pieces > 100
+        # A reader that read the file whole would hold at least its size (8 MB of text); one
+        # line, one 1 KB document or one 64 KB chunk at a time, plus the 128 KB gzip buffer,
+        # stays far below.
+        assert peak < (1 << 20), f"peak {peak} bytes while reading {path.stat().st_size}"
 
 
 def test_writer_memory_does_not_grow_with_the_corpus(
@@ -177,6 +193,89 @@ def test_a_bad_record_is_one_line_naming_file_and_line(
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
     assert meta["skipped_records"] == 1
     assert sum(s["documents"] for s in meta["splits"].values()) == 6
+
+
+def _mixed_inputs(folder: Path) -> list[Path]:
+    """JSONL (plain and gzip) with blank and bad lines of every kind, an empty shard and a text
+    file split by ``doc_start``: what both ways of reading must agree on."""
+    lines = []
+    for i in range(60):
+        lines.append(json.dumps({"text": f"document {i} " + "é " * (i % 7)}).encode() + b"\n")
+        if i % 9 == 4:
+            lines.append(b"\n")
+    for at, bad in [(3, b'{"text": "cut\n'), (17, b"[1, 2]\n"), (30, b'{"body": 1}\n'),
+                    (41, b'{"text": null}\n'), (52, b'{"text": "caf\xe9"}\n')]:  # fmt: skip
+        lines.insert(at, bad)
+    (folder / "a.jsonl").write_bytes(b"".join(lines))
+    with gzip.open(folder / "b.jsonl.gz", "wb") as f:
+        f.write(b"".join(lines[::-1]).rstrip(b"\n"))  # the last line without its newline
+    (folder / "c.jsonl").write_bytes(b"\n\n")
+    (folder / "d.txt").write_bytes(b"preface\nChapter 1\nword\n\xffbad\nChapter 2\nmore\n")
+    return input_files([folder])
+
+
+def test_chunked_parsing_equals_in_process_parsing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _mixed_inputs(tmp_path)
+    expected_stats = ReadStats()
+    records = read_records(files, doc_start="Chapter", skip_bad=True, stats=expected_stats)
+    expected = [r.text for r in records]
+    assert expected_stats.bad_records == 2 * 5 + 1 + 1  # 5 bad lines twice, a bad byte, c.jsonl
+    for chunk_bytes in (64, 1 << 20):  # lines split over many chunks, and one chunk a file
+        stats = ReadStats()
+        tally, texts = Tally(stats, skip_bad=True), []
+        for chunk in read_chunks(files, "text", "Chapter", stats, chunk_bytes=chunk_bytes):
+            parsed, bad = parse_chunk(chunk, "text")
+            tally.add(chunk, len(parsed), bad)
+            texts.extend(parsed)
+        assert texts == expected
+        assert (stats.bad_records, stats.documents) == (expected_stats.bad_records, len(expected))
+        assert stats.bad_examples == expected_stats.bad_examples
+        assert stats.bytes_read == expected_stats.bytes_read
+
+    # Through the pool: the same token files as the in-process reader's documents.
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 100)
+    reference = tmp_path / "reference"
+    write_prepared(reference, iter(expected), ByteTokenizer(), 5)
+    pooled_stats = ReadStats()
+    pooled = tmp_path / "pooled"
+    prepare_files(pooled, files, ByteTokenizer(), 5, workers=2, doc_start="Chapter",
+                  skip_bad=True, stats=pooled_stats)  # fmt: skip
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
+        assert (pooled / name).read_bytes() == (reference / name).read_bytes(), name
+    assert pooled_stats.bad_examples == expected_stats.bad_examples
+
+
+class _SlowOnMarker(ByteTokenizer):
+    """Sleeps on the batch holding the document ``slow``, so later batches finish first."""
+
+    def encode_batch(self, texts):
+        if "slow" in texts:
+            time.sleep(0.5)
+        return super().encode_batch(texts)
+
+
+def test_a_bad_record_in_a_worker_is_reported_first_in_input_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 64)  # three or four lines a chunk
+    lines = [json.dumps({"text": "slow" if i == 0 else f"doc {i}"}) + "\n" for i in range(40)]
+    lines[2] = '{"text": "first bad"\n'  # line 3, in the slow first chunk
+    lines[30] = "not json\n"  # line 31, in a chunk that finishes long before
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(lines))
+    with pytest.raises(BadRecord) as caught:
+        prepare_files(tmp_path / "out", [src], _SlowOnMarker(), 5, workers=2)
+    assert str(caught.value).startswith(f"{src}:3: not JSON")
+    assert not (tmp_path / "out").exists()
+
+    stats = ReadStats()
+    meta = prepare_files(tmp_path / "out", [src], _SlowOnMarker(), 5, workers=2, skip_bad=True,
+                         stats=stats)  # fmt: skip
+    assert stats.bad_examples[0].startswith(f"{src}:3: not JSON")
+    assert stats.bad_examples[1].startswith(f"{src}:31: not JSON")
+    assert meta["skipped_records"] == 2 and stats.documents == 38
 
 
 def test_an_empty_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -310,6 +409,21 @@ def test_bpe_is_trained_on_the_leading_sample_only(tmp_path: Path) -> None:
     assert saved == (tmp_path / "two/tokenizer.json").read_text()  # deterministic
     expected = train_bpe(texts[:40], 300).tokenizer.to_str()
     assert json.loads(saved)["model"] == json.loads(expected)["model"]  # the later text unseen
+
+    # encode_batch (encode_batch_fast, no offsets) gives the ids of encode, one text at a time.
+    tokenizer = train_bpe(texts[:40], 300)
+    assert tokenizer.encode_batch(texts) == [tokenizer.tokenizer.encode(t).ids for t in texts]
+
+
+def test_prepare_data_starts_without_torch() -> None:
+    # The command's start-up was 2 s of importing torch through mt_train's exports
+    # (docs/performance.md); they load on first use now, and the data modules need no torch.
+    code = (
+        "import sys; import mt_train.data.prepare, mt_train.data.readers;"
+        "print(sorted(m for m in ('torch', 'mt_train.trainer') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_progress_redraws_one_line_on_a_terminal() -> None:

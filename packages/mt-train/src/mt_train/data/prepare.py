@@ -16,13 +16,20 @@ input order, :mod:`mt_train.data.readers`) goes to validation when
 ``d % val_every == val_every - 1`` (spread over the corpus, not its tail), so the split is
 deterministic and independent of the tokenizer and of ``--workers``.
 
-Streaming. Documents are read one at a time, grouped into batches of at most
-``BATCH_CHARS`` characters, tokenized (in a pool of ``workers`` processes, at most
-``2·workers`` batches in flight, results taken in submission order) and appended to the
-token and offset files as they come back. Memory is therefore bounded by the batches in
-flight, not by the corpus. ``max_token_id`` (the largest id written) lets ``mt-train``
-check the data against ``model.vocab_size`` without reading every token
-(:mod:`mt_train.data.checks`).
+Streaming. Input files are cut into chunks of about ``BATCH_CHARS`` bytes
+(:func:`mt_train.data.readers.read_chunks`): JSONL as whole raw lines, which this process
+neither decodes nor parses; ``.txt`` documents and Parquet rows as strings. Each chunk is
+parsed (UTF-8, JSON, ``text_key``: :func:`mt_train.data.readers.parse_chunk`) and tokenized
+by one call of :func:`_encode`, in a pool of ``workers`` processes (at most ``2·workers``
+chunks in flight, results taken in submission order) or, with one worker, in this process.
+A result is the chunk's ids as one array in the token file's dtype, the documents' lengths
+and the ``(line, reason)`` of its bad records, which :class:`mt_train.data.readers.Tally`
+judges in input order (the first bad record of the input stops the run, whichever worker
+finished first). Results are appended to the token and offset files as they come back, so
+memory is bounded by the chunks in flight, not by the corpus. Documents given as strings
+(:func:`write_prepared`) take the same path in chunks of ``BATCH_CHARS`` characters.
+``max_token_id`` (the largest id written) lets ``mt-train`` check the data against
+``model.vocab_size`` without reading every token (:mod:`mt_train.data.checks`).
 
 Atomicity. Everything is written into a temporary sibling folder ``.<out>.partial-<pid>``
 and ``meta.json`` last; only then is the folder renamed to ``out`` (an existing prepared
@@ -48,14 +55,23 @@ import numpy as np
 from mt_train import fault_points
 from mt_train.data.progress import Progress
 from mt_train.data.publish import building, write_meta
-from mt_train.data.readers import ReadStats, input_bytes, input_files, read_records
+from mt_train.data.readers import (
+    Chunk,
+    ReadStats,
+    Tally,
+    input_bytes,
+    input_files,
+    parse_chunk,
+    read_chunks,
+    read_records,
+)
 from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer, HFTokenizer, Tokenizer, train_bpe
 from mt_train.errors import UserError, report
 
 FORMAT_VERSION = 1
 KJV_CHAPTER = r"^(?:[1-3] )?[A-Z][A-Za-z ]+ [0-9]+$"
 BATCH_CHARS = 1 << 20
-"""Characters of text per tokenization batch (the unit of work of one pool task)."""
+"""Bytes of raw JSONL (characters of decoded text) per chunk, the unit of work of one pool task."""
 
 
 def read_documents(
@@ -70,50 +86,61 @@ def token_dtype(tokenizer: Tokenizer) -> type:
     return np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
 
 
-def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+def _string_chunks(documents: Iterable[str]) -> Iterator[Chunk]:
+    """``documents`` given as strings, ``BATCH_CHARS`` characters a chunk."""
     batch: list[str] = []
     size = 0
     for text in documents:
         batch.append(text)
         size += len(text)
         if size >= BATCH_CHARS:
-            yield batch
+            yield Chunk(None, texts=tuple(batch))
             batch, size = [], 0
     if batch:
-        yield batch
+        yield Chunk(None, texts=tuple(batch))
 
 
 _worker_tokenizer: Tokenizer | None = None
+_worker_text_key = "text"
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+def _init_worker(tokenizer: Tokenizer, text_key: str) -> None:
+    global _worker_tokenizer, _worker_text_key
+    _worker_tokenizer, _worker_text_key = tokenizer, text_key
 
 
-def _encode(texts: list[str], tokenizer: Tokenizer | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of ``texts``, each followed by EOS, concatenated in the token file's dtype (the
-    smallest transfer back from a worker), and each one's length."""
+Encoded = tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]
+"""A chunk's ids (each document's followed by EOS, concatenated in the token file's dtype, the
+smallest transfer back from a worker), each document's length, and its bad records."""
+
+
+def _encode(
+    chunk: Chunk, tokenizer: Tokenizer | None = None, text_key: str | None = None
+) -> Encoded:
+    """Parse ``chunk`` (:func:`mt_train.data.readers.parse_chunk`) and tokenize its documents;
+    in a pool worker the tokenizer and ``text_key`` are the ones :func:`_init_worker` set."""
     tok = tokenizer or _worker_tokenizer
     assert tok is not None, "the pool initializer sets the tokenizer"
-    encoded = tok.encode_batch(texts)
+    texts, bad = parse_chunk(chunk, _worker_text_key if text_key is None else text_key)
+    encoded = tok.encode_batch(texts) if texts else []
     lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
     flat = np.empty(int(lengths.sum()), dtype=token_dtype(tok))
     ends = np.cumsum(lengths)
     for ids, end, length in zip(encoded, ends, lengths, strict=True):
         flat[end - length : end - 1] = ids
         flat[end - 1] = tok.eos_id
-    return flat, lengths
+    return flat, lengths, bad
 
 
 def _encoded(
-    documents: Iterable[str], tokenizer: Tokenizer, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Encoded batches in input order; ``workers > 1`` tokenizes in a process pool with at
-    most ``2·workers`` batches in flight (bounded memory, order kept by a FIFO)."""
+    chunks: Iterable[Chunk], tokenizer: Tokenizer, text_key: str, workers: int
+) -> Iterator[tuple[Chunk, Encoded]]:
+    """Each chunk with its :data:`Encoded`, in input order; ``workers > 1`` parses and tokenizes
+    in a process pool with at most ``2·workers`` chunks in flight (bounded memory, order kept
+    by a FIFO), while this process only reads."""
     if workers <= 1:
-        for batch in _batches(documents):
-            yield _encode(batch, tokenizer)
+        for chunk in chunks:
+            yield chunk, _encode(chunk, tokenizer, text_key)
         return
     # NOTE: each worker tokenizes single-threaded; the variable must be set before the fork,
     # or `tokenizers` warns that parallelism was already used in the parent.
@@ -121,14 +148,16 @@ def _encoded(
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     context = multiprocessing.get_context("fork")
     try:
-        with context.Pool(workers, _init_worker, (tokenizer,)) as pool:
+        with context.Pool(workers, _init_worker, (tokenizer, text_key)) as pool:
             pending: collections.deque = collections.deque()
-            for batch in _batches(documents):
-                pending.append(pool.apply_async(_encode, (batch,)))
+            for chunk in chunks:
+                pending.append((chunk, pool.apply_async(_encode, (chunk,))))
                 if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
+                    done, result = pending.popleft()
+                    yield done, result.get()
             while pending:
-                yield pending.popleft().get()
+                done, result = pending.popleft()
+                yield done, result.get()
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -161,19 +190,21 @@ class _SplitFiles:
 
 def _write_splits(
     folder: Path,
-    documents: Iterable[str],
+    chunks: Iterable[Chunk],
     tokenizer: Tokenizer,
     val_every: int,
     workers: int,
+    text_key: str,
+    tally: Tally,
     progress: Progress | None,
-    stats: ReadStats | None,
 ) -> dict[str, object]:
     fault_points.disk_write("data", folder / "train.bin")
     dtype = token_dtype(tokenizer)
     files = {split: _SplitFiles(folder, split, dtype) for split in ("train", "val")}
-    largest, seen = -1, 0
+    largest, seen, stats = -1, 0, tally.stats
     try:
-        for flat, lengths in _encoded(documents, tokenizer, workers):
+        for chunk, (flat, lengths, bad) in _encoded(chunks, tokenizer, text_key, workers):
+            tally.add(chunk, int(lengths.size), bad)
             numbers = seen + np.arange(lengths.size)
             is_val = numbers % val_every == val_every - 1
             owner = np.repeat(is_val, lengths)
@@ -185,7 +216,7 @@ def _write_splits(
                     files[split].append(flat[token_mask], lengths[mask])
             largest = max(largest, int(flat.max()) if flat.size else -1)
             seen += int(lengths.size)
-            if progress is not None and stats is not None:
+            if progress is not None:
                 tokens = files["train"].tokens + files["val"].tokens
                 progress.update(seen, tokens, stats.bytes_read)
     finally:
@@ -194,7 +225,7 @@ def _write_splits(
     for split, f in files.items():
         if not f.documents:
             raise ValueError(f"the {split} split is empty: {seen} documents, val_every={val_every}")
-    if progress is not None and stats is not None:
+    if progress is not None:
         progress.close(seen, files["train"].tokens + files["val"].tokens, stats.bytes_read)
     meta: dict[str, object] = {
         "format": FORMAT_VERSION,
@@ -205,11 +236,30 @@ def _write_splits(
         "max_token_id": largest,
         "dtype": np.dtype(dtype).name,
         "splits": {s: {"tokens": f.tokens, "documents": f.documents} for s, f in files.items()},
+        "skipped_records": stats.bad_records,
     }
-    if stats is not None:
-        meta["skipped_records"] = stats.bad_records
     write_meta(folder, meta)
     return meta
+
+
+def _publish(
+    out: Path,
+    chunks: Iterable[Chunk],
+    tokenizer: Tokenizer,
+    val_every: int,
+    workers: int,
+    text_key: str,
+    tally: Tally,
+    progress: Progress | None,
+) -> dict[str, object]:
+    if val_every < 2:
+        raise ValueError(
+            f"val_every must be >= 2 (1 would leave nothing to train on), got {val_every}"
+        )
+    with building(Path(out)) as partial:
+        return _write_splits(
+            partial, chunks, tokenizer, val_every, workers, text_key, tally, progress
+        )
 
 
 def write_prepared(
@@ -221,15 +271,31 @@ def write_prepared(
     progress: Progress | None = None,
     stats: ReadStats | None = None,
 ) -> dict[str, object]:
-    """Tokenize ``documents`` (streamed) and publish the folder of the module docstring at
-    ``out`` atomically; ``progress``/``stats`` report what the readers consumed."""
-    if val_every < 2:
-        raise ValueError(
-            f"val_every must be >= 2 (1 would leave nothing to train on), got {val_every}"
-        )
-    with building(Path(out)) as partial:
-        meta = _write_splits(partial, documents, tokenizer, val_every, workers, progress, stats)
-    return meta
+    """Tokenize ``documents`` (strings, streamed) and publish the folder of the module
+    docstring at ``out`` atomically; ``progress`` reports the bytes ``stats`` counts."""
+    tally = Tally(stats if stats is not None else ReadStats(), skip_bad=False)
+    chunks = _string_chunks(documents)
+    return _publish(out, chunks, tokenizer, val_every, workers, "text", tally, progress)
+
+
+def prepare_files(
+    out: Path,
+    files: Sequence[Path],
+    tokenizer: Tokenizer,
+    val_every: int,
+    workers: int = 1,
+    text_key: str = "text",
+    doc_start: str | None = None,
+    skip_bad: bool = False,
+    progress: Progress | None = None,
+    stats: ReadStats | None = None,
+) -> dict[str, object]:
+    """:func:`write_prepared` for input files read by :func:`mt_train.data.readers.read_chunks`:
+    this process reads raw lines, the workers parse and tokenize them (module docstring)."""
+    stats = stats if stats is not None else ReadStats()
+    chunks = read_chunks(files, text_key, doc_start, stats, chunk_bytes=BATCH_CHARS)
+    tally = Tally(stats, skip_bad)
+    return _publish(out, chunks, tokenizer, val_every, workers, text_key, tally, progress)
 
 
 def bundled_corpus() -> Path:
@@ -350,24 +416,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         files = input_files(args.inputs)
 
-        def documents(counted: ReadStats) -> Iterator[str]:
-            records = read_records(
-                files, args.text_key, args.doc_start, args.skip_bad_records, counted
-            )
-            return (r.text for r in records)
-
         if args.tokenizer == "byte":
             tokenizer: Tokenizer = ByteTokenizer()
         elif args.tokenizer == "bpe":
-            sample = _bpe_sample(documents(ReadStats()), args.bpe_sample_bytes)
+            records = read_records(files, args.text_key, args.doc_start, args.skip_bad_records)
+            sample = _bpe_sample((r.text for r in records), args.bpe_sample_bytes)
             tokenizer = train_bpe(sample, args.vocab_size)
         else:
             tokenizer = HFTokenizer.from_file(args.tokenizer, args.eos_token)
         progress = Progress(input_bytes(files), args.quiet, every_s=args.progress_every)
         workers = args.workers or default_workers()
-        meta = write_prepared(
-            args.out, documents(stats), tokenizer, args.val_every, workers, progress, stats
-        )
+        meta = prepare_files(
+            args.out, files, tokenizer, args.val_every, workers, args.text_key, args.doc_start,
+            args.skip_bad_records, progress, stats,
+        )  # fmt: skip
     except (OSError, ValueError, UserError) as err:
         return report("mt-prepare-data", err)
     splits = meta["splits"]

@@ -19,11 +19,27 @@ reason`` (:class:`BadRecord`): a line that is not JSON, not an object, lacks ``t
 With ``skip_bad`` the reader counts bad records in :class:`ReadStats` instead of raising.
 ``ReadStats.bytes_read`` counts the input bytes consumed (compressed bytes for ``.gz``), which
 the progress display turns into MB/s and an ETA against :func:`input_bytes`.
+
+Two ways in, one set of rules. :func:`read_records` parses in the calling process, a record at
+a time. :func:`read_chunks` is the split that ``mt-prepare-data`` runs across processes: the
+reading process cuts each JSONL file into :class:`Chunk` s of whole raw lines (bytes, with the
+number of the first line, gzip decompressed as a stream) without decoding them, and
+:func:`parse_chunk`, run by whichever process tokenizes the chunk, decodes UTF-8, parses JSON
+and picks ``text_key`` with the same per-line function :func:`read_records` uses
+(:func:`jsonl_text`). ``.txt`` files (whose ``doc_start`` split is sequential) and Parquet
+record batches are decoded by the reader and travel as strings. Problems travel as ``(line,
+reason)`` pairs and are judged in input order by :class:`Tally`, which raises the first bad
+record (or counts it with ``skip_bad``) and the empty files, so both ways report the same
+``file:line: reason`` and count the same records. A file-level problem (a missing Parquet column,
+a file that is not Parquet) ends the chunks with a :attr:`Chunk.fatal` message, also raised in
+input order (never skipped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import io
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -46,7 +62,7 @@ class BadRecord(UserError):
 
     def __init__(self, path: Path, line: int, reason: str, unit: str = "") -> None:
         super().__init__(f"{path}:{unit}{line}: {reason}")
-        self.reason = reason
+        self.line, self.reason, self.unit = line, reason, unit
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,35 @@ class ReadStats:
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
     """The first few bad records' messages (for the summary line)."""
+
+    def bad(self, error: UserError, skip_bad: bool) -> None:
+        """Raise ``error``, or with ``skip_bad`` count it (and keep the first few messages)."""
+        if not skip_bad:
+            raise error
+        self.bad_records += 1
+        if len(self.bad_examples) < 3:
+            self.bad_examples.append(str(error))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive records of one file: raw JSONL lines or decoded documents (module docstring).
+
+    ``raw`` holds whole lines (each ending in a newline except a file's last), the first being
+    line ``first_line``; ``texts`` holds documents already decoded, and ``bad`` the ``(line,
+    reason)`` of records the reader found bad between them. ``ends_file`` marks a file's last
+    chunk (the empty-file check); ``fatal`` a file-level error, raised when the chunk is reached.
+    ``path`` is ``None`` for documents given as strings (no file, no checks).
+    """
+
+    path: Path | None
+    first_line: int = 1
+    raw: bytes = b""
+    texts: tuple[str, ...] = ()
+    bad: tuple[tuple[int, str], ...] = ()
+    unit: str = ""
+    ends_file: bool = False
+    fatal: str | None = None
 
 
 def _kind(path: Path) -> str | None:
@@ -122,28 +167,42 @@ def _decode(path: Path, number: int, line: bytes) -> str | BadRecord:
         return BadRecord(path, number, f"invalid UTF-8 at byte {err.start} of the line")
 
 
+class BadLine(ValueError):
+    """Why one JSONL line is not a document (the ``reason`` of a :class:`BadRecord`)."""
+
+
+def jsonl_text(line: bytes, text_key: str) -> str | None:
+    """The ``text_key`` string of one raw JSONL line, ``None`` for a blank line; a bad line
+    raises :class:`BadLine` with the reason."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadLine(f"invalid UTF-8 at byte {err.start} of the line") from None
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError as err:
+        raise BadLine(f"not JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise BadLine(f"a JSON {type(record).__name__}, not an object")
+    if text_key not in record:
+        raise BadLine(f"no field {text_key!r} (fields: {sorted(record)})")
+    value = record[text_key]
+    if not isinstance(value, str):
+        raise BadLine(f"field {text_key!r} is a {type(value).__name__}, not a string")
+    return value
+
+
 def _jsonl(path: Path, text_key: str, stats: ReadStats) -> Iterator[Record | BadRecord]:
     for number, line in _Lines(path, stats):
-        text = _decode(path, number, line)
-        if isinstance(text, BadRecord):
-            yield text
-            continue
-        if not text.strip():
-            continue
         try:
-            record = json.loads(text)
-        except ValueError as err:
-            yield BadRecord(path, number, f"not JSON ({err})")
+            text = jsonl_text(line, text_key)
+        except BadLine as err:
+            yield BadRecord(path, number, str(err))
             continue
-        if not isinstance(record, dict):
-            yield BadRecord(path, number, f"a JSON {type(record).__name__}, not an object")
-        elif text_key not in record:
-            yield BadRecord(path, number, f"no field {text_key!r} (fields: {sorted(record)})")
-        elif not isinstance(record[text_key], str):
-            kind = type(record[text_key]).__name__
-            yield BadRecord(path, number, f"field {text_key!r} is a {kind}, not a string")
-        else:
-            yield Record(path, number, record[text_key])
+        if text is not None:
+            yield Record(path, number, text)
 
 
 def _parquet(path: Path, text_key: str, stats: ReadStats) -> Iterator[Record | BadRecord]:
@@ -192,6 +251,24 @@ def _text(
         yield Record(path, first, document)
 
 
+def _pattern(doc_start: str | None) -> re.Pattern[str] | None:
+    try:
+        return re.compile(doc_start) if doc_start else None
+    except re.error as err:
+        raise UserError(f"--doc-start {doc_start!r} is not a regular expression: {err}") from None
+
+
+def _reader(
+    path: Path, text_key: str, pattern: re.Pattern[str] | None, stats: ReadStats
+) -> Iterator[Record | BadRecord]:
+    kind = _kind(path)
+    if kind == ".parquet":
+        return _parquet(path, text_key, stats)
+    if kind in (".jsonl", ".jsonl.gz"):
+        return _jsonl(path, text_key, stats)
+    return _text(path, pattern, stats)
+
+
 def read_records(
     files: Sequence[Path],
     text_key: str = "text",
@@ -201,35 +278,137 @@ def read_records(
 ) -> Iterator[Record]:
     """The documents of ``files`` in order (module docstring); bad records raise
     :class:`BadRecord` unless ``skip_bad`` (then they are counted in ``stats``)."""
-    try:
-        pattern = re.compile(doc_start) if doc_start else None
-    except re.error as err:
-        raise UserError(f"--doc-start {doc_start!r} is not a regular expression: {err}") from None
+    pattern = _pattern(doc_start)
     stats = stats if stats is not None else ReadStats()
     for path in files:
-        kind = _kind(path)
-        if kind == ".parquet":
-            reader = _parquet(path, text_key, stats)
-        elif kind in (".jsonl", ".jsonl.gz"):
-            reader = _jsonl(path, text_key, stats)
-        else:
-            reader = _text(path, pattern, stats)
         found = 0
-        for record in reader:
+        for record in _reader(path, text_key, pattern, stats):
             if isinstance(record, BadRecord):
-                if not skip_bad:
-                    raise record
-                stats.bad_records += 1
-                if len(stats.bad_examples) < 3:
-                    stats.bad_examples.append(str(record))
+                stats.bad(record, skip_bad)
                 continue
             found += 1
             stats.documents += 1
             yield record
         if not found:
-            message = f"{path}: no documents (an empty input)"
-            if not skip_bad:
-                raise UserError(message)
-            stats.bad_records += 1
-            if len(stats.bad_examples) < 3:
-                stats.bad_examples.append(message)
+            stats.bad(UserError(f"{path}: no documents (an empty input)"), skip_bad)
+
+
+def _raw_chunks(path: Path, stats: ReadStats, chunk_bytes: int) -> Iterator[Chunk]:
+    """Whole raw lines of a JSONL file, about ``chunk_bytes`` at a time (a longer line whole)."""
+    with open(path, "rb") as raw:
+        stream: BinaryIO = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
+        pending, first_line, position = bytearray(), 1, 0
+        while block := stream.read(chunk_bytes):
+            now = raw.tell()
+            stats.bytes_read += now - position
+            position = now
+            searched = len(pending)
+            pending += block
+            cut = pending.rfind(b"\n", searched) + 1
+            if cut:
+                lines = bytes(pending[:cut])
+                del pending[:cut]
+                yield Chunk(path, first_line, raw=lines)
+                first_line += lines.count(b"\n")
+        if pending:
+            yield Chunk(path, first_line, raw=bytes(pending))
+
+
+def _text_chunks(
+    path: Path, records: Iterator[Record | BadRecord], chunk_chars: int
+) -> Iterator[Chunk]:
+    """Documents (and bad records) decoded by a reader, about ``chunk_chars`` at a time."""
+    texts: list[str] = []
+    bad: list[tuple[int, str]] = []
+    size, unit = 0, ""
+    for record in records:
+        if isinstance(record, BadRecord):
+            bad.append((record.line, record.reason))
+            unit = record.unit
+            continue
+        texts.append(record.text)
+        size += len(record.text)
+        if size >= chunk_chars:
+            yield Chunk(path, texts=tuple(texts), bad=tuple(bad), unit=unit)
+            texts, bad, size = [], [], 0
+    if texts or bad:
+        yield Chunk(path, texts=tuple(texts), bad=tuple(bad), unit=unit)
+
+
+def read_chunks(
+    files: Sequence[Path],
+    text_key: str = "text",
+    doc_start: str | None = None,
+    stats: ReadStats | None = None,
+    *,
+    chunk_bytes: int,
+) -> Iterator[Chunk]:
+    """The records of ``files`` in order as :class:`Chunk` s of about ``chunk_bytes`` bytes
+    (characters for decoded documents), each file's last marked ``ends_file`` (an empty file
+    gives one empty chunk); :func:`parse_chunk` and :class:`Tally` finish the reading."""
+    pattern = _pattern(doc_start)
+    stats = stats if stats is not None else ReadStats()
+    for path in files:
+        if _kind(path) in (".jsonl", ".jsonl.gz"):
+            chunks = _raw_chunks(path, stats, chunk_bytes)
+        else:
+            chunks = _text_chunks(path, _reader(path, text_key, pattern, stats), chunk_bytes)
+        held: Chunk | None = None  # yielded once the next one shows it is not the file's last
+        try:
+            for chunk in chunks:
+                if held is not None:
+                    yield held
+                held = chunk
+        except UserError as err:  # the file as a whole (pyarrow missing, not Parquet, no column)
+            if held is not None:
+                yield held
+            yield Chunk(path, fatal=str(err), ends_file=True)
+            return
+        yield (
+            Chunk(path, ends_file=True)
+            if held is None
+            else dataclasses.replace(held, ends_file=True)
+        )
+
+
+def parse_chunk(chunk: Chunk, text_key: str) -> tuple[list[str], list[tuple[int, str]]]:
+    """The documents of ``chunk`` and the ``(line, reason)`` of its bad records, in order."""
+    if not chunk.raw:
+        return list(chunk.texts), list(chunk.bad)
+    texts: list[str] = []
+    bad: list[tuple[int, str]] = []
+    # Lines keep their newline, as when a file is iterated (a JSON error names the same column).
+    for number, line in enumerate(io.BytesIO(chunk.raw), chunk.first_line):
+        try:
+            text = jsonl_text(line, text_key)
+        except BadLine as err:
+            bad.append((number, str(err)))
+            continue
+        if text is not None:
+            texts.append(text)
+    return texts, bad
+
+
+class Tally:
+    """The reader's verdicts on parsed chunks, given in input order: raises the first bad record
+    (or counts it with ``skip_bad``), an empty file and a file-level error, as
+    :func:`read_records` would; counts the documents of file chunks into ``stats``."""
+
+    def __init__(self, stats: ReadStats, skip_bad: bool) -> None:
+        self.stats, self.skip_bad = stats, skip_bad
+        self.file_documents = 0
+
+    def add(self, chunk: Chunk, documents: int, bad: Sequence[tuple[int, str]]) -> None:
+        if chunk.path is None:
+            return
+        if chunk.fatal is not None:
+            raise UserError(chunk.fatal)
+        for line, reason in bad:
+            self.stats.bad(BadRecord(chunk.path, line, reason, chunk.unit), self.skip_bad)
+        self.stats.documents += documents
+        self.file_documents += documents
+        if chunk.ends_file:
+            if not self.file_documents:
+                message = f"{chunk.path}: no documents (an empty input)"
+                self.stats.bad(UserError(message), self.skip_bad)
+            self.file_documents = 0
