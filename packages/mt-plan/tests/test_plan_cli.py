@@ -67,7 +67,7 @@ def test_explain_breaks_one_layout_down(capsys) -> None:
             ["--cluster", "tpu_pod"],
             "unknown cluster 'tpu_pod'; shipped: h100_nodes, h200, h200_nodes",
         ),
-        (["--calibration", "b200"], "unknown calibration table 'b200'; shipped: h200"),
+        (["--calibration", "b200"], "unknown calibration table 'b200'; shipped: h100, h200"),
         (["--nodes", "0"], "nodes=0 must be a positive integer"),
         (["model=gpt5"], "gpt5"),
     ],
