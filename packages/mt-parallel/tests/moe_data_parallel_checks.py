@@ -1,6 +1,8 @@
 """Run on every rank of a DistributedPool by test_moe_data_parallel_world4.py: a two-block MoE
 model in float64 trained a few AdamW steps (two micro-batches each, global-norm clipping) with
-expert parallelism under each data-parallel mode, against the unsplit model on one process.
+expert parallelism under each data-parallel mode, against the unsplit model on one process;
+optionally at ``tp > 1`` with sequence parallel (each TP rank runs its S/tp tokens: the
+dense projections and the routed experts are replicated over TP, their gradients summed there).
 
 Each rank builds the same model (same seeds), splits its experts over ``ep``, and trains on its
 own tokens; the reference runs every rank's tokens in turn with the loss averaged over the
@@ -15,12 +17,13 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from parallel_checks import rel_err
 from torch import nn
 
 import mt_comm
 import mt_parallel as mp
-from mt_parallel.mappings import group_size
+from mt_parallel.mappings import copy_to_group, group_size
 from mt_parallel.moe import MoE, MoEConfig, apply_expert_parallel, collect_aux_losses
 
 DIM, BATCH, SEQ, STEPS, MICRO = 16, 2, 6, 3, 2
@@ -28,15 +31,23 @@ LR, MAX_NORM = 1e-2, 0.05
 
 
 class Block(nn.Module):
-    """A dense projection, then an MoE feed-forward with a residual."""
+    """A dense projection, then an MoE feed-forward with a residual. Under sequence parallel
+    the projection is replicated over TP and runs on this rank's tokens, so its gradients are
+    summed over TP (``copy_to_group``, as the SP norms do)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.proj = nn.Linear(DIM, DIM)
         self.moe = MoE(DIM, cfg)
+        self.sequence_group = None
+
+    def set_tensor_parallel(self, tp_group: object, sequence_parallel: bool) -> None:
+        self.sequence_group = tp_group if sequence_parallel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.proj(x)
+        weight = copy_to_group(self.proj.weight, self.sequence_group)
+        bias = copy_to_group(self.proj.bias, self.sequence_group)
+        h = F.linear(x, weight, bias)
         return h + self.moe(h)
 
 
@@ -62,8 +73,8 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
-def train_steps(mode: str, ep: int = 2, num_experts: int = 8) -> dict:
-    state = mt_comm.init_parallel_state(ep=ep)
+def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> dict:
+    state = mt_comm.init_parallel_state(tp=tp, ep=ep)
     cfg = MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_dim=16)
     torch.manual_seed(0)
     model = TwoBlocks(cfg).double()
@@ -72,11 +83,13 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8) -> dict:
         with torch.no_grad():
             block.moe.router.weight.mul_(25)  # spread the scores: ties must not decide routing
     reference = copy.deepcopy(model)
-    dp_cp, tp = state.group("dp_cp"), state.group("tp")
+    dp_cp, tp_group, tp_rank = state.group("dp_cp"), state.group("tp"), state.rank("tp")
+    if tp > 1:
+        mp.apply_tensor_parallel(model, tp_group, sequence_parallel=True)
     apply_expert_parallel(model, state.group("ep"), state.group("edp"), dp_cp)
     wrapped = mp.apply_data_parallel(model, mode, dp_cp, "cpu", (Block,))
     if mode == "zero1":
-        optimizer = mp.DistributedOptimizer(model.parameters(), dp_cp, tp, lr=LR)
+        optimizer = mp.DistributedOptimizer(model.parameters(), dp_cp, tp_group, lr=LR)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
@@ -86,15 +99,20 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8) -> dict:
     shape = (STEPS, MICRO, ranks, BATCH, SEQ, DIM)
     xs = torch.randn(shape, generator=gen, dtype=torch.float64)
     gs = torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def mine(full: torch.Tensor) -> torch.Tensor:  # this TP rank's tokens of each sequence
+        return full.chunk(tp, dim=1)[tp_rank]
+
     norms, clipped = [], []
     for step in range(STEPS):
         for micro in range(MICRO):
+            x, g = mine(xs[step, micro, rank]), mine(gs[step, micro, rank])
             with mp.accumulate(wrapped, is_last=micro == MICRO - 1):
-                (_loss(wrapped, xs[step, micro, rank], gs[step, micro, rank]) / MICRO).backward()
+                (_loss(wrapped, x, g) / MICRO).backward()
         if mode == "zero1":
             norm = optimizer.step(MAX_NORM)
         else:
-            norm = mp.clip_grad_norm_(list(model.parameters()), MAX_NORM, tp, None, dp_cp)
+            norm = mp.clip_grad_norm_(list(model.parameters()), MAX_NORM, tp_group, None, dp_cp)
             optimizer.step()
         optimizer.zero_grad()
 

@@ -3,7 +3,9 @@ is held by an expert-data-parallel group of 2 ranks), in float64 against one pro
 against each other: ``ddp``, ``fsdp`` (experts sharded over the edp mesh) and ``zero1`` (the
 experts' optimizer state sharded over edp) reach the same parameters and gradient norms after
 clipped AdamW steps with gradient accumulation, also when FSDP2 cannot split the local experts
-evenly over edp (one pool for the module)."""
+evenly over edp or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
+(dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode). One
+pool for the module."""
 
 from __future__ import annotations
 
@@ -37,10 +39,17 @@ def runs():
         out["fsdp-uneven"] = pool.run(
             moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2
         )
+        # ep = dp = 4: edp groups of one rank (FSDP2 leaves the experts to DDP's reduction)
+        out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
+        for mode in MODES:
+            out[f"{mode}-sp"] = pool.run(moe_data_parallel_checks.train_steps, mode=mode, tp=2)
         yield out
 
 
-@pytest.mark.parametrize("mode", [*MODES, "fsdp-uneven"])
+SP_MODES = tuple(f"{mode}-sp" for mode in MODES)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "fsdp-uneven", "fsdp-edp1", *SP_MODES])
 def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
     for result in runs[mode]:
         assert any(result["clipped"]), result["clipped"]  # clipping is part of the check
@@ -48,9 +57,10 @@ def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
         assert max(result["params"].values()) < FP64_BOUND, result["params"]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+@pytest.mark.parametrize("mode", ["fsdp", "zero1", "fsdp-sp", "zero1-sp"])
 def test_sharded_modes_equal_ddp(runs: dict, mode: str) -> None:
-    for ours, ddp in zip(runs[mode], runs["ddp"], strict=True):
+    baseline = "ddp-sp" if mode.endswith("-sp") else "ddp"
+    for ours, ddp in zip(runs[mode], runs[baseline], strict=True):
         for name, value in ddp["final"].items():
             assert rel_err(ours["final"][name], value) < FP64_BOUND, name
 
@@ -60,5 +70,6 @@ def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> 
     assert {r["expert_local_rows"] for r in runs["ddp"]} == {4}
     assert {r["expert_local_rows"] for r in runs["fsdp"]} == {2}
     assert sorted(r["expert_local_rows"] for r in runs["fsdp-uneven"]) == [0, 0, 1, 1]
+    assert {r["expert_local_rows"] for r in runs["fsdp-edp1"]} == {2}  # 8 over ep=4, unsharded
     # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
     assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}

@@ -1,10 +1,15 @@
-"""The decoder block at dp=2 × cp=2 × tp=2 (with sequence parallel) on 8 gloo ranks."""
+"""On 8 gloo ranks: the decoder block at dp=2 × cp=2 × tp=2 (with sequence parallel), and MoE
+experts split over ep=2 at dp=4 × tp=2 with sequence parallel under FSDP2 and ZeRO-1, whose
+expert-data-parallel groups (2 ranks) reduce-scatter the expert gradients without a TP sum
+(the backward sums them over TP), against one process in float64."""
 
 from __future__ import annotations
 
+import moe_data_parallel_checks
 import parallel_checks as checks
 import pytest
 from parallel_tolerances import assert_close
+from test_moe_data_parallel_world4 import FP64_BOUND, NORM_BOUND
 
 from mt_comm.testing import DistributedPool
 
@@ -18,3 +23,14 @@ def pool():
 def test_decoder_block_dp2_cp2_tp2_sp(pool: DistributedPool) -> None:
     for result in pool.run(checks.decoder_lm, dp=2, cp=2, tp=2, sp=True):
         assert_close(result)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_moe_experts_over_edp2_with_sequence_parallel(pool: DistributedPool, mode: str) -> None:
+    # Bounds and their reasons: test_moe_data_parallel_world4.py. Without the experts' TP sum
+    # each TP rank steps with the gradient of its own tokens only.
+    for result in pool.run(moe_data_parallel_checks.train_steps, mode=mode, tp=2):
+        assert any(result["clipped"]), result["clipped"]
+        assert max(result["norms"]) < NORM_BOUND, result["norms"]
+        assert max(result["params"].values()) < FP64_BOUND, result["params"]
+        assert result["expert_local_rows"] == (2 if mode == "fsdp" else 4)  # sharded over edp

@@ -5,7 +5,9 @@
   FLOPs per token the family's ``flops_per_token`` (so its MFU is the trainer's MFU);
 * the pipeline timing the search uses equals a full run of mt-parallel's simulator (the
   steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
-* memory and time respond the way the model says they must (recompute, ZeRO-1, tp).
+* memory and time respond the way the model says they must (recompute, ZeRO-1, tp);
+* the routed experts' TP gradient sum under sequence parallel is priced where mt-parallel runs
+  it: per micro-batch at ep > 1 under zero1 and fsdp, once per step under ddp.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mt_plan.calibration import load_table
 from mt_plan.cluster import load_cluster
 from mt_plan.cost import CostModel, Workload
 from mt_plan.layout import Layout
+from mt_plan.models import resolve, shape_of
 from mt_plan.shape import ModelShape
 
 LLAMA_8B_8L = ModelShape(
@@ -137,3 +140,25 @@ def test_first_calibration_points_are_within_reach(fp8, tokens_per_s, peak_gib) 
     assert tokens_per_s < est.tokens_per_s_per_gpu < 1.3 * tokens_per_s
     allocated = est.peak_memory / (1 + cost.work.allocator_overhead)
     assert allocated / 2**30 == pytest.approx(peak_gib, rel=0.05)
+
+
+def test_expert_tp_sum_is_priced_per_micro_batch_under_zero1_and_fsdp() -> None:
+    # tp payload = a·m + b: ddp sums the split experts over TP once per step (in b), zero1 and
+    # fsdp (edp = dp/ep = 2) in every backward (in a), so their excess over ddp is (m - 1)·E;
+    # fsdp with a one-rank edp group (dp = ep) leaves the experts to the per-step path.
+    shape = shape_of(resolve(["model=mixtral_tiny", "model.vocab_size=320"]).model)
+    cluster = load_cluster("h200_nodes").with_gpus(8)
+
+    def tp_bytes(mode: str, m: int, dp: int = 4) -> float:
+        work = Workload(seq_len=256, global_batch=dp * m)
+        layout = Layout(tp=2, sp=True, dp=dp, ep=2, dp_mode=mode)
+        cost = CostModel(shape, cluster.with_gpus(2 * dp), load_table("h200"), work)
+        return cost.estimate(layout).comm["tp"].payload_bytes
+
+    per_step = tp_bytes("zero1", 2) - tp_bytes("ddp", 2)
+    assert per_step > 0
+    for mode in ("zero1", "fsdp"):
+        assert tp_bytes(mode, 1) == pytest.approx(tp_bytes("ddp", 1), rel=1e-12)
+        assert tp_bytes(mode, 4) - tp_bytes("ddp", 4) == pytest.approx(3 * per_step, rel=1e-9)
+    for m in (1, 4):
+        assert tp_bytes("fsdp", m, dp=2) == pytest.approx(tp_bytes("ddp", m, dp=2), rel=1e-12)

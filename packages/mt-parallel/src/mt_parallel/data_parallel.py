@@ -25,15 +25,24 @@ whose mean losses are averaged. Who computes it, per mode:
 
 * ``ddp`` and ``none``: DDP ignores them (``none``'s caller leaves them out), and
   :func:`accumulate` all-reduces them over edp at the end of the last micro-batch
-  (:func:`mt_parallel.moe.reduce_expert_gradients`);
+  (:func:`mt_parallel.moe.reduce_expert_gradients`, which reduces every expert parameter that
+  neither FSDP2 shards nor ZeRO-1 marks);
 * ``fsdp``: each maximal submodule holding only expert parameters (an MoE layer's
   ``experts``) is its own ``fully_shard`` unit over a mesh of the edp group, as torchtitan
   shards ``moe.experts``, with a sum reduce-scatter divided by dp×cp
   (``set_force_sum_reduction_for_comms`` + ``set_gradient_divide_factor``): the same sum and
-  division as ``ddp``'s; the rest is sharded over dp×cp as above;
+  division as ``ddp``'s; the rest is sharded over dp×cp as above. With an edp group of one
+  rank (``ep = dp·cp``) there is nothing to shard, and FSDP2's single-rank reduce path divides
+  by both the forced-sum factor and the divide factor (the gradient came out divided by
+  (dp·cp)²): the experts are left out of FSDP2 (``ignored_params``) and reduced as under
+  ``ddp``;
 * ``zero1``: :class:`~mt_parallel.DistributedOptimizer` reduce-scatters them over edp at its
   step (sum, then the division) and shards their optimizer state there; it marks them so
   :func:`accumulate` leaves them alone.
+
+Under sequence parallel the experts' gradients are also summed over TP: by
+:func:`~mt_parallel.moe.reduce_expert_gradients` under ``ddp`` and ``none``, in each
+micro-batch's backward under ``fsdp`` and ``zero1`` (:mod:`mt_parallel.moe.experts`).
 
 Gradient accumulation: run every micro-batch but the last inside :func:`accumulate`'s
 ``is_last=False`` context (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``), so
@@ -87,16 +96,25 @@ def apply_data_parallel(
             name: {mark: getattr(p, mark) for mark in PARAMETER_MARKS if hasattr(p, mark)}
             for name, p in model.named_parameters()
         }
+        from mt_parallel.moe.experts import GroupedLinear
+
+        ignored: set[nn.Parameter] = set()
         for experts in expert_modules(model):  # first: the blocks skip parameters sharded here
             param = next(experts.parameters())
+            if group_size(param.expert_data_group) == 1:  # module docstring: left to DDP's path
+                ignored.update(experts.parameters())
+                continue
+            for module in experts.modules():  # no reduce_expert_gradients: TP sum in backward
+                if isinstance(module, GroupedLinear):
+                    module.reduced_by_data_parallel = True
             edp_mesh = DeviceMesh.from_group(param.expert_data_group, device_type)
             fully_shard(experts, mesh=edp_mesh)
             experts.set_force_sum_reduction_for_comms(True)
             experts.set_gradient_divide_factor(float(param.expert_grad_divisor))
         for module in model.modules():
             if isinstance(module, block_types):
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(module, mesh=mesh, ignored_params=ignored or None)
+        fully_shard(model, mesh=mesh, ignored_params=ignored or None)
         for name, param in model.named_parameters():
             for mark, value in marks[name].items():
                 setattr(param, mark, value)
@@ -160,15 +178,11 @@ def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
                 yield
         else:
             yield
-    # FSDP2 (set_sync) reduce-scatters expert gradients itself, ZeRO-1 at its step.
-    if is_last and set_sync is None and not _optimizer_reduces_experts(model):
+    # It skips the experts that FSDP2 reduce-scatters itself and those ZeRO-1 reduces at its step.
+    if is_last:
         from mt_parallel.moe.layer import reduce_expert_gradients
 
         reduce_expert_gradients(model)
-
-
-def _optimizer_reduces_experts(model: nn.Module) -> bool:
-    return any(getattr(p, REDUCED_BY_OPTIMIZER, False) for p in model.parameters())
 
 
 def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:

@@ -25,8 +25,10 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   layers exchange only their shared experts' (routed experts are not TP-split); with sequence
   parallel the router and routed experts run on the rank's ``T/tp`` tokens and their fp32
   weight gradients are all-reduced over tp: the router's in every micro-batch's backward, the
-  experts' there too at ep = 1 and once per step, exposed, at ep > 1 (with the expert-data
-  sum); the router's E-sized statistics sums are latency-bound scalars, not counted. MLA with
+  experts' there too at ep = 1 and at ep > 1 under zero1 and fsdp (whose expert-data
+  reduce-scatter has no TP sum), and once per step, exposed, at ep > 1 under ddp (with the
+  expert-data sum) and under fsdp with one rank per expert-data group; the router's E-sized
+  statistics sums are latency-bound scalars, not counted. MLA with
   sequence parallel gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead
   of ``T·D`` and sums its replicated compressions' and latent norms' gradients. Embedding
   (vocab-parallel, fp32 output) one all-reduce of ``T·D`` forward, the head one of ``T·D``
@@ -323,8 +325,8 @@ class CostModel:
                     comm_b.append(("tp", "reduce_scatter", TD))
                 if md.moe and not dense:  # replicated router and experts: fp32 gradient sums
                     comm_b.append(("tp", "all_reduce", 4 * md.num_experts * D))
-                    if L.ep == 1:  # split over ep: once per step (_data_parallel)
-                        expert_bytes = 4 * md.num_experts * D * md.expert_ffn_dim
+                    if self._expert_tp_sum_in_backward(L):  # else once per step (_data_parallel)
+                        expert_bytes = 4 * (md.num_experts // L.ep) * D * md.expert_ffn_dim
                         comm_b += [("tp", "all_reduce", expert_bytes)] * 3
             else:
                 comm_f.append(("tp", "all_reduce", TD))
@@ -637,6 +639,16 @@ class CostModel:
         W = L.dp * L.cp
         return local / W + experts / max(W // L.ep, 1)
 
+    @staticmethod
+    def _expert_tp_sum_in_backward(L: Layout) -> bool:
+        """Whether the routed experts' TP gradient sum (sequence parallel) runs in every
+        micro-batch's backward rather than once per step in ``reduce_expert_gradients``: at
+        ep = 1, and at ep > 1 when zero1 or fsdp reduce the experts over their expert-data group
+        themselves (fsdp leaves a one-rank group to the per-step path)."""
+        if L.ep == 1 or L.dp_mode == "zero1":
+            return True
+        return L.dp_mode == "fsdp" and L.dp * L.cp // L.ep > 1
+
     def _data_parallel(self, L, params, m, last_backward, compute, account, comm) -> float:
         """Exposed seconds of the gradient (and parameter) collectives of one step."""
         local, experts, _ = params
@@ -656,8 +668,6 @@ class CostModel:
                 exposed = max(t - last_backward, bucket)
             else:
                 exposed = t
-            if experts and L.ep > 1 and L.sp:  # their TP sum, after the backward
-                exposed += account("tp", "all_reduce", 4 * experts, 1)
         elif L.dp_mode == "zero1":
             exposed = account("dp", "reduce_scatter", grads, 1)
             exposed += account("dp", "all_gather", grads, 1)
@@ -672,6 +682,8 @@ class CostModel:
                 scatter += account("edp", "reduce_scatter", 4 * experts, 1)
             first_block = gathers / (2 * m * max(self.model.n_layers, 1))
             exposed = max(first_block, gathers + scatter - compute)
+        if experts and L.sp and not self._expert_tp_sum_in_backward(L):  # after the backward
+            exposed += account("tp", "all_reduce", 4 * experts, 1)
         for g in ("dp", "edp"):
             if g in comm:
                 comm[g].exposed = exposed if g == "dp" else 0.0

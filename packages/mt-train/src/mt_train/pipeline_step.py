@@ -18,7 +18,7 @@ checkpoint code is the same at every ``pp``. A run:
    inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
    expert-data-parallel group and divided by dp×cp instead, for ``ddp`` and ``none``
    (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``; ZeRO-1 reduces them
-   at its step);
+   at its step, FSDP2 in the backward unless the edp group has one rank);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total; the model's extra values (a VLM's token counts) are summed
@@ -134,8 +134,8 @@ class PipelineStep:
                 if p.grad is not None and getattr(p, "expert_group", None) is None
             ]
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
-        if self.parallel.data_parallel in ("ddp", "none"):
-            mt_parallel.moe.reduce_expert_gradients(self.module)
+        # It leaves the experts FSDP2 or ZeRO-1 reduce themselves alone.
+        mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (
             torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)

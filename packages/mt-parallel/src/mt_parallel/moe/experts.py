@@ -22,14 +22,23 @@ path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe).
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
 them on the rows of its own S/tp tokens, so every projection's weight gradient is summed over
-TP. Split over ep (ep > 1) the experts are expert-parallel parameters whose gradients
-:func:`mt_parallel.moe.reduce_expert_gradients` sums over their expert-data-parallel group once
-per step; it sums them over TP there too (Megatron-Core's expert-data-parallel group spans TP
-when the expert-tensor-parallel size is 1), one all-reduce per step. With ep = 1 the experts are
-ordinary parameters under DDP, FSDP2 or ZeRO-1, so the sum happens in the backward
-(``copy_to_group`` on the weight, as the SP norms do; under FP8 the view is what
+TP. The rule: the TP sum happens once per step in
+:func:`mt_parallel.moe.reduce_expert_gradients` exactly when that function reduces the
+experts' gradients, i.e. split over ep (ep > 1) under ``ddp`` or ``none``: it sums them over
+their expert-data-parallel group and over TP in one pass (Megatron-Core's expert-data-parallel
+group spans TP when the expert-tensor-parallel size is 1), one all-reduce per step. Everywhere
+else it happens in the backward: with ep = 1 (the experts are ordinary parameters under DDP,
+FSDP2 or ZeRO-1) and split over ep under ``fsdp`` (the experts' own FSDP2 unit
+reduce-scatters over edp, :attr:`GroupedLinear.reduced_by_data_parallel`) or ``zero1`` (the
+optimizer reduce-scatters over edp at its step, the parameter marked
+:data:`~mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`): neither reduces over TP, and their
+sharded gradient has no TP-replicated whole left to sum at the step. The backward sum is
+``copy_to_group`` on the weight, as the SP norms do (under FP8 the view is what
 ``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter): an
-all-reduce of every expert weight's gradient in each micro-batch's backward. FP8: the
+all-reduce of every expert weight's gradient in each micro-batch's backward. No path sums
+twice (:attr:`GroupedLinear.sums_gradient_in_backward` and
+:func:`~mt_parallel.moe.expert_sequence_group` exclude each other), and after either sum the
+gradient is the same on every TP rank, so the clipping norm counts it once. FP8: the
 delayed-scaling amaxes of the experts are MAX-reduced over TP at the scale update
 (``fp8_meta.amax_group``), so every TP rank uses the scales the one-process layer would;
 current scaling keeps each rank's own per-expert scales (equal to one process up to FP8
@@ -52,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
+from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
 from mt_parallel.mappings import copy_to_group, group_rank, group_size
 
 CUDA_GROUP_ALIGN = 16
@@ -150,6 +160,11 @@ class GroupedLinear(nn.Module):
         self.ep_group: Any = None
         self.sequence_group: Any = None
         """The TP group under sequence parallel (each rank's rows are its own tokens), else None."""
+        self.reduced_by_data_parallel = False
+        """Set by :func:`mt_parallel.apply_data_parallel` when FSDP2 reduce-scatters the split
+        experts' gradients itself (not :func:`~mt_parallel.moe.reduce_expert_gradients`): then
+        the TP sum happens in the backward (module docstring). A flag on the module, not the
+        parameter: FSDP2 swaps in other parameter objects around the forward."""
         self._fp8: Any = None
         self.reset_parameters()
 
@@ -159,9 +174,15 @@ class GroupedLinear(nn.Module):
 
     @property
     def sums_gradient_in_backward(self) -> bool:
-        """Whether the forward sums the weight's gradient over TP (SP with ep = 1); split
-        over ep, :func:`~mt_parallel.moe.reduce_expert_gradients` does (module docstring)."""
-        return group_size(self.sequence_group) > 1 and self.ep_size == 1
+        """Whether the forward sums the weight's gradient over TP: under SP, unless the experts
+        are split over ep and :func:`~mt_parallel.moe.reduce_expert_gradients` reduces them
+        (``ddp``, ``none``), which sums over TP itself once per step (module docstring)."""
+        if group_size(self.sequence_group) == 1:
+            return False
+        reduced_elsewhere = self.reduced_by_data_parallel or getattr(
+            self.weight, REDUCED_BY_OPTIMIZER, False
+        )
+        return self.ep_size == 1 or reduced_elsewhere
 
     @property
     def ep_size(self) -> int:

@@ -18,8 +18,10 @@ Sequence parallel (Megatron-Core's layout with expert-tensor-parallel size 1): `
 TP rank's S/tp tokens of each sequence. The router and the routed experts (replicated over
 TP) act on those tokens only, with no gather, and the routed output stays sequence-sharded;
 their weights' gradients are summed over TP (:mod:`~mt_parallel.moe.router`,
-:mod:`~mt_parallel.moe.experts`: in the backward, or once per step with the
-expert-data-parallel sum when the experts are split over ep). The shared experts are an SP MLP
+:mod:`~mt_parallel.moe.experts`: once per step with the expert-data-parallel sum when the
+experts are split over ep under ``ddp`` or ``none``, else in each micro-batch's backward,
+including split experts under ``fsdp`` and ``zero1``, whose edp reduce-scatter has no TP sum).
+The shared experts are an SP MLP
 (all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The
 load-balancing statistics are those of the whole TP region, as without SP: expert counts (aux
 loss, aux-loss-free bias, :class:`LoadStats`) and probability means (aux and sequence-aux
@@ -47,8 +49,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import mt_comm
+from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
 from mt_parallel.layers import scaled_init_std
 from mt_parallel.mappings import group_size
 from mt_parallel.mlp import MLP
@@ -157,13 +161,21 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "expert_group", None) is not None]
 
 
+def reduced_elsewhere(param: nn.Parameter) -> bool:
+    """Whether FSDP2 (a DTensor parameter: the experts' own unit over edp) or ZeRO-1 (marked
+    :data:`~mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`) reduces this expert gradient."""
+    return isinstance(param, DTensor) or getattr(param, REDUCED_BY_OPTIMIZER, False)
+
+
 def expert_sequence_group(model: nn.Module) -> Any:
     """The TP group over which expert-parallel experts under sequence parallel still need their
-    gradients summed (each TP rank routed other tokens to them), or None."""
+    gradients summed (each TP rank routed other tokens to them) at the step, or None: None when
+    their backward sums them already (:attr:`GroupedLinear.sums_gradient_in_backward`, under
+    FSDP2 and ZeRO-1), so no gradient is summed twice."""
     for module in model.modules():
         split = isinstance(module, GroupedLinear) and module.ep_size > 1
         if split and group_size(module.sequence_group) > 1:
-            return module.sequence_group
+            return None if module.sums_gradient_in_backward else module.sequence_group
     return None
 
 
@@ -177,9 +189,12 @@ def reduce_expert_gradients(model: nn.Module) -> None:
     mean loss sums that over the edp replicas and divides by the dp×cp ranks whose mean losses
     are averaged (module docstring of :mod:`mt_parallel.data_parallel`). Under sequence
     parallel each TP rank's ep group routed other tokens, so the TP ranks' sums are added too
-    (:mod:`mt_parallel.moe.experts`: once per step here instead of in every backward).
+    (:mod:`mt_parallel.moe.experts`: once per step here instead of in every backward). Experts
+    that FSDP2 or ZeRO-1 reduce themselves are left alone (:func:`reduced_elsewhere`), so
+    every data-parallel mode may call this after its last micro-batch.
     """
     params = [p for p in expert_parameters(model) if p.grad is not None]
+    params = [p for p in params if not reduced_elsewhere(p)]
     if not params:
         return
     group, divisor = params[0].expert_data_group, params[0].expert_grad_divisor
