@@ -373,6 +373,7 @@ def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, s
     role = TensorRole.INPUT
     rows = grouped_module._quantize_rows(plan, x_TK, segments, role)
     data_KT, scales = grouped_module._quantize_columns(plan, x_TK, rows, segments, role)
+    per_group = grouped_module._group_columns(plan, x_TK, rows, segments, role)  # per-group wgrad
     weight, weight_t = grouped_module._quantize_weights(plan, w_ENK, need_transpose=True)
     present = 0
     for e, (s, t) in enumerate(grouped_module._bounds(segments)):
@@ -387,6 +388,8 @@ def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, s
         torch.testing.assert_close(group.scale, q.scale, rtol=0, atol=0, equal_nan=True)
         q_t = loop_plan.quantize_transposed(x_TK[s:t], q, role)
         assert_quantized_equal(data_KT[:, s:t], scales[present * K : (present + 1) * K], q_t)
+        assert_quantized_equal(per_group[e].data, per_group[e].scale.expand(K, 1).reshape(-1), q_t)
+        assert per_group[e].data.is_contiguous() and per_group[e].scale.shape == q_t.scale.shape
         present += 1
     assert data_KT.shape == (K, sum(segments)) and scales.shape == (present * K,)
     assert (rows.scale_T == 1).any() and rows.scale_T.isnan().any()  # the edge cases

@@ -432,14 +432,26 @@ def _quantize_columns(
 def _group_columns(
     plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
 ) -> list[QuantizedTensor | None]:
-    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad."""
-    exact = not isinstance(plan.recipe, RowwiseScaling)
-    return [
-        None
-        if t == s
-        else plan.quantize_transposed(x_TC[s:t], rows.group(s, t) if exact else None, role)
-        for s, t in _bounds(sizes)
-    ]
+    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad.
+
+    Tensorwise: each group's exact transpose. Rowwise: the groups of one
+    :func:`_quantize_columns` (the loop's bytes and scales in a number of kernels that does not
+    depend on E), each copied out contiguous; the per-group GEMMs stay (E5M2 gradients)."""
+    if not isinstance(plan.recipe, RowwiseScaling):
+        return [
+            None if t == s else plan.quantize_transposed(x_TC[s:t], rows.group(s, t), role)
+            for s, t in _bounds(sizes)
+        ]
+    data_CT, scales = _quantize_columns(plan, x_TC, rows, sizes, role)
+    scale_GC1 = scales.view(-1, x_TC.shape[1], 1)
+    groups: list[QuantizedTensor | None] = []
+    for s, t in _bounds(sizes):
+        if t == s:
+            groups.append(None)
+            continue
+        scale = scale_GC1[sum(g is not None for g in groups)]
+        groups.append(QuantizedTensor(data_CT[:, s:t].contiguous(), scale, rows.layout, rows.fmt))
+    return groups
 
 
 @dataclass
