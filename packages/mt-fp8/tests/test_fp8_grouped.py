@@ -414,11 +414,17 @@ class AtenOpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_call(recipe, experts):
+OP_COUNT_SIZES = {
+    "aligned": lambda e: 16 * (e % 3),  # a third of the groups empty
+    "unaligned": lambda e: 16 * (e % 3) + e % 5,  # the wgrad pads these groups to 16 tokens
+}
+
+
+def ops_per_call(recipe, experts, size_of=OP_COUNT_SIZES["aligned"]):
     """Aten ops of one forward + backward with every GEMM grouped (no bias: its gradient is
     one fp32 sum per group, as the loop's, so that its bits stay the loop's)."""
     layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
-    sizes = [16 * (e % 3) for e in range(experts)]  # aligned, a third of them empty
+    sizes = [size_of(e) for e in range(experts)]
     x = torch.randn(sum(sizes), K, dtype=torch.bfloat16, requires_grad=True)
     plan = layer.linear_plan(x, None)
     counter = AtenOpCount()
@@ -429,10 +435,11 @@ def ops_per_call(recipe, experts):
     return counter.count
 
 
+@pytest.mark.parametrize("sizes", list(OP_COUNT_SIZES), ids=list(OP_COUNT_SIZES))
 @pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
-def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls):
-    recipe = recipe_cls(formats=E4M3)
-    assert ops_per_call(recipe, 4) == ops_per_call(recipe, 32)
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls, sizes):
+    recipe, size_of = recipe_cls(formats=E4M3), OP_COUNT_SIZES[sizes]
+    assert ops_per_call(recipe, 4, size_of) == ops_per_call(recipe, 32, size_of)
 
 
 # ---------------------------------------------------------------------------------------------
