@@ -610,3 +610,27 @@ def test_weight_view_is_multiplied_and_differentiated_like_the_weight():
 @pytest.mark.gpu
 def test_weight_view_on_the_grouped_cuda_path():
     check_weight_view("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
+def test_grouped_call_does_not_synchronize_on_cuda(recipe_cls):
+    # Group sizes given as host ints (as mt-parallel's experts pass them): a forward + backward
+    # with unaligned groups (the padded wgrad) and an empty one waits for the device nowhere;
+    # CUDA's sync debug mode raises on a blocking copy, .item() or nonzero.
+    recipe = recipe_cls(formats=E4M3)
+    layer = make_layer(recipe, torch.bfloat16, "cuda")
+    layer.bias = None  # MoE experts have none (its gradient is one sum per group)
+    sizes = GPU_SIZES["uneven"]
+    x, dy = inputs(sizes, torch.bfloat16, "cuda")
+    step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
+    step()  # the weight cache fills, Triton kernels compile
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()

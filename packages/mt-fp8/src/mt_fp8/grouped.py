@@ -301,10 +301,14 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _host_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` without a host sync: a host-to-device copy from pageable
-    memory is staged before the call returns, so ``non_blocking`` is safe and the host does not
-    wait for the device (``torch.tensor(values, device=...)`` waits for the stream)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """``values`` on ``device`` without a host sync: ``torch.tensor(values, device=cuda)`` is a
+    blocking copy that waits for every kernel queued before it (see
+    :func:`mt_fp8.state.format_maxima_on`); from pinned memory (PyTorch's caching host
+    allocator, which keeps the block until the copy is done) the copy is asynchronous."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
