@@ -447,15 +447,13 @@ def _group_columns(
             for s, t in _bounds(sizes)
         ]
     data_CT, scales = _quantize_columns(plan, x_TC, rows, sizes, role)
-    scale_GC1 = scales.view(-1, x_TC.shape[1], 1)
-    groups: list[QuantizedTensor | None] = []
-    for s, t in _bounds(sizes):
-        if t == s:
-            groups.append(None)
-            continue
-        scale = scale_GC1[sum(g is not None for g in groups)]
-        groups.append(QuantizedTensor(data_CT[:, s:t].contiguous(), scale, rows.layout, rows.fmt))
-    return groups
+    scale_GC1 = iter(scales.view(-1, x_TC.shape[1], 1))  # the non-empty groups' (C, 1) scales
+    return [
+        None
+        if t == s
+        else QuantizedTensor(data_CT[:, s:t].contiguous(), next(scale_GC1), rows.layout, rows.fmt)
+        for s, t in _bounds(sizes)
+    ]
 
 
 @dataclass
