@@ -182,7 +182,7 @@ def test_per_gemm_reasons():
     )
     assert gemm_reason("wgrad", hybrid, ALIGNED, bf16) is not None
     assert gemm_reason("wgrad", e4m3, ALIGNED, torch.float32) is None
-    assert "divisible by 16" in gemm_reason("wgrad", e4m3, UNEVEN, bf16)
+    assert gemm_reason("wgrad", e4m3, UNEVEN, bf16) is None  # groups padded to 16 tokens
     assert gemm_reason("dgrad", e4m3, UNEVEN, torch.float32) is None  # rowwise: bf16 anyway
     assert "writes torch.float32 directly" in gemm_reason(
         "forward", TensorwiseScaling(), ALIGNED, torch.float32
@@ -373,6 +373,7 @@ def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, s
     role = TensorRole.INPUT
     rows = grouped_module._quantize_rows(plan, x_TK, segments, role)
     data_KT, scales = grouped_module._quantize_columns(plan, x_TK, rows, segments, role)
+    per_group = grouped_module._group_columns(plan, x_TK, rows, segments, role)  # per-group wgrad
     weight, weight_t = grouped_module._quantize_weights(plan, w_ENK, need_transpose=True)
     present = 0
     for e, (s, t) in enumerate(grouped_module._bounds(segments)):
@@ -387,6 +388,8 @@ def test_all_group_operands_are_the_per_group_quantizations(recipe_cls, dtype, s
         torch.testing.assert_close(group.scale, q.scale, rtol=0, atol=0, equal_nan=True)
         q_t = loop_plan.quantize_transposed(x_TK[s:t], q, role)
         assert_quantized_equal(data_KT[:, s:t], scales[present * K : (present + 1) * K], q_t)
+        assert_quantized_equal(per_group[e].data, per_group[e].scale.expand(K, 1).reshape(-1), q_t)
+        assert per_group[e].data.is_contiguous() and per_group[e].scale.shape == q_t.scale.shape
         present += 1
     assert data_KT.shape == (K, sum(segments)) and scales.shape == (present * K,)
     assert (rows.scale_T == 1).any() and rows.scale_T.isnan().any()  # the edge cases
@@ -411,11 +414,17 @@ class AtenOpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_call(recipe, experts):
+OP_COUNT_SIZES = {
+    "aligned": lambda e: 16 * (e % 3),  # a third of the groups empty
+    "unaligned": lambda e: 16 * (e % 3) + e % 5,  # the wgrad pads these groups to 16 tokens
+}
+
+
+def ops_per_call(recipe, experts, size_of=OP_COUNT_SIZES["aligned"]):
     """Aten ops of one forward + backward with every GEMM grouped (no bias: its gradient is
     one fp32 sum per group, as the loop's, so that its bits stay the loop's)."""
     layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
-    sizes = [16 * (e % 3) for e in range(experts)]  # aligned, a third of them empty
+    sizes = [size_of(e) for e in range(experts)]
     x = torch.randn(sum(sizes), K, dtype=torch.bfloat16, requires_grad=True)
     plan = layer.linear_plan(x, None)
     counter = AtenOpCount()
@@ -426,10 +435,11 @@ def ops_per_call(recipe, experts):
     return counter.count
 
 
+@pytest.mark.parametrize("sizes", list(OP_COUNT_SIZES), ids=list(OP_COUNT_SIZES))
 @pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
-def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls):
-    recipe = recipe_cls(formats=E4M3)
-    assert ops_per_call(recipe, 4) == ops_per_call(recipe, 32)
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls, sizes):
+    recipe, size_of = recipe_cls(formats=E4M3), OP_COUNT_SIZES[sizes]
+    assert ops_per_call(recipe, 4, size_of) == ops_per_call(recipe, 32, size_of)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,3 +610,27 @@ def test_weight_view_is_multiplied_and_differentiated_like_the_weight():
 @pytest.mark.gpu
 def test_weight_view_on_the_grouped_cuda_path():
     check_weight_view("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
+def test_grouped_call_does_not_synchronize_on_cuda(recipe_cls):
+    # Group sizes given as host ints (as mt-parallel's experts pass them): a forward + backward
+    # with unaligned groups (the padded wgrad) and an empty one waits for the device nowhere;
+    # CUDA's sync debug mode raises on a blocking copy, .item() or nonzero.
+    recipe = recipe_cls(formats=E4M3)
+    layer = make_layer(recipe, torch.bfloat16, "cuda")
+    layer.bias = None  # MoE experts have none (its gradient is one sum per group)
+    sizes = GPU_SIZES["uneven"]
+    x, dy = inputs(sizes, torch.bfloat16, "cuda")
+    step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
+    step()  # the weight cache fills, Triton kernels compile
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()

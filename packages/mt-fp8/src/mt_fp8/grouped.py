@@ -77,8 +77,18 @@ tensorwise GEMM with a non-bf16 output stays per expert. Bias is added after the
 
 Empty groups: in 2d × 3d a group of 0 tokens is a 0-row problem (offsets repeat); the wgrad's
 2d × 2d mode cannot take one (PyTorch asserts ``delta > 0``), so empty groups are left out of
-its offsets and scales and their ``dW_e`` are zeros. Its non-empty groups must each hold a
-multiple of 16 tokens (16-byte TMA alignment of each group's start), else wgrad is per expert.
+its offsets and scales and their ``dW_e`` are zeros. Its groups must start at multiples of
+:data:`WGRAD_ALIGN` tokens (16-byte TMA alignment): where a non-empty group's count is not a
+multiple, both wgrad operands get zero FP8 columns after each group up to the next multiple
+(one scatter per operand; ``dW_e`` gains ``0 · 0`` products only, the operands' bytes and
+scales stay the loop's). Routed MoE groups are almost never multiples of 16: without this the
+wgrad ran per expert (a quantize pair and a GEMM per expert and projection, a cost that grows
+with E and with skew).
+
+Host syncs: the host reads nothing from the device. The group sizes arrive as host ints (the
+caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and the small
+index tensors built from them (offsets, counts) are copied to the device without waiting
+(:func:`_host_ints`).
 
 Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
 stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
@@ -123,6 +133,8 @@ _OPERAND_ROLES = {
     "wgrad": (TensorRole.GRAD_OUTPUT, TensorRole.INPUT),
 }
 GROUPED_BACKENDS = ("auto", "fast")
+WGRAD_ALIGN = 16
+"""Token multiple each group of the grouped wgrad starts at (16 bytes of FP8)."""
 MAX_GROUPS = 1023
 """PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
 
@@ -187,15 +199,7 @@ def gemm_reason(
             f"the grouped kernel writes bfloat16 and the per-expert tensorwise {gemm} GEMM "
             f"writes {out_dtype} directly"
         )
-    if gemm == "wgrad":
-        unaligned = [size for size in group_sizes if size % 16]
-        if unaligned:
-            return (
-                "the grouped wgrad GEMM needs every group's token count divisible by 16 "
-                f"(16-byte TMA alignment), got {len(unaligned)} groups that are not "
-                f"(e.g. {unaligned[0]})"
-            )
-    elif len(group_sizes) == sum(group_sizes):
+    if gemm != "wgrad" and len(group_sizes) == sum(group_sizes):
         # NOTE: newer PyTorch reads a (T,) scale with T == E as ambiguous (tensorwise per group
         # or rowwise) and refuses it.
         return f"{gemm}: as many tokens as groups ({len(group_sizes)}) make its scales ambiguous"
@@ -296,19 +300,69 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+def _host_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without a host sync: ``torch.tensor(values, device=cuda)`` is a
+    blocking copy that waits for every kernel queued before it (see
+    :func:`mt_fp8.state.format_maxima_on`); from pinned memory (PyTorch's caching host
+    allocator, which keeps the block until the copy is done) the copy is asynchronous."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
     """The token counts of the non-empty groups, as an int64 tensor on ``device``."""
-    return torch.tensor([size for size in sizes if size], dtype=torch.int64, device=device)
+    return _host_ints([size for size in sizes if size], torch.int64, device)
+
+
+@dataclass
+class _WgradPadding:
+    """Where each token's column goes when every non-empty group of the wgrad operands is
+    padded to a multiple of :data:`WGRAD_ALIGN` tokens (module docstring)."""
+
+    dest_T: torch.Tensor
+    """The padded column of each token (int64, on the device)."""
+    counts: list[int]
+    """The padded token counts of the non-empty groups."""
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], device: torch.device) -> _WgradPadding | None:
+        """None when every non-empty group is aligned already."""
+        present = [size for size in sizes if size]
+        if all(size % WGRAD_ALIGN == 0 for size in present):
+            return None
+        counts, shifts, shift = [], [], 0
+        for size in present:
+            shifts.append(shift)
+            pad = -size % WGRAD_ALIGN
+            counts.append(size + pad)
+            shift += pad
+        tokens = sum(present)
+        present_G, shift_G = _host_ints([present, shifts], torch.int64, device)
+        shift_T = shift_G.repeat_interleave(present_G, output_size=tokens)
+        return cls(torch.arange(tokens, device=device) + shift_T, counts)
+
+    def pad(self, data_CT: torch.Tensor) -> torch.Tensor:
+        """``data_CT`` (C, T) FP8 with zero columns after each group: (C, sum(counts))."""
+        padded = torch.zeros(
+            data_CT.shape[0], sum(self.counts), dtype=torch.uint8, device=data_CT.device
+        )
+        padded.index_copy_(1, self.dest_T, data_CT.view(torch.uint8))
+        return padded.view(data_CT.dtype)
 
 
 def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tensor) -> torch.Tensor:
     """(G, C) fp32: ``max |x|`` over the rows of each non-empty group (``counts_G``), per column.
 
-    First a max over blocks of ``b`` rows, ``b`` the gcd of the group sizes (16 at least where
-    the wgrad GEMM is grouped), by PyTorch's ordinary reduction; then ``torch.segment_reduce``
-    over those block maxima (a max of maxima is the max: the bits do not depend on ``b``).
+    First a max over blocks of ``b`` rows by PyTorch's ordinary reduction, then
+    ``torch.segment_reduce`` over those block maxima (a max of maxima is the max: the bits do
+    not depend on ``b``). ``b`` is the gcd of the group sizes where that is
+    :data:`WGRAD_ALIGN` or more, else :data:`WGRAD_ALIGN` with each group padded by zero rows
+    (:class:`_WgradPadding`; magnitudes are ``>= 0``, so zeros change no maximum).
     NOTE: segment_reduce's CUDA kernel walks each segment serially in one thread per (group,
-    column), so the block step shortens those walks ``b``-fold.
+    column), so the block step shortens those walks ``b``-fold; routed group sizes have a gcd
+    near 1, where unpadded walks would be whole groups (the largest one under skewed routing).
 
     NaN is counted as ``+inf`` (as the Triton quantizers count it): either way the scale is NaN
     (:func:`~mt_fp8.quantized.scale_from_amax`), and no reduction's NaN handling is relied on.
@@ -316,6 +370,12 @@ def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tens
     inf = float("inf")
     magnitude = x_TC.abs().nan_to_num_(nan=inf, posinf=inf)
     block = math.gcd(*sizes)
+    padding = None if block >= WGRAD_ALIGN else _WgradPadding.of(sizes, x_TC.device)
+    if padding is not None:
+        block = WGRAD_ALIGN
+        padded = magnitude.new_zeros(sum(padding.counts), magnitude.shape[1])
+        magnitude = padded.index_copy_(0, padding.dest_T, magnitude)
+        counts_G = _host_ints(padding.counts, torch.int64, x_TC.device)
     if block > 1:
         tokens, columns = magnitude.shape
         magnitude = magnitude.reshape(tokens // block, block, columns).amax(dim=1)
@@ -376,12 +436,22 @@ def _quantize_columns(
 def _group_columns(
     plan: LinearPlan, x_TC: torch.Tensor, rows: _Rows, sizes: Sequence[int], role: TensorRole
 ) -> list[QuantizedTensor | None]:
-    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad."""
-    exact = not isinstance(plan.recipe, RowwiseScaling)
+    """Each group's ``x_eᵀ`` (C, T_e) as the loop's own wgrad operand, for per-group wgrad.
+
+    Tensorwise: each group's exact transpose. Rowwise: the groups of one
+    :func:`_quantize_columns` (the loop's bytes and scales in a number of kernels that does not
+    depend on E), each copied out contiguous; the per-group GEMMs stay (E5M2 gradients)."""
+    if not isinstance(plan.recipe, RowwiseScaling):
+        return [
+            None if t == s else plan.quantize_transposed(x_TC[s:t], rows.group(s, t), role)
+            for s, t in _bounds(sizes)
+        ]
+    data_CT, scales = _quantize_columns(plan, x_TC, rows, sizes, role)
+    scale_GC1 = iter(scales.view(-1, x_TC.shape[1], 1))  # the non-empty groups' (C, 1) scales
     return [
         None
         if t == s
-        else plan.quantize_transposed(x_TC[s:t], rows.group(s, t) if exact else None, role)
+        else QuantizedTensor(data_CT[:, s:t].contiguous(), next(scale_GC1), rows.layout, rows.fmt)
         for s, t in _bounds(sizes)
     ]
 
@@ -424,7 +494,7 @@ def _rows_by_experts(
             rows.data, weight.data.transpose(1, 2), rows.scale_T, weight.column_scales(), offs
         ).to(out_dtype)
         if bias is not None:
-            counts_E = torch.tensor(plan.sizes, dtype=torch.int64, device=out.device)
+            counts_E = _host_ints(plan.sizes, torch.int64, out.device)
             out += bias.repeat_interleave(counts_E, dim=0, output_size=out.shape[0])
         return out
     return torch.cat(
@@ -500,7 +570,7 @@ def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
     for size in sizes:
         total += size
         ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+    return _host_ints(ends, torch.int32, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +612,9 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         saved: list[torch.Tensor | None] = [offs]
         if need_dw:
             if "wgrad" in plan.grouped:
-                saved += list(_quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT))
+                x_t_data, x_t_scales = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
+                padding = _WgradPadding.of(sizes, x_TK.device)
+                saved += [x_t_data if padding is None else padding.pad(x_t_data), x_t_scales]
             else:
                 for q in _group_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT):
                     saved += [None, None] if q is None else [q.data, q.scale]
@@ -579,18 +651,22 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                         lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT
                     )
                     present = [e for e, (s, t) in enumerate(bounds) if t > s]
+                    counts = [sizes[e] for e in present]
+                    padding = _WgradPadding.of(sizes, dy_TN.device)
+                    if padding is not None:
+                        dy_t_data, counts = padding.pad(dy_t_data), padding.counts
                     dw_GNK = plan.gemm(
                         dy_t_data,
                         x_t_data.t(),
                         dy_t_scales,
                         x_t_scales,
-                        _offsets([sizes[e] for e in present], dy_TN.device),
+                        _offsets(counts, dy_TN.device),
                     )
                     if len(present) == len(sizes):
                         dw = dw_GNK.to(w_dtype)
                     else:  # the experts with no tokens get zeros
                         dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
-                        index = torch.tensor(present, device=dw.device)
+                        index = _host_ints(present, torch.int64, dw.device)
                         dw.index_copy_(0, index, dw_GNK.to(w_dtype))
                 else:
                     parts = []

@@ -17,7 +17,9 @@ group starts (torchtitan pads the same way); the CPU kernel takes any offsets.
 
 With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
 ``mt_fp8.FP8GroupedLinear`` sharing the same weight (its grouped ``torch._scaled_grouped_mm``
-path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe).
+path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe). It takes the group sizes
+as host ints: :class:`GroupedExperts` reads ``sizes_L`` once per MLP (one device-to-host read,
+as the bf16 path's :class:`PaddedLayout`) and hands the same list to its three projections.
 
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
@@ -247,16 +249,21 @@ class GroupedLinear(nn.Module):
         return self._fp8 is not None
 
     def forward(
-        self, x_MK: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
+        self,
+        x_MK: torch.Tensor,
+        sizes_L: torch.Tensor,
+        layout: PaddedLayout | None = None,
+        host_sizes: list[int] | None = None,
     ) -> torch.Tensor:
-        """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP."""
+        """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP;
+        ``host_sizes``: ``sizes_L`` read to the host once for the projections of one MLP (FP8)."""
         weight = self.weight
         if self.sums_gradient_in_backward:
             weight = copy_to_group(weight, self.sequence_group)
         if self._fp8 is not None:
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight
-            return self._fp8(x_MK, sizes_L, weight)
+            return self._fp8(x_MK, sizes_L if host_sizes is None else host_sizes, weight)
         if torch.is_autocast_enabled(x_MK.device.type):
             dtype = torch.get_autocast_dtype(x_MK.device.type)
             x_MK, weight = x_MK.to(dtype), weight.to(dtype)
@@ -285,9 +292,11 @@ class GroupedExperts(nn.Module):
         self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
 
     def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
-        layout = None
-        if x_MD.is_cuda and not self.gate_proj.fp8_enabled:
+        layout, host_sizes = None, None
+        if self.gate_proj.fp8_enabled:
+            host_sizes = sizes_L.tolist()  # the one device-to-host read of this MLP
+        elif x_MD.is_cuda:
             layout = PaddedLayout.of(sizes_L, x_MD.shape[0])
-        gate_MF = self.gate_proj(x_MD, sizes_L, layout)
-        up_MF = self.up_proj(x_MD, sizes_L, layout)
-        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, layout)
+        gate_MF = self.gate_proj(x_MD, sizes_L, layout, host_sizes)
+        up_MF = self.up_proj(x_MD, sizes_L, layout, host_sizes)
+        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, layout, host_sizes)

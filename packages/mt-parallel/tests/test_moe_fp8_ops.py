@@ -1,0 +1,84 @@
+"""The FP8 MoE layer's work does not grow with the number of experts: aten ops and host reads
+of one forward + backward at E=4 and E=32, with the grouped FP8 path forced on the CPU (its
+device check passed, the grouped kernel replaced by a one-op stand-in: the operands around it
+are what count) and routed group sizes that are not multiples of 16."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mt_fp8
+import mt_fp8.grouped as grouped_module
+import mt_fp8.linear as linear_module
+import mt_parallel as mp
+from mt_parallel.moe import MoE, MoEConfig
+
+DIM, FFN = 32, 32  # multiples of 16: the grouped kernel's K and N
+HOST_READS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default")
+
+
+def one_op_grouped_mm(a, b, scale_a, scale_b, offs):
+    """A stand-in for ``torch._scaled_grouped_mm`` that dispatches one op."""
+    if b.dim() == 3:
+        return a.new_zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
+    return a.new_zeros(len(offs), a.shape[0], b.shape[1], dtype=torch.bfloat16)
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def grouped_fp8_on_cpu(monkeypatch):
+    monkeypatch.setattr(grouped_module, "_device_reason", lambda device: None)
+    fast = functools.partial(grouped_module.fp8_grouped_linear, grouped_gemm=one_op_grouped_mm)
+    monkeypatch.setattr(linear_module, "fp8_grouped_linear", fast)
+    tolist_calls = []
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        tolist_calls.append(self.numel())
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    return tolist_calls
+
+
+def layer_counts(experts: int, tolist_calls: list[int], fp8: bool = True) -> tuple[int, int]:
+    """(aten ops, host reads) of one forward + backward of an MoE layer with ``experts``."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=experts, top_k=2, expert_ffn_dim=FFN, balancing="none")
+    layer = MoE(DIM, cfg).to(torch.bfloat16)
+    if fp8:
+        mp.apply_fp8(layer, mt_fp8.RowwiseScaling(formats=mt_fp8.FormatConfig.all_e4m3()))
+    x = torch.randn(2, 40, DIM, dtype=torch.bfloat16, requires_grad=True)
+    tolist_calls.clear()
+    counter = OpCount()
+    with counter:
+        layer(x).sum().backward()
+    host_reads = len(tolist_calls) + sum(counter.ops[name] for name in HOST_READS)
+    sizes = layer.load_stats.counts_E.tolist()
+    assert any(size % 16 for size in sizes)  # the grouped wgrad pads these groups
+    assert layer.experts.down_proj.weight.grad is not None and x.grad is not None
+    return sum(counter.ops.values()), host_reads
+
+
+def test_fp8_moe_layer_work_does_not_grow_with_the_number_of_experts(grouped_fp8_on_cpu):
+    ops_4, reads_4 = layer_counts(4, grouped_fp8_on_cpu)
+    ops_32, reads_32 = layer_counts(32, grouped_fp8_on_cpu)
+    assert ops_4 == ops_32
+    assert reads_4 == reads_32
+    # FP8 adds one host read of the group sizes per expert MLP (shared by its projections).
+    _, bf16_reads = layer_counts(32, grouped_fp8_on_cpu, fp8=False)
+    assert reads_32 <= bf16_reads + 1
