@@ -360,3 +360,44 @@ def test_row_parallel_swiglu_forward_matches_swiglu_then_forward(fp8: bool) -> N
     assert torch.equal(layer.weight.grad, twin.weight.grad)
     with pytest.raises(ValueError, match="forward_swiglu needs input_is_parallel=True"):
         mp.RowParallelLinear(64, 32, input_is_parallel=False).forward_swiglu(gate, up)
+
+
+class _FP8MLP(torch.nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.fc1 = mp.ColumnParallelLinear(32, 64, bias=bias)
+        self.fc2 = mp.RowParallelLinear(64, 32, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_biased_fp8_linears_split_a_compiled_module_into_no_more_graphs() -> None:
+    """FP8 linears run eagerly behind a graph break; their biases (and the row-parallel
+    reduction) are inside that eager region, so a compiled module with biased FP8 linears has
+    the graphs of the unbiased one: here one, the GELU between them. With the bias added after
+    the break each biased linear had added a graph (forward and backward each a compiled call)."""
+    from torch._dynamo.testing import CompileCounter
+
+    graphs = {}
+    for bias in (False, True):
+        torch.manual_seed(0)
+        mlp = _FP8MLP(bias)
+        mp.apply_fp8(mlp)
+        eager = copy.deepcopy(mlp)
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        compiled = torch.compile(mlp, backend=counter)
+        x = torch.randn(2, 577, 32)
+        for _ in range(2):  # the second call must reuse the graphs
+            y = compiled(x)
+            y.square().mean().backward()
+        graphs[bias] = counter.frame_count
+        # The "eager" backend runs the captured graphs as traced: the same ops as eager.
+        y_eager = eager(x)
+        y_eager.square().mean().backward()
+        assert torch.equal(y, y_eager)
+        for ours, theirs in zip(mlp.parameters(), eager.parameters(), strict=True):
+            assert torch.equal(ours.grad, 2 * theirs.grad)
+    torch._dynamo.reset()
+    assert graphs == {False: 1, True: 1}

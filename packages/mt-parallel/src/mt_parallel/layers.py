@@ -36,6 +36,15 @@ tensor that is a TP shard, so every rank quantizes its shard with the whole tens
 replicated or all-gathered); row parallel, the input and the weight (its output gradient is
 replicated or all-gathered). Replicated tensors would reduce to their own amax, so they skip
 the collective.
+
+FP8 under ``torch.compile``: ``mt_fp8.FP8Linear`` runs eagerly behind a graph break (its
+module docstring says why), and the code after a break inside a nested call becomes a compiled
+graph of its own, with its own guards and autograd node. So the FP8 paths run the whole local
+layer eagerly in one ``torch.compiler.disable`` region: the GEMM with the column-parallel bias
+(``_fp8_gemm``), and for row parallel also the reduction and bias (``_fp8_forward``). A biased
+FP8 linear then splits a compiled block into as many graphs as an unbiased one; with the bias
+add after the break, every biased linear of a CLIP encoder block had added a one-op graph (its
+forward and backward each a separate compiled call), and the encoder was launch-bound.
 """
 
 from __future__ import annotations
@@ -198,13 +207,19 @@ class _ParallelLinear(TensorParallelModule):
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
         """The local GEMM ``x W_lᵀ (+ b_l for column parallel)``, in FP8 when enabled."""
-        bias = self._gemm_bias()
         if self._fp8 is not None:
-            # Follow parameter swaps (FSDP2 unsharding, load_state_dict(assign=True)).
-            if self._fp8.weight is not self.weight:
-                self._fp8.weight = self.weight
-            return self._fp8(x) if bias is None else self._fp8(x) + bias
-        return F.linear(x, self.weight, bias)
+            return self._fp8_gemm(x)
+        return F.linear(x, self.weight, self._gemm_bias())
+
+    @torch.compiler.disable  # one eager region with its bias (module docstring: compile)
+    def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`gemm` in FP8, bias included."""
+        bias = self._gemm_bias()
+        # Follow parameter swaps (FSDP2 unsharding, load_state_dict(assign=True)).
+        if self._fp8.weight is not self.weight:
+            self._fp8.weight = self.weight
+        y = self._fp8(x)
+        return y if bias is None else y + bias
 
     def enable_fp8(self, recipe: Any = None, **fp8_kwargs: Any) -> None:
         """Run the local GEMM through ``mt_fp8.FP8Linear`` with ``recipe``.
@@ -287,7 +302,8 @@ class ColumnParallelLinear(_ParallelLinear):
         return copy_to_group(x_BTK, self.tp_group)
 
     def forward_prepared(self, x_BTK: torch.Tensor) -> torch.Tensor:
-        y_BTN_l = self.gemm(x_BTK)
+        # FP8: the eager region straight from here, one frame fewer under torch.compile.
+        y_BTN_l = self.gemm(x_BTK) if self._fp8 is None else self._fp8_gemm(x_BTK)
         if self.gather_output:
             return gather_from_group(y_BTN_l, y_BTN_l.dim() - 1, self.tp_group)
         return y_BTN_l
@@ -329,7 +345,14 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x_BTK_l: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x_BTK_l = scatter_to_group(x_BTK_l, x_BTK_l.dim() - 1, self.tp_group)
+        if self._fp8 is not None:
+            return self._fp8_forward(x_BTK_l)
         return self._reduce(self.gemm(x_BTK_l))
+
+    @torch.compiler.disable  # one eager region with its reduction and bias (module docstring)
+    def _fp8_forward(self, x_BTK_l: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in FP8 from the local input shard."""
+        return self._reduce(self._fp8_gemm(x_BTK_l))
 
     def forward_swiglu(self, gate_BTK_l: torch.Tensor, up_BTK_l: torch.Tensor) -> torch.Tensor:
         """``forward(swiglu(gate, up))`` for the local (column-parallel) ``gate`` and ``up``.
@@ -341,6 +364,10 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError("RowParallelLinear.forward_swiglu needs input_is_parallel=True")
         if self._fp8 is None:
             return self._reduce(F.linear(swiglu(gate_BTK_l, up_BTK_l), self.weight))
+        return self._fp8_forward_swiglu(gate_BTK_l, up_BTK_l)
+
+    @torch.compiler.disable  # one eager region with its reduction and bias (module docstring)
+    def _fp8_forward_swiglu(self, gate_BTK_l: torch.Tensor, up_BTK_l: torch.Tensor) -> torch.Tensor:
         if self._fp8.weight is not self.weight:
             self._fp8.weight = self.weight
         return self._reduce(self._fp8.forward_swiglu(gate_BTK_l, up_BTK_l))

@@ -125,11 +125,16 @@ class VisionAttention(nn.Module):
     def forward(self, x_NLD: torch.Tensor) -> torch.Tensor:
         n_NLD = self.q_proj.prepare_input(x_NLD)
         N, L, _ = n_NLD.shape
-
-        def heads(linear: ColumnParallelLinear) -> torch.Tensor:
-            return linear.forward_prepared(n_NLD).view(N, L, -1, self.head_dim).transpose(1, 2)
-
-        o_NALd = self.core(heads(self.q_proj), heads(self.k_proj), heads(self.v_proj))
+        # NOTE: the projections are called here, not from a helper: under torch.compile an FP8
+        # linear is a graph break, and code after a break inside a helper becomes a compiled
+        # graph of its own (mt_parallel.layers: FP8 under torch.compile).
+        q_NLD = self.q_proj.forward_prepared(n_NLD)
+        k_NLD = self.k_proj.forward_prepared(n_NLD)
+        v_NLD = self.v_proj.forward_prepared(n_NLD)
+        q_NALd, k_NALd, v_NALd = (
+            t.view(N, L, -1, self.head_dim).transpose(1, 2) for t in (q_NLD, k_NLD, v_NLD)
+        )
+        o_NALd = self.core(q_NALd, k_NALd, v_NALd)
         return self.o_proj(o_NALd.transpose(1, 2).reshape(N, L, -1))
 
 
