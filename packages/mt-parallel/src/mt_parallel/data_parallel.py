@@ -79,7 +79,7 @@ def apply_data_parallel(
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        experts = [n for n, p in model.named_parameters() if getattr(p, "expert_group", None)]
+        experts = [n for n, p in model.named_parameters() if is_expert_parameter(p)]
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         return DistributedDataParallel(model, process_group=dp_cp_group, broadcast_buffers=False)

@@ -215,11 +215,15 @@ class _ParallelLinear(TensorParallelModule):
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`gemm` in FP8, bias included."""
         bias = self._gemm_bias()
-        # Follow parameter swaps (FSDP2 unsharding, load_state_dict(assign=True)).
+        y = self._synced_fp8()(x)
+        return y if bias is None else y + bias
+
+    def _synced_fp8(self) -> Any:
+        """The FP8 layer, its weight following parameter swaps (FSDP2 unsharding,
+        ``load_state_dict(assign=True)``)."""
         if self._fp8.weight is not self.weight:
             self._fp8.weight = self.weight
-        y = self._fp8(x)
-        return y if bias is None else y + bias
+        return self._fp8
 
     def enable_fp8(self, recipe: Any = None, **fp8_kwargs: Any) -> None:
         """Run the local GEMM through ``mt_fp8.FP8Linear`` with ``recipe``.
@@ -368,9 +372,7 @@ class RowParallelLinear(_ParallelLinear):
 
     @torch.compiler.disable  # one eager region with its reduction and bias (module docstring)
     def _fp8_forward_swiglu(self, gate_BTK_l: torch.Tensor, up_BTK_l: torch.Tensor) -> torch.Tensor:
-        if self._fp8.weight is not self.weight:
-            self._fp8.weight = self.weight
-        return self._reduce(self._fp8.forward_swiglu(gate_BTK_l, up_BTK_l))
+        return self._reduce(self._synced_fp8().forward_swiglu(gate_BTK_l, up_BTK_l))
 
     def _reduce(self, partial_BTN: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs (reduce-scatter under SP), then add the bias."""

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 import mt_comm
-from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
+from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER, is_expert_parameter
 from mt_parallel.mappings import group_rank, group_size
 
 
@@ -118,8 +118,7 @@ def clip_grad_norm_(
     expert_grads, expert_group = [], None
     for param in params:
         grad, dp_sharded = _local_grad(param)
-        expert = getattr(param, "expert_group", None) is not None
-        if grad is not None and expert and not dp_sharded:
+        if grad is not None and is_expert_parameter(param) and not dp_sharded:
             expert_group = param.expert_group  # type: ignore[attr-defined]
             if tp_rank == 0:
                 expert_grads.append(grad.detach())

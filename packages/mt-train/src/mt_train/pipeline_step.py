@@ -131,7 +131,7 @@ class PipelineStep:
             params = [
                 p
                 for p in self.module.parameters()
-                if p.grad is not None and getattr(p, "expert_group", None) is None
+                if p.grad is not None and not mt_parallel.is_expert_parameter(p)
             ]
             mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
         # It leaves the experts FSDP2 or ZeRO-1 reduce themselves alone.

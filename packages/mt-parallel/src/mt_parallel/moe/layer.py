@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import mt_comm
-from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
+from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER, is_expert_parameter
 from mt_parallel.layers import scaled_init_std
 from mt_parallel.mappings import group_size
 from mt_parallel.mlp import MLP
@@ -158,7 +158,7 @@ def apply_expert_parallel(
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The expert-parallel parameters (split over ep; their gradients skip DDP)."""
-    return [p for p in model.parameters() if getattr(p, "expert_group", None) is not None]
+    return [p for p in model.parameters() if is_expert_parameter(p)]
 
 
 def reduced_elsewhere(param: nn.Parameter) -> bool:
