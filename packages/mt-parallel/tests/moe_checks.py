@@ -35,6 +35,21 @@ def _loss(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
     return (y * g).sum() + aux, y
 
 
+def grad_errors(layer: MoE, reference: MoE, state, tp: int, local_experts: int) -> dict:
+    """Each parameter's gradient error against the one-process ``reference``'s: its TP shard,
+    or for an expert-parallel weight the slice of this ep rank's ``local_experts``."""
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    grads = {}
+    for name, p in layer.named_parameters():
+        expected = shards[name]
+        if mp.is_expert_parameter(p):
+            e = state.rank("ep")
+            expected = full[name][e * local_experts : (e + 1) * local_experts]
+        grads[name] = rel_err(p.grad, expected)
+    return grads
+
+
 def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> dict:
     state = mt_comm.init_parallel_state(tp=tp, ep=ep)
     dtype = torch.float32 if fp8 else torch.float64
@@ -56,7 +71,7 @@ def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> di
 
     loss, y = _loss(layer, xs[rank], gs[rank])
     loss.backward()  # each rank's own loss; the mean over ranks comes from the reductions
-    dense = [p for n, p in layer.named_parameters() if getattr(p, "expert_group", None) is None]
+    dense = [p for n, p in layer.named_parameters() if not mp.is_expert_parameter(p)]
     for p in dense:  # what DDP does (mp.all_reduce_gradients would round fp64 to fp32)
         mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
     reduce_expert_gradients(layer)
@@ -78,17 +93,7 @@ def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> di
                 expected_y = ref_y
         (sum(ref_losses) / ranks).backward()
 
-    grads = {}
-    plan = mp.tp_shard_plan(reference)
-    full = {n: p.grad for n, p in reference.named_parameters()}
-    shards = mp.shard_state_dict(full, plan, state.rank("tp"), tp)
-    local = cfg.num_experts // ep
-    for name, p in layer.named_parameters():
-        expected = shards[name]
-        if getattr(p, "expert_group", None) is not None:
-            e = state.rank("ep")
-            expected = full[name][e * local : (e + 1) * local]
-        grads[name] = rel_err(p.grad, expected)
+    grads = grad_errors(layer, reference, state, tp, cfg.num_experts // ep)
     return {"y": rel_err(y, expected_y), "loss": rel_err(loss, ref_losses[rank]), "grads": grads,
             "dropped": float(layer.load_stats.dropped_fraction)}  # fmt: skip
 
@@ -144,7 +149,7 @@ def sp_parity(
     aux, logged = collect_aux_losses(layer)
     # This rank's share of Σ y·g plus the whole auxiliary loss, which every TP rank holds.
     ((y * mine(gs[rank]).to(dev, dt)).sum() + aux).backward()
-    dense = [p for p in layer.parameters() if getattr(p, "expert_group", None) is None]
+    dense = [p for p in layer.parameters() if not mp.is_expert_parameter(p)]
     for p in dense:  # what DDP does
         mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
     reduce_expert_gradients(layer)
@@ -164,16 +169,7 @@ def sp_parity(
     mp.moe.update_expert_biases(reference)
     ref_y, x_ref, ref_counts, ref_logged = expected
 
-    full = {n: p.grad for n, p in reference.named_parameters()}
-    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), tp_rank, tp)
-    local = cfg.num_experts // ep
-    grads = {}
-    for name, p in layer.named_parameters():
-        expected_grad = shards[name]
-        if getattr(p, "expert_group", None) is not None:
-            e = state.rank("ep")
-            expected_grad = full[name][e * local : (e + 1) * local]
-        grads[name] = rel_err(p.grad, expected_grad)
+    grads = grad_errors(layer, reference, state, tp, cfg.num_experts // ep)
     stats = {name: rel_err(value, ref_logged[name]) for name, value in logged.items()}
     return {
         "losses": {name: float(logged[name]) for name in ("moe_aux_loss", "moe_z_loss")},
