@@ -160,24 +160,28 @@ class _Lines:
                 yield number, line
 
 
-def _decode(path: Path, number: int, line: bytes) -> str | BadRecord:
+class BadLine(ValueError):
+    """Why one line is not a document (the ``reason`` of a :class:`BadRecord`)."""
+
+
+def _utf8(line: bytes) -> str:
     try:
         return line.decode("utf-8")
     except UnicodeDecodeError as err:
-        return BadRecord(path, number, f"invalid UTF-8 at byte {err.start} of the line")
+        raise BadLine(f"invalid UTF-8 at byte {err.start} of the line") from None
 
 
-class BadLine(ValueError):
-    """Why one JSONL line is not a document (the ``reason`` of a :class:`BadRecord`)."""
+def _decode(path: Path, number: int, line: bytes) -> str | BadRecord:
+    try:
+        return _utf8(line)
+    except BadLine as err:
+        return BadRecord(path, number, str(err))
 
 
 def jsonl_text(line: bytes, text_key: str) -> str | None:
     """The ``text_key`` string of one raw JSONL line, ``None`` for a blank line; a bad line
     raises :class:`BadLine` with the reason."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise BadLine(f"invalid UTF-8 at byte {err.start} of the line") from None
+    text = _utf8(line)
     if not text.strip():
         return None
     try:
