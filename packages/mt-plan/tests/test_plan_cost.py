@@ -132,12 +132,13 @@ def test_zero1_shards_the_optimizer_and_tp_shards_the_weights() -> None:
 def test_first_calibration_points_are_within_reach(fp8, tokens_per_s, peak_gib) -> None:
     """docs/performance.md (2026-12-04, 5f7f294): ours_graphed_bf16 and ours_graphed_fp8_delayed
     on one H200 ran the 8-layer Llama3-8B slice at these tokens/s with these
-    ``max_memory_allocated`` peaks. Before calibrating attention the prediction must be faster
-    (the roofline is a bound) but not absurdly so, and the allocated memory within the issue's
-    ±5%: this guards the model against unit errors, it does not validate it."""
+    ``max_memory_allocated`` peaks. With the shipped H200 calibration (measured 2026-12-06) the
+    prediction must land within 15% of the rate (docs/plan.md's H200 validation has dense step
+    errors up to 11.7%; a unit error or a stale table is off by far more) and the allocated
+    memory within the issue's ±5%."""
     cost = _cost(global_batch=1)
     est = cost.estimate(Layout(fp8=fp8))
-    assert tokens_per_s < est.tokens_per_s_per_gpu < 1.3 * tokens_per_s
+    assert est.tokens_per_s_per_gpu == pytest.approx(tokens_per_s, rel=0.15)
     allocated = est.peak_memory / (1 + cost.work.allocator_overhead)
     assert allocated / 2**30 == pytest.approx(peak_gib, rel=0.05)
 
