@@ -18,10 +18,11 @@ like: width 2048, 64 experts of FFN 1408, top-6, 2 shared experts). Stacks:
   ``torch.compile`` on CUDA (``--no-compile`` turns it off);
 * ``mt_bf16``: ``mt_parallel.moe.MoE`` (fp32 router with autocast off, grouped experts);
 * ``mt_fp8``: the same with its experts (and shared experts) in FP8 (``--recipe``, default
-  ``rowwise``; mt-fp8's ``FP8GroupedLinear``). ``--fp8-formats`` picks the recipe's formats:
-  ``default`` (the recipe's own: rowwise has E5M2 gradients, so its dgrad and wgrad GEMMs run
-  per expert, ``torch._scaled_grouped_mm`` taking E4M3 only) or ``e4m3`` (every role E4M3:
-  all three GEMMs grouped).
+  ``rowwise``; mt-fp8's ``FP8GroupedLinear``). ``--expert-formats`` is the trainer's
+  ``fp8.expert_formats`` (``mt_parallel.expert_recipe``): ``auto`` (default; E4M3 for every
+  role of the experts under rowwise, block and MXFP8), ``e4m3`` or ``recipe`` (the recipe's own
+  formats: rowwise has E5M2 gradients, so the experts' dgrad and wgrad GEMMs run per expert,
+  ``torch._scaled_grouped_mm`` taking E4M3 only). The shared experts keep the recipe's formats.
 
 Routing ``natural`` is the router's own choice from random weights and inputs; ``balanced``
 forces token ``t``'s ``j``-th choice to expert ``(t·k + j) mod E`` (every expert exactly
@@ -170,7 +171,9 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
             reference = torch.compile(reference)
         fp8_layer = MoE(dim, dataclasses.replace(cfg, balancing="none")).to(device)
         fp8_layer.load_state_dict(layer.state_dict())
-        mt_parallel.apply_fp8(fp8_layer, mt_fp8.recipe_from_name(args.recipe, **recipe_args(args)))
+        mt_parallel.apply_fp8(
+            fp8_layer, mt_fp8.recipe_from_name(args.recipe), expert_formats=args.expert_formats
+        )
         x = torch.randn(1, seq, dim, device=device, requires_grad=True)
         dy = torch.randn(1, seq, dim, device=device)
         stacks = {"reference": reference, "mt_bf16": layer, "mt_fp8": fp8_layer}
@@ -220,11 +223,6 @@ def model_configs(smoke: bool, layers: int) -> dict[str, Any]:
     return {"mixtral_8x7b": mixtral, "deepseek_v2_lite_like": lite, "deepseek_v2_lite": mla_lite}
 
 
-def recipe_args(args: Any) -> dict[str, Any]:
-    """The FP8 recipe's keyword arguments from ``--fp8-formats``."""
-    return {"formats": mt_fp8.FormatConfig.all_e4m3()} if args.fp8_formats == "e4m3" else {}
-
-
 def bench_models(configs: dict, seq: int, device: str, iters: int, args: Any) -> list[dict]:
     from mt_train.config.schema import FP8Config
     from mt_train.models import build_model
@@ -238,7 +236,7 @@ def bench_models(configs: dict, seq: int, device: str, iters: int, args: Any) ->
                 torch.manual_seed(0)
                 model = build_model(cfg, device, seed=0)
                 fp8 = (
-                    FP8Config(recipe=args.recipe, recipe_args=recipe_args(args))
+                    FP8Config(recipe=args.recipe, expert_formats=args.expert_formats)
                     if stack == "mt_fp8"
                     else FP8Config(recipe="none")
                 )
@@ -281,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2, help="MoE layers in the model rows")
     parser.add_argument("--recipe", default="rowwise", help="mt-fp8 recipe of the FP8 rows")
     parser.add_argument(
-        "--fp8-formats", choices=("default", "e4m3"), default="default",
-        help="the FP8 rows' formats: the recipe's own or E4M3 for every role",
+        "--expert-formats", choices=mt_parallel.EXPERT_FORMATS, default="auto",
+        help="the FP8 experts' formats (the trainer's fp8.expert_formats)",
     )  # fmt: skip
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--skip-models", action="store_true", help="layer rows only")
@@ -295,8 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         harness.require_cuda()
         device, shapes, seq, iters = "cuda", LAYER_SHAPES, SEQ, args.iters
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    print(f"device: {name}, torch {torch.__version__}, recipe {args.recipe} {args.fp8_formats}")
-    meta = {"device": name, "recipe": args.recipe, "fp8_formats": args.fp8_formats}
+    print(f"device: {name}, torch {torch.__version__}, recipe {args.recipe}, "
+          f"experts {args.expert_formats}")
+    meta = {"device": name, "recipe": args.recipe, "expert_formats": args.expert_formats}
     # Each phase's rows are written as soon as it ends, so a run cut short keeps the layer rows.
     for row in bench_layers(shapes, seq, device, iters, args):
         harness.emit({**row, **meta}, args.out)

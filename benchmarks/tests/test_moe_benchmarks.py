@@ -30,11 +30,11 @@ def test_skewed_routing_is_skewed_and_complete() -> None:
     assert sum(sizes) == 16 * 64 and max(sizes) > 2 * 64
 
 
-def test_moe_throughput_smoke_e4m3_layers(tmp_path: Path) -> None:
+def test_moe_throughput_smoke_layers_with_the_recipes_expert_formats(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
-    moe_throughput.main(["--smoke", "--skip-models", "--fp8-formats", "e4m3", "--out", str(out)])
+    moe_throughput.main(["--smoke", "--skip-models", "--expert-formats", "recipe", "--out", str(out)])
     rows = _rows(out)
-    assert rows and all(r["kind"] == "layer" and r["fp8_formats"] == "e4m3" for r in rows)
+    assert rows and all(r["kind"] == "layer" and r["expert_formats"] == "recipe" for r in rows)
     assert any(r["stack"] == "mt_fp8" for r in rows)
 
 

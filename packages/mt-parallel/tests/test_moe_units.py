@@ -10,6 +10,7 @@ import pytest
 import torch
 from moe_reference import reference_moe
 from torch.utils.checkpoint import checkpoint
+from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from mt_parallel.moe import (
     MoE,
@@ -319,3 +320,26 @@ def test_fp8_min_features_keeps_small_expert_projections_high_precision() -> Non
     assert not any(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
     mp.apply_fp8_options(layer, plan, mp.FP8Options(recipe=options.recipe, min_features=32))
     assert all(p.fp8_enabled for p in (experts.gate_proj, experts.up_proj, experts.down_proj))
+
+
+def test_expert_formats_pick_e4m3_gradients_for_per_row_recipes_only() -> None:
+    import mt_fp8
+    import mt_parallel as mp
+
+    e4m3, hybrid = mt_fp8.FormatConfig.all_e4m3(), mt_fp8.FormatConfig.hybrid()
+    rowwise, tensorwise = mt_fp8.recipe_from_name("rowwise"), mt_fp8.recipe_from_name("tensorwise")
+    assert rowwise.formats == hybrid and tensorwise.formats == hybrid
+    assert mp.expert_recipe(rowwise).formats == e4m3
+    assert mp.expert_recipe(mt_fp8.recipe_from_name("delayed")).formats == hybrid
+    assert mp.expert_recipe(tensorwise) is tensorwise
+    assert mp.expert_recipe(tensorwise, "e4m3").formats == e4m3
+    assert mp.expert_recipe(rowwise, "recipe") is rowwise
+    with pytest.raises(ValueError, match=r"expert_formats='e5m2' is unknown; valid: auto, e4m3"):
+        mp.FP8Options(recipe=rowwise, expert_formats="e5m2")
+
+    # In a layer: the routed experts take E4M3 gradients, the shared expert keeps the recipe's.
+    layer = MoE(64, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=64, n_shared_experts=1))
+    mp.apply_fp8_options(layer, mp.ParallelizePlan(block_types=()), mp.FP8Options(rowwise))
+    assert layer.experts.gate_proj._fp8.recipe.formats == e4m3
+    shared = [m for m in layer.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert shared and all(m.fp8_enabled and m._fp8.recipe.formats == hybrid for m in shared)

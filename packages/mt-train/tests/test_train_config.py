@@ -91,6 +91,10 @@ def test_issue_example_overrides_compose() -> None:
         ("trainer.max_steps=many", "Value 'many' of type 'str' could not be converted to Integer"),
         ("fp8.recipe=fp4", "fp8.recipe='fp4' is unknown; valid: none, delayed"),
         (
+            "fp8=rowwise fp8.expert_formats=e5m2",
+            "fp8.expert_formats='e5m2' is unknown; valid: auto, e4m3, recipe",
+        ),
+        (
             "fp8=mxfp8 fp8.recipe_args.scale_rounding=up",
             "MXFP8Scaling.scale_rounding must be 'ceil' or 'floor', got 'up'",
         ),

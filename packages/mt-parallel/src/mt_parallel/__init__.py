@@ -55,12 +55,14 @@ from mt_parallel.mlp import MLP, SwiGLU
 from mt_parallel.norm import RMSNorm
 from mt_parallel.optimizer import DistributedOptimizer, clip_grad_norm_
 from mt_parallel.parallelize import (
+    EXPERT_FORMATS,
     FP8Options,
     ParallelizePlan,
     apply_context_parallel,
     apply_fp8,
     apply_fp8_options,
     apply_tensor_parallel,
+    expert_recipe,
     high_precision_linears,
     parallelize,
 )
@@ -93,6 +95,7 @@ __all__ = [
     "DecoderBlock",
     "DistributedOptimizer",
     "Dropout",
+    "EXPERT_FORMATS",
     "FP8Options",
     "ParallelConfig",
     "ParallelizePlan",
@@ -127,6 +130,7 @@ __all__ = [
     "flex_document_attention",
     "gather_from_group",
     "get_rng_tracker",
+    "expert_recipe",
     "high_precision_linears",
     "init_weights",
     "is_expert_parameter",

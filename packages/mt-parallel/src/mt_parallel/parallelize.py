@@ -37,19 +37,22 @@ part of step 1: after the TP cut, :func:`mt_parallel.moe.apply_expert_parallel` 
 rank's routed experts (their gradients are reduced over the expert-data-parallel group, not by
 DDP; under FSDP2 step 6 shards them over that group, ZeRO-1 shards their optimizer state there)
 and gives the routers the dp×cp group for the aux-loss-free token counts. FP8 (step 3)
-also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``.
+also runs the experts' grouped linears through ``mt_fp8.FP8GroupedLinear``, with the formats
+:func:`expert_recipe` picks (E4M3 gradients under per-row or finer scales, so the grouped GEMM
+keeps its single launch in the backward).
 """
 
 from __future__ import annotations
 
+
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from mt_comm import ParallelState
-from mt_fp8 import FP8_GEMMS
+from mt_fp8 import FP8_GEMMS, TENSORWISE, FormatConfig, TensorRole
 from mt_parallel.config import ParallelConfig
 from mt_parallel.data_parallel import apply_data_parallel, set_fp8_weight_cache
 from mt_parallel.layers import TensorParallelModule, _ParallelLinear
@@ -100,6 +103,41 @@ class FP8Options:
     """With ``output_head``: which of the head's GEMMs run in FP8."""
     cache_weight: bool = True
     """Keep each layer's FP8 weight from its first forward of a step to its last backward."""
+    expert_formats: str = "auto"
+    """FP8 formats of the MoE experts' grouped GEMMs (:func:`expert_recipe`): ``auto``,
+    ``e4m3`` or ``recipe``."""
+
+    def __post_init__(self) -> None:
+        if self.expert_formats not in EXPERT_FORMATS:
+            raise ValueError(
+                f"expert_formats={self.expert_formats!r} is unknown; valid: {', '.join(EXPERT_FORMATS)}"
+            )
+
+
+EXPERT_FORMATS = ("auto", "e4m3", "recipe")
+"""Choices of :attr:`FP8Options.expert_formats`."""
+
+
+def expert_recipe(recipe: Any, expert_formats: str = "auto") -> Any:
+    """The recipe the MoE experts' grouped GEMMs run with.
+
+    PyTorch's grouped FP8 GEMM (``torch._scaled_grouped_mm``) takes E4M3 operands only, so an
+    E5M2 gradient (the hybrid formats most recipes default to) makes ``FP8GroupedLinear`` run
+    the backward as one GEMM per expert. ``e4m3`` switches every role to E4M3; ``recipe`` keeps
+    the recipe's formats; ``auto`` is ``e4m3`` where the recipe scales gradients per row or
+    finer (rowwise, block, MXFP8: each scale covers one row's range, which E4M3 holds, as
+    torchao's rowwise recipe and DeepSeek-V3 train) and ``recipe`` for per-tensor scales
+    (tensorwise, delayed), whose single gradient scale needs E5M2's range.
+    """
+    if expert_formats not in EXPERT_FORMATS:
+        raise ValueError(
+            f"expert_formats={expert_formats!r} is unknown; valid: {', '.join(EXPERT_FORMATS)}"
+        )
+    if recipe is None or expert_formats == "recipe":
+        return recipe
+    if expert_formats == "auto" and recipe.layout(TensorRole.GRAD_OUTPUT) == TENSORWISE:
+        return recipe
+    return replace(recipe, formats=FormatConfig.all_e4m3())
 
 
 def apply_tensor_parallel(
@@ -143,11 +181,13 @@ def apply_fp8(
     recipe: Any = None,
     amax_group: Any = None,
     skip: tuple[str, ...] = (),
+    expert_formats: str = "auto",
     **fp8_kwargs: Any,
 ) -> nn.Module:
     """Run every TP linear (except names containing an entry of ``skip``) in FP8.
 
-    ``recipe`` is an ``mt_fp8`` recipe (default: mt-fp8's default); ``amax_group`` (usually
+    ``recipe`` is an ``mt_fp8`` recipe (default: mt-fp8's default; the MoE experts take
+    :func:`expert_recipe` of it with ``expert_formats``); ``amax_group`` (usually
     the TP group) is where ``mt_fp8.update_fp8_scales`` MAX-reduces delayed-scaling amaxes and
     current tensorwise scaling the amaxes of each layer's ``fp8_sharded_roles``. The FP8
     layers of each module's ``shared_input_linears()`` get tied input scales (module docstring).
@@ -155,9 +195,10 @@ def apply_fp8(
     from mt_fp8 import tie_input_scales
     from mt_parallel.moe.experts import GroupedLinear
 
+    experts = expert_recipe(recipe, expert_formats)
     for name, module in model.named_modules():
         if isinstance(module, GroupedLinear) and not any(s in name for s in skip):
-            module.enable_fp8(recipe, **fp8_kwargs)
+            module.enable_fp8(experts, **fp8_kwargs)
         elif isinstance(module, _ParallelLinear) and not any(s in name for s in skip):
             module.enable_fp8(recipe, **fp8_kwargs)
             if amax_group is not None and group_size(amax_group) > 1:
@@ -224,6 +265,7 @@ def apply_fp8_options(
         fp8.recipe,
         amax_group=amax_group,
         skip=skip if head is None else (*skip, head),
+        expert_formats=fp8.expert_formats,
         backend=fp8.backend,
         fp8_gemms=tuple(fp8.gemms),
     )

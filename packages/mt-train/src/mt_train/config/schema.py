@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_fp8 import FP8_GEMMS, RECIPES, parse_fp8_gemms, recipe_from_name
-from mt_parallel import DOCUMENT_MASK_KERNELS, ParallelConfig, validate_cp_sequence
+from mt_parallel import (
+    DOCUMENT_MASK_KERNELS,
+    EXPERT_FORMATS,
+    ParallelConfig,
+    validate_cp_sequence,
+)
 from mt_parallel.pipeline import chunks_per_rank, split_layers
 from mt_train.config.observability import CommConfig, ProfilingConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
@@ -114,7 +119,19 @@ class FP8Config:
     FP8; the others run in bf16 from high-precision operands (``mt_fp8.FP8Linear(fp8_gemms=...)``),
     e.g. ``[forward,dgrad]`` keeps the head's weight gradient exact."""
 
+    expert_formats: str = "auto"
+    """FP8 formats of the MoE experts' grouped GEMMs (``mt_parallel.expert_recipe``): ``auto``
+    runs every role in E4M3 under the rowwise, block and MXFP8 recipes (PyTorch's grouped FP8
+    GEMM takes E4M3 only; an E5M2 gradient makes the backward one GEMM per expert) and keeps
+    tensorwise and delayed scaling's own formats; ``e4m3`` always; ``recipe`` never. Measured
+    effect in docs/performance.md, "FP8 expert gradients in E4M3"."""
+
     def __post_init__(self) -> None:
+        if self.expert_formats not in EXPERT_FORMATS:
+            raise ValueError(
+                f"fp8.expert_formats={self.expert_formats!r} is unknown; valid: "
+                f"{', '.join(EXPERT_FORMATS)}"
+            )
         if self.recipe != "none":
             if self.recipe not in RECIPES:
                 raise ValueError(

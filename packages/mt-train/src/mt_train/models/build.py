@@ -97,6 +97,7 @@ def fp8_options(fp8: FP8Config) -> mt_parallel.FP8Options:
         output_head=fp8.output_head,
         output_head_gemms=tuple(fp8.output_head_gemms),
         cache_weight=fp8.cache_weight,
+        expert_formats=fp8.expert_formats,
     )
 
 
