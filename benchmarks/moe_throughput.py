@@ -293,8 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         harness.require_cuda()
         device, shapes, seq, iters = "cuda", LAYER_SHAPES, SEQ, args.iters
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    print(f"device: {name}, torch {torch.__version__}, recipe {args.recipe}, "
-          f"experts {args.expert_formats}")
+    print(
+        f"device: {name}, torch {torch.__version__}, recipe {args.recipe}, "
+        f"experts {args.expert_formats}"
+    )
     meta = {"device": name, "recipe": args.recipe, "expert_formats": args.expert_formats}
     # Each phase's rows are written as soon as it ends, so a run cut short keeps the layer rows.
     for row in bench_layers(shapes, seq, device, iters, args):

@@ -32,7 +32,9 @@ def test_skewed_routing_is_skewed_and_complete() -> None:
 
 def test_moe_throughput_smoke_layers_with_the_recipes_expert_formats(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
-    moe_throughput.main(["--smoke", "--skip-models", "--expert-formats", "recipe", "--out", str(out)])
+    moe_throughput.main(
+        ["--smoke", "--skip-models", "--expert-formats", "recipe", "--out", str(out)]
+    )
     rows = _rows(out)
     assert rows and all(r["kind"] == "layer" and r["expert_formats"] == "recipe" for r in rows)
     assert any(r["stack"] == "mt_fp8" for r in rows)

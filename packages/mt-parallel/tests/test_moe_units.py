@@ -10,8 +10,8 @@ import pytest
 import torch
 from moe_reference import reference_moe
 from torch.utils.checkpoint import checkpoint
-from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mt_parallel.moe import (
     MoE,
     MoEConfig,

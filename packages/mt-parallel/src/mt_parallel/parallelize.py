@@ -44,7 +44,6 @@ keeps its single launch in the backward).
 
 from __future__ import annotations
 
-
 import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
