@@ -148,3 +148,15 @@ def test_calibrate_on_the_gpu(capsys, tmp_path) -> None:
     assert table.device == torch.cuda.get_device_name()
     bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm", "bf16"))
     assert 1e14 < bf16 < 2.5e15  # a Hopper-class GPU: hundreds of dense bf16 TFLOP/s
+
+
+@pytest.mark.parametrize("rows,groups", [(256, 4), (8192, 8), (8192, 64), (32768, 32)])
+def test_calibrated_expert_groups_are_uneven_and_unaligned(rows, groups) -> None:
+    """The expert linears are timed on routed-like groups: summing to the rows, none a multiple
+    of the grouped FP8 wgrad's 16-token alignment (so its padding is inside the time)."""
+    from mt_plan.measure import routed_sizes
+
+    sizes = routed_sizes(rows, groups)
+    assert len(sizes) == groups and sum(sizes) == rows
+    assert all(size > 0 and size % 16 for size in sizes)
+    assert len(set(sizes)) > 1

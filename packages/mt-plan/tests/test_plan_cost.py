@@ -182,18 +182,24 @@ def _moe_estimate(entries: list[Entry], fp8: str = "none"):
 
 
 def _expert_entries(dtype: str, rate: float) -> list[Entry]:
-    return [Entry(op, dtype, (8192, 14336, 4096, 8), rate)
-            for op in ("grouped_linear_fwd", "grouped_linear_bwd")]  # fmt: skip
+    """Forward at ``rate``, backward at 0.8 of it (distinct, so swapping them shows)."""
+    shape = (8192, 14336, 4096, 8)
+    return [Entry("grouped_linear_fwd", dtype, shape, rate),
+            Entry("grouped_linear_bwd", dtype, shape, 0.8 * rate)]  # fmt: skip
+
+
+def _expert_seconds(rate: float) -> float:
+    """Two MoE layers × three projections of 4096 tokens · top-2 rows: forward 2·rows·N·K
+    FLOPs at ``rate``, backward twice that at 0.8·``rate`` (:func:`_expert_entries`)."""
+    flops = 2.0 * 4096 * 2 * 14336 * 4096
+    return 2 * 3 * (flops / rate + 2 * flops / (0.8 * rate))
 
 
 def test_fp8_experts_are_priced_from_grouped_linear_entries() -> None:
-    # per MoE layer and projection: forward 2·rows·N·K FLOPs at the forward rate, backward
-    # twice that at the backward rate; rows = 4096 tokens · top-2, three projections, 2 layers
-    flops = 2.0 * 4096 * 2 * 14336 * 4096
     rate = 2e14  # far below the H100's FP8 peak: the measured rate, not the roofline, binds
     for dtype in ("fp8_rowwise", "fp8_tensorwise"):
         cost, est = _moe_estimate(_expert_entries(dtype, rate), fp8="rowwise")
-        assert est.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / rate, rel=1e-12)
+        assert est.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
         # the entries time the experts' quantization too: only the attention's is left, so the
         # difference to no entries is the experts' (A+2)·rows·(D+F) bytes per projection
         # (roofline-priced: this table has no quantize rate)
@@ -209,6 +215,7 @@ def test_fp8_experts_are_priced_from_grouped_linear_entries() -> None:
     assert slower.step_time - est.step_time == pytest.approx(est.compute["experts"], rel=1e-9)
     gpu = cost.cluster.gpu
     roof = _moe_estimate(_expert_entries("fp8_rowwise", 1e30), fp8="rowwise")[1]
+    flops = 2.0 * 4096 * 2 * 14336 * 4096
     assert roof.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / gpu.peak_fp8_flops)
 
 
@@ -226,8 +233,9 @@ def test_fp8_experts_fall_back_without_grouped_linear_entries() -> None:
         assert est.compute["fp8_quantize"] > 0
         assert cost.expert_entries("rowwise") is None
         assert any("no FP8 grouped_linear entries" in note for note in est.notes), est.notes
-    shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table("h100"), cost.work)
-    assert shipped.expert_entries("rowwise") is None and shipped.expert_entries("none") is None
+    for name in ("h100", "h200"):  # the shipped tables predate these entries
+        shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table(name), cost.work)
+        assert shipped.expert_entries("rowwise") is None and shipped.expert_entries("none") is None
 
 
 def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
@@ -248,7 +256,6 @@ def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     rate = 2e14
     _, measured = _moe_estimate([Entry("copy", "bf16", (8192, 4096), copy_rate),
                                  *_expert_entries("bf16", rate)])  # fmt: skip
-    flops = 2.0 * rows * wide * narrow
-    assert measured.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / rate, rel=1e-12)
+    assert measured.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
     assert "expert_weight_cast" not in measured.compute
     assert "expert_padding" not in measured.compute
