@@ -11,13 +11,13 @@ A table (JSON) has ``device`` and ``entries``; each entry is one measurement::
     {"op": "rmsnorm", "dtype": "bf16", "shape": [rows, cols], "bytes_per_s": 1.9e12}
 
 GEMM dtypes are ``bf16``, ``fp32`` and ``fp8_<recipe>`` (the FP8 GEMM path that recipe takes in
-mt-fp8). ``grouped_linear_fwd`` / ``_bwd`` time one FP8 MoE expert projection whole, as
-``mt_fp8.FP8GroupedLinear`` runs it (quantization, padding and per-expert GEMMs included), rated
-per ``2·rows·N·K`` FLOPs forward and ``4·rows·N·K`` backward (dgrad + wgrad); a table without
-them prices FP8 expert GEMMs as the bf16 ``grouped_gemm`` ones plus separate quantization
-(:mod:`mt_plan.cost`). Memory-bound ops (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``,
-``quantize``, ``permute``, ``copy``) are rated in bytes per second for the minimum bytes the op
-moves.
+mt-fp8). ``grouped_linear_fwd`` / ``_bwd`` (dtype ``bf16`` or ``fp8_<recipe>``) time one MoE
+expert projection whole, as mt-parallel's ``GroupedLinear`` or ``mt_fp8.FP8GroupedLinear`` runs
+it (weight casts, padding, quantization and per-expert GEMMs included), rated per
+``2·rows·N·K`` FLOPs forward and ``4·rows·N·K`` backward (dgrad + wgrad); without them the cost
+model prices the experts from ``grouped_gemm`` (:mod:`mt_plan.cost`). Memory-bound ops
+(``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``, ``quantize``, ``permute``,
+``copy``) are rated in bytes per second for the minimum bytes the op moves.
 
 Lookup (:meth:`CalibrationTable.gemm_time`, :meth:`membound_time`). For an op and dtype with
 entries, the achieved rate of the nearest measured shape (Euclidean distance of the log shape)

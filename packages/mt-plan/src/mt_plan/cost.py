@@ -21,16 +21,17 @@ Routed experts, per projection of ``rows = T_n·k`` rows over the rank's ``E/ep`
 has ``grouped_linear`` entries for the precision (bf16, the recipe, else ``fp8_tensorwise``)
 the projection's forward and backward are priced from them (nearest shape, never faster than the
 roofline), the backward split evenly between ``I`` and ``W``: they time the module whole, so
-quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the seed
-tables): bf16 prices its three GEMMs at ``grouped_gemm`` rates and adds as copies what
-``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the forward
-and the gradient's cast back (``(4+A)·E·N·K`` bytes each; the dense linears' weights take
-the same casts inside autocast, uncharged, a small share of their larger GEMMs) and CUDA's group padding (``A·(3·rows·K + 2·rows·N)``
-bytes forward, ``A·(2·rows·K + 3·rows·N)`` backward); FP8 prices its GEMMs as a dense linear's
-(``grouped_gemm`` at ``fp8_<recipe>``, which no table measures, so the bf16 rate scaled to the
-FP8 peak) plus the quantization of input and output gradient, which misses the grouped FP8
-path's per-group work; ``--explain`` says which applies. The router's fp32 GEMM is priced as a
-bf16 one, and routing, top-k and the balancing losses are not charged (``T·E``-sized).
+quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the shipped
+tables predate them): bf16 prices its three GEMMs at ``grouped_gemm`` rates and adds as copies
+what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
+forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each; the dense linears' weights
+take the same casts inside autocast, uncharged, a small share of their larger GEMMs) and CUDA's
+group padding (``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)``
+backward); FP8 prices its GEMMs as a dense linear's (``grouped_gemm`` at ``fp8_<recipe>``,
+which no table measures, so the bf16 rate scaled to the FP8 peak) plus the quantization of
+input and output gradient, which misses the grouped FP8 path's per-group work; ``--explain``
+says which applies. The router's fp32 GEMM is priced as a bf16 one, and routing, top-k and the
+balancing losses are not charged (``T·E``-sized).
 
 Communication, by group and collective (payloads in :mod:`mt_plan.comm`'s sense), and what our
 runtime overlaps (read from the code, see docs/architecture.md "Planner"):
@@ -233,7 +234,7 @@ class CostModel:
         table has none (module docstring, "Routed experts")."""
         dtype = self._gemm_dtype(fp8)
         if fp8 != "none" and dtype == "bf16":
-            return None  # an FP8 recipe this GPU cannot run: priced as bf16 GEMMs, as before
+            return None  # MXFP8 without MX tensor cores: priced as bf16 GEMMs, as before
         for source in (dtype, FP8_REFERENCE) if dtype.startswith("fp8_") else (dtype,):
             if all(self.table.has(op, source) for op in EXPERT_OPS):
                 return source

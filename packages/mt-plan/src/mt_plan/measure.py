@@ -4,8 +4,8 @@ What is timed is what the trainer runs: ``torch.matmul`` in bf16 (fp32 on the CP
 no fast bf16 GEMM) for the dense GEMMs, ``mt_fp8.fp8_gemm`` on operands quantized by each FP8
 recipe's own layouts (the GEMM only: quantization is its own memory-bound op), the grouped
 GEMM ``torch._grouped_mm`` the MoE experts use where it runs, the expert linears as mt runs
-them (below), SDPA's causal attention forward
-and forward + backward (the backward's time is the difference), and mt-fp8's fused ops
+them (below), SDPA's causal attention forward and forward + backward (the backward's time is
+the difference), and mt-fp8's fused ops
 (RMSNorm, SwiGLU, RoPE, cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the
 tensorwise quantizer and a device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a
 GEMM, the causal attention FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes
@@ -23,13 +23,13 @@ block and MXFP8, the recipe's E5M2 gradients under tensorwise and delayed), so t
 quantizing the input and the output gradient per group, the wgrad operands' padding of
 unaligned groups, ``torch._scaled_grouped_mm`` where recipe and formats allow it and one GEMM
 per expert where they do not (E5M2 gradients keep dgrad and wgrad per expert), and the fp32
-weight gradient; its weight's FP8 cache is warm (the
-trainer requantizes once per step, which the cost model charges with the optimizer). The input
-is bf16 under bf16 autocast with an fp32 weight, as in training (fp32 on the CPU). Group sizes
-are uneven and not multiples of 16 (:func:`routed_sizes`), as routed groups are. The
-backward's time is forward + backward minus the forward; rates are per ``2·rows·N·K`` FLOPs
-forward and twice that backward. Shapes: Mixtral-8x7B's few large experts and DeepSeek's many
-small ones (V2-Lite's 64, V3's 256 over ep = 8), both projection orientations.
+weight gradient; its weight's FP8 cache is warm (the trainer requantizes once per step, which
+the cost model charges with the optimizer). The input is bf16 under bf16 autocast with an fp32
+weight, as in training (fp32 on the CPU). Group sizes are uneven and not multiples of 16
+(:func:`routed_sizes`), as routed groups are. The backward's time is forward + backward minus
+the forward; rates are per ``2·rows·N·K`` FLOPs forward and twice that backward. Shapes:
+Mixtral-8x7B's few large experts and DeepSeek's many small ones (V2-Lite's 64, V3's 256 over
+ep = 8), both projection orientations.
 
 Timing: CUDA events around ``repeat`` calls after ``warmup`` calls, the median of ``trials``
 (wall clock on other devices). ``--tiny`` uses small shapes, fewer repeats and only the
@@ -52,9 +52,10 @@ FULL_ATTENTION = [(bh, s, d) for bh in (8, 32, 64) for s in (2048, 4096, 8192) f
 TINY_ATTENTION = [(4, 64, 32)]
 FULL_ROWS = [(8192, 4096), (16384, 8192), (8192, 14336), (8192, 28672)]
 TINY_ROWS = [(64, 64)]
-FULL_EXPERT_LINEARS = [(rows, n, k, g) for rows in (8192, 32768)
-                       for (n, k, g) in ((14336, 4096, 8), (4096, 14336, 8), (1408, 2048, 64),
-                                         (2048, 1408, 64), (2048, 7168, 32), (7168, 2048, 32))]  # fmt: skip
+EXPERT_PROJECTIONS = [(14336, 4096, 8), (4096, 14336, 8), (1408, 2048, 64), (2048, 1408, 64),
+                      (2048, 7168, 32), (7168, 2048, 32)]  # fmt: skip
+"""(N, K, experts) of Mixtral-8x7B's, DeepSeek-V2-Lite's and DeepSeek-V3's (ep = 8) projections."""
+FULL_EXPERT_LINEARS = [(rows, n, k, g) for rows in (8192, 32768) for n, k, g in EXPERT_PROJECTIONS]
 TINY_EXPERT_LINEARS = [(256, 64, 64, 4)]
 RECIPE_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block",
              "delayed": "delayed", "mxfp8": "mxfp8"}  # fmt: skip
