@@ -108,9 +108,17 @@ def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
     table = load_table(str(path))
     kinds = {(e.op, e.dtype) for e in table.entries}
     for kind in [("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_fwd", "bf16"),
-                 ("attention_bwd", "bf16"), ("rmsnorm", "bf16"), ("adamw", "fp32")]:  # fmt: skip
+                 ("attention_bwd", "bf16"), ("rmsnorm", "bf16"), ("adamw", "fp32"),
+                 ("grouped_linear_fwd", "bf16"), ("grouped_linear_bwd", "bf16"),
+                 ("grouped_linear_fwd", "fp8_tensorwise"),
+                 ("grouped_linear_bwd", "fp8_tensorwise")]:  # fmt: skip
         assert kind in kinds
     assert all(e.rate > 0 for e in table.entries)
+    # the cost model finds the expert entries it wrote
+    moe = ["model=mixtral_tiny", "model.vocab_size=320", "fp8=tensorwise", "--cluster", "h200"]
+    code, out, err = run(capsys, "explain", *moe, "--calibration", str(path))
+    assert code == 0, err
+    assert "(fp8_tensorwise): priced from the table's grouped_linear entries (measured" in out
     # a CPU-calibrated search is priced from measurements: far slower than the H200 seed table
     h200 = run(
         capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none", "--json", str(tmp_path / "a")
@@ -134,7 +142,21 @@ def test_calibrate_on_the_gpu(capsys, tmp_path) -> None:
     table = load_table(str(path))
     kinds = {(e.op, e.dtype) for e in table.entries}
     assert {("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_bwd", "bf16"),
-            ("cross_entropy", "bf16"), ("adamw", "fp32")} <= kinds  # fmt: skip
+            ("cross_entropy", "bf16"), ("adamw", "fp32"), ("grouped_linear_bwd", "bf16"),
+            ("grouped_linear_bwd", "fp8_rowwise"),
+            ("grouped_linear_bwd", "fp8_blockwise")} <= kinds  # fmt: skip
     assert table.device == torch.cuda.get_device_name()
     bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm", "bf16"))
     assert 1e14 < bf16 < 2.5e15  # a Hopper-class GPU: hundreds of dense bf16 TFLOP/s
+
+
+@pytest.mark.parametrize("rows,groups", [(256, 4), (8192, 8), (8192, 64), (32768, 32)])
+def test_calibrated_expert_groups_are_uneven_and_unaligned(rows, groups) -> None:
+    """The expert linears are timed on routed-like groups: summing to the rows, none a multiple
+    of the grouped FP8 wgrad's 16-token alignment (so its padding is inside the time)."""
+    from mt_plan.measure import routed_sizes
+
+    sizes = routed_sizes(rows, groups)
+    assert len(sizes) == groups and sum(sizes) == rows
+    assert all(size > 0 and size % 16 for size in sizes)
+    assert len(set(sizes)) > 1

@@ -7,7 +7,10 @@
   steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
 * memory and time respond the way the model says they must (recompute, ZeRO-1, tp);
 * the routed experts' TP gradient sum under sequence parallel is priced where mt-parallel runs
-  it: per micro-batch at ep > 1 under zero1 and fsdp, once per step under ddp.
+  it: per micro-batch at ep > 1 under zero1 and fsdp, once per step under ddp;
+* the routed experts' linears are priced from ``grouped_linear`` entries where the table has
+  them (the price follows the entry, never below the roofline) and as before where it has none,
+  plus bf16's weight casts and group padding, and ``--explain``'s notes say which.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import textwrap
 
 import pytest
 
-from mt_plan.calibration import load_table
+from mt_plan.calibration import CalibrationTable, Entry, load_table
 from mt_plan.cluster import load_cluster
 from mt_plan.cost import CostModel, Workload
 from mt_plan.layout import Layout
@@ -163,3 +166,96 @@ def test_expert_tp_sum_is_priced_per_micro_batch_under_zero1_and_fsdp() -> None:
         assert tp_bytes(mode, 4) - tp_bytes("ddp", 4) == pytest.approx(3 * per_step, rel=1e-9)
     for m in (1, 4):
         assert tp_bytes("fsdp", m, dp=2) == pytest.approx(tp_bytes("ddp", m, dp=2), rel=1e-12)
+
+
+MIXTRAL_2L = ModelShape(
+    name="mixtral_2l", family="mixtral", n_layers=2, dim=4096, vocab_size=32000, n_heads=32,
+    n_kv_heads=8, head_dim=128, ffn_dim=14336, num_experts=8, top_k=2, expert_ffn_dim=14336,
+)  # fmt: skip
+
+
+def _moe_estimate(entries: list[Entry], fp8: str = "none"):
+    """Mixtral's shape, two layers, sequence 4096, one H100, priced from ``entries`` alone."""
+    cost = CostModel(MIXTRAL_2L, load_cluster("h100_nodes").with_gpus(1),
+                     CalibrationTable("test", entries), Workload(seq_len=4096, global_batch=1))  # fmt: skip
+    return cost, cost.estimate(Layout(fp8=fp8))
+
+
+def _expert_entries(dtype: str, rate: float) -> list[Entry]:
+    """Forward at ``rate``, backward at 0.8 of it (distinct, so swapping them shows)."""
+    shape = (8192, 14336, 4096, 8)
+    return [Entry("grouped_linear_fwd", dtype, shape, rate),
+            Entry("grouped_linear_bwd", dtype, shape, 0.8 * rate)]  # fmt: skip
+
+
+def _expert_seconds(rate: float) -> float:
+    """Two MoE layers × three projections of 4096 tokens · top-2 rows: forward 2·rows·N·K
+    FLOPs at ``rate``, backward twice that at 0.8·``rate`` (:func:`_expert_entries`)."""
+    flops = 2.0 * 4096 * 2 * 14336 * 4096
+    return 2 * 3 * (flops / rate + 2 * flops / (0.8 * rate))
+
+
+def test_fp8_experts_are_priced_from_grouped_linear_entries() -> None:
+    rate = 2e14  # far below the H100's FP8 peak: the measured rate, not the roofline, binds
+    for dtype in ("fp8_rowwise", "fp8_tensorwise"):
+        cost, est = _moe_estimate(_expert_entries(dtype, rate), fp8="rowwise")
+        assert est.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
+        # the entries time the experts' quantization too: only the attention's is left, so the
+        # difference to no entries is the experts' (A+2)·rows·(D+F) bytes per projection
+        # (roofline-priced: this table has no quantize rate)
+        unmeasured = _moe_estimate([], fp8="rowwise")[1]
+        expert_quantize = 2 * 3 * 4 * 8192 * (4096 + 14336) / cost.cluster.gpu.memory_bandwidth
+        assert unmeasured.compute["fp8_quantize"] - est.compute["fp8_quantize"] == pytest.approx(
+            expert_quantize, rel=1e-9
+        )
+        how = "measured" if dtype == "fp8_rowwise" else "derived from fp8_tensorwise"
+        assert any(f"grouped_linear entries ({how}" in note for note in est.notes), est.notes
+    # the price follows the entry, and is never faster than the FP8 roofline
+    slower = _moe_estimate(_expert_entries("fp8_rowwise", rate / 2), fp8="rowwise")[1]
+    assert slower.step_time - est.step_time == pytest.approx(est.compute["experts"], rel=1e-9)
+    gpu = cost.cluster.gpu
+    roof = _moe_estimate(_expert_entries("fp8_rowwise", 1e30), fp8="rowwise")[1]
+    flops = 2.0 * 4096 * 2 * 14336 * 4096
+    assert roof.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / gpu.peak_fp8_flops)
+
+
+def test_fp8_experts_fall_back_without_grouped_linear_entries() -> None:
+    # only bf16 grouped_gemm: the FP8 experts' GEMMs are that rate at the FP8/bf16 peak ratio
+    # (as before these entries existed), their quantization a separate op, and --explain says so
+    rate = 5e14
+    grouped = [Entry("grouped_gemm", "bf16", (8192, 14336, 4096, 8), rate)]
+    for extra in ([], _expert_entries("bf16", 1e14)):  # bf16 entries do not price FP8 experts
+        cost, est = _moe_estimate(grouped + extra, fp8="rowwise")
+        gpu = cost.cluster.gpu
+        fp8_rate = rate * gpu.peak_fp8_flops / gpu.peak_bf16_flops
+        flops = 2.0 * 4096 * 2 * 14336 * 4096
+        assert est.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / fp8_rate, rel=1e-12)
+        assert est.compute["fp8_quantize"] > 0
+        assert cost.expert_entries("rowwise") is None
+        assert any("no FP8 grouped_linear entries" in note for note in est.notes), est.notes
+    for name in ("h100", "h200"):  # the shipped tables predate these entries
+        shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table(name), cost.work)
+        assert shipped.expert_entries("rowwise") is None and shipped.expert_entries("none") is None
+
+
+def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
+    # GroupedLinear casts the fp32 weight to bf16 and the gradient back ((4+2)·E·N·K bytes
+    # each) and pads groups on CUDA (2·(3·rows·K + 2·rows·N) forward, (2·rows·K + 3·rows·N)·2
+    # backward): with one copy rate below the bandwidth roof, the seconds are bytes / rate
+    copy_rate = 1e12
+    _, est = _moe_estimate([Entry("copy", "bf16", (8192, 4096), copy_rate)])
+    params = 8 * 14336 * 4096
+    assert est.compute["expert_weight_cast"] == pytest.approx(2 * 3 * 2 * 6 * params / copy_rate)
+    rows, wide, narrow = 8192, 14336, 4096
+    pad = sum(
+        2 * (5 * rows * k + 5 * rows * n) for n, k in ((wide, narrow),) * 2 + ((narrow, wide),)
+    )
+    assert est.compute["expert_padding"] == pytest.approx(2 * pad / copy_rate)
+    assert any("no grouped_linear entries" in note for note in est.notes), est.notes
+    # with bf16 grouped_linear entries the module's measured time replaces GEMMs, casts and pads
+    rate = 2e14
+    _, measured = _moe_estimate([Entry("copy", "bf16", (8192, 4096), copy_rate),
+                                 *_expert_entries("bf16", rate)])  # fmt: skip
+    assert measured.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
+    assert "expert_weight_cast" not in measured.compute
+    assert "expert_padding" not in measured.compute

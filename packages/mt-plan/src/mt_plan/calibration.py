@@ -4,14 +4,20 @@ A table (JSON) has ``device`` and ``entries``; each entry is one measurement::
 
     {"op": "gemm", "dtype": "bf16", "shape": [M, N, K], "flops_per_s": 7.6e14}
     {"op": "grouped_gemm", "dtype": "bf16", "shape": [rows, N, K, groups], "flops_per_s": ...}
+    {"op": "grouped_linear_fwd", "dtype": "fp8_rowwise", "shape": [rows, N, K, groups], ...}
+    {"op": "grouped_linear_bwd", ...}
     {"op": "attention_fwd", "dtype": "bf16", "shape": [batch·heads, seq, head_dim], ...}
     {"op": "attention_bwd", ...}
     {"op": "rmsnorm", "dtype": "bf16", "shape": [rows, cols], "bytes_per_s": 1.9e12}
 
 GEMM dtypes are ``bf16``, ``fp32`` and ``fp8_<recipe>`` (the FP8 GEMM path that recipe takes in
-mt-fp8). Memory-bound ops (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``,
-``quantize``, ``permute``, ``copy``) are rated in bytes per second for the minimum bytes the op
-moves.
+mt-fp8). ``grouped_linear_fwd`` / ``_bwd`` (dtype ``bf16`` or ``fp8_<recipe>``) time one MoE
+expert projection whole, as mt-parallel's ``GroupedLinear`` or ``mt_fp8.FP8GroupedLinear`` runs
+it (weight casts, padding, quantization and per-expert GEMMs included), rated per
+``2·rows·N·K`` FLOPs forward and ``4·rows·N·K`` backward (dgrad + wgrad); without them the cost
+model prices the experts from ``grouped_gemm`` (:mod:`mt_plan.cost`). Memory-bound ops
+(``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``, ``quantize``, ``permute``,
+``copy``) are rated in bytes per second for the minimum bytes the op moves.
 
 Lookup (:meth:`CalibrationTable.gemm_time`, :meth:`membound_time`). For an op and dtype with
 entries, the achieved rate of the nearest measured shape (Euclidean distance of the log shape)
@@ -43,7 +49,14 @@ MEMBOUND_OPS = (
     "permute",
     "copy",
 )
-COMPUTE_OPS = ("gemm", "grouped_gemm", "attention_fwd", "attention_bwd")
+COMPUTE_OPS = (
+    "gemm",
+    "grouped_gemm",
+    "grouped_linear_fwd",
+    "grouped_linear_bwd",
+    "attention_fwd",
+    "attention_bwd",
+)
 FP8_REFERENCE = "fp8_tensorwise"
 """The FP8 dtype whose rate stands in for an FP8 recipe without entries of its own."""
 

@@ -16,6 +16,23 @@ from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds to ``I``: ``
 block forward again (``full_keep`` without the attention core), ``selective`` the attention
 core, ``selective_mlp`` the core and SwiGLU.
 
+Routed experts, per projection of ``rows = T_n·k`` rows over the rank's ``E/ep`` experts
+(mt-parallel's ``GroupedLinear`` and, under FP8, mt-fp8's ``FP8GroupedLinear``). Where the table
+has ``grouped_linear`` entries for the precision (bf16, the recipe, else ``fp8_tensorwise``)
+the projection's forward and backward are priced from them (nearest shape, never faster than the
+roofline), the backward split evenly between ``I`` and ``W``: they time the module whole, so
+quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the shipped
+tables predate them): bf16 prices its three GEMMs at ``grouped_gemm`` rates and adds as copies
+what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
+forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each; the dense linears' weights
+take the same casts inside autocast, uncharged, a small share of their larger GEMMs) and CUDA's
+group padding (``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)``
+backward); FP8 prices its GEMMs as a dense linear's (``grouped_gemm`` at ``fp8_<recipe>``,
+which no table measures, so the bf16 rate scaled to the FP8 peak) plus the quantization of
+input and output gradient, which misses the grouped FP8 path's per-group work; ``--explain``
+says which applies. The router's fp32 GEMM is priced as a bf16 one, and routing, top-k and the
+balancing losses are not charged (``T·E``-sized).
+
 Communication, by group and collective (payloads in :mod:`mt_plan.comm`'s sense), and what our
 runtime overlaps (read from the code, see docs/architecture.md "Planner"):
 
@@ -67,12 +84,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from mt_plan.calibration import CalibrationTable
+from mt_plan.calibration import FP8_REFERENCE, CalibrationTable
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
 from mt_plan.layout import Layout
 from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
+
+EXPERT_OPS = ("grouped_linear_fwd", "grouped_linear_bwd")
 
 
 @dataclass(frozen=True)
@@ -209,6 +228,53 @@ class CostModel:
             qb, rb = self._membound("quantize", (A + 2) * M * N, (M, N))
             ph.add("fp8_quantize", qf, qb, 0.0, rf or rb)
 
+    def expert_entries(self, fp8: str) -> str | None:
+        """The dtype whose ``grouped_linear`` entries price the routed experts' linears under
+        ``fp8``: bf16's own; an FP8 recipe's own, else ``fp8_tensorwise``'s; None where the
+        table has none (module docstring, "Routed experts")."""
+        dtype = self._gemm_dtype(fp8)
+        if fp8 != "none" and dtype == "bf16":
+            return None  # MXFP8 without MX tensor cores: priced as bf16 GEMMs, as before
+        for source in (dtype, FP8_REFERENCE) if dtype.startswith("fp8_") else (dtype,):
+            if all(self.table.has(op, source) for op in EXPERT_OPS):
+                return source
+        return None
+
+    def _expert_linear(self, ph: _Phase, M: int, N: int, K: int, fp8: str, groups: int) -> None:
+        """One projection of the routed experts over ``groups`` local experts (module docstring,
+        "Routed experts")."""
+        gpu, A = self.cluster.gpu, self.work.act_bytes
+        dtype = self._gemm_dtype(fp8)
+        params = groups * N * K
+        if self.expert_entries(fp8) is not None:
+            flops = 2.0 * M * N * K
+            fp8_bytes = dtype.startswith("fp8_")
+            in_bytes = 1 if fp8_bytes else A
+            moved = (M * K + params + M * N) * in_bytes + M * N * A
+            peak = gpu.peak_fp8_flops if fp8_bytes else gpu.peak_bf16_flops
+            peaks = (peak, gpu.memory_bandwidth, gpu.peak_bf16_flops)
+            shape = (M, N, K, groups)
+            f, src_f = self.table.compute_time(
+                "grouped_linear_fwd", dtype, shape, flops, moved, *peaks
+            )
+            b, src_b = self.table.compute_time(
+                "grouped_linear_bwd", dtype, shape, 2 * flops, 2 * moved, *peaks
+            )
+            ph.add("experts", f, b / 2, b / 2, "roofline" in (src_f, src_b))
+            return
+        self._linear(ph, "experts", M, N, K, fp8, groups)
+        if fp8 != "none":
+            return
+        # bf16: the fp32 weight is cast for the GEMM and its gradient cast back, every call
+        if A < 4:
+            cast, r1 = self._membound("copy", (4 + A) * params, (groups * N, K))
+            ph.add("expert_weight_cast", cast, cast, 0.0, r1)
+        # CUDA's grouped GEMM wants aligned groups: rows scattered into a zeroed padded copy and
+        # gathered back (forward), the gather's scatter-add and the copy's gather (backward)
+        pad_f, r2 = self._membound("copy", A * (3 * M * K + 2 * M * N), (M, K + N))
+        pad_b, r3 = self._membound("copy", A * (2 * M * K + 3 * M * N), (M, K + N))
+        ph.add("expert_padding", pad_f, pad_b, 0.0, r2 or r3)
+
     # -- one decoder layer --------------------------------------------------------------------
 
     def _layer_cost(self, dense: bool, L: Layout) -> _LayerCost:
@@ -286,9 +352,9 @@ class CostModel:
             rows = Tn * k
             self._linear(ph, "router", Tn, md.num_experts, D, "none")
             Fe = md.expert_ffn_dim
-            self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
-            self._linear(ph, "experts", rows, Fe, D, fp8, E_loc)
-            self._linear(ph, "experts", rows, D, Fe, fp8, E_loc)
+            self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
+            self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
+            self._expert_linear(ph, rows, D, Fe, fp8, E_loc)
             sw, r2 = self._membound("swiglu", 6 * A * rows * Fe, (rows, Fe))
             ph.add("swiglu", sw, sw * 10 / 6, 0.0, r2)
             pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
@@ -609,7 +675,33 @@ class CostModel:
             peak_memory=peak_mem, fits=fits, memory=worst, compute=classes, comm=comm,
             bubble_fraction=bubble, optimizer_time=optimizer,
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
+            notes=self._expert_notes(L),
         )  # fmt: skip
+
+    def _expert_notes(self, L: Layout) -> list[str]:
+        """Where the routed experts' linears are priced from, for ``--explain``."""
+        if not self.model.moe:
+            return []
+        dtype = self._gemm_dtype(L.fp8)
+        source = self.expert_entries(L.fp8)
+        if source is not None:
+            how = "measured" if source == dtype else f"derived from {source}"
+            return [
+                f"expert linears ({dtype}): priced from the table's grouped_linear entries "
+                f"({how}; the expert module's forward and backward as mt runs it)"
+            ]
+        if dtype == "bf16":
+            if L.fp8 != "none":
+                return []
+            return [
+                "expert linears (bf16): this table has no grouped_linear entries, so they are "
+                "priced at grouped_gemm rates plus their weight casts and group padding as copies"
+            ]
+        return [
+            f"expert linears ({dtype}): this table has no FP8 grouped_linear entries, so they "
+            "are priced at grouped_gemm rates scaled to the FP8 peak plus separate quantization, "
+            "faster than mt's grouped FP8 path runs; mt-plan calibrate measures them"
+        ]
 
     def rank_params(
         self, L: Layout, rank_chunks: list[int], chunks: list[list[int]]

@@ -3,12 +3,33 @@
 What is timed is what the trainer runs: ``torch.matmul`` in bf16 (fp32 on the CPU, which has
 no fast bf16 GEMM) for the dense GEMMs, ``mt_fp8.fp8_gemm`` on operands quantized by each FP8
 recipe's own layouts (the GEMM only: quantization is its own memory-bound op), the grouped
-GEMM ``torch._grouped_mm`` the MoE experts use where it runs, SDPA's causal attention forward
-and forward + backward (the backward's time is the difference), and mt-fp8's fused ops
+GEMM ``torch._grouped_mm`` the MoE experts use where it runs, the expert linears as mt runs
+them (below), SDPA's causal attention forward and forward + backward (the backward's time is
+the difference), and mt-fp8's fused ops
 (RMSNorm, SwiGLU, RoPE, cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the
 tensorwise quantizer and a device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a
 GEMM, the causal attention FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes
 :mod:`mt_plan.cost` charges them, so a measured rate plugs straight into the model.
+
+Expert linears (``grouped_linear_fwd`` / ``grouped_linear_bwd``, dtype ``bf16`` and
+``fp8_<recipe>``, shape ``[rows, N, K, groups]``): one projection of the routed experts through
+the module mt-parallel's experts call, so the time is its whole path. bf16:
+``mt_parallel.moe.experts.GroupedLinear`` (the fp32 weight's cast and its gradient's cast
+back, CUDA's group padding, whose layout training computes once per MLP and this once per
+call, ``torch._grouped_mm`` forward and backward). FP8, each recipe:
+``mt_fp8.FP8GroupedLinear`` with the formats the trainer gives the experts by default
+(``mt_parallel.expert_recipe``, ``fp8.expert_formats=auto``: E4M3 for every role under rowwise,
+block and MXFP8, the recipe's E5M2 gradients under tensorwise and delayed), so the time covers
+quantizing the input and the output gradient per group, the wgrad operands' padding of
+unaligned groups, ``torch._scaled_grouped_mm`` where recipe and formats allow it and one GEMM
+per expert where they do not (E5M2 gradients keep dgrad and wgrad per expert), and the fp32
+weight gradient; its weight's FP8 cache is warm (the trainer requantizes once per step, which
+the cost model charges with the optimizer). The input is bf16 under bf16 autocast with an fp32
+weight, as in training (fp32 on the CPU). Group sizes are uneven and not multiples of 16
+(:func:`routed_sizes`), as routed groups are. The backward's time is forward + backward minus
+the forward; rates are per ``2·rows·N·K`` FLOPs forward and twice that backward. Shapes:
+Mixtral-8x7B's few large experts and DeepSeek's many small ones (V2-Lite's 64, V3's 256 over
+ep = 8), both projection orientations.
 
 Timing: CUDA events around ``repeat`` calls after ``warmup`` calls, the median of ``trials``
 (wall clock on other devices). ``--tiny`` uses small shapes, fewer repeats and only the
@@ -31,6 +52,11 @@ FULL_ATTENTION = [(bh, s, d) for bh in (8, 32, 64) for s in (2048, 4096, 8192) f
 TINY_ATTENTION = [(4, 64, 32)]
 FULL_ROWS = [(8192, 4096), (16384, 8192), (8192, 14336), (8192, 28672)]
 TINY_ROWS = [(64, 64)]
+EXPERT_PROJECTIONS = [(14336, 4096, 8), (4096, 14336, 8), (1408, 2048, 64), (2048, 1408, 64),
+                      (2048, 7168, 32), (7168, 2048, 32)]  # fmt: skip
+"""(N, K, experts) of Mixtral-8x7B's, DeepSeek-V2-Lite's and DeepSeek-V3's (ep = 8) projections."""
+FULL_EXPERT_LINEARS = [(rows, n, k, g) for rows in (8192, 32768) for n, k, g in EXPERT_PROJECTIONS]
+TINY_EXPERT_LINEARS = [(256, 64, 64, 4)]
 RECIPE_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block",
              "delayed": "delayed", "mxfp8": "mxfp8"}  # fmt: skip
 
@@ -90,6 +116,7 @@ def calibrate(device_name: str = "auto", tiny: bool = False, fp8_recipes=None) -
     recipes = fp8_recipes or (["tensorwise"] if tiny else list(RECIPE_OF))
     entries += _fp8_gemms(device, gemms, timeit, recipes)
     entries += _grouped(device, dtype, label, tiny, timeit)
+    entries += _expert_linears(device, tiny, timeit, recipes)
     entries += _attention(device, dtype, label, tiny, timeit)
     entries += _membound(device, dtype, tiny, timeit)
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
@@ -139,6 +166,59 @@ def _grouped(device, dtype, label, tiny, timeit) -> list[Entry]:
             return out  # this torch/device has no grouped GEMM: the model falls back
         seconds = timeit(lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w, offs=offs))
         out.append(Entry("grouped_gemm", label, (rows, N, K, groups), 2.0 * rows * N * K / seconds))
+    return out
+
+
+def routed_sizes(rows: int, groups: int) -> list[int]:
+    """``groups`` token counts summing to ``rows``, alternately an eighth (odd) above and below
+    the mean, so none is a multiple of 16 when the mean is (the grouped wgrad then pads)."""
+    mean = rows // groups
+    skew = max(mean // 8, 1) | 1
+    sizes = [mean + (skew if g % 2 == 0 else -skew) for g in range(groups)]
+    sizes[-1] += rows - sum(sizes)
+    return sizes
+
+
+def _expert_linears(device, tiny, timeit, recipes) -> list[Entry]:
+    import torch
+
+    from mt_fp8 import FP8GroupedLinear, recipe_from_name
+    from mt_parallel import expert_recipe
+    from mt_parallel.moe.experts import GroupedLinear
+
+    gpu = device.type == "cuda"
+    act_dtype = torch.bfloat16 if gpu else torch.float32
+    # NOTE: long calls: a few repeats give a stable median without minutes of device time
+    counts = {} if tiny else {"warmup": 2, "repeat": 3}
+    out = []
+    for name in ["bf16", *recipes]:
+        for rows, N, K, groups in TINY_EXPERT_LINEARS if tiny else FULL_EXPERT_LINEARS:
+            sizes = routed_sizes(rows, groups)
+            if name == "bf16":
+                layer = GroupedLinear(groups, K, N, init_std=0.02).to(device)
+                group_sizes = torch.tensor(sizes, device=device)
+            else:
+                recipe = expert_recipe(recipe_from_name(RECIPE_OF[name]))
+                layer = FP8GroupedLinear(groups, K, N, bias=False, device=device, recipe=recipe)
+                group_sizes = sizes
+            x = torch.randn(rows, K, device=device, dtype=act_dtype, requires_grad=True)
+            dy = torch.randn(rows, N, device=device, dtype=act_dtype)
+
+            def forward(layer=layer, x=x, group_sizes=group_sizes):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+                    return layer(x, group_sizes)
+
+            def both(layer=layer, x=x, dy=dy, forward=forward):
+                layer.weight.grad = x.grad = None  # the step's first micro-batch: no accumulation
+                forward().backward(dy)
+
+            fwd = timeit(forward, **counts)
+            bwd = max(timeit(both, **counts) - fwd, 1e-9)
+            flops = 2.0 * rows * N * K
+            dtype = name if name == "bf16" else f"fp8_{name}"
+            shape = (rows, N, K, groups)
+            out.append(Entry("grouped_linear_fwd", dtype, shape, flops / fwd))
+            out.append(Entry("grouped_linear_bwd", dtype, shape, 2 * flops / bwd))
     return out
 
 

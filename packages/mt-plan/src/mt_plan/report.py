@@ -47,6 +47,7 @@ def explain(e: Estimate) -> str:
         f"MFU {e.mfu:.1%}, pipeline bubble {e.bubble_fraction:.1%}, "
         f"{e.roofline_share:.0%} of compute priced by the roofline (uncalibrated)"
     )
+    lines += [f"note: {note}" for note in e.notes]
     lines.append("compute per step and rank (s), by op class:")
     for name, seconds in sorted(e.compute.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<24} {seconds:10.4f}")
