@@ -1,6 +1,7 @@
 """Packed image-text samples (``data.pack_samples``): several samples per sequence with their
 own images, attention inside each sample, RoPE positions restarting per sample, and losses
-and gradients equal to the same samples run one per sequence."""
+and gradients equal to the same samples run one per sequence; and the validation loss as
+the masked mean over every evaluated target."""
 
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ SEQ_LEN = 48
 IMAGE_TOKENS = 4  # vlm_tiny's: 8x8 grey images in 4x4 patches
 
 
-def prepare_varied(folder: Path) -> DataModule:
-    """Ten samples with zero, one or two 8x8 grey images and captions of varied length,
-    packed into ``SEQ_LEN``-token rows (all go to train: ``val_every`` is above the count)."""
+def prepare_varied(folder: Path, val_every: int = 11) -> DataModule:
+    """Ten samples with zero, one or two 8x8 grey images and captions of varied length, and an
+    eleventh, packed into ``SEQ_LEN``-token rows (every ``val_every``-th held out: by default
+    only the eleventh)."""
     rng = np.random.default_rng(0)
     records = []
     for i in range(10):
@@ -37,7 +39,7 @@ def prepare_varied(folder: Path) -> DataModule:
     path = folder / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     arguments = [str(path), "--out", str(folder / "out"), "--image-text", "--image-shape"]
-    arguments += ["1", "8", "8", "--image-tokens", str(IMAGE_TOKENS), "--val-every", "11"]
+    arguments += ["1", "8", "8", "--image-tokens", str(IMAGE_TOKENS), "--val-every", str(val_every)]
     assert prepare_main(arguments) == 0
     return DataModule(folder / "out", SEQ_LEN, pack_samples=True)
 
@@ -191,3 +193,33 @@ def test_trainer_runs_packed_digits(digits: Path, tmp_path: Path) -> None:
     # Each caption trains 16 targets ("a handwritten d" and EOS); the logged count is a
     # micro-batch's (the mean of a step's): 3 samples in each of 4 rows.
     assert [r["loss_tokens"] for r in rows] == [3 * 16 * 4] * 3
+
+
+def test_validation_loss_is_the_masked_mean_over_every_evaluated_target(tmp_path: Path) -> None:
+    import train_checks
+
+    from mt_train import Trainer
+
+    data = prepare_varied(tmp_path, val_every=2)  # five held-out samples, captions of 3-11 bytes
+    overrides = [
+        "model=vlm_tiny", f"data.path={data.folder}", f"trainer.seq_len={SEQ_LEN}",
+        "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.eval_batches=2",
+        "checkpoint.enabled=false", "logging.progress_bar=false",
+    ]  # fmt: skip
+    trainer = Trainer(
+        train_checks.to_train_config(train_checks.compose_config(overrides)), output_dir=tmp_path
+    )
+    try:
+        val_loss = trainer.evaluate()
+        # The same four samples (two micro-batches of two) as one batch: its masked mean.
+        batch = trainer.data.val.collate(np.arange(4))
+        trainer.module.eval()
+        with torch.no_grad():
+            logits = trainer.module(batch.inputs, None, None, batch.images)
+            want = trainer.module.loss(logits, batch.targets)[0]
+        counts = trainer.data.val.target_counts(np.arange(4))
+        assert counts[:2].sum() != counts[2:].sum()  # unequal micro-batches: weights matter
+    finally:
+        trainer.close()
+    # fp32: the same cross-entropies summed in another grouping, ~1e-7 relative of a loss ~6.
+    assert val_loss == pytest.approx(want.item(), rel=1e-5)
