@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mt_train.data import DataModule
-from mt_train.data.image_text import IGNORE_INDEX
+from mt_train.data.image_text import IGNORE_INDEX, ImageTextDataset
 from mt_train.data.prepare import main as prepare_main
 from mt_train.models import build_model, model_sizes
 from mt_train.models.llama.model import LlamaAttention
@@ -85,7 +85,7 @@ def packed_and_unpacked(tmp_path: Path):
     rows = np.arange(len(train))
     packed = train.collate(rows)
     samples = [i for p in rows for i in train.row_samples(int(p))]
-    single = data.train.__class__(data.folder, "train", SEQ_LEN)
+    single = ImageTextDataset(data.folder, "train", SEQ_LEN)
     unpacked = single.collate(np.asarray(samples))
     return model, packed, unpacked, samples
 

@@ -267,11 +267,6 @@ class ImageTextDataset:
                 f"tokens, more than trainer.seq_len + 1 = {seq_len + 1} "
                 f"({too_long.size} samples are too long)"
             )
-        self.pack = pack
-        mask_sums = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])
-        self.sample_targets = mask_sums[self.starts[1:]] - mask_sums[self.starts[:-1] + 1]
-        """Each sample's trained targets (its mask without the first token, which no input
-        predicts)."""
         self.pack_starts = pack_boundaries(lengths - 1, seq_len) if pack else None
         """The first sample of each pack, then the sample count (module docstring)."""
 
@@ -296,7 +291,13 @@ class ImageTextDataset:
         """The trained (unmasked) targets of each row of ``indices`` (packs or samples), as
         :meth:`collate` makes them, read from the masks alone."""
         return np.array(
-            [int(self.sample_targets[self.row_samples(int(i))].sum()) for i in indices],
+            [
+                sum(
+                    int(np.count_nonzero(self.mask[self.starts[j] + 1 : self.starts[j + 1]]))
+                    for j in self.row_samples(int(i))
+                )
+                for i in indices
+            ],
             dtype=np.int64,
         )
 
@@ -322,7 +323,7 @@ class ImageTextDataset:
                 offset = end
             docs[row, offset:] = len(samples)
         pixels = self.normalize(np.concatenate(images))
-        document_ids = torch.from_numpy(docs) if self.pack else None
+        document_ids = None if self.pack_starts is None else torch.from_numpy(docs)
         return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), document_ids, pixels)
 
     def normalize(self, images_NCHW: np.ndarray) -> torch.Tensor:
