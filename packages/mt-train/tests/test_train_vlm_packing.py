@@ -160,19 +160,18 @@ def test_a_sample_cannot_see_another_and_positions_restart(tmp_path: Path) -> No
     torch.testing.assert_close(other[1:], logits[1:], rtol=0, atol=0)
 
 
-def test_pack_samples_refuses_text_data_and_pipelines(tmp_path: Path) -> None:
+def test_pack_samples_refuses_text_data_pipelines_and_cuda_graphs(tmp_path: Path) -> None:
     from mt_train import compose_config, to_train_config
 
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "meta.json").write_text(json.dumps({"format": 1, "tokenizer": "byte"}))
     with pytest.raises(ValueError, match=r"data\.pack_samples=true packs image-text samples"):
         DataModule(tmp_path / "text", 32, pack_samples=True)
+    packed = ["model=vlm_tiny", "data=digits", "data.pack_samples=true"]
     with pytest.raises(ValueError, match=r"data\.pack_samples=true with parallel\.pp=2"):
-        to_train_config(
-            compose_config(
-                ["model=vlm_tiny", "data=digits", "data.pack_samples=true", "parallel=pp2"]
-            )
-        )
+        to_train_config(compose_config([*packed, "parallel=pp2"]))
+    with pytest.raises(ValueError, match=r"data\.pack_samples=true with trainer\.cuda_graph=true"):
+        to_train_config(compose_config([*packed, "trainer.cuda_graph=true"]))
 
 
 def test_trainer_runs_packed_digits(digits: Path, tmp_path: Path) -> None:

@@ -250,7 +250,8 @@ class DataConfig:
     sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
     (document masks, on whatever ``document_masking`` says, by ``document_masking_kernel``),
     the decoder's RoPE positions restart at each sample and the loss stays on the captions, a
-    masked mean over the global batch's trained targets. Not with ``parallel.pp > 1``."""
+    masked mean over the global batch's trained targets. Not with ``parallel.pp > 1`` or
+    ``trainer.cuda_graph``."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -496,6 +497,12 @@ class TrainConfig:
             raise ValueError(
                 f"data.pack_samples=true with parallel.pp={par.pp}: the pipeline stages do not "
                 "receive the per-sample positions of packed sequences; use parallel.pp=1"
+            )
+        if self.data.pack_samples and tr.cuda_graph:
+            raise ValueError(
+                "data.pack_samples=true with trainer.cuda_graph=true: packed rows hold a number "
+                "of images that changes every step, which a captured step cannot take; set "
+                "trainer.cuda_graph=false"
             )
         masks = self.data.document_masking or self.data.pack_samples
         flex = masks and self.data.document_masking_kernel == "flex"
