@@ -248,7 +248,8 @@ class DataConfig:
     ``trainer.seq_len`` sequence instead of one sample per sequence padded to it, as
     Megatron-Core's and LLaVA's packed sequences (:mod:`mt_train.data.image_text`). Each
     sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
-    (document masks, on whatever ``document_masking`` says, by ``document_masking_kernel``),
+    (document masks, applied whether or not ``document_masking`` is set, by
+    ``document_masking_kernel``),
     the decoder's RoPE positions restart at each sample and the loss stays on the captions, a
     masked mean over the global batch's trained targets. Not with ``parallel.pp > 1`` or
     ``trainer.cuda_graph``."""
