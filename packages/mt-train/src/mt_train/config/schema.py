@@ -249,10 +249,9 @@ class DataConfig:
     Megatron-Core's and LLaVA's packed sequences (:mod:`mt_train.data.image_text`). Each
     sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
     (document masks, applied whether or not ``document_masking`` is set, by
-    ``document_masking_kernel``),
-    the decoder's RoPE positions restart at each sample and the loss stays on the captions, a
-    masked mean over the global batch's trained targets. Not with ``parallel.pp > 1`` or
-    ``trainer.cuda_graph``."""
+    ``document_masking_kernel``), the decoder's RoPE positions restart at each sample and the
+    loss stays on the captions, a masked mean over the global batch's trained targets. Not
+    with ``parallel.pp > 1`` or ``trainer.cuda_graph``."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
