@@ -287,6 +287,22 @@ def test_load_balanced_layout() -> None:
         mp.load_balanced_positions(10, 2, 0)
 
 
+def test_attention_with_per_row_positions_equals_each_row_alone() -> None:
+    """Per-row positions ``(B, S)`` rotate each row by its own table: every row of the batch
+    equals that row run alone with its positions as the shared ``(S,)`` row (fp64: the same
+    products, which a batched kernel may sum in another order, ulps of values of order 1)."""
+    mp.manual_seed(0)
+    attention = mp.Attention(32, 4, 2).double()
+    mp.init_weights(attention, 0)
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 9, 10]])
+    out = attention(x, positions)
+    for row in range(2):
+        alone = attention(x[row : row + 1], positions[row])
+        torch.testing.assert_close(out[row : row + 1], alone, rtol=0, atol=1e-12)
+    assert not torch.equal(out[:1], attention(x[:1]))  # the positions change the output
+
+
 def test_readme_quick_start_runs(capsys: pytest.CaptureFixture[str]) -> None:
     import re
     from pathlib import Path

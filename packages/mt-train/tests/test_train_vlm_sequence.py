@@ -1,6 +1,7 @@
 """The vision-language model under sequence parallel (tp=2) and context parallel (cp=2) on two
 gloo ranks equals one process in float64: loss, logits and every gradient over two SGD steps
-on micro-batches whose images straddle cp chunks and SP shards (:mod:`vlm_checks`); and the
+on micro-batches whose images straddle cp chunks and SP shards, also with several samples
+packed per row whose boundaries cross them (:mod:`vlm_checks`); and the
 trainer's digits run at those layouts reports the one-process losses. One pool for the
 module."""
 
@@ -26,10 +27,11 @@ def pool():
         yield pool
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one_sample", "packed"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_step_matches_one_process_in_float64(layout: str, pool) -> None:
+def test_step_matches_one_process_in_float64(layout: str, packed: bool, pool) -> None:
     tp, cp, sp = LAYOUTS[layout]
-    for result in pool.run(vlm_parallel_step, tp, cp, sp):
+    for result in pool.run(vlm_parallel_step, tp, cp, sp, packed=packed):
         assert result["loss"] < FP64_BOUND
         assert result["logits"] < FP64_BOUND
         assert sorted(result["grads"]) == result["graded"]  # vision, projector, language
@@ -57,3 +59,28 @@ def test_trainer_layout_matches_single_process(
     assert per_rank[0] == per_rank[1]  # every rank reports the global mean loss
     # fp32 over 8 AdamW steps, as the tp=2 and dp=2 layouts (test_train_vlm_parallel.py).
     assert per_rank[0] == pytest.approx(reference, rel=RTOL)
+
+
+PACKED = {"data.pack_samples": True, "trainer.seq_len": 64, **NO_DROPOUT}
+"""Three digits samples per 64-token row; at cp=2 the rows' sample boundaries (every 19
+tokens) fall inside the load-balanced chunks of 16."""
+
+
+@pytest.fixture(scope="module")
+def packed_reference(digits: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    overrides = vlm_overrides(digits, **PACKED)
+    return train_checks.run_losses(overrides, tmp_path_factory.mktemp("packed_single"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_packed_trainer_layout_matches_single_process(
+    layout: str, pool, digits: Path, packed_reference: list[float], tmp_path: Path
+) -> None:
+    """The trainer's own path for packed rows: document ids and the per-sample positions cut
+    for each cp rank by the runner (the float64 step test cuts them itself)."""
+    tp, cp, sp = LAYOUTS[layout]
+    extra = {"parallel.tp": tp, "parallel.cp": cp, "parallel.sequence_parallel": sp}
+    per_rank = pool.run(train_checks.run_losses, vlm_overrides(digits, **extra, **PACKED), tmp_path)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == pytest.approx(packed_reference, rel=RTOL)

@@ -66,11 +66,29 @@ def vlm_batch(
     return tokens, targets, images.double()
 
 
+PACKED_DOCUMENT_STARTS = ((0, 12, 29), (0, 10))
+"""With ``packed``: where each row's samples begin (document ids ``0, 1, ...``). Row 0's images
+fall in its samples 0 and 1, row 1's in its sample 1; at cp=2 the boundaries at 10 and 12
+lie inside chunk 1 (rank 1) and 29 inside chunk 3 (rank 0), at tp=2 with SP 12 and 10 inside
+shard 0 and 29 inside shard 1, so the masks and the restarted positions cross every cut."""
+
+
+def packed_documents(rows: int) -> torch.Tensor:
+    """Document ids ``(rows, SEQ)`` with samples starting at :data:`PACKED_DOCUMENT_STARTS`."""
+    docs = torch.zeros(rows, SEQ, dtype=torch.long)
+    for row, starts in enumerate(PACKED_DOCUMENT_STARTS[:rows]):
+        for start in starts[1:]:
+            docs[row, start:] += 1
+    return docs
+
+
 def vlm_parallel_step(
-    tp: int, cp: int, sp: bool, seed: int = 0, steps: int = STEPS
+    tp: int, cp: int, sp: bool, seed: int = 0, steps: int = STEPS, packed: bool = False
 ) -> dict[str, object]:
     """The worst error of the loss, logits and every gradient over ``steps`` SGD steps (each
-    on a new micro-batch) against the one-process reference."""
+    on a new micro-batch) against the one-process reference; ``packed``: rows of several
+    samples (document ids and the RoPE positions restarting per sample, which each rank
+    receives cut like the tokens, as the trainer passes them)."""
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
     reference = VisionLanguageModel(cfg)
@@ -88,12 +106,18 @@ def vlm_parallel_step(
     grads: dict[str, float] = {}
     for step in range(steps):
         tokens, targets, images = vlm_batch(seed + 1 + step)
-        ref_logits = reference(tokens, images=images)
+        docs = packed_documents(tokens.shape[0]) if packed else None
+        row_inputs = reference.sequence_inputs(tokens, targets, docs)
+        ref_logits = reference(tokens, None, docs, images=images, **row_inputs)
         ref_loss, ref_extras = reference.loss(ref_logits, targets)
         ref_loss.backward()
 
         local_tokens, local_targets = (mp.shard_sequence(x, 1, cp_group) for x in (tokens, targets))
-        logits = model(local_tokens, positions if cp > 1 else None, None, images=images)
+        local_docs = None if docs is None else mp.shard_sequence(docs, 1, cp_group)
+        local_inputs = {k: mp.shard_sequence(v, 1, cp_group) for k, v in row_inputs.items()}
+        logits = model(
+            local_tokens, positions if cp > 1 else None, local_docs, images=images, **local_inputs
+        )
         loss, extras = inner.loss(logits, local_targets)
         loss.backward()  # DDP averages the gradients over cp
 

@@ -12,7 +12,10 @@ layout (Hugging Face's): the pair ``(x_i, x_{i+d/2})`` at position ``p`` is rota
 ``p·f_i``; :meth:`Attention.rope_tables` gives ``cos/sin(p·f_i)`` with plain ``f_i =
 θ^(-2i/d)`` and is the hook a model family overrides for scaled frequencies (Llama 3.1, YaRN).
 q and k are rotated together by ``mt_fp8.ops.apply_rotary`` (Triton on CUDA, PyTorch on the
-CPU, fp32; fp64 for fp64 inputs so fp64 references stay exact).
+CPU, fp32; fp64 for fp64 inputs so fp64 references stay exact). Positions are one row
+``positions_S`` shared by the batch, or one row per sequence ``positions_BS`` (packed samples
+whose positions restart at each sample); per-row tables rotate the batch flattened to one
+sequence of ``B·S`` tokens, which the rotation treats token by token.
 
 :class:`CoreAttention` is causal softmax attention with GQA (query head ``h`` reads KV head
 ``h // (H/K)``), masked to each token's own document when ``document_ids`` are given (by an
@@ -47,9 +50,10 @@ RING_DROPOUT_ERROR = "ring attention has no attention dropout: use cp_attention=
 def rope_cos_sin(
     positions_S: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``, ``sin`` of shape ``(S, d/2)`` (``mt_fp8.ops.apply_rotary``'s tables), angles in fp64."""
+    """``cos``, ``sin`` of shape ``(S, d/2)`` (``mt_fp8.ops.apply_rotary``'s tables), or
+    ``(B, S, d/2)`` for per-row positions ``(B, S)``; angles in fp64."""
     inv_freq_P = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles_SP = positions_S.to(torch.float64).unsqueeze(1) * inv_freq_P.to(positions_S.device)
+    angles_SP = positions_S.to(torch.float64).unsqueeze(-1) * inv_freq_P.to(positions_S.device)
     return angles_SP.cos().to(dtype), angles_SP.sin().to(dtype)
 
 
@@ -61,6 +65,21 @@ def apply_rope(x_BHSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor)
     """
     x1, x2 = x_BHSd.chunk(2, dim=-1)
     return x_BHSd * cos_Sd + torch.cat([-x2, x1], dim=-1) * sin_Sd
+
+
+def rotate_rows(
+    q_BSHd: torch.Tensor, k_BSKd: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` with one table row per token of each sequence (per-row positions): the
+    batch as one sequence of ``B·S`` tokens, so the fused rotation applies unchanged."""
+    B, S = q_BSHd.shape[:2]
+    q_1NHd, k_1NKd = apply_rotary(
+        q_BSHd.reshape(1, B * S, *q_BSHd.shape[2:]),
+        k_BSKd.reshape(1, B * S, *k_BSKd.shape[2:]),
+        cos_BSP.reshape(B * S, -1),
+        sin_BSP.reshape(B * S, -1),
+    )
+    return q_1NHd.view_as(q_BSHd), k_1NKd.view_as(k_BSKd)
 
 
 class CoreAttention(nn.Module):
@@ -198,7 +217,10 @@ class Attention(nn.Module):
         # The tables in the rotation's compute precision (fp64 only for fp64 activations).
         table_dtype = torch.float64 if q_BSHd.dtype == torch.float64 else torch.float32
         cos_SP, sin_SP = self.rope_tables(positions_S, table_dtype)
-        q_BSHd, k_BSKd = apply_rotary(q_BSHd, k_BSKd, cos_SP, sin_SP)
+        if positions_S.dim() == 2:
+            q_BSHd, k_BSKd = rotate_rows(q_BSHd, k_BSKd, cos_SP, sin_SP)
+        else:
+            q_BSHd, k_BSKd = apply_rotary(q_BSHd, k_BSKd, cos_SP, sin_SP)
         o_BHSd = self.core(
             q_BSHd.transpose(1, 2), k_BSKd.transpose(1, 2), v_BSKd.transpose(1, 2), document_ids_BS
         )

@@ -1,8 +1,12 @@
 """Validation loss and greedy samples of the model being trained.
 
-The validation loss is the mean over ``trainer.eval_batches`` fixed (unshuffled) validation
-micro-batches per data-parallel rank, averaged over dp×cp, so it compares across steps and
-layouts. With ``data.blend`` it is computed so for each source's validation split
+The validation loss is the loss of ``trainer.eval_batches`` fixed (unshuffled) validation
+micro-batches per data-parallel rank, combined as training combines a step's micro-batches,
+so it compares across steps and layouts: for data with masked targets (image-text) each
+micro-batch's masked mean is weighted by its share of the trained targets
+(:func:`mt_train.loss_weights.token_weights`), which makes it the masked mean over every
+evaluated target, not a mean of micro-batch means; for text windows (every target trained)
+the weights are 1 and it is the mean over dp×cp of the micro-batch means. With ``data.blend`` it is computed so for each source's validation split
 (``source_losses``) and reported as their mean weighted by the blend's weights. Samples are greedy continuations run by every rank (TP, CP and FSDP2 layers
 communicate; :mod:`mt_train.sample`).
 """
@@ -20,6 +24,7 @@ from mt_train import ranks
 from mt_train.config.schema import TrainConfig
 from mt_train.data.blend import BlendedDataModule
 from mt_train.data.dataset import Batch, DataModule, PackedDataset, ResumableSampler
+from mt_train.loss_weights import token_weights
 from mt_train.sample import greedy_generate
 from mt_train.step import BatchRunner
 
@@ -64,8 +69,9 @@ class Evaluator:
         model.eval()
         total = torch.zeros((), device=self.runner.device)
         micro = sampler.next_step()
-        for indices in micro:
-            total += self.runner.micro_loss(self.collate(dataset, indices))[0]
+        weights = token_weights(dataset, sampler) or [1.0] * len(micro)
+        for indices, weight in zip(micro, weights, strict=True):
+            total += self.runner.micro_loss(self.collate(dataset, indices))[0] * weight
         model.train()
         # The FP8 weights quantized here would otherwise stay cached until the next eager
         # forward, i.e. for the whole run when the steps are replayed CUDA graphs.

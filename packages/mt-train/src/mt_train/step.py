@@ -30,7 +30,8 @@ and passes them as keyword inputs, so nothing shifted crosses ranks; a loss over
 the ranks hold in unequal numbers is that model's to normalise
 (``mt_parallel.sequence_mean_cross_entropy``).
 
-Document masking (``data.document_masking``): batches carry per-token document ids and
+Document masking (``data.document_masking``, or image-text samples packed by
+``data.pack_samples``): batches carry per-token document ids and
 attention stays inside each packed document (:mod:`mt_train.data.dataset`), by the kernel the
 trainer gave the attention cores (``data.document_masking_kernel``,
 :mod:`mt_parallel.document_attention`).

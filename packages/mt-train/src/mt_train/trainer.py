@@ -498,10 +498,11 @@ class Trainer:
             self.save()
 
     def apply_document_mask_kernel(self) -> str | None:
-        """The kernel that applies ``data.document_masking``'s masks on this device (None when
-        off), given to the attention cores (:mod:`mt_parallel.document_attention`)."""
+        """The kernel that applies the document masks of ``data.document_masking`` or
+        ``data.pack_samples`` on this device (None when both are off), given to the attention
+        cores (:mod:`mt_parallel.document_attention`)."""
         data, p = self.cfg.data, self.cfg.parallel
-        if not data.document_masking:
+        if not (data.document_masking or data.pack_samples):
             return None
         try:
             kernel = mt_parallel.resolve_document_mask_kernel(

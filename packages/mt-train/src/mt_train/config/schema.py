@@ -260,6 +260,15 @@ class DataConfig:
     on the CPU, with ring attention and with ``model.dropout > 0``); ``explicit``, a boolean
     mask handed to SDPA (every device, ring attention and dropout; the reference); ``auto``,
     ``flex`` on CUDA where it applies and ``explicit`` elsewhere."""
+    pack_samples: bool = False
+    """Image-text data: pack several samples (in file order, greedily) into each
+    ``trainer.seq_len`` sequence instead of one sample per sequence padded to it, as
+    Megatron-Core's and LLaVA's packed sequences (:mod:`mt_train.data.image_text`). Each
+    sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
+    (document masks, applied whether or not ``document_masking`` is set, by
+    ``document_masking_kernel``), the decoder's RoPE positions restart at each sample and the
+    loss stays on the captions, a masked mean over the global batch's trained targets. Not
+    with ``parallel.pp > 1`` or ``trainer.cuda_graph``."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -501,7 +510,19 @@ class TrainConfig:
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
             )
-        flex = self.data.document_masking and self.data.document_masking_kernel == "flex"
+        if self.data.pack_samples and par.pp > 1:
+            raise ValueError(
+                f"data.pack_samples=true with parallel.pp={par.pp}: the pipeline stages do not "
+                "receive the per-sample positions of packed sequences; use parallel.pp=1"
+            )
+        if self.data.pack_samples and tr.cuda_graph:
+            raise ValueError(
+                "data.pack_samples=true with trainer.cuda_graph=true: packed rows hold a number "
+                "of images that changes every step, which a captured step cannot take; set "
+                "trainer.cuda_graph=false"
+            )
+        masks = self.data.document_masking or self.data.pack_samples
+        flex = masks and self.data.document_masking_kernel == "flex"
         if flex and par.cp > 1 and par.cp_attention == "ring":
             raise ValueError(
                 f"data.document_masking_kernel=flex does not run inside ring attention "

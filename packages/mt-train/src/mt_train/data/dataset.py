@@ -239,9 +239,16 @@ class ResumableSampler:
 class DataModule:
     """The train and validation datasets of a prepared folder, plus its tokenizer: packed
     text windows, or image-text samples (:mod:`mt_train.data.image_text`) when ``meta.json``
-    says ``"kind": "image_text"``."""
+    says ``"kind": "image_text"``, packed several to a sequence with ``pack_samples``
+    (``data.pack_samples``)."""
 
-    def __init__(self, folder: str | Path, seq_len: int, train_stride: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        seq_len: int,
+        train_stride: int | None = None,
+        pack_samples: bool = False,
+    ) -> None:
         from mt_train.data.image_text import KIND, ImageTextDataset
 
         self.folder = Path(folder)
@@ -250,8 +257,14 @@ class DataModule:
         self.train: PackedDataset | ImageTextDataset
         self.val: PackedDataset | ImageTextDataset
         if kind == KIND:
-            self.train = ImageTextDataset(folder, "train", seq_len)
-            self.val = ImageTextDataset(folder, "val", seq_len)
+            self.train = ImageTextDataset(folder, "train", seq_len, pack_samples)
+            self.val = ImageTextDataset(folder, "val", seq_len, pack_samples)
+        elif pack_samples:
+            raise ValueError(
+                f"data.pack_samples=true packs image-text samples, but {str(folder)!r} holds "
+                "text, whose windows are packed already (data.document_masking=true keeps "
+                "attention inside each document)"
+            )
         else:
             self.train = PackedDataset(folder, "train", seq_len, train_stride)
             self.val = PackedDataset(folder, "val", seq_len)

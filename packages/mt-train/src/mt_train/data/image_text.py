@@ -31,6 +31,19 @@ batch's ``images`` in sample order, normalised per channel as CLIP's processor d
 data's statistics: ``(x/255 − pixel_mean) / pixel_std`` (float32). Sample indices come from the
 same :class:`~mt_train.data.dataset.ResumableSampler` as text windows.
 
+Packing (``data.pack_samples``, ``pack=True``). The split's samples are cut, in file order,
+into packs of consecutive samples whose inputs fit one sequence: greedily, sample ``i`` (``n_i
+= |ids_i| − 1`` inputs) joins the open pack while its inputs total at most ``T``, else opens the
+next. The sampler then draws packs, not samples. A pack's row holds its samples' inputs and
+targets one after another (each as above), then EOS padding with ``IGNORE_INDEX`` targets; its
+document ids are ``k`` on the ``k``-th sample's tokens and the sample count on the padding, so
+attention stays inside each sample (:mod:`mt_parallel.document_attention`) and the VLM restarts
+RoPE positions at each sample (:meth:`~mt_train.models.vlm.VisionLanguageModel.sequence_inputs`).
+The images follow in row order and, within a row, in sample order: the order of the
+placeholders, which is what :class:`~mt_train.models.vlm.model.ImagePlacement` fills, however
+many images each row has. :meth:`ImageTextDataset.target_counts` sums the pack's samples, so the
+token-weighted loss (:mod:`mt_train.loss_weights`) counts every trained target once.
+
 Bad input (a missing or unreadable image, a wrong shape or channel count, placeholders not
 matching images, a sample longer than the sequence) raises one line naming the file and line.
 """
@@ -221,7 +234,7 @@ def read_jsonl_records(paths: Sequence[Path]) -> Iterable[tuple[str, Path, dict[
 class ImageTextDataset:
     """One split of an image-text folder as fixed-length samples (module docstring)."""
 
-    def __init__(self, folder: str | Path, split: str, seq_len: int) -> None:
+    def __init__(self, folder: str | Path, split: str, seq_len: int, pack: bool = False) -> None:
         folder = Path(folder)
         self.meta = json.loads((folder / "meta.json").read_text())
         if split not in self.meta["splits"]:
@@ -254,9 +267,19 @@ class ImageTextDataset:
                 f"tokens, more than trainer.seq_len + 1 = {seq_len + 1} "
                 f"({too_long.size} samples are too long)"
             )
+        self.pack_starts = pack_boundaries(lengths - 1, seq_len) if pack else None
+        """The first sample of each pack, then the sample count (module docstring)."""
 
     def __len__(self) -> int:
+        if self.pack_starts is not None:
+            return len(self.pack_starts) - 1
         return len(self.starts) - 1
+
+    def row_samples(self, index: int) -> range:
+        """The samples of sampler item ``index``: its pack's samples, or the sample itself."""
+        if self.pack_starts is None:
+            return range(index, index + 1)
+        return range(int(self.pack_starts[index]), int(self.pack_starts[index + 1]))
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sample ``i``'s token ids, trained-target mask and uint8 images."""
@@ -265,33 +288,59 @@ class ImageTextDataset:
         return np.asarray(self.tokens[a:b], np.int64), np.asarray(self.mask[a:b]), images
 
     def target_counts(self, indices: np.ndarray) -> np.ndarray:
-        """The trained (unmasked) targets of each sample of ``indices``, as :meth:`collate`
-        makes them, read from the masks alone."""
+        """The trained (unmasked) targets of each row of ``indices`` (packs or samples), as
+        :meth:`collate` makes them, read from the masks alone."""
         return np.array(
             [
-                int(np.count_nonzero(self.mask[self.starts[i] + 1 : self.starts[i + 1]]))
+                sum(
+                    int(np.count_nonzero(self.mask[self.starts[j] + 1 : self.starts[j + 1]]))
+                    for j in self.row_samples(int(i))
+                )
                 for i in indices
             ],
             dtype=np.int64,
         )
 
     def collate(self, indices: np.ndarray, documents: bool = False) -> Batch:
-        """Samples ``indices`` as a batch with their images (``documents`` is ignored: one
-        sample per row)."""
+        """Rows ``indices`` (packs or samples) as a batch with their images; packed rows carry
+        document ids (module docstring), unpacked ones none (one sample per row, whatever
+        ``documents`` asks)."""
         T = self.seq_len
         inputs = np.full((len(indices), T), self.eos_id, np.int64)
         targets = np.full((len(indices), T), IGNORE_INDEX, np.int64)
+        docs = np.zeros((len(indices), T), np.int64)
         images = []
-        for row, i in enumerate(indices):
-            ids, mask, imgs = self.sample(int(i))
-            n = len(ids) - 1
-            inputs[row, :n] = ids[:-1]
-            targets[row, :n] = np.where(mask[1:] == 1, ids[1:], IGNORE_INDEX)
-            images.append(np.asarray(imgs))
+        for row, index in enumerate(indices):
+            offset = 0
+            samples = self.row_samples(int(index))
+            for k, i in enumerate(samples):
+                ids, mask, imgs = self.sample(i)
+                end = offset + len(ids) - 1
+                inputs[row, offset:end] = ids[:-1]
+                targets[row, offset:end] = np.where(mask[1:] == 1, ids[1:], IGNORE_INDEX)
+                docs[row, offset:end] = k
+                images.append(np.asarray(imgs))
+                offset = end
+            docs[row, offset:] = len(samples)
         pixels = self.normalize(np.concatenate(images))
-        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), None, pixels)
+        document_ids = None if self.pack_starts is None else torch.from_numpy(docs)
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), document_ids, pixels)
 
     def normalize(self, images_NCHW: np.ndarray) -> torch.Tensor:
         """uint8 images as the model's float32 input (module docstring)."""
         pixels = torch.from_numpy(np.array(images_NCHW, dtype=np.float32)) / 255.0
         return (pixels - self.pixel_mean) / self.pixel_std
+
+
+def pack_boundaries(input_lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The first sample of each greedy pack of consecutive samples whose ``input_lengths``
+    total at most ``seq_len``, then the sample count (module docstring)."""
+    starts = [0]
+    filled = 0
+    for i, length in enumerate(input_lengths.tolist()):
+        if filled + length > seq_len:
+            starts.append(i)
+            filled = 0
+        filled += length
+    starts.append(len(input_lengths))
+    return np.asarray(starts, np.int64)

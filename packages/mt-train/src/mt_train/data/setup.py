@@ -27,6 +27,11 @@ def open_training_data(
     """The data module and this rank's sampler for ``cfg.data`` (module docstring)."""
     tr = cfg.trainer
     if cfg.data.blend_sources:
+        if cfg.data.pack_samples:
+            raise DataError(
+                "data.pack_samples=true packs one image-text folder (data.path or data=digits); "
+                "a data.blend mixes text folders, whose windows are packed already"
+            )
         sources = [(Path(f).expanduser(), w) for f, w in cfg.data.blend_sources]
         folders = [f for f, _ in sources]
         metas = [check_prepared(f, tr.seq_len) for f in folders]
@@ -58,7 +63,9 @@ def open_training_data(
         ) from None
     if cfg.model.vocab_size is not None:
         check_vocab(data_meta, cfg.model.vocab_size, data_dir)
-    data = DataModule(data_dir, tr.seq_len, train_stride=cfg.data.train_stride)
+    data = DataModule(
+        data_dir, tr.seq_len, cfg.data.train_stride, pack_samples=cfg.data.pack_samples
+    )
     sampler = ResumableSampler(
         len(data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size, dp_rank, dp_size,
         independent=cfg.data.independent_draws,

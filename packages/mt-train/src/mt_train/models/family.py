@@ -20,7 +20,8 @@ layers are mt-parallel's (or carry the same hooks), so ``plan`` is all
 ``set_train_step(completed_steps) -> changed`` before every step, and
 ``sequence_inputs(tokens_BT, targets_BT, document_ids_BT) -> {name: (B, T, ...)}``, keyword
 inputs of ``forward`` made from the whole micro-batch and, under context parallelism, cut
-like the tokens (DeepSeek-V3's shifted MTP tokens and targets; :mod:`mt_train.step`).
+like the tokens (DeepSeek-V3's shifted MTP tokens and targets, the VLM's per-sample RoPE
+positions of packed rows; :mod:`mt_train.step`).
 """
 
 from __future__ import annotations

@@ -76,8 +76,10 @@ class LlamaAttention(mt_parallel.Attention):
     def rope_tables(
         self, positions_S: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos_SP``, ``sin_SP`` (``P = d/2``) of ``p·f_i``, angles in float64, then cast."""
-        angles_SP = positions_S.to(torch.float64)[:, None] * self.inv_freq_P.to(positions_S.device)
+        """``cos_SP``, ``sin_SP`` (``P = d/2``) of ``p·f_i``, angles in float64, then cast
+        (``(B, S, P)`` for per-row positions ``(B, S)``)."""
+        inv_freq_P = self.inv_freq_P.to(positions_S.device)
+        angles_SP = positions_S.to(torch.float64)[..., None] * inv_freq_P
         return angles_SP.cos().to(dtype), angles_SP.sin().to(dtype)
 
 

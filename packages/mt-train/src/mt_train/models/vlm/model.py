@@ -22,6 +22,21 @@ masks image and prompt tokens and the padding); the mean is over the micro-batch
 targets (under CP: ``cp·Σ_local / count_cp``, whose mean over the cp ranks is that mean). :meth:`VisionLanguageModel.loss` also reports the micro-batch's masked and trained
 target counts (``masked_tokens``, ``loss_tokens``), which the trainer logs.
 
+Packed samples (``data.pack_samples``, :mod:`mt_train.data.image_text`): a row holds several
+samples, told apart by the batch's document ids ``doc_BT``. Attention stays inside each sample
+(the decoder's document masks) and :meth:`VisionLanguageModel.sequence_inputs` restarts the
+RoPE positions at each sample::
+
+    pos[b, t] = t − min{u : doc[b, u'] = doc[b, t] for all u ≤ u' ≤ t}
+
+so every sample sees the positions ``0, 1, ...`` it has alone in a row (the attention scores
+only depend on position differences inside a sample, so this changes the scores by rounding
+only, and makes a packed sample's RoPE tables those of the same sample unpacked). They are
+computed on the whole row and, under CP, cut like the tokens, while ``positions_S`` keeps the
+tokens' places in the row (which :class:`ImagePlacement` numbers placeholders by). The images
+of a packed row are its samples' in order, so the row-major placement fills each sample's
+placeholders with its own images, whatever the number per row.
+
 Sequence and context parallelism (the decoder's; the image tower stays replicated). Image
 features go to rows ``r`` of ``g_RD`` (``R = N·L``, the flattened features) by
 :meth:`ImagePlacement.image_slots`: ``r`` is the placeholder's row-major ordinal in the
@@ -233,17 +248,34 @@ class VisionLanguageModel(nn.Module):
         rank's sequence shard under SP: its slice of :meth:`ImagePlacement.image_slots`)."""
         return embed_with_images(self, tokens_BT, positions_S, images_NCHW)
 
+    def sequence_inputs(
+        self,
+        tokens_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        document_ids_BT: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """The trainer's hook for inputs computed on the whole row (cut like the tokens under
+        CP): with document ids (packed samples), ``sample_positions``, the RoPE positions
+        restarting at each sample (module docstring)."""
+        if document_ids_BT is None:
+            return {}
+        return {"sample_positions": positions_within_documents(document_ids_BT)}
+
     def forward(
         self,
         tokens_BT: torch.Tensor,
         positions_S: torch.Tensor | None = None,
         document_ids_BT: torch.Tensor | None = None,
         images: torch.Tensor | None = None,
+        sample_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits ``(B, T, V_l)``; ``images`` ``(N, C, H, W)`` fill the placeholders in order."""
+        """Logits ``(B, T, V_l)``; ``images`` ``(N, C, H, W)`` fill the placeholders in order;
+        ``sample_positions`` ``(B, T)`` (packed samples) are the decoder's RoPE positions
+        instead of ``positions_S``."""
         x_BTD = self.embed(tokens_BT, images, positions_S)
+        rope_positions = positions_S if sample_positions is None else sample_positions
         for layer in self.language.layers:
-            x_BTD = layer(x_BTD, positions_S, document_ids_BT)
+            x_BTD = layer(x_BTD, rope_positions, document_ids_BT)
         return self.language.output(self.language.norm(x_BTD))
 
     def loss(
@@ -257,6 +289,16 @@ class VisionLanguageModel(nn.Module):
         unequally; this one averages to the whole sequence's mean.
         """
         return self.caption_loss(logits_BTV_l, targets_BT, self.language.output.tp_group)
+
+
+def positions_within_documents(document_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Each token's offset from the start of its run of equal document ids (module
+    docstring's ``pos``)."""
+    T = document_ids_BT.shape[1]
+    t_BT = torch.arange(T, device=document_ids_BT.device).expand_as(document_ids_BT)
+    starts_BT = torch.ones_like(document_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    return t_BT - torch.where(starts_BT, t_BT, 0).cummax(dim=1).values
 
 
 def embedding_parameters(model: nn.Module) -> int:
