@@ -153,26 +153,35 @@ def mtp_cp_step(
     }
 
 
+CP_MEANS = ("loss", "ce_loss")
+"""Values each cp rank computes over its own tokens: their mean over cp is one process's."""
+
+
 def mtp_pp_step(
-    depth: int, schedule: str = "1f1b", steps: int = 2, seed: int = 0
+    depth: int, schedule: str = "1f1b", steps: int = 2, cp: int = 1, seed: int = 0
 ) -> dict[str, object]:
     """``steps`` float64 AdamW steps at pp=2 (``deepseek_plan``: block 0 on stage 0, block 1,
     the MTP modules, the head and an embedding copy on stage 1) against the one-process
     accumulation loop, each of two micro-batches of packed documents with loss factors 1 and
     0.5: the first step's errors of the total loss, every logged extra this rank reports (the
     MTP losses included) and every gradient this rank holds (the embedding's on both ranks);
-    after the last step, whether the two embeddings are equal bit for bit."""
-    state = mt_comm.init_parallel_state(pp=2)
+    after the last step, whether the two embeddings are equal bit for bit. With ``cp = 2``
+    each rank runs its load-balanced chunks (the runner's cut, the MTP inputs shifted on the
+    whole sequence) and its loss and cross-entropy are averaged over cp before comparing; the
+    MoE statistics, which are per rank's tokens, are not compared then."""
+    state = mt_comm.init_parallel_state(pp=2, cp=cp)
     cfg = tiny_config(depth)
     reference, model = DeepSeekV3(cfg), DeepSeekV3(cfg)
     for m in (reference, model):
         mp.init_weights(m, seed)
     reference = reference.double().train()
     parallel = mp.ParallelConfig(
-        pp=2, pp_schedule=schedule, data_parallel="none", pp_microbatches=2
-    )
+        pp=2, cp=cp, pp_schedule=schedule, data_parallel="ddp" if cp > 1 else "none",
+        pp_microbatches=2,
+    )  # fmt: skip
     module = mp.pipeline_module(model.double(), parallel, state, deepseek_plan(cfg)).train()
-    runner = BatchRunner(module, module, torch.device("cpu"), None, 1, 0, None)
+    cp_group = state.group("cp")
+    runner = BatchRunner(module, module, torch.device("cpu"), cp_group, cp, state.rank("cp"), None)
     step = PipelineStep(
         runner, parallel, state, 2, 2, SEQ, cfg.dim, VOCAB, True, model.sequence_inputs
     )
@@ -192,9 +201,14 @@ def mtp_pp_step(
         result = step.run(batches, factors)
         if k == 0:
             expected = dict(reference.named_parameters())
+            got = dict(result.extras, loss=result.total)
+            if cp > 1:  # the MTP losses are already the whole sequence's on every rank
+                got = {n: v for n, v in got.items() if n.startswith("mtp_") or n in CP_MEANS}
+                for name in CP_MEANS:
+                    got[name] = mt_comm.all_reduce(got[name].clone(), op="avg", group=cp_group)
             first = {
-                "loss": rel_err(result.total, total),
-                "extras": {n: rel_err(v, extras[n], 1e-12) for n, v in result.extras.items()},
+                "loss": rel_err(got.pop("loss"), total),
+                "extras": {n: rel_err(v, extras[n], 1e-12) for n, v in got.items()},
                 "reference_extras": sorted(extras),
                 "grads": {
                     n: rel_err(p.grad, expected[n].grad) for n, p in module.named_parameters()

@@ -145,6 +145,17 @@ def test_deepseek_v3_without_mtp_matches_one_process_at_pp2(
 
 
 @pytest.mark.slow
+def test_deepseek_v3_mtp_under_zero1_and_zero_bubble_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """ZeRO-1 (its norm over the stage shards counting the embedding once, its update of the
+    copy from the summed gradient) under a split-backward schedule."""
+    model = {**V3, "model.mtp_depth": 1, "parallel.data_parallel": "zero1"}
+    reference = check_against_one_process(pool, kjv_data, tmp_path, model, "zero_bubble")
+    assert reference[-1]["mtp_loss_1"] > 0
+
+
+@pytest.mark.slow
 def test_deepseek_v3_mtp_checkpoint_at_pp2_loads_at_pp1(
     pool: DistributedPool, kjv_data: Path, tmp_path: Path
 ) -> None:
