@@ -167,7 +167,7 @@ class PipelineStep:
                 device,
             )  # fmt: skip
             total = total + aux_total  # already summed over the pipeline
-            extras.update(aux_extras)  # the head's own are only its chunk's
+            extras.update(aux_extras)  # the whole pipeline's MoE metrics, not the head chunk's
         return StepResult(total, extras)
 
     def _pipeline_extras(self, extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

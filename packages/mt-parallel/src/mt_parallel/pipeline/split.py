@@ -37,9 +37,10 @@ each its blocks under their original indices, every module at its path in the mo
 chunk's ``state_dict`` keys are the whole model's (``layers.5.…`` stays ``layers.5.…``) and
 checkpoints move between pipeline layouts by name.
 
-A chunk holding MoE layers attaches their auxiliary losses to its output (after the head on the
-last chunk, so multi-token-prediction blocks' are included) (:mod:`mt_parallel.moe.carry`: the gradient reaches the routers in the backward, no
-value crosses stages) when the schedule passes ``aux_loss_scale``, and keeps each
+A chunk holding MoE layers attaches their auxiliary losses to its output, on the last chunk
+after the head so that the losses of MoE layers the head runs (multi-token-prediction blocks)
+are included (:mod:`mt_parallel.moe.carry`: the gradient reaches the routers in the backward,
+no value crosses stages) when the schedule passes ``aux_loss_scale``, and keeps each
 micro-batch's record of them in :attr:`PipelineChunk.aux_records` for the step's metrics.
 """
 
