@@ -72,8 +72,7 @@ def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> di
     loss, y = _loss(layer, xs[rank], gs[rank])
     loss.backward()  # each rank's own loss; the mean over ranks comes from the reductions
     dense = [p for n, p in layer.named_parameters() if not mp.is_expert_parameter(p)]
-    for p in dense:  # what DDP does (mp.all_reduce_gradients would round fp64 to fp32)
-        mt_comm.all_reduce(p.grad, op="avg", group=state.group("dp_cp"))
+    mp.all_reduce_gradients(dense, state.group("dp_cp"))  # what DDP does, in fp64
     reduce_expert_gradients(layer)
 
     ref_losses = []

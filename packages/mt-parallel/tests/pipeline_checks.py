@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from parallel_checks import _batch, _lm, rel_err
-from toy_lm import PLAN
+from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
+from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
 import mt_fp8
@@ -173,4 +173,80 @@ def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
         "loss": rel_err(loss, expected_loss),
         "keys": sorted(module.state_dict()),
         "all_keys": sorted(reference.state_dict()),
+    }
+
+
+def shared_embedding_step(
+    schedule: str, steps: int, exchange: bool = True, seed: int = 0
+) -> dict[str, object]:
+    """``steps`` AdamW steps of :class:`toy_lm.NextTokenLM` at pp=2, whose last stage embeds
+    the next tokens with its copy of the first stage's embedding, against one process in
+    float64: the first step's loss, gradients (the embedding's summed over both stages) and
+    clipped norm, and at the end whether both stages' embeddings are equal bit for bit and
+    equal to the reference's. The copy is perturbed before the split: the pipeline must
+    start it from the first stage's. ``exchange=False`` skips the gradient sum."""
+    pp, microbatches, layers = dist.get_world_size(), 2, 4
+    config = mp.ParallelConfig(
+        pp=pp, pp_schedule=schedule, data_parallel="none", pp_microbatches=microbatches,
+        pp_chunks=chunks_per_rank(schedule, 2 if schedule == "interleaved_1f1b" else 1),
+    )  # fmt: skip
+    state = mt_comm.init_parallel_state(pp=pp)
+
+    def build() -> NextTokenLM:
+        lm = NextTokenLM(VOCAB, DIM, layers, HEADS, KV_HEADS, FFN)
+        mp.init_weights(lm, seed)
+        return lm.double()
+
+    reference, model = build(), build()
+    if state.rank("pp") == pp - 1:
+        with torch.no_grad():
+            model.embed.weight.add_(1.0)
+    module = mp.pipeline_module(model, config, state, SHARED_PLAN)
+    holds_last = module.last_chunk is not None
+    runner = mp.PipelineSchedule(
+        module.pipeline_chunks, schedule, pp, state.rank("pp"), microbatches, config.pp_chunks,
+        StageShapes(((BATCH, SEQ), torch.long), ((BATCH, SEQ, DIM), torch.float64),
+                    ((BATCH, SEQ, VOCAB), torch.float64)),
+        torch.device("cpu"), state.group("pp"), module.local_loss,
+    )  # fmt: skip
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, module)]
+    first: dict[str, object] = {}
+    for step in range(steps):
+        tokens, targets = _batch(seed + 1 + step, microbatches * BATCH, SEQ)
+        rows = [slice(m * BATCH, (m + 1) * BATCH) for m in range(microbatches)]
+        nexts = [tokens[r].roll(-1, dims=1) for r in rows]
+        ref_losses = []
+        for row, next_tokens in zip(rows, nexts, strict=True):
+            loss = reference.loss(reference(tokens[row], next_tokens_BT=next_tokens), targets[row])
+            (loss / microbatches).backward()
+            ref_losses.append(loss.detach())
+        kwargs = [{"next_tokens_BT": n} if holds_last else {} for n in nexts]
+        result = runner.step([tokens[r] for r in rows], [targets[r] for r in rows], kwargs)
+        if exchange:
+            module.reduce_shared_gradients()
+        # A clip below the norm: the coefficient depends on the norm counting each parameter once.
+        ref_norm = mp.clip_grad_norm_(reference.parameters(), 0.5)
+        norm = mp.clip_grad_norm_(list(module.parameters()), 0.5, mp_group=state.group("pp"))
+        if step == 0:
+            expected = dict(reference.named_parameters())
+            first = {
+                "grads": {
+                    n: rel_err(p.grad, expected[n].grad) for n, p in module.named_parameters()
+                },
+                "losses": [rel_err(a, b) for a, b in zip(result.losses, ref_losses, strict=False)],
+                "norm": rel_err(norm, ref_norm),
+            }
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    embedding = module.embed.weight.detach()
+    peer = embedding.clone()
+    if module.shared_peer is not None:
+        peer = module._exchange(embedding.contiguous())
+    return {
+        **first,
+        "holds_last": holds_last,
+        "copy_marked": [n for n, p in module.named_parameters() if getattr(p, "pipeline_copy", 0)],
+        "copies_equal": bool(torch.equal(embedding, peer)),
+        "embedding": rel_err(embedding, reference.embed.weight),
     }

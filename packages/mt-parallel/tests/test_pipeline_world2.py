@@ -1,7 +1,9 @@
 """Pipeline parallelism on 2 gloo ranks (one pool for the module): every schedule's losses and
 gradients against one process running the whole model (float64), with even and uneven splits
 and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients; MoE
-layers' auxiliary losses carried across stages."""
+layers' auxiliary losses carried across stages; an input embedding the last stage also runs
+(its copy there started from the first stage's, its gradient summed over both) trains as one
+process does."""
 
 from __future__ import annotations
 
@@ -114,3 +116,33 @@ def test_pipeline_module_forward_and_names(pool: DistributedPool, schedule: str)
     keys = [set(r["keys"]) for r in results]
     assert not keys[0] & keys[1]  # each parameter and buffer lives on one pipeline rank
     assert keys[0] | keys[1] == set(results[0]["all_keys"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_shared_embedding_trains_as_one_process(pool: DistributedPool, schedule: str) -> None:
+    """Three float64 AdamW steps: the first step's gradients (the embedding's summed over the
+    two stages), losses and clipped norm equal one process's, and the two embeddings stay
+    equal bit for bit and equal to the reference's (AdamW's normalised update would hide a
+    gradient off by a constant factor from that last check, not from the first)."""
+    results = pool.run(checks.shared_embedding_step, schedule=schedule, steps=3)
+    for result in results:
+        assert_close({"grads": result["grads"]}, FP64_VS_FP64)
+        assert result["norm"] < FP64_VS_FP64
+        assert result["copies_equal"] and result["embedding"] < FP64_VS_FP64
+    last = [r for r in results if r["holds_last"]]
+    assert len(last) == 1 and last[0]["losses"] and max(last[0]["losses"]) < FP64_VS_FP64
+    assert last[0]["copy_marked"] == ["embed.weight"]
+    assert [r["copy_marked"] for r in results if not r["holds_last"]] == [[]]
+
+
+def test_shared_embedding_without_the_gradient_sum_diverges(pool: DistributedPool) -> None:
+    """Each stage's embedding gradient alone is not the whole model's: the check above fails."""
+    results = pool.run(checks.shared_embedding_step, schedule="1f1b", steps=1, exchange=False)
+    assert all(r["grads"]["embed.weight"] > 1e-3 for r in results)
+
+
+def test_shared_modules_refuse_a_rank_with_the_first_and_last_chunks(
+    pool: DistributedPool,
+) -> None:
+    with pytest.raises(Exception, match="puts the first and last pipeline chunks on one rank"):
+        pool.run(checks.shared_embedding_step, schedule="zbv", steps=1)

@@ -8,6 +8,11 @@ vocabulary slice of the logits ``(B, S, V/tp)`` and :meth:`DecoderLM.loss` the c
 (vocab-parallel under TP). With ``moe`` the MLPs are :class:`mt_parallel.moe.MoE` layers and the
 training loss adds their auxiliary losses (:func:`mt_parallel.moe.collect_aux_losses`), as
 mt-train's MoE family does. :data:`PLAN` is its :class:`~mt_parallel.ParallelizePlan`.
+
+:class:`NextTokenLM` adds to the head what DeepSeek-V3's multi-token prediction does there: it
+embeds the next input token with the input embedding, ``logits = lm_head(norm(h + Emb(t_{i+1})))``,
+so under pipeline parallelism the last stage runs the first stage's embedding
+(:data:`SHARED_PLAN`: the layout's ``head``, ``last_inputs`` and ``last_shared``).
 """
 
 from __future__ import annotations
@@ -74,3 +79,39 @@ PLAN = mp.ParallelizePlan(
     output_head="lm_head",
     pipeline=mp.PipelineLayout("embed", "layers", ("norm", "lm_head")),
 )
+
+
+class NextTokenLM(DecoderLM):
+    """:class:`DecoderLM` whose head also embeds the next input token (module docstring)."""
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_S: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+        next_tokens_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x_BTD = self.embed(tokens_BT)
+        for layer in self.layers:
+            x_BTD = layer(x_BTD, positions_S, document_ids_BS)
+        assert next_tokens_BT is not None
+        return self.head(x_BTD, positions_S, document_ids_BS, next_tokens_BT)
+
+    def head(
+        self,
+        x_BTD: torch.Tensor,
+        positions_S: torch.Tensor | None,
+        document_ids_BS: torch.Tensor | None,
+        next_tokens_BT: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.lm_head(self.norm(x_BTD + self.embed(next_tokens_BT)))
+
+
+SHARED_PLAN = mp.ParallelizePlan(
+    block_types=(mp.DecoderBlock,),
+    output_head="lm_head",
+    pipeline=mp.PipelineLayout(
+        "embed", "layers", ("norm", "lm_head"), head="head", last_inputs=("next_tokens_BT",),
+        last_shared=("embed",),
+    ),
+)  # fmt: skip

@@ -9,6 +9,10 @@ load-balanced chunks, their global positions and document ids, and the model's
 way (and, with tensor parallelism, its vocabulary and head shards). It returns each rank's
 errors against the reference: the main loss, every ``mtp_loss_k`` and every parameter
 gradient.
+
+:func:`mtp_pp_step` does the same at pp=2 through mt-train's
+:class:`~mt_train.pipeline_step.PipelineStep`: the MTP modules and a copy of the embedding on
+the last stage, two micro-batches with unequal loss factors, then AdamW steps.
 """
 
 from __future__ import annotations
@@ -19,9 +23,14 @@ import torch
 
 import mt_comm
 import mt_parallel as mp
+from mt_train.checkpoint.checkpointer import TPLayout, shard_tensors
+from mt_train.checkpoint.state import StateLayout, live_state
+from mt_train.data.dataset import Batch
 from mt_train.models import model_sizes
-from mt_train.models.deepseek_v3 import DeepSeekV3
+from mt_train.models.deepseek_v3 import DeepSeekV3, deepseek_plan
 from mt_train.models.llama.parallelize import llama_plan
+from mt_train.pipeline_step import PipelineStep
+from mt_train.step import BatchRunner
 
 # float64: cp=2 (× tp) differs from one process only in summation order (the cp ranks' loss
 # sums, the all-gathered or ring attention, TP partial sums, DDP's gradient average), ~1e-16
@@ -141,4 +150,81 @@ def mtp_cp_step(
         "params": sorted(ref_params),
         "counts": counts,
         "refusal": refusal,
+    }
+
+
+CP_MEANS = ("loss", "ce_loss")
+"""Values each cp rank computes over its own tokens: their mean over cp is one process's."""
+
+
+def mtp_pp_step(
+    depth: int, schedule: str = "1f1b", steps: int = 2, cp: int = 1, seed: int = 0
+) -> dict[str, object]:
+    """``steps`` float64 AdamW steps at pp=2 (``deepseek_plan``: block 0 on stage 0, block 1,
+    the MTP modules, the head and an embedding copy on stage 1) against the one-process
+    accumulation loop, each of two micro-batches of packed documents with loss factors 1 and
+    0.5: the first step's errors of the total loss, every logged extra this rank reports (the
+    MTP losses included) and every gradient this rank holds (the embedding's on both ranks);
+    after the last step, whether the two embeddings are equal bit for bit. With ``cp = 2``
+    each rank runs its load-balanced chunks (the runner's cut, the MTP inputs shifted on the
+    whole sequence) and its loss and cross-entropy are averaged over cp before comparing; the
+    MoE statistics, which are per rank's tokens, are not compared then."""
+    state = mt_comm.init_parallel_state(pp=2, cp=cp)
+    cfg = tiny_config(depth)
+    reference, model = DeepSeekV3(cfg), DeepSeekV3(cfg)
+    for m in (reference, model):
+        mp.init_weights(m, seed)
+    reference = reference.double().train()
+    parallel = mp.ParallelConfig(
+        pp=2, cp=cp, pp_schedule=schedule, data_parallel="ddp" if cp > 1 else "none",
+        pp_microbatches=2,
+    )  # fmt: skip
+    module = mp.pipeline_module(model.double(), parallel, state, deepseek_plan(cfg)).train()
+    cp_group = state.group("cp")
+    runner = BatchRunner(module, module, torch.device("cpu"), cp_group, cp, state.rank("cp"), None)
+    step = PipelineStep(
+        runner, parallel, state, 2, 2, SEQ, cfg.dim, VOCAB, True, model.sequence_inputs
+    )
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, module)]
+    factors = [1.0, 0.5]
+    first: dict[str, object] = {}
+    for k in range(steps):
+        batches = [Batch(*packed_batch(seed + 1 + 2 * k + m)) for m in range(2)]
+        total, extras = torch.zeros((), dtype=torch.float64), {}
+        for batch, factor in zip(batches, factors, strict=True):
+            out = reference(batch.inputs, None, batch.document_ids)
+            loss, logged = reference.loss(out, batch.targets)
+            (loss * factor / len(batches)).backward()
+            total += loss.detach() * factor
+            for name, value in logged.items():  # in fp32, as the pp=1 step sums them
+                extras[name] = extras.get(name, 0) + value.detach().float()
+        result = step.run(batches, factors)
+        if k == 0:
+            expected = dict(reference.named_parameters())
+            got = dict(result.extras, loss=result.total)
+            if cp > 1:  # the MTP losses are already the whole sequence's on every rank
+                got = {n: v for n, v in got.items() if n.startswith("mtp_") or n in CP_MEANS}
+                for name in CP_MEANS:
+                    got[name] = mt_comm.all_reduce(got[name].clone(), op="avg", group=cp_group)
+            first = {
+                "loss": rel_err(got.pop("loss"), total),
+                "extras": {n: rel_err(v, extras[n], 1e-12) for n, v in got.items()},
+                "reference_extras": sorted(extras),
+                "grads": {
+                    n: rel_err(p.grad, expected[n].grad) for n, p in module.named_parameters()
+                },
+            }
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    embedding = module.embed.weight.detach().contiguous()
+    local = live_state(module, optimizers[1], torch.device("cpu"))
+    layout = StateLayout.of(module, optimizers[1])
+    written = shard_tensors(local, layout, TPLayout({}, 0, 1), state.rank("pp"), 0)
+    return {
+        **first,
+        "written_embedding": sorted(n for n in written if "embed." in n),
+        "copies_equal": bool(torch.equal(embedding, module._exchange(embedding))),
+        "embedding": rel_err(embedding, reference.embed.weight),
+        "holds_mtp": any(n.startswith("mtp.") for n, _ in module.named_parameters()),
     }

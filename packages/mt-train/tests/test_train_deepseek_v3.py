@@ -87,14 +87,18 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
-        "parallel.pp=2": "model.mtp_depth=1 is not supported with parallel.pp=2",
+        "parallel=pp2 parallel.pp_schedule=zbv": "model.mtp_depth=1 is not supported with "
+        "parallel.pp_schedule=zbv, which puts the first and last pipeline chunks on one rank",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
         "model.mtp_loss_weight_switch_step=-5": "model.mtp_loss_weight_switch_step=-5 must be",
         "model.mtp_loss_weight_final=-1": "model.mtp_loss_weight_final=-1.0 must be >= 0",
     }
     for override, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
-            to_train_config(compose_config(["model=deepseek_v3_tiny", override]))
+            to_train_config(compose_config(["model=deepseek_v3_tiny", *override.split()]))
+    # MTP under pp with the first and last chunks on different ranks (the embedding copy).
+    pipelined = ["model=deepseek_v3_tiny", "parallel=pp2", "parallel.pp_schedule=zero_bubble"]
+    assert to_train_config(compose_config(pipelined)).model.mtp_depth == 1
 
 
 def test_deepseek_v3_tiny_learns(kjv_data: Path, tmp_path: Path) -> None:

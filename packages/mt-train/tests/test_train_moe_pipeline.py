@@ -4,7 +4,9 @@ balancing and z-losses on and deepseek_moe_tiny with the aux-loss-free bias (its
 holding only the dense layer) train with the single-process loss curve, and every logged MoE
 metric (auxiliary losses, MaxVio per micro-batch and over the global batch, dropped fraction,
 cross-entropy) equals one process's: each stage's auxiliary losses reach the routers' gradients
-through :mod:`mt_parallel.moe.carry`, and the biases move per stage. One pool for the module;
+through :mod:`mt_parallel.moe.carry`, and the biases move per stage; DeepSeek-V3 with MTP
+(slow) trains and logs its MTP loss as one process, and its pp=2 checkpoint (the embedding
+stored once) resumes at pp=1. One pool for the module;
 the single-process references run in this process."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import train_checks
 from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool
+from mt_train.hf_checkpoints import load_model
 
 # fp32 on the CPU. A pipelined step runs each micro-batch's chunk forwards and backwards in the
 # pp=1 accumulation loop's order; the auxiliary losses' gradient is the micro-batch's weight
@@ -57,7 +60,7 @@ def check_against_one_process(
     )
     assert len(rows) == len(reference) == 8, rows
     for row, ref in zip(rows, reference, strict=True):
-        names = [n for n in ref if n in METRICS or n.startswith("moe_max_vio_global")]
+        names = [n for n in ref if n in METRICS or n.startswith(("moe_max_vio_global", "mtp_"))]
         assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
         assert set(names) <= set(row)
     return reference
@@ -124,19 +127,69 @@ def test_mixtral_four_layers_matches_one_process(
     check_against_one_process(pool, kjv_data, tmp_path, model, schedule, **extra)
 
 
+V3 = {
+    "model": "deepseek_v3_tiny", "model.dim": 64, "model.n_layers": 3, "model.ffn_dim": 128,
+    "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16,
+    "model.qk_rope_head_dim": 8, "model.v_head_dim": 16, "model.moe.expert_ffn_dim": 32,
+    "model.mtp_depth": 0, "scheduler": "constant", "trainer.micro_batch_size": 2,
+    "trainer.log_interval": 1,
+}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_deepseek_v3_without_mtp_matches_one_process_at_pp2(
     pool: DistributedPool, kjv_data: Path, tmp_path: Path
 ) -> None:
     """MLA blocks, the dense layer 0 and MoE layers 1 (stage 0) and 2 (stage 1)."""
-    model = {
-        "model": "deepseek_v3_tiny", "model.dim": 64, "model.n_layers": 3, "model.ffn_dim": 128,
-        "model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 16,
-        "model.qk_rope_head_dim": 8, "model.v_head_dim": 16, "model.moe.expert_ffn_dim": 32,
-        "model.mtp_depth": 0, "scheduler": "constant", "trainer.micro_batch_size": 2,
-        "trainer.log_interval": 1,
-    }  # fmt: skip
-    check_against_one_process(pool, kjv_data, tmp_path, model, "1f1b")
+    check_against_one_process(pool, kjv_data, tmp_path, V3, "1f1b")
+
+
+@pytest.mark.slow
+def test_deepseek_v3_mtp_under_zero1_and_zero_bubble_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """ZeRO-1 (its norm over the stage shards counting the embedding once, its update of the
+    copy from the summed gradient) under a split-backward schedule."""
+    model = {**V3, "model.mtp_depth": 1, "parallel.data_parallel": "zero1"}
+    reference = check_against_one_process(pool, kjv_data, tmp_path, model, "zero_bubble")
+    assert reference[-1]["mtp_loss_1"] > 0
+
+
+@pytest.mark.slow
+def test_deepseek_v3_mtp_checkpoint_at_pp2_loads_at_pp1(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """MTP at pp=2 (its module, an MoE block, and the embedding copy on stage 1) trains with
+    the single-process curve, and both stages log its ``mtp_loss_1`` and MoE metrics; the
+    checkpoint stores the embedding once (stage 0 writes it), one process and mt-convert's
+    loader join the stage files, and the resumed run continues the single-process curve."""
+    model = {**V3, "model.mtp_depth": 1}
+    steps = {"trainer.max_steps": 12}
+    single = train_checks.run_logged(overrides(kjv_data, **model, **steps), tmp_path / "full")
+    pp = {"parallel": "pp2", "trainer.max_steps": 8}
+    per_rank = pool.run(
+        train_checks.run_logged, overrides(kjv_data, **model, **pp), tmp_path / "split"
+    )
+    assert per_rank[0]["losses"] == per_rank[1]["losses"]
+    assert per_rank[0]["losses"] == pytest.approx(single["losses"][:8], rel=RTOL)
+    # Rank 0 logs; it holds stage 0, without the head or the MTP module.
+    rows, reference = (
+        [r for r in run["rows"] if r["kind"] == "train"] for run in (per_rank[0], single)
+    )
+    names = ("mtp_loss_1", "ce_loss", "moe_max_vio")
+    assert len(rows) == 8 and all(r["mtp_loss_1"] > 0 for r in rows)
+    for row, ref in zip(rows, reference, strict=False):
+        assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
+    step = tmp_path / "split" / "checkpoints" / "step-00000008"
+    manifest = (step / "manifest.json").read_text()
+    assert manifest.count('"model/embed.weight"') == 1, manifest
+    assert manifest.count('"optim/embed.weight/exp_avg"') == 1
+    assert "model/mtp.0.proj.weight" in manifest
+    exported = load_model(tmp_path / "split" / "checkpoints")
+    assert torch.isfinite(exported(torch.arange(8)[None])).all()
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+    at_pp1 = train_checks.run_losses(overrides(kjv_data, **model, **resume), tmp_path / "split")
+    assert at_pp1 == pytest.approx(single["losses"][8:], rel=RTOL)
 
 
 @pytest.mark.slow
@@ -153,7 +206,7 @@ def test_deepseek_pp2_checkpoint_resumes_at_pp1_with_its_biases(
     assert "model/layers.1.mlp.router.expert_bias" in manifest
     resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     at_pp1 = train_checks.run_losses(overrides(kjv_data, **DEEPSEEK, **resume), tmp_path / "split")
-    assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
+    assert at_pp1 == pytest.approx(single["losses"][8:], rel=RTOL)
 
 
 @pytest.mark.slow

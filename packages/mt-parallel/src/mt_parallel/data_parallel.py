@@ -53,6 +53,7 @@ gradients are accumulated locally and reduced once; scale each micro-batch's los
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -202,11 +203,13 @@ def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:
 
 @torch.no_grad()
 def all_reduce_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
-    """Average the gradients over ``group`` with one flat all-reduce (mode ``none``)."""
+    """Average the gradients over ``group`` with one flat all-reduce (mode ``none``), summed in
+    fp32 or the gradients' wider dtype (fp64)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads or group_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     mt_comm.all_reduce(flat, op="avg", group=group)
     offset = 0
     for grad in grads:

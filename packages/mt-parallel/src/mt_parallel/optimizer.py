@@ -11,7 +11,9 @@ partial sums are summed over dp×cp first. Expert-parallel parameters (MoE exper
 ``ep``: ``param.expert_group``) are different experts on each ep rank: their partial sums are
 summed over that group first; sharded further over their expert-data-parallel (edp) group
 (FSDP2's edp mesh, ZeRO-1's expert shard), every element sits on exactly one rank of
-dp×cp = ep×edp, so they join the dp×cp sum of the other sharded gradients instead. Clip
+dp×cp = ep×edp, so they join the dp×cp sum of the other sharded gradients instead. A pipeline
+stage's copy of a module another stage holds (``param.pipeline_copy = True``, an input
+embedding shared by the first and last stages) is counted only by the stage that owns it. Clip
 coefficient: ``min(1, max_norm / (‖g‖ + 1e-6))``, torch's formula.
 
 Distributed optimizer (ZeRO-1). The parameters of this rank form one or two *partitions*,
@@ -72,6 +74,8 @@ def _all_reduce_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def _counts_here(param: torch.Tensor, tp_rank: int) -> bool:
+    if getattr(param, "pipeline_copy", False):  # counted on the first pipeline stage
+        return False
     return bool(getattr(param, "tensor_parallel", False)) or tp_rank == 0
 
 

@@ -722,6 +722,8 @@ class CostModel:
             if c == len(chunks) - 1:
                 dense += md.embedding_params() / tp + md.dim
                 dense += md.mtp_params()
+                if md.mtp_depth and 0 not in rank_chunks:  # the MTP modules' embedding copy
+                    dense += md.embedding_params() / tp
         return dense, experts, linear
 
     @staticmethod

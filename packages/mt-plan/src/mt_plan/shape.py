@@ -60,6 +60,9 @@ class ModelShape:
     tp_divides: tuple[tuple[str, int], ...] = ()
     """(name, value) pairs tensor parallelism must divide (the family's check_parallel)."""
     supports_pp: bool = True
+    supports_v_schedules: bool = True
+    """Whether pp runs the V schedules (zbv, dualpipev: the first and last chunks on one rank),
+    which the embedding copy of multi-token prediction does not support."""
     supports_cp: bool = True
 
     # -- per-layer parameter counts -----------------------------------------------------------

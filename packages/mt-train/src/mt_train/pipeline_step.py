@@ -7,13 +7,18 @@ checkpoint code is the same at every ``pp``. A run:
 1. takes this rank's part of each micro-batch (:meth:`BatchRunner.local_batch`: under CP the
    load-balanced tokens, targets, document ids and positions) and, on the rank holding the
    first chunk, the batch's model inputs (a VLM's images, which its first chunk merges into
-   the embeddings: later stages receive hidden states only);
+   the embeddings: later stages receive hidden states only); on the rank holding the last
+   chunk, the inputs the model derives from the whole sequence (its ``sequence_inputs`` hook,
+   cut like the tokens under CP: DeepSeek-V3's shifted MTP tokens and targets, which its last
+   chunk reads);
 2. runs the schedule (:class:`mt_parallel.PipelineSchedule`, torch's action runtime) with
    ``M`` = the step's micro-batch count: the backward of micro-batch ``m`` starts from
    ``loss_m · f_m / M``, as the pp=1 accumulation loop's; forward chunks run under autocast
    when the run is bf16 (a pre/post hook pair per chunk; the loss upcasts outside it, as the
    pp=1 step does);
-3. averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
+3. sums the gradients of modules both the first and last chunks run (DeepSeek-V3's input
+   embedding under MTP: :meth:`mt_parallel.PipelineModule.reduce_shared_gradients`), then
+   averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
    trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
    inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
    expert-data-parallel group and divided by dp×cp instead, for ``ddp`` and ``none``
@@ -28,7 +33,8 @@ checkpoint code is the same at every ``pp``. A run:
    its activations (:mod:`mt_parallel.moe.carry`); every rank adds the whole pipeline's
    ``Σ_m f_m·a_m`` (reduced over the pp group) to that sum, so the total is the ``pp = 1`` step's ``Σ_m f_m·(CE_m + a_m)``, and the
    MoE metrics (``moe_aux_loss``, ``moe_z_loss``, ``moe_max_vio``, ``moe_dropped``) and
-   ``ce_loss`` are reduced over the pipeline group, so every rank reports the whole model's.
+   ``ce_loss`` are reduced over the pipeline group, so every rank reports the whole model's;
+   the head's other extras (``mtp_loss_{k}``) reach every rank as in step 4.
 
 The gradient norm then sums over the model-parallel group (tp×pp, :mod:`mt_train.update`), since
 each pipeline rank holds different parameters.
@@ -37,6 +43,7 @@ each pipeline rank holds different parameters.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,6 +70,7 @@ class PipelineStep:
         dim: int,
         vocab_size: int,
         carries_aux_losses: bool = False,
+        sequence_inputs: Callable[..., dict[str, torch.Tensor]] | None = None,
     ) -> None:
         module = runner.module
         if not isinstance(module, mt_parallel.PipelineModule):
@@ -71,12 +79,16 @@ class PipelineStep:
         self.carries_aux_losses = carries_aux_losses
         self.pp_group, self.dp_cp_group = pstate.group("pp"), pstate.group("dp_cp")
         self.holds_first = any(c.first for c in module.pipeline_chunks)
+        holds_last = module.last_chunk is not None
+        self.sequence_inputs = sequence_inputs if holds_last else None
         self.head_rank = module.pp_ranks[module.placement[module.num_stages - 1]]
         self.extra_names: list[str] | None = None
         """The names of the model's extra values, agreed over the pp group at the first step."""
         local_seq = seq_len // parallel.cp
         hidden_seq = local_seq // parallel.tp if parallel.sequence_parallel else local_seq
         param_dtype = next(module.parameters()).dtype
+        self.loss_dtype = torch.promote_types(param_dtype, torch.float32)
+        """The losses' dtype (at least fp32), for the ranks without the head."""
         logits_dtype = runner.autocast_dtype or param_dtype
         shapes = mt_parallel.StageShapes(
             tokens=((micro_batch_size, local_seq), torch.long),
@@ -125,8 +137,12 @@ class PipelineStep:
             tokens.append(inputs)
             targets.append(target)
             first_inputs = batch.model_inputs() if self.holds_first else {}
-            kwargs.append({"positions": positions, "document_ids": docs, **first_inputs})
+            last_inputs = self.runner.derived_inputs(batch, self.sequence_inputs)
+            kwargs.append(
+                {"positions": positions, "document_ids": docs, **first_inputs, **last_inputs}
+            )
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
+        self.module.reduce_shared_gradients()
         if self.parallel.data_parallel == "ddp":
             params = [
                 p
@@ -138,20 +154,20 @@ class PipelineStep:
         mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (
-            torch.stack(result.losses).sum() if result.losses else torch.zeros((), device=device)
+            torch.stack(result.losses).sum()
+            if result.losses
+            else torch.zeros((), dtype=self.loss_dtype, device=device)
         )
         mt_comm.all_reduce(total, group=self.pp_group)
-        if not self.carries_aux_losses:
-            extras = self._pipeline_extras(result.extras)
-        else:
+        extras = self._pipeline_extras(result.extras)
+        if self.carries_aux_losses:
             factors = loss_factors or [1.0] * len(batches)
-            aux_total, extras = mt_parallel.moe.pipeline_aux_summary(
+            aux_total, aux_extras = mt_parallel.moe.pipeline_aux_summary(
                 [c.aux_records for c in self.module.pipeline_chunks], factors, self.pp_group,
                 device,
             )  # fmt: skip
             total = total + aux_total  # already summed over the pipeline
-            ce = result.extras.get("ce_loss", torch.zeros((), device=device)).clone()
-            extras["ce_loss"] = mt_comm.all_reduce(ce, group=self.pp_group)
+            extras.update(aux_extras)  # the whole pipeline's MoE metrics, not the head chunk's
         return StepResult(total, extras)
 
     def _pipeline_extras(self, extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -173,10 +189,16 @@ class PipelineStep:
 
 
 def pipeline_step(
-    runner: BatchRunner, cfg: Any, model_cfg: Any, pstate: ParallelState, dp: int
+    runner: BatchRunner,
+    cfg: Any,
+    model_cfg: Any,
+    pstate: ParallelState,
+    dp: int,
+    sequence_inputs: Callable[..., dict[str, torch.Tensor]] | None = None,
 ) -> PipelineStep:
     """The run's :class:`PipelineStep`: the step's micro-batches (checked against the
-    schedule), the micro-batch and stage shapes from the trainer and model configs."""
+    schedule), the micro-batch and stage shapes from the trainer and model configs;
+    ``sequence_inputs`` is the whole model's hook of that name, if it has one."""
     tr = cfg.trainer
     microbatches = cfg.parallel.pipeline_microbatches(
         tr.global_batch_size // (tr.micro_batch_size * dp)
@@ -184,4 +206,5 @@ def pipeline_step(
     return PipelineStep(
         runner, cfg.parallel, pstate, microbatches, tr.micro_batch_size, tr.seq_len,
         model_cfg.dim, model_cfg.vocab_size, getattr(model_cfg, "moe", None) is not None,
+        sequence_inputs,
     )  # fmt: skip

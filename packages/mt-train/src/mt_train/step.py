@@ -154,13 +154,22 @@ class BatchRunner:
         """The model's keyword inputs beyond tokens, positions and document ids: the batch's
         (images) and the per-token inputs the model derives from the whole sequence (its
         ``sequence_inputs`` hook, module docstring), under CP cut like the tokens."""
-        derive = getattr(self.module, "sequence_inputs", None)
-        derived = {} if derive is None else derive(batch.inputs, batch.targets, batch.document_ids)
+        derived = self.derived_inputs(batch, getattr(self.module, "sequence_inputs", None))
+        return {**batch.model_inputs(), **derived}
+
+    def derived_inputs(
+        self, batch: Batch, derive: Callable[..., dict[str, torch.Tensor]] | None
+    ) -> dict[str, torch.Tensor]:
+        """``derive(tokens, targets, document_ids)`` on the whole micro-batch (a model's
+        ``sequence_inputs`` hook), under CP each tensor cut like the tokens; empty without."""
+        if derive is None:
+            return {}
+        derived = derive(batch.inputs, batch.targets, batch.document_ids)
         if self.cp > 1:
             derived = {
                 k: mt_parallel.shard_sequence(v, 1, self.cp_group) for k, v in derived.items()
             }
-        return {**batch.model_inputs(), **derived}
+        return derived
 
     def micro_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Mean next-token cross-entropy over this rank's tokens of one micro-batch (fp32):

@@ -170,16 +170,18 @@ class Trainer:
             for name, m in self.module.named_modules()
             if isinstance(m, mt_parallel.moe.Router)
         }
+        # Per-step model settings (e.g. DeepSeek-V3's MTP weight switch): modules with a
+        # ``set_train_step(completed_steps) -> changed`` hook, found on the whole model (under
+        # pp the model object itself is outside this rank's chunks, its hooks are not).
+        self.step_hooks = [
+            m.set_train_step for m in self.module.modules() if hasattr(m, "set_train_step")
+        ]
+        sequence_inputs = getattr(self.module, "sequence_inputs", None)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
         if p.pp > 1:  # this rank's chunks, under the whole model's names
             self.module = self.model
         self.document_mask_kernel = self.apply_document_mask_kernel()
         self.fp8_layers = fp8_layer_count(self.module)
-        # Per-step model settings (e.g. DeepSeek-V3's MTP weight switch): modules with a
-        # ``set_train_step(completed_steps) -> changed`` hook.
-        self.step_hooks = [
-            m.set_train_step for m in self.module.modules() if hasattr(m, "set_train_step")
-        ]
         self.fp8_recipe = (
             mt_fp8.recipe_from_name(cfg.fp8.recipe, **dict(cfg.fp8.recipe_args))
             if cfg.fp8.enabled
@@ -202,7 +204,9 @@ class Trainer:
         self.step_runner = (
             GraphedStep.for_run(self.runner, p, self.model_cfg.dropout, self.pstate.size("dp_cp"))
             if tr.cuda_graph
-            else pipeline_step(self.runner, cfg, self.model_cfg, self.pstate, self.dp)
+            else pipeline_step(
+                self.runner, cfg, self.model_cfg, self.pstate, self.dp, sequence_inputs
+            )
             if p.pp > 1
             else EagerStep(self.runner)
         )

@@ -15,6 +15,17 @@ Training does not use it: the schedule drives the chunks (:class:`PipelineSchedu
 broadcast costs one logits tensor per forward; evaluation and samples are its only callers.
 ``loss(logits, targets)`` is computed by the rank holding the head (its TP group is set there)
 and broadcast over the pipeline group (the model's extra values are not).
+
+Shared modules (the layout's ``last_shared``, :mod:`mt_parallel.pipeline.split`): when the
+first and last chunks are on different ranks, each of the two holds the module, the last
+chunk's rank a copy whose parameters are marked ``pipeline_copy = True``. The copy starts as
+the first chunk's (:meth:`PipelineModule.sync_shared_parameters`, at construction) and after
+every step both gradients become ``g_first + g_last`` (:meth:`reduce_shared_gradients`, one
+exchange of a flat buffer between the two ranks): each rank adds the same two tensors, and
+IEEE addition is commutative, so the two copies receive equal gradients bit for bit and an
+optimizer keeps them equal. A gradient norm counts the copy once (on the first chunk's rank:
+:func:`mt_parallel.clip_grad_norm_` skips ``pipeline_copy`` parameters) and checkpoints store
+it once.
 """
 
 from __future__ import annotations
@@ -57,6 +68,68 @@ class PipelineModule(nn.Module):
         self.pp_ranks, self.pp_group = list(pp_ranks), pp_group
         self.num_stages = len(placement)
         self.pp_rank = self.placement[self.stage_ids[0]]
+        self.layout = layout
+        first_rank, last_rank = placement[0], placement[self.num_stages - 1]
+        self.shared_peer: int | None = None
+        """The global rank holding the other side of the shared modules, if not this one."""
+        if (
+            layout.last_shared
+            and first_rank != last_rank
+            and self.pp_rank in (first_rank, last_rank)
+        ):
+            other = last_rank if self.pp_rank == first_rank else first_rank
+            self.shared_peer = self.pp_ranks[other]
+            if self.pp_rank == last_rank:
+                for param in self.shared_parameters():
+                    param.pipeline_copy = True  # type: ignore[attr-defined]
+            self.sync_shared_parameters()
+
+    def shared_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the layout's ``last_shared`` modules, in one order on both ranks."""
+        return [
+            param
+            for path in self.layout.last_shared
+            for _, param in sorted(self.get_submodule(path).named_parameters())
+        ]
+
+    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """The peer's ``flat`` (the first chunk's rank sends first)."""
+        assert self.shared_peer is not None
+        received = torch.empty_like(flat)
+        if self.pp_rank == self.placement[0]:
+            mt_comm.send(flat, self.shared_peer, self.pp_group)
+            mt_comm.recv(received, self.shared_peer, self.pp_group)
+        else:
+            mt_comm.recv(received, self.shared_peer, self.pp_group)
+            mt_comm.send(flat, self.shared_peer, self.pp_group)
+        return received
+
+    @torch.no_grad()
+    def sync_shared_parameters(self) -> None:
+        """Copy the first chunk's shared parameters into the last chunk's (module docstring)."""
+        if self.shared_peer is None:
+            return
+        params = self.shared_parameters()
+        received = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]))
+        if self.pp_rank != self.placement[0]:
+            for param, values in zip(
+                params, received.split([p.numel() for p in params]), strict=True
+            ):
+                param.copy_(values.view_as(param))
+
+    @torch.no_grad()
+    def reduce_shared_gradients(self) -> None:
+        """Both sides' shared gradients become their sum (module docstring); call after the
+        schedule's step on every pipeline rank (a no-op where no shared module is held)."""
+        if self.shared_peer is None:
+            return
+        params = self.shared_parameters()
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        received = self._exchange(torch.cat([g.reshape(-1) for g in grads]))
+        for param, grad, other in zip(
+            params, grads, received.split([p.numel() for p in params]), strict=True
+        ):
+            param.grad = grad.add_(other.view_as(grad))
 
     @property
     def last_chunk(self) -> PipelineChunk | None:

@@ -42,6 +42,15 @@ def pipeline_chunks(
         )
     v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
     stage_ids = rank_stages(config.pp_schedule, config.pp, v, state.rank("pp"))
+    placement = stage_to_rank(config.pp_schedule, config.pp, v)
+    last = config.pp * v - 1
+    if plan.pipeline.last_shared and last > 0 and placement[0] == placement[last]:
+        raise ValueError(
+            f"parallel.pp_schedule={config.pp_schedule} puts the first and last pipeline chunks "
+            f"on one rank, which {type(model).__name__}'s shared modules "
+            f"{list(plan.pipeline.last_shared)} do not support; use gpipe, 1f1b, "
+            "interleaved_1f1b or zero_bubble"
+        )
     chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
     for chunk in chunks:
         chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)

@@ -13,8 +13,20 @@ into the embeddings) names the extra modules its first chunk holds (``first_extr
 function that computes the first chunk's hidden states from them (``embed(chunk, tokens,
 positions, **inputs)``, given the chunk, whose module names are the model's) and the keyword
 inputs only that function reads (``first_inputs``, the images: every chunk receives a
-micro-batch's keywords, the others drop these); ``last_extra`` names parameter-free modules
-the last chunk holds for the model's loss (a loss that reduces over the cp group keeps it there).
+micro-batch's keywords, the others drop these); ``last_extra`` names further modules the last
+chunk holds (a loss module that reduces over the cp group, multi-token-prediction blocks).
+
+A model whose last chunk does more than apply ``final`` (DeepSeek-V3's multi-token prediction,
+a head tied to the embedding) names a method of the model computing the last chunk's output
+from the blocks' hidden states (``head``: ``model.<head>(x, positions, document_ids,
+**inputs)``, run on the model's own modules, which are the chunk's) and the keyword inputs only
+it reads (``last_inputs``: the shifted tokens). Modules of the first chunk that the head also
+runs (``last_shared``: the input embedding) are held by the last chunk too; when another rank
+holds the first chunk, the last chunk's rank keeps its own copy (Megatron's embedding group):
+:class:`~mt_parallel.PipelineModule` starts it equal to the first chunk's and sums the two
+gradients after each step (both ranks add the same two tensors, so the copies stay equal
+bit for bit under any optimizer), and the copy's parameters are marked
+``pipeline_copy`` so that norms and checkpoints count each parameter once.
 
 :func:`split_layers` cuts ``L`` blocks into ``C`` consecutive chunks (``C = pp·v``): a user list
 (``parallel.pp_layers``), or automatically ``⌊L/C⌋`` blocks each with the remainder given to
@@ -25,9 +37,10 @@ each its blocks under their original indices, every module at its path in the mo
 chunk's ``state_dict`` keys are the whole model's (``layers.5.…`` stays ``layers.5.…``) and
 checkpoints move between pipeline layouts by name.
 
-A chunk holding MoE layers attaches their auxiliary losses to the hidden states after its
-blocks (:mod:`mt_parallel.moe.carry`: the gradient reaches the routers in the backward, no
-value crosses stages) when the schedule passes ``aux_loss_scale``, and keeps each
+A chunk holding MoE layers attaches their auxiliary losses to its output, on the last chunk
+after the head so that the losses of MoE layers the head runs (multi-token-prediction blocks)
+are included (:mod:`mt_parallel.moe.carry`: the gradient reaches the routers in the backward,
+no value crosses stages) when the schedule passes ``aux_loss_scale``, and keeps each
 micro-batch's record of them in :attr:`PipelineChunk.aux_records` for the step's metrics.
 """
 
@@ -62,7 +75,15 @@ class PipelineLayout:
     first_inputs: tuple[str, ...] = ()
     """Keyword inputs of a micro-batch read by ``embed`` only; other chunks drop them."""
     last_extra: tuple[str, ...] = ()
-    """Parameter-free modules the last chunk holds for the model's loss (its groups)."""
+    """Further modules the last chunk holds (the model's loss module, MTP blocks)."""
+    head: str | None = None
+    """A model method giving the last chunk's output, ``model.<head>(x, positions,
+    document_ids, **inputs)``; None: the ``final`` modules in order."""
+    last_inputs: tuple[str, ...] = ()
+    """Keyword inputs of a micro-batch read by ``head`` only; other chunks drop them."""
+    last_shared: tuple[str, ...] = ()
+    """Modules of the first chunk the last chunk's ``head`` also runs (the input embedding):
+    held by both, their gradients summed between the two (module docstring)."""
 
 
 def place_module(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -134,7 +155,11 @@ class PipelineChunk(nn.Module):
         self.layout, self.first, self.last = layout, first, last
         self.block_ids = blocks
         before = [layout.embedding, *layout.first_extra] if first else []
-        after = [p for p in (*layout.final, *layout.last_extra) if last and p not in before]
+        after = [
+            p
+            for p in (*layout.final, *layout.last_extra, *layout.last_shared)
+            if last and p not in before
+        ]
         for path in before:
             place_module(self, path, model.get_submodule(path))
         all_blocks = model.get_submodule(layout.blocks)
@@ -144,6 +169,9 @@ class PipelineChunk(nn.Module):
         self.held_paths = (*before, *after)
         """The paths of the modules this chunk holds besides its blocks."""
         self.loss_fn: Callable | None = model.loss if last and hasattr(model, "loss") else None
+        self.head_fn: Callable[..., torch.Tensor] | None = (
+            getattr(model, layout.head) if last and layout.head else None
+        )
         self.moe_layers = moe_layers(self)
         self.aux_records: dict[int, torch.Tensor] = {}
         """Micro-batch -> this chunk's MoE record (:mod:`mt_parallel.moe.carry`) of the step."""
@@ -160,25 +188,30 @@ class PipelineChunk(nn.Module):
         aux_loss_scale: AuxLossScale | None = None,
         **inputs: Any,
     ) -> torch.Tensor:
-        unknown = sorted(set(inputs) - set(self.layout.first_inputs))
+        layout = self.layout
+        unknown = sorted(set(inputs) - {*layout.first_inputs, *layout.last_inputs})
         if unknown:
             raise TypeError(
                 f"pipeline chunk got keyword inputs {unknown}; its layout's first chunk reads "
-                f"{list(self.layout.first_inputs)}"
+                f"{list(layout.first_inputs)} and its last {list(layout.last_inputs)}"
             )
-        if self.first and self.layout.embed is not None:
-            x = self.layout.embed(self, x, positions, **inputs)
+        if self.first and layout.embed is not None:
+            first_inputs = {k: v for k, v in inputs.items() if k in layout.first_inputs}
+            x = layout.embed(self, x, positions, **first_inputs)
         elif self.first:
-            x = self.get_submodule(self.layout.embedding)(x)
-        for block in self.get_submodule(self.layout.blocks).values():
+            x = self.get_submodule(layout.embedding)(x)
+        for block in self.get_submodule(layout.blocks).values():
             x = block(x, positions, document_ids)
+        if self.last and self.head_fn is not None:
+            last_inputs = {k: v for k, v in inputs.items() if k in layout.last_inputs}
+            x = self.head_fn(x, positions, document_ids, **last_inputs)
+        elif self.last:
+            for name in layout.final:
+                x = self.get_submodule(name)(x)
         if self.moe_layers:
             x, record = carry_aux_losses(self.moe_layers, x, aux_loss_scale)
             if record is not None and aux_loss_scale is not None:
                 self.aux_records[aux_loss_scale.microbatch] = record
-        if self.last:
-            for name in self.layout.final:
-                x = self.get_submodule(name)(x)
         return x
 
 

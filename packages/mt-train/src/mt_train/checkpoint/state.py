@@ -32,6 +32,11 @@ their moments are slices of the edp-sharded expert partition: a piece of a piece
 weights themselves stay whole on each edp rank, replicas as under ``ddp``). Loading re-cuts
 pieces for any ep degree and data-parallel mode (ep=2 → ep=1 and back).
 
+Pipeline copies: the last stage's copy of a module the first stage holds (DeepSeek-V3's input
+embedding under multi-token prediction, ``param.pipeline_copy``) equals the first stage's
+after every step, so only the first stage writes it (and its AdamW state); the copy loads the
+first stage's entries by name.
+
 Invariant: ZeRO-1's master weights equal the fp32 parameters after every step (it copies them
 in), so neither snapshots nor checkpoints store them; they are rebuilt from the restored
 parameters (:meth:`~mt_train.optim.Zero1AdamW.sync_master`).
@@ -90,7 +95,8 @@ class StateLayout:
     starts: dict[str, int] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
-    """Pieces this rank holds but another rank writes (expert-data-parallel replicas)."""
+    """Entries this rank holds but another rank writes (expert-data-parallel replicas, a
+    pipeline stage's copy of the first stage's embedding)."""
 
     @classmethod
     def of(cls, module: nn.Module, optimizer: Any) -> StateLayout:
@@ -112,6 +118,10 @@ class StateLayout:
                     layout.starts[name] = start
                     layout.shapes[name] = list(value.shape)
         for short, param in named_parameters(module).items():
+            if getattr(param, "pipeline_copy", False):
+                layout.replicas.add(f"model/{short}")
+                layout.replicas.update(f"optim/{short}/{k}" for k in ADAM_KEYS)
+                continue
             expert = getattr(param, "expert_rank", None)
             if expert is None:
                 continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from mt_parallel import ParallelConfig, YarnConfig
 from mt_parallel.moe import MoEConfig
+from mt_parallel.pipeline import chunks_per_rank, stage_to_rank
 from mt_train.config.schema import ModelConfig, positive
 
 
@@ -104,7 +105,8 @@ class DeepSeekV3Config(ModelConfig):
         return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; no MTP under pp."""
+        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; MTP under pp only
+        with the first and last pipeline chunks on different ranks."""
         super().check_parallel(parallel, seq_len)
         widths = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim}
         if self.moe.n_shared_experts:
@@ -116,12 +118,14 @@ class DeepSeekV3Config(ModelConfig):
                 )
         self.moe.check_expert_parallel(parallel.ep)
         if self.mtp_depth and parallel.pp > 1:
-            raise ValueError(
-                f"model.mtp_depth={self.mtp_depth} is not supported with parallel.pp="
-                f"{parallel.pp}: the MTP modules would run on the last stage and embed the "
-                "shifted tokens with the input embedding, which lives on the first stage, and "
-                "the pipeline has no weights shared across stages; use mtp_depth=0 or pp=1"
-            )
+            v = chunks_per_rank(parallel.pp_schedule, parallel.pp_chunks)
+            placement = stage_to_rank(parallel.pp_schedule, parallel.pp, v)
+            if placement[0] == placement[parallel.pp * v - 1]:
+                raise ValueError(
+                    f"model.mtp_depth={self.mtp_depth} is not supported with parallel."
+                    f"pp_schedule={parallel.pp_schedule}, which puts the first and last pipeline "
+                    "chunks on one rank; use gpipe, 1f1b, interleaved_1f1b or zero_bubble"
+                )
 
     def summary(self) -> str:
         m = self.moe

@@ -44,8 +44,20 @@ of valid MTP targets, the masked tail all on the rank of the last chunk), so the
 cp group, which gradient averaging takes, is the one-process ``MTP_k``; the logged
 ``mtp_loss_{k}`` is the whole sequence's mean on every rank. Called without those inputs (a
 one-process caller) the model shifts its own tokens and targets, the same functions on the
-same whole sequence; under CP that is refused. Pipeline parallelism stays refused
-(:meth:`~mt_train.models.deepseek_v3.config.DeepSeekV3Config.check_parallel`).
+same whole sequence; under CP that is refused.
+
+Pipeline parallelism (Megatron-Core's placement). The MTP modules run on the last chunk, after
+the last blocks, in :meth:`DeepSeekV3.predict` (the layout's ``head``,
+:func:`deepseek_plan`), with the micro-batch's ``mtp_tokens_BTK``/``mtp_targets_BTK`` as the
+last chunk's inputs (``last_inputs``: nothing shifted crosses stages). They embed the shifted
+tokens with the input embedding, which the first chunk holds: the last chunk's rank keeps a
+copy (``last_shared``), started from the first's, whose gradient is summed with the first's
+after every step (:class:`mt_parallel.PipelineModule`), so both stay equal; checkpoints store
+it once. The cp group of the MTP losses lives on a parameter-free module of the last chunk
+(:class:`MTPCrossEntropy`), where the CP transform's hook reaches it. The MTP blocks' MoE auxiliary losses are carried with the last chunk's
+(:mod:`mt_parallel.moe.carry`), and each ``mtp_loss_{k}`` reaches every pipeline rank's
+metrics (:mod:`mt_train.pipeline_step`). Schedules that put the first and last chunks on one
+rank (``zbv``, ``dualpipev``) are refused.
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
 ``active`` (:func:`active_parameters`) is what one token uses: all but the ``num_experts -
@@ -55,6 +67,7 @@ top_k`` routed experts it skips and the input-embedding lookup (which is not a G
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -64,7 +77,20 @@ import mt_comm
 import mt_parallel
 from mt_parallel.moe import MoE
 from mt_train.models.deepseek_v3.config import DeepSeekV3Config
+from mt_train.models.llama.parallelize import PLAN
 from mt_train.models.moe.model import MoETransformer
+
+
+def deepseek_plan(cfg: DeepSeekV3Config) -> mt_parallel.ParallelizePlan:
+    """Llama's plan; with MTP, a pipeline whose last chunk runs :meth:`DeepSeekV3.predict`
+    with the MTP modules and a copy of the input embedding (module docstring)."""
+    if not cfg.mtp_depth:
+        return PLAN
+    layout = dataclasses.replace(
+        PLAN.pipeline, last_extra=("mtp", "mtp_cross_entropy"), head="predict",
+        last_inputs=("mtp_tokens_BTK", "mtp_targets_BTK"), last_shared=("embed",),
+    )  # fmt: skip
+    return dataclasses.replace(PLAN, pipeline=layout)
 
 
 def deepseek_block(cfg: DeepSeekV3Config, layer_id: int) -> nn.Module:
@@ -107,6 +133,28 @@ class MTPModule(nn.Module):
         return self.block(x_BTD, positions_S, document_ids_BT)
 
 
+class MTPCrossEntropy(nn.Module):
+    """One depth's MTP loss, the whole sequence's mean over the cp group (module docstring);
+    parameter-free, it holds the cp group its hook receives, so it can sit on the last
+    pipeline chunk with the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cp_group: Any = None
+        """The cp group under context parallelism (set by the CP transform)."""
+
+    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
+        """Hook of the CP transform: the MTP losses are means over the cp group's sequence."""
+        self.cp_group = cp_group
+
+    def forward(
+        self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor, tp_group: Any
+    ) -> mt_parallel.SequenceMean:
+        return mt_parallel.sequence_mean_cross_entropy(
+            logits_BTV_l, targets_BT, tp_group, self.cp_group
+        )
+
+
 class DeepSeekV3(MoETransformer):
     """Embedding → blocks of :func:`deepseek_block` → RMSNorm → output head, plus
     ``mtp_depth`` :class:`MTPModule` s; loss CE + MoE losses + weighted MTP losses."""
@@ -119,8 +167,7 @@ class DeepSeekV3(MoETransformer):
         self._mtp_documents_BT: torch.Tensor | None = None
         self.mtp_weight = cfg.mtp_weight_at(0)
         """λ of the next training step."""
-        self.cp_group: Any = None
-        """The cp group under context parallelism (set by the CP transform)."""
+        self.mtp_cross_entropy = MTPCrossEntropy()
 
     def set_train_step(self, completed_steps: int) -> bool:
         """Set λ for the step after ``completed_steps``; whether it changed (a captured step
@@ -129,9 +176,10 @@ class DeepSeekV3(MoETransformer):
         changed, self.mtp_weight = weight != self.mtp_weight, weight
         return changed
 
-    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
-        """Hook of the CP transform: the MTP losses are means over the cp group's sequence."""
-        self.cp_group = cp_group
+    @property
+    def cp_group(self) -> Any:
+        """The cp group under context parallelism (None without)."""
+        return self.mtp_cross_entropy.cp_group
 
     def sequence_inputs(
         self,
@@ -171,7 +219,22 @@ class DeepSeekV3(MoETransformer):
         h_BTD = self.embed(tokens_BT)
         for layer in self.layers:
             h_BTD = layer(h_BTD, positions_S, document_ids_BT)
+        return self.predict(h_BTD, positions_S, document_ids_BT, mtp_tokens_BTK, mtp_targets_BTK)
+
+    def predict(
+        self,
+        h_BTD: torch.Tensor,
+        positions_S: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None,
+        mtp_tokens_BTK: torch.Tensor | None = None,
+        mtp_targets_BTK: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Main logits from the last block's output ``h⁰``; given the shifted tokens, also each
+        MTP depth's, kept for :meth:`loss` (the pipeline's last chunk runs this: module
+        docstring)."""
         self._mtp_logits = []
+        if mtp_tokens_BTK is None:
+            return self.output(self.norm(h_BTD))
         self._mtp_targets_BTK, self._mtp_documents_BT = mtp_targets_BTK, document_ids_BT
         mtp_h_BTD = h_BTD
         for depth, module in enumerate(self.mtp, start=1):
@@ -195,10 +258,9 @@ class DeepSeekV3(MoETransformer):
             targets_BTK = shifted_targets(targets_BT, len(outputs), documents_BT)
         mtp_sum = total.new_zeros(())
         for depth, mtp_logits_BTV_l in enumerate(outputs, start=1):
-            result = mt_parallel.sequence_mean_cross_entropy(
-                mtp_logits_BTV_l, targets_BTK[..., depth - 1], self.output.tp_group,
-                self.cp_group,
-            )  # fmt: skip
+            result = self.mtp_cross_entropy(
+                mtp_logits_BTV_l, targets_BTK[..., depth - 1], self.output.tp_group
+            )
             logged[f"mtp_loss_{depth}"] = result.mean
             mtp_sum = mtp_sum + result.loss
         return total + self.mtp_weight / len(outputs) * mtp_sum, logged

@@ -15,18 +15,17 @@ def deepseek_v3_family() -> ModelFamily:
     """The :class:`~mt_train.models.ModelFamily` of the DeepSeek-V2/V3 models."""
     from mt_train.models.deepseek_v3.config import DeepSeekV3Config
     from mt_train.models.deepseek_v3.hf import DeepseekV3HF
-    from mt_train.models.deepseek_v3.model import DeepSeekV3, flops_per_token
+    from mt_train.models.deepseek_v3.model import DeepSeekV3, deepseek_plan, flops_per_token
     from mt_train.models.deepseek_v3.sizes import SIZES
     from mt_train.models.family import ModelFamily
     from mt_train.models.llama.model import embedding_parameters
-    from mt_train.models.llama.parallelize import llama_plan
 
     return ModelFamily(
         name="deepseek_v3",
         label="DeepSeek-V3",
         config=DeepSeekV3Config,
         build=DeepSeekV3,
-        plan=llama_plan,
+        plan=deepseek_plan,
         flops_per_token=flops_per_token,
         embedding_parameters=embedding_parameters,
         sizes=SIZES,
