@@ -20,6 +20,7 @@ from mt_parallel.context_parallel import (
     unshard_sequence,
 )
 from mt_parallel.cross_entropy import (
+    SequenceCrossEntropy,
     SequenceMean,
     sequence_mean_cross_entropy,
     vocab_parallel_cross_entropy,
@@ -105,6 +106,7 @@ __all__ = [
     "RNGStatesTracker",
     "RMSNorm",
     "RowParallelLinear",
+    "SequenceCrossEntropy",
     "SequenceMean",
     "StageShapes",
     "SwiGLU",

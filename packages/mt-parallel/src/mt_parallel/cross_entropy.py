@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 import mt_comm
 from mt_fp8.ops import cross_entropy
@@ -152,3 +153,27 @@ def sequence_mean_cross_entropy(
     total_sum, count = totals.unbind()
     divisor = count.clamp(min=1)
     return SequenceMean(local_sum * (cp / divisor), total_sum / divisor, count)
+
+
+class SequenceCrossEntropy(nn.Module):
+    """:func:`sequence_mean_cross_entropy` as a parameter-free module holding the cp group the
+    CP transform gives it (``set_context_parallel``), so a model's loss can sit on the last
+    pipeline chunk with the head, where the transform reaches it (a model object kept outside
+    the chunks is never reached)."""
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.cp_group: Any = None
+        """The cp group under context parallelism (set by the CP transform)."""
+
+    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
+        """Hook of the CP transform: the mean spans the cp group's whole sequence."""
+        self.cp_group = cp_group
+
+    def forward(
+        self, logits_BTV_l: torch.Tensor, target_BT: torch.Tensor, tp_group: Any
+    ) -> SequenceMean:
+        return sequence_mean_cross_entropy(
+            logits_BTV_l, target_BT, tp_group, self.cp_group, self.ignore_index
+        )

@@ -54,7 +54,7 @@ tokens with the input embedding, which the first chunk holds: the last chunk's r
 copy (``last_shared``), started from the first's, whose gradient is summed with the first's
 after every step (:class:`mt_parallel.PipelineModule`), so both stay equal; checkpoints store
 it once. The cp group of the MTP losses lives on a parameter-free module of the last chunk
-(:class:`MTPCrossEntropy`), where the CP transform's hook reaches it. The MTP blocks' MoE auxiliary losses are carried with the last chunk's
+(``mt_parallel.SequenceCrossEntropy``), where the CP transform's hook reaches it. The MTP blocks' MoE auxiliary losses are carried with the last chunk's
 (:mod:`mt_parallel.moe.carry`), and each ``mtp_loss_{k}`` reaches every pipeline rank's
 metrics (:mod:`mt_train.pipeline_step`). Schedules that put the first and last chunks on one
 rank (``zbv``, ``dualpipev``) are refused.
@@ -133,28 +133,6 @@ class MTPModule(nn.Module):
         return self.block(x_BTD, positions_S, document_ids_BT)
 
 
-class MTPCrossEntropy(nn.Module):
-    """One depth's MTP loss, the whole sequence's mean over the cp group (module docstring);
-    parameter-free, it holds the cp group its hook receives, so it can sit on the last
-    pipeline chunk with the head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cp_group: Any = None
-        """The cp group under context parallelism (set by the CP transform)."""
-
-    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
-        """Hook of the CP transform: the MTP losses are means over the cp group's sequence."""
-        self.cp_group = cp_group
-
-    def forward(
-        self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor, tp_group: Any
-    ) -> mt_parallel.SequenceMean:
-        return mt_parallel.sequence_mean_cross_entropy(
-            logits_BTV_l, targets_BT, tp_group, self.cp_group
-        )
-
-
 class DeepSeekV3(MoETransformer):
     """Embedding → blocks of :func:`deepseek_block` → RMSNorm → output head, plus
     ``mtp_depth`` :class:`MTPModule` s; loss CE + MoE losses + weighted MTP losses."""
@@ -167,7 +145,9 @@ class DeepSeekV3(MoETransformer):
         self._mtp_documents_BT: torch.Tensor | None = None
         self.mtp_weight = cfg.mtp_weight_at(0)
         """λ of the next training step."""
-        self.mtp_cross_entropy = MTPCrossEntropy()
+        self.mtp_cross_entropy = mt_parallel.SequenceCrossEntropy()
+        """The MTP losses' whole-sequence mean (module docstring), a module so that under pp
+        it sits on the last chunk, where the CP transform gives it the cp group."""
 
     def set_train_step(self, completed_steps: int) -> bool:
         """Set λ for the step after ``completed_steps``; whether it changed (a captured step

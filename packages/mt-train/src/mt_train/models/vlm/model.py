@@ -181,26 +181,18 @@ class ImagePlacement(nn.Module):
         )
 
 
-class CaptionLoss(nn.Module):
-    """The masked-mean cross-entropy of :meth:`VisionLanguageModel.loss` (parameter-free; holds
-    the cp group its hook receives, so it can sit on the last pipeline chunk with the head)."""
+class CaptionLoss(mt_parallel.SequenceCrossEntropy):
+    """The masked-mean cross-entropy of :meth:`VisionLanguageModel.loss`, with the counts it
+    logs (parameter-free, on the last pipeline chunk with the head)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.cp_group: Any = None
-        """The cp group under context parallelism (set by the CP transform)."""
+        super().__init__(IGNORE_INDEX)
 
-    def set_context_parallel(self, cp_group: Any, ring: bool) -> None:
-        """Hook of the CP transform: the loss's token count spans the cp group."""
-        self.cp_group = cp_group
-
-    def forward(
+    def forward(  # type: ignore[override]
         self, logits_BTV_l: torch.Tensor, targets_BT: torch.Tensor, tp_group: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cp = 1 if self.cp_group is None else mt_comm.group_size(self.cp_group)
-        result = mt_parallel.sequence_mean_cross_entropy(
-            logits_BTV_l, targets_BT, tp_group, self.cp_group, IGNORE_INDEX
-        )
+        result = super().forward(logits_BTV_l, targets_BT, tp_group)
         trained = result.count.float()
         masked = targets_BT.numel() * cp - trained
         return result.loss, {"masked_tokens": masked, "loss_tokens": trained}
