@@ -117,7 +117,17 @@ def test_sharded_run_with_dropout_resumes_exactly(
     assert resumed[0] == resumed[1] == full[8:]  # exact float equality, step by step
 
 
-@pytest.mark.parametrize("saved", ["single", "tp2", "fsdp", "zero1"])
+@pytest.mark.parametrize(
+    "saved",
+    [
+        # A dp=2 DDP checkpoint continuing in one process, exactly: test_train_blend_dist.py's
+        # test_blend_resumes_at_another_dp[dp2_to_dp1].
+        pytest.param("single", marks=pytest.mark.slow),
+        "tp2",
+        "fsdp",
+        "zero1",
+    ],
+)
 def test_checkpoint_resumes_in_one_process(
     saved: str, pool, kjv_data: Path, uninterrupted: list[float], tmp_path: Path
 ) -> None:

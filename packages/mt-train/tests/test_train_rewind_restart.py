@@ -17,6 +17,7 @@ from train_checks import rewind_overrides, run_losses, run_rewind
 
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.checkpoint import list_checkpoints
+from mt_train.cli import main
 from mt_train.rewind import read_events
 
 
@@ -32,13 +33,23 @@ def _cli(overrides: list[str], out: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _main(capsys: pytest.CaptureFixture, overrides: list[str], out: Path) -> tuple[int, str, str]:
+    """``mt-train`` in this process, writing to ``out``: its exit status, stdout and stderr."""
+    capsys.readouterr()
+    status = main([*overrides, f"trainer.output_dir={out}", f"hydra.run.dir={out}"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
 def _train_losses(out: Path) -> dict[int, float]:
     """The last logged training loss of every logged step (a restart appends to the file)."""
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_kill_and_restart_equals_an_uninterrupted_run(kjv_data: Path, tmp_path: Path) -> None:
+def test_kill_and_restart_equals_an_uninterrupted_run(
+    kjv_data: Path, tmp_path: Path, capsys
+) -> None:
     common = {
         "trainer.max_steps": 24,
         "trainer.eval_interval": 24,
@@ -46,8 +57,9 @@ def test_kill_and_restart_equals_an_uninterrupted_run(kjv_data: Path, tmp_path: 
         "checkpoint.async_save": True,  # the kill may land while step-12 is being written
         "scheduler": "constant",
     }
-    full = _cli(rewind_overrides(kjv_data, **common), tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-3000:]
+    # Only the killed run needs a process of its own; the others run the same entry point here.
+    status, _, err = _main(capsys, rewind_overrides(kjv_data, **common), tmp_path / "full")
+    assert status == 0, err[-3000:]
 
     out = tmp_path / "killed"
     overrides = rewind_overrides(kjv_data, **common, **{"fault.kill_at_step": 13})
@@ -55,8 +67,8 @@ def test_kill_and_restart_equals_an_uninterrupted_run(kjv_data: Path, tmp_path: 
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [e["fault"] for e in read_events(out) if e["event"] == "fault"] == ["kill"]
     # The same command with resume=auto: the kill fault is disarmed (it already fired here).
-    restarted = _cli([*overrides, "checkpoint.resume=auto"], out)
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    status, _, err = _main(capsys, [*overrides, "checkpoint.resume=auto"], out)
+    assert status == 0, err[-3000:]
     resumes = [e for e in read_events(out) if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] in (8, 12)
 
@@ -157,12 +169,12 @@ def test_rewind_from_disk_passes_over_a_corrupt_stable_checkpoint(
     assert rewind["restored"]["stable"] is False
 
 
-def test_preempted_cli_run_exits_zero(kjv_data: Path, tmp_path: Path) -> None:
+def test_preempted_cli_run_exits_zero(kjv_data: Path, tmp_path: Path, capsys) -> None:
     overrides = rewind_overrides(kjv_data, **{"trainer.max_steps": 8, "fault.sigterm_at_step": 6})
-    proc = _cli(overrides, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "preempted by SIGTERM at step 6" in proc.stderr
-    assert "stopped early by SIGTERM after step 6" in proc.stdout
+    status, out, err = _main(capsys, overrides, tmp_path)
+    assert status == 0, err[-3000:]
+    assert "preempted by SIGTERM at step 6" in err, err[-3000:]
+    assert "stopped early by SIGTERM after step 6" in out
     assert (tmp_path / "checkpoints" / "step-00000006" / "manifest.json").is_file()
 
 

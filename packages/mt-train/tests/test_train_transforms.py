@@ -27,19 +27,36 @@ def _fit(data: Path, out: Path, **extra: object) -> tuple[Trainer, list[float]]:
         trainer.close()
 
 
+@pytest.fixture(scope="module")
+def fp32(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The tiny job's losses in fp32, the reference of every run below (trained once)."""
+    return _fit(kjv_data, tmp_path_factory.mktemp("fp32"))[1]
+
+
+@pytest.fixture(scope="module")
+def tensorwise(
+    kjv_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Trainer, list[float]]:
+    """The tiny job with ``fp8=tensorwise`` (weight cache on): its closed trainer and losses."""
+    return _fit(kjv_data, tmp_path_factory.mktemp("tensorwise"), fp8="tensorwise")
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_run_tracks_high_precision(recipe: str, kjv_data: Path, tmp_path: Path) -> None:
-    _, reference = _fit(kjv_data, tmp_path / "fp32")
-    trainer, losses = _fit(kjv_data, tmp_path / recipe, fp8=recipe)
+def test_fp8_run_tracks_high_precision(
+    recipe: str, kjv_data: Path, fp32: list[float], tensorwise: tuple, tmp_path: Path
+) -> None:
+    if recipe == "tensorwise":
+        trainer, losses = tensorwise
+    else:
+        trainer, losses = _fit(kjv_data, tmp_path / recipe, fp8=recipe)
     assert trainer.fp8_layers == 2 * 7  # q, k, v, o, gate, up, down in each of 2 blocks
     assert not getattr(trainer.module.output, "fp8_enabled", False)
     # E4M3 keeps ~3 significant bits per element; after 8 steps of a 2-layer model the loss
     # differs from fp32 by well under 2%, while a broken scale or layout lands far off.
-    assert losses == pytest.approx(reference, rel=2e-2)
+    assert losses == pytest.approx(fp32, rel=2e-2)
 
 
-def test_fp8_output_head_is_opt_in(kjv_data: Path, tmp_path: Path) -> None:
-    _, reference = _fit(kjv_data, tmp_path / "fp32")
+def test_fp8_output_head_is_opt_in(kjv_data: Path, fp32: list[float], tmp_path: Path) -> None:
     trainer, losses = _fit(
         kjv_data, tmp_path / "head", fp8="tensorwise", **{"fp8.output_head": True}
     )
@@ -47,11 +64,12 @@ def test_fp8_output_head_is_opt_in(kjv_data: Path, tmp_path: Path) -> None:
     assert trainer.module.output.fp8_enabled
     # The logits and their gradient now carry E4M3/E5M2 rounding too; the same 2% bound as the
     # blocks-only run holds (a wrong head scale or layout would move the loss by far more).
-    assert losses == pytest.approx(reference, rel=2e-2)
+    assert losses == pytest.approx(fp32, rel=2e-2)
 
 
-def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_path: Path) -> None:
-    _, reference = _fit(kjv_data, tmp_path / "fp32")
+def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(
+    kjv_data: Path, fp32: list[float], tmp_path: Path
+) -> None:
     trainer, losses = _fit(
         kjv_data,
         tmp_path / "head",
@@ -66,7 +84,7 @@ def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_
         if getattr(m, "fp8_enabled", False)
     )
     # Fewer FP8 GEMMs than the all-FP8 head: the same 2% bound holds.
-    assert losses == pytest.approx(reference, rel=2e-2)
+    assert losses == pytest.approx(fp32, rel=2e-2)
     with pytest.raises(
         ValueError, match=r"fp8.output_head_gemms=\['forward'\] applies to an FP8 output head only"
     ):
@@ -83,8 +101,9 @@ def test_fp8_output_head_gemms_choose_the_head_gemms_in_fp8(kjv_data: Path, tmp_
         )
 
 
-def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(kjv_data: Path, tmp_path: Path) -> None:
-    _, reference = _fit(kjv_data, tmp_path / "fp32")
+def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(
+    kjv_data: Path, fp32: list[float], tmp_path: Path
+) -> None:
     trainer, losses = _fit(
         kjv_data, tmp_path / "no_wgrad", fp8="rowwise", **{"fp8.gemms": "[forward,dgrad]"}
     )
@@ -92,7 +111,7 @@ def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(kjv_data: Path, tmp_path: Path
     assert len(fp8_layers) == 2 * 7  # the blocks' linears; the head stays bf16
     assert all(m.fp8_linear.fp8_gemms == {"forward", "dgrad"} for m in fp8_layers)
     # Fewer FP8 GEMMs than the all-FP8 blocks of test_fp8_run_tracks_high_precision: the same 2% bound.
-    assert losses == pytest.approx(reference, rel=2e-2)
+    assert losses == pytest.approx(fp32, rel=2e-2)
     with pytest.raises(ValueError, match=r"fp8.gemms=\['wgrad'\] needs an FP8 recipe"):
         to_train_config(compose_config(tiny_overrides(kjv_data, **{"fp8.gemms": "[wgrad]"})))
     with pytest.raises(ValueError, match=r"fp8.gemms: .*unknown GEMM names \['bwd'\]"):
@@ -103,10 +122,12 @@ def test_fp8_gemms_choose_the_blocks_gemms_in_fp8(kjv_data: Path, tmp_path: Path
         )
 
 
-def test_fp8_weight_cache_off_trains_identically(kjv_data: Path, tmp_path: Path) -> None:
+def test_fp8_weight_cache_off_trains_identically(
+    kjv_data: Path, tensorwise: tuple, tmp_path: Path
+) -> None:
     # The cache only saves re-quantizing the same weight: without it every forward quantizes
     # the weight again, to the same bytes, so the run is bitwise the same.
-    cached_trainer, cached = _fit(kjv_data, tmp_path / "cached", fp8="tensorwise")
+    cached_trainer, cached = tensorwise
     trainer, uncached = _fit(
         kjv_data, tmp_path / "uncached", fp8="tensorwise", **{"fp8.cache_weight": False}
     )
@@ -140,8 +161,7 @@ def test_delayed_scaling_state_round_trips(kjv_data: Path, tmp_path: Path) -> No
         resumed.close()
 
 
-def test_recompute_is_bitwise_neutral(kjv_data: Path, tmp_path: Path) -> None:
-    _, plain = _fit(kjv_data, tmp_path / "plain")
+def test_recompute_is_bitwise_neutral(kjv_data: Path, fp32: list[float], tmp_path: Path) -> None:
     _, recomputed = _fit(kjv_data, tmp_path / "recompute", parallel="recompute")
     trainer, kept = _fit(
         kjv_data,
@@ -152,12 +172,13 @@ def test_recompute_is_bitwise_neutral(kjv_data: Path, tmp_path: Path) -> None:
     assert all(block.forward.args[1:] == (("attention",),) for block in trainer.module.layers)
     # Recompute replays the same ops (keeping the attention output reuses what the forward
     # computed), so the losses are identical.
-    assert recomputed == plain
-    assert kept == plain
+    assert recomputed == fp32
+    assert kept == fp32
 
 
-def test_bf16_autocast_on_cpu_tracks_fp32(kjv_data: Path, tmp_path: Path) -> None:
-    _, fp32 = _fit(kjv_data, tmp_path / "fp32")
+def test_bf16_autocast_on_cpu_tracks_fp32(
+    kjv_data: Path, fp32: list[float], tmp_path: Path
+) -> None:
     _, bf16 = _fit(kjv_data, tmp_path / "bf16", **{"trainer.precision": "bf16"})
     # bf16 keeps 8 significant bits; the loss (computed in fp32 from bf16 logits) stays within 2%.
     assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32
