@@ -42,7 +42,7 @@ from mt_fp8 import (
     fp8_gemm,
     quantize,
 )
-from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MX_1X32, QuantizedTensor
+from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128, MX_1X32, MX_1X32_CEIL, QuantizedTensor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -101,7 +101,30 @@ def padded_transpose(x_RC: torch.Tensor, multiple: int = 128) -> torch.Tensor:
 # (to 256 for 1×128 groups, to 224 for MX 1×32: the last tile stores part of its rows);
 # (1, 128): a single token.
 SHAPES = [(256, 384), (200, 256), (1, 128)]
-GROUP_LAYOUTS = [GROUPS_1X128, MX_1X32]
+GROUP_LAYOUTS = [GROUPS_1X128, MX_1X32, MX_1X32_CEIL]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_rounded_up_mx_scales_at_their_boundaries(device, fmt):
+    # Group maxima at and beside powers of two times fmt.max, and ones so small that
+    # amax / fmt.max is subnormal (a GPU kernel dividing would flush it): each group's scale is
+    # 2^ceil(log2(amax / fmt.max)) in float64, floored at 2^-126, 1 for an all-zero group.
+    amax = torch.tensor(
+        [
+            *(fmt.max, fmt.max * 2, fmt.max * 2 * (1 + 2**-23), fmt.max * (1 - 2**-23)),
+            *(1e-3, 1e-40, 2.0**-126, 2.0**-120 * fmt.max * (1 + 2**-23), 3.0, 0.0),
+        ]
+    )
+    x = torch.zeros(len(amax) * 4, 128)
+    x.view(len(amax), 4, 4, 32)[:, 0, :, 0] = amax[:, None]
+    q, _ = block_kernels().quantize_groups_with_transpose(
+        x.to(device), fmt, transpose=False, layout=MX_1X32_CEIL
+    )
+    reference = torch.exp2(torch.ceil(torch.log2(amax.double() / fmt.max))).clamp(2.0**-126)
+    reference[amax == 0] = 1.0
+    assert torch.equal(q.scale.cpu().double()[::4], reference[:, None].expand(-1, 4)), q.scale
+    assert_same_quantization(q, quantize(x.to(device), fmt, MX_1X32_CEIL))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,8 +148,9 @@ def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt, layout)
             assert (scale == 1).any() and scale.isnan().any()
         assert (expected.scale == 2.0**-126).any() and stats[1] > 0
         if layout.power_of_two:
-            # Power-of-two scales round the range up: the top of a group saturates.
-            assert stats[0] > 0
+            # Floored power-of-two scales put a group's top above fmt.max, where it saturates;
+            # rounded-up ones never saturate.
+            assert (stats[0] == 0) if layout.round_up else (stats[0] > 0)
     alone, none = block_kernels().quantize_groups_with_transpose(
         x, fmt, transpose=False, layout=layout
     )

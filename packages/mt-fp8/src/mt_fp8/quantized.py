@@ -64,6 +64,7 @@ each).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -128,9 +129,13 @@ MX_1X32 = ScaleLayout((1, 32), power_of_two=True)
 """OCP MXFP8: 1×32 groups with power-of-two (E8M0) scales."""
 MX_1X32_CEIL = ScaleLayout((1, 32), power_of_two=True, round_up=True)
 """MXFP8 1×32 groups with power-of-two scales rounded up (no saturation)."""
-TRITON_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, BLOCKS_128X128)
-"""Layouts the Triton block quantizer (:mod:`mt_fp8.kernels.block_quantize`) writes; MX scales
-rounded up (``MX_1X32_CEIL``) take the PyTorch quantizer."""
+TRITON_GROUP_LAYOUTS = (GROUPS_1X128, MX_1X32, MX_1X32_CEIL, BLOCKS_128X128)
+"""Layouts the Triton block quantizer (:mod:`mt_fp8.kernels.block_quantize`) writes."""
+
+
+def fmt_mantissa(fmt: FP8Format) -> float:
+    """The ``m`` of ``fmt.max = m · 2^e`` with ``m`` in [0.5, 1) (0.875 for E4M3 and E5M2)."""
+    return math.frexp(fmt.max)[0]
 
 
 MIN_SCALE = 2.0**-126
@@ -149,7 +154,8 @@ def scale_from_amax(
     ``fmt`` is the format, or a tensor of format maxima broadcasting against ``amax`` (one per
     role, for the delayed-scaling update). ``margin`` (delayed scaling) multiplies the scale by
     ``2^margin``; the result is capped at the largest finite fp32 so it cannot overflow to inf.
-    ``round_up`` (power-of-two only): ``2^ceil(log2 RN(amax / fmt.max))``, see :class:`ScaleLayout`.
+    ``round_up`` (power-of-two only): ``2^ceil(log2(amax / fmt.max))`` of the exact quotient, see
+    :class:`ScaleLayout`.
     """
     amax = amax.float()
     finite = torch.isfinite(amax)
@@ -161,13 +167,14 @@ def scale_from_amax(
         # floor(log2(safe)) exactly: frexp gives safe = m · 2^e with m in [0.5, 1). (A rounded
         # log2 reaches the next integer for values just below a large power of two.)
         safe = torch.where(finite, amax, torch.ones_like(amax)).clamp_min(MIN_SCALE)
+        mantissa, exponent_int = torch.frexp(safe)
+        exponent = (exponent_int - 1).float() - fmt.emax
         if round_up:
-            # ceil(log2 s) of s = m · 2^e (m in [0.5, 1)) is e - 1 when m = 0.5, else e.
-            ratio = safe / torch.full_like(safe, fmt.max)
-            mantissa, exponent_int = torch.frexp(ratio)
-            exponent = (exponent_int - (mantissa == 0.5).to(exponent_int.dtype)).float()
-        else:
-            exponent = (torch.frexp(safe).exponent - 1).float() - fmt.emax
+            # With amax = m · 2^e and fmt.max = m_max · 2^emax (m, m_max in [0.5, 1)), the
+            # smallest k with 2^k · fmt.max >= amax is e - emax, plus one when m > m_max:
+            # exact, without dividing (a quotient below 2^-126 would be subnormal, which GPU
+            # kernels flush to zero).
+            exponent = exponent + (mantissa > fmt_mantissa(fmt)).float()
         scale = torch.exp2(exponent.clamp(-126.0, 127.0))
     else:
         fmt_max = (

@@ -170,8 +170,7 @@ class MXFP8Scaling(Recipe):
     scale_rounding: str = "floor"
     """``"floor"``: the OCP spec's ``2^(floor(log2 amax) - emax)``, which saturates each block's
     top values at ``fmt.max``; ``"ceil"``: the smallest power of two at least
-    ``amax / fmt.max`` (nothing saturates; NVIDIA's MXFP8 training recipe rounds so). ``ceil``
-    quantizes on the PyTorch path, not the Triton block quantizer."""
+    ``amax / fmt.max`` (nothing saturates; NVIDIA's MXFP8 training recipe rounds so)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

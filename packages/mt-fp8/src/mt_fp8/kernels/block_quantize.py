@@ -54,6 +54,8 @@ dtype: those are the fp32 master weights.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -94,13 +96,18 @@ _NO_TRANSPOSE, _FUSED_TRANSPOSE, _BUFFERED_TRANSPOSE = 0, 1, 2
 
 
 @triton.jit
-def _pow2_scale_from_amax(amax, min_scale, EMAX: tl.constexpr):
+def _pow2_scale_from_amax(amax, min_scale, EMAX: tl.constexpr, CEIL_MANTISSA: tl.constexpr):
     """:func:`mt_fp8.quantized.scale_from_amax` with ``power_of_two`` elementwise; ``amax`` holds
     no NaN (NaN → inf). ``floor(log2 a)`` of a normal fp32 ``a`` is its biased exponent field
-    minus 127, exactly (the PyTorch path takes it from ``torch.frexp``)."""
+    minus 127, exactly (the PyTorch path takes it from ``torch.frexp``). ``CEIL_MANTISSA`` >= 0
+    rounds up: one more when ``a``'s mantissa field exceeds ``fmt.max``'s (that value), the
+    PyTorch path's mantissa comparison in integers; -1 keeps the OCP floor."""
     finite = amax < float("inf")
     safe = tl.maximum(tl.where(finite, amax, 1.0), min_scale)
-    exponent = ((safe.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+    bits = safe.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127 - EMAX
+    if CEIL_MANTISSA >= 0:
+        exponent += ((bits & 0x7FFFFF) > CEIL_MANTISSA).to(tl.int32)
     exponent = tl.minimum(tl.maximum(exponent, -126), 127)
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     scale = tl.where(amax > 0, scale, 1.0)
@@ -109,10 +116,16 @@ def _pow2_scale_from_amax(amax, min_scale, EMAX: tl.constexpr):
 
 @triton.jit
 def _group_scales(
-    amax, fmt_max, min_scale, EXACT_DIV: tl.constexpr, POW2: tl.constexpr, EMAX: tl.constexpr
+    amax,
+    fmt_max,
+    min_scale,
+    EXACT_DIV: tl.constexpr,
+    POW2: tl.constexpr,
+    EMAX: tl.constexpr,
+    CEIL_MANTISSA: tl.constexpr,
 ):
     if POW2:
-        return _pow2_scale_from_amax(amax, min_scale, EMAX)
+        return _pow2_scale_from_amax(amax, min_scale, EMAX, CEIL_MANTISSA)
     return _scale_from_amax(amax, fmt_max, min_scale, EXACT_DIV)
 
 
@@ -154,6 +167,7 @@ def _group_rows(
     GROUP_LEN: tl.constexpr,
     POW2: tl.constexpr,
     EMAX: tl.constexpr,
+    CEIL_MANTISSA: tl.constexpr,
 ):
     """``q_RC`` and ``s_RH`` of one BLOCK_R × BLOCK_C tile: its rows' 1×GROUP_LEN groups."""
     GROUPS: tl.constexpr = BLOCK_C // GROUP_LEN  # groups per tile row
@@ -165,7 +179,7 @@ def _group_rows(
     x = tl.load(x_ptr + offs, mask=in_rows[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
     amax = tl.max(tl.reshape(magnitude_x, (BLOCK_R, GROUPS, GROUP_LEN)), axis=2)
-    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX, CEIL_MANTISSA)
     group_ids = pid_c * GROUPS + tl.arange(0, GROUPS)
     scale_offs = rows.to(tl.int64)[:, None] * (C // GROUP_LEN) + group_ids[None, :]
     tl.store(scale_ptr + scale_offs, scale, mask=in_rows[:, None])
@@ -199,6 +213,7 @@ def _group_columns(
     GROUP_LEN: tl.constexpr,
     POW2: tl.constexpr,
     EMAX: tl.constexpr,
+    CEIL_MANTISSA: tl.constexpr,
     TRANSPOSE: tl.constexpr,
 ):
     """``q_CR'`` and ``s_CG`` of one BLOCK_R × BLOCK_C tile: its columns' GROUP_LEN×1 groups,
@@ -211,7 +226,7 @@ def _group_columns(
     x = tl.load(x_ptr + offs, mask=(rows < R)[:, None], other=0.0).to(tl.float32)
     magnitude_x = tl.where(x != x, float("inf"), tl.abs(x))
     amax = tl.max(tl.reshape(magnitude_x, (GROUPS, GROUP_LEN, BLOCK_C)), axis=1)
-    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX)
+    scale = _group_scales(amax, fmt_max, min_scale, EXACT_DIV, POW2, EMAX, CEIL_MANTISSA)
     group_ids = pid_r * GROUPS + tl.arange(0, GROUPS)
     groups_per_column = R_padded // GROUP_LEN
     scale_offs = cols.to(tl.int64)[None, :] * groups_per_column + group_ids[:, None]
@@ -293,6 +308,11 @@ def _square_block_quantize(
         )
 
 
+def _mantissa_field(value: float) -> int:
+    """The 23 mantissa bits of fp32 ``value``."""
+    return struct.unpack("<I", struct.pack("<f", value))[0] & 0x7FFFFF
+
+
 def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     if x_RC.dim() != 2 or x_RC.dtype not in FUSED_INPUT_DTYPES:
         raise ValueError(
@@ -338,6 +358,7 @@ def _launch_groups(
     q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
     scale_RH = torch.empty(rows, cols // group, device=device, dtype=torch.float32)
     constants = dict(min_scale=MIN_SCALE, **cast_arguments(fmt))
+    ceil_mantissa = _mantissa_field(fmt.max) if layout.round_up else -1
     if rows:  # an empty launch grid is an error
         block_r, block_c, warps = ROWS_TILE
         _group_rows[(triton.cdiv(rows, block_r), cols // block_c)](
@@ -353,6 +374,7 @@ def _launch_groups(
             GROUP_LEN=group,
             POW2=layout.power_of_two,
             EMAX=fmt.emax,
+            CEIL_MANTISSA=ceil_mantissa,
             num_warps=warps,
             **constants,
         )
@@ -378,6 +400,7 @@ def _launch_groups(
             GROUP_LEN=group,
             POW2=layout.power_of_two,
             EMAX=fmt.emax,
+            CEIL_MANTISSA=ceil_mantissa,
             TRANSPOSE=transpose,
             num_warps=warps,
             **constants,
