@@ -14,7 +14,11 @@ followed by random text tokens; batch ``--batch``; loss on the text targets only
   start from the same model;
 * ``mt_bf16``: ``build_model`` + ``mt_train.models.parallelize`` (compiled blocks);
 * ``mt_fp8``: the same with ``fp8=<--recipe>`` on both towers' linears (``--fp8-vision false``
-  keeps the encoder and projector in bf16, as ``model.fp8_vision=false`` does).
+  keeps the encoder and projector in bf16, as ``model.fp8_vision=false`` does);
+* ``mt_bf16_graphed``, ``mt_fp8_graphed`` (CUDA only): those stacks with the forward and
+  backward captured once as a CUDA graph and replayed every step by
+  :class:`mt_train.cuda_graph.StepGraph`, as ``trainer.cuda_graph=true`` runs them (the first
+  step eager, the optimizer eager after each replay).
 
 Per stack: ``--warmup`` steps (compilation included), then ``--steps`` timed steps between two
 synchronisations: ``tokens/s = steps·batch·seq / s``, MFU from the family's FLOPs per token
@@ -34,6 +38,7 @@ import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import harness
@@ -49,6 +54,8 @@ from mt_train.models.vlm import VLMConfig
 from mt_train.models.vlm.model import IGNORE_INDEX, flops_per_token
 from mt_train.models.vlm.vision import activation
 
+GRAPHED = "_graphed"
+"""Suffix of a stack replayed as a CUDA graph (module docstring)."""
 H200_BF16_PEAK = 989e12
 """Dense bf16 FLOP/s of an H200 (the MFU denominator on that card)."""
 
@@ -239,23 +246,62 @@ def build_stack(name: str, cfg: VLMConfig, args: argparse.Namespace, device: tor
     return mt_model, loss, encoder
 
 
+def graphed_forward_backward(
+    loss_fn: Callable[[dict], torch.Tensor],
+    params: list[nn.Parameter],
+    batch: dict,
+    autocast: contextlib.AbstractContextManager,
+) -> Callable[[], torch.Tensor]:
+    """A function running the step's forward and backward on ``batch`` by CUDA-graph replay
+    (:class:`mt_train.cuda_graph.StepGraph`: one eager warm-up, then the capture) and returning
+    the loss; the gradients are the graph's, re-attached to ``params`` after each replay."""
+    from mt_train.cuda_graph import StepGraph
+    from mt_train.data.dataset import Batch
+    from mt_train.step import StepResult
+
+    def forward_backward(batches: list[Batch]) -> StepResult:
+        (b,) = batches
+        with autocast:
+            loss = loss_fn({"tokens": b.inputs, "targets": b.targets, "images": b.images})
+        loss.backward()
+        return StepResult(loss.detach())
+
+    step_batch = Batch(batch["tokens"], batch["targets"], images=batch["images"])
+    forward_backward([step_batch])
+    graph = StepGraph.capture(forward_backward, [step_batch], params)
+    return lambda: graph.run([step_batch]).total
+
+
 def run_stack(name: str, cfg: VLMConfig, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     batch = make_batch(cfg, args, device)
-    model, loss_fn, encoder = build_stack(name, cfg, args, device)
+    graphed = name.endswith(GRAPHED)
+    if graphed and device.type != "cuda":
+        raise SystemExit(f"stack {name!r} captures a CUDA graph; it needs --device cuda")
+    model, loss_fn, encoder = build_stack(name.removesuffix(GRAPHED), cfg, args, device)
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused or None, foreach=None)
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=not args.tiny)
     losses: list[float] = []
 
-    def step() -> None:
+    def eager_forward_backward() -> torch.Tensor:
         with autocast:
             loss = loss_fn(batch)
         loss.backward()
+        return loss.detach()
+
+    forward_backward = (
+        graphed_forward_backward(loss_fn, params, batch, autocast)
+        if graphed
+        else eager_forward_backward
+    )
+
+    def step() -> None:
+        loss = forward_backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss.clone())
 
     def encoder_only() -> None:
         with autocast:
@@ -282,7 +328,7 @@ def run_stack(name: str, cfg: VLMConfig, args: argparse.Namespace) -> dict[str, 
         "seq": args.seq,
         "batch": args.batch,
         "images_per_sample": args.images,
-        "recipe": args.recipe if name == "mt_fp8" else None,
+        "recipe": args.recipe if name.startswith("mt_fp8") else None,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops / H200_BF16_PEAK,
         "step_ms": step_ms,
@@ -303,7 +349,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--images", type=int, default=1, help="images per sample")
     parser.add_argument("--recipe", default="tensorwise", help="the mt_fp8 stack's fp8 recipe")
     parser.add_argument("--fp8-vision", type=lambda s: s.lower() == "true", default=True)
-    parser.add_argument("--stacks", default="reference,mt_bf16,mt_fp8")
+    parser.add_argument(
+        "--stacks",
+        default="reference,mt_bf16,mt_fp8",
+        help="comma-separated: reference, mt_bf16, mt_fp8, mt_bf16_graphed, mt_fp8_graphed",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5, help="median step/encoder timings")
@@ -327,13 +377,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    by_name = {r["stack"]: r for r in rows}
-    if {"reference", "mt_bf16", "mt_fp8"} <= set(by_name):
-        ref, bf16, fp8 = (by_name[n]["tokens_per_s"] for n in ("reference", "mt_bf16", "mt_fp8"))
-        print(
-            f"mt bf16 / reference = {bf16 / ref:.3f}, mt fp8 / mt bf16 = {fp8 / bf16:.3f}",
-            file=sys.stderr,
-        )
+    by_name = {r["stack"]: r["tokens_per_s"] for r in rows}
+    for suffix in ("", GRAPHED):
+        bf16, fp8 = by_name.get("mt_bf16" + suffix), by_name.get("mt_fp8" + suffix)
+        ref = by_name.get("reference")
+        if ref and bf16:
+            print(f"mt_bf16{suffix} / reference = {bf16 / ref:.3f}", file=sys.stderr)
+        if bf16 and fp8:
+            print(f"mt_fp8{suffix} / mt_bf16{suffix} = {fp8 / bf16:.3f}", file=sys.stderr)
     return rows
 
 

@@ -26,3 +26,8 @@ def test_smoke_runs_every_stack_and_the_reference_is_the_same_model() -> None:
     assert by_stack["mt_fp8"]["first_loss"] == pytest.approx(
         by_stack["mt_bf16"]["first_loss"], rel=1e-2
     )
+
+
+def test_a_graphed_stack_needs_cuda() -> None:
+    with pytest.raises(SystemExit, match="'mt_bf16_graphed' captures a CUDA graph"):
+        vlm_throughput.main(["--tiny", "--device", "cpu", "--stacks", "mt_bf16_graphed"])

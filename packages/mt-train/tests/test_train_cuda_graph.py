@@ -156,3 +156,21 @@ def test_a_delayed_fp8_step_synchronises_with_the_host_once(
         assert len(syncs) == 1, syncs
     finally:
         trainer.close()
+
+
+@pytest.mark.gpu
+def test_graphed_vlm_steps_carry_each_steps_images(digits: Path, tmp_path: Path) -> None:
+    # The step graph copies each micro-batch's images into its own buffer: a replay that kept
+    # the captured step's images (or none) would train on the wrong pictures and its losses
+    # would leave the eager run's after the first replays. Bound as above.
+    pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
+    overrides = [
+        "model=vlm_tiny", "data=digits", f"data.path={digits}", "trainer.device=cuda",
+        "trainer.seq_len=32", "trainer.max_steps=10", "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=4", "trainer.eval_interval=5", "trainer.eval_batches=1",
+        "scheduler.warmup_steps=1", "checkpoint.enabled=false", "logging.progress_bar=false",
+    ]  # fmt: skip
+    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
+    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
+    assert captured
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)

@@ -21,7 +21,8 @@ injected gradient fault computes the norm eagerly after the fault.
 
 Invariants a replay relies on:
 
-* Fixed addresses. Each micro-batch is copied into an input buffer allocated at capture;
+* Fixed addresses. Each micro-batch (tokens, targets, document ids, images) is copied into an
+  input buffer allocated at capture;
   parameters are updated in place and never replaced (the trainer drops the graph whenever it
   loads or restores state, and recaptures at the next step); the gradients are the tensors the
   capture allocated, re-attached to ``p.grad`` after every replay (the step's
@@ -32,7 +33,8 @@ Invariants a replay relies on:
   layers' weight cache is Python state, but it does not change which kernels run: the capture
   happens at a step's first forward after an optimizer step, so it records the weight
   quantization, and every replay quantizes the new weights.
-* Same shapes every step (fixed ``seq_len`` and micro-batch size).
+* Same shapes every step (fixed ``seq_len`` and micro-batch size, and for image-text data the
+  same number of images in every micro-batch; another number is refused in one line).
 * No collectives inside the forward/backward: ``parallel.tp = cp = pp = 1`` and no DDP/FSDP
   wrapper (``data_parallel`` none or zero1, or a single data-parallel rank).
 * No dropout: its random streams would have to be registered with the graph.
@@ -97,6 +99,7 @@ class StepGraph:
                 b.inputs.clone(),
                 b.targets.clone(),
                 None if b.document_ids is None else b.document_ids.clone(),
+                None if b.images is None else b.images.clone(),
             )
             for b in batches
         ]
@@ -140,10 +143,21 @@ class StepGraph:
         for static, batch in zip(self.inputs, batches, strict=True):
             if (batch.document_ids is None) != (static.document_ids is None):
                 raise ValueError("document ids present in some steps and not in others")
+            if (batch.images is None) != (static.images is None) or (
+                batch.images is not None and batch.images.shape != static.images.shape
+            ):
+                raise ValueError(
+                    "trainer.cuda_graph=true replays a step captured with images of shape "
+                    f"{None if static.images is None else tuple(static.images.shape)}, got "
+                    f"{None if batch.images is None else tuple(batch.images.shape)}: every "
+                    "micro-batch needs the same number of images; set trainer.cuda_graph=false"
+                )
             static.inputs.copy_(batch.inputs, non_blocking=True)
             static.targets.copy_(batch.targets, non_blocking=True)
             if batch.document_ids is not None:
                 static.document_ids.copy_(batch.document_ids, non_blocking=True)
+            if batch.images is not None:
+                static.images.copy_(batch.images, non_blocking=True)
         self.graph.replay()
         for p, grad in self.grads:
             p.grad = grad
