@@ -16,8 +16,11 @@ BENCHMARKS = Path(__file__).resolve().parent.parent
 SCRIPT = BENCHMARKS / "multi_gpu" / "pipeline.py"
 # Measured minus simulated bubble with 40 ms stages on a shared 2-core machine: the runtime's
 # Python and gloo p2p between actions (about 1 ms per action) add 1.5-2 percentage points to the
-# measured idle time (2026-12-05, zero_bubble and 1f1b at pp=4, m=8); 3 points is the bound.
-BUBBLE_GAP = 0.03
+# measured idle time (2026-12-05, zero_bubble and 1f1b at pp=4, m=8), 3.1 points under load
+# (2026-12-06). The overhead only adds idle time, so the measured bubble may exceed the
+# simulated one (0.11 here) by up to 5 points and fall short of it by at most 1; a measurement
+# that missed the bubble or counted it twice is off by 10 points or more.
+BUBBLE_ABOVE, BUBBLE_BELOW = 0.05, 0.01
 
 
 def test_bubble_table_matches_the_closed_forms(capsys) -> None:
@@ -50,7 +53,8 @@ def test_fixed_time_stages_measure_the_simulated_bubble(tmp_path: Path) -> None:
     )  # fmt: skip
     assert abs(row["action_ms"]["W"] - 40) < 10  # the weight gradient ran as its own action
     assert row["bubble_simulated"] > 0.1
-    assert abs(row["bubble_measured"] - row["bubble_simulated"]) < BUBBLE_GAP, row
+    gap = row["bubble_measured"] - row["bubble_simulated"]
+    assert -BUBBLE_BELOW < gap < BUBBLE_ABOVE, row
 
 
 def test_llama_rehearsal_reports_throughput(tmp_path: Path) -> None:

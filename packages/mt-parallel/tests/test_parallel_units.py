@@ -195,8 +195,14 @@ def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradien
         assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[keep], strict=True))
 
 
+@pytest.mark.parametrize(
+    "backend",
+    # Dynamo and AOTAutograd trace the checkpoint (where the refusal was); Inductor's code
+    # generation adds ~75 s of first compilation on two CPU cores, so it runs in the full tier.
+    ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("keep", [(), ("attention",)])
-def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...]) -> None:
+def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...], backend: str) -> None:
     # parallel.compile compiles each block after recompute wraps it: torch.compile must trace
     # the checkpoint (it refused an explicitly passed default context_fn, and accepts the
     # selective one). fp64, so that the compiled kernels' other summation order stays at
@@ -210,7 +216,7 @@ def test_compiled_recomputed_blocks_match_eager_blocks(keep: tuple[str, ...]) ->
         if compiled:
             mp.apply_recompute(model, "full", block_types=PLAN.block_types, keep=keep)
             for block in model.layers:
-                block.compile()
+                block.compile(backend=backend)
         model.loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         grads.append([p.grad for p in model.parameters()])
     for eager, compiled in zip(*grads, strict=True):
