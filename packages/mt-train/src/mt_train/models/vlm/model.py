@@ -143,8 +143,11 @@ class ImagePlacement(nn.Module):
             full_BT = torch.zeros_like(gathered_BT)
             full_BT[:, gathered_S] = gathered_BT
         per_image = self.tokens_per_image
-        found = int(full_BT.sum())
-        if found != n_images * per_image:
+        # The count is read on the host except while a CUDA graph captures the step (a read
+        # would end the capture); the eager steps before the capture check it.
+        capturing = tokens_BT.is_cuda and torch.cuda.is_current_stream_capturing()
+        found = None if capturing else int(full_BT.sum())
+        if found is not None and found != n_images * per_image:
             raise ValueError(
                 f"the batch has {found} image placeholder tokens (id {self.image_token_id}) "
                 f"for {n_images} images of {per_image} tokens each (model.vision gives "
@@ -175,10 +178,11 @@ class ImagePlacement(nn.Module):
             start = mt_comm.group_rank(self.tp_group) * shard
             slots_BT = slots_BT[:, start : start + shard]
             g_RD = mt_parallel.copy_to_group(g_RD, self.tp_group)
-        image_BT = slots_BT >= 0
-        return x_BTD.masked_scatter(
-            image_BT.unsqueeze(-1), g_RD[slots_BT[image_BT]].to(x_BTD.dtype)
-        )
+        # A gather at every token and a select, not boolean indexing: no shape depends on the
+        # data, so nothing synchronises with the host (a captured step needs that).
+        image_BT1 = (slots_BT >= 0).unsqueeze(-1)
+        g_BTD = g_RD[slots_BT.clamp(min=0)].to(x_BTD.dtype)
+        return torch.where(image_BT1, g_BTD, x_BTD)
 
 
 class CaptionLoss(mt_parallel.SequenceCrossEntropy):
