@@ -30,7 +30,6 @@ import mt_parallel as mp
         ({"pp": 2, "pp_chunks": 2}, r"parallel.1f1b holds exactly 1 chunk\(s\) per rank"),
         ({"pp": 2, "pp_layers": [1, 2, 3]}, r"needs pp·chunks = 2·1 = 2 entries"),
         ({"pp_chunks": 2}, r"need pipeline parallelism \(pp > 1\)"),
-        ({"pp": 2, "data_parallel": "fsdp"}, "data_parallel=fsdp with pp > 1 is not supported"),
         ({"pp": 2, "pp_schedule": "zbv", "compile": True}, "refuses compiled stages"),
         (
             {"recompute": "full", "recompute_keep": ["mlp"]},

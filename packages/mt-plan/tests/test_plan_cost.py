@@ -259,3 +259,24 @@ def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     assert measured.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
     assert "expert_weight_cast" not in measured.compute
     assert "expert_padding" not in measured.compute
+
+
+def test_fsdp_under_pp_gathers_once_per_step_and_holds_the_gathered_chunks() -> None:
+    # pp = 2: the runtime gathers each chunk once per step and keeps it, so the dp all-gather
+    # payload does not grow with the micro-batches, and the rank holds its chunks' whole fp32
+    # weights and gradients beside the dp-sharded copies (pp = 1 gathers per micro-batch).
+    cluster = load_cluster("h200_nodes").with_gpus(8)
+
+    def estimate(pp: int, m: int):
+        work = Workload(seq_len=4096, global_batch=(8 // pp) * m)
+        cost = CostModel(LLAMA_8B_8L, cluster, load_table("h200"), work)
+        return cost.estimate(Layout(pp=pp, dp=8 // pp, dp_mode="fsdp"))
+
+    # Payload in units of one gradient-sized collective: pp = 1, 2m gathers + 1 scatter (9 and
+    # 17 at m = 4 and 8); pp = 2, 1 gather + 1 scatter at any m.
+    for pp, expected in ((1, 17 / 9), (2, 1.0)):
+        few, many = estimate(pp, 4), estimate(pp, 8)
+        growth = many.comm["dp"].payload_bytes / few.comm["dp"].payload_bytes
+        assert growth == pytest.approx(expected, rel=1e-9), (pp, growth)
+    one, two = estimate(1, 4).memory, estimate(2, 4).memory
+    assert two["weights"] > one["weights"] and two["gradients"] > 2 * one["gradients"]

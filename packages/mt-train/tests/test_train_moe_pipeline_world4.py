@@ -1,8 +1,9 @@
 """MoE models under pipeline and expert parallelism on four gloo ranks (pp=2 × dp=2, ep=2
 inside each stage): the loss curve and the global-batch MaxVio of every router (counts summed
 over each stage's dp×cp group, then met over the pipeline) equal one process's; experts are
-reduced over their expert-data-parallel group after the schedule (by ZeRO-1 at its step), the
-rest over dp×cp. One pool for the module."""
+reduced over their expert-data-parallel group after the schedule (by ZeRO-1 at its step, by
+FSDP2's reduce-scatter at the chunk's last backward), the rest over dp×cp. One pool for the
+module."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layo
         assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
 
 
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_mixtral_pp2_ep2_dp2_matches_one_process(
-    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path, data_parallel: str
 ) -> None:
-    check(pool, kjv_data, tmp_path, MOE)
+    # fsdp: each chunk's experts are their own FSDP2 unit over the edp group, the rest over dp.
+    check(pool, kjv_data, tmp_path, MOE, **{"parallel.data_parallel": data_parallel})
 
 
 @pytest.mark.slow

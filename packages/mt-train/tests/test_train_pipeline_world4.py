@@ -1,6 +1,9 @@
 """Pipeline parallelism in the trainer on four gloo ranks: pp=2 with tp=2 (sequence parallel)
-and pp=2 with dp=2 match one process; a single-process checkpoint resumes at pp=4. One pool
-for the module; the single-process references run in this process."""
+and pp=2 with dp=2 (DDP's reduction, ZeRO-1, FSDP2) match one process; a single-process
+checkpoint resumes at pp=4, an FSDP2 one at pp=2 resumes exactly and loads in one process;
+DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
+under FSDP2 as one process. One pool for the module; the single-process references run in this
+process."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import train_checks
+from test_train_deepseek_v3_world2 import overrides as deepseek_overrides
 from test_train_pipeline import CONSTANT, PIPELINE
 from train_checks import tiny_overrides
 
@@ -71,3 +75,40 @@ def test_single_process_checkpoint_resumes_at_pp4(pool, kjv_data: Path, tmp_path
         train_checks.run_losses, tiny_overrides(kjv_data, **single, **resume), tmp_path / "split"
     )
     assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
+
+
+def test_fsdp_pp2_trains_resumes_exactly_and_loads_in_one_process(
+    pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # Zero bubble: torch's runtime all-gathers each FSDP2 chunk before its first action and
+    # reduce-scatters after its last W, with the split I/W backward in between.
+    single = {**PIPELINE, **CONSTANT, "trainer.checkpoint_interval": 4}
+    layout = {"parallel": "fsdp", "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}
+    reference = train_checks.run_losses(tiny_overrides(kjv_data, **single), tmp_path / "one")
+    full = pool.run(
+        train_checks.run_losses, tiny_overrides(kjv_data, **single, **layout), tmp_path / "full"
+    )
+    assert all(r == full[0] for r in full)
+    assert full[0] == pytest.approx(reference, rel=RTOL)
+    saved = {"checkpoint.resume": str(tmp_path / "full" / "checkpoints" / "step-00000004")}
+    resumed = pool.run(
+        train_checks.run_losses,
+        tiny_overrides(kjv_data, **single, **layout, **saved),
+        tmp_path / "resumed",
+    )
+    assert resumed[0] == full[0][4:]  # exact, step by step
+    loaded = train_checks.run_losses(tiny_overrides(kjv_data, **single, **saved), tmp_path / "1")
+    assert loaded == pytest.approx(full[0][4:], rel=RTOL)
+
+
+def test_deepseek_mtp_at_pp2_dp2_under_fsdp_matches_one_process(
+    pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # The two copies of the embedding are FSDP2 shards alike on both stages: their gradients
+    # are summed shard by shard after the schedule.
+    job = deepseek_overrides(kjv_data, **{"trainer.micro_batch_size": 2})
+    single = train_checks.run_losses(job, tmp_path / "single")
+    layout = ["parallel=pp2", "parallel.data_parallel=fsdp"]
+    per_rank = pool.run(train_checks.run_losses, job + layout, tmp_path / "run")
+    assert all(r == per_rank[0] for r in per_rank)
+    assert per_rank[0] == pytest.approx(single, rel=RTOL)

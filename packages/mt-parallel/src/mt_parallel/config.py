@@ -160,11 +160,6 @@ class ParallelConfig:
             )
         if self.pp_microbatches is not None:
             check_microbatches(self.pp_schedule, self.pp, self.pp_microbatches, chunks)
-        if self.data_parallel == "fsdp":
-            raise ValueError(
-                "parallel.data_parallel=fsdp with pp > 1 is not supported (use ddp, zero1 or none: "
-                "pipeline stages reduce gradients after the schedule)"
-            )
         if self.compile and self.pp_schedule in SPLIT_BACKWARD_REFUSES_COMPILE:
             raise ValueError(
                 f"parallel.compile=true with pp_schedule={self.pp_schedule}: torch's runtime "

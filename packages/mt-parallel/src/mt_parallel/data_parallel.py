@@ -71,10 +71,13 @@ def apply_data_parallel(
     dp_cp_group: Any,
     device_type: str = "cpu",
     block_types: tuple[type[nn.Module], ...] = (),
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Wrap (``ddp``) or shard (``fsdp``) ``model`` over ``dp_cp_group``; see the module doc.
 
-    ``fsdp`` shards every module of ``block_types`` (the model's blocks) and then the root."""
+    ``fsdp`` shards every module of ``block_types`` (the model's blocks) and then the root;
+    ``reshard_after_forward=False`` keeps each unit's gathered parameters from its forward to
+    its backward (pipeline chunks: one all-gather per step, not one per micro-batch)."""
     if mode in ("zero1", "none") or (group_size(dp_cp_group) == 1 and mode == "ddp"):
         return model
     if mode == "ddp":
@@ -109,13 +112,19 @@ def apply_data_parallel(
                 if isinstance(module, GroupedLinear):
                     module.reduced_by_data_parallel = True
             edp_mesh = DeviceMesh.from_group(param.expert_data_group, device_type)
-            fully_shard(experts, mesh=edp_mesh)
+            fully_shard(experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward)
             experts.set_force_sum_reduction_for_comms(True)
             experts.set_gradient_divide_factor(float(param.expert_grad_divisor))
+        shard = functools.partial(
+            fully_shard,
+            mesh=mesh,
+            ignored_params=ignored or None,
+            reshard_after_forward=reshard_after_forward,
+        )
         for module in model.modules():
             if isinstance(module, block_types):
-                fully_shard(module, mesh=mesh, ignored_params=ignored or None)
-        fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+                shard(module)
+        shard(model)
         for name, param in model.named_parameters():
             for mark, value in marks[name].items():
                 setattr(param, mark, value)

@@ -286,13 +286,15 @@ def parallelize(
     plan: ParallelizePlan,
     fp8: FP8Options | None = None,
     data_parallel: str | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Apply TP/SP → CP → FP8 (if ``fp8``) → recompute → compile → DP, in that order.
 
     ``state`` is ``mt_comm``'s parallel state with the same degrees as ``config``; ``plan``
     names the model's blocks and output head. Returns the model to train (a DDP wrapper in
     ``ddp`` mode when dp×cp > 1, else ``model`` itself). ``data_parallel`` overrides
-    ``config.data_parallel`` for the last step (pipeline chunks: ``none``, the caller reduces).
+    ``config.data_parallel`` for the last step (pipeline chunks: ``fsdp`` or ``none``, where the
+    caller reduces); ``reshard_after_forward`` is FSDP2's (``fsdp`` only).
     """
     config.validate_world(state.dims.world_size)
     for dim in ("tp", "cp", "pp", "ep"):
@@ -323,5 +325,5 @@ def parallelize(
                 module.compile()
     return apply_data_parallel(
         model, data_parallel or config.data_parallel, state.group("dp_cp"), state.device_type,
-        plan.block_types,
+        plan.block_types, reshard_after_forward,
     )  # fmt: skip

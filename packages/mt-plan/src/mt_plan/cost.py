@@ -62,13 +62,16 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   reduces after it); zero1 a reduce-scatter of the gradients and an all-gather of the updated
   fp32 parameters, exposed; fsdp an all-gather of each block's parameters in forward and in
   backward of every micro-batch and a reduce-scatter at the last, prefetched: exposed only where
-  it exceeds the compute it hides behind. Under zero1 and fsdp expert parameters take the same
-  collectives over the expert-data group instead of dp×cp.
+  it exceeds the compute it hides behind; fsdp under pp one all-gather of each chunk's
+  parameters per step (kept through the schedule) and one reduce-scatter after its last
+  backward, exposed as ddp's all-reduce is. Under zero1 and fsdp expert parameters take the
+  same collectives over the expert-data group instead of dp×cp.
 
 Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
-master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks; expert parameters ``/(W/ep)``
-in both), FP8 weight caches (the
+master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks, under pp plus the
+chunks' gathered weights and unreduced gradients, held through the schedule; expert parameters
+``/(W/ep)`` in both), FP8 weight caches (the
 FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), autocast's bf16
 copies of the high-precision linears' weights (the head, and every block linear without FP8),
 which the backward keeps, activations (each layer's saved tensors by recompute policy, times
@@ -769,13 +772,17 @@ class CostModel:
                 exposed += account("edp", "reduce_scatter", 4 * experts, 1)
                 exposed += account("edp", "all_gather", 4 * experts, 1)
         else:
-            gathers = account("dp", "all_gather", grads, 2 * m)
+            gathers_per_step = 2 * m if L.pp == 1 else 1  # pp: gathered once, kept (docstring)
+            gathers = account("dp", "all_gather", grads, gathers_per_step)
             scatter = account("dp", "reduce_scatter", grads, 1)
             if experts and W // L.ep > 1:
-                gathers += account("edp", "all_gather", 4 * experts, 2 * m)
+                gathers += account("edp", "all_gather", 4 * experts, gathers_per_step)
                 scatter += account("edp", "reduce_scatter", 4 * experts, 1)
-            first_block = gathers / (2 * m * max(self.model.n_layers, 1))
-            exposed = max(first_block, gathers + scatter - compute)
+            if L.pp == 1:
+                first_block = gathers / (2 * m * max(self.model.n_layers, 1))
+                exposed = max(first_block, gathers + scatter - compute)
+            else:
+                exposed = gathers + scatter
         if experts and L.sp and not self._expert_tp_sum_in_backward(L):  # after the backward
             exposed += account("tp", "all_reduce", 4 * experts, 1)
         for g in ("dp", "edp"):
@@ -805,8 +812,12 @@ class CostModel:
                 + sum(md.mlp_params(md.n_layers - 1)), 1.0,
             )  # fmt: skip
             sharded = self._sharded(L, local, experts)
-            mem["weights"] = 4 * sharded + 2 * 4 * layer_params
-            mem["gradients"] = 4 * sharded
+            if L.pp == 1:
+                mem["weights"] = 4 * sharded + 2 * 4 * layer_params
+                mem["gradients"] = 4 * sharded
+            else:  # the chunks' gathered weights and their unreduced gradients (docstring)
+                mem["weights"] = 4 * sharded + 4 * params
+                mem["gradients"] = 4 * sharded + 4 * params
             mem["optimizer"] = 8 * sharded
         elif L.dp_mode == "zero1" and W > 1:
             sharded = self._sharded(L, local, experts)

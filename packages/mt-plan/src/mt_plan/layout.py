@@ -162,6 +162,4 @@ def layout_problem(
         rounds = max(1, m // L.pp)
         if m % rounds:
             return f"{m} micro-batches do not split into {rounds} rounds"
-    if L.dp_mode == "fsdp":
-        return "data_parallel=fsdp does not run with pp > 1"
     return None

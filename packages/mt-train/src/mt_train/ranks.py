@@ -1,4 +1,5 @@
-"""How the trainer's ranks agree on small things: barriers, scalar means, string broadcasts.
+"""How the trainer's ranks agree on small things: barriers, scalar means, string broadcasts
+and gathers.
 
 (Gradient reduction is mt_parallel's: DDP or ``all_reduce_gradients``.) Strings (the run
 folder, the run id) are broadcast as uint8 tensors, not pickled objects.
@@ -37,6 +38,21 @@ def broadcast_str(value: str, device: torch.device, src: int = 0, group: Any = N
         buffer.copy_(data)
     mt_comm.broadcast(buffer, src=src, group=group)
     return bytes(buffer.cpu().tolist()).decode("utf-8")
+
+
+def all_gather_str(value: str, device: torch.device, group: Any = None) -> list[str]:
+    """Every rank's ``value``, in ``group``'s rank order (padded uint8 rows, one all-gather
+    of their lengths first)."""
+    if not active(group):
+        return [value]
+    data = torch.tensor(list(value.encode("utf-8")), dtype=torch.uint8, device=device)
+    lengths = mt_comm.all_gather(
+        torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group
+    ).tolist()
+    row = torch.zeros((1, max(lengths)), dtype=torch.uint8, device=device)
+    row[0, : data.numel()] = data
+    rows = mt_comm.all_gather(row, group=group).cpu()
+    return [bytes(rows[i, :n].tolist()).decode("utf-8") for i, n in enumerate(lengths)]
 
 
 def mean_scalar(value: torch.Tensor, group: Any) -> torch.Tensor:

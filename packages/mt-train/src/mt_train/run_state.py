@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from mt_train.data.dataset import ResumableSampler
 from mt_train.errors import CheckpointError, DiskError
 from mt_train.models.registry import family_of
 from mt_train.optim import Zero1AdamW
+from mt_train.ranks import all_gather_str
 from mt_train.rewind import snapshot as snap
 from mt_train.rewind.consensus import Verdict
 from mt_train.rewind.events import EventLog
@@ -63,6 +65,7 @@ class RunState:
         device: Any,
         tp_layout: TPLayout,
         data_meta: dict[str, Any],
+        pp_group: Any = None,
     ) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.module, self.optimizer, self.sampler = module, optimizer, sampler
@@ -71,6 +74,11 @@ class RunState:
         self.layout, self.device, self.tp_layout = layout, device, tp_layout
         self.data_meta = data_meta
         self.state_layout = StateLayout.of(module, optimizer)
+        if pp_group is not None:  # rank 0's manifest lists the pieces of every stage
+            for shapes in all_gather_str(
+                json.dumps(self.state_layout.shapes), device.torch_device(), pp_group
+            ):
+                self.state_layout.shapes.update(json.loads(shapes))
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(
             ckpt_dir, self.rank, self.world_size, run_id, ck.keep_last, ck.async_save

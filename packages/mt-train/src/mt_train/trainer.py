@@ -243,6 +243,7 @@ class Trainer:
             self.events, self.ckpt_dir, run_id,
             (self.rank, self.world_size, self.pstate.rank("dp_cp")), self.layout(),
             self.ctx.device, tp_layout, {"folder": str(self.data.folder), **self.data.train.meta},
+            self.pstate.group("pp") if p.pp > 1 else None,
         )  # fmt: skip
         self.checkpointer = self.state.checkpointer
         self.step = self.state.start(self.faults, self.seed_rng)

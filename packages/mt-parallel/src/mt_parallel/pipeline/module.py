@@ -21,7 +21,8 @@ first and last chunks are on different ranks, each of the two holds the module, 
 chunk's rank a copy whose parameters are marked ``pipeline_copy = True``. The copy starts as
 the first chunk's (:meth:`PipelineModule.sync_shared_parameters`, at construction) and after
 every step both gradients become ``g_first + g_last`` (:meth:`reduce_shared_gradients`, one
-exchange of a flat buffer between the two ranks): each rank adds the same two tensors, and
+exchange of a flat buffer between the two ranks; under FSDP2 each side's local shards, which
+cover the same elements at the same dp×cp rank): each rank adds the same two tensors, and
 IEEE addition is commutative, so the two copies receive equal gradients bit for bit and an
 optimizer keeps them equal. A gradient norm counts the copy once (on the first chunk's rank:
 :func:`mt_parallel.clip_grad_norm_` skips ``pipeline_copy`` parameters) and checkpoints store
@@ -35,11 +36,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import mt_comm
 from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout, place_module
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: an FSDP2 shard (the two sides of a shared module are
+    sharded alike over the same dp×cp group), else the tensor; writes reach ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 _HEADER = 8
 
 
@@ -109,13 +119,13 @@ class PipelineModule(nn.Module):
         """Copy the first chunk's shared parameters into the last chunk's (module docstring)."""
         if self.shared_peer is None:
             return
-        params = self.shared_parameters()
-        received = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]))
+        pieces = [_local(p.detach()) for p in self.shared_parameters()]
+        received = self._exchange(torch.cat([p.reshape(-1) for p in pieces]))
         if self.pp_rank != self.placement[0]:
-            for param, values in zip(
-                params, received.split([p.numel() for p in params]), strict=True
+            for piece, values in zip(
+                pieces, received.split([p.numel() for p in pieces]), strict=True
             ):
-                param.copy_(values.view_as(param))
+                piece.copy_(values.view_as(piece))
 
     @torch.no_grad()
     def reduce_shared_gradients(self) -> None:
@@ -125,11 +135,13 @@ class PipelineModule(nn.Module):
             return
         params = self.shared_parameters()
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        received = self._exchange(torch.cat([g.reshape(-1) for g in grads]))
-        for param, grad, other in zip(
-            params, grads, received.split([p.numel() for p in params]), strict=True
+        pieces = [_local(g) for g in grads]
+        received = self._exchange(torch.cat([g.reshape(-1) for g in pieces]))
+        for param, grad, piece, other in zip(
+            params, grads, pieces, received.split([g.numel() for g in pieces]), strict=True
         ):
-            param.grad = grad.add_(other.view_as(grad))
+            piece.add_(other.view_as(piece))
+            param.grad = grad
 
     @property
     def last_chunk(self) -> PipelineChunk | None:

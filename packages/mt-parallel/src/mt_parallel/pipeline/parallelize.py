@@ -5,10 +5,16 @@
 :class:`~mt_parallel.pipeline.split.PipelineLayout` (:func:`split_model`; ``v`` chunks per
 rank from the schedule), keeps this pipeline rank's (loop placement ``s mod pp``, or the V of
 ``zbv``/``dualpipev``: rank ``r`` holds ``r`` and ``2·pp−1−r``), and runs the usual transform
-path on each (TP/SP → EP → CP → FP8 → recompute → compile) with no data-parallel wrapper: the
-caller reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``, the
-experts split over ``ep`` over their expert-data-parallel group instead, ZeRO-1's
-reduce-scatter for ``zero1``; torch's zero-bubble schedules skip DDP's hooks, pytorch#144530). The output head is named in the plan only on the last chunk.
+path on each (TP/SP → EP → CP → FP8 → recompute → compile). No DDP wrapper: the caller
+reduces gradients over dp×cp after the schedule (all-reduce for ``ddp``/``none``, the experts
+split over ``ep`` over their expert-data-parallel group instead, ZeRO-1's reduce-scatter for
+``zero1``; torch's zero-bubble schedules skip DDP's hooks, pytorch#144530). Under ``fsdp``
+each chunk is its own FSDP2 root (blocks, expert units and the chunk, as at ``pp = 1``) with
+``reshard_after_forward=False``, as torchtitan shards its pipeline stages; torch's pipeline
+runtime drives it: it all-gathers a chunk's parameters before its first action of the step
+(``UNSHARD``), accumulates the micro-batches' gradients unreduced, and reduce-scatters them
+after the chunk's last backward (``REDUCE_GRAD``). The output head is named in the plan only
+on the last chunk.
 :func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
 parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
 """
@@ -52,9 +58,12 @@ def pipeline_chunks(
             "interleaved_1f1b or zero_bubble"
         )
     chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
+    data_parallel = "fsdp" if config.data_parallel == "fsdp" else "none"
     for chunk in chunks:
         chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)
-        parallelize(chunk, config, state, chunk_plan, fp8, data_parallel="none")
+        parallelize(
+            chunk, config, state, chunk_plan, fp8, data_parallel, reshard_after_forward=False
+        )
     return chunks
 
 
