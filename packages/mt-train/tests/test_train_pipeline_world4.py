@@ -1,6 +1,7 @@
 """Pipeline parallelism in the trainer on four gloo ranks: pp=2 with tp=2 (sequence parallel)
 and pp=2 with dp=2 (DDP's reduction, ZeRO-1, FSDP2) match one process; a single-process
-checkpoint resumes at pp=4, an FSDP2 one at pp=2 resumes exactly and loads in one process;
+checkpoint resumes at pp=4, FSDP2 and ZeRO-1 ones at pp=2 resume exactly and load in one
+process;
 DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
 under FSDP2 as one process. One pool for the module; the single-process references run in this
 process."""
@@ -77,13 +78,15 @@ def test_single_process_checkpoint_resumes_at_pp4(pool, kjv_data: Path, tmp_path
     assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
 
 
-def test_fsdp_pp2_trains_resumes_exactly_and_loads_in_one_process(
-    pool, kjv_data: Path, tmp_path: Path
+@pytest.mark.parametrize("data_parallel", ["fsdp", "zero1"])
+def test_sharded_pp2_trains_resumes_exactly_and_loads_in_one_process(
+    pool, kjv_data: Path, tmp_path: Path, data_parallel: str
 ) -> None:
     # Zero bubble: torch's runtime all-gathers each FSDP2 chunk before its first action and
-    # reduce-scatters after its last W, with the split I/W backward in between.
+    # reduce-scatters after its last W, with the split I/W backward in between. Both modes
+    # save pieces on the second stage, whose shapes rank 0's manifest must list.
     single = {**PIPELINE, **CONSTANT, "trainer.checkpoint_interval": 4}
-    layout = {"parallel": "fsdp", "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}
+    layout = {"parallel": data_parallel, "parallel.pp": 2, "parallel.pp_schedule": "zero_bubble"}
     reference = train_checks.run_losses(tiny_overrides(kjv_data, **single), tmp_path / "one")
     full = pool.run(
         train_checks.run_losses, tiny_overrides(kjv_data, **single, **layout), tmp_path / "full"
