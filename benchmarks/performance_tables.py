@@ -49,7 +49,8 @@ HEAD_128K_CALLS = ("call_1", "call_3")
 VOCAB_128K = "+model.vocab_size=128256"
 PARITY_FILE = "loss_parity_2026-12-04.json"
 PARITY_1B_FILE = "loss_parity_1b_2026-12-04.json"
-SHARED_INIT_FILE = "loss_parity_2026-12-05.json"
+SHARED_INIT_FILE = "loss_parity_2026-12-06.json"
+MX_CEIL = "mxfp8+fp8.recipe_args.scale_rounding=ceil"
 SHARED_INIT_ROWS = (
     ("mt bf16", "none", "plain bf16 from mt's initial weights", "plain"),
     ("mt rowwise", "rowwise", "torchao rowwise on the plain loop", "torchao-rowwise"),
@@ -57,7 +58,8 @@ SHARED_INIT_ROWS = (
     ("mt rowwise", "rowwise", "mt bf16", "none"),
     ("mt delayed", "delayed", "mt bf16", "none"),
     ("mt blockwise", "blockwise", "mt bf16", "none"),
-    ("mt MXFP8", "mxfp8", "mt bf16", "none"),
+    ("mt MXFP8, the OCP spec's scale rounding", "mxfp8", "mt bf16", "none"),
+    ("mt MXFP8, scales rounded up (the default since 2026-12-06)", MX_CEIL, "mt bf16", "none"),
 )
 """The rows of the shared-initial-weights table, as ``PARITY_ROWS``; a pair whose runs did not
 both finish is compared at the last validation step both reached (the cell says which)."""
@@ -296,8 +298,9 @@ def loss_parity_1b(data: Path) -> str:
 def loss_parity_shared_init(data: Path) -> str:
     """mt against the plain loop and torchao when both start from mt's initial weights.
 
-    From ``loss_parity_2026-12-05.json`` (``fp8_quality.py --merge``; mt bf16 from
-    ``loss_parity_2026-12-04.json``), per seed and mean, with each configuration's seed spread.
+    From ``loss_parity_2026-12-06.json`` (``fp8_quality.py --merge`` of the 2026-12-05 file,
+    itself with mt bf16 from ``loss_parity_2026-12-04.json``, and the rounded-up MXFP8 runs),
+    per seed and mean, with each configuration's seed spread.
     """
     result = _load(data, SHARED_INIT_FILE)
     runs, steps = result["runs"], result["settings"]["steps"]
@@ -307,7 +310,7 @@ def loss_parity_shared_init(data: Path) -> str:
     spreads = [
         f"{name} {spread['spread_pct']:.2f}%"
         for name, spread in result["parity"]["spreads"].items()
-        if name in ("none", "plain", "torchao-rowwise", "delayed", "blockwise")
+        if name in ("none", "plain", "torchao-rowwise", "delayed", "blockwise", MX_CEIL)
     ]
     return table(header, rows) + (
         "\nSeed spread of the complete runs, 100·(max − min)/mean of the final losses: "

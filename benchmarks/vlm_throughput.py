@@ -13,8 +13,9 @@ followed by random text tokens; batch ``--batch``; loss on the text targets only
   block of both towers; it loads mt's initial weights (its parameter names are mt's), so both
   start from the same model;
 * ``mt_bf16``: ``build_model`` + ``mt_train.models.parallelize`` (compiled blocks);
-* ``mt_fp8``: the same with ``fp8=<--recipe>`` on both towers' linears (``--fp8-vision false``
-  keeps the encoder and projector in bf16, as ``model.fp8_vision=false`` does);
+* ``mt_fp8``: the same with ``fp8=<--recipe>`` on the decoder's linears, the encoder and
+  projector in bf16 as mt-train's default ``model.fp8_vision=false`` keeps them
+  (``--fp8-vision true``: on both towers' linears);
 * ``mt_bf16_graphed``, ``mt_fp8_graphed`` (CUDA only): those stacks with the forward and
   backward captured once as a CUDA graph and replayed every step by
   :class:`mt_train.cuda_graph.StepGraph`, as ``trainer.cuda_graph=true`` runs them (the first
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=1, help="images per sample")
     parser.add_argument("--recipe", default="tensorwise", help="the mt_fp8 stack's fp8 recipe")
-    parser.add_argument("--fp8-vision", type=lambda s: s.lower() == "true", default=True)
+    parser.add_argument("--fp8-vision", type=lambda s: s.lower() == "true", default=False)
     parser.add_argument(
         "--stacks",
         default="reference,mt_bf16,mt_fp8",

@@ -172,8 +172,8 @@ def test_bad_inputs_have_clear_messages():
 
 
 def test_mxfp8_scale_rounding_picks_the_layout_and_rejects_other_values():
-    assert MXFP8Scaling().layout(TensorRole.INPUT) == MX_1X32
-    assert MXFP8Scaling(scale_rounding="ceil").layout(TensorRole.GRAD_OUTPUT) == MX_1X32_CEIL
+    assert MXFP8Scaling().layout(TensorRole.GRAD_OUTPUT) == MX_1X32_CEIL
+    assert MXFP8Scaling(scale_rounding="floor").layout(TensorRole.INPUT) == MX_1X32
     with pytest.raises(ValueError, match="scale_rounding must be 'ceil' or 'floor', got 'up'"):
         MXFP8Scaling(scale_rounding="up")
     with pytest.raises(ValueError, match="round_up applies to power-of-two scales only"):

@@ -62,8 +62,11 @@ def test_sharded_and_context_parallel_layouts_validate() -> None:
 
 
 def test_mxfp8_scale_rounding_is_an_override() -> None:
-    cfg = to_train_config(compose_config(["fp8=mxfp8", "fp8.recipe_args.scale_rounding=ceil"]))
-    assert dict(cfg.fp8.recipe_args) == {"scale_rounding": "ceil"}
+    assert dict(to_train_config(compose_config(["fp8=mxfp8"])).fp8.recipe_args) == {
+        "scale_rounding": "ceil"
+    }
+    cfg = to_train_config(compose_config(["fp8=mxfp8", "fp8.recipe_args.scale_rounding=floor"]))
+    assert dict(cfg.fp8.recipe_args) == {"scale_rounding": "floor"}
 
 
 def test_issue_example_overrides_compose() -> None:

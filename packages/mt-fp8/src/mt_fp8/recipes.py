@@ -32,10 +32,11 @@ its transposed one, with the same layout shape). The recipes, with ``s`` the deq
   The wgrad GEMM contracts over tokens, so it needs x and dy grouped 128×1: they are requantized
   from high precision in that orientation; weights' square blocks transpose exactly.
 * **MXFP8** (OCP Microscaling spec v1.0): 1×32 groups along the contraction axis in every GEMM,
-  power-of-two scales stored exactly as E8M0 (exponent in [-127, 127]): by default the spec's
-  ``2^(floor(log2 amax) - emax_elem)``, where elements whose scaled magnitude exceeds
-  ``fmt.max`` saturate; ``scale_rounding="ceil"`` gives ``2^ceil(log2(amax / fmt.max))``, so
-  nothing saturates (as NVIDIA's MXFP8 training recipe rounds).
+  power-of-two scales stored exactly as E8M0 (exponent in [-127, 127]): by default
+  ``2^ceil(log2(amax / fmt.max))``, so nothing saturates (as NVIDIA's MXFP8 training recipe
+  rounds; it trained closer to bf16 than the spec's rounding, docs/performance.md);
+  ``scale_rounding="floor"`` gives the spec's ``2^(floor(log2 amax) - emax_elem)``, where
+  elements whose scaled magnitude exceeds ``fmt.max`` saturate.
 
 In every recipe a block of zeros gets ``s = 1``, scales never go below ``2^-126`` (the smallest
 normal fp32), and a block holding ``inf`` or NaN gets ``s = NaN`` (its values dequantize to NaN);
@@ -167,10 +168,10 @@ class MXFP8Scaling(Recipe):
     name: ClassVar[str] = "mxfp8"
     block: int = 32
     """Elements sharing one E8M0 scale; the OCP spec fixes it at 32."""
-    scale_rounding: str = "floor"
-    """``"floor"``: the OCP spec's ``2^(floor(log2 amax) - emax)``, which saturates each block's
-    top values at ``fmt.max``; ``"ceil"``: the smallest power of two at least
-    ``amax / fmt.max`` (nothing saturates; NVIDIA's MXFP8 training recipe rounds so)."""
+    scale_rounding: str = "ceil"
+    """``"ceil"``: the smallest power of two at least ``amax / fmt.max`` (nothing saturates;
+    NVIDIA's MXFP8 training recipe rounds so); ``"floor"``: the OCP spec's
+    ``2^(floor(log2 amax) - emax)``, which saturates each block's top values at ``fmt.max``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -122,9 +122,10 @@ class VLMConfig(LlamaConfig):
     """Biases on both projector linears (LLaVA-1.5 has them)."""
     freeze: str = "none"
     """``none``, ``encoder`` (LLaVA stage 2) or ``encoder_and_decoder`` (stage 1: projector only)."""
-    fp8_vision: bool = True
-    """With an ``fp8`` recipe: run the encoder's linears in FP8 too (false keeps them in the
-    high-precision autocast dtype)."""
+    fp8_vision: bool = False
+    """With an ``fp8`` recipe: run the encoder's and projector's linears in FP8 too (false, the
+    default, keeps them in the high-precision autocast dtype: at one image per sample their
+    GEMMs are too small for FP8 to pay, docs/performance.md "Vision-language model")."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
