@@ -233,9 +233,12 @@ def test_fp8_experts_fall_back_without_grouped_linear_entries() -> None:
         assert est.compute["fp8_quantize"] > 0
         assert cost.expert_entries("rowwise") is None
         assert any("no FP8 grouped_linear entries" in note for note in est.notes), est.notes
-    for name in ("h100", "h200"):  # the shipped tables predate these entries
-        shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table(name), cost.work)
-        assert shipped.expert_entries("rowwise") is None and shipped.expert_entries("none") is None
+    # The shipped H200 table predates these entries; the H100 table (recalibrated) has them.
+    shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table("h200"), cost.work)
+    assert shipped.expert_entries("rowwise") is None and shipped.expert_entries("none") is None
+    shipped = CostModel(MIXTRAL_2L, cost.cluster, load_table("h100"), cost.work)
+    assert shipped.expert_entries("rowwise") == "fp8_rowwise"
+    assert shipped.expert_entries("none") == "bf16"
 
 
 def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
