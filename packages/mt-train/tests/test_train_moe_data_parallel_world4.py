@@ -3,7 +3,8 @@ dp=4: each expert held by an expert-data-parallel group of 2): ``fsdp`` (experts
 the edp mesh), ``zero1`` (their optimizer state sharded over edp) and ``none`` train
 ``mixtral_tiny`` like ``ddp`` and like one process, step by step, with the same gradient norms;
 ``fsdp`` and ``zero1`` checkpoints at ep=2 resume exactly and load in one process, and rewind's
-in-memory snapshots restore them (one pool for the module)."""
+in-memory snapshots restore them; FP8 experts train under ``fsdp`` as under ``ddp`` (one pool
+for the module)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,20 @@ def test_rewind_snapshot_restores_edp_sharded_experts(
         experts = [e for e in result["entries"] if ".experts." in e and e.startswith("optim/")]
         assert experts  # this rank holds part of the experts' AdamW state, and restored it
         assert result["moved"] > 20  # two more steps did change what the restore put back
+
+
+def test_fp8_experts_under_fsdp_train_like_ddp(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # FP8 (tensorwise) at ep=2, dp=4: FSDP2 gathers each rank's experts whole before their
+    # forward, so every rank quantizes the same expert weights and activations as under DDP;
+    # the two modes differ in the gradients' summation order only (RTOL's reasoning).
+    fp8 = {**STEPS, "fp8": "tensorwise", "trainer.max_steps": 4, "checkpoint.enabled": "false"}
+    losses = {
+        mode: pool.run(
+            train_checks.run_losses, overrides(kjv_data, **layout(mode), **fp8), tmp_path / mode
+        )[0]
+        for mode in ("ddp", "fsdp")
+    }
+    assert len(losses["fsdp"]) == 4
+    assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=RTOL)

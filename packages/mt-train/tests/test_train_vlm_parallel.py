@@ -72,7 +72,7 @@ def test_fp8_at_tp2_matches_fp8_at_tp1(pool, digits: Path, tmp_path: Path) -> No
     # as the fp32 layouts do; after it, fp32 summation-order differences (ulps) flip the E4M3
     # rounding of the few values that sit at a rounding boundary (a 2^-4 relative step each),
     # which moved the 8-step losses by up to 4.6e-4 relative here: bound 2e-3.
-    fp8 = {"fp8": "tensorwise", **NO_DROPOUT}
+    fp8 = {"fp8": "tensorwise", "model.fp8_vision": True, **NO_DROPOUT}
     single = train_checks.run_losses(vlm_overrides(digits, **fp8), tmp_path / "single")
     per_rank = pool.run(
         train_checks.run_losses, vlm_overrides(digits, **fp8, **{"parallel.tp": 2}), tmp_path

@@ -204,9 +204,9 @@ def test_fp8_and_full_recompute_under_zero_bubble_match_one_process(
 ) -> None:
     """The trainer's tensorwise FP8 on both towers, full recompute of the vision and decoder
     blocks, ZB-H1: the same three steps as one process with the same options."""
-    extra = {**NO_DROPOUT, "fp8": "tensorwise", "parallel.recompute": "full",
-             "trainer.max_steps": 3, "trainer.eval_interval": 3, "trainer.eval_batches": 1,
-             "checkpoint.enabled": False}  # fmt: skip
+    extra = {**NO_DROPOUT, "fp8": "tensorwise", "model.fp8_vision": True,
+             "parallel.recompute": "full", "trainer.max_steps": 3, "trainer.eval_interval": 3,
+             "trainer.eval_batches": 1, "checkpoint.enabled": False}  # fmt: skip
     single = train_checks.run_losses(vlm_overrides(digits, **extra), tmp_path / "one")
     pp2 = {"parallel": "pp2", "parallel.pp_schedule": "zero_bubble"}
     per_rank = pool.run(

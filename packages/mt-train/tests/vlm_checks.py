@@ -189,7 +189,7 @@ def vlm_pipeline_step(
         pp_chunks=chunks, pp_microbatches=microbatches,
     )  # fmt: skip
     cfg = dataclasses.replace(
-        model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0, n_layers=layers
+        model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0, n_layers=layers, fp8_vision=fp8
     )
     dtype = torch.float32 if fp8 else torch.float64
     options = mp.FP8Options(mt_fp8.TensorwiseScaling()) if fp8 else None
