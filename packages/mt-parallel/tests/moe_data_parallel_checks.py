@@ -145,3 +145,31 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
         else [],
     }
     return {"params": errors, "norms": norms, "clipped": clipped, "final": final, **sharding}
+
+
+def ddp_reduced_expert_names(fp8: bool) -> list[str]:
+    """The expert parameters (by name) whose gradients DDP changed in the backward, with the
+    experts split over ep=2 and, with ``fp8``, run through ``FP8GroupedLinear`` (which holds
+    the same weight under a second name): each rank backpropagates its own tokens through the
+    DDP-wrapped model and through an unwrapped copy; an expert gradient that DDP reduced differs
+    from the copy's (other ranks hold other experts)."""
+    state = mt_comm.init_parallel_state(ep=2)
+    models = []
+    for _ in range(2):  # the same model twice (same seed, same transforms)
+        torch.manual_seed(0)
+        model = TwoBlocks(MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16))
+        apply_expert_parallel(model, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+        if fp8:
+            mp.apply_fp8(model)
+        models.append(model)
+    model, plain = models
+    wrapped = mp.apply_data_parallel(model, "ddp", state.group("dp_cp"), "cpu", (Block,))
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(state.rank("dp_cp")))
+    for net in (wrapped, plain):
+        net(x).square().sum().backward()
+    plain_grads = dict(plain.named_parameters())
+    return sorted(
+        name
+        for name, p in model.named_parameters()
+        if mp.is_expert_parameter(p) and not torch.equal(p.grad, plain_grads[name].grad)
+    )

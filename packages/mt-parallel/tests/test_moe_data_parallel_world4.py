@@ -43,6 +43,10 @@ def runs():
         out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
         for mode in MODES:
             out[f"{mode}-sp"] = pool.run(moe_data_parallel_checks.train_steps, mode=mode, tp=2)
+        for fp8 in (False, True):
+            out[f"ddp-reduced-fp8={fp8}"] = pool.run(
+                moe_data_parallel_checks.ddp_reduced_expert_names, fp8
+            )
         yield out
 
 
@@ -73,3 +77,11 @@ def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> 
     assert {r["expert_local_rows"] for r in runs["fsdp-edp1"]} == {2}  # 8 over ep=4, unsharded
     # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
     assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ddp_never_reduces_an_expert_weight(runs: dict, fp8: bool) -> None:
+    # The experts' gradients are summed over their edp group by reduce_expert_gradients; DDP
+    # must not also average them over dp×cp, where other ranks hold other experts. An FP8
+    # expert layer's second name for the weight (``..._fp8.weight``) once slipped through.
+    assert runs[f"ddp-reduced-fp8={fp8}"] == [[]] * 4

@@ -23,7 +23,9 @@ expert-data-parallel (edp) group, the ``dp·cp/ep`` ranks holding the same exper
 gradient already sums every token its ep group routed to them), divided by all dp×cp ranks
 whose mean losses are averaged. Who computes it, per mode:
 
-* ``ddp`` and ``none``: DDP ignores them (``none``'s caller leaves them out), and
+* ``ddp`` and ``none``: DDP ignores them under every name they have (an FP8 expert layer holds
+  the weight as ``..._fp8.weight`` too, and DDP collects parameters module by module;
+  ``none``'s caller leaves them out), and
   :func:`accumulate` all-reduces them over edp at the end of the last micro-batch
   (:func:`mt_parallel.moe.reduce_expert_gradients`, which reduces every expert parameter that
   neither FSDP2 shards nor ZeRO-1 marks);
@@ -83,7 +85,11 @@ def apply_data_parallel(
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        experts = [n for n, p in model.named_parameters() if is_expert_parameter(p)]
+        # Every name of an expert weight: DDP collects parameters module by module, so an alias
+        # (an FP8 expert layer's view of the weight, ``..._fp8.weight``) would be reduced as dense.
+        experts = [
+            n for n, p in model.named_parameters(remove_duplicate=False) if is_expert_parameter(p)
+        ]
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         return DistributedDataParallel(model, process_group=dp_cp_group, broadcast_buffers=False)
