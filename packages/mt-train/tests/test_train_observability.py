@@ -186,9 +186,9 @@ def test_collective_timeout_names_the_rank_and_the_collective(
             "trainer.log_interval": 2,
             # Margins for two loaded cores: start-up skew between the ranks stays well below
             # the collective timeout, which stays below the watchdog's.
-            "comm.timeout_s": 10,
+            "comm.timeout_s": 6,
             "comm.trace_buffer_size": 100,
-            "trainer.step_timeout_s": 15,
+            "trainer.step_timeout_s": 10,
             "trainer.output_dir": tmp_path,
         },
     )
@@ -200,7 +200,7 @@ def test_collective_timeout_names_the_rank_and_the_collective(
     done = _run(command, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=10 s" in line]
+    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=6 s" in line]
     assert lines, out[-3000:]
     assert "mt-train: rank 0: collective gloo:all_reduce #" in lines[0], lines[0]
     assert "called from" in lines[0] and "flight_recorder/rank_0" in lines[0], lines[0]

@@ -13,8 +13,8 @@ each chunk is its own FSDP2 root (blocks, expert units and the chunk, as at ``pp
 ``reshard_after_forward=False``, as torchtitan shards its pipeline stages; torch's pipeline
 runtime drives it: it all-gathers a chunk's parameters before its first action of the step
 (``UNSHARD``), accumulates the micro-batches' gradients unreduced, and reduce-scatters them
-after the chunk's last backward (``REDUCE_GRAD``). The output head is named in the plan only
-on the last chunk.
+after the chunk's last backward (``REDUCE_GRAD``; a torch without that action is refused in one
+line). The output head is named in the plan only on the last chunk.
 :func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
 parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
 """
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
+from torch.distributed.pipelining.schedules import _ComputationType
 
 from mt_comm import ParallelState
 from mt_parallel.config import ParallelConfig
@@ -56,6 +58,12 @@ def pipeline_chunks(
             f"on one rank, which {type(model).__name__}'s shared modules "
             f"{list(plan.pipeline.last_shared)} do not support; use gpipe, 1f1b, "
             "interleaved_1f1b or zero_bubble"
+        )
+    if config.data_parallel == "fsdp" and not hasattr(_ComputationType, "REDUCE_GRAD"):
+        raise ValueError(
+            f"parallel.data_parallel=fsdp with pp > 1 needs a torch whose pipeline runtime "
+            f"reduces FSDP2 gradients with its REDUCE_GRAD action; torch {torch.__version__} "
+            f"has none: use ddp, zero1 or none, or a newer torch"
         )
     chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
     data_parallel = "fsdp" if config.data_parallel == "fsdp" else "none"
