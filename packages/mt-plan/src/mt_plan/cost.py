@@ -22,8 +22,8 @@ has ``grouped_linear`` entries for the precision (bf16, the recipe, else ``fp8_t
 the projection's forward and backward are priced from them (nearest shape, never faster than the
 roofline), the backward split evenly between ``I`` and ``W``: they time the module whole, so
 quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the shipped
-H200 table predates them; the H100 table has them): bf16 prices its three GEMMs at ``grouped_gemm`` rates and adds as copies
-what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
+H200 table predates them; the H100 table has them): bf16 prices its three GEMMs at
+``grouped_gemm`` rates and adds as copies what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
 forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each; the dense linears' weights
 take the same casts inside autocast, uncharged, a small share of their larger GEMMs) and CUDA's
 group padding (``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)``

@@ -42,15 +42,13 @@ import mt_comm
 from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout, place_module
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+_HEADER = 8
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: an FSDP2 shard (the two sides of a shared module are
     sharded alike over the same dp×cp group), else the tensor; writes reach ``tensor``."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-_HEADER = 8
 
 
 class PipelineModule(nn.Module):
