@@ -24,6 +24,19 @@ stacks' recomputation reuse the attention output (``parallel.recompute_keep=[att
   ``convert_to_float8_training`` (all block linears; the output head stays bf16), then compiled;
   ``ref_ao_tensorwise_head`` converts and compiles the output head too.
 
+``--model deepseek_v2_lite`` measures DeepSeek-V2-Lite instead (MLA with YaRN, 64 routed experts
+of FFN 1408 top-6 plus 2 shared, softmax routing with the Switch auxiliary loss, one dense
+first block; vocab 102400), cut to ``--layers`` blocks (default 5: the dense block and four MoE
+blocks, what one 80 GB GPU holds with fp32 weights and AdamW state), sequence 4096, with the
+stacks :data:`DEEPSEEK_STACKS`: ``ours_bf16``, ``ours_fp8_<recipe>`` for rowwise, block and
+MXFP8 (the trainer's ``fp8=<recipe>``: experts through ``FP8GroupedLinear`` with
+``fp8.expert_formats=auto``; a linear the recipe cannot tile stays bf16, as mt-train does), and
+``ref_compile_bf16``: ``plain_deepseek.py``'s plain-PyTorch MLA + MoE (SDPA, ``torch._grouped_mm``
+experts, as torchtitan writes them), each block compiled. Its FLOPs per token are
+``6·N_active + 6·L·T·H·(E + V)`` (``N_active`` the parameters one token uses without the input
+embedding, E = nope + rope head dims, V the value head dim; QKᵀ and AV forward and backward
+without causal halving, as Llama's term: :func:`mt_train.models.deepseek_v3.flops_per_token`).
+
 Each stack runs ``--warmup`` steps (compilation included), then up to ``--steps`` timed steps
 (fewer if they pass ``--stack-budget-s``) between two device synchronisations: ``tokens/s = steps · batch · seq / seconds``, ``MFU = tokens/s ·
 flops_per_token / 989e12`` with ``flops_per_token = 6·N + 12·L·D·T`` (N without the input
@@ -49,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -59,6 +73,7 @@ from collections.abc import Callable
 from typing import Any
 
 import harness
+import plain_deepseek
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -76,6 +91,10 @@ OUR_GRAPHED = (
     "ours_graphed_fp8_tensorwise_head",
     "ours_graphed_fp8_delayed_head",
 )
+DEEPSEEK_STACKS = (
+    "ours_bf16", "ours_fp8_rowwise", "ours_fp8_block", "ours_fp8_mxfp8", "ref_compile_bf16",
+)  # fmt: skip
+MODELS = ("llama3_8b", "deepseek_v2_lite")
 
 # Kernel-name patterns (lower case, first match wins) for the --profile breakdown.
 KERNEL_CATEGORIES = (
@@ -89,7 +108,7 @@ KERNEL_CATEGORIES = (
 )
 
 
-def shapes(tiny: bool) -> dict[str, int]:
+def shapes(tiny: bool) -> dict[str, Any]:
     if tiny:
         return dict(
             dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=1024, seq=128
@@ -97,6 +116,34 @@ def shapes(tiny: bool) -> dict[str, int]:
     return dict(
         dim=4096, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, seq=8192
     )
+
+
+def deepseek_config(tiny: bool, layers: int | None) -> Any:
+    """DeepSeek-V2-Lite cut to ``layers`` blocks (default 5); ``tiny``: the same choices at toy
+    widths."""
+    from mt_train.models.deepseek_v3 import SIZES
+
+    lite = SIZES["deepseek_v2_lite"]
+    if not tiny:
+        return dataclasses.replace(lite, n_layers=layers or 5)
+    moe = dataclasses.replace(lite.moe, num_experts=8, top_k=2, expert_ffn_dim=64)
+    return dataclasses.replace(
+        lite, vocab_size=1024, dim=128, n_layers=layers or 3, n_heads=4, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_dim=256, moe=moe,
+    )  # fmt: skip
+
+
+def config_overrides(cfg: Any, base: Any, prefix: str = "model") -> list[str]:
+    """Hydra overrides that turn the named config ``base`` into ``cfg`` (nested dataclasses
+    recursively)."""
+    overrides = []
+    for f in dataclasses.fields(cfg):
+        value, default = getattr(cfg, f.name), getattr(base, f.name)
+        if dataclasses.is_dataclass(value):
+            overrides += config_overrides(value, default, f"{prefix}.{f.name}")
+        elif value != default:
+            overrides.append(f"{prefix}.{f.name}={'null' if value is None else value}")
+    return overrides
 
 
 # ---------------------------------------------------------------- the reference model
@@ -158,10 +205,13 @@ class RefModel(nn.Module):
 
 
 def ref_stack(
-    name: str, s: dict[str, int], device: torch.device, compile_: bool
+    name: str, s: dict[str, Any], device: torch.device, compile_: bool
 ) -> Callable[[], None]:
+    deepseek = s["model"] == "deepseek_v2_lite"
     with torch.device(device):
-        model = RefModel(s)
+        model = plain_deepseek.PlainDeepSeek(s["config"], s["seq"]) if deepseek else RefModel(s)
+    if deepseek and s["recompute"]:
+        raise ValueError("--recompute is not implemented for the plain DeepSeek reference")
     if name != "ref_compile_bf16":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -185,8 +235,12 @@ def ref_stack(
         shape = (s["batch"], s["seq"] + 1)
         tokens = torch.randint(0, s["vocab_size"], shape, generator=gen).to(device)
         with autocast:
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            if deepseek:
+                loss = plain_deepseek.loss(model, tokens)
+            else:
+                logits = model(tokens[:, :-1])
+        if not deepseek:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -197,7 +251,7 @@ def ref_stack(
 
 # ---------------------------------------------------------------- our trainer
 def our_trainer(
-    s: dict[str, int],
+    s: dict[str, Any],
     device: str,
     out_dir: str,
     compile_: bool = False,
@@ -206,11 +260,18 @@ def our_trainer(
 ) -> Any:
     from mt_train import Trainer, compose_config, to_train_config
 
+    if s["model"] == "deepseek_v2_lite":
+        from mt_train.models.deepseek_v3 import SIZES
+
+        model = [f"model={s['model']}", *config_overrides(s["config"], SIZES[s["model"]])]
+    else:
+        model = [
+            "model=llama3_8b", f"model.n_layers={s['n_layers']}", f"model.dim={s['dim']}",
+            f"model.n_heads={s['n_heads']}", f"model.n_kv_heads={s['n_kv_heads']}",
+            f"model.ffn_dim={s['ffn_dim']}", f"model.vocab_size={s['vocab_size']}",
+        ]  # fmt: skip
     overrides = [
-        "model=llama3_8b", f"model.n_layers={s['n_layers']}", f"model.dim={s['dim']}",
-        f"model.n_heads={s['n_heads']}", f"model.n_kv_heads={s['n_kv_heads']}",
-        f"model.ffn_dim={s['ffn_dim']}", f"model.vocab_size={s['vocab_size']}",
-        f"trainer.seq_len={s['seq']}", f"trainer.global_batch_size={s['batch']}",
+        *model, f"trainer.seq_len={s['seq']}", f"trainer.global_batch_size={s['batch']}",
         f"trainer.micro_batch_size={s['batch']}",
         f"parallel.recompute={'full' if s['recompute'] else 'none'}",
         f"parallel.recompute_keep=[{'attention' if s.get('keep_attention') else ''}]",
@@ -380,7 +441,7 @@ def run_in_process(
     trainer, variant = None, None
     out_dir = tempfile.mkdtemp(prefix="mt-bench-")
     for name in stacks:
-        row: dict[str, Any] = {"stack": name}
+        row: dict[str, Any] = {"stack": name, "model": s["model"]}
         if time.perf_counter() - began > args.budget_s:
             row["error"] = "skipped: time budget"
         else:
@@ -488,9 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="FP8 layers re-quantize their weight in every forward (fp8.cache_weight=false)",
     )
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
+    parser.add_argument(
+        "--model", choices=MODELS, default="llama3_8b", help="the workload (module docstring)"
+    )
+    parser.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default 8192; DeepSeek 4096)"
+    )
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-    parser.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder blocks (default 8; DeepSeek 5)"
+    )
     parser.add_argument(
         "--recompute", action="store_true", help="full activation recompute of every block"
     )
@@ -513,30 +581,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.alloc_conf is not None:  # before the first CUDA allocation; subprocesses inherit it
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
 
-    from mt_train.models.llama import LlamaConfig, flops_per_token
+    from mt_train.models import deepseek_v3, llama
 
-    s = shapes(args.tiny)
-    s["seq"] = args.seq or s["seq"]
-    s["n_layers"] = args.layers or s["n_layers"]
-    s.update(batch=args.batch, recompute=int(args.recompute))
+    if args.model == "deepseek_v2_lite":
+        cfg = deepseek_config(args.tiny, args.layers)
+        s: dict[str, Any] = dict(config=cfg, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size)
+        s["seq"] = args.seq or (128 if args.tiny else 4096)
+        fpt = deepseek_v3.flops_per_token(cfg, s["seq"])
+        stacks = list(DEEPSEEK_STACKS)
+    else:
+        s = shapes(args.tiny)
+        s["seq"] = args.seq or s["seq"]
+        s["n_layers"] = args.layers or s["n_layers"]
+        fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        fpt = llama.flops_per_token(llama.LlamaConfig(**{k: s[k] for k in fields}), s["seq"])
+        stacks = [
+            "ours_bf16",
+            *(f"ours_fp8_{r}" for r in OUR_RECIPES),
+            *OUR_COMPILED,
+            *OUR_GRAPHED,
+            *REF_STACKS,
+        ]
+    s.update(model=args.model, batch=args.batch, recompute=int(args.recompute))
     if args.keep_attention:
         s["keep_attention"] = 1
     device = torch.device("cpu" if args.tiny else "cuda")
-    fields = {
-        k: s[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-    }
-    fpt = flops_per_token(LlamaConfig(**fields), s["seq"])
-    stacks = [
-        "ours_bf16",
-        *(f"ours_fp8_{r}" for r in OUR_RECIPES),
-        *OUR_COMPILED,
-        *OUR_GRAPHED,
-        *REF_STACKS,
-    ]
     if args.only:
         stacks = [n for n in args.only.split(",") if n in stacks]  # in the order given
     hw = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"# {hw}, torch {torch.__version__}, shapes {s}, {fpt / 1e9:.2f} GFLOP/token", flush=True)
+    shown = {k: v for k, v in s.items() if k != "config"}
+    print(
+        f"# {hw}, torch {torch.__version__}, shapes {shown}, {fpt / 1e9:.2f} GFLOP/token",
+        flush=True,
+    )
     began = time.perf_counter()
     if args.in_process:
         results = run_in_process(stacks, args, s, device, fpt, began)
