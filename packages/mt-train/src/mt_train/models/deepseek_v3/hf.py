@@ -45,6 +45,17 @@ key) to ``[0, 2, 4, …, 1, 3, 5, …]``, which makes mt's rotate-half output eq
 (q and k are reordered alike, so the scores are the same); export writes the inverse and
 ``rope_interleave=true``, so a round trip is bitwise lossless.
 
+FP8 Hub weights. ``deepseek-ai/DeepSeek-V3`` stores every linear of the attention
+(``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), the dense
+MLPs, the experts and the shared experts, the MTP layer's block included, as
+``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per 128 × 128 block
+(``kv_a_proj_with_mqa``'s 576 rows end in a half block); the embeddings, norms, the router's
+``gate.weight`` and ``e_score_correction_bias``, ``eh_proj`` and ``lm_head`` are unquantized.
+:func:`mt_train.hf_checkpoints.import_hf` dequantizes them as it reads the shards (its module
+docstring: the block from ``quantization_config.weight_block_size``, the float32 product
+stored in ``torch_dtype``), so this adapter sees only unquantized tensors; export writes
+unquantized weights and no ``quantization_config``.
+
 Refused with one line (never silently different logits): an activation other than SiLU,
 attention biases or dropout, ``num_key_value_heads ≠ num_attention_heads``, RoPE types other
 than ``default`` and ``yarn`` (and YaRN with an explicit ``attention_factor`` or without
