@@ -3,14 +3,19 @@
 Each rank builds the same full MLA layer (same seed), shards it over ``tp`` with
 :func:`mt_parallel.apply_tensor_parallel`, and runs the same tokens; the reference is the
 unsharded layer on one process. Returns the largest relative errors of the output and of every
-gradient (a sharded parameter against its slice of the full gradient).
+gradient (a sharded parameter against its slice of the full gradient). :func:`cp_parity` does
+the same under context parallelism (× tp) and also counts what crosses the cp group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from parallel_checks import rel_err
 
 import mt_comm
@@ -120,4 +125,131 @@ def fp8_sp_parity(tp: int, q_lora_rank: int | None) -> dict:
         "y": rel_err(y, expected.chunk(tp, dim=1)[rank]),
         "x_grad": rel_err(x_sp.grad, x_ref.grad.chunk(tp, dim=1)[rank]),
         "grads": {name: rel_err(p.grad, shards[name]) for name, p in layer.named_parameters()},
+    }
+
+
+# ----------------------------------------------------------------------- context parallelism
+SEQ_CP = 16
+"""At cp=2 four chunks of 4: rank 0 holds positions 0-3 and 12-15, rank 1 positions 4-11."""
+
+
+@contextlib.contextmanager
+def cp_traffic(cp_group: Any) -> Iterator[dict[str, list[int]]]:
+    """Record the elements of every floating-point tensor handed to ``mt_comm.all_gather``
+    (its input) and ``mt_comm.reduce_scatter`` (its input) on ``cp_group`` while inside (the
+    differentiable gathers of :mod:`mt_parallel.mappings` call these two)."""
+    seen: dict[str, list[int]] = {"all_gather": [], "reduce_scatter": []}
+    originals = {name: getattr(mt_comm, name) for name in seen}
+
+    def wrap(name: str) -> Any:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if kwargs.get("group") is cp_group and tensor.is_floating_point():
+                seen[name].append(tensor.numel())
+            return originals[name](tensor, *args, **kwargs)
+
+        return counted
+
+    for name in seen:
+        setattr(mt_comm, name, wrap(name))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(mt_comm, name, original)
+
+
+def cp_parity(
+    tp: int = 1,
+    q_lora_rank: int | None = None,
+    kernel: str | None = None,
+    ring: bool = False,
+    sp: bool = False,
+    fp8_gemms: tuple[str, ...] = (),
+) -> dict:
+    """The layer at cp = world/tp (× tp, with SP if ``sp``) against the same layer on one
+    process, each rank fed its load-balanced chunks, their global positions and (``kernel``:
+    ``explicit`` or ``flex``) document ids, against which the reference runs every document on
+    its own. float64, or float32 with the ``fp8_gemms`` of
+    ``kv_b_proj`` in FP8 (tensorwise, emulated; everything else high precision on both sides).
+    Parameter gradients are summed over cp (as data parallelism over dp×cp does) before the
+    comparison. Also returns the elements this rank handed to the cp group's all-gathers and
+    reduce-scatters (``cp_traffic``) and its token count."""
+    from sequence_checks import document_ids, flex_backward_on_cpu, runs
+
+    cp = dist.get_world_size() // tp
+    state = mt_comm.init_parallel_state(cp=cp, tp=tp)
+    cp_group, tp_group = state.group("cp"), state.group("tp")
+    shapes = FP8_SHAPES if fp8_gemms else SHAPES
+    dtype = torch.float32 if fp8_gemms else torch.float64
+    yarn = YarnConfig(factor=40.0, original_max_position=16, mscale_all_dim=1.0)
+    reference = MultiLatentAttention(**shapes, q_lora_rank=q_lora_rank, yarn=yarn).to(dtype)
+    mp.init_weights(reference, seed=5)
+    layer = copy.deepcopy(reference)
+    if tp > 1:
+        mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=sp)
+    mp.apply_context_parallel(layer, cp_group, ring=ring)
+    if kernel is not None:
+        mp.apply_document_mask_kernel(layer, kernel)
+    if fp8_gemms:
+        from mt_fp8 import TensorwiseScaling
+
+        for module in (reference, layer):
+            module.kv_b_proj.enable_fp8(TensorwiseScaling(), backend="emulate", fp8_gemms=fp8_gemms)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, SEQ_CP, shapes["dim"], generator=gen, dtype=dtype)
+    g = torch.randn(2, SEQ_CP, shapes["dim"], generator=gen, dtype=dtype)
+    ids = None if kernel is None else document_ids(3, 2, SEQ_CP)
+    positions = torch.arange(SEQ_CP) + 20
+    x_ref = x.clone().requires_grad_()
+    if ids is None:
+        expected = reference(x_ref, positions)
+    else:  # every document on its own: no masking code shared with the layer under test
+        rows = [
+            torch.cat([reference(x_ref[b : b + 1, doc], positions[doc]) for doc in runs(ids[b])], 1)
+            for b in range(x.shape[0])
+        ]
+        expected = torch.cat(rows)
+    (expected * g).sum().backward()
+
+    def mine(full: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens: its cp chunks, under SP its tp slice of them."""
+        local = mp.shard_sequence(full, 1, cp_group)
+        return local.chunk(tp, dim=1)[state.rank("tp")] if sp else local
+
+    x_local = mine(x).requires_grad_()
+    lift = flex_backward_on_cpu() if kernel == "flex" else contextlib.nullcontext()
+    with cp_traffic(cp_group) as traffic, lift:
+        y = layer(
+            x_local,
+            mp.shard_sequence(positions, 0, cp_group),
+            None if ids is None else mp.shard_sequence(ids, 1, cp_group),
+        )
+        (y * mine(g)).sum().backward()
+    full = {n: p.grad for n, p in reference.named_parameters()}
+    shards = mp.shard_state_dict(full, mp.tp_shard_plan(reference), state.rank("tp"), tp)
+    grads = {
+        name: rel_err(mt_comm.all_reduce(p.grad.clone(), group=cp_group), shards[name])
+        for name, p in layer.named_parameters()
+    }
+    return {
+        "y": rel_err(y, mine(expected)),
+        "x_grad": rel_err(x_local.grad, mine(x_ref.grad)),
+        "grads": grads,
+        "traffic": traffic,
+        "tokens": 2 * SEQ_CP // cp,
+        "cp": cp,
+    }
+
+
+def check_latent_traffic(result: dict, shapes: dict) -> None:
+    """Assert (and drop from ``result``) what :func:`cp_parity` saw cross the cp group:
+    all-gather context parallelism moves MLA's latent ``[c ; RoPE(k_rot)]``, C + R values per
+    token, and nothing else in floating point, in one all-gather of this rank's tokens forward
+    and one reduce-scatter of the whole sequence's latent gradient backward (the expanded K/V
+    are heads·(E + V) values per token, per TP rank heads/tp, in two of each)."""
+    width = shapes["kv_lora_rank"] + shapes["qk_rope_head_dim"]
+    tokens, cp = result.pop("tokens"), result.pop("cp")
+    assert result.pop("traffic") == {
+        "all_gather": [tokens * width],
+        "reduce_scatter": [cp * tokens * width],
     }

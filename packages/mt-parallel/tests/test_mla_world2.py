@@ -1,11 +1,15 @@
-"""Multi-head latent attention at tp=2 on 2 gloo ranks against one process (one pool for the
-module): heads split, compressed projections replicated, YaRN on; in float64, and in float32 with
-sequence parallel (latents all-gathered along the sequence)."""
+"""Multi-head latent attention on 2 gloo ranks against one process (one pool for the module),
+YaRN on. tp=2: heads split, compressed projections replicated; in float64, and in float32 with
+sequence parallel (latents all-gathered along the sequence). cp=2: the all-gather path moves
+the compressed latent (counted) and expands it on each rank, in float64, with document masking
+(both kernels) and with FP8 in the expansion; ring attention still passes expanded K/V.
+cp=2 × tp=2 (with and without SP) is test_mla_world4.py (slow)."""
 
 from __future__ import annotations
 
 import mla_checks
 import pytest
+from mla_checks import FP8_SHAPES, SHAPES
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool
@@ -48,4 +52,59 @@ def test_mla_sequence_parallel_fp8_equals_fp8_on_one_process(pool: DistributedPo
         # output gradients included) are reduced over TP, so every rank quantizes with the
         # one-process scales and SP changes only the fp32 summation order (FP32_VS_FP64); a
         # rank-local scale moves values by an FP8 step (2^-4 relative, E4M3).
+        assert_close(result, FP32_VS_FP64)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 10], ids=["no-q-lora", "q-lora"])
+def test_mla_context_parallel_gathers_the_latent_and_equals_one_process(
+    pool: DistributedPool, q_lora_rank
+) -> None:
+    for result in pool.run(mla_checks.cp_parity, q_lora_rank=q_lora_rank):
+        mla_checks.check_latent_traffic(result, SHAPES)
+        # float64 against float64: cp=2 changes only summation order (the reduce-scattered
+        # latent gradient, kv_b's weight gradient summed over the cp ranks' query shares), so
+        # FP64_VS_FP64 (1e-10) is a wide margin; a latent gradient kept unsummed, a key rotated
+        # at a wrong position or chunks out of order are O(1) errors.
+        assert set(result["grads"]) >= {"kv_a_proj.weight", "kv_b_proj.weight", "o_proj.weight"}
+        assert_close(result, FP64_VS_FP64)
+
+
+@pytest.mark.parametrize("kernel", ["explicit", "flex"])
+def test_mla_context_parallel_with_document_masking(pool: DistributedPool, kernel: str) -> None:
+    for result in pool.run(mla_checks.cp_parity, q_lora_rank=10, kernel=kernel):
+        # The document ids (integers) are gathered besides the latent, the keys' documents
+        # ordered like the gathered latent; FP64_VS_FP64 as above (a query seeing another
+        # document's keys is an O(1) error).
+        mla_checks.check_latent_traffic(result, SHAPES)
+        assert_close(result, FP64_VS_FP64)
+
+
+def test_mla_ring_attention_still_passes_expanded_kv(pool: DistributedPool) -> None:
+    for result in pool.run(mla_checks.cp_parity, q_lora_rank=10, kernel="explicit", ring=True):
+        # The ring keeps MLA's expanded K/V (its p2p goes past mt_comm's collectives).
+        assert result.pop("traffic") == {"all_gather": [], "reduce_scatter": []}
+        result.pop("tokens"), result.pop("cp")
+        assert_close(result, FP64_VS_FP64)
+
+
+@pytest.mark.parametrize("all_gemms", [False, True], ids=["fp8-forward", "fp8-all-gemms"])
+def test_mla_context_parallel_fp8_expansion(pool: DistributedPool, all_gemms: bool) -> None:
+    gemms = ("forward", "dgrad", "wgrad") if all_gemms else ("forward",)
+    for result in pool.run(mla_checks.cp_parity, q_lora_rank=16, fp8_gemms=gemms):
+        mla_checks.check_latent_traffic(result, FP8_SHAPES)
+        # kv_b_proj in FP8 (tensorwise current scaling, emulated) on both sides, fp32. Its
+        # input is the gathered latent of the whole sequence, so its amax and every FP8 byte
+        # are the one process's: the output (and, with FP8 only in the forward GEMM, every
+        # gradient) differs by fp32 rounding alone (FP32_VS_FP64), unless an input lies within
+        # that rounding of an FP8 rounding boundary; a rank-local scale moves values by an FP8
+        # step (2^-4 relative).
+        if all_gemms:
+            # kv_b's output gradient on a cp rank is its queries' share of every key's
+            # gradient, quantized to E5M2 (2 mantissa bits) with that rank's scale before the
+            # cp sum, so what flows back through kv_b (the latent's, kv_a's and the input's
+            # gradients, kv_b's weight gradient) is rounded differently from the one
+            # process's (observed ~0.1 relative). The rest depends on the forward only.
+            for name in ("kv_a_proj.weight", "kv_a_norm.weight", "kv_b_proj.weight"):
+                result["grads"].pop(name)
+            result.pop("x_grad")
         assert_close(result, FP32_VS_FP64)

@@ -21,11 +21,14 @@ sequence of ``B·S`` tokens, which the rotation treats token by token.
 ``h // (H/K)``), masked to each token's own document when ``document_ids`` are given (by an
 explicit mask, or by FlexAttention after ``set_document_mask_kernel("flex")``:
 :mod:`mt_parallel.document_attention`); with a cp group it is
-:func:`context_parallel_attention` (or :func:`ring_attention`). It is its own
-module so selective recompute can wrap exactly this part (``recompute_target = "attention"``),
-and it takes the cp group through ``set_context_parallel`` (the hook
-:func:`mt_parallel.apply_context_parallel` calls). The local head counts are read off the
-projection shapes, so the forward code is the same at every TP degree.
+:func:`context_parallel_attention` (or :func:`ring_attention`); ``kv_gathered=True`` hands it
+K/V that already hold the whole sequence in global order (only where
+:meth:`CoreAttention.gathers_kv`: multi-head latent attention gathers its narrower latent
+instead). It is its own module so selective recompute can wrap exactly this part
+(``recompute_target = "attention"``), and it takes the cp group through
+``set_context_parallel`` (the hook :func:`mt_parallel.apply_context_parallel` calls). The local
+head counts are read off the projection shapes, so the forward code is the same at every TP
+degree.
 """
 
 from __future__ import annotations
@@ -121,6 +124,11 @@ class CoreAttention(nn.Module):
             check_flex(group_size(self.cp_group), self.dropout, ring=self.cp_ring)
         self.document_mask_kernel = kernel
 
+    def gathers_kv(self) -> bool:
+        """Whether the forward all-gathers K/V over cp (cp > 1 without the ring), so a caller
+        may gather a narrower tensor itself and pass ``kv_gathered=True``."""
+        return group_size(self.cp_group) > 1 and not self.cp_ring
+
     def forks_rng(self) -> bool:
         """Whether the next forward draws from the RNG tracker (recompute then replays it)."""
         return forks_rng(self.training, self.dropout, sharded=True)
@@ -131,11 +139,18 @@ class CoreAttention(nn.Module):
         k_BKSd: torch.Tensor,
         v_BKSd: torch.Tensor,
         document_ids_BS: torch.Tensor | None = None,
+        kv_gathered: bool = False,
     ) -> torch.Tensor:
+        """``kv_gathered``: ``k``/``v`` hold the whole sequence in global order
+        (:func:`~mt_parallel.context_parallel.gather_sequence`); only where :meth:`gathers_kv`."""
+        if kv_gathered and not self.gathers_kv():
+            raise ValueError("gathered K/V need all-gather context parallelism (cp > 1, no ring)")
         p = self.dropout if self.training else 0.0
         if document_ids_BS is not None and self.document_mask_kernel == "flex":
             check_flex(group_size(self.cp_group), p, ring=self.cp_ring)
-            return flex_document_attention(q_BHSd, k_BKSd, v_BKSd, document_ids_BS, self.cp_group)
+            return flex_document_attention(
+                q_BHSd, k_BKSd, v_BKSd, document_ids_BS, self.cp_group, kv_gathered
+            )
         if self.cp_ring and group_size(self.cp_group) > 1:
             if p > 0:
                 raise ValueError(RING_DROPOUT_ERROR)
@@ -143,7 +158,7 @@ class CoreAttention(nn.Module):
         region = rng_region(True, self.tp_group, q_BHSd.device) if p > 0 else nullcontext()
         with region:
             return context_parallel_attention(
-                q_BHSd, k_BKSd, v_BKSd, self.cp_group, p, document_ids_BS
+                q_BHSd, k_BKSd, v_BKSd, self.cp_group, p, document_ids_BS, kv_gathered
             )
 
 

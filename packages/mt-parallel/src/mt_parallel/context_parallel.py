@@ -17,7 +17,11 @@ and for each of its two query chunks with global index ``g`` attends to the keys
 with the causal mask aligned to the lower right (query ``i`` of the chunk sits at global position
 ``g·L + i`` and sees keys ``≤ g·L + i``). Work per rank is ``L·(r+1)·L + L·(2cp−r)·L``, the same
 for every ``r``. RoPE is applied before the gather with each token's global position, so the
-gathered keys carry their own rotation.
+gathered keys carry their own rotation. :func:`gather_sequence` is that gather for any
+per-token tensor (all-gather, reorder; backward reduce-scatter), so a caller may gather
+something narrower than K/V and hand the core the whole sequence's K/V (``kv_gathered=True``):
+multi-head latent attention gathers its compressed latent and expands it on every rank
+(:mod:`mt_parallel.mla`).
 
 Packed sequences. With per-token ``document_ids`` (or :func:`document_ids_from_cu_seqlens`),
 a query also needs the key's document to equal its own: the mask is ``causal ∧ same document``
@@ -107,6 +111,28 @@ def _global_order(chunk: int, cp: int) -> torch.Tensor:
     )
 
 
+def gather_sequence(x_BtX: torch.Tensor, dim: int, cp_group: Any) -> torch.Tensor:
+    """The whole sequence, in global order, from every cp rank's load-balanced part of ``x``
+    along ``dim`` (``t`` tokens each, ``cp·t`` out); differentiable: the backward
+    reduce-scatters, summing every rank's contribution to each token's gradient."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return x_BtX
+    local = x_BtX.shape[dim]
+    if local % 2:
+        raise ValueError(f"context-parallel attention needs an even local length, got {local}")
+    order = _global_order(local // 2, cp).to(x_BtX.device)
+    return all_gather_grad_rs(x_BtX, dim, cp_group).index_select(dim, order)
+
+
+def check_gathered_kv(q_BHtd: torch.Tensor, k_BKSd: torch.Tensor, cp: int) -> None:
+    """Gathered keys hold ``cp`` times the queries' tokens (``kv_gathered=True``)."""
+    if k_BKSd.shape[2] != cp * q_BHtd.shape[2]:
+        raise ValueError(
+            f"gathered K/V hold {k_BKSd.shape[2]} tokens, not cp·t = {cp}·{q_BHtd.shape[2]}"
+        )
+
+
 def check_document_ids(q_BHtd: torch.Tensor, document_ids_Bt: torch.Tensor | None) -> None:
     """Document ids, if any, have the queries' ``(batch, tokens)`` shape."""
     if document_ids_Bt is not None and document_ids_Bt.shape != q_BHtd.shape[::2]:
@@ -137,11 +163,13 @@ def context_parallel_attention(
     cp_group: Any,
     dropout_p: float = 0.0,
     document_ids_Bt: torch.Tensor | None = None,
+    kv_gathered: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this rank's load-balanced queries over the whole sequence.
 
     ``document_ids_Bt`` (integer ids of this rank's tokens, sharded like them): a query sees
-    only keys of its own document (packed sequences).
+    only keys of its own document (packed sequences). ``kv_gathered``: ``k``/``v`` already hold
+    the whole sequence in global order (:func:`gather_sequence`), so they are not gathered here.
     """
     cp, rank = group_size(cp_group), group_rank(cp_group)
     gqa = q_BHtd.shape[1] != k_BKtd.shape[1]
@@ -161,8 +189,11 @@ def context_parallel_attention(
         raise ValueError(f"context-parallel attention needs an even local length, got {local}")
     chunk = local // 2
     order = _global_order(chunk, cp).to(q_BHtd.device)
-    k_BKSd = all_gather_grad_rs(k_BKtd, 2, cp_group).index_select(2, order)
-    v_BKSd = all_gather_grad_rs(v_BKtd, 2, cp_group).index_select(2, order)
+    if kv_gathered:
+        check_gathered_kv(q_BHtd, k_BKtd, cp)
+        k_BKSd, v_BKSd = k_BKtd, v_BKtd
+    else:
+        k_BKSd, v_BKSd = gather_sequence(k_BKtd, 2, cp_group), gather_sequence(v_BKtd, 2, cp_group)
     doc_BS = None
     if document_ids_Bt is not None:
         gathered = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)

@@ -26,8 +26,9 @@ row of ``M`` is empty. Two kernels compute it (:data:`DOCUMENT_MASK_KERNELS`):
   not run inside ring attention (:func:`check_flex`).
 
 Context parallelism (all-gather K/V, :mod:`mt_parallel.context_parallel`'s layout). Rank ``r``
-holds the query chunks ``g ∈ {r, 2·cp−1−r}`` of ``L = t/2`` tokens each; K/V and the document
-ids are all-gathered and put in global order, and chunk ``g`` attends to the keys
+holds the query chunks ``g ∈ {r, 2·cp−1−r}`` of ``L = t/2`` tokens each; K/V (unless the caller
+hands them over gathered, as multi-head latent attention does) and the document ids are
+all-gathered and put in global order, and chunk ``g`` attends to the keys
 ``[0, (g+1)·L)`` with ``mask_mod = (kv ≤ q + g·L) ∧ doc_q[q] = doc[kv]``: one block mask per
 chunk, both built once per micro-batch (the ids are gathered then, not in every layer).
 
@@ -51,8 +52,13 @@ from typing import Any
 import torch
 
 import mt_comm
-from mt_parallel.context_parallel import _global_order, check_document_ids
-from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size
+from mt_parallel.context_parallel import (
+    _global_order,
+    check_document_ids,
+    check_gathered_kv,
+    gather_sequence,
+)
+from mt_parallel.mappings import group_rank, group_size
 
 DOCUMENT_MASK_KERNELS = ("auto", "flex", "explicit")
 """``data.document_masking_kernel`` values (module docstring)."""
@@ -198,10 +204,12 @@ def flex_document_attention(
     v_BKtd: torch.Tensor,
     document_ids_Bt: torch.Tensor,
     cp_group: Any = None,
+    kv_gathered: bool = False,
 ) -> torch.Tensor:
     """Causal GQA attention inside each document, by FlexAttention; with a cp group of more
     than one rank, of this rank's load-balanced queries over the all-gathered keys (module
-    docstring)."""
+    docstring), or over ``k``/``v`` that already hold the whole sequence in global order
+    (``kv_gathered``, :func:`~mt_parallel.context_parallel.gather_sequence`)."""
     check_document_ids(q_BHtd, document_ids_Bt)
     masks = BLOCK_MASKS.get(document_ids_Bt, cp_group)
     device_type = q_BHtd.device.type
@@ -213,9 +221,12 @@ def flex_document_attention(
         if cp == 1:
             return flex(q_BHtd, k_BKtd, v_BKtd, block_mask=masks[0], enable_gqa=gqa)
         chunk = q_BHtd.shape[2] // 2
-        order = _global_order(chunk, cp).to(q_BHtd.device)
-        k_BKSd = all_gather_grad_rs(k_BKtd, 2, cp_group).index_select(2, order)
-        v_BKSd = all_gather_grad_rs(v_BKtd, 2, cp_group).index_select(2, order)
+        if kv_gathered:
+            check_gathered_kv(q_BHtd, k_BKtd, cp)
+            k_BKSd, v_BKSd = k_BKtd, v_BKtd
+        else:
+            k_BKSd = gather_sequence(k_BKtd, 2, cp_group)
+            v_BKSd = gather_sequence(v_BKtd, 2, cp_group)
         outputs = [
             flex(
                 q_BHtd[:, :, half * chunk : (half + 1) * chunk],

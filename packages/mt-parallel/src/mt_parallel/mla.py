@@ -3,7 +3,8 @@
 Shape suffixes: B batch, S tokens in the TP region (``T_seq/cp``), D model width, H query heads
 (this TP rank's), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim``, E = N + R, V =
 ``v_head_dim``, Q = ``q_lora_rank``, C = ``kv_lora_rank``, P = R/2, L = (Q +) C + R the
-latents' width, s the tokens of ``n`` (S/tp under sequence parallel, else S).
+latents' width, s the tokens of ``n`` (S/tp under sequence parallel, else S), T the tokens
+whose keys are expanded (``T_seq`` under all-gather context parallelism, else S), X = C + R.
 
 Math (``n`` the block's normalised input)::
 
@@ -17,8 +18,8 @@ Math (``n`` the block's normalised input)::
 
 σ's YaRN correction (``YarnConfig.softmax_scale_factor``, ``m(s, mscale_all_dim)²``) is folded
 into q, so the core is the plain causal attention of :class:`~mt_parallel.CoreAttention`
-(``scaled_dot_product_attention``'s own ``1/sqrt(E)``, document masking, context parallel by
-all-gathering the expanded K/V). RoPE uses the rotate-half layout; DeepSeek's checkpoints use
+(``scaled_dot_product_attention``'s own ``1/sqrt(E)``, document masking, context parallel as
+below). RoPE uses the rotate-half layout; DeepSeek's checkpoints use
 interleaved pairs, which the Hugging Face converter permutes into this layout (the dot products
 are unchanged because q and k are permuted alike).
 
@@ -42,6 +43,32 @@ back to the shard. The norms run before the gather, on S/tp tokens rather than S
 weights now see only their rank's tokens, so their gradients are summed over TP as the SP
 norms' are (``copy_to_group`` on the weight). Without ``q_lora_rank``, ``q_proj`` all-gathers
 ``n`` itself, as any SP column-parallel layer does.
+
+Context parallelism (all-gather, ``cp_attention=all_gather``; Megatron-Core's "all-gather of
+the compressed KV"): each cp rank holds the load-balanced chunks of
+:mod:`mt_parallel.context_parallel` and all-gathers ``[RMSNorm_kv(c), RoPE(k_rot)]`` (X = C + R
+values per token) with :func:`~mt_parallel.context_parallel.gather_sequence` (all-gather over
+cp, chunks put in global order; backward: reduce-scatter, which sums every rank's share of a
+token's gradient onto the rank that holds it), then runs ``kv_b`` on all ``T_seq`` tokens and
+hands the core the whole sequence's K/V (``kv_gathered=True``: the core gathers nothing but the
+document ids). Invariant: ``k_rot`` is rotated *before* the gather, by the rank's own tokens'
+global positions (``positions_S``), so every gathered key carries its own rotation and none is
+rotated again; q is rotated by the same tables. The gather runs after the TP preparation of
+the latents (``copy_to_group``, or the SP gather along the sequence), so every TP rank of a cp
+group gathers the same latent and expands its own heads; its gradient is summed over cp, then
+over TP as above. Values handed to the cp all-gather per token, and to the reduce-scatter of
+their gradient: before, the expanded ``k`` and ``v``, ``H·(E + V)`` per TP rank (DeepSeek-V3,
+128 heads, E = 192, V = 128: 40,960/tp); now C + R at every tp (DeepSeek-V3: 512 + 64 = 576).
+What it costs: ``kv_b`` (forward and both backward GEMMs) runs on ``T_seq`` tokens on every cp
+rank instead of ``T_seq/cp``, ``2·T_seq·C·H·(N + V)`` forward FLOPs per rank; its weight
+gradient on a rank is that rank's queries' share, summed over dp×cp by data parallelism like
+every weight gradient. The whole sequence's expanded K/V exist on every rank as before (the
+core keeps them for its backward); under selective recompute of the core its checkpoint now
+holds them as its inputs, where it held the rank's own before. FP8: ``kv_b``'s input is the
+whole sequence's latent, the same on every cp rank, so its current-scaling amax is the one
+process's; its output gradient is the rank's share, quantized with the rank's scale before the
+cp sum. Ring attention (``cp_attention=ring``) is unchanged: each rank expands its own tokens
+and the ring passes the expanded K/V.
 """
 
 from __future__ import annotations
@@ -54,6 +81,7 @@ import torch.nn.functional as F
 from mt_fp8 import fp8_linear
 from mt_fp8.ops import apply_rotary
 from mt_parallel.attention import CoreAttention
+from mt_parallel.context_parallel import gather_sequence
 from mt_parallel.layers import (
     SEQUENCE_DIM,
     ColumnParallelLinear,
@@ -184,7 +212,7 @@ class MultiLatentAttention(torch.nn.Module):
         positions_S: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        N, R, C = self.nope_dim, self.rope_dim, self.kv_lora_rank
+        N, R, C, V = self.nope_dim, self.rope_dim, self.kv_lora_rank, self.v_dim
         c_BsC, k_rot_BsR = self.kv_a_proj(n_BsD).split([C, R], dim=-1)
         latents = [self.kv_a_norm(c_BsC), k_rot_BsR]
         if self.q_a_proj is not None:
@@ -204,9 +232,6 @@ class MultiLatentAttention(torch.nn.Module):
             assert self.q_b_proj is not None
             q = self.q_b_proj.forward_prepared(latent_BSL[..., : -C - R].contiguous())
         q_BSHE = q.view(B, S, -1, N + R)
-        kv_BSHW = self.kv_b_proj.forward_prepared(c_BSC.contiguous()).view(B, S, -1, N + self.v_dim)
-        k_nope_BSHN, v_BSHV = kv_BSHW.split([N, self.v_dim], dim=-1)
-        k_rot_BS1R = k_rot_BSR.reshape(B, S, 1, R)
         if positions_S is None:
             if group_size(self.core.cp_group) > 1:
                 raise ValueError("context-parallel attention needs the tokens' global positions")
@@ -215,12 +240,28 @@ class MultiLatentAttention(torch.nn.Module):
         cos_SP, sin_SP = self.rope_tables(positions_S, table_dtype)
         q_nope_BSHN, q_rot_BSHR = q_BSHE.split([N, R], dim=-1)
         q_rot_BSHR, k_rot_BS1R = apply_rotary(
-            q_rot_BSHR.contiguous(), k_rot_BS1R.contiguous(), cos_SP, sin_SP
+            q_rot_BSHR.contiguous(), k_rot_BSR.reshape(B, S, 1, R).contiguous(), cos_SP, sin_SP
         )
+        # All-gather CP: the rank's [c ; RoPE(k_rot)] travel, not the expanded K/V (docstring).
+        gathered = self.core.gathers_kv()
+        if gathered:
+            kv_latent_BSX = torch.cat([c_BSC, k_rot_BS1R.view(B, S, R)], dim=-1)
+            kv_latent_BTX = gather_sequence(kv_latent_BSX, SEQUENCE_DIM, self.core.cp_group)
+            c_BTC, k_rot_BTR = kv_latent_BTX.split([C, R], dim=-1)
+        else:
+            c_BTC, k_rot_BTR = c_BSC, k_rot_BS1R.view(B, S, R)
+        T = c_BTC.shape[1]
+        kv_BTHW = self.kv_b_proj.forward_prepared(c_BTC.contiguous()).view(B, T, -1, N + V)
+        k_nope_BTHN, v_BTHV = kv_BTHW.split([N, V], dim=-1)
         heads = q_BSHE.shape[2]
         q_BSHE = torch.cat([q_nope_BSHN, q_rot_BSHR], dim=-1) * self.yarn.softmax_scale_factor
-        k_BSHE = torch.cat([k_nope_BSHN, k_rot_BS1R.expand(B, S, heads, R)], dim=-1)
+        k_rot_BTHR = k_rot_BTR.reshape(B, T, 1, R).expand(B, T, heads, R)
+        k_BTHE = torch.cat([k_nope_BTHN, k_rot_BTHR], dim=-1)
         o_BHSV = self.core(
-            q_BSHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHV.transpose(1, 2), document_ids_BS
+            q_BSHE.transpose(1, 2),
+            k_BTHE.transpose(1, 2),
+            v_BTHV.transpose(1, 2),
+            document_ids_BS,
+            kv_gathered=gathered,
         )
-        return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * self.v_dim))
+        return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
