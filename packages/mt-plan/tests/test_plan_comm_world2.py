@@ -137,21 +137,37 @@ DEEPSEEK = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, sp: bool) -> None:
+MLA_CASES = [
+    ({"parallel.tp": 2}, Layout(tp=2, micro_batch=4)),
+    (
+        {"parallel.tp": 2, "parallel.sequence_parallel": "true"},
+        Layout(tp=2, sp=True, micro_batch=4),
+    ),
+    ({"parallel.cp": 2}, Layout(cp=2, micro_batch=4)),
+]
+
+
+@pytest.mark.parametrize("parallel,layout", MLA_CASES, ids=["tp2", "tp2-sp", "cp2"])
+def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, parallel, layout) -> None:
     """DeepSeek-V3 (MLA, MoE with a shared expert) at tp=2, and with sequence parallel: the
     latents' gather, the replicated compressions', norms', router's and experts' gradient sums.
     8 experts: the router's per-micro-batch expert counts (8 int64, 64 bytes) stay a scalar;
-    kv_lora_rank 32: the latent norm's gain gradient (4·32 bytes) is not one."""
+    kv_lora_rank 32: the latent norm's gain gradient (4·32 bytes) is not one. At cp=2 (the
+    pair is also the dp×cp gradient group, one MoE layer): MLA's compressed latent
+    ``[c ; k_rot]`` gathered per layer and micro-batch, not the expanded K/V, and DDP's
+    gradient all-reduce."""
     trainer = {k: v for k, v in TINY.items() if not k.startswith("model")}
-    extra = {**DEEPSEEK, "parallel.tp": 2, "parallel.sequence_parallel": str(sp).lower()}
+    extra = {**DEEPSEEK, **parallel}
     composed = {**trainer, **DEEPSEEK}
     keys = [f"{k}={v}" for k, v in composed.items() if k.startswith(("model", "trainer", "sched"))]
     config = resolve([*keys, "model.vocab_size=320"])
     cost = CostModel(shape_of(config.model), load_cluster("h200_nodes").with_gpus(2),
                      load_table("h200"), Workload(seq_len=64, global_batch=8, act_bytes=4))  # fmt: skip
-    layout = Layout(tp=2, sp=sp, micro_batch=4)
     prediction = sum(c.payload_bytes for c in cost.estimate(layout).comm.values())
+    if layout.cp > 1:  # the step's expert counts (int64) summed over dp×cp, a scalar here
+        counts = 8 * cost.model.num_experts * cost.model.moe_layers
+        assert counts <= SCALAR_BYTES
+        prediction -= counts
     per_rank = pool.run(
         plan_comm_checks.count_one_step,
         [f"{k}={v}" for k, v in {"data.path": str(kjv_data), **trainer, **extra}.items()],

@@ -52,7 +52,10 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   backward, cross-entropy three fp32 values per token. Not overlapped (synchronous autograd
   functions); the forward ones repeat under full recompute.
 * cp (``all_gather``): K and V all-gathered per layer forward, their gradients reduce-scattered
-  backward; not overlapped. ``ring`` is not searched.
+  backward; not overlapped. MLA gathers its compressed latent ``[c ; k_rot]`` instead
+  (``b·s·(C+R)``, the same on every tp rank) and expands it on every cp rank: its ``kv_b``
+  GEMMs are priced on ``b·s`` tokens, and the whole sequence's k and v are saved. ``ring`` is
+  not searched.
 * ep: all-to-all of ``T·k·D`` at dispatch and combine, forward and backward; not overlapped.
 * pp: one p2p of the fp32 hidden state ``4·T·D`` (``/tp`` with sp) per micro-batch and stage
   boundary each way, charged to the chunk's ``F`` and ``I``.
@@ -315,13 +318,18 @@ class CostModel:
                 self._linear(ph, "attention_proj", T, H * qk, qr, fp8)
             else:
                 self._linear(ph, "attention_proj", T, H * qk, D, fp8)
+            # CP (all-gather): the latent [c ; k_rot] of the whole sequence is gathered and
+            # kv_b expands it on every cp rank, so kv_b runs on Tk = b·s tokens, and the core
+            # keeps the whole sequence's k and v (kv_b's saved input is the gathered c).
+            Tk = b * w.seq_len if L.cp > 1 else T
             self._linear(ph, "attention_proj", T, kvr + rope, D, fp8)
-            self._linear(ph, "attention_proj", T, H * (md.qk_nope_head_dim + vd), kvr, fp8)
+            self._linear(ph, "attention_proj", Tk, H * (md.qk_nope_head_dim + vd), kvr, fp8)
             self._linear(ph, "attention_proj", T, D, H * vd, fp8)
             rope_bytes = 2 * A * T * (H + 1) * rope
             kv_heads = H
-            saved += A * T * (D + qr + kvr + rope) + A * T * H * (2 * qk + vd)
-            cp_kv = (A * b * w.seq_len * H * qk, A * b * w.seq_len * H * vd)
+            saved += A * T * (D + qr + rope) + A * Tk * kvr + A * T * H * qk
+            saved += A * Tk * H * (qk + vd)
+            cp_kv = (A * b * w.seq_len * (kvr + rope),)
             tp_in_grad = T * ((qr or D) + kvr + rope)
             # SP: the latents are gathered, not n (plus n itself for q_proj without q-lora);
             # the replicated q_a/kv_a weights and latent norm gains get fp32 gradient sums.
