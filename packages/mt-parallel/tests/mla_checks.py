@@ -165,15 +165,18 @@ def cp_parity(
     ring: bool = False,
     sp: bool = False,
     fp8_gemms: tuple[str, ...] = (),
+    recompute: str = "none",
 ) -> dict:
     """The layer at cp = world/tp (× tp, with SP if ``sp``) against the same layer on one
     process, each rank fed its load-balanced chunks, their global positions and (``kernel``:
     ``explicit`` or ``flex``) document ids, against which the reference runs every document on
     its own. float64, or float32 with the ``fp8_gemms`` of
     ``kv_b_proj`` in FP8 (tensorwise, emulated; everything else high precision on both sides).
-    Parameter gradients are summed over cp (as data parallelism over dp×cp does) before the
-    comparison. Also returns the elements this rank handed to the cp group's all-gathers and
-    reduce-scatters (``cp_traffic``) and its token count."""
+    ``recompute``: the layer's recompute policy (``selective``: the attention core, which then
+    receives the gathered K/V as a checkpointed input). Parameter gradients are summed over cp
+    (as data parallelism over dp×cp does) before the comparison. Also returns the elements this
+    rank handed to the cp group's all-gathers and reduce-scatters (``cp_traffic``) and its token
+    count."""
     from sequence_checks import document_ids, flex_backward_on_cpu, runs
 
     cp = dist.get_world_size() // tp
@@ -190,6 +193,7 @@ def cp_parity(
     mp.apply_context_parallel(layer, cp_group, ring=ring)
     if kernel is not None:
         mp.apply_document_mask_kernel(layer, kernel)
+    mp.apply_recompute(layer, recompute)
     if fp8_gemms:
         from mt_fp8 import TensorwiseScaling
 

@@ -69,11 +69,21 @@ def test_mla_context_parallel_gathers_the_latent_and_equals_one_process(
         assert_close(result, FP64_VS_FP64)
 
 
-@pytest.mark.parametrize("kernel", ["explicit", "flex"])
-def test_mla_context_parallel_with_document_masking(pool: DistributedPool, kernel: str) -> None:
-    for result in pool.run(mla_checks.cp_parity, q_lora_rank=10, kernel=kernel):
-        # The document ids (integers) are gathered besides the latent, the keys' documents
-        # ordered like the gathered latent; FP64_VS_FP64 as above (a query seeing another
+@pytest.mark.parametrize(
+    "kernel,recompute",
+    [("explicit", "none"), ("flex", "none"), ("explicit", "selective")],
+    ids=["explicit", "flex", "explicit-recompute-core"],
+)
+def test_mla_context_parallel_with_document_masking(
+    pool: DistributedPool, kernel: str, recompute: str
+) -> None:
+    for result in pool.run(
+        mla_checks.cp_parity, q_lora_rank=10, kernel=kernel, recompute=recompute
+    ):
+        # Against every document run on its own. The document ids (integers) are gathered
+        # besides the latent, the keys' documents ordered like the gathered latent; with the
+        # core recomputed the latent is still gathered once (outside the core, whose
+        # checkpoint keeps the gathered K/V). FP64_VS_FP64 as above (a query seeing another
         # document's keys is an O(1) error).
         mla_checks.check_latent_traffic(result, SHAPES)
         assert_close(result, FP64_VS_FP64)
