@@ -6,6 +6,11 @@ them by name. Each returns plain data for the parent process to assert on.
 
 from __future__ import annotations
 
+import os
+import random
+import tempfile
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -146,6 +151,39 @@ def fail_on_rank_zero_then_all_reduce() -> float:
     if dist.get_rank() == 0:
         raise RuntimeError("rank 0 fails on purpose")
     return mt_comm.all_reduce(torch.ones(1)).item()
+
+
+def process_state() -> dict[str, object]:
+    """What a function sees of the process state the worker puts back after every function."""
+    return {
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "dtype": torch.get_default_dtype(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "threads": torch.get_num_threads(),
+        "grad": torch.is_grad_enabled(),
+        "torch_draw": torch.rand(2),
+        "python_draw": random.random(),
+    }
+
+
+def change_process_state() -> None:
+    """Change everything :func:`process_state` reports, and leave it changed."""
+    os.environ["MT_TEST_LEFT_BEHIND"] = "1"
+    del os.environ["OMP_NUM_THREADS"]
+    os.chdir(tempfile.gettempdir())
+    torch.set_default_dtype(torch.float64)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(2)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(1234)
+    random.seed(1234)
+
+
+def exit_after_answering() -> int:
+    """End this rank's process a moment after it has answered; returns its pid."""
+    threading.Timer(0.1, os._exit, (0,)).start()
+    return os.getpid()
 
 
 def device_mesh_groups() -> dict[str, list[int]]:

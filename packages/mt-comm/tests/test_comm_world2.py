@@ -19,7 +19,8 @@ def fake_pool():
         "the test plugin mt-fakeaccel",
         "pip install packages/mt-core/tests/fake_plugin (nox installs it)",
     )
-    # device/backend "auto": the plugin must win auto-detection by itself.
+    # device/backend "auto": the plugin must win auto-detection by itself. Not from
+    # distributed_pools: no other module runs on this device and environment.
     with DistributedPool(
         world_size=2, device="auto", backend="auto", env={"MT_FAKEACCEL_AVAILABLE": "1"}
     ) as pool:

@@ -1,17 +1,20 @@
-"""Parallel groups and collectives on 4 gloo ranks (one pool for the module)."""
+"""Parallel groups and collectives on 4 gloo ranks (a pool shared across modules), and the pool's
+own guarantees: sharing, state put back after every function, dead ranks replaced."""
 
 from __future__ import annotations
 
+import os
+
 import comm_checks
 import pytest
+import torch
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 def _check_report(reports: list[dict], expected: dict[str, list[list[int]]]) -> None:
@@ -135,3 +138,29 @@ def test_device_mesh_matches_the_parallel_state(pool: DistributedPool) -> None:
     for result in pool.run(comm_checks.device_mesh_groups):
         for dim in ("pp", "dp", "cp", "tp"):
             assert sorted(result[dim]) == result[f"state_{dim}"], dim
+
+
+def test_modules_asking_for_the_same_setting_share_one_pool(
+    pool: DistributedPool, distributed_pools: PoolCache
+) -> None:
+    assert distributed_pools.get(world_size=4) is pool
+
+
+def test_the_worker_puts_back_the_process_state_after_every_function(
+    pool: DistributedPool,
+) -> None:
+    before = pool.run(comm_checks.process_state)
+    pool.run(comm_checks.change_process_state)
+    after = pool.run(comm_checks.process_state)
+    for was, now in zip(before, after, strict=True):
+        assert torch.equal(was.pop("torch_draw"), now.pop("torch_draw"))
+        assert was == now
+
+
+def test_a_rank_that_died_between_functions_is_replaced(pool: DistributedPool) -> None:
+    pids = pool.run(comm_checks.exit_after_answering)
+    for process in pool._processes:  # wait for the exits (a private list, this module's own)
+        process.join(timeout=30)
+    new_pids = pool.run(os.getpid)
+    assert not set(pids) & set(new_pids)
+    assert [r["rank"] for r in pool.run(comm_checks.layout, dp=4)] == [0, 1, 2, 3]

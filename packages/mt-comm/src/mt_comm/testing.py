@@ -1,12 +1,22 @@
 """A pool of spawned processes forming a gloo world, for multi-process tests.
 
-Starting a process that imports torch costs about a second, so tests start a
-:class:`DistributedPool` once per test module and run many functions in it::
+Starting a process that imports torch costs seconds, so a :class:`DistributedPool`
+runs many functions in the same ranks, and test suites share pools across test
+modules: a :class:`PoolCache` starts one pool per setting (world size, device,
+backend, environment, timeout) the first time a module asks for it and stops them
+all when closed. Each package's ``tests/conftest.py`` holds one per session (under
+pytest-xdist, one per worker process) as the ``distributed_pools`` fixture::
 
+    # tests/conftest.py
+    @pytest.fixture(scope="session")
+    def distributed_pools():
+        with PoolCache() as pools:
+            yield pools
+
+    # tests/test_sum_world4.py
     @pytest.fixture(scope="module")
-    def pool():
-        with DistributedPool(world_size=4) as pool:
-            yield pool
+    def pool(distributed_pools):
+        return distributed_pools.get(world_size=4)
 
     def check_sum(scale):            # module level: it is pickled by reference
         t = torch.ones(1) * scale
@@ -15,14 +25,24 @@ Starting a process that imports torch costs about a second, so tests start a
     def test_sum(pool):
         assert pool.run(check_sum, 2.0) == [8.0] * 4
 
+A module whose setting no other module uses can start a pool of its own for its
+lifetime instead (``with DistributedPool(world_size=8) as pool: yield pool``), so
+its ranks do not stay alive until the session ends.
+
 Each worker sets the torchrun variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``OMP_NUM_THREADS=1``, and
 calls :func:`mt_comm.init_distributed` with the pool's device and backend.
 ``run`` sends the function to every rank and returns the per-rank results in
-rank order. After every function the worker destroys the parallel state, so
-tests do not leak groups into each other. If any rank raises, ``run`` raises
-with every failing rank's traceback; if some rank does not answer in time
-(stuck in a collective its failed peers never joined), the pool is restarted.
+rank order. After every function the worker destroys the parallel state and puts
+back what it had when it became ready: the environment variables, the working
+directory, torch's default dtype, deterministic-algorithms flags, thread count
+and grad mode, and the CPU random generators of torch and Python. So neither
+tests nor the modules sharing a pool leak those into each other; what a function
+leaves in module-level caches of imported code stays (the ranks import each
+module once). If any rank raises, ``run`` raises with every failing rank's
+traceback; if some rank does not answer in time (stuck in a collective its failed
+peers never joined), the pool is restarted, as it is before a function when a
+rank has died since the last one.
 """
 
 from __future__ import annotations
@@ -44,6 +64,53 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _capture_state() -> dict[str, Any]:
+    """The process state a function run in a worker may change and a later one would see."""
+    import random
+
+    import torch
+
+    return {
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "dtype": torch.get_default_dtype(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "threads": torch.get_num_threads(),
+        "grad": torch.is_grad_enabled(),
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+    }
+
+
+def _restore_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`_capture_state` captured."""
+    import random
+
+    import torch
+
+    now = _capture_state()
+    for name in now["environ"].keys() - state["environ"].keys():
+        del os.environ[name]
+    for name, value in state["environ"].items():
+        if now["environ"].get(name) != value:
+            os.environ[name] = value
+    if now["cwd"] != state["cwd"]:
+        os.chdir(state["cwd"])
+    if now["dtype"] != state["dtype"]:
+        torch.set_default_dtype(state["dtype"])
+    if now["deterministic"] != state["deterministic"]:
+        deterministic, warn_only = state["deterministic"]
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    if now["threads"] != state["threads"]:
+        torch.set_num_threads(state["threads"])
+    torch.set_grad_enabled(state["grad"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
 
 
 def _worker(
@@ -85,6 +152,7 @@ def _worker(
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
+    ready_state = _capture_state()
     results.put((rank, True, "ready"))
     while True:
         task = tasks.get()
@@ -98,6 +166,7 @@ def _worker(
             outcome = (rank, False, traceback.format_exc())
         try:
             destroy_parallel_state()
+            _restore_state(ready_state)
         except BaseException:
             outcome = (rank, False, traceback.format_exc())
         results.put(outcome)
@@ -183,6 +252,10 @@ class DistributedPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""
+        if not all(process.is_alive() for process in self._processes):
+            # A rank that died between functions (a function ended its process after it
+            # answered) would leave every later function waiting for the timeout.
+            self._restart()
         for task_queue in self._tasks:
             task_queue.put((fn, args, kwargs))
         return self._collect(getattr(fn, "__name__", repr(fn)))
@@ -208,6 +281,45 @@ class DistributedPool:
         self._terminate()
 
     def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PoolCache:
+    """Pools shared by the test modules of one process, one per setting (module docstring).
+
+    :meth:`get` starts a pool the first time a setting is asked for and returns the same pool
+    afterwards; :meth:`close` (or leaving the ``with`` block) stops every pool.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[tuple[Any, ...], DistributedPool] = {}
+
+    def get(
+        self,
+        world_size: int,
+        device: str = "cpu",
+        backend: str = "auto",
+        env: dict[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> DistributedPool:
+        """The pool of these settings (:class:`DistributedPool`'s arguments), started if new."""
+        key = (world_size, device, backend, tuple(sorted((env or {}).items())), timeout_s)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = DistributedPool(world_size, device, backend, env, timeout_s)
+            self._pools[key] = pool
+        return pool
+
+    def close(self) -> None:
+        """Stop every pool."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+    def __enter__(self) -> PoolCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
