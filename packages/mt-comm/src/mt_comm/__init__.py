@@ -9,8 +9,10 @@ from mt_comm.backend import (
 )
 from mt_comm.collectives import (
     FP8_DTYPES,
+    PendingReduce,
     all_gather,
     all_reduce,
+    all_reduce_start,
     all_to_all,
     batch_send_recv,
     broadcast,
@@ -46,9 +48,11 @@ __all__ = [
     "DistributedContext",
     "ParallelDims",
     "ParallelState",
+    "PendingReduce",
     "__version__",
     "all_gather",
     "all_reduce",
+    "all_reduce_start",
     "all_to_all",
     "batch_send_recv",
     "broadcast",

@@ -104,6 +104,36 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torc
     return tensor
 
 
+class PendingReduce:
+    """An :func:`all_reduce_start` in flight; :meth:`wait` blocks until its result is in the
+    tensor (on CUDA: until the current stream is ordered after it) and returns the tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work: Any, divisor: int) -> None:
+        self.tensor, self._work, self._divisor = tensor, work, divisor
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._divisor != 1:
+                self.tensor.div_(self._divisor)
+        return self.tensor
+
+
+def all_reduce_start(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> PendingReduce:
+    """Start :func:`all_reduce` of ``tensor`` in place without waiting for it: the collective
+    runs while the caller goes on (a different stream on CUDA, gloo's own threads on the CPU);
+    ``tensor`` must not be read or written until the returned handle's ``wait()``."""
+    reduce_op = _reduce_op(op, tensor)
+    if not _active(group):
+        return PendingReduce(tensor, None, 1)
+    divisor = 1
+    if op == "avg" and dist.get_backend(group) == "gloo":  # gloo has no AVG: sum, then divide
+        reduce_op, divisor = dist.ReduceOp.SUM, group_size(group)
+    work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+    return PendingReduce(tensor, work, divisor)
+
+
 def all_gather(tensor: torch.Tensor, dim: int = 0, group: Any = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order); same shapes required."""
     world = group_size(group)

@@ -31,6 +31,7 @@ from mt_parallel.data_parallel import (
     apply_data_parallel,
     is_expert_parameter,
     set_fp8_weight_cache,
+    start_gradient_average,
 )
 from mt_parallel.document_attention import (
     DOCUMENT_MASK_KERNELS,
@@ -116,6 +117,7 @@ __all__ = [
     "accumulate",
     "all_gather_grad_rs",
     "all_reduce_gradients",
+    "start_gradient_average",
     "apply_context_parallel",
     "apply_data_parallel",
     "apply_document_mask_kernel",

@@ -220,13 +220,39 @@ def set_fp8_weight_cache(model: nn.Module, enabled: bool) -> None:
 def all_reduce_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
     """Average the gradients over ``group`` with one flat all-reduce (mode ``none``), summed in
     fp32 or the gradients' wider dtype (fp64)."""
+    start_gradient_average(parameters, group).finish()
+
+
+class PendingGradientAverage:
+    """:func:`start_gradient_average` in flight: :meth:`finish` waits for the all-reduce and
+    writes the averages back into the gradients."""
+
+    def __init__(self, grads: list[torch.Tensor], flat: torch.Tensor | None, group: Any) -> None:
+        self._grads = grads
+        self._pending = None if flat is None else mt_comm.all_reduce_start(flat, "avg", group)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        if self._pending is None:
+            return
+        flat, self._pending = self._pending.wait(), None
+        offset = 0
+        for grad in self._grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+@torch.no_grad()
+def start_gradient_average(
+    parameters: Iterable[nn.Parameter], group: Any
+) -> PendingGradientAverage:
+    """Start :func:`all_reduce_gradients` (one flat all-reduce of a copy of the gradients) and
+    return at once; the gradients must not change before ``finish()`` writes the averages
+    into them. Each element's average depends only on the ranks' values of that element, so
+    splitting the parameters over several calls gives the same bits as one call."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads or group_size(group) == 1:
-        return
+        return PendingGradientAverage([], None, group)
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-    mt_comm.all_reduce(flat, op="avg", group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    return PendingGradientAverage(grads, flat, group)

@@ -16,14 +16,21 @@ checkpoint code is the same at every ``pp``. A run:
    ``loss_m · f_m / M``, as the pp=1 accumulation loop's; forward chunks run under autocast
    when the run is bf16 (a pre/post hook pair per chunk; the loss upcasts outside it, as the
    pp=1 step does);
-3. sums the gradients of modules both the first and last chunks run (DeepSeek-V3's input
-   embedding under MTP: :meth:`mt_parallel.PipelineModule.reduce_shared_gradients`), then
-   averages the gradients over dp×cp with one flat all-reduce (``data_parallel=ddp``; the
-   trainer itself does it for ``none``, ZeRO-1's reduce-scatter for ``zero1``): no DDP hooks run
-   inside the schedule (pytorch#144530); experts split over ``ep`` are summed over their
-   expert-data-parallel group and divided by dp×cp instead, for ``ddp`` and ``none``
-   (:func:`mt_parallel.moe.reduce_expert_gradients`, as at ``pp = 1``; ZeRO-1 reduces them
-   at its step, FSDP2 in the backward unless the edp group has one rank);
+3. averages the gradients over dp×cp (``data_parallel=ddp``; the trainer itself does it for
+   ``none``, ZeRO-1's reduce-scatter for ``zero1``, FSDP2's for ``fsdp``): no DDP hooks run
+   inside the schedule (pytorch#144530); instead each chunk's dense gradients start one flat
+   all-reduce as soon as the schedule has run the chunk's last backward of the step (its
+   ``REDUCE_GRAD`` action, :attr:`mt_parallel.PipelineSchedule.on_chunk_gradients`), so a
+   rank holding several chunks (interleaved, zero-bubble V and DualPipeV schedules) averages
+   one chunk's gradients while it computes the others' backwards; the step waits for them
+   after the schedule (and averages anything left: a torch without ``REDUCE_GRAD``). Experts
+   split over ``ep`` are summed over their expert-data-parallel group and divided by dp×cp
+   instead, for ``ddp`` and ``none`` (:func:`mt_parallel.moe.reduce_expert_gradients`, as at
+   ``pp = 1``; ZeRO-1 reduces them at its step, FSDP2 in the backward unless the edp group
+   has one rank). Then the gradients of modules both the first and last chunks run
+   (DeepSeek-V3's input embedding under MTP) are summed over the two copies
+   (:meth:`mt_parallel.PipelineModule.reduce_shared_gradients`; both averages are linear, so
+   averaging each copy over dp×cp first gives their dp×cp average of the sum);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total; the model's extra values (a VLM's token counts) are summed
@@ -103,6 +110,24 @@ class PipelineStep:
         if runner.autocast_dtype is not None:
             for chunk in module.pipeline_chunks:
                 self._autocast_forward(chunk)
+        self._averaging: list[tuple[list[torch.nn.Parameter], Any]] = []
+        """The dp×cp gradient averages started inside the schedule (module docstring, 3)."""
+        if parallel.data_parallel == "ddp" and mt_comm.group_size(self.dp_cp_group) > 1:
+            self.schedule.on_chunk_gradients = self._start_average
+
+    def _dense_gradients(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """The parameters with a gradient that ``ddp`` averages over dp×cp (experts aside)."""
+        return [
+            p
+            for p in module.parameters()
+            if p.grad is not None and not mt_parallel.is_expert_parameter(p)
+        ]
+
+    def _start_average(self, chunk: torch.nn.Module) -> None:
+        params = self._dense_gradients(chunk)
+        self._averaging.append(
+            (params, mt_parallel.start_gradient_average(params, self.dp_cp_group))
+        )
 
     def _autocast_forward(self, chunk: torch.nn.Module) -> None:
         regions: list[contextlib.AbstractContextManager] = []
@@ -142,14 +167,15 @@ class PipelineStep:
                 {"positions": positions, "document_ids": docs, **first_inputs, **last_inputs}
             )
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
-        self.module.reduce_shared_gradients()
         if self.parallel.data_parallel == "ddp":
-            params = [
-                p
-                for p in self.module.parameters()
-                if p.grad is not None and not mt_parallel.is_expert_parameter(p)
-            ]
-            mt_parallel.all_reduce_gradients(params, self.dp_cp_group)
+            done: set[int] = set()
+            for params, pending in self._averaging:
+                pending.finish()
+                done.update(id(p) for p in params)
+            self._averaging = []
+            rest = [p for p in self._dense_gradients(self.module) if id(p) not in done]
+            mt_parallel.all_reduce_gradients(rest, self.dp_cp_group)
+        self.module.reduce_shared_gradients()
         # It leaves the experts FSDP2 or ZeRO-1 reduce themselves alone.
         mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device

@@ -28,9 +28,16 @@ What this module adds around it:
   micro-batch's :class:`~mt_parallel.moe.AuxLossScale` (``f_m / M``) as the keyword
   ``aux_loss_scale`` and attach their layers' losses to their output
   (:mod:`mt_parallel.moe.carry`); their per-micro-batch records are cleared at each step.
-* Data-parallel gradients are never reduced by the runtime: stages hold plain modules (no DDP
-  wrapper, whose hooks zero-bubble schedules skip, pytorch#144530), and the caller reduces the
-  gradients over dp×cp after :meth:`PipelineSchedule.step`, as ``data_parallel=none`` does.
+* Data-parallel gradients are never reduced by a DDP wrapper: stages hold plain modules (DDP's
+  hooks are skipped by zero-bubble schedules, pytorch#144530). torch's lowering puts a
+  ``REDUCE_GRAD`` action after each chunk's last backward (``B`` or ``W``) of the step, whose
+  default is FSDP2's post-backward (the reduce-scatter of a chunk sharded by FSDP2); this
+  module runs that default and then :attr:`PipelineSchedule.on_chunk_gradients` with the
+  chunk, at that point of the schedule: a caller that starts the chunk's dp×cp all-reduce there
+  (``data_parallel=ddp``, :mod:`mt_train.pipeline_step`) overlaps it with the rest of the
+  schedule (the other chunks' backwards on this rank), and waits for it after
+  :meth:`PipelineSchedule.step`. A torch without ``REDUCE_GRAD`` never calls the hook, and the
+  caller reduces everything after the step.
 * p2p: torch's lowering posts each receive when its sender's action is issued, so between two
   ranks the sends and receives are in the same order (checked in the tests); every operation
   is its own batch of one, so gloo's batched send/receive ordering (pytorch#152938) is never
@@ -47,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
 
 import mt_fp8
 from mt_parallel.moe.carry import AuxLossScale
@@ -133,6 +140,21 @@ class PipelineSchedule:
             stages, microbatches, loss_fn=self._scaled_loss, scale_grads=False
         )
         self.runtime._prepare_schedule_with_comms(self.actions)
+        self._stage_of = {s.stage_index: s for s in stages}
+        self.on_chunk_gradients: Callable[[nn.Module], None] | None = None
+        """Called with each chunk once its gradients of the step are complete (module
+        docstring); None: nothing."""
+        reduce_grad = getattr(_ComputationType, "REDUCE_GRAD", None)
+        if reduce_grad is not None:  # torch >= 2.10; without it the hook is never called
+            self.runtime.register_custom_function(reduce_grad, self._chunk_done)
+
+    def _chunk_done(self, action: Any, ctx: Any) -> None:
+        """``REDUCE_GRAD``: torch's own action (FSDP2's post-backward; the runtime's gradient
+        scaling is off), then :attr:`on_chunk_gradients`."""
+        stage = self._stage_of[action.stage_index]
+        stage.perform_reduce_grad(1)
+        if self.on_chunk_gradients is not None:
+            self.on_chunk_gradients(stage.submod)
 
     def _weight_grad_sink(self, chunk: nn.Module) -> Callable[[], Callable[[], None]] | None:
         """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; None without."""
