@@ -93,6 +93,20 @@ class PipelineStepResult:
     """The model's extra values summed over micro-batches (last chunk's rank)."""
 
 
+def _registers_reduce_grad(runtime: _PipelineScheduleRuntime, function: Callable) -> bool:
+    """Register ``function`` for the runtime's ``REDUCE_GRAD`` action, where the installed
+    torch has that action and accepts a custom function for it."""
+    reduce_grad = getattr(_ComputationType, "REDUCE_GRAD", None)
+    register = getattr(runtime, "register_custom_function", None)
+    if reduce_grad is None or register is None:
+        return False
+    try:
+        register(reduce_grad, function)
+    except ValueError:  # a torch that knows the action but not custom functions for it
+        return False
+    return True
+
+
 class PipelineSchedule:
     """One rank's chunks and a schedule, run by torch's action runtime (module docstring)."""
 
@@ -144,9 +158,9 @@ class PipelineSchedule:
         self.on_chunk_gradients: Callable[[nn.Module], None] | None = None
         """Called with each chunk once its gradients of the step are complete (module
         docstring); None: nothing."""
-        reduce_grad = getattr(_ComputationType, "REDUCE_GRAD", None)
-        if reduce_grad is not None:  # torch >= 2.10; without it the hook is never called
-            self.runtime.register_custom_function(reduce_grad, self._chunk_done)
+        self.reports_chunks = _registers_reduce_grad(self.runtime, self._chunk_done)
+        """Whether :attr:`on_chunk_gradients` is called (a torch whose runtime has a
+        ``REDUCE_GRAD`` action that takes a custom function)."""
 
     def _chunk_done(self, action: Any, ctx: Any) -> None:
         """``REDUCE_GRAD``: torch's own action (FSDP2's post-backward; the runtime's gradient
