@@ -201,10 +201,10 @@ def test_fp8_experts_are_priced_from_grouped_linear_entries() -> None:
         cost, est = _moe_estimate(_expert_entries(dtype, rate), fp8="rowwise")
         assert est.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
         # the entries time the experts' quantization too: only the attention's is left, so the
-        # difference to no entries is the experts' (A+2)·rows·(D+F) bytes per projection
-        # (roofline-priced: this table has no quantize rate)
+        # difference to no entries is the experts' rowwise (3A+2)·rows·(D+F) bytes per
+        # projection (roofline-priced: this table has no quantize rate)
         unmeasured = _moe_estimate([], fp8="rowwise")[1]
-        expert_quantize = 2 * 3 * 4 * 8192 * (4096 + 14336) / cost.cluster.gpu.memory_bandwidth
+        expert_quantize = 2 * 3 * 8 * 8192 * (4096 + 14336) / cost.cluster.gpu.memory_bandwidth
         assert unmeasured.compute["fp8_quantize"] - est.compute["fp8_quantize"] == pytest.approx(
             expert_quantize, rel=1e-9
         )

@@ -8,13 +8,30 @@ autocast, 4 in fp32), ``m`` micro-batches per step per rank, ``W = dp·cp`` the 
 Compute, per decoder layer and micro-batch, in three parts (the pipeline simulator's ``F``,
 ``I``, ``W``): every linear as a GEMM (forward ``M×N×K``, input gradient ``M×K×N``, weight
 gradient ``K×N×M``; FP8 recipes run the block linears' GEMMs in ``fp8_<recipe>`` and add the
-quantization of inputs and output gradients as memory-bound ops; the output head and the fp32
-router stay high precision), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
+quantization of inputs and output gradients as memory-bound ops, below; the output head and the
+fp32 router stay high precision), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
 forward FLOPs, a FlashAttention backward of 2.5× that), and memory-bound ops by the bytes they
 must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy). Times come
 from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds to ``I``: ``full`` the whole
 block forward again (``full_keep`` without the attention core), ``selective`` the attention
-core, ``selective_mlp`` the core and SwiGLU.
+core, ``selective_mlp`` the core and SwiGLU (under FP8 only the core: the FP8 down projection
+quantizes SwiGLU's product from gate and up, so there is no SwiGLU module to recompute).
+
+FP8 quantization, as mt-fp8 runs it (:mod:`mt_fp8.linear_plan`). Each quantized activation or
+output gradient becomes an FP8 GEMM operand and its transpose (2 bytes written per element)
+after :data:`QUANTIZE_READS` reads of the high-precision tensor (tensorwise: an amax launch, then
+the cast; delayed: one, the amax is recorded in the cast; blockwise and MXFP8: a row-group and a
+column-group kernel; rowwise: the row kernel, the column amax and the column cast). The
+calibration's ``quantize`` rate is the current tensorwise quantizer's, rated per ``A + 2`` bytes
+while it moves ``2A + 2``, so a quantization moving ``B`` bytes is priced as ``B·(A+2)/(2A+2)``
+of them at that rate. Layers reading one tensor share its quantization (``quantize_shared_input``:
+q/k/v, gate/up, MLA's kv_a and q_a or q under current scaling); the down projection's input
+``silu(gate)·up`` is quantized straight from gate and up under tensorwise and delayed scaling
+(SwiGLU's forward does not run; the quantizer reads ``2A`` bytes per element), and computed, then
+quantized, under the other recipes. The FP8 weight and its transpose are quantized once per step
+from the fp32 weight (the weight cache), :data:`WEIGHT_READS` reads (rowwise adds an FP8 byte
+transpose, its fp32 column cast stores untransposed), charged with the optimizer. Rowwise
+GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per weight).
 
 Routed experts, per projection of ``rows = T_n·k`` rows over the rank's ``E/ep`` experts
 (mt-parallel's ``GroupedLinear`` and, under FP8, mt-fp8's ``FP8GroupedLinear``). Where the table
@@ -98,6 +115,14 @@ from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
 
 EXPERT_OPS = ("grouped_linear_fwd", "grouped_linear_bwd")
+QUANTIZE_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 2, "mxfp8": 2}
+"""Reads of a high-precision activation or gradient by mt-fp8's quantizer for its FP8 operand
+and transpose, per recipe (module docstring, "FP8 quantization")."""
+WEIGHT_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 1, "mxfp8": 2}
+"""The same for the fp32 weight (blockwise: 128×128 blocks, transposed in the same pass)."""
+SWIGLU_INTO_FP8 = ("tensorwise", "delayed")
+"""Recipes whose down projection quantizes ``silu(gate)·up`` from gate and up (tensorwise INPUT
+scales: ``LinearPlan.quantize_swiglu_input``'s fused path)."""
 
 
 @dataclass(frozen=True)
@@ -219,10 +244,33 @@ class CostModel:
             return "bf16"
         return f"fp8_{fp8}"
 
+    def _quantize(
+        self, fp8: str, elements: float, shape: tuple[int, ...], source: int, weight: bool = False
+    ) -> tuple[float, bool]:
+        """mt-fp8's quantization of ``elements`` values of ``source`` bytes each into an FP8
+        operand and its transpose under recipe ``fp8`` (module docstring, "FP8 quantization")."""
+        reads = (WEIGHT_READS if weight else QUANTIZE_READS).get(fp8, 2)
+        per_element = reads * source + 2 + (2 if weight and fp8 == "rowwise" else 0)
+        moved = per_element * elements
+        if self.table.has("quantize", "bf16"):
+            A = self.work.act_bytes
+            moved *= (A + 2) / (2 * A + 2)  # the entry's bytes: A + 2 of the 2A + 2 it moves
+        return self._membound("quantize", moved, shape)
+
     def _linear(
-        self, ph: _Phase, cls: str, M: int, N: int, K: int, fp8: str, groups: int = 0
+        self,
+        ph: _Phase,
+        cls: str,
+        M: int,
+        N: int,
+        K: int,
+        fp8: str,
+        groups: int = 0,
+        quantize_input: bool = True,
     ) -> None:
-        """A linear's three GEMMs (+ FP8 quantization of its input and output gradient)."""
+        """A linear's three GEMMs (+ FP8 quantization of its input and output gradient;
+        ``quantize_input=False``: the previous layer read the same input and its FP8 operands
+        are reused, module docstring)."""
         dtype = self._gemm_dtype(fp8)
         f, r1 = self._gemm(dtype, M, N, K, groups)
         i, r2 = self._gemm(dtype, M, K, N, groups)
@@ -230,9 +278,12 @@ class CostModel:
         ph.add(cls, f, i, w, r1 or r2 or r3)
         if fp8 != "none":
             A = self.work.act_bytes
-            qf, rf = self._membound("quantize", (A + 2) * M * K, (M, K))
-            qb, rb = self._membound("quantize", (A + 2) * M * N, (M, N))
+            qf, rf = self._quantize(fp8, M * K, (M, K), A) if quantize_input else (0.0, False)
+            qb, rb = self._quantize(fp8, M * N, (M, N), A)
             ph.add("fp8_quantize", qf, qb, 0.0, rf or rb)
+            if fp8 == "rowwise" and not groups:  # the bf16 weight gradient converted to fp32
+                cv, rc = self._membound("copy", (2 + 4) * N * K, (N, K))
+                ph.add("fp8_wgrad_convert", 0.0, 0.0, cv, rc)
 
     def expert_entries(self, fp8: str) -> str | None:
         """The dtype whose ``grouped_linear`` entries price the routed experts' linears under
@@ -300,8 +351,8 @@ class CostModel:
         if md.attention == "gqa":
             hd, Hkv = md.head_dim, md.n_kv_heads // tp
             self._linear(ph, "attention_proj", T, H * hd, D, fp8)
-            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8)
-            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8)
+            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8, quantize_input=False)
+            self._linear(ph, "attention_proj", T, Hkv * hd, D, fp8, quantize_input=False)
             self._linear(ph, "attention_proj", T, D, H * hd, fp8)
             rope_bytes = 2 * A * T * (H + Hkv) * hd
             kv_heads, qk, vd = Hkv, hd, hd
@@ -322,7 +373,10 @@ class CostModel:
             # kv_b expands it on every cp rank, so kv_b runs on Tk = b·s tokens, and the core
             # keeps the whole sequence's k and v (kv_b's saved input is the gathered c).
             Tk = b * w.seq_len if L.cp > 1 else T
-            self._linear(ph, "attention_proj", T, kvr + rope, D, fp8)
+            # kv_a reads q_a's (or q's) input: shared under current scaling; delayed scaling
+            # ties no MLA input scales, so each quantizes its own
+            shared = fp8 != "delayed"
+            self._linear(ph, "attention_proj", T, kvr + rope, D, fp8, quantize_input=not shared)
             self._linear(ph, "attention_proj", Tk, H * (md.qk_nope_head_dim + vd), kvr, fp8)
             self._linear(ph, "attention_proj", T, D, H * vd, fp8)
             rope_bytes = 2 * A * T * (H + 1) * rope
@@ -434,7 +488,7 @@ class CostModel:
         elif L.recompute in ("selective", "selective_mlp"):
             extra = core_f
             saved -= 4 * b * H * s_loc
-            if L.recompute == "selective_mlp":
+            if L.recompute == "selective_mlp" and fp8 == "none":  # FP8: no SwiGLU module
                 swiglu = ph.classes.get("swiglu", 0.0) * 6 / 16
                 extra += swiglu
             ph.igrad += extra
@@ -442,17 +496,23 @@ class CostModel:
         return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full)
 
     def _mlp(self, ph: _Phase, T: int, D: int, F: int, fp8: str) -> None:
+        """A SwiGLU MLP: gate and up share their input's quantization; under
+        :data:`SWIGLU_INTO_FP8` recipes SwiGLU's forward is the down projection's quantizer."""
         A = self.work.act_bytes
+        fused = fp8 in SWIGLU_INTO_FP8
         self._linear(ph, "mlp", T, F, D, fp8)
-        self._linear(ph, "mlp", T, F, D, fp8)
-        self._linear(ph, "mlp", T, D, F, fp8)
+        self._linear(ph, "mlp", T, F, D, fp8, quantize_input=False)
+        self._linear(ph, "mlp", T, D, F, fp8, quantize_input=not fused)
         sw, r = self._membound("swiglu", 6 * A * T * F, (T, F))
-        ph.add("swiglu", sw, sw * 10 / 6, 0.0, r)
+        ph.add("swiglu", 0.0 if fused else sw, sw * 10 / 6, 0.0, r)
+        if fused:
+            q, rq = self._quantize(fp8, T * F, (T, F), 2 * A)
+            ph.add("fp8_quantize", q, 0.0, 0.0, rq)
 
     def _mlp_saved(self, T: int, D: int, F: int, fp8: str, recompute: str) -> float:
         A = self.work.act_bytes
         saved = (1 if fp8 != "none" else A) * T * D + 2 * A * T * F
-        if recompute != "selective_mlp":
+        if recompute != "selective_mlp" or fp8 != "none":  # FP8: down's FP8 input is saved
             saved += (1 if fp8 != "none" else A) * T * F
         return saved
 
@@ -653,8 +713,8 @@ class CostModel:
         adam, _ = self._membound("adamw", 28 * updated, (int(updated),))
         norm, _ = self._membound("copy", 4 * updated, (int(updated),))
         requant = 0.0
-        if L.fp8 != "none":
-            requant, _ = self._membound("quantize", 6 * fp8_params, (int(fp8_params),))
+        if L.fp8 != "none":  # once per step, from the fp32 weights (module docstring)
+            requant, _ = self._quantize(L.fp8, fp8_params, (int(fp8_params),), 4, weight=True)
         optimizer = adam + norm + requant
         classes["optimizer"] = optimizer
 
