@@ -91,14 +91,22 @@ Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocas
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
 master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks, under pp plus the
 chunks' gathered weights and unreduced gradients, held through the schedule; expert parameters
-``/(W/ep)`` in both), FP8 weight caches (the
-FP8 weight and its transpose, 2 bytes per FP8 parameter; none under FSDP), autocast's bf16
-copies of the high-precision linears' weights (the head, and every block linear without FP8),
-which the backward keeps, activations (each layer's saved tensors by recompute policy, times
-the in-flight micro-batches: 1 without pp, the simulator's peak with pp), the logits and their
-gradient on the last stage, and one recomputed block's activations while its backward runs.
+``/(W/ep)`` in both), then what the forward builds and the backward frees: FP8 weight caches
+(the FP8 weight and its transpose, 2 bytes per FP8 parameter, kept from the first forward until
+the layer's backward in the step's last micro-batch frees them; none under FSDP), autocast's
+bf16 copies of the high-precision linears' weights (the head, and every block linear without
+FP8), which the backward keeps, activations (each layer's saved tensors by recompute policy,
+times the in-flight micro-batches: 1 without pp, the simulator's peak with pp), and on the last
+stage the logits and their gradient. Under full recompute the checkpointed blocks keep no bf16
+weight copy (autocast's cache holds them until the forward's autocast region ends), and the
+largest of three moments counts: the forward's end (every bf16 copy, the logits), the loss's
+backward (the head's copy, the logits and their gradient) and a block's recomputation (its
+activations, built after the head's backward freed the logits).
 With ``m > 1`` (or pp) gradients live while the next micro-batch's forward tensors are built;
-with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two.
+with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two, plus, under
+FP8, what the layer backpropagated last holds beside every gradient: its largest projection's FP8
+weight and transpose (freed once that layer's backward has run) and, under rowwise scaling, the
+bf16 result of its weight gradient before the conversion to fp32.
 The allocator's overhead (fragmentation, reserved above allocated) is a fraction on top.
 """
 
@@ -898,22 +906,47 @@ class CostModel:
             mem["optimizer"] = 8 * params
             if W > 1:
                 mem["ddp_buckets"] = 4 * local
-        if L.fp8 != "none" and not (L.dp_mode == "fsdp" and W > 1):
-            mem["fp8_weight_cache"] = 2 * linear
         T = L.micro_batch * w.seq_len // L.cp
         head = md.embedding_params() / L.tp if last_stage else 0.0
         # autocast's low-precision copies of the high-precision linears' fp32 weights, kept for
         # the backward (FP8 layers quantize from fp32 and keep their FP8 cache instead)
-        high_precision = head + (linear if L.fp8 == "none" else 0.0)
-        forward_phase = {
-            "activations": acts,
-            "autocast_weight_copies": high_precision * w.act_bytes if w.act_bytes < 4 else 0.0,
-            "logits": 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0,
-            "recompute_transient": block if L.recompute in ("full", "full_keep") else 0.0,
-        }
+        copy_bytes = w.act_bytes if w.act_bytes < 4 else 0.0
+        blocks_copy = (linear if L.fp8 == "none" else 0.0) * copy_bytes
+        logits = 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0
+        forward_phase = {"activations": acts}
+        if L.fp8 != "none" and not (L.dp_mode == "fsdp" and W > 1):
+            forward_phase["fp8_weight_cache"] = 2 * linear  # freed by the last backward
+        moment = {"autocast_weight_copies": head * copy_bytes + blocks_copy, "logits": logits}
+        if L.recompute in ("full", "full_keep"):  # the largest moment (module docstring)
+            moments = (
+                {"autocast_weight_copies": head * copy_bytes + blocks_copy, "logits": logits / 2},
+                {"autocast_weight_copies": head * copy_bytes, "logits": logits},
+                {"recompute_transient": block},
+            )
+            moment = max(moments, key=lambda parts: sum(parts.values()))
+        forward_phase.update(
+            {"autocast_weight_copies": 0.0, "logits": 0.0, "recompute_transient": 0.0, **moment}
+        )
         mem.update(forward_phase)
         if m == 1 and L.pp == 1:
             # one micro-batch: the gradients grow while the forward's tensors are freed, so
-            # only what they exceed them by adds to the peak
-            mem["gradients"] = max(mem["gradients"] - sum(forward_phase.values()), 0.0)
+            # only what they exceed them by adds to the peak; the FP8 weights of the first
+            # layer's largest projection outlive its weight gradient (module docstring)
+            forward = sum(forward_phase.values())
+            last = self._last_fp8_projection(L) if "fp8_weight_cache" in forward_phase else 0.0
+            grads = mem["gradients"]
+            mem["gradients"] = max(grads - forward, 0.0)
+            if last:
+                mem["fp8_last_backward"] = max(grads + last - forward, 0.0) - mem["gradients"]
         return mem
+
+    def _last_fp8_projection(self, L: Layout) -> float:
+        """Bytes the first decoder layer's largest FP8 projection holds beside every gradient
+        while its backward runs: its cached FP8 weight and transpose (2 per weight), and under
+        rowwise scaling its weight gradient's bf16 result before the fp32 conversion (2 more)."""
+        md = self.model
+        if md.moe and md.first_k_dense == 0:
+            params = md.num_experts // L.ep * md.expert_ffn_dim * md.dim  # the stacked experts
+        else:
+            params = md.ffn_dim // L.tp * md.dim
+        return (4 if L.fp8 == "rowwise" else 2) * params

@@ -1,0 +1,70 @@
+"""The memory peak's parts that depend on when the step frees them.
+
+* the FP8 weight cache lives from the first forward until each layer's backward in the step's
+  last micro-batch, so it is a forward-phase tensor: with one micro-batch a gradient-bound peak
+  holds only the first layer's largest projection's FP8 weights beside every gradient (under
+  rowwise also that weight gradient's bf16 result);
+* under full recompute the checkpointed blocks keep no bf16 weight copy, and the largest of the
+  forward's end, the loss's backward and a block's recomputation counts, not their sum.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mt_plan.calibration import load_table
+from mt_plan.cluster import load_cluster
+from mt_plan.cost import CostModel, Workload
+from mt_plan.layout import Layout
+from mt_plan.shape import ModelShape
+
+
+def _shape(n_layers: int, dim: int, ffn_dim: int, vocab: int = 128256) -> ModelShape:
+    return ModelShape(
+        name="llama", family="llama", n_layers=n_layers, dim=dim, vocab_size=vocab,
+        n_heads=dim // 128, n_kv_heads=8, head_dim=128, ffn_dim=ffn_dim,
+    )  # fmt: skip
+
+
+def _memory(shape: ModelShape, seq: int, **layout) -> dict[str, float]:
+    cost = CostModel(shape, load_cluster("h100_nodes").with_gpus(1), load_table("h100"),
+                     Workload(seq_len=seq, global_batch=1))  # fmt: skip
+    return cost.estimate(Layout(**layout)).memory
+
+
+def test_fp8_weight_cache_is_freed_as_the_gradients_grow() -> None:
+    # Llama3-70B's width, two layers, sequence 4096: the gradients outgrow the forward's tensors
+    # (docs/plan.md: measured 57.14 GiB in bf16 and 57.20 under tensorwise on one H100)
+    shape = _shape(2, 8192, 28672)
+    params = shape.total_params()
+    gradient_bound = 16 * params  # fp32 weights, AdamW's two moments, every gradient
+    assert sum(_memory(shape, 4096).values()) == pytest.approx(gradient_bound, rel=1e-12)
+    last = 8192 * 28672  # the first layer's largest projection (its MLP's)
+    for fp8, held in (("tensorwise", 2 * last), ("delayed", 2 * last), ("rowwise", 4 * last)):
+        memory = _memory(shape, 4096, fp8=fp8)
+        assert memory["fp8_weight_cache"] > 0 and memory["fp8_last_backward"] == held
+        assert sum(memory.values()) == pytest.approx(gradient_bound + held, rel=1e-12), fp8
+
+
+def test_full_recompute_counts_the_largest_moment() -> None:
+    # the 16k-token 4-layer slice of docs/plan.md (measured 31.74 GiB on one H100): the peak is
+    # the loss's backward, the logits and their gradient beside the checkpoints and the head's
+    # bf16 copy; neither the blocks' bf16 copies nor a recomputed block are alive then
+    T, D, V = 16384, 4096, 128256
+    shape = _shape(4, D, 14336)
+    memory = _memory(shape, T, recompute="full")
+    assert memory["logits"] == 2 * 2 * T * V
+    assert memory["autocast_weight_copies"] == 2 * V * D
+    assert memory["recompute_transient"] == 0
+    assert memory["activations"] == 4 * 4 * T * D
+    # a small vocabulary: a block's recomputation is the largest moment
+    memory = _memory(_shape(4, D, 14336, vocab=320), T, recompute="full")
+    assert memory["recompute_transient"] > 0
+    assert memory["logits"] == memory["autocast_weight_copies"] == 0
+    # many layers at a short sequence: the forward's end, every bf16 copy and the logits alone
+    shape = _shape(16, D, 14336)
+    memory = _memory(shape, 1024, recompute="full")
+    linears = 16 * (D * (D + 2 * 1024 + D) + 3 * D * 14336)
+    assert memory["autocast_weight_copies"] == 2 * (V * D + linears)
+    assert memory["logits"] == 2 * 1024 * V
+    assert memory["recompute_transient"] == 0
