@@ -19,9 +19,14 @@ model prices the experts from ``grouped_gemm`` (:mod:`mt_plan.cost`). Memory-bou
 (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``, ``quantize``, ``permute``,
 ``copy``) are rated in bytes per second for the minimum bytes the op moves.
 
-Lookup (:meth:`CalibrationTable.gemm_time`, :meth:`membound_time`). For an op and dtype with
-entries, the achieved rate of the nearest measured shape (Euclidean distance of the log shape)
-is used, never faster than the roofline: ``t = max(flops / rate, flops / peak, bytes / bw)``.
+Lookup (:meth:`CalibrationTable.compute_time`, :meth:`membound_time`). For an op and dtype with
+entries, the achieved rate is interpolated multilinearly in the log shape between the measured
+shapes that bracket the asked one in every dimension (clamped at the measured range's ends), or,
+where those corners were not all measured, the rate of the nearest measured shape (Euclidean
+distance of the log shape); never faster than the roofline:
+``t = max(flops / rate, flops / peak, bytes / bw)``. NOTE: with the nearest shape alone, a shape
+halfway between two measured ones in log (2048 between 1024 and 4096) took whichever the table
+listed first, the smaller and mostly slower one.
 An FP8 recipe without entries takes ``fp8_tensorwise``'s rate, any other dtype without entries
 the bf16 rate scaled by the ratio of the peaks (``source = "derived"``). With nothing to
 derive from, the roofline alone (``flops / peak`` and ``bytes / bw``,
@@ -32,6 +37,7 @@ writes tables; ``mt_plan/data/calibration/h200.json`` ships the H200's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -80,6 +86,7 @@ class CalibrationTable:
     _by_key: dict[tuple[str, str], list[tuple[tuple[float, ...], float]]] = field(
         default_factory=dict, repr=False
     )
+    _grid: dict[tuple[str, str], _Grid | None] = field(default_factory=dict, repr=False)
     _cache: dict[tuple, tuple[float, str]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +100,8 @@ class CalibrationTable:
             key = (e.op, e.dtype)
             logs = tuple(math.log2(d) for d in e.shape)
             self._by_key.setdefault(key, []).append((logs, e.rate))
+        for key, measured in self._by_key.items():
+            self._grid[key] = _Grid.of(measured)
 
     def has(self, op: str, dtype: str) -> bool:
         return (op, dtype) in self._by_key
@@ -102,6 +111,10 @@ class CalibrationTable:
         if not measured:
             return None
         logs = tuple(math.log2(max(d, 1)) for d in shape)
+        grid = self._grid[(op, dtype)]
+        interpolated = None if grid is None else grid.interpolate(logs)
+        if interpolated is not None:
+            return interpolated
         best = min(
             measured,
             key=lambda m: sum((a - b) ** 2 for a, b in zip(m[0], logs, strict=False)),
@@ -192,3 +205,43 @@ def load_table(name_or_path: str | None) -> CalibrationTable:
             "JSON path written by mt-plan calibrate"
         )
     return table_from_dict(json.loads((folder / f"{name_or_path}.json").read_text()))
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """One op and dtype's measured shapes as a grid in log shape (module docstring, lookup)."""
+
+    rates: dict[tuple[float, ...], float]
+    axes: tuple[tuple[float, ...], ...]
+    """The measured values of each dimension, ascending."""
+
+    @classmethod
+    def of(cls, measured: list[tuple[tuple[float, ...], float]]) -> _Grid | None:
+        if len({len(logs) for logs, _ in measured}) != 1:
+            return None
+        dims = len(measured[0][0])
+        axes = tuple(tuple(sorted({logs[d] for logs, _ in measured})) for d in range(dims))
+        return cls(dict(measured), axes)
+
+    def interpolate(self, logs: tuple[float, ...]) -> float | None:
+        """The rate multilinear in log shape between the measured shapes that bracket ``logs``
+        in every dimension (clamped at the grid's ends); None unless every bracketing corner
+        was measured, or ``logs`` has another number of dimensions."""
+        if len(logs) != len(self.axes):
+            return None
+        corners = []
+        for values, q in zip(self.axes, logs, strict=True):
+            lo = max((v for v in values if v <= q), default=values[0])
+            hi = min((v for v in values if v >= q), default=values[-1])
+            if hi == lo:
+                corners.append(((lo, 1.0),))
+            else:
+                t = (q - lo) / (hi - lo)
+                corners.append(((lo, 1.0 - t), (hi, t)))
+        total = 0.0
+        for corner in itertools.product(*corners):
+            rate = self.rates.get(tuple(v for v, _ in corner))
+            if rate is None:
+                return None
+            total += math.prod(w for _, w in corner) * rate
+        return total
