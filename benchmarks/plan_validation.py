@@ -22,6 +22,15 @@ Run on an H200 (after ``mt-plan calibrate --out h200.json``)::
     python benchmarks/plan_validation.py --report plan_validation.jsonl --plot docs/img/plan_validation.png
 
 ``--tiny`` measures two toy configurations on the CPU (a smoke run of the whole path).
+
+``--repredict`` recomputes the predictions of recorded rows on the CPU (no GPU, no new
+measurement): each row's overrides and vocabulary through today's cost model with the table of
+``--calibration`` on ``--cluster``; it prints each row's step and memory errors with the recorded
+predictions and with the new ones, then the report of the new ones (``--out``: the rows with
+the new predictions, their measurements as recorded)::
+
+    python benchmarks/plan_validation.py --repredict docs/data/plan_validation_h100.jsonl \
+        --calibration h100 --cluster h100_nodes
 """
 
 from __future__ import annotations
@@ -210,6 +219,59 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def repredict(rows: list[dict], calibration: str, cluster: str) -> list[dict]:
+    """``rows`` with their predictions recomputed from their overrides and vocabulary (the
+    measurements as recorded)."""
+    return [{**r, **predict(r["overrides"], calibration, r.get("vocab", 320), cluster)}
+            for r in rows]  # fmt: skip
+
+
+def _errors(row: dict) -> tuple[float | None, float | None]:
+    """(step-time error, memory error) of a row that ran, else Nones."""
+    if row.get("oom") or "measured_step_s" not in row:
+        return None, None
+    step = row["predicted_step_s"] / row["measured_step_s"] - 1
+    m = row.get("measured_alloc_bytes")
+    return step, (row["predicted_alloc_bytes"] / m - 1) if m else None
+
+
+def compare(before: list[dict], after: list[dict]) -> str:
+    """Each row's errors with the recorded predictions and with the recomputed ones, and the
+    median and largest of each."""
+    lines = ["| config | measured s | predicted s, recorded | now | measured GiB | "
+             "predicted GiB, recorded | now |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    summary: dict[str, list[float]] = {"step": [], "step now": [], "mem": [], "mem now": []}
+    for old, new in zip(before, after, strict=True):
+        (t0, m0), (t1, m1) = _errors(old), _errors(new)
+        if t0 is None:
+            lines.append(f"| {old['name']} | OOM | {old['predicted_step_s']:.4f} | "
+                         f"{new['predicted_step_s']:.4f} | | | |")  # fmt: skip
+            continue
+        summary["step"].append(abs(t0))
+        summary["step now"].append(abs(t1))
+        row = (f"| {old['name']} | {old['measured_step_s']:.4f} | "
+               f"{old['predicted_step_s']:.4f} ({t0:+.1%}) | {new['predicted_step_s']:.4f} "
+               f"({t1:+.1%}) |")  # fmt: skip
+        if m0 is None:
+            lines.append(row + " | | |")
+            continue
+        summary["mem"].append(abs(m0))
+        summary["mem now"].append(abs(m1))
+        gib = 2**30
+        lines.append(row + f" {old['measured_alloc_bytes'] / gib:.2f} | "
+                     f"{old['predicted_alloc_bytes'] / gib:.2f} ({m0:+.1%}) | "
+                     f"{new['predicted_alloc_bytes'] / gib:.2f} ({m1:+.1%}) |")  # fmt: skip
+    if summary["step"]:
+        lines += ["", "|error|, recorded → now: step time median "
+                  f"{statistics.median(summary['step']):.1%} → "
+                  f"{statistics.median(summary['step now']):.1%}, max {max(summary['step']):.1%}"
+                  f" → {max(summary['step now']):.1%}"]  # fmt: skip
+    if summary["mem"]:
+        lines[-1] += f"; memory max {max(summary['mem']):.1%} → {max(summary['mem now']):.1%}"
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -236,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calibration", default="h200")
     parser.add_argument("--cluster", default="h200", help="mt-plan cluster of the predictions")
-    parser.add_argument("--out", default="plan_validation.jsonl")
+    parser.add_argument("--out", help="JSON lines written (default plan_validation.jsonl)")
     parser.add_argument("--only", help="comma-separated config names")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
@@ -245,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", help="JSON lines to report on (no runs)")
     parser.add_argument("--plot", help="with --report: write the figure here")
+    parser.add_argument("--repredict", help="JSON lines whose predictions to recompute (no runs)")
     parser.add_argument("--measure-one", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_one:
@@ -257,6 +320,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(rows, args.plot)
         return 0
+    if args.repredict:
+        rows = [json.loads(line) for line in Path(args.repredict).read_text().splitlines()]
+        new = repredict(rows, args.calibration, args.cluster)
+        print(compare(rows, new) + "\n\n" + report(new))
+        if args.out:
+            Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in new))
+        return 0
+    out = args.out or "plan_validation.jsonl"
     configs = TINY_CONFIGS if args.tiny else CONFIGS
     names = args.only.split(",") if args.only else list(configs)
     device = "cpu" if args.tiny else args.device
@@ -276,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"name": name, "overrides": overrides, **measured,
                **predict(overrides, args.calibration, measured.get("vocab", 320), args.cluster)}  # fmt: skip
         rows.append(row)
-        with open(args.out, "a") as f:
+        with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
     print(report(rows))

@@ -38,3 +38,31 @@ def test_kendall_tau() -> None:
     assert plan_validation.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert plan_validation.kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     assert plan_validation.kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == 4 / 6
+
+
+def test_repredict_recomputes_the_predictions_of_recorded_rows(tmp_path, capsys) -> None:
+    import plan_validation
+
+    rows = []
+    for i, (name, overrides) in enumerate(plan_validation.TINY_CONFIGS.items()):
+        rows.append({"name": name, "overrides": plan_validation.with_batch(overrides),
+                     "oom": False, "measured_step_s": 0.01 * (i + 1), "vocab": 320,
+                     "measured_alloc_bytes": 2**20 * (i + 1), "predicted_step_s": 1.0,
+                     "predicted_alloc_bytes": 1.0, "predicted_fits": True,
+                     "tokens_per_step": 128})  # fmt: skip
+    recorded = tmp_path / "recorded.jsonl"
+    recorded.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "now.jsonl"
+    args = ["--repredict", str(recorded), "--calibration", "h200", "--cluster", "h200",
+            "--out", str(out)]  # fmt: skip
+    assert plan_validation.main(args) == 0
+    now = [json.loads(line) for line in out.read_text().splitlines()]
+    for old, new in zip(rows, now, strict=True):
+        expected = plan_validation.predict(old["overrides"], "h200", 320, "h200")
+        assert new["predicted_step_s"] == expected["predicted_step_s"] != old["predicted_step_s"]
+        assert new["predicted_alloc_bytes"] == expected["predicted_alloc_bytes"]
+        assert new["measured_step_s"] == old["measured_step_s"]
+        assert new["measured_alloc_bytes"] == old["measured_alloc_bytes"]
+    text = capsys.readouterr().out
+    assert "predicted s, recorded" in text and "|error|, recorded → now" in text
+    assert "Kendall τ of step times" in text
