@@ -4,8 +4,8 @@ against each other: ``ddp``, ``fsdp`` (experts sharded over the edp mesh) and ``
 experts' optimizer state sharded over edp) reach the same parameters and gradient norms after
 clipped AdamW steps with gradient accumulation, also when FSDP2 cannot split the local experts
 evenly over edp or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
-(dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode). One
-pool for the module."""
+(dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode). A pool
+shared across modules."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import moe_data_parallel_checks
 import pytest
 from parallel_checks import rel_err
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import PoolCache
 
 # Both sides in float64 with the same experts, tokens and order of micro-batches; only the
 # order of the terms of each gradient sum (rows inside the grouped GEMMs, the ranks in a
@@ -31,23 +31,21 @@ MODES = ("ddp", "fsdp", "zero1")
 
 
 @pytest.fixture(scope="module")
-def runs():
-    with DistributedPool(world_size=4) as pool:
-        out = {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
-        # 2 experts over ep=2: one local expert, which FSDP2 cannot split evenly over 2 edp
-        # ranks (dim 0 has 1 row: one rank holds it, the other an empty shard)
-        out["fsdp-uneven"] = pool.run(
-            moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2
+def runs(distributed_pools: PoolCache) -> dict:
+    pool = distributed_pools.get(world_size=4)
+    out = {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
+    # 2 experts over ep=2: one local expert, which FSDP2 cannot split evenly over 2 edp
+    # ranks (dim 0 has 1 row: one rank holds it, the other an empty shard)
+    out["fsdp-uneven"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2)
+    # ep = dp = 4: edp groups of one rank (FSDP2 leaves the experts to DDP's reduction)
+    out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
+    for mode in MODES:
+        out[f"{mode}-sp"] = pool.run(moe_data_parallel_checks.train_steps, mode=mode, tp=2)
+    for fp8 in (False, True):
+        out[f"ddp-reduced-fp8={fp8}"] = pool.run(
+            moe_data_parallel_checks.ddp_reduced_expert_names, fp8
         )
-        # ep = dp = 4: edp groups of one rank (FSDP2 leaves the experts to DDP's reduction)
-        out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
-        for mode in MODES:
-            out[f"{mode}-sp"] = pool.run(moe_data_parallel_checks.train_steps, mode=mode, tp=2)
-        for fp8 in (False, True):
-            out[f"ddp-reduced-fp8={fp8}"] = pool.run(
-                moe_data_parallel_checks.ddp_reduced_expert_names, fp8
-            )
-        yield out
+    return out
 
 
 SP_MODES = tuple(f"{mode}-sp" for mode in MODES)

@@ -1,5 +1,5 @@
 """MoE layers at tp=2 with sequence parallel on 2 gloo ranks against one process, in float64
-(one pool for the module): each rank routes its half of every sequence; outputs, input and
+(a pool shared across modules): each rank routes its half of every sequence; outputs, input and
 parameter gradients (router, routed and shared experts), auxiliary losses, z-loss, load
 statistics and the aux-loss-free bias equal the unsplit layer's on the whole sequences."""
 
@@ -9,7 +9,7 @@ import moe_checks
 import pytest
 from parallel_tolerances import assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # Both sides in float64 (same weights and tokens; only the order of the gradient sums and of
 # the TP sums of the statistics differs): a few ulps of 1.1e-16. 1e-12 is far below what an
@@ -19,9 +19,8 @@ FP64_BOUND = 1e-12
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 CASES = {

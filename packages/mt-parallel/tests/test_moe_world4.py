@@ -1,4 +1,4 @@
-"""Expert parallelism on 4 gloo ranks against one process in float64 (one pool for the module):
+"""Expert parallelism on 4 gloo ranks against one process in float64 (a pool shared across modules):
 ep=2 and ep=4, all-to-all and all-gather dispatch, dropless and capacity dropping (the same
 assignments dropped), shared experts, ep×tp, ep×tp with sequence parallel, ep×dp, FP8, and the
 global aux-loss-free bias."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from parallel_tolerances import FP32_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # Both sides in float64 (the same experts, weights and tokens; only the order of rows inside
 # each grouped GEMM and of the gradient sums differs): a few ulps of 1.1e-16. 1e-12 is far
@@ -19,9 +19,8 @@ FP64_BOUND = 1e-12
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 CASES = {

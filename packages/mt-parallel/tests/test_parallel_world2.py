@@ -1,4 +1,4 @@
-"""mt-parallel on 2 gloo ranks (one pool for the module): TP/SP, CE (and the whole sequence's
+"""mt-parallel on 2 gloo ranks (a pool shared across modules): TP/SP, CE (and the whole sequence's
 mean under CP), CP, block, DP, ZeRO-1, clipping, recompute, FP8, document masking, dropout
 regions and bad input, each against a single-process fp64 reference."""
 
@@ -10,13 +10,12 @@ import sequence_checks
 import torch
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

@@ -1,4 +1,4 @@
-"""mt-parallel on 4 gloo ranks (one pool for the module): tp=4 layers, cp=4 attention, the
+"""mt-parallel on 4 gloo ranks (a pool shared across modules): tp=4 layers, cp=4 attention, the
 block at dp=2×tp=2, ZeRO-1 with TP and in bf16, clipping with DDP, document masking at cp=4 and
 at cp=2×tp=2 with SP."""
 
@@ -9,13 +9,12 @@ import pytest
 import sequence_checks
 from parallel_tolerances import FP64_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])

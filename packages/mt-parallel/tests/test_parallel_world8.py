@@ -16,6 +16,8 @@ from mt_comm.testing import DistributedPool
 
 @pytest.fixture(scope="module")
 def pool():
+    # Not from distributed_pools: no other module runs 8 ranks, and 8 idle ranks kept until the
+    # session ends would hold about 3 GB (about 400 MB each) beside the shared pools.
     with DistributedPool(world_size=8) as pool:
         yield pool
 

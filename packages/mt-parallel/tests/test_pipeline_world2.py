@@ -1,4 +1,4 @@
-"""Pipeline parallelism on 2 gloo ranks (one pool for the module): every schedule's losses and
+"""Pipeline parallelism on 2 gloo ranks (a pool shared across modules): every schedule's losses and
 gradients against one process running the whole model (float64), with even and uneven splits
 and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients; MoE
 layers' auxiliary losses carried across stages; an input embedding the last stage also runs
@@ -11,14 +11,13 @@ import pipeline_checks as checks
 import pytest
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_parallel.pipeline import SCHEDULES, check_microbatches
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def check(

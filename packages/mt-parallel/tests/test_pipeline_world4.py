@@ -1,4 +1,4 @@
-"""Pipeline parallelism on 4 gloo ranks (one pool for the module): every schedule at pp=4, and
+"""Pipeline parallelism on 4 gloo ranks (a pool shared across modules): every schedule at pp=4, and
 pp=2 composed with data parallelism (dp=2) and with tensor + sequence parallelism (tp=2),
 each against one process running the whole model (float64); at pp=4 the micro-batch chunks
 whose activations a rank holds at once peak exactly where the simulator says."""
@@ -10,7 +10,7 @@ import pytest
 from parallel_tolerances import FP32_VS_FP64
 from test_pipeline_world2 import check, chunks_of
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_parallel.pipeline import (
     SCHEDULES,
     chunks_per_rank,
@@ -21,9 +21,8 @@ from mt_parallel.pipeline import (
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

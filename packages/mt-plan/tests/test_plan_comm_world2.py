@@ -15,7 +15,7 @@ from pathlib import Path
 import plan_comm_checks
 import pytest
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_plan.calibration import load_table
 from mt_plan.cluster import load_cluster
 from mt_plan.cost import CostModel, Workload
@@ -32,9 +32,8 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def overrides(data: Path, **extra: object) -> list[str]:

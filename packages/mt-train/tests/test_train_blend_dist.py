@@ -1,4 +1,4 @@
-"""``data.blend`` across processes (two gloo ranks, one pool for the module): a run stopped by
+"""``data.blend`` across processes (two gloo ranks, a pool shared across modules): a run stopped by
 SIGTERM resumes with ``checkpoint.resume=auto`` at another data-parallel size (dp=2 → 1 and
 1 → 2) and continues the uninterrupted run's losses and per-source token counts; a rewind on a
 blend at dp=2 skips the draws it names: no rank trains on them afterwards, and the per-source
@@ -17,7 +17,7 @@ import pytest
 import train_checks
 from train_checks import blend_sources, rewind_overrides, tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # Global batch 8 as two micro-batches of 4: one process accumulates the two micro-batch
 # gradients, g1 + g2; at dp=2 each rank holds one and the gloo all-reduce forms the same single
@@ -29,9 +29,8 @@ SOURCES = ("bible", "verse")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.fixture(scope="module")

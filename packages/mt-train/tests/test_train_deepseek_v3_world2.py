@@ -3,7 +3,7 @@ tp=2 with sequence parallel, ep=2 (dp=2), cp=2 on packed documents and ep=2 carv
 cp=2; and one float64 step of multi-token prediction (depths 1 and 2, all-gather and ring
 attention) at cp=2 on packed documents, loss by loss and gradient by gradient, and at pp=2
 (the MTP modules and an embedding copy on the last stage) through two AdamW steps
-(:mod:`mtp_checks`). One pool for the module."""
+(:mod:`mtp_checks`). A pool shared across modules."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import train_checks
 from mtp_checks import FP64_BOUND, mtp_cp_step, mtp_pp_step
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.checkpoint.state import ADAM_KEYS
 
 # fp32 on the CPU; the layouts differ from one process only in summation order (TP partial
@@ -38,9 +38,8 @@ def overrides(data: Path, **extra: object) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 LAYOUTS = {

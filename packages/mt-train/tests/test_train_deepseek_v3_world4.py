@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 from mtp_checks import FP64_BOUND, mtp_cp_step, mtp_pp_step
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 def test_mtp_at_cp2_tp2_equals_one_process_in_float64(pool: DistributedPool) -> None:

@@ -15,14 +15,13 @@ import pytest
 from cli_checks import small_data
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.run_lock import LOCK_FILE, process_start
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def test_start_errors_stop_every_rank(pool, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import train_checks
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.hf_checkpoints import load_model
 from mt_train.hf_checkpoints import main as main_convert
@@ -130,9 +130,8 @@ def test_aux_free_bias_moves_in_every_mode_and_is_checkpointed(
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def test_expert_parallel_run_matches_one_process_and_resumes(

@@ -14,7 +14,7 @@ import pytest
 import train_checks
 from test_train_moe import RTOL, overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 STEPS = {
     "trainer.max_steps": 8, "trainer.micro_batch_size": 2, "trainer.log_interval": 1,
@@ -32,9 +32,8 @@ def norms(rows: list[dict]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 @pytest.fixture(scope="module")

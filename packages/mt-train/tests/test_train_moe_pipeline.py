@@ -6,7 +6,7 @@ metric (auxiliary losses, MaxVio per micro-batch and over the global batch, drop
 cross-entropy) equals one process's: each stage's auxiliary losses reach the routers' gradients
 through :mod:`mt_parallel.moe.carry`, and the biases move per stage; DeepSeek-V3 with MTP
 (slow) trains and logs its MTP loss as one process, and its pp=2 checkpoint (the embedding
-stored once) resumes at pp=1. One pool for the module;
+stored once) resumes at pp=1. A pool shared across modules;
 the single-process references run in this process."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import train_checks
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.hf_checkpoints import load_model
 
 # fp32 on the CPU. A pipelined step runs each micro-batch's chunk forwards and backwards in the
@@ -42,9 +42,8 @@ def overrides(data: Path, **extra: object) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def check_against_one_process(

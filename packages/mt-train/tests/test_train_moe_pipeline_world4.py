@@ -13,7 +13,7 @@ import pytest
 import train_checks
 from test_train_moe_pipeline import DEEPSEEK, MOE, overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # fp32 on the CPU; dp=2 × ep=2 adds gradient all-reduces and the experts' rows in another order
 # than one process (a few ulps per step, as in test_train_moe.py's ep=2 test); eight AdamW steps
@@ -23,9 +23,8 @@ PP_EP = {"parallel": "pp2", "parallel.ep": 2}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layout: object) -> None:

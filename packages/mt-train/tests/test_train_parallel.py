@@ -1,7 +1,7 @@
 """Two gloo ranks: every layout (dp=2 under DDP, FSDP2 and ZeRO-1, tp=2 with sequence parallel,
 cp=2 with all-gather or ring attention) matches one process, greedy samples included; sharded
 checkpoints resume bit for bit (dropout on) and load at other layouts; in-memory snapshots
-restore sharded state. One pool for the module; the single-process references run in this
+restore sharded state. A pool shared across modules; the single-process references run in this
 process."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import train_checks
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.hf_checkpoints import load_model
 
 # fp32 on CPU; the layouts differ only in summation order (gradient all-reduce / reduce-scatter,
@@ -26,9 +26,8 @@ CONSTANT = {"scheduler": "constant"}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Pipeline parallelism in the trainer on two gloo ranks (pp=2): every schedule's loss curve
 and greedy sample match one process; checkpoints are written per stage, resume bit for bit at
 pp=2 (dropout on, rewind off), load at pp=1 and back; ZeRO-1 and the model's validation work.
-One pool for the module; the single-process references run in this process."""
+A pool shared across modules; the single-process references run in this process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import train_checks
 from train_checks import rewind_overrides, tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.hf_checkpoints import load_model
 
 # fp32 on CPU. A pipelined step runs the same operations in the same order as the pp=1
@@ -34,9 +34,8 @@ SCHEDULES = {
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.fixture(scope="module")

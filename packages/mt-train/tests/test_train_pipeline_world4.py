@@ -3,7 +3,7 @@ and pp=2 with dp=2 (DDP's reduction, ZeRO-1, FSDP2) match one process; a single-
 checkpoint resumes at pp=4, FSDP2 and ZeRO-1 ones at pp=2 resume exactly and load in one
 process;
 DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
-under FSDP2 as one process. One pool for the module; the single-process references run in this
+under FSDP2 as one process. A pool shared across modules; the single-process references run in this
 process."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from test_train_deepseek_v3_world2 import overrides as deepseek_overrides
 from test_train_pipeline import CONSTANT, PIPELINE
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # fp32 on CPU. TP splits the attention/MLP dot products and the vocabulary, DP averages the
 # gradients with an all-reduce: both reorder sums (a few ulps per step, as the pp=1 layouts of
@@ -25,9 +25,8 @@ RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 @pytest.fixture(scope="module")

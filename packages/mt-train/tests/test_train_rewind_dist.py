@@ -1,7 +1,7 @@
 """Two gloo ranks (dp=2): a fault that only rank 1 sees makes both ranks rewind to the same
 checkpoint, skip the same data and end identical (also under ZeRO-1, restoring each rank's
 optimizer pieces from disk); a SIGTERM that reaches rank 1 only stops both after the same step.
-One pool for the module.
+A pool shared across modules.
 
 24 steps, checkpoints every 4, stable after 4, the fault at step 16: at the anomaly 15 steps
 are done, step-12 is 3 healthy steps old (not stable) and step-8 is the newest stable one.
@@ -16,16 +16,15 @@ import pytest
 import train_checks
 from train_checks import rewind_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.rewind import read_events
 
 STEPS, FAULT, STABLE = 24, 16, 8
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def _overrides(data: Path, **extra: object) -> list[str]:

@@ -2,7 +2,7 @@
 split, the projector too) train the digits captions as one process does, in fp32 and with
 tensorwise FP8 on both towers; a checkpointed run resumes bit for bit on the CPU (sequence and
 context parallel: test_train_vlm_sequence.py; pipeline parallel: test_train_vlm_pipeline.py).
-One pool for the module; references run in this process."""
+A pool shared across modules; references run in this process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import train_checks
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
@@ -44,9 +44,8 @@ def vlm_overrides(data: Path, **extra: object) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.fixture(scope="module")

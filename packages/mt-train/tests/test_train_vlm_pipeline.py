@@ -9,7 +9,7 @@ encoder linears defer their weight GEMMs to the split backward's sink. The digit
 train as one process does (also with FP8 and full recompute under ZB-H1), and a pp=2 checkpoint resumes bit for bit at pp=2 and continues
 one process's curve at pp=1. With captions of different lengths the step's loss is the masked
 mean over the whole batch at every micro-batch size and pp (:mod:`mt_train.loss_weights`).
-One pool for the module; references run in this process."""
+A pool shared across modules; references run in this process."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import train_checks
 from test_train_vlm_parallel import vlm_overrides
 from vlm_checks import FP64_BOUND, vlm_pipeline_step
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.hf_checkpoints import load_model
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
@@ -36,9 +36,8 @@ CONSTANT = {"scheduler": "constant"}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.mark.parametrize(

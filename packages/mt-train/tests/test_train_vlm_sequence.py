@@ -14,7 +14,7 @@ import train_checks
 from test_train_vlm_parallel import NO_DROPOUT, RTOL, vlm_overrides
 from vlm_checks import FP64_BOUND, vlm_parallel_step
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 pytest.importorskip("sklearn", reason="the vision extra: pip install 'mt-train[vision]'")
 
@@ -22,9 +22,8 @@ LAYOUTS = {"tp2_sp": (2, 1, True), "cp2": (1, 2, False)}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one_sample", "packed"])

@@ -13,13 +13,12 @@ import pytest
 import train_checks
 from vlm_checks import FP64_BOUND, vlm_parallel_step, vlm_pipeline_step
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 def test_cp2_tp2_sequence_parallel_step_matches_one_process(pool) -> None:

@@ -10,7 +10,7 @@ import pytest
 import train_checks
 from train_checks import tiny_overrides
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 # FP8 under TP quantizes every shard with the whole tensor's scale (the amax is MAX-reduced
 # over TP), so the FP8 operands equal the single-process ones except where a high-precision
@@ -24,9 +24,8 @@ FP8 = {"fp8": "tensorwise", "trainer.max_steps": 4, "trainer.eval_interval": 4}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 def test_fp8_fsdp_tp2_matches_single_process(pool, kjv_data: Path, tmp_path: Path) -> None:
