@@ -37,9 +37,14 @@ DEFAULT_TIER = ("-m", "not slow")
 TEST_WORKERS = os.environ.get("MT_TEST_WORKERS", "2")
 """pytest-xdist workers per session (``MT_TEST_WORKERS``; ``0`` runs in one process)."""
 PARALLEL_ARGS = ("-n", TEST_WORKERS, "--dist", "loadfile")
-"""Test modules run on ``TEST_WORKERS`` processes, each module whole on one worker (so a
-module's spawned process pool starts once). Tests run with ``OMP_NUM_THREADS=1``, so one
-single-process test leaves the other core of a 2-core machine idle; two workers use it."""
+"""Test modules run on ``TEST_WORKERS`` processes, each module whole on one worker (its
+module-scoped fixtures are built once). Each worker shares its spawned gloo process pools across
+the modules it runs (the ``distributed_pools`` fixture: one pool per world size), so a world size
+starts at most once per worker. ``--dist loadgroup`` with a group per world size would save one
+start of each (seconds) but pin all those modules to one worker however long they run, and it
+hands unmarked tests out one by one; ``loadfile`` keeps the balance. Tests run with
+``OMP_NUM_THREADS=1``, so one single-process test leaves the other core of a 2-core machine
+idle; two workers use it."""
 
 # package -> the mt packages it depends on (its own pyproject says the same;
 # packages/mt-core/tests/test_core_layering.py checks both agree).
