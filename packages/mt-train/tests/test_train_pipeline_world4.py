@@ -1,5 +1,6 @@
 """Pipeline parallelism in the trainer on four gloo ranks: pp=2 with tp=2 (sequence parallel)
-and pp=2 with dp=2 (DDP's reduction, ZeRO-1, FSDP2) match one process; a single-process
+and pp=2 with dp=2 (DDP's reduction, started per chunk inside the schedule, ZeRO-1, FSDP2)
+match one process; a single-process
 checkpoint resumes at pp=4, FSDP2 and ZeRO-1 ones at pp=2 resume exactly and load in one
 process;
 DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
@@ -39,13 +40,13 @@ def reference(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     "layout",
     [
         {"parallel": "tp2", "parallel.pp_schedule": "1f1b"},
-        {"parallel.pp_schedule": "zero_bubble"},
+        {"parallel.pp_schedule": "zbv"},
         {"parallel": "zero1", "parallel.pp_schedule": "interleaved_1f1b", "parallel.pp_chunks": 2},
         {"parallel": "cp2", "parallel.pp_schedule": "dualpipev"},
     ],
     ids=[
         "pp2-tp2-sp-1f1b",
-        "pp2-dp2-zero_bubble",
+        "pp2-dp2-zbv",
         "pp2-dp2-zero1-interleaved",
         "pp2-cp2-dualpipev",
     ],
@@ -60,6 +61,22 @@ def test_pp2_composed_matches_single_process(
     assert all(r == per_rank[0] for r in per_rank)
     assert per_rank[0]["losses"] == pytest.approx(reference["losses"], rel=RTOL)
     assert per_rank[0]["sample"] == reference["sample"]
+
+
+def test_ddp_averages_a_chunk_while_the_rank_runs_its_other_chunk(
+    pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """ZBV puts two chunks on each rank: the first finished chunk's dp×cp average starts at its
+    REDUCE_GRAD action, before the rank's last backward (the pp2-dp2-zbv case above shows the
+    losses are still one process's)."""
+    overrides = tiny_overrides(
+        kjv_data, **PIPELINE, **{"parallel.pp": 2, "parallel.pp_schedule": "zbv"}
+    )
+    for events in pool.run(train_checks.gradient_average_timeline, overrides, tmp_path):
+        backwards = [i for i, (kind, _) in enumerate(events) if kind == "backward"]
+        averages = [(i, stage) for i, (kind, stage) in enumerate(events) if kind == "average"]
+        assert sorted(stage for _, stage in averages) == sorted({events[i][1] for i in backwards})
+        assert averages[0][0] < backwards[-1], events
 
 
 def test_single_process_checkpoint_resumes_at_pp4(pool, kjv_data: Path, tmp_path: Path) -> None:

@@ -187,6 +187,37 @@ def run_summary(overrides: list[str], output_dir: str | Path) -> dict:
     return {"losses": summary.losses, "sample": summary.sample}
 
 
+def gradient_average_timeline(overrides: list[str], output_dir: str | Path) -> list[tuple]:
+    """One pipelined step under ``data_parallel=ddp``: this rank's backward actions and the
+    starts of its chunks' dp×cp gradient averages, in the order they ran (``("backward",
+    stage)`` per ``B``/``I``/``W``, ``("average", stage)`` per start)."""
+    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    try:
+        schedule = trainer.step_runner.schedule
+        events: list[tuple] = []
+        for stage in schedule.runtime._stages:
+            for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                run = getattr(stage, name)
+
+                def logged(*args, _run=run, _stage=stage.stage_index, **kwargs):
+                    events.append(("backward", _stage))
+                    return _run(*args, **kwargs)
+
+                setattr(stage, name, logged)
+        start = schedule.on_chunk_gradients
+        stage_of = {id(s.submod): s.stage_index for s in schedule.runtime._stages}
+
+        def started(chunk):
+            events.append(("average", stage_of[id(chunk)]))
+            start(chunk)
+
+        schedule.on_chunk_gradients = started
+        trainer.train_step()
+    finally:
+        trainer.close()
+    return events
+
+
 def snapshot_round_trip(overrides: list[str], output_dir: str | Path) -> dict:
     """Two steps, capture, two more steps, restore: which local entries differ from the
     capture (none should), how many there were, and whether training goes on."""
