@@ -43,7 +43,8 @@ def layout(**degrees: int) -> dict[str, object]:
 
 
 def collectives_on_tp_group() -> dict[str, list[float]]:
-    """reduce_scatter / all_gather along dim 1, max/avg reductions, all_to_all, broadcast."""
+    """reduce_scatter / all_gather along dim 1, max/avg reductions (also started without
+    waiting), all_to_all, broadcast."""
     state = mt_comm.init_parallel_state(dp=2, tp=2)
     tp = state.group("tp")
     rank = dist.get_rank()
@@ -52,6 +53,9 @@ def collectives_on_tp_group() -> dict[str, list[float]]:
     gathered = mt_comm.all_gather(scattered, dim=1, group=tp)
     maximum = mt_comm.all_reduce(torch.tensor([float(rank)]), op="max", group=tp)
     average = mt_comm.all_reduce(torch.tensor([float(rank)]), op="avg", group=tp)
+    started_sum = mt_comm.all_reduce_start(torch.tensor([float(rank)]), group=tp)
+    started_avg = mt_comm.all_reduce_start(torch.tensor([float(rank)]), op="avg", group=tp)
+    started_avg.wait()  # a second wait returns the same values (gloo's division happens once)
     to_send = torch.tensor([rank * 10.0 + i for i in range(2)])
     exchanged = mt_comm.all_to_all(to_send, group=tp)
     root = state.ranks("tp")[0]
@@ -61,6 +65,8 @@ def collectives_on_tp_group() -> dict[str, list[float]]:
         "gathered": gathered.flatten().tolist(),
         "max": maximum.tolist(),
         "avg": average.tolist(),
+        "started_sum": started_sum.wait().tolist(),
+        "started_avg": started_avg.wait().tolist(),
         "all_to_all": exchanged.tolist(),
         "broadcast": shared.tolist(),
     }

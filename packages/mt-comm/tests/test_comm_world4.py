@@ -87,6 +87,8 @@ def test_collectives_on_a_subgroup(pool: DistributedPool) -> None:
         assert result["gathered"] == summed.flatten().tolist()
         assert result["max"] == [float(pair[1])]
         assert result["avg"] == [sum(pair) / 2]
+        assert result["started_sum"] == [float(sum(pair))]
+        assert result["started_avg"] == [sum(pair) / 2]
         assert result["all_to_all"] == [pair[0] * 10.0 + tp_rank, pair[1] * 10.0 + tp_rank]
         assert result["broadcast"] == [float(pair[0])]
 
