@@ -27,7 +27,9 @@ pytest-xdist, one per worker process) as the ``distributed_pools`` fixture::
 
 A module whose setting no other module uses can start a pool of its own for its
 lifetime instead (``with DistributedPool(world_size=8) as pool: yield pool``), so
-its ranks do not stay alive until the session ends.
+its ranks do not stay alive until the session ends. A shared pool's ranks inherit
+the test process's environment as it was when the pool started, so a module that
+needs variables in its ranks passes them as ``env`` (part of the setting).
 
 Each worker sets the torchrun variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``OMP_NUM_THREADS=1``, and
