@@ -4,9 +4,12 @@ small dyadic costs, so equalities are exact)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from mt_parallel.pipeline import (
@@ -14,6 +17,7 @@ from mt_parallel.pipeline import (
     Action,
     ActionKind,
     ChunkCosts,
+    PipelineLayout,
     check_actions,
     chunks_per_rank,
     lower_with_comms,
@@ -21,6 +25,7 @@ from mt_parallel.pipeline import (
     schedule_actions,
     simulate,
     split_layers,
+    split_model,
     stage_to_rank,
 )
 
@@ -219,3 +224,31 @@ def test_layer_splits() -> None:
         split_layers(4, 2, [1, 1, 2])
     with pytest.raises(ValueError, match="3 layers cannot be split into 4 pipeline chunks"):
         split_layers(3, 4)
+
+
+def test_every_chunk_gives_its_blocks_the_layouts_block_positions() -> None:
+    """``block_positions`` (a VLM's per-sample positions of packed rows) replace the tokens'
+    positions in every chunk's blocks; the first chunk's ``embed`` keeps the tokens'."""
+
+    class Block(nn.Module):
+        def forward(self, x, positions, document_ids):
+            return x + positions.to(x.dtype)[..., None]
+
+    model = nn.Module()
+    model.embed, model.layers, model.norm = (
+        nn.Identity(),
+        nn.ModuleList([Block(), Block()]),
+        nn.Identity(),
+    )
+    layout = PipelineLayout("embed", "layers", ("norm",), block_positions="sample_positions")
+    first, last = split_model(model, layout, [0, 1], 2)
+    x, rows = torch.zeros(1, 4, 2), torch.arange(4)
+    restarting = torch.tensor([[0, 1, 0, 1]])
+    out = last(first(x, rows, sample_positions=restarting), rows, sample_positions=restarting)
+    assert torch.equal(out[..., 0], 2.0 * restarting)
+    assert torch.equal(last(x, rows)[..., 0], rows[None].float())  # without them: the tokens'
+    with pytest.raises(TypeError, match=r"every chunk \['sample_positions'\]"):
+        first(x, rows, other=rows)
+    plain = dataclasses.replace(layout, block_positions=None)
+    with pytest.raises(TypeError, match=r"got keyword inputs \['sample_positions'\]"):
+        split_model(model, plain, [0], 2)[0](x, rows, sample_positions=restarting)

@@ -9,6 +9,7 @@ encoder linears defer their weight GEMMs to the split backward's sink. The digit
 train as one process does (also with FP8 and full recompute under ZB-H1), and a pp=2 checkpoint resumes bit for bit at pp=2 and continues
 one process's curve at pp=1. With captions of different lengths the step's loss is the masked
 mean over the whole batch at every micro-batch size and pp (:mod:`mt_train.loss_weights`).
+Packed rows (several samples per sequence) at pp=2 train as one process.
 A pool shared across modules; references run in this process."""
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ def test_digits_at_pp2_match_one_process(
     for row, ref in zip(rows, expected, strict=True):
         assert row["loss_tokens"] == ref["loss_tokens"] > 0
         assert row["masked_tokens"] == ref["masked_tokens"] > 0
+
+
+def test_packed_digits_at_pp2_match_one_process(
+    pool: DistributedPool, digits: Path, tmp_path: Path
+) -> None:
+    """Three samples per 64-token row: every stage's blocks take the per-sample RoPE
+    positions (the layout's ``block_positions``), the first stage places each sample's image."""
+    packed = {"data.pack_samples": True, "trainer.seq_len": 64, **NO_DROPOUT}
+    single = train_checks.run_losses(vlm_overrides(digits, **packed), tmp_path / "single")
+    overrides = vlm_overrides(digits, **packed, parallel="pp2")
+    per_rank = pool.run(train_checks.run_losses, overrides, tmp_path / "pp2")
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == pytest.approx(single, rel=RTOL)
 
 
 def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(

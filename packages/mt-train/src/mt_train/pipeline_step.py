@@ -7,10 +7,10 @@ checkpoint code is the same at every ``pp``. A run:
 1. takes this rank's part of each micro-batch (:meth:`BatchRunner.local_batch`: under CP the
    load-balanced tokens, targets, document ids and positions) and, on the rank holding the
    first chunk, the batch's model inputs (a VLM's images, which its first chunk merges into
-   the embeddings: later stages receive hidden states only); on the rank holding the last
-   chunk, the inputs the model derives from the whole sequence (its ``sequence_inputs`` hook,
-   cut like the tokens under CP: DeepSeek-V3's shifted MTP tokens and targets, which its last
-   chunk reads);
+   the embeddings: later stages receive hidden states only); on every rank, the inputs the
+   model derives from the whole sequence (its ``sequence_inputs`` hook, cut like the tokens
+   under CP: DeepSeek-V3's shifted MTP tokens and targets, which its last chunk reads; a
+   VLM's per-sample RoPE positions of packed rows, which every chunk's blocks read);
 2. runs the schedule (:class:`mt_parallel.PipelineSchedule`, torch's action runtime) with
    ``M`` = the step's micro-batch count: the backward of micro-batch ``m`` starts from
    ``loss_m · f_m / M``, as the pp=1 accumulation loop's; forward chunks run under autocast
@@ -86,8 +86,8 @@ class PipelineStep:
         self.carries_aux_losses = carries_aux_losses
         self.pp_group, self.dp_cp_group = pstate.group("pp"), pstate.group("dp_cp")
         self.holds_first = any(c.first for c in module.pipeline_chunks)
-        holds_last = module.last_chunk is not None
-        self.sequence_inputs = sequence_inputs if holds_last else None
+        self.sequence_inputs = sequence_inputs
+        """The model's inputs derived from the whole sequence (module docstring, step 1)."""
         self.head_rank = module.pp_ranks[module.placement[module.num_stages - 1]]
         self.extra_names: list[str] | None = None
         """The names of the model's extra values, agreed over the pp group at the first step."""
@@ -162,10 +162,8 @@ class PipelineStep:
             tokens.append(inputs)
             targets.append(target)
             first_inputs = batch.model_inputs() if self.holds_first else {}
-            last_inputs = self.runner.derived_inputs(batch, self.sequence_inputs)
-            kwargs.append(
-                {"positions": positions, "document_ids": docs, **first_inputs, **last_inputs}
-            )
+            derived = self.runner.derived_inputs(batch, self.sequence_inputs)
+            kwargs.append({"positions": positions, "document_ids": docs, **first_inputs, **derived})
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
         if self.parallel.data_parallel == "ddp":
             done: set[int] = set()

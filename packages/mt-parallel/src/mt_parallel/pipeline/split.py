@@ -14,7 +14,9 @@ function that computes the first chunk's hidden states from them (``embed(chunk,
 positions, **inputs)``, given the chunk, whose module names are the model's) and the keyword
 inputs only that function reads (``first_inputs``, the images: every chunk receives a
 micro-batch's keywords, the others drop these); ``last_extra`` names further modules the last
-chunk holds (a loss module that reduces over the cp group, multi-token-prediction blocks).
+chunk holds (a loss module that reduces over the cp group, multi-token-prediction blocks);
+``block_positions`` names a keyword input every chunk's blocks take as their positions (the
+per-sample RoPE positions of packed samples).
 
 A model whose last chunk does more than apply ``final`` (DeepSeek-V3's multi-token prediction,
 a head tied to the embedding) names a method of the model computing the last chunk's output
@@ -84,6 +86,10 @@ class PipelineLayout:
     last_shared: tuple[str, ...] = ()
     """Modules of the first chunk the last chunk's ``head`` also runs (the input embedding):
     held by both, their gradients summed between the two (module docstring)."""
+    block_positions: str | None = None
+    """A keyword input of every chunk that, when a micro-batch has it, the blocks take as their
+    ``positions`` instead of the tokens' (a vision-language model's packed samples: RoPE
+    positions restarting at each sample, ``(B, T)``); ``embed`` still gets the tokens'."""
 
 
 def place_module(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -189,19 +195,23 @@ class PipelineChunk(nn.Module):
         **inputs: Any,
     ) -> torch.Tensor:
         layout = self.layout
-        unknown = sorted(set(inputs) - {*layout.first_inputs, *layout.last_inputs})
+        every = () if layout.block_positions is None else (layout.block_positions,)
+        unknown = sorted(set(inputs) - {*layout.first_inputs, *layout.last_inputs, *every})
         if unknown:
             raise TypeError(
                 f"pipeline chunk got keyword inputs {unknown}; its layout's first chunk reads "
-                f"{list(layout.first_inputs)} and its last {list(layout.last_inputs)}"
+                f"{list(layout.first_inputs)}, its last {list(layout.last_inputs)} and every "
+                f"chunk {list(every)}"
             )
         if self.first and layout.embed is not None:
             first_inputs = {k: v for k, v in inputs.items() if k in layout.first_inputs}
             x = layout.embed(self, x, positions, **first_inputs)
         elif self.first:
             x = self.get_submodule(layout.embedding)(x)
+        block_positions = inputs.get(layout.block_positions) if every else None
+        block_positions = positions if block_positions is None else block_positions
         for block in self.get_submodule(layout.blocks).values():
-            x = block(x, positions, document_ids)
+            x = block(x, block_positions, document_ids)
         if self.last and self.head_fn is not None:
             last_inputs = {k: v for k, v in inputs.items() if k in layout.last_inputs}
             x = self.head_fn(x, positions, document_ids, **last_inputs)

@@ -267,8 +267,9 @@ class DataConfig:
     sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
     (document masks, applied whether or not ``document_masking`` is set, by
     ``document_masking_kernel``), the decoder's RoPE positions restart at each sample and the
-    loss stays on the captions, a masked mean over the global batch's trained targets. Not
-    with ``parallel.pp > 1`` or ``trainer.cuda_graph``."""
+    loss stays on the captions, a masked mean over the global batch's trained targets. Under
+    ``parallel.pp > 1`` every stage's blocks receive the per-sample positions. Not with
+    ``trainer.cuda_graph``."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -509,11 +510,6 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
-            )
-        if self.data.pack_samples and par.pp > 1:
-            raise ValueError(
-                f"data.pack_samples=true with parallel.pp={par.pp}: the pipeline stages do not "
-                "receive the per-sample positions of packed sequences; use parallel.pp=1"
             )
         if self.data.pack_samples and tr.cuda_graph:
             raise ValueError(

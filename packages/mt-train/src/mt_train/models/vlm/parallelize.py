@@ -28,6 +28,7 @@ PIPELINE = mt_parallel.PipelineLayout(
     embed=embed_with_images,
     first_inputs=("images",),
     last_extra=("caption_loss",),
+    block_positions="sample_positions",
 )
 
 
