@@ -177,7 +177,7 @@ def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
 
 
 def shared_embedding_step(
-    schedule: str, steps: int, exchange: bool = True, seed: int = 0
+    schedule: str, steps: int, exchange: bool = True, seed: int = 0, data_parallel: str = "none"
 ) -> dict[str, object]:
     """``steps`` AdamW steps of :class:`toy_lm.NextTokenLM` at pp=2, whose last stage embeds
     the next tokens with its copy of the first stage's embedding, against one process in
@@ -185,9 +185,10 @@ def shared_embedding_step(
     clipped norm, and at the end whether both stages' embeddings are equal bit for bit and
     equal to the reference's. The copy is perturbed before the split: the pipeline must
     start it from the first stage's. ``exchange=False`` skips the gradient sum."""
-    pp, microbatches, layers = dist.get_world_size(), 2, 4
+    pp, layers = dist.get_world_size(), 4
+    microbatches = 2 * pp if schedule == "dualpipev" else 2  # DualPipeV's minimum: 2·pp
     config = mp.ParallelConfig(
-        pp=pp, pp_schedule=schedule, data_parallel="none", pp_microbatches=microbatches,
+        pp=pp, pp_schedule=schedule, data_parallel=data_parallel, pp_microbatches=microbatches,
         pp_chunks=chunks_per_rank(schedule, 2 if schedule == "interleaved_1f1b" else 1),
     )  # fmt: skip
     state = mt_comm.init_parallel_state(pp=pp)
@@ -239,14 +240,16 @@ def shared_embedding_step(
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    embedding = module.embed.weight.detach()
-    peer = embedding.clone()
+    # Under the V schedules the first and last chunks (and the one embedding) share rank 0.
+    embedding = module.embed.weight.detach() if hasattr(module, "embed") else None
+    peer = embedding
     if module.shared_peer is not None:
         peer = module._exchange(embedding.contiguous())
     return {
         **first,
         "holds_last": holds_last,
+        "holds_embedding": embedding is not None,
         "copy_marked": [n for n, p in module.named_parameters() if getattr(p, "pipeline_copy", 0)],
-        "copies_equal": bool(torch.equal(embedding, peer)),
-        "embedding": rel_err(embedding, reference.embed.weight),
+        "copies_equal": embedding is None or bool(torch.equal(embedding, peer)),
+        "embedding": 0.0 if embedding is None else rel_err(embedding, reference.embed.weight),
     }

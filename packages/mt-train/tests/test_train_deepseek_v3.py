@@ -87,8 +87,8 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
-        "parallel=pp2 parallel.pp_schedule=zbv": "model.mtp_depth=1 is not supported with "
-        "parallel.pp_schedule=zbv, which puts the first and last pipeline chunks on one rank",
+        "parallel=pp2 parallel.pp_schedule=zbv parallel.data_parallel=fsdp": "model.mtp_depth=1 "
+        "with parallel.data_parallel=fsdp is not supported with parallel.pp_schedule=zbv",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
         "model.mtp_loss_weight_switch_step=-5": "model.mtp_loss_weight_switch_step=-5 must be",
         "model.mtp_loss_weight_final=-1": "model.mtp_loss_weight_final=-1.0 must be >= 0",

@@ -4,7 +4,7 @@ match one process; a single-process
 checkpoint resumes at pp=4, FSDP2 and ZeRO-1 ones at pp=2 resume exactly and load in one
 process;
 DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
-under FSDP2 as one process. A pool shared across modules; the single-process references run in this
+under FSDP2 and, with the first and last chunks on one rank, under DualPipeV as one process. A pool shared across modules; the single-process references run in this
 process."""
 
 from __future__ import annotations
@@ -121,14 +121,25 @@ def test_sharded_pp2_trains_resumes_exactly_and_loads_in_one_process(
     assert loaded == pytest.approx(full[0][4:], rel=RTOL)
 
 
-def test_deepseek_mtp_at_pp2_dp2_under_fsdp_matches_one_process(
-    pool, kjv_data: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("data_parallel", "schedule"), [("fsdp", "1f1b"), ("ddp", "dualpipev")],
+    ids=["fsdp-1f1b", "ddp-dualpipev"],
+)  # fmt: skip
+def test_deepseek_mtp_at_pp2_dp2_matches_one_process(
+    data_parallel: str, schedule: str, pool, kjv_data: Path, tmp_path: Path
 ) -> None:
-    # The two copies of the embedding are FSDP2 shards alike on both stages: their gradients
-    # are summed shard by shard after the schedule.
-    job = deepseek_overrides(kjv_data, **{"trainer.micro_batch_size": 2})
+    """Under 1F1B the two copies of the embedding are FSDP2 shards alike on both stages, their
+    gradients summed shard by shard after the schedule; under DualPipeV the first and last
+    chunks share rank 0 and its one embedding (four chunks of one block, four micro-batches)."""
+    shape = {"trainer.micro_batch_size": 2}
+    if schedule == "dualpipev":
+        shape = {"trainer.micro_batch_size": 1, "model.n_layers": 4}
+    job = deepseek_overrides(kjv_data, **shape)
     single = train_checks.run_losses(job, tmp_path / "single")
-    layout = ["parallel=pp2", "parallel.data_parallel=fsdp"]
+    layout = [
+        "parallel=pp2", f"parallel.data_parallel={data_parallel}",
+        f"parallel.pp_schedule={schedule}",
+    ]  # fmt: skip
     per_rank = pool.run(train_checks.run_losses, job + layout, tmp_path / "run")
     assert all(r == per_rank[0] for r in per_rank)
     assert per_rank[0] == pytest.approx(single, rel=RTOL)

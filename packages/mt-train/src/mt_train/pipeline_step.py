@@ -112,6 +112,15 @@ class PipelineStep:
                 self._autocast_forward(chunk)
         self._averaging: list[tuple[list[torch.nn.Parameter], Any]] = []
         """The dp×cp gradient averages started inside the schedule (module docstring, 3)."""
+        seen: set[int] = set()
+        self._in_several_chunks: set[int] = set()
+        """Parameters of more than one local chunk (the V schedules' embedding, which the
+        first and last chunks share under MTP): averaged after the schedule, once."""
+        for chunk in module.pipeline_chunks:
+            for param in chunk.parameters():
+                if id(param) in seen:
+                    self._in_several_chunks.add(id(param))
+                seen.add(id(param))
         if parallel.data_parallel == "ddp" and mt_comm.group_size(self.dp_cp_group) > 1:
             self.schedule.on_chunk_gradients = self._start_average
 
@@ -124,7 +133,7 @@ class PipelineStep:
         ]
 
     def _start_average(self, chunk: torch.nn.Module) -> None:
-        params = self._dense_gradients(chunk)
+        params = [p for p in self._dense_gradients(chunk) if id(p) not in self._in_several_chunks]
         self._averaging.append(
             (params, mt_parallel.start_gradient_average(params, self.dp_cp_group))
         )

@@ -52,12 +52,13 @@ def pipeline_chunks(
     stage_ids = rank_stages(config.pp_schedule, config.pp, v, state.rank("pp"))
     placement = stage_to_rank(config.pp_schedule, config.pp, v)
     last = config.pp * v - 1
-    if plan.pipeline.last_shared and last > 0 and placement[0] == placement[last]:
+    one_rank = last > 0 and placement[0] == placement[last]
+    if plan.pipeline.last_shared and one_rank and config.data_parallel == "fsdp":
         raise ValueError(
             f"parallel.pp_schedule={config.pp_schedule} puts the first and last pipeline chunks "
-            f"on one rank, which {type(model).__name__}'s shared modules "
-            f"{list(plan.pipeline.last_shared)} do not support; use gpipe, 1f1b, "
-            "interleaved_1f1b or zero_bubble"
+            f"on one rank, where {type(model).__name__}'s shared modules "
+            f"{list(plan.pipeline.last_shared)} would belong to both chunks' FSDP2 units: use "
+            "data_parallel ddp, zero1 or none, or gpipe, 1f1b, interleaved_1f1b or zero_bubble"
         )
     if config.data_parallel == "fsdp" and not hasattr(_ComputationType, "REDUCE_GRAD"):
         raise ValueError(

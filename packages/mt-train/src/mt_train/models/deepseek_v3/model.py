@@ -57,7 +57,8 @@ it once. The cp group of the MTP losses lives on a parameter-free module of the 
 (``mt_parallel.SequenceCrossEntropy``), where the CP transform's hook reaches it. The MTP blocks' MoE auxiliary losses are carried with the last chunk's
 (:mod:`mt_parallel.moe.carry`), and each ``mtp_loss_{k}`` reaches every pipeline rank's
 metrics (:mod:`mt_train.pipeline_step`). Schedules that put the first and last chunks on one
-rank (``zbv``, ``dualpipev``) are refused.
+rank (``zbv``, ``dualpipev``) need no copy: both chunks use the one embedding, whose gradient
+accumulates from both (FSDP2 is refused there: the embedding would belong to two units).
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
 ``active`` (:func:`active_parameters`) is what one token uses: all but the ``num_experts -
