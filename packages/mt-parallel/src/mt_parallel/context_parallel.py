@@ -125,12 +125,23 @@ def gather_sequence(x_BtX: torch.Tensor, dim: int, cp_group: Any) -> torch.Tenso
     return all_gather_grad_rs(x_BtX, dim, cp_group).index_select(dim, order)
 
 
-def check_gathered_kv(q_BHtd: torch.Tensor, k_BKSd: torch.Tensor, cp: int) -> None:
-    """Gathered keys hold ``cp`` times the queries' tokens (``kv_gathered=True``)."""
-    if k_BKSd.shape[2] != cp * q_BHtd.shape[2]:
+def whole_sequence_kv(
+    q_BHtd: torch.Tensor,
+    k_BKtd: torch.Tensor,
+    v_BKtd: torch.Tensor,
+    cp_group: Any,
+    kv_gathered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the whole sequence in global order: gathered here (:func:`gather_sequence`), or
+    as handed over (``kv_gathered``), which must hold ``cp`` times the queries' tokens."""
+    cp = group_size(cp_group)
+    if not kv_gathered:
+        return gather_sequence(k_BKtd, 2, cp_group), gather_sequence(v_BKtd, 2, cp_group)
+    if k_BKtd.shape[2] != cp * q_BHtd.shape[2]:
         raise ValueError(
-            f"gathered K/V hold {k_BKSd.shape[2]} tokens, not cp·t = {cp}·{q_BHtd.shape[2]}"
+            f"gathered K/V hold {k_BKtd.shape[2]} tokens, not cp·t = {cp}·{q_BHtd.shape[2]}"
         )
+    return k_BKtd, v_BKtd
 
 
 def check_document_ids(q_BHtd: torch.Tensor, document_ids_Bt: torch.Tensor | None) -> None:
@@ -189,11 +200,7 @@ def context_parallel_attention(
         raise ValueError(f"context-parallel attention needs an even local length, got {local}")
     chunk = local // 2
     order = _global_order(chunk, cp).to(q_BHtd.device)
-    if kv_gathered:
-        check_gathered_kv(q_BHtd, k_BKtd, cp)
-        k_BKSd, v_BKSd = k_BKtd, v_BKtd
-    else:
-        k_BKSd, v_BKSd = gather_sequence(k_BKtd, 2, cp_group), gather_sequence(v_BKtd, 2, cp_group)
+    k_BKSd, v_BKSd = whole_sequence_kv(q_BHtd, k_BKtd, v_BKtd, cp_group, kv_gathered)
     doc_BS = None
     if document_ids_Bt is not None:
         gathered = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)

@@ -52,12 +52,7 @@ from typing import Any
 import torch
 
 import mt_comm
-from mt_parallel.context_parallel import (
-    _global_order,
-    check_document_ids,
-    check_gathered_kv,
-    gather_sequence,
-)
+from mt_parallel.context_parallel import _global_order, check_document_ids, whole_sequence_kv
 from mt_parallel.mappings import group_rank, group_size
 
 DOCUMENT_MASK_KERNELS = ("auto", "flex", "explicit")
@@ -221,12 +216,7 @@ def flex_document_attention(
         if cp == 1:
             return flex(q_BHtd, k_BKtd, v_BKtd, block_mask=masks[0], enable_gqa=gqa)
         chunk = q_BHtd.shape[2] // 2
-        if kv_gathered:
-            check_gathered_kv(q_BHtd, k_BKtd, cp)
-            k_BKSd, v_BKSd = k_BKtd, v_BKtd
-        else:
-            k_BKSd = gather_sequence(k_BKtd, 2, cp_group)
-            v_BKSd = gather_sequence(v_BKtd, 2, cp_group)
+        k_BKSd, v_BKSd = whole_sequence_kv(q_BHtd, k_BKtd, v_BKtd, cp_group, kv_gathered)
         outputs = [
             flex(
                 q_BHtd[:, :, half * chunk : (half + 1) * chunk],
