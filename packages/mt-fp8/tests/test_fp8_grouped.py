@@ -442,6 +442,40 @@ def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls, sizes):
     assert ops_per_call(recipe, 4, size_of) == ops_per_call(recipe, 32, size_of)
 
 
+class WholeStackOutputs(TorchDispatchMode):
+    """Counts the aten ops whose output has ``shape`` (the whole [E, N, K] weight stack)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += sum(
+            isinstance(t, torch.Tensor) and t.shape == self.shape
+            for t in (out if isinstance(out, (tuple, list)) else (out,))
+        )
+        return out
+
+
+@pytest.mark.parametrize("recipe_name", ["rowwise", "block"])
+def test_loop_backward_builds_the_weight_gradient_once(recipe_name):
+    # The per-expert loop (every recipe on CPU; block and MXFP8 everywhere) once indexed the
+    # stacked weight per expert, and each index's backward wrote a zero tensor of the whole
+    # stack and added into it: 2E whole-stack tensors per backward (10x slower steps at 64
+    # experts on the GPU). Now: the stacked gradient plus the accumulation into .grad.
+    experts, dim = 16, 128
+    layer = FP8GroupedLinear(experts, dim, dim, recipe=recipe_from_name(recipe_name), bias=False)
+    sizes = [8 * (e % 3) for e in range(experts)]
+    x = torch.randn(sum(sizes), dim)
+    y = layer(x, sizes)
+    counter = WholeStackOutputs(layer.weight.shape)
+    with counter:
+        y.backward(torch.ones_like(y))
+    assert layer.weight.grad is not None
+    assert counter.count <= 2, counter.count
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the real kernel
 

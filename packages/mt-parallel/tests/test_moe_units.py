@@ -233,6 +233,27 @@ def test_grouped_mm_matches_the_loop(sizes: list[int]) -> None:
     assert rel(w.grad, w2.grad) < 1e-5
 
 
+def test_looped_mm_builds_the_weight_gradient_once() -> None:
+    # Indexing the stack per expert made each index's backward write a zero tensor of the whole
+    # stack and add into it (2E whole-stack tensors); unbind's backward stacks them once.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w = torch.randn(16, 8, 16, requires_grad=True)
+    whole_stack = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            whole_stack.extend(func for t in (out,) if getattr(t, "shape", None) == w.shape)
+            return out
+
+    sizes = [4 * (e % 3) for e in range(16)]
+    y = looped_mm(torch.randn(sum(sizes), 16), w, sizes)
+    with Record():
+        y.sum().backward()
+    assert w.grad is not None and len(whole_stack) <= 2, whole_stack
+
+
 def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
     from mt_parallel.moe.experts import PaddedLayout
 

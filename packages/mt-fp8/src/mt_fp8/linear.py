@@ -316,20 +316,24 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             if reason is None:
                 return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
         outputs = []
+        # NOTE: one unbind, not E indexings: each ``weight[e]``'s backward is a zero tensor of the
+        # whole [E, N, K] shape plus an add, E² work; unbind's backward stacks the E gradients.
+        weights = weight.unbind(0)
+        biases = [None] * self.num_groups if self.bias is None else self.bias.unbind(0)
         for expert, x_e in enumerate(torch.split(x_TK, sizes)):
             if x_e.shape[0] == 0:
                 outputs.append(x_e.new_empty(0, self.out_features))
                 continue
-            bias = None if self.bias is None else self.bias[expert]
+            bias = biases[expert]
             plan = self.linear_plan(x_e, self._weight_caches[expert])
             if plan is None:
-                outputs.append(F.linear(x_e, weight[expert], bias))
+                outputs.append(F.linear(x_e, weights[expert], bias))
             else:
                 # NOTE: an expert's weight is a view of the stacked parameter, whose ``.grad`` a
                 # deferred weight gradient cannot reach: the loop computes it in the backward
                 # (as the grouped path does), never in a ``wgrad_sink``.
                 plan = dataclasses.replace(plan, wgrad_sink=None)
-                outputs.append(fp8_linear(x_e, weight[expert], bias, plan))
+                outputs.append(fp8_linear(x_e, weights[expert], bias, plan))
         return torch.cat(outputs)
 
     def extra_repr(self) -> str:

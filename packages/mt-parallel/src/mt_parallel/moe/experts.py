@@ -137,9 +137,10 @@ def grouped_mm(
 
 def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """The same products as :func:`grouped_mm`, one ``F.linear`` per non-empty expert."""
-    outputs = [
-        F.linear(x_e, weight_LNK[e]) for e, x_e in enumerate(x_MK.split(sizes)) if sizes[e] > 0
-    ]
+    # NOTE: unbind, not ``weight_LNK[e]``: each indexing's backward adds a zero tensor of the
+    # whole stack (E² work); unbind's backward stacks the E gradients once.
+    weights = weight_LNK.unbind(0)
+    outputs = [F.linear(x_e, weights[e]) for e, x_e in enumerate(x_MK.split(sizes)) if sizes[e] > 0]
     if not outputs:
         return x_MK.new_zeros(0, weight_LNK.shape[1])
     return torch.cat(outputs)
