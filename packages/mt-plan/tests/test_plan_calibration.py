@@ -54,3 +54,17 @@ def test_a_missing_corner_falls_back_to_the_nearest_shape() -> None:
     table = _table(skip=(4096, 4096, 4096))
     assert _rate(table, (2048, 2048, 2048)) == pytest.approx(table.entries[0].rate)
     assert _rate(table, (3800, 3800, 2048)) == pytest.approx(table.entries[-1].rate)
+
+
+@pytest.mark.parametrize("op,traffic", [("rmsnorm", 2.0), ("rope", 9 / 4), ("swiglu", 1.0)])
+def test_memory_bound_rates_count_what_the_calibration_harness_moved(op, traffic) -> None:
+    # ``op(...).sum().backward()`` with never-cleared leaf gradients moved (24+4A)/(12+2A) times
+    # RMSNorm's rated bytes and 9A/4A times RoPE's: the op's bandwidth is the rate times that
+    rate, moved, bandwidth = 1e12, 3e9, 1e30
+    table = CalibrationTable("test", [Entry(op, "bf16", (8192, 4096), rate)])
+    seconds, source = table.membound_time(op, "bf16", (8192, 4096), moved, bandwidth)
+    assert source == "measured"
+    assert seconds == pytest.approx(moved / (rate * traffic))
+    # an op without entries takes copy's rate as it is (the copy harness moves what it rates)
+    copy = CalibrationTable("test", [Entry("copy", "bf16", (8192, 4096), rate)])
+    assert copy.membound_time(op, "bf16", (8192, 4096), moved, bandwidth)[0] == moved / rate

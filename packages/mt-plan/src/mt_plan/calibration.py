@@ -17,7 +17,20 @@ it (weight casts, padding, quantization and per-expert GEMMs included), rated pe
 ``2·rows·N·K`` FLOPs forward and ``4·rows·N·K`` backward (dgrad + wgrad); without them the cost
 model prices the experts from ``grouped_gemm`` (:mod:`mt_plan.cost`). Memory-bound ops
 (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``, ``quantize``, ``permute``,
-``copy``) are rated in bytes per second for the minimum bytes the op moves.
+``copy``) are rated in bytes per second for the bytes the table's op convention names (below).
+
+Memory-bound rates and the calibration's harness. ``mt-plan calibrate`` times ``rmsnorm``,
+``swiglu``, ``rope`` and ``cross_entropy`` as ``op(...).sum().backward()`` on leaf tensors whose
+``.grad`` it never clears (:func:`mt_plan.measure._membound`), so each timed call also reads the
+output for the sum, materializes the sum's expanded gradient (the fused backward's
+``.contiguous()``) and accumulates the input gradient in place (read, read, write). Per element,
+with ``A`` bytes per activation, the harness moves: RMSNorm (fp32 input) ``4+A`` forward, ``A``
+sum, ``A`` gradient, ``4+A+4`` backward, ``12`` accumulation, ``24+4A`` in all against the
+``12+2A`` an entry is rated per; RoPE on q and k ``2A + A + A + 2A + 3A = 9A`` against ``4A``;
+SwiGLU ``3A + A + A + 5A + 2·3A = 16A`` against ``16A``; cross-entropy ``A + 2A + 3A = 6A``
+against ``6A``. :data:`HARNESS_TRAFFIC` is the ratio, so the op's achieved bandwidth is the
+entry's rate times it, and the cost model charges the bytes a training step's kernels move
+(:meth:`CalibrationTable.membound_time`).
 
 Lookup (:meth:`CalibrationTable.compute_time`, :meth:`membound_time`). For an op and dtype with
 entries, the achieved rate is interpolated multilinearly in the log shape between the measured
@@ -63,6 +76,10 @@ COMPUTE_OPS = (
     "attention_fwd",
     "attention_bwd",
 )
+HARNESS_TRAFFIC = {"rmsnorm": 2.0, "rope": 9 / 4}
+"""Bytes a memory-bound op's calibration moved per byte its entry is rated per: RMSNorm
+``(24+4A)/(12+2A)``, RoPE ``9A/4A`` (module docstring, "Memory-bound rates"); 1 for the others.
+The ratios do not depend on ``A``, so they hold for bf16 (GPU) and fp32 (CPU) tables alike."""
 FP8_REFERENCE = "fp8_tensorwise"
 """The FP8 dtype whose rate stands in for an FP8 recipe without entries of its own."""
 
@@ -154,8 +171,14 @@ class CalibrationTable:
     def membound_time(
         self, op: str, dtype: str, shape: tuple[int, ...], bytes_moved: float, bandwidth: float
     ) -> tuple[float, str]:
-        """(seconds, source) of a memory-bound op moving ``bytes_moved`` bytes."""
-        rate = self._rate(op, dtype, shape) or self._rate("copy", "bf16", shape)
+        """(seconds, source) of a memory-bound op whose kernels move ``bytes_moved`` bytes, at
+        the bandwidth its calibration achieved: the entry's rate times :data:`HARNESS_TRAFFIC`
+        (the harness moved that much more than the entry is rated per), else copy's rate."""
+        rate = self._rate(op, dtype, shape)
+        if rate is not None:
+            rate *= HARNESS_TRAFFIC.get(op, 1.0)
+        else:
+            rate = self._rate("copy", "bf16", shape)
         if rate is None:
             return bytes_moved / bandwidth, "roofline"
         return max(bytes_moved / rate, bytes_moved / bandwidth), "measured"

@@ -11,7 +11,11 @@ gradient ``K×N×M``; FP8 recipes run the block linears' GEMMs in ``fp8_<recipe>
 quantization of inputs and output gradients as memory-bound ops, below; the output head and the
 fp32 router stay high precision), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
 forward FLOPs, a FlashAttention backward of 2.5× that), and memory-bound ops by the bytes they
-must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy). Times come
+must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy) at the bandwidth
+their calibration achieved (:data:`~mt_plan.calibration.HARNESS_TRAFFIC`). SwiGLU's kernels read
+gate and up and write the product (``3A`` per element) forward and read those three and write
+two gradients (``5A``) backward; cross-entropy reads the logits forward (``A``) and reads them and
+writes their gradient (``2A``) backward. Times come
 from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds to ``I``: ``full`` the whole
 block forward again (``full_keep`` without the attention core), ``selective`` the attention
 core, ``selective_mlp`` the core and SwiGLU (under FP8 only the core: the FP8 down projection
@@ -128,6 +132,11 @@ QUANTIZE_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 2, "
 and transpose, per recipe (module docstring, "FP8 quantization")."""
 WEIGHT_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 1, "mxfp8": 2}
 """The same for the fp32 weight (blockwise: 128×128 blocks, transposed in the same pass)."""
+SWIGLU_FWD, SWIGLU_BWD = 3, 5
+"""Activation-sized tensors SwiGLU's kernels move per element of ``gate``: forward reads gate and
+up and writes the product; backward reads the product's gradient, gate and up and writes their
+two gradients (the calibration's ``16A`` per element also counted its harness, module docstring
+of :mod:`mt_plan.calibration`)."""
 SWIGLU_INTO_FP8 = ("tensorwise", "delayed")
 """Recipes whose down projection quantizes ``silu(gate)·up`` from gate and up (tensorwise INPUT
 scales: ``LinearPlan.quantize_swiglu_input``'s fused path)."""
@@ -428,8 +437,8 @@ class CostModel:
             self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
             self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
             self._expert_linear(ph, rows, D, Fe, fp8, E_loc)
-            sw, r2 = self._membound("swiglu", 6 * A * rows * Fe, (rows, Fe))
-            ph.add("swiglu", sw, sw * 10 / 6, 0.0, r2)
+            sw, r2 = self._membound("swiglu", SWIGLU_FWD * A * rows * Fe, (rows, Fe))
+            ph.add("swiglu", sw, sw * SWIGLU_BWD / SWIGLU_FWD, 0.0, r2)
             pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
             ph.add("moe_permute", pm, pm, 0.0, r3)
             saved += 4 * Tn * D + A * rows * D * 2 + self._mlp_saved(rows, D, Fe, fp8, L.recompute)
@@ -497,7 +506,7 @@ class CostModel:
             extra = core_f
             saved -= 4 * b * H * s_loc
             if L.recompute == "selective_mlp" and fp8 == "none":  # FP8: no SwiGLU module
-                swiglu = ph.classes.get("swiglu", 0.0) * 6 / 16
+                swiglu = ph.classes.get("swiglu", 0.0) * SWIGLU_FWD / (SWIGLU_FWD + SWIGLU_BWD)
                 extra += swiglu
             ph.igrad += extra
             ph.classes["recompute"] = extra
@@ -511,8 +520,8 @@ class CostModel:
         self._linear(ph, "mlp", T, F, D, fp8)
         self._linear(ph, "mlp", T, F, D, fp8, quantize_input=False)
         self._linear(ph, "mlp", T, D, F, fp8, quantize_input=not fused)
-        sw, r = self._membound("swiglu", 6 * A * T * F, (T, F))
-        ph.add("swiglu", 0.0 if fused else sw, sw * 10 / 6, 0.0, r)
+        sw, r = self._membound("swiglu", SWIGLU_FWD * A * T * F, (T, F))
+        ph.add("swiglu", 0.0 if fused else sw, sw * SWIGLU_BWD / SWIGLU_FWD, 0.0, r)
         if fused:
             q, rq = self._quantize(fp8, T * F, (T, F), 2 * A)
             ph.add("fp8_quantize", q, 0.0, 0.0, rq)
@@ -581,7 +590,8 @@ class CostModel:
         nf, r3 = self._membound("rmsnorm", (4 + A) * Tn * D, (Tn, D))
         head.add("norm_residual", nf, 2 * nf, 0.0, r3)
         self._linear(head, "head", T, V, D, "none")
-        cf, r4 = self._membound("cross_entropy", 2 * A * T * V, (T, V))
+        # one read of the logits forward (online max and sum), one read and one write backward
+        cf, r4 = self._membound("cross_entropy", A * T * V, (T, V))
         head.add("cross_entropy", cf, 2 * cf, 0.0, r4)
         if md.extra_flops_per_token:
             seconds, r5 = self._gemm("bf16", T, D, D)

@@ -250,6 +250,9 @@ def _membound(device, dtype, tiny, timeit) -> list[Entry]:
 
     A = torch.finfo(dtype).bits // 8
     out = []
+    # NOTE: each timed call also sums the output, materializes the sum's gradient and
+    # accumulates into the leaves' never-cleared .grad; the rates stay per the bytes named
+    # below, and mt_plan.calibration.HARNESS_TRAFFIC converts them to the bandwidth achieved
     for rows, cols in TINY_ROWS if tiny else FULL_ROWS:
         x = torch.randn(rows, cols, device=device, dtype=torch.float32, requires_grad=True)
         g = torch.ones(cols, device=device, requires_grad=True)
