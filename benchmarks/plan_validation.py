@@ -21,7 +21,9 @@ Run on an H200 (after ``mt-plan calibrate --out h200.json``)::
     python benchmarks/plan_validation.py --calibration h200.json --out plan_validation.jsonl
     python benchmarks/plan_validation.py --report plan_validation.jsonl --plot docs/img/plan_validation.png
 
-``--tiny`` measures two toy configurations on the CPU (a smoke run of the whole path).
+``--tiny`` measures two toy configurations on the CPU (a smoke run of the whole path), both in
+one subprocess (a GPU run gives each configuration its own, so one's allocations and OOM never
+reach the next; on the CPU that isolation buys nothing and a subprocess costs seconds of imports).
 
 ``--repredict`` recomputes the predictions of recorded rows on the CPU (no GPU, no new
 measurement): each row's overrides and vocabulary through today's cost model with the table of
@@ -81,6 +83,8 @@ TINY_CONFIGS: dict[str, list[str]] = {
     "debug-l4-s64-full": ["model=debug", "trainer.seq_len=64", "trainer.micro_batch_size=2",
                        "parallel.recompute=full"],
 }  # fmt: skip
+MEASURED = "measured: "
+"""Prefix of a ``--measure`` subprocess's result lines."""
 COMMON = [
     "trainer.max_steps=1000", "trainer.eval_interval=1000", "trainer.checkpoint_interval=1000",
     "trainer.sample_tokens=0", "logging.progress_bar=false", "checkpoint.async_save=false",
@@ -308,11 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", help="JSON lines to report on (no runs)")
     parser.add_argument("--plot", help="with --report: write the figure here")
     parser.add_argument("--repredict", help="JSON lines whose predictions to recompute (no runs)")
-    parser.add_argument("--measure-one", help=argparse.SUPPRESS)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # JSON list of override lists
     args = parser.parse_args(argv)
-    if args.measure_one:
-        print(json.dumps(measure_one(json.loads(args.measure_one), args.warmup, args.steps,
-                                     args.device)))  # fmt: skip
+    if args.measure:
+        for overrides in json.loads(args.measure):
+            measured = measure_one(overrides, args.warmup, args.steps, args.device)
+            print(MEASURED + json.dumps(measured), flush=True)
         return 0
     if args.report:
         rows = [json.loads(line) for line in Path(args.report).read_text().splitlines()]
@@ -332,26 +337,46 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only.split(",") if args.only else list(configs)
     device = "cpu" if args.tiny else args.device
     rows = []
-    for name in names:
-        overrides = with_batch(configs[name])
-        command = [sys.executable, __file__, "--measure-one", json.dumps(overrides),
-                   "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--device", device]  # fmt: skip
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s)
-            lines = done.stdout.strip().splitlines()
-            measured = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}  # fmt: skip
-        except subprocess.TimeoutExpired:
-            measured = {"error": f"timed out after {args.timeout_s} s"}
-        row = {"name": name, "overrides": overrides, **measured,
-               **predict(overrides, args.calibration, measured.get("vocab", 320), args.cluster)}  # fmt: skip
-        rows.append(row)
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
+    for batch in [names] if args.tiny else [[name] for name in names]:
+        for name, measured in zip(batch, _measure(args, configs, batch, device), strict=True):
+            overrides = with_batch(configs[name])
+            row = {"name": name, "overrides": overrides, **measured,
+                   **predict(overrides, args.calibration, measured.get("vocab", 320),
+                             args.cluster)}  # fmt: skip
+            rows.append(row)
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
     print(report(rows))
     return 0
+
+
+def _measure(
+    args: argparse.Namespace, configs: dict[str, list[str]], names: list[str], device: str
+) -> list[dict]:
+    """The measurements of ``names``, in one subprocess; an error or timeout of that
+    subprocess is recorded for every configuration it had not measured."""
+    overrides = [with_batch(configs[name]) for name in names]
+    command = [sys.executable, __file__, "--measure", json.dumps(overrides),
+               "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--device", device]  # fmt: skip
+    timeout = args.timeout_s * len(names)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        measured = _measured(done.stdout)
+        error = None if done.returncode == 0 else (
+            done.stderr.strip().splitlines() or ["no output"])[-1]  # fmt: skip
+    except subprocess.TimeoutExpired as expired:
+        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
+        measured = _measured(stdout or "")
+        error = f"timed out after {timeout} s"
+    return [*measured, *[{"error": error or "no output"}] * (len(names) - len(measured))]
+
+
+def _measured(stdout: str) -> list[dict]:
+    """The measurements a ``--measure`` subprocess printed (other output passed over)."""
+    return [json.loads(line[len(MEASURED) :]) for line in stdout.splitlines()
+            if line.startswith(MEASURED)]  # fmt: skip
 
 
 if __name__ == "__main__":
