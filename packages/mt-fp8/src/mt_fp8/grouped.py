@@ -528,15 +528,8 @@ def _quantize_weights(
         )
         if not need_transpose:
             return weight, None
-        # The rows of the stacked transposes are the columns of each W_e: no health counts,
-        # as the loop's quantize_transposed.
-        weight_EKN = weight_ENK.transpose(1, 2).reshape(-1, out_features)
-        q_t = plan.quantize(weight_EKN, role, record=False)
-        shape_t = (experts, in_features, out_features)
-        weight_t = _Stacked(
-            q_t.data.view(shape_t), q_t.scale.view(experts, in_features, 1), layout, fmt
-        )
-        return weight, weight_t
+        data_t, scale_EK = _quantize_weight_columns(plan, weight_ENK, fmt, layout)
+        return weight, _Stacked(data_t, scale_EK[:, :, None], layout, fmt)
     amax_E = weight_ENK.abs().amax(dim=(1, 2)).float()
     scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
     scale_rows = scale_E.repeat_interleave(out_features)[:, None]
@@ -547,6 +540,33 @@ def _quantize_weights(
     if not need_transpose:
         return weight, None
     return weight, _Stacked(weight.data.transpose(1, 2).contiguous(), weight.scale, layout, fmt)
+
+
+def _quantize_weight_columns(
+    plan: LinearPlan, weight_ENK: torch.Tensor, fmt: FP8Format, layout: ScaleLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise ``Wᵀ``: (E, K, N) FP8 and (E, K) scales, row ``(e, k)`` being column ``k`` of
+    ``W_e`` quantized as the loop's ``quantize_transposed`` does (no health counts).
+
+    The (E, K) amaxes come from one reduction over N, then one cast of the stacked (E·N, K)
+    rows with ``scale[e, k]`` and FP8 transposes of the bytes: no transposed copy of the
+    high-precision weights (an fp32 [E, K, N] copy cost 1.5 ms per DeepSeek-V2-Lite expert
+    projection on an H100, docs/benchmarks-log.md 2026-12-07)."""
+    experts, out_features, in_features = weight_ENK.shape
+    # NOTE: the ∞-norm is max |w| (NaN gives NaN: a NaN scale, as the quantizers give it).
+    amax_EK = torch.linalg.vector_norm(weight_ENK, ord=math.inf, dim=1).float()
+    scale_EK = scale_from_amax(amax_EK, fmt)
+    rows = weight_ENK.reshape(-1, in_features)
+    if plan._fused_rowwise(rows, layout):
+        from mt_fp8.kernels.rowwise_quantize import quantize_group_columns_transposed
+
+        expert_R = torch.arange(experts, device=rows.device, dtype=torch.int32)
+        expert_R = expert_R.repeat_interleave(out_features)
+        data_KR = quantize_group_columns_transposed(rows, scale_EK, expert_R, fmt)
+        data_EKN = data_KR.view(in_features, experts, out_features).transpose(0, 1)
+    else:
+        data_EKN = cast_to_fp8(rows, scale_EK, fmt).view(weight_ENK.shape).transpose(1, 2)
+    return data_EKN.contiguous(), scale_EK
 
 
 def _weight_operands(
