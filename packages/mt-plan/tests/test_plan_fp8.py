@@ -72,6 +72,18 @@ def test_swiglu_forward_is_the_down_projections_quantizer_under_tensorwise_scale
         assert _estimate(fp8, copy=True).compute["swiglu"] == pytest.approx(backward * 8 / 5)
 
 
+def test_autocast_weight_casts_are_charged_for_the_bf16_linears() -> None:
+    # every bf16 linear's fp32 weight is cast to bf16 in the forward and its bf16 gradient back
+    # to fp32, (4 + A) bytes per weight each way, at copy's rate; FP8 layers quantize from the
+    # fp32 weight, so under FP8 only the bf16 head pays them
+    blocks = 2 * (D * (D + 2 * KV + D) + 3 * D * F)
+    head = SHAPE.vocab_size * D
+    bf16 = _estimate("none", copy=True)
+    assert bf16.compute["weight_cast"] == pytest.approx(2 * (4 + A) * (blocks + head) / COPY_RATE)
+    fp8 = _estimate("tensorwise", copy=True)
+    assert fp8.compute["weight_cast"] == pytest.approx(2 * (4 + A) * head / COPY_RATE)
+
+
 def test_cross_entropy_charges_one_read_forward_and_a_read_and_write_backward() -> None:
     # the fused kernel streams the bf16 logits once forward (online max and sum) and once
     # backward, writing their gradient: 3A bytes per logit in all, at copy's rate here

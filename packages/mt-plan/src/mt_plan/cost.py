@@ -9,7 +9,9 @@ Compute, per decoder layer and micro-batch, in three parts (the pipeline simulat
 ``I``, ``W``): every linear as a GEMM (forward ``M×N×K``, input gradient ``M×K×N``, weight
 gradient ``K×N×M``; FP8 recipes run the block linears' GEMMs in ``fp8_<recipe>`` and add the
 quantization of inputs and output gradients as memory-bound ops, below; the output head and the
-fp32 router stay high precision), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
+fp32 router stay high precision; every bf16 linear under autocast also pays its fp32 weight's
+cast to bf16 each forward and its bf16 weight gradient's cast back to fp32, ``(4+A)·N·K`` bytes
+each as copies: ``weight_cast``), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
 forward FLOPs, a FlashAttention backward of 2.5× that), and memory-bound ops by the bytes they
 must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy) at the bandwidth
 their calibration achieved (:data:`~mt_plan.calibration.HARNESS_TRAFFIC`). SwiGLU's kernels read
@@ -45,8 +47,8 @@ roofline), the backward split evenly between ``I`` and ``W``: they time the modu
 quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the shipped
 H200 table predates them; the H100 table has them): bf16 prices its three GEMMs at
 ``grouped_gemm`` rates and adds as copies what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
-forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each; the dense linears' weights
-take the same casts inside autocast, uncharged, a small share of their larger GEMMs) and CUDA's
+forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each, as the dense linears'
+``weight_cast``) and CUDA's
 group padding (``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)``
 backward); FP8 prices its GEMMs as a dense linear's (``grouped_gemm`` at ``fp8_<recipe>``,
 which no table measures, so the bf16 rate scaled to the FP8 peak) plus the quantization of
@@ -284,15 +286,24 @@ class CostModel:
         fp8: str,
         groups: int = 0,
         quantize_input: bool = True,
+        autocast: bool = True,
     ) -> None:
         """A linear's three GEMMs (+ FP8 quantization of its input and output gradient;
         ``quantize_input=False``: the previous layer read the same input and its FP8 operands
-        are reused, module docstring)."""
+        are reused, module docstring), and, for a high-precision linear under autocast
+        (``autocast=False``: the fp32 router), its weight's casts."""
         dtype = self._gemm_dtype(fp8)
         f, r1 = self._gemm(dtype, M, N, K, groups)
         i, r2 = self._gemm(dtype, M, K, N, groups)
         w, r3 = self._gemm(dtype, K, N, M, groups)
         ph.add(cls, f, i, w, r1 or r2 or r3)
+        A = self.work.act_bytes
+        if fp8 == "none" and not groups and autocast and A < 4:
+            # autocast reads the fp32 weight and writes its bf16 copy in every forward (again in
+            # a recomputed one, which repeats the phase's forward), and the GEMM's bf16 weight
+            # gradient is cast back to fp32 for the fp32 .grad: (4 + A)·N·K bytes each way
+            cast, rc = self._membound("copy", (4 + A) * N * K, (N, K))
+            ph.add("weight_cast", cast, 0.0, cast, rc)
         if fp8 != "none":
             A = self.work.act_bytes
             qf, rf = self._quantize(fp8, M * K, (M, K), A) if quantize_input else (0.0, False)
@@ -432,7 +443,7 @@ class CostModel:
             # Under SP the router and routed experts run on this rank's Tn tokens.
             k, E_loc = md.top_k, md.num_experts // L.ep
             rows = Tn * k
-            self._linear(ph, "router", Tn, md.num_experts, D, "none")
+            self._linear(ph, "router", Tn, md.num_experts, D, "none", autocast=False)
             Fe = md.expert_ffn_dim
             self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
             self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
