@@ -4,10 +4,14 @@ checkpoints from both, and a second launch that resumes with ``checkpoint.resume
 Each node is its own ``torchrun --nnodes 2 --nproc-per-node 1`` agent; they meet through a
 c10d rendezvous on a free localhost port (node 0 hosts the store), exactly as two machines
 would through ``--rdzv-endpoint host:port`` (``docs/multi_node.md``). The world is two CPU
-ranks on gloo, dp=2. A 12-step launch saves every 4 steps; a second launch in a run folder
-holding only its step-8 checkpoint must log the same losses for steps 9 to 12, bit for bit:
-the resumed ranks restored both shards of that checkpoint (model, AdamW state, RNG, sampler
-position).
+ranks on gloo, dp=2. The uninterrupted 12-step run that saves every 4 steps is the same job on
+the session's 2-rank gloo pool (dp=2 as well; a launch of two agents costs their imports of
+torch and mt_train, seconds each, where the pool's ranks have them already). The two-node
+launch, in a run folder holding only that run's step-8 checkpoint, must log the same losses
+for steps 9 to 12, bit for bit: the resumed ranks restored both shards of that checkpoint
+(model, AdamW state, RNG, sampler position). Its own step-12 checkpoint, one shard from each
+node, must hold the same bytes as the uninterrupted run's: the two nodes saved their state as
+one process group of one machine does.
 
 Every launch has a timeout; on expiry both agents' process groups are killed, so a hung
 rendezvous or collective fails the test instead of blocking CI.
@@ -25,12 +29,21 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+import train_checks
 from train_checks import tiny_overrides
 
+from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.rewind import read_events
 
 LAUNCH_TIMEOUT_S = 240
 """Per launch of both nodes; one takes about 15 s on two loaded CPU cores."""
+SHARDS = ["rank-00000.safetensors", "rank-00001.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 def _free_port() -> int:
@@ -80,7 +93,9 @@ def _train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
-def test_two_nodes_train_checkpoint_and_resume(kjv_data: Path, tmp_path: Path) -> None:
+def test_two_nodes_train_checkpoint_and_resume(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
     common = {
         "trainer.device": "cpu",  # gloo; two "nodes" on one GPU would collide on cuda:0
         "trainer.log_interval": 1,
@@ -88,12 +103,12 @@ def test_two_nodes_train_checkpoint_and_resume(kjv_data: Path, tmp_path: Path) -
         "scheduler": "constant",  # stopping at step 8 must not change the LR curve
     }
     full, split = tmp_path / "full", tmp_path / "split"
-    _launch_two_nodes(tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 12}), full)
+    pool.run(
+        train_checks.run_losses, tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 12}),
+        full,
+    )  # fmt: skip
     step8 = full / "checkpoints" / "step-00000008"
-    assert sorted(p.name for p in step8.glob("rank-*.safetensors")) == [
-        "rank-00000.safetensors",
-        "rank-00001.safetensors",
-    ]  # one shard from each node
+    assert sorted(p.name for p in step8.glob("rank-*.safetensors")) == SHARDS  # one per rank
     manifest = json.loads((step8 / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["parallel"]["dp"] == 2
     expected = _train_losses(full)
@@ -110,3 +125,11 @@ def test_two_nodes_train_checkpoint_and_resume(kjv_data: Path, tmp_path: Path) -
     assert sorted(resumed) == list(range(9, 13))
     # exact, every step: steps 9-12 continue the same curve
     assert resumed == {step: expected[step] for step in range(9, 13)}
+
+    step12 = split / "checkpoints" / "step-00000012"
+    assert sorted(p.name for p in step12.glob("rank-*.safetensors")) == SHARDS  # one per node
+    manifest = json.loads((step12 / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["parallel"]["dp"] == 2
+    for shard in SHARDS:
+        saved = (full / "checkpoints" / step12.name / shard).read_bytes()
+        assert (step12 / shard).read_bytes() == saved, shard
