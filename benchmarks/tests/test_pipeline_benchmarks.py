@@ -1,6 +1,10 @@
 """The pipeline benchmarks on the CPU: the simulated bubble table equals every closed form it
 prints, and ``multi_gpu/pipeline.py`` runs under torchrun on gloo, where stages of known
-duration (sleeps) give a measured bubble close to the simulated one."""
+duration (sleeps) give a measured bubble close to the simulated one.
+
+One launch of 4 ranks runs both configurations of the script (``pipeline_launches.py``: the
+fixed-time stages at pp=4, then the tiny Llama at pp=2, dp=2), so the ranks import torch and
+the mt packages once."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pipeline_bubbles
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent
 SCRIPT = BENCHMARKS / "multi_gpu" / "pipeline.py"
@@ -35,32 +40,48 @@ def test_bubble_table_matches_the_closed_forms(capsys) -> None:
     assert compared == len(lines) == 18  # every schedule at every shape has a closed form
 
 
-def _launch(nproc: int, out: Path, *extra: str) -> dict:
+LAUNCHER = Path(__file__).resolve().parent / "pipeline_launches.py"
+CONFIGS = {
+    "fixed": ["--fixed-ms", "40", "40", "40", "--pp", "4", "--schedule", "zero_bubble",
+              "--microbatches", "8", "--steps", "3", "--warmup", "1"],
+    "llama": ["--model", "tiny", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+              "--steps", "2", "--warmup", "1"],
+}  # fmt: skip
+"""Run in this order: the fixed-time stages first, in ranks that have run nothing else yet."""
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each configuration's row, from one torchrun launch of 4 ranks."""
+    folder = tmp_path_factory.mktemp("pipeline")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    configs = []
+    for name, extra in CONFIGS.items():
+        configs += [*(["--then"] if configs else []), "--device", "cpu",
+                    "--out", str(folder / f"{name}.jsonl"), *extra]  # fmt: skip
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", str(SCRIPT), "--device", "cpu", "--out", str(out), *extra,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        str(LAUNCHER), *configs,
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(out.read_text().splitlines()[-1])
+    return {
+        name: json.loads((folder / f"{name}.jsonl").read_text().splitlines()[-1])
+        for name in CONFIGS
+    }
 
 
-def test_fixed_time_stages_measure_the_simulated_bubble(tmp_path: Path) -> None:
-    row = _launch(
-        4, tmp_path / "rows.jsonl", "--fixed-ms", "40", "40", "40", "--pp", "4",
-        "--schedule", "zero_bubble", "--microbatches", "8", "--steps", "3", "--warmup", "1",
-    )  # fmt: skip
+def test_fixed_time_stages_measure_the_simulated_bubble(rows: dict[str, dict]) -> None:
+    row = rows["fixed"]
+    assert (row["model"], row["pp"], row["dp"], row["schedule"]) == ("fixed", 4, 1, "zero_bubble")
     assert abs(row["action_ms"]["W"] - 40) < 10  # the weight gradient ran as its own action
     assert row["bubble_simulated"] > 0.1
     gap = row["bubble_measured"] - row["bubble_simulated"]
     assert -BUBBLE_BELOW < gap < BUBBLE_ABOVE, row
 
 
-def test_llama_rehearsal_reports_throughput(tmp_path: Path) -> None:
-    row = _launch(
-        2, tmp_path / "rows.jsonl", "--model", "tiny", "--pp", "2", "--schedule", "1f1b",
-        "--microbatches", "4", "--steps", "2", "--warmup", "1",
-    )  # fmt: skip
+def test_llama_rehearsal_reports_throughput(rows: dict[str, dict]) -> None:
+    row = rows["llama"]
+    assert (row["model"], row["pp"], row["dp"], row["schedule"]) == ("tiny", 2, 2, "1f1b")
     assert row["tokens_per_s_per_gpu"] > 0 and row["mfu"] is None  # no peak FLOP/s on a CPU
     assert 0 < row["bubble_simulated"] < 1 and row["bubble_measured"] < 1
