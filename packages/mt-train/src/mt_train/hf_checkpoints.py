@@ -15,28 +15,27 @@ Llama) and labels ``config.json``'s ``torch_dtype`` with the dtype of the tensor
 the checkpoint's, or float32 when a checkpoint mixes dtypes (every weight then upcast,
 losslessly).
 
-FP8 weights (transformers' fine-grained FP8 layout, DeepSeek-V3's Hub checkpoints). A
-``config.json`` with ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
-"weight_block_size": [b0, b1], ...}`` stores some ``<name>.weight`` tensors as
-``float8_e4m3fn`` ``w_OI`` next to a float32 ``<name>.weight_scale_inv`` ``s`` of shape
-``[ceil(O/b0), ceil(I/b1)]`` (the last block row and column may be partial); import reads
-them as::
+Streaming. ``mt-convert import`` never holds the whole model: :class:`~mt_train.hf_shards.HFShards`
+indexes the folder's shards from their headers (a name -> shard map; FP8 weights and their
+scales are checked there, before anything is read), the family's adapter splits the tensor
+names into groups (:meth:`~mt_train.models.HFAdapter.import_groups`: the built-in families
+by decoder layer, routed experts by projection), and each group is read, converted by
+``tensors_from_hf`` and handed to a :class:`~mt_train.checkpoint.files.ShardWriter`, which
+writes a file of the checkpoint each time it has buffered ``max_file_bytes`` (``--max-file-gb``,
+default 5). Host memory holds one group as read and converted plus that buffer: for
+DeepSeek-V3 671B in bf16, a 7.5 GB projection of a layer's 256 experts twice (the experts
+and their stack) and at most 5 GB buffered, where the whole import is 1.3 TB. A model below
+the limit is written as one file, byte for byte what converting it whole writes; above, as
+``rank-00000-part-<k>.safetensors`` files, which the manifest lists as it lists ranks (format
+unchanged; :mod:`mt_train.checkpoint.files`). A family whose adapter does not override
+``import_groups`` (a third-party one whose conversion needs the whole model) is converted
+in one group, the whole model in memory, as before. Tensor names are checked per group (one
+the config does not have stops the import at once) and the missing ones at the end; an
+import that fails leaves no ``.tmp-step-*`` folder behind.
 
-    w[i, j] = float32(w_OI[i, j]) · s[i // b0, j // b1]
-
-the float32 product DeepSeek's ``weight_dequant`` computes (the FP8 value converts exactly, so
-it is the exact product rounded once to float32), stored in the checkpoint's ``torch_dtype``
-(``dtype``; float32 when it names none), the dtype its unquantized tensors have and an
-unquantized copy would store the weight in. Each weight is dequantized as it is read (the
-small scales are read first, from whichever shard holds them), so no FP8 copy of the model is
-held beside the dequantized one. The scales are consumed (the family's adapter never sees
-them). ``activation_scheme`` is not read: it says how inference quantizes activations.
-Refused with one line each: another ``quant_method`` or ``fmt``, a ``weight_block_size`` that
-is not two positive integers, a ``torch_dtype`` other than float32/bfloat16/float16, a float8
-tensor without a ``quantization_config``, of another float8 dtype, of fewer than two
-dimensions or without its scale, a scale that is not float32, whose shape is not
-``[ceil(O/b0), ceil(I/b1)]`` or whose weight is missing or not float8. Export writes no FP8
-and no ``quantization_config``.
+FP8 weights (DeepSeek-V3's Hub layout) are dequantized as they are read; the layout, the
+math and every refusal are in :mod:`mt_train.hf_shards`. Export writes no FP8 and no
+``quantization_config``.
 """
 
 from __future__ import annotations
@@ -44,27 +43,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from mt_train.checkpoint.checkpointer import TPLayout, read_resharded
 from mt_train.checkpoint.files import (
     CheckpointReader,
+    ShardWriter,
     checkpoint_folder,
     publish,
     tmp_dir,
-    write_shard,
 )
 from mt_train.config.schema import ModelConfig
-from mt_train.errors import CheckpointError, UserError, report
+from mt_train.errors import UserError, report
+from mt_train.hf_shards import (  # noqa: F401 (re-exported: the FP8 layout's names)
+    SCALE_SUFFIX,
+    FP8Weights,
+    HFShards,
+    dequantize_fp8,
+    fp8_weights,
+)
 from mt_train.models.build import build_model
 from mt_train.models.family import HFAdapter, ModelFamily
 from mt_train.models.registry import DEFAULT_FAMILY, family_of, get_family, model_families
@@ -87,182 +93,14 @@ def family_for_architectures(hf: dict[str, Any]) -> tuple[ModelFamily, HFAdapter
     )
 
 
-SCALE_SUFFIX = "_scale_inv"
-"""``<weight name>`` + this names an FP8 weight's block scales (module docstring)."""
-_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_FILE_BYTES = 5 * 10**9
+"""Import writes a file of the checkpoint each time it has this many bytes (Hugging Face's
+default ``max_shard_size`` of 5 GB): the bound on what it buffers."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FP8Weights:
-    """How a checkpoint's FP8 weights are read (module docstring)."""
-
-    block: tuple[int, int]
-    """``weight_block_size``: rows × columns of a weight that share one scale."""
-    dtype: torch.dtype
-    """What a dequantized weight is stored in (the checkpoint's ``torch_dtype``)."""
-
-
-def fp8_weights(hf: dict[str, Any]) -> FP8Weights | None:
-    """The FP8 layout ``config.json``'s ``quantization_config`` declares (None: none);
-    refuses every other quantization with one line."""
-    quant = hf.get("quantization_config")
-    if quant is None:
-        return None
-    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
-    if method != "fp8":
-        raise ValueError(
-            f"quantization_config.quant_method={method!r} is not supported; valid: 'fp8' "
-            "(block-scaled float8_e4m3fn weights, as DeepSeek-V3's), or an unquantized copy"
-        )
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; valid: 'e4m3'")
-    # activation_scheme is not read: it says how inference quantizes activations, which
-    # training from these weights does not reuse (mt's fp8 recipes pick their own scales).
-    block = quant.get("weight_block_size")
-    if not (
-        isinstance(block, list | tuple)
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise ValueError(
-            f"quantization_config.weight_block_size={block!r} is not supported; valid: two "
-            "positive integers [rows, columns] (DeepSeek-V3: [128, 128])"
-        )
-    key = "dtype" if hf.get("dtype") else "torch_dtype"  # transformers 5 writes dtype
-    name = hf.get(key) or "float32"
-    if name not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"{key}={name!r} of an FP8 checkpoint is not supported; valid: "
-            f"{', '.join(_FLOAT_DTYPES)} (what its FP8 weights are dequantized to)"
-        )
-    return FP8Weights((block[0], block[1]), _FLOAT_DTYPES[name])
-
-
-def dequantize_fp8(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:
-    """``float32(weight[..., i, j]) · scale_inv[..., i // b0, j // b1]`` in float32."""
-    rows, cols = weight.shape[-2:]
-    scale = scale_inv.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.to(torch.float32).mul_(scale)
-
-
-def _is_float8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
-
-
-def _fp8_checked(
-    name: str, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]
-) -> None:
-    """Refuse an FP8 weight and its scale that do not make the module docstring's pair."""
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(
-            f"{name} is {weight.dtype}; valid FP8 weights: torch.float8_e4m3fn "
-            "(quantization_config.fmt='e4m3')"
-        )
-    if scale is None:
-        raise ValueError(
-            f"{name} is float8_e4m3fn without its {name}{SCALE_SUFFIX} (valid: a float32 "
-            "scale per weight block)"
-        )
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{name}{SCALE_SUFFIX} is {scale.dtype}; valid: torch.float32")
-    if weight.dim() < 2:
-        raise ValueError(f"{name} is an FP8 tensor of shape {list(weight.shape)}; valid: 2-D")
-    *lead, rows, cols = weight.shape
-    want = [*lead, -(-rows // block[0]), -(-cols // block[1])]
-    if list(scale.shape) != want:
-        raise ValueError(
-            f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; valid for weight shape "
-            f"{list(weight.shape)} and weight_block_size={list(block)}: {want}"
-        )
-
-
-def _safetensors_items(
-    path: Path, keep: Callable[[str], bool]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of the tensors in ``path`` whose names ``keep`` accepts."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if keep(key):
-                    yield key, f.get_tensor(key)
-    except SafetensorError as err:
-        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
-
-
-def _read_hf_tensors(folder: Path, fp8: FP8Weights | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's shards by name, FP8 weights dequantized (``fp8``: the
-    checkpoint's :func:`fp8_weights`; module docstring)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
-    scales: dict[str, torch.Tensor] = {}
-    if fp8 is not None:  # a weight's scale may sit in another shard: read them all first
-        for path in files:
-            scales.update(_safetensors_items(path, lambda key: key.endswith(SCALE_SUFFIX)))
-    out: dict[str, torch.Tensor] = {}
-    for path in files:
-        for key, tensor in _safetensors_items(
-            path, lambda k: not (fp8 and k.endswith(SCALE_SUFFIX))
-        ):
-            scale = scales.pop(key + SCALE_SUFFIX, None)
-            if _is_float8(tensor):
-                if fp8 is None:
-                    raise ValueError(
-                        f"{key} is {tensor.dtype} but config.json has no quantization_config "
-                        "(valid: quant_method 'fp8' with a weight_block_size, or no float8 "
-                        "tensors)"
-                    )
-                _fp8_checked(key, tensor, scale, fp8.block)
-                tensor = dequantize_fp8(tensor, scale, fp8.block).to(fp8.dtype)
-            elif scale is not None:
-                raise ValueError(
-                    f"{key}{SCALE_SUFFIX} scales {key}, which is {tensor.dtype}; valid: a "
-                    "scale only next to a float8_e4m3fn weight"
-                )
-            out[key] = tensor
-    if scales:
-        name = min(scales)
-        raise ValueError(
-            f"{name} has no {name.removesuffix(SCALE_SUFFIX)} in the checkpoint (valid: a "
-            "scale next to the float8_e4m3fn weight it is named after)"
-        )
-    return out
-
-
-def import_hf(
-    hf_dir: str | Path,
-    out_root: str | Path,
-    mtp_depth: int | None = None,
-    log: Callable[[str], None] = print,
-) -> Path:
-    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it.
-    ``mtp_depth``: how many of the checkpoint's multi-token-prediction layers to import (None:
-    all it holds; 0: none); what is skipped is told through ``log`` in one line."""
-    hf_dir, out_root = Path(hf_dir), Path(out_root)
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")
-    hf_cfg = json.loads(config_path.read_text())
-    family, adapter = family_for_architectures(hf_cfg)
-    hf_tensors = _read_hf_tensors(hf_dir, fp8_weights(hf_cfg))
-    hf_cfg, note = adapter.import_view(hf_cfg, set(hf_tensors), mtp_depth)
-    if note is not None:
-        log(note)
-    cfg = adapter.config_from_hf(hf_cfg, hf_dir.name)
-    state = adapter.tensors_from_hf(hf_tensors, hf_cfg)
-    tensors = {f"model/{k}": v for k, v in state.items()}
-    expected = {f"model/{k}" for k in build_model(cfg, "meta").state_dict()}
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise ValueError(
-            f"tensor names do not match the config: missing {missing[:3]}, extra {extra[:3]}"
-        )
-    run_id = uuid.uuid4().hex
-    write_shard(tmp_dir(out_root, 0), 0, run_id, tensors)
-    manifest = {
+def import_manifest(cfg: ModelConfig, family: ModelFamily, hf_dir: Path) -> dict[str, Any]:
+    """The manifest of an imported checkpoint (model tensors only, step 0, one rank)."""
+    return {
         "step": 0,
         "config": {"model": dataclasses.asdict(cfg)},
         "model": dataclasses.asdict(cfg),
@@ -273,7 +111,69 @@ def import_hf(
         "tp_plan": {},
         "source": {"huggingface": str(hf_dir)},
     }
-    return publish(out_root, 0, 1, run_id, manifest, keep_last=1)
+
+
+def _convert_group(
+    shards: HFShards,
+    group: list[str],
+    adapter: HFAdapter,
+    hf_cfg: dict[str, Any],
+    expected: set[str],
+    writer: ShardWriter,
+) -> None:
+    """Read, convert and write one of the adapter's groups (its tensors die on return)."""
+    state = adapter.tensors_from_hf({name: shards.get(name) for name in group}, hf_cfg)
+    tensors = {f"model/{k}": v for k, v in state.items()}
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise ValueError(
+            f"tensor names do not match the config: extra {extra[:3]} (from {group[:3]})"
+        )
+    writer.add(tensors)
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out_root: str | Path,
+    mtp_depth: int | None = None,
+    log: Callable[[str], None] = print,
+    max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
+) -> Path:
+    """Write ``<out_root>/step-00000000`` from a Hugging Face model folder; returns it.
+    ``mtp_depth``: how many of the checkpoint's multi-token-prediction layers to import (None:
+    all it holds; 0: none); what is skipped is told through ``log`` in one line.
+    ``max_file_bytes``: the size at which the checkpoint is split into files (None: one
+    file, the whole model in memory; module docstring)."""
+    hf_dir, out_root = Path(hf_dir), Path(out_root)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")
+    hf_cfg = json.loads(config_path.read_text())
+    family, adapter = family_for_architectures(hf_cfg)
+    with HFShards(hf_dir, fp8_weights(hf_cfg)) as shards:
+        hf_cfg, note = adapter.import_view(hf_cfg, set(shards.names), mtp_depth)
+        if note is not None:
+            log(note)
+        cfg = adapter.config_from_hf(hf_cfg, hf_dir.name)
+        expected = {f"model/{k}" for k in build_model(cfg, "meta").state_dict()}
+        groups = adapter.import_groups(shards.names, hf_cfg)
+        run_id = uuid.uuid4().hex
+        folder = tmp_dir(out_root, 0)
+        created = not out_root.exists()
+        try:
+            writer = ShardWriter(folder, 0, run_id, max_file_bytes)
+            for group in groups:
+                _convert_group(shards, group, adapter, hf_cfg, expected, writer)
+            missing = sorted(expected - writer.names)
+            if missing:
+                raise ValueError(f"tensor names do not match the config: missing {missing[:3]}")
+            writer.close()
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            if created:
+                shutil.rmtree(out_root, ignore_errors=True)
+            raise
+    return publish(out_root, 0, 1, run_id, import_manifest(cfg, family, hf_dir), keep_last=1)
 
 
 def model_config_of(reader: CheckpointReader) -> ModelConfig:
@@ -337,6 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="multi-token-prediction layers to import (default: all the checkpoint holds)",
     )
+    imp.add_argument(
+        "--max-file-gb",
+        type=float,
+        default=DEFAULT_MAX_FILE_BYTES / 1e9,
+        help="write the checkpoint in files of about this many GB (what import buffers; "
+        "default: %(default)s)",
+    )
     exp = sub.add_parser("export", help="mt checkpoint (folder or root) -> Hugging Face folder")
     exp.add_argument("checkpoint", type=Path)
     exp.add_argument("out", type=Path)
@@ -349,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            written = import_hf(args.hf_dir, args.out, args.mtp_depth)
+            if not args.max_file_gb > 0:
+                raise ValueError(f"--max-file-gb={args.max_file_gb}; valid: a positive size")
+            max_bytes = max(1, round(args.max_file_gb * 1e9))
+            written = import_hf(args.hf_dir, args.out, args.mtp_depth, max_file_bytes=max_bytes)
         else:
             written = export_hf(args.checkpoint, args.out, args.mtp_depth)
     except (OSError, ValueError, KeyError, UserError) as err:

@@ -6,6 +6,15 @@ A checkpoint is a folder ``<dir>/step-<8 digits>`` holding::
     rank-<5 digits>.json          that rank's sidecar: run id, sha256 and tensor names
     manifest.json                 written last, by rank 0 (see MANIFEST_KEYS)
 
+A rank whose tensors are too many for one file (``mt-convert import`` of a model of hundreds
+of gigabytes, :class:`ShardWriter` with ``max_file_bytes``) writes them as parts
+``rank-<5 digits>-part-<5 digits>.safetensors`` instead, and its sidecar lists each part's
+sha256, size and tensor names under ``files``. The manifest was always a map of files
+(``shards``: file name -> rank, sha256, bytes) and of tensors to their file (``tensors``), so
+it holds parts as it holds ranks: its format (version 1) is unchanged, every reader reads
+both layouts (older mt-train versions included), and a rank that fits one file is written
+exactly as before.
+
 Atomicity: every rank writes into ``<dir>/.tmp-step-<8 digits>`` (its sidecar last, renamed
 into place so that it is never seen half-written); rank 0 waits for all sidecars of this run
 (matching ``run_id``), writes ``manifest.json`` there, fsyncs it and the folder, renames the
@@ -118,6 +127,86 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(number, os.strerror(number), str(path)) from err
 
 
+def part_name(rank: int, part: int) -> str:
+    """The ``part``-th file of a rank whose tensors :class:`ShardWriter` splits."""
+    return f"rank-{rank:05d}-part-{part:05d}.safetensors"
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class ShardWriter:
+    """One rank's tensors written as they are produced: :meth:`add` buffers them, and once the
+    buffer holds ``max_file_bytes`` (None: no limit) it is written as the next part; :meth:`close`
+    writes what is left and then the sidecar, which marks the rank's files complete. A rank
+    whose tensors never reached the limit gets one file, ``rank-<5 digits>.safetensors``, and
+    the sidecar :func:`write_shard` writes, byte for byte. Host memory holds the buffer (below
+    ``max_file_bytes`` plus the last :meth:`add`), never the rank's whole state."""
+
+    def __init__(
+        self,
+        folder: Path,
+        rank: int,
+        run_id: str,
+        max_file_bytes: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        if max_file_bytes is not None and max_file_bytes < 1:
+            raise ValueError(f"max_file_bytes={max_file_bytes}; valid: a positive size or None")
+        self.folder, self.rank, self.run_id, self.step = folder, rank, run_id, step
+        self.max_file_bytes = max_file_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffered = 0
+        self._names: set[str] = set()
+        self._parts: dict[str, dict[str, Any]] = {}
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def names(self) -> set[str]:
+        """Every tensor added so far."""
+        return set(self._names)
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Buffer ``tensors`` (names new to this rank); write a part when the limit is reached."""
+        twice = sorted(self._names & set(tensors))
+        if twice:
+            raise ValueError(f"tensors {twice[:3]} were already written to this shard")
+        self._names.update(tensors)
+        self._buffer.update(tensors)
+        self._buffered += _nbytes(tensors)
+        if self.max_file_bytes is not None and self._buffered >= self.max_file_bytes:
+            self._flush(part_name(self.rank, len(self._parts)))
+
+    def _flush(self, name: str) -> None:
+        path = self.folder / name
+        fault_points.disk_write("checkpoint", path, self.step)
+        _save_safetensors(self._buffer, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        self._parts[name] = {
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "tensors": sorted(self._buffer),
+        }
+        self._buffer, self._buffered = {}, 0
+
+    def close(self) -> None:
+        """Write the buffered tensors and the sidecar (renamed into place: rank 0 polls for it
+        and must never read it half-written)."""
+        if not self._parts:
+            self._flush(shard_name(self.rank))
+            sidecar = {"run_id": self.run_id, "rank": self.rank, **self._parts.popitem()[1]}
+        else:
+            if self._buffer:
+                self._flush(part_name(self.rank, len(self._parts)))
+            sidecar = {"run_id": self.run_id, "rank": self.rank, "files": self._parts}
+        final = self.folder / f"rank-{self.rank:05d}.json"
+        partial = final.with_name(f".tmp-{final.name}")
+        _fsync_write(partial, json.dumps(sidecar, indent=1).encode())
+        os.replace(partial, final)
+
+
 def write_shard(
     folder: Path,
     rank: int,
@@ -127,25 +216,9 @@ def write_shard(
 ) -> None:
     """Write this rank's shard and then its sidecar (the sidecar marks the shard complete);
     ``step``: the save's step (for the fault points)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / shard_name(rank)
-    fault_points.disk_write("checkpoint", path, step)
-    _save_safetensors(tensors, path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-    sidecar = {
-        "run_id": run_id,
-        "rank": rank,
-        "sha256": sha256_file(path),
-        "bytes": path.stat().st_size,
-        "tensors": sorted(tensors),
-    }
-    # Written under another name and renamed: rank 0 polls for the sidecar and must never
-    # read it half-written.
-    final = folder / f"rank-{rank:05d}.json"
-    partial = final.with_name(f".tmp-{final.name}")
-    _fsync_write(partial, json.dumps(sidecar, indent=1).encode())
-    os.replace(partial, final)
+    writer = ShardWriter(folder, rank, run_id, step=step)
+    writer.add(tensors)
+    writer.close()
 
 
 def publish(
@@ -180,10 +253,11 @@ def publish(
     shards = {}
     tensors: dict[str, str] = {}
     for rank, data in sorted(sidecars.items()):
-        name = shard_name(rank)
-        shards[name] = {"rank": rank, "sha256": data["sha256"], "bytes": data["bytes"]}
-        for tensor in data["tensors"]:
-            tensors.setdefault(tensor, name)
+        files = data.get("files") or {shard_name(rank): data}  # parts (ShardWriter) or one
+        for name, info in sorted(files.items()):
+            shards[name] = {"rank": rank, "sha256": info["sha256"], "bytes": info["bytes"]}
+            for tensor in info["tensors"]:
+                tensors.setdefault(tensor, name)
     full = {"format": FORMAT_VERSION, **manifest, "shards": shards, "tensors": tensors}
     missing_keys = [k for k in MANIFEST_KEYS if k not in full]
     if missing_keys:

@@ -26,7 +26,8 @@ positions of packed rows; :mod:`mt_train.step`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,30 @@ from torch import nn
 
 from mt_parallel import ParallelizePlan
 from mt_train.config.schema import ModelConfig
+
+_LAYER_NAME = re.compile(r"^(.*?layers)\.(\d+)\.")
+"""``<stem>.layers.<i>.<rest>``: a name inside decoder (or encoder) layer ``i``."""
+GroupKey = tuple[str, int, str]
+"""Where :func:`layer_groups` puts a name: (layer stem, layer index, part of the layer)."""
+
+
+def layer_key(name: str) -> GroupKey | None:
+    """The group of a name inside a ``…layers.<i>.`` layer (its stem and index), or None."""
+    match = _LAYER_NAME.match(name)
+    return None if match is None else (match.group(1), int(match.group(2)), "")
+
+
+def layer_groups(
+    names: Iterable[str], key: Callable[[str], GroupKey | None] = layer_key
+) -> list[list[str]]:
+    """``names`` grouped by ``key``: first every name whose key is None (embeddings, final
+    norm, head), then one group per key in (stem, layer index, part) order, each sorted."""
+    groups: dict[GroupKey | None, list[str]] = {}
+    for name in names:
+        groups.setdefault(key(name), []).append(name)
+    order = sorted(k for k in groups if k is not None)
+    head = [sorted(groups[None])] if None in groups else []
+    return head + [sorted(groups[k]) for k in order]
 
 
 class HFAdapter:
@@ -82,10 +107,21 @@ class HFAdapter:
         """The ``config.json`` of ``cfg``, whose tensors are written in ``dtype``."""
         raise NotImplementedError
 
+    def import_groups(self, names: Collection[str], hf: dict[str, Any]) -> list[list[str]]:
+        """The checkpoint's tensor ``names`` (after :meth:`import_view`) in the groups
+        ``mt-convert import`` reads and converts one at a time, so host memory holds one group.
+        Contract: :meth:`tensors_from_hf` of each group gives disjoint mt tensors whose union
+        is :meth:`tensors_from_hf` of all ``names``; a name in no group is not read (only
+        names that conversion ignores may be left out). The default, one group of every name,
+        holds the whole model in memory: a family overrides it only where its conversion
+        splits (the built-in ones by decoder layer, :func:`layer_groups`)."""
+        return [list(names)]
+
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
     ) -> dict[str, torch.Tensor]:
-        """Hugging Face tensors (by HF name) as the family's state dict (by mt name)."""
+        """Hugging Face tensors (by HF name) as the family's state dict (by mt name): the
+        whole checkpoint, or one of :meth:`import_groups`' groups."""
         raise NotImplementedError
 
     def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,11 +28,12 @@ transformers does.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
-from mt_train.models.family import HFAdapter
+from mt_train.models.family import HFAdapter, layer_groups
 from mt_train.models.llama.config import LlamaConfig, RopeScalingConfig
 
 _LAYER_MAP = {
@@ -201,11 +202,15 @@ class LlamaHF(HFAdapter):
             "dtype": dtype_name,
         }
 
+    def import_groups(self, names: Collection[str], hf: dict[str, Any]) -> list[list[str]]:
+        """Embedding, final norm and head (the tie needs both), then one group per layer."""
+        return layer_groups(names)
+
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
     ) -> dict[str, torch.Tensor]:
         out = {hf_to_mt_name(k): v for k, v in tensors.items()}
-        if hf.get("tie_word_embeddings"):
+        if hf.get("tie_word_embeddings") and "embed.weight" in out:
             if "output.weight" in out and not torch.equal(
                 out["output.weight"], out["embed.weight"]
             ):

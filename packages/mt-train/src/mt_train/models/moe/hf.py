@@ -27,12 +27,13 @@ The aux-loss-free bias (all zeros from Mixtral) is created on import and dropped
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from mt_parallel.moe import MoEConfig
-from mt_train.models.family import HFAdapter
+from mt_train.models.family import GroupKey, HFAdapter, layer_groups, layer_key
 from mt_train.models.llama.hf import (
     hf_to_mt_name,
     llama_fields_from_hf,
@@ -52,6 +53,13 @@ _MT_MOE = re.compile(
     r"^layers\.(\d+)\.mlp\.(router\.weight|router\.expert_bias|experts\.(\w+)\.weight)$"
 )
 _HUB_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _group_key(name: str) -> GroupKey | None:
+    """A hub expert's (layer, projection) group; other names by layer (:func:`layer_groups`)."""
+    if match := _HUB_EXPERT.match(name):
+        return "model.layers", int(match.group(1)), match.group(3)
+    return layer_key(name)
 
 
 class MixtralHF(HFAdapter):
@@ -131,6 +139,11 @@ class MixtralHF(HFAdapter):
             "dtype": dtype_name,
         }
 
+    def import_groups(self, names: Collection[str], hf: dict[str, Any]) -> list[list[str]]:
+        """Embedding, final norm and head, then per layer its attention, norms and router,
+        and its experts' ``w1``, ``w3`` and ``w2`` (each stacked into one tensor) apart."""
+        return layer_groups(names, _group_key)
+
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]
     ) -> dict[str, torch.Tensor]:
@@ -164,8 +177,8 @@ class MixtralHF(HFAdapter):
             out[f"layers.{layer}.mlp.experts.{proj}.weight"] = torch.stack(
                 [by_expert[e] for e in range(count)]
             )
-        for layer in range(hf["num_hidden_layers"]):
-            out[f"layers.{layer}.mlp.router.expert_bias"] = torch.zeros(count)
+        for router in [n for n in out if n.endswith(".mlp.router.weight")]:
+            out[router.replace(".router.weight", ".router.expert_bias")] = torch.zeros(count)
         return out
 
     def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

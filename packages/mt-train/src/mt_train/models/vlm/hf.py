@@ -27,11 +27,12 @@ non-square images, and (on export) an encoder without CLIP's class token and bot
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
-from mt_train.models.family import HFAdapter
+from mt_train.models.family import HFAdapter, layer_groups
 from mt_train.models.llama.hf import LlamaHF, hf_to_mt_name, mt_to_hf_name
 from mt_train.models.vlm.config import VisionConfig, VLMConfig
 
@@ -213,6 +214,11 @@ class LlavaHF(HFAdapter):
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }
+
+    def import_groups(self, names: Collection[str], hf: dict[str, Any]) -> list[list[str]]:
+        """Every name converts on its own: the top-level tensors, then one group per vision
+        and per language layer."""
+        return layer_groups(names)
 
     def tensors_from_hf(
         self, tensors: dict[str, torch.Tensor], hf: dict[str, Any]

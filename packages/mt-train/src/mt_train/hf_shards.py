@@ -1,0 +1,269 @@
+"""A Hugging Face folder's safetensors shards, read one tensor at a time (``mt-convert import``).
+
+:class:`HFShards` opens every ``*.safetensors`` file of the folder once and indexes its tensors
+by name from the headers alone (dtype, shape and file; no tensor data is read), so a checkpoint
+of any size costs a few kilobytes per shard until :meth:`HFShards.get` reads a tensor. Each
+``get`` returns a tensor of its own (safetensors copies it out of the file), which the caller
+drops when done: host memory holds what the caller keeps alive, nothing more. A name held by
+two shards is refused (Hugging Face's ``model.safetensors.index.json`` maps each name to one
+file, so a duplicate means a mixed-up folder).
+
+FP8 weights (transformers' fine-grained FP8 layout, DeepSeek-V3's Hub checkpoints). A
+``config.json`` with ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+"weight_block_size": [b0, b1], ...}`` stores some ``<name>.weight`` tensors as
+``float8_e4m3fn`` ``w_OI`` next to a float32 ``<name>.weight_scale_inv`` ``s`` of shape
+``[ceil(O/b0), ceil(I/b1)]`` (the last block row and column may be partial); import reads
+them as::
+
+    w[i, j] = float32(w_OI[i, j]) · s[i // b0, j // b1]
+
+the float32 product DeepSeek's ``weight_dequant`` computes (the FP8 value converts exactly, so
+it is the exact product rounded once to float32), stored in the checkpoint's ``torch_dtype``
+(``dtype``; float32 when it names none), the dtype its unquantized tensors have and an
+unquantized copy would store the weight in. ``get(weight)`` reads the weight and its scale
+(from whichever shard holds it) and returns the dequantized weight, so neither an FP8 copy of
+the model nor its scales are held beside the dequantized tensors. The scales are consumed:
+:attr:`HFShards.names` lists no scale, and the family's adapter never sees one.
+``activation_scheme`` is not read: it says how inference quantizes activations.
+
+Every pairing is checked from the headers when the folder is opened, before any tensor is
+read (a 690 GB checkpoint is refused in seconds, not after an hour of converting), in the
+order the shards are listed, each with one line: another ``quant_method`` or ``fmt``, a
+``weight_block_size`` that is not two positive integers, a ``torch_dtype`` other than
+float32/bfloat16/float16, a float8 tensor without a ``quantization_config``, of another float8
+dtype, of fewer than two dimensions or without its scale, a scale that is not float32, whose
+shape is not ``[ceil(O/b0), ceil(I/b1)]`` or whose weight is missing or not float8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mt_train.errors import CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"
+"""``<weight name>`` + this names an FP8 weight's block scales (module docstring)."""
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}  # fmt: skip
+"""A header's dtype names (safetensors' ``Dtype``) as torch dtypes; others read as None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Weights:
+    """How a checkpoint's FP8 weights are read (module docstring)."""
+
+    block: tuple[int, int]
+    """``weight_block_size``: rows × columns of a weight that share one scale."""
+    dtype: torch.dtype
+    """What a dequantized weight is stored in (the checkpoint's ``torch_dtype``)."""
+
+
+def fp8_weights(hf: dict[str, Any]) -> FP8Weights | None:
+    """The FP8 layout ``config.json``'s ``quantization_config`` declares (None: none);
+    refuses every other quantization with one line."""
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
+    if method != "fp8":
+        raise ValueError(
+            f"quantization_config.quant_method={method!r} is not supported; valid: 'fp8' "
+            "(block-scaled float8_e4m3fn weights, as DeepSeek-V3's), or an unquantized copy"
+        )
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; valid: 'e4m3'")
+    # activation_scheme is not read: it says how inference quantizes activations, which
+    # training from these weights does not reuse (mt's fp8 recipes pick their own scales).
+    block = quant.get("weight_block_size")
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"quantization_config.weight_block_size={block!r} is not supported; valid: two "
+            "positive integers [rows, columns] (DeepSeek-V3: [128, 128])"
+        )
+    key = "dtype" if hf.get("dtype") else "torch_dtype"  # transformers 5 writes dtype
+    name = hf.get(key) or "float32"
+    if name not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{key}={name!r} of an FP8 checkpoint is not supported; valid: "
+            f"{', '.join(_FLOAT_DTYPES)} (what its FP8 weights are dequantized to)"
+        )
+    return FP8Weights((block[0], block[1]), _FLOAT_DTYPES[name])
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``float32(weight[..., i, j]) · scale_inv[..., i // b0, j // b1]`` in float32."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return weight.to(torch.float32).mul_(scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor is stored and what it holds, from its shard's header."""
+
+    path: Path
+    dtype: torch.dtype | None
+    """None: a safetensors dtype torch has no name for (reading it fails with one line)."""
+    shape: tuple[int, ...]
+
+    @property
+    def is_float8(self) -> bool:
+        return self.dtype is not None and self.dtype.is_floating_point and self.dtype.itemsize == 1
+
+
+def _fp8_checked(
+    name: str, weight: TensorInfo, scale: TensorInfo | None, block: tuple[int, int]
+) -> None:
+    """Refuse an FP8 weight and its scale that do not make the module docstring's pair."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"{name} is {weight.dtype}; valid FP8 weights: torch.float8_e4m3fn "
+            "(quantization_config.fmt='e4m3')"
+        )
+    if scale is None:
+        raise ValueError(
+            f"{name} is float8_e4m3fn without its {name}{SCALE_SUFFIX} (valid: a float32 "
+            "scale per weight block)"
+        )
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}{SCALE_SUFFIX} is {scale.dtype}; valid: torch.float32")
+    if len(weight.shape) < 2:
+        raise ValueError(f"{name} is an FP8 tensor of shape {list(weight.shape)}; valid: 2-D")
+    *lead, rows, cols = weight.shape
+    want = [*lead, -(-rows // block[0]), -(-cols // block[1])]
+    if list(scale.shape) != want:
+        raise ValueError(
+            f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; valid for weight shape "
+            f"{list(weight.shape)} and weight_block_size={list(block)}: {want}"
+        )
+
+
+class HFShards:
+    """The tensors of a folder's ``*.safetensors`` files by name, read one at a time (module
+    docstring). Use as a context manager (it holds the files open)."""
+
+    def __init__(self, folder: Path, fp8: FP8Weights | None = None) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {str(folder)!r}")
+        self.fp8 = fp8
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+        self._index: dict[str, TensorInfo] = {}
+        try:
+            for path in files:
+                handle = self._stack.enter_context(self._open(path))
+                self._handles[path] = handle
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    self._add(key, path, handle.get_slice(key))
+            self.names = self._checked_names()
+            """Every tensor :meth:`get` reads, in shard order (FP8 scales not among them)."""
+            self._served = set(self.names)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    @staticmethod
+    def _open(path: Path) -> Any:
+        try:
+            return safe_open(str(path), framework="pt")
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{str(path)!r} is not a readable safetensors file: {err}"
+            ) from None
+
+    def _add(self, key: str, path: Path, view: Any) -> None:
+        if key in self._index:
+            raise ValueError(
+                f"{key} is in both {self._index[key].path.name} and {path.name} (valid: each "
+                "tensor in one shard, as model.safetensors.index.json maps them)"
+            )
+        dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+        self._index[key] = TensorInfo(path, dtype, tuple(view.get_shape()))
+
+    def _checked_names(self) -> list[str]:
+        """The names :meth:`get` serves, every FP8 pairing checked (module docstring)."""
+        fp8 = self.fp8
+        scales = {k for k in self._index if fp8 and k.endswith(SCALE_SUFFIX)}
+        names = [k for k in self._index if k not in scales]
+        for key in names:
+            info = self._index[key]
+            scale = key + SCALE_SUFFIX
+            if info.is_float8:
+                if fp8 is None:
+                    raise ValueError(
+                        f"{key} is {info.dtype} but config.json has no quantization_config "
+                        "(valid: quant_method 'fp8' with a weight_block_size, or no float8 "
+                        "tensors)"
+                    )
+                _fp8_checked(key, info, self._index.get(scale), fp8.block)
+            elif scale in scales:
+                raise ValueError(
+                    f"{scale} scales {key}, which is {info.dtype}; valid: a scale only next to "
+                    "a float8_e4m3fn weight"
+                )
+        orphans = sorted(s for s in scales if s.removesuffix(SCALE_SUFFIX) not in self._index)
+        if orphans:
+            name = orphans[0]
+            raise ValueError(
+                f"{name} has no {name.removesuffix(SCALE_SUFFIX)} in the checkpoint (valid: a "
+                "scale next to the float8_e4m3fn weight it is named after)"
+            )
+        return names
+
+    def __enter__(self) -> HFShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of the tensor :meth:`get` returns for ``name`` (dequantized)."""
+        info = self._index[name]
+        dtype = self.fp8.dtype if self.fp8 and info.is_float8 else info.dtype
+        count = 1
+        for size in info.shape:
+            count *= size
+        return count * (dtype.itemsize if dtype is not None else 1)
+
+    def _read(self, name: str) -> torch.Tensor:
+        path = self._index[name].path
+        try:
+            return self._handles[path].get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointError(
+                f"{str(path)!r} is not a readable safetensors file: {err}"
+            ) from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, an FP8 weight dequantized (module docstring)."""
+        if name not in self._served:
+            raise KeyError(f"no tensor {name!r} in the checkpoint")
+        tensor = self._read(name)
+        if self.fp8 is not None and self._index[name].is_float8:
+            scale = self._read(name + SCALE_SUFFIX)
+            tensor = dequantize_fp8(tensor, scale, self.fp8.block).to(self.fp8.dtype)
+        return tensor
