@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.tiny else args.device
     rows = []
     for batch in [names] if args.tiny else [[name] for name in names]:
-        for name, measured in zip(batch, _measure(args, configs, batch, device), strict=True):
-            overrides = with_batch(configs[name])
+        batch_overrides = [with_batch(configs[name]) for name in batch]
+        measurements = _measure(args, batch_overrides, device)
+        for name, overrides, measured in zip(batch, batch_overrides, measurements, strict=True):
             row = {"name": name, "overrides": overrides, **measured,
                    **predict(overrides, args.calibration, measured.get("vocab", 320),
                              args.cluster)}  # fmt: skip
@@ -351,16 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(
-    args: argparse.Namespace, configs: dict[str, list[str]], names: list[str], device: str
-) -> list[dict]:
-    """The measurements of ``names``, in one subprocess; an error or timeout of that
-    subprocess is recorded for every configuration it had not measured."""
-    overrides = [with_batch(configs[name]) for name in names]
+def _measure(args: argparse.Namespace, overrides: list[list[str]], device: str) -> list[dict]:
+    """The measurements of the configurations ``overrides``, in one subprocess; an error or
+    timeout of that subprocess is recorded for every configuration it had not measured."""
     command = [sys.executable, __file__, "--measure", json.dumps(overrides),
                "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--device", device]  # fmt: skip
-    timeout = args.timeout_s * len(names)
+    timeout = args.timeout_s * len(overrides)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         measured = _measured(done.stdout)
@@ -370,7 +368,7 @@ def _measure(
         stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
         measured = _measured(stdout or "")
         error = f"timed out after {timeout} s"
-    return [*measured, *[{"error": error or "no output"}] * (len(names) - len(measured))]
+    return [*measured, *[{"error": error or "no output"}] * (len(overrides) - len(measured))]
 
 
 def _measured(stdout: str) -> list[dict]:
