@@ -38,6 +38,7 @@ shape is not ``[ceil(O/b0), ceil(I/b1)]`` or whose weight is missing or not floa
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -244,10 +245,7 @@ class HFShards:
         """Bytes of the tensor :meth:`get` returns for ``name`` (dequantized)."""
         info = self._index[name]
         dtype = self.fp8.dtype if self.fp8 and info.is_float8 else info.dtype
-        count = 1
-        for size in info.shape:
-            count *= size
-        return count * (dtype.itemsize if dtype is not None else 1)
+        return math.prod(info.shape) * (dtype.itemsize if dtype is not None else 1)
 
     def _read(self, name: str) -> torch.Tensor:
         path = self._index[name].path
