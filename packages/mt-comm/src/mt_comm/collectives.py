@@ -91,10 +91,10 @@ def _reduce_op(op: str, tensor: torch.Tensor) -> Any:
         raise ValueError(f"unknown reduce op {op!r}; valid: {', '.join(_REDUCE_OPS)}") from None
 
 
-def _backend_reduce(op: str, tensor: torch.Tensor, group: Any) -> tuple[Any, int]:
-    """The backend's reduce op for ``op`` and what its result is divided by afterwards: gloo
-    has no AVG, so it sums and the caller divides by the group size."""
-    reduce_op = _reduce_op(op, tensor)
+def _backend_reduce(op: str, reduce_op: Any, group: Any) -> tuple[Any, int]:
+    """The backend's reduce op for ``op`` (``reduce_op``: its :func:`_reduce_op`) and what its
+    result is divided by afterwards: gloo has no AVG, so it sums and the caller divides by the
+    group size."""
     if op == "avg" and dist.get_backend(group) == "gloo":
         return dist.ReduceOp.SUM, group_size(group)
     return reduce_op, 1
@@ -102,9 +102,9 @@ def _backend_reduce(op: str, tensor: torch.Tensor, group: Any) -> tuple[Any, int
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` in place over ``group`` (``op``: sum, max, min, product, avg)."""
-    _reduce_op(op, tensor)  # a bad op or an FP8 tensor is refused in one process too
+    reduce_op = _reduce_op(op, tensor)  # a bad op or an FP8 tensor is refused in one process too
     if _active(group):
-        reduce_op, divisor = _backend_reduce(op, tensor, group)
+        reduce_op, divisor = _backend_reduce(op, reduce_op, group)
         dist.all_reduce(tensor, op=reduce_op, group=group)
         if divisor != 1:
             tensor.div_(divisor)
@@ -131,10 +131,10 @@ def all_reduce_start(tensor: torch.Tensor, op: str = "sum", group: Any = None) -
     """Start :func:`all_reduce` of ``tensor`` in place without waiting for it: the collective
     runs while the caller goes on (a different stream on CUDA, gloo's own threads on the CPU);
     ``tensor`` must not be read or written until the returned handle's ``wait()``."""
-    _reduce_op(op, tensor)  # a bad op or an FP8 tensor is refused in one process too
+    reduce_op = _reduce_op(op, tensor)  # a bad op or an FP8 tensor is refused in one process too
     if not _active(group):
         return PendingReduce(tensor, None, 1)
-    reduce_op, divisor = _backend_reduce(op, tensor, group)
+    reduce_op, divisor = _backend_reduce(op, reduce_op, group)
     work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
     return PendingReduce(tensor, work, divisor)
 
