@@ -1,0 +1,280 @@
+"""Triton grouped block-scaled FP8 GEMMs for MoE experts (DeepSeek-V3 block scaling).
+
+PyTorch has no grouped block-scaled GEMM (``torch._scaled_grouped_mm`` takes rowwise scales), and
+one :mod:`mt_fp8.kernels.block_gemm` launch per expert is bound by the host's launches at
+fine-grained MoE shapes (docs/architecture.md, ``grouped.py``). These two kernels run every
+expert's GEMM in one launch each, with the promotion of :mod:`~mt_fp8.kernels.block_gemm`:
+every 128-deep step of the contraction is one FP8 tensor-core product, added to the fp32
+accumulator with its two scales, ``acc += dot(a_k, b_kᵀ) · s_a[:, k] · s_b[:, k]``.
+
+Shape suffixes: T tokens sorted by expert, E experts, Y rows of ``b`` (output columns), Z the
+contraction axis, P padded tokens (below), g = :data:`GROUP` = 128.
+
+Rows by experts (2d × 3d; the forward ``y_e = x_e W_eᵀ`` and dgrad ``dx_e = dy_e W_e``):
+
+    out_TY[t] = Σ_k (a_TZ[t, k] · s_a[t, k]) (b_EYZ[e(t), :, k] · s_b[e(t), :, k])ᵀ  (+ bias_EY[e(t)])
+
+``a_TZ`` in 1×g groups along Z (``s_a`` (T, Z/g)), ``b_EYZ`` in g×g blocks (``s_b``
+(E, Y/g, Z/g)), ``e(t)`` the expert owning token ``t``. The tile table (:func:`row_tiles`) lists,
+for every expert with tokens, ``ceil(T_e / ROW_TILE)`` row tiles as ``(expert, row_start,
+row_end)``: a program owns one such tile and one column tile, so no tile mixes experts and
+experts without tokens cost nothing. Grid: ``(Y / BLOCK_Y, tiles)``.
+
+k-grouped (2d × 2d; the wgrad ``dW_e = dy_eᵀ x_e``, contracting over the expert's tokens):
+
+    out_EXY[e] = Σ_{k in e's segment} (a_XP[:, k] · s_a[:, k]) (b_YP[:, k] · s_b[:, k])ᵀ
+
+``a_XP`` and ``b_YP`` are the transposed operands (``dyᵀ``, ``xᵀ``) in 1×g groups along the
+padded token axis: each expert's tokens start a segment of ``P_e = ceil(T_e / g) · g`` columns
+whose tail is zeros, so no group straddles two experts. ``starts`` (E + 1 int32) holds the
+segment boundaries (multiples of g); an expert with no tokens has an empty segment and its
+programs write zeros. Grid: ``(Y / BLOCK_Y, X / BLOCK_X, E)``.
+
+Mixed E4M3 × E5M2 operands (the hybrid formats' gradients) are multiplied in fp16, which holds
+every value of both formats exactly (E5M2 is fp16's top byte; E4M3's range 2^-9..448 lies in
+fp16's normal range), so the products are the FP8 products, at Hopper's fp16 tensor-core rate.
+NOTE: fp16 rather than :mod:`~mt_fp8.kernels.block_gemm`'s bf16 (also exact) because Triton
+3.9's interpreter miscomputes bf16 dots, and the CPU tests run these kernels there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128
+"""The 1×g group length of the activations and gradients and the side of the weight blocks."""
+ROW_TILE = 128
+"""Rows of ``a`` per program in the 2d × 3d kernel (the tile table is cut in these)."""
+COLUMN_TILE = 128
+"""Columns of the output per program."""
+WGRAD_ROW_TILE = 128
+"""Rows of ``a`` (output rows) per program in the k-grouped kernel."""
+
+
+@triton.jit
+def _rows_by_experts(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    out_ptr,
+    tiles_ptr,
+    Y,
+    Z,
+    HAS_BIAS: tl.constexpr,
+    MIXED: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_Y: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
+):
+    tile_y, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    row_start = tl.load(tiles_ptr + 3 * tile + 1)
+    row_end = tl.load(tiles_ptr + 3 * tile + 2)
+    rows = row_start + tl.arange(0, BLOCK_X)
+    cols = tile_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
+    ks = tl.arange(0, BLOCK_Z)
+    row_mask, col_mask = rows < row_end, cols < Y
+    steps = Z // BLOCK_Z
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * Z + ks[None, :]
+    b_ptrs = b_ptr + expert * Y * Z + cols.to(tl.int64)[:, None] * Z + ks[None, :]
+    sa_ptrs = sa_ptr + rows.to(tl.int64) * steps
+    # One scale per BLOCK_Z × BLOCK_Z block of b: expert e's block row of output column c.
+    sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * steps
+    acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
+    for step in range(0, steps):
+        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
+        if MIXED:
+            partial = tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
+        else:
+            partial = tl.dot(a, tl.trans(b))
+        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
+        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
+        acc += partial * scale_a[:, None] * scale_b[None, :]
+        a_ptrs += BLOCK_Z
+        b_ptrs += BLOCK_Z
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * Y + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * Y + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _k_grouped(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    out_ptr,
+    starts_ptr,
+    X,
+    Y,
+    P,
+    MIXED: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_Y: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
+):
+    tile_y, tile_x = tl.program_id(0), tl.program_id(1)
+    expert = tl.program_id(2).to(tl.int64)
+    start = tl.load(starts_ptr + expert)
+    end = tl.load(starts_ptr + expert + 1)
+    rows = tile_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    cols = tile_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
+    ks = start + tl.arange(0, BLOCK_Z)
+    row_mask, col_mask = rows < X, cols < Y
+    groups = P // BLOCK_Z
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * P + ks[None, :]
+    b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * P + ks[None, :]
+    sa_ptrs = sa_ptr + rows.to(tl.int64) * groups + start // BLOCK_Z
+    sb_ptrs = sb_ptr + cols.to(tl.int64) * groups + start // BLOCK_Z
+    acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
+    for step in range(0, (end - start) // BLOCK_Z):
+        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
+        if MIXED:
+            partial = tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
+        else:
+            partial = tl.dot(a, tl.trans(b))
+        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
+        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
+        acc += partial * scale_a[:, None] * scale_b[None, :]
+        a_ptrs += BLOCK_Z
+        b_ptrs += BLOCK_Z
+    out_ptrs = out_ptr + expert * X * Y + rows.to(tl.int64)[:, None] * Y + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def row_tiles(sizes: Sequence[int]) -> list[int]:
+    """The 2d × 3d tile table, flattened: ``(expert, row_start, row_end)`` for every
+    :data:`ROW_TILE` rows of every expert's tokens (experts without tokens have none)."""
+    table, start = [], 0
+    for expert, size in enumerate(sizes):
+        for row in range(start, start + size, ROW_TILE):
+            table += [expert, row, min(row + ROW_TILE, start + size)]
+        start += size
+    return table
+
+
+def padded_starts(sizes: Sequence[int]) -> list[int]:
+    """The k-grouped segment boundaries: ``E + 1`` offsets, expert ``e`` owning
+    ``[starts[e], starts[e + 1])`` of ``ceil(T_e / GROUP) · GROUP`` padded tokens."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // GROUP) * GROUP)
+    return starts
+
+
+def _check_fp8(name: str, tensor: torch.Tensor, dim: int) -> None:
+    if tensor.dim() != dim or tensor.element_size() != 1 or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {dim}-D FP8 tensor, got {tuple(tensor.shape)} "
+            f"{tensor.dtype} (contiguous: {tensor.is_contiguous()})"
+        )
+
+
+def _check_scales(name: str, scale: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(scale.shape) != shape or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous float32 scales of shape {shape}, got "
+            f"{tuple(scale.shape)} {scale.dtype}"
+        )
+
+
+def grouped_block_mm(
+    a_TZ: torch.Tensor,
+    scale_a: torch.Tensor,
+    b_EYZ: torch.Tensor,
+    scale_b: torch.Tensor,
+    tiles: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias_EY: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The 2d × 3d GEMM (module docstring): ``a_TZ`` (T, Z) FP8 with (T, Z/128) scales,
+    ``b_EYZ`` (E, Y, Z) FP8 with (E, Y/128, Z/128) block scales, ``tiles`` the
+    :func:`row_tiles` table as an int32 tensor on the operands' device."""
+    _check_fp8("a", a_TZ, 2)
+    _check_fp8("b", b_EYZ, 3)
+    (tokens, depth), (experts, cols, depth_b) = a_TZ.shape, b_EYZ.shape
+    if depth != depth_b or depth % GROUP or cols % GROUP:
+        raise ValueError(
+            f"grouped_block_mm contracts a {tuple(a_TZ.shape)} with b {tuple(b_EYZ.shape)}: "
+            f"the last dims must agree and, like b's other dim, be multiples of {GROUP}"
+        )
+    _check_scales("scale_a", scale_a, (tokens, depth // GROUP))
+    _check_scales("scale_b", scale_b, (experts, cols // GROUP, depth // GROUP))
+    if bias_EY is not None and tuple(bias_EY.shape) != (experts, cols):
+        raise ValueError(f"bias must be (E, Y) = {(experts, cols)}, got {tuple(bias_EY.shape)}")
+    out = torch.empty(tokens, cols, device=a_TZ.device, dtype=out_dtype)
+    num_tiles = tiles.numel() // 3
+    if num_tiles == 0:
+        return out
+    _rows_by_experts[(triton.cdiv(cols, COLUMN_TILE), num_tiles)](
+        a_TZ,
+        b_EYZ,
+        scale_a,
+        scale_b,
+        bias_EY.contiguous() if bias_EY is not None else out,
+        out,
+        tiles,
+        cols,
+        depth,
+        HAS_BIAS=bias_EY is not None,
+        MIXED=a_TZ.dtype != b_EYZ.dtype,
+        BLOCK_X=ROW_TILE,
+        BLOCK_Y=COLUMN_TILE,
+        BLOCK_Z=GROUP,
+        num_warps=8,
+        num_stages=4,
+    )
+    return out
+
+
+def k_grouped_block_mm(
+    a_XP: torch.Tensor,
+    scale_a: torch.Tensor,
+    b_YP: torch.Tensor,
+    scale_b: torch.Tensor,
+    starts: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The k-grouped GEMM (module docstring): ``(E, X, Y)`` from ``a_XP`` (X, P) and ``b_YP``
+    (Y, P) FP8 in 1×128 groups along the padded tokens (scales (X, P/128), (Y, P/128)), and
+    ``starts`` the :func:`padded_starts` boundaries (E + 1 int32 on the operands' device)."""
+    _check_fp8("a", a_XP, 2)
+    _check_fp8("b", b_YP, 2)
+    (rows, padded), (cols, padded_b) = a_XP.shape, b_YP.shape
+    if padded != padded_b or padded % GROUP:
+        raise ValueError(
+            f"k_grouped_block_mm contracts a {tuple(a_XP.shape)} with b {tuple(b_YP.shape)}: "
+            f"the padded token dims must agree and be a multiple of {GROUP}"
+        )
+    _check_scales("scale_a", scale_a, (rows, padded // GROUP))
+    _check_scales("scale_b", scale_b, (cols, padded // GROUP))
+    experts = starts.numel() - 1
+    out = torch.empty(experts, rows, cols, device=a_XP.device, dtype=out_dtype)
+    _k_grouped[(triton.cdiv(cols, COLUMN_TILE), triton.cdiv(rows, WGRAD_ROW_TILE), experts)](
+        a_XP,
+        b_YP,
+        scale_a,
+        scale_b,
+        out,
+        starts,
+        rows,
+        cols,
+        padded,
+        MIXED=a_XP.dtype != b_YP.dtype,
+        BLOCK_X=WGRAD_ROW_TILE,
+        BLOCK_Y=COLUMN_TILE,
+        BLOCK_Z=GROUP,
+        num_warps=8,
+        num_stages=4,
+    )
+    return out
