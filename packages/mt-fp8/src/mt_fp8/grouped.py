@@ -109,7 +109,7 @@ from typing import Any
 import torch
 
 from mt_fp8.formats import FP8Format, TensorRole
-from mt_fp8.gemm import fp8_gemm
+from mt_fp8.gemm import _triton_block_gemm_available, fp8_gemm
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import (
     QuantizedTensor,
@@ -118,7 +118,7 @@ from mt_fp8.quantized import (
     reduce_amax_,
     scale_from_amax,
 )
-from mt_fp8.recipes import Recipe, RowwiseScaling, TensorwiseScaling
+from mt_fp8.recipes import BlockScaling, Recipe, RowwiseScaling, TensorwiseScaling
 from mt_fp8.weight_cache import weight_key
 
 GroupedGemm = Callable[
@@ -135,6 +135,9 @@ _OPERAND_ROLES = {
 GROUPED_BACKENDS = ("auto", "fast")
 WGRAD_ALIGN = 16
 """Token multiple each group of the grouped wgrad starts at (16 bytes of FP8)."""
+BLOCK_GROUPED_SIDE = 128
+"""The group length and weight-block side the grouped block-scaled GEMM takes
+(:mod:`mt_fp8.kernels.grouped_block_gemm`)."""
 MAX_GROUPS = 1023
 """PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
 
@@ -232,17 +235,21 @@ def grouped_gemm_reason(
 ) -> str | None:
     """Why :class:`~mt_fp8.linear.FP8GroupedLinear` must loop over experts here, or None.
 
-    None means :func:`fp8_grouped_linear` runs, with at least one GEMM grouped (the others per
-    group; :func:`gemm_reason`).
+    None means the grouped path runs: for block scaling
+    :func:`~mt_fp8.grouped_block.fp8_block_grouped_linear` (all three GEMMs grouped), else
+    :func:`fp8_grouped_linear`, with at least one GEMM grouped (the others per group;
+    :func:`gemm_reason`).
     """
     if backend not in GROUPED_BACKENDS:
         return (
             f"backend {backend!r} keeps the per-expert loop (the grouped GEMM is taken with "
             f"{' or '.join(repr(b) for b in GROUPED_BACKENDS)})"
         )
+    if isinstance(recipe, BlockScaling):
+        return _block_reason(x_TK, weight_ENK, recipe)
     if type(recipe) not in (TensorwiseScaling, RowwiseScaling):
         return (
-            "the grouped FP8 GEMM takes current tensorwise or rowwise scaling, not the "
+            "the grouped FP8 GEMM takes current tensorwise, rowwise or block scaling, not the "
             f"{recipe.name} recipe"
         )
     reason = _device_reason(x_TK.device)
@@ -262,6 +269,31 @@ def grouped_gemm_reason(
     reasons = [gemm_reason(gemm, recipe, group_sizes, dtypes[gemm]) for gemm in GEMMS]
     if all(r is not None for r in reasons):
         return "no GEMM can run grouped: " + "; ".join(r for r in reasons if r is not None)
+    return None
+
+
+def _block_reason(x_TK: torch.Tensor, weight_ENK: torch.Tensor, recipe: BlockScaling) -> str | None:
+    """Why the grouped block-scaled GEMMs (:mod:`mt_fp8.grouped_block`) cannot run, or None."""
+    device = x_TK.device
+    if device.type != "cuda" or not _triton_block_gemm_available(device.index):
+        return (
+            "the grouped block-scaled GEMM is a Triton kernel for CUDA GPUs of compute "
+            f"capability >= 9.0 with Triton, not {device}"
+        )
+    if (recipe.group, recipe.weight_block) != (BLOCK_GROUPED_SIDE, BLOCK_GROUPED_SIDE):
+        return (
+            f"the grouped block-scaled GEMM takes 1x{BLOCK_GROUPED_SIDE} groups and "
+            f"{BLOCK_GROUPED_SIDE}x{BLOCK_GROUPED_SIDE} weight blocks, got group={recipe.group}, "
+            f"weight_block={recipe.weight_block}"
+        )
+    _, out_features, in_features = weight_ENK.shape
+    if in_features % BLOCK_GROUPED_SIDE or out_features % BLOCK_GROUPED_SIDE:
+        return (
+            f"the grouped block-scaled GEMM needs K and N divisible by {BLOCK_GROUPED_SIDE} (whole "
+            f"weight blocks per expert), got K={in_features}, N={out_features}"
+        )
+    if x_TK.shape[0] == 0:
+        return "no tokens: nothing to group"
     return None
 
 
@@ -309,6 +341,15 @@ def _host_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) 
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _bias_gradient(
+    dy_TN: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype | None
+) -> torch.Tensor:
+    """(E, N): each group's ``Σ dy`` in fp32, one sum per group (the loop's order, its bits)."""
+    return torch.stack(
+        [dy_TN[s:t].sum(0, dtype=torch.float32).to(dtype) for s, t in _bounds(sizes)]
+    )
 
 
 def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -516,11 +557,22 @@ def _rows_by_experts(
 def _quantize_weights(
     plan: LinearPlan, weight_ENK: torch.Tensor, need_transpose: bool
 ) -> tuple[_Stacked, _Stacked | None]:
-    """``W`` per (expert, output row) or per expert and ``Wᵀ`` per (expert, input column) or
-    its exact transpose, as the loop quantizes each expert, in one quantization each."""
+    """``W`` per (expert, output row), per expert or in square blocks, and ``Wᵀ`` per (expert,
+    input column) or the exact transpose, as the loop quantizes each expert, in one
+    quantization each."""
     experts, out_features, in_features = weight_ENK.shape
     role = TensorRole.WEIGHT
     fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
+    if isinstance(plan.recipe, BlockScaling):
+        # (E·N, K) in square blocks: with N % block == 0 no block straddles two experts.
+        q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
+        block = layout.block[0]
+        scale = q.scale.view(experts, out_features // block, in_features // block)
+        weight = _Stacked(q.data.view(weight_ENK.shape), scale, layout, fmt)
+        if not need_transpose:
+            return weight, None
+        data_t, scale_t = (t.transpose(1, 2).contiguous() for t in (weight.data, scale))
+        return weight, _Stacked(data_t, scale_t, layout, fmt)
     if isinstance(plan.recipe, RowwiseScaling):
         q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
         weight = _Stacked(
@@ -705,9 +757,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                     plan, "dgrad", dy_rows, weight_t, offs, x_dtype, in_features, None
                 )
             if need_db:
-                db = torch.stack(
-                    [dy_TN[s:t].sum(0, dtype=torch.float32).to(b_dtype) for s, t in bounds]
-                )
+                db = _bias_gradient(dy_TN, sizes, b_dtype)
         if lp.weight_cache is not None:
             lp.weight_cache.release_after_backward()
         return dx, dw, db, None
@@ -728,6 +778,11 @@ def fp8_grouped_linear(
     replaces the kernel (tests pass :func:`emulated_grouped_mm` to run this on CPU); the caller
     checks the device with :func:`grouped_gemm_reason`.
     """
+    if isinstance(plan.recipe, BlockScaling):
+        raise ValueError(
+            "block scaling runs grouped through mt_fp8.grouped_block.fp8_block_grouped_linear, "
+            "not fp8_grouped_linear (torch._scaled_grouped_mm takes no block scales)"
+        )
     sizes = [int(s) for s in group_sizes]
     num_groups = weight_ENK.shape[0]
     if len(sizes) != num_groups or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:

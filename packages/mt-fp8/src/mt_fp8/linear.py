@@ -54,9 +54,10 @@ from mt_fp8.formats import TensorRole
 from mt_fp8.functional import fp8_linear, fp8_swiglu_linear
 from mt_fp8.gemm import BACKENDS
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.grouped_block import fp8_block_grouped_linear
 from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
 from mt_fp8.ops.swiglu import swiglu
-from mt_fp8.recipes import Recipe, TensorwiseScaling
+from mt_fp8.recipes import BlockScaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache
 from mt_fp8.wgrad import WeightGradSink
@@ -313,6 +314,8 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             reason = grouped_gemm_reason(
                 x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
             )
+            if reason is None and isinstance(plan.recipe, BlockScaling):
+                return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
             if reason is None:
                 return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
         outputs = []

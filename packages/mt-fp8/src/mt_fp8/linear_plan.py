@@ -253,6 +253,10 @@ class LinearPlan:
         if q_RC is not None and ((br, bc) == (-1, -1) or br == bc):
             return q_RC.transpose()
         fmt = self.recipe.formats.for_role(role)
+        if self._fused_block_layout(x_RC, layout) and role is not TensorRole.WEIGHT:
+            from mt_fp8.kernels.block_quantize import quantize_group_columns
+
+            return quantize_group_columns(x_RC, fmt, layout)  # pads R to the group, as below
         if self._fused_rowwise(x_RC, layout):  # rowwise needs no padding (row_multiple 1)
             from mt_fp8.kernels.rowwise_quantize import quantize_columns_transposed
 

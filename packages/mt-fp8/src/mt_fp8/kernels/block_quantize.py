@@ -21,7 +21,9 @@ column groups, stored transposed). Rows past R read as zero: padded rows add not
 amax and quantize to zero, as the PyTorch path's ``F.pad`` of ``xᵀ`` does; rows at or past R'
 are not stored. NOTE: one kernel on 128×128 tiles that wrote both operands from one read was
 slower than the two: holding the whole tile and both scalings left too few programs per SM to
-hide the memory latency (docs/benchmarks-log.md).
+hide the memory latency (docs/benchmarks-log.md). :func:`quantize_group_columns` launches
+``_group_columns`` alone, for a caller that has the rows already (the grouped block GEMM's
+wgrad operands, whose tokens are padded per expert first: :mod:`mt_fp8.grouped_block`).
 
 :func:`quantize_square_blocks` owns one 128×128 tile per program with one amax per tile (128×128
 weight blocks); a square-block tensor's transpose is exact
@@ -55,6 +57,7 @@ dtype: those are the fp32 master weights.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -333,6 +336,21 @@ def _check(x_RC: torch.Tensor, layout: ScaleLayout) -> torch.Tensor:
     return x_RC.contiguous()
 
 
+def _check_tiles(rows: int, cols: int, group: int, names: Sequence[str]) -> None:
+    """Raise unless the named tiles cover whole groups of a ``rows × cols`` tensor."""
+    tiles = {"ROWS_TILE": ROWS_TILE, "COLUMNS_TILE": COLUMNS_TILE}
+    for name in names:
+        block_r, block_c, _ = tiles[name]
+        # The kernels mask rows, not columns, and own whole groups.
+        group_side = block_c if name == "ROWS_TILE" else block_r
+        if cols % block_c or group_side % group:
+            raise ValueError(
+                f"{name} = {(block_r, block_c)} does not fit a {rows}x{cols} tensor in 1x{group} "
+                f"groups: the columns per tile must divide {cols} and the tile's "
+                f"{'columns' if name == 'ROWS_TILE' else 'rows'} must be a multiple of {group}"
+            )
+
+
 def _launch_groups(
     x_RC: torch.Tensor,
     fmt: FP8Format,
@@ -344,21 +362,9 @@ def _launch_groups(
     buffer under _BUFFERED_TRANSPOSE, or None."""
     rows, cols = x_RC.shape
     group = layout.block[1]
-    for name, (block_r, block_c, _) in (("ROWS_TILE", ROWS_TILE), ("COLUMNS_TILE", COLUMNS_TILE)):
-        # The kernels mask rows, not columns, and own whole groups.
-        group_side = block_c if name == "ROWS_TILE" else block_r
-        if cols % block_c or group_side % group:
-            raise ValueError(
-                f"{name} = {(block_r, block_c)} does not fit a {rows}x{cols} tensor in 1x{group} "
-                f"groups: the columns per tile must divide {cols} and the tile's "
-                f"{'columns' if name == 'ROWS_TILE' else 'rows'} must be a multiple of {group}"
-            )
-    rows_padded = triton.cdiv(rows, group) * group
-    device = x_RC.device
-    q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
-    scale_RH = torch.empty(rows, cols // group, device=device, dtype=torch.float32)
-    constants = dict(min_scale=MIN_SCALE, **cast_arguments(fmt))
-    ceil_mantissa = _mantissa_field(fmt.max) if layout.round_up else -1
+    _check_tiles(rows, cols, group, ("ROWS_TILE", "COLUMNS_TILE"))
+    q_RC = torch.empty(rows, cols, device=x_RC.device, dtype=fmt.dtype)
+    scale_RH = torch.empty(rows, cols // group, device=x_RC.device, dtype=torch.float32)
     if rows:  # an empty launch grid is an error
         block_r, block_c, warps = ROWS_TILE
         _group_rows[(triton.cdiv(rows, block_r), cols // block_c)](
@@ -368,26 +374,44 @@ def _launch_groups(
             stats if stats is not None else scale_RH,
             rows,
             cols,
+            min_scale=MIN_SCALE,
+            **cast_arguments(fmt),
             STATS=stats is not None,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
             GROUP_LEN=group,
             POW2=layout.power_of_two,
             EMAX=fmt.emax,
-            CEIL_MANTISSA=ceil_mantissa,
+            CEIL_MANTISSA=_ceil_mantissa(fmt, layout),
             num_warps=warps,
-            **constants,
         )
     if stats is not None:
         stats[2] += x_RC.numel()
     if transpose == _NO_TRANSPOSE:
         return q_RC, scale_RH, None, None
+    q_t, scale_CG = _launch_columns(x_RC, fmt, layout, transpose)
+    return q_RC, scale_RH, q_t, scale_CG
+
+
+def _ceil_mantissa(fmt: FP8Format, layout: ScaleLayout) -> int:
+    return _mantissa_field(fmt.max) if layout.round_up else -1
+
+
+def _launch_columns(
+    x_RC: torch.Tensor, fmt: FP8Format, layout: ScaleLayout, transpose: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_t, s_CG)``: ``xᵀ`` in 1×g groups along the zero-padded R' (``q_t`` is ``q_CR'``, or
+    the ``(R', C)`` buffer under _BUFFERED_TRANSPOSE); no health counts, as for every ``xᵀ``."""
+    rows, cols = x_RC.shape
+    group = layout.block[1]
+    rows_padded = triton.cdiv(rows, group) * group
     shape_t = (cols, rows_padded) if transpose == _FUSED_TRANSPOSE else (rows_padded, cols)
-    q_t = torch.empty(shape_t, device=device, dtype=fmt.dtype)
-    scale_CG = torch.empty(cols, rows_padded // group, device=device, dtype=torch.float32)
+    q_t = torch.empty(shape_t, device=x_RC.device, dtype=fmt.dtype)
+    scale_CG = torch.empty(cols, rows_padded // group, device=x_RC.device, dtype=torch.float32)
     if rows:
         block_r, block_c, warps = COLUMNS_TILE
-        del constants["saturation"], constants["half_subnormal"]  # no health counts for xᵀ
+        constants = cast_arguments(fmt)
+        del constants["saturation"], constants["half_subnormal"]
         _group_columns[(triton.cdiv(rows_padded, block_r), cols // block_c)](
             x_RC,
             q_t,
@@ -395,17 +419,23 @@ def _launch_groups(
             rows,
             cols,
             rows_padded,
+            min_scale=MIN_SCALE,
+            **constants,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
             GROUP_LEN=group,
             POW2=layout.power_of_two,
             EMAX=fmt.emax,
-            CEIL_MANTISSA=ceil_mantissa,
+            CEIL_MANTISSA=_ceil_mantissa(fmt, layout),
             TRANSPOSE=transpose,
             num_warps=warps,
-            **constants,
         )
-    return q_RC, scale_RH, q_t, scale_CG
+    return q_t, scale_CG
+
+
+def _transpose_mode(x_RC: torch.Tensor) -> int:
+    # See the NOTE in the module docstring.
+    return _FUSED_TRANSPOSE if x_RC.dtype == torch.bfloat16 else _BUFFERED_TRANSPOSE
 
 
 def quantize_groups_with_transpose(
@@ -425,19 +455,36 @@ def quantize_groups_with_transpose(
     if layout == BLOCKS_128X128:
         raise ValueError("128x128 blocks go through quantize_square_blocks")
     x_RC = _check(x_RC, layout)
-    if not transpose:
-        mode = _NO_TRANSPOSE
-    elif x_RC.dtype == torch.bfloat16:  # see the NOTE in the module docstring
-        mode = _FUSED_TRANSPOSE
-    else:
-        mode = _BUFFERED_TRANSPOSE
+    mode = _transpose_mode(x_RC) if transpose else _NO_TRANSPOSE
     q_RC, scale_RH, q_t, scale_CG = _launch_groups(x_RC, fmt, stats, layout, transpose=mode)
     forward = QuantizedTensor(q_RC, scale_RH, layout, fmt)
     if q_t is None or scale_CG is None:
         return forward, None
+    return forward, _transposed(q_t, scale_CG, layout, fmt, mode)
+
+
+def quantize_group_columns(
+    x_RC: torch.Tensor, fmt: FP8Format, layout: ScaleLayout = GROUPS_1X128
+) -> QuantizedTensor:
+    """``q_CR'`` alone: the transposed operand of :func:`quantize_groups_with_transpose`
+    (bit-identical to ``quantize(F.pad(x.t(), (0, R' - R)), fmt, layout)``) without ``q_RC``,
+    for callers that quantize the rows separately (the grouped block GEMM's padded wgrad
+    operands, :mod:`mt_fp8.grouped_block`)."""
+    if layout == BLOCKS_128X128:
+        raise ValueError("128x128 blocks transpose exactly: use quantize_square_blocks")
+    x_RC = _check(x_RC, layout)
+    _check_tiles(x_RC.shape[0], x_RC.shape[1], layout.block[1], ("COLUMNS_TILE",))
+    mode = _transpose_mode(x_RC)
+    q_t, scale_CG = _launch_columns(x_RC, fmt, layout, mode)
+    return _transposed(q_t, scale_CG, layout, fmt, mode)
+
+
+def _transposed(
+    q_t: torch.Tensor, scale_CG: torch.Tensor, layout: ScaleLayout, fmt: FP8Format, mode: int
+) -> QuantizedTensor:
     if mode == _BUFFERED_TRANSPOSE:
         q_t = q_t.t().contiguous()  # FP8 tensors support no arithmetic; a transpose is a copy
-    return forward, QuantizedTensor(q_t, scale_CG, layout, fmt)
+    return QuantizedTensor(q_t, scale_CG, layout, fmt)
 
 
 def quantize_square_blocks(

@@ -1,0 +1,211 @@
+"""The grouped path of :class:`~mt_fp8.linear.FP8GroupedLinear` under DeepSeek-V3 block scaling.
+
+Shape suffixes: T tokens (sorted by expert), E experts, K in_features, N out_features, P padded
+tokens (below). Expert ``e`` holds the ``T_e`` tokens ``[o_e, o_e + T_e)``.
+
+Why our own kernels: PyTorch has no grouped block-scaled GEMM (``torch._scaled_grouped_mm``, which
+:mod:`mt_fp8.grouped` runs for tensorwise and rowwise scaling, takes rowwise scales), and the
+per-expert loop of :class:`~mt_fp8.functional.FP8LinearFunction` is bound by the host's kernel
+launches at fine-grained MoE shapes (docs/architecture.md, docs/performance.md). The three GEMMs
+run in :mod:`mt_fp8.kernels.grouped_block_gemm`, one launch each whatever E is:
+
+=========  ==========================  ==========  ==========================================
+GEMM       per expert                  mode        operands (a, b) as passed
+=========  ==========================  ==========  ==========================================
+forward    ``y_e = x_e W_eᵀ (+ b_e)``  2d × 3d     ``x_TK`` 1×128, ``W_ENK`` 128×128 blocks
+dgrad      ``dx_e = dy_e W_e``         2d × 3d     ``dy_TN`` 1×128, ``Wᵀ_EKN`` 128×128 blocks
+wgrad      ``dW_e = dy_eᵀ x_e``        k-grouped   ``dyᵀ_NP``, ``xᵀ_KP``, 1×128 along P
+=========  ==========================  ==========  ==========================================
+
+The FP8 operands are the loop's, byte for byte and scale for scale, built in a number of kernels
+that does not depend on E, with the loop's quantizers (:meth:`~mt_fp8.linear_plan.LinearPlan.
+quantize`: the Triton kernels of :mod:`mt_fp8.kernels.block_quantize` on CUDA):
+
+* ``x`` and ``dy``: one quantization of all T rows in 1×128 groups along the contraction axis.
+  A group lies inside one token's row, so it is the loop's per-expert quantization.
+* ``W``: one quantization of the stacked (E·N, K) rows in 128×128 blocks. With N a multiple of
+  128 (required) no block straddles two experts, so expert ``e``'s blocks are the loop's.
+  ``Wᵀ``: the exact transpose of each expert's square blocks (FP8 bytes and scales transposed),
+  as the loop's ``QuantizedTensor.transpose``. Both cached in the layer's grouped weight cache
+  (:func:`mt_fp8.grouped._weight_operands`).
+* ``xᵀ`` and ``dyᵀ`` (wgrad, quantized along the tokens): the loop quantizes each expert's
+  ``x_eᵀ`` zero-padded to ``P_e = ceil(T_e / 128) · 128`` tokens, in 1×128 groups from the
+  expert's first token. Here one scatter puts every expert's tokens at the start of its own
+  segment of ``P_e`` columns of a zero ``(P, C)`` buffer (``P = Σ P_e``; skipped when every
+  ``T_e`` is a multiple of 128), and one column quantization
+  (:meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`) cuts it into 1×128 groups along
+  P. Every group lies inside one segment and holds the same values as the loop's group plus
+  zeros (the loop's padding is zeros too), and zeros change no amax, so scales and bytes are
+  the loop's, the last partial group of each expert included. An expert with no tokens has an
+  empty segment; its ``dW_e`` is written as zeros by the kernel.
+
+The kernels' tables come from the host's group sizes (``plan.sizes``: Python ints) and reach the
+device by non-blocking copies (:func:`mt_fp8.grouped._host_ints`): the host reads nothing from
+the device. Health counts (``track_health``): the row casts of ``x``, ``dy`` and the stacked
+weight count them, transposed operands nothing, as in the loop (which counts the weights of
+experts with tokens only). Output dtypes are the loop's: ``y`` in the plan's output dtype (bias
+added in the fp32 epilogue), ``dx`` in the input's dtype, ``dW`` in the weight's, each rounded
+once from the fp32 accumulator. The bias gradient is one fp32 sum per expert, as the loop's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mt_fp8.formats import TensorRole
+from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands
+from mt_fp8.linear_plan import LinearPlan
+from mt_fp8.quantized import QuantizedTensor
+from mt_fp8.recipes import BlockScaling
+
+
+@dataclass
+class _TokenSegments:
+    """Where each expert's tokens go in the 128-padded wgrad operands (module docstring)."""
+
+    starts: torch.Tensor
+    """E + 1 int32 segment boundaries (multiples of 128) on the device."""
+    padded_tokens: int
+    """P, the padded token count."""
+    dest_T: torch.Tensor | None
+    """The padded row of each token (int64, on the device); None when no expert needs padding."""
+
+    @classmethod
+    def of(cls, sizes: Sequence[int], device: torch.device) -> _TokenSegments:
+        from mt_fp8.kernels.grouped_block_gemm import padded_starts
+
+        starts = padded_starts(sizes)
+        dest_T = None
+        if starts[-1] != sum(sizes):
+            shift_E, shift = [], 0
+            for size, start in zip(sizes, starts, strict=False):
+                shift_E.append(start - shift)
+                shift += size
+            shift_E, counts_E = _host_ints([shift_E, list(sizes)], torch.int64, device)
+            shift_T = shift_E.repeat_interleave(counts_E, output_size=sum(sizes))
+            dest_T = torch.arange(sum(sizes), device=device) + shift_T
+        return cls(_host_ints(starts, torch.int32, device), starts[-1], dest_T)
+
+    def quantize(self, plan: LinearPlan, x_TC: torch.Tensor, role: TensorRole) -> QuantizedTensor:
+        """``xᵀ`` (C, P) in 1×128 groups along the padded tokens: every expert's ``x_eᵀ`` as
+        the loop quantizes it, side by side (module docstring)."""
+        padded = x_TC
+        if self.dest_T is not None:
+            padded = x_TC.new_zeros(self.padded_tokens, x_TC.shape[1])
+            padded.index_copy_(0, self.dest_T, x_TC)
+        return plan.quantize_transposed(padded, None, role)
+
+
+def _row_tiles(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    from mt_fp8.kernels.grouped_block_gemm import row_tiles
+
+    return _host_ints(row_tiles(sizes), torch.int32, device)
+
+
+class FP8BlockGroupedLinearFunction(torch.autograd.Function):
+    """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped block-scaled FP8 GEMMs (module
+    docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_TK: torch.Tensor,
+        weight_ENK: torch.Tensor,
+        bias_EN: torch.Tensor | None,
+        plan: LinearPlan,
+        sizes: list[int],
+    ) -> torch.Tensor:
+        from mt_fp8.kernels.grouped_block_gemm import grouped_block_mm
+
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        tiles = _row_tiles(sizes, x_TK.device)
+        x_q = plan.quantize(x_TK, TensorRole.INPUT, record=True)
+        weight, weight_t = _weight_operands(plan, weight_ENK, need_transpose=need_dx)
+        bias = None if bias_EN is None else bias_EN.to(plan.out_dtype)
+        y_TN = grouped_block_mm(
+            x_q.data, x_q.scale, weight.data, weight.scale, tiles, plan.out_dtype, bias
+        )
+        saved = [tiles]
+        if need_dw:
+            segments = _TokenSegments.of(sizes, x_TK.device)
+            x_t = segments.quantize(plan, x_TK, TensorRole.INPUT)
+            saved += [x_t.data, x_t.scale]
+            ctx.segments = segments
+        if need_dx:
+            assert weight_t is not None
+            saved += [weight_t.data, weight_t.scale]
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.sizes = plan, sizes
+        ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
+        return y_TN
+
+    @staticmethod
+    def backward(ctx: Any, dy_TN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from mt_fp8.kernels.grouped_block_gemm import grouped_block_mm, k_grouped_block_mm
+
+        plan: LinearPlan = ctx.plan
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        saved = list(ctx.saved_tensors)
+        tiles = saved.pop(0)
+        dx = dw = db = None
+        with torch.autocast(dy_TN.device.type, enabled=False):
+            dy_TN = dy_TN.contiguous()
+            if need_dx or need_dw:  # the loop quantizes (and counts) dy's rows for either
+                dy_q = plan.quantize(dy_TN, TensorRole.GRAD_OUTPUT, record=True)
+            if need_dw:
+                x_t_data, x_t_scale = saved.pop(0), saved.pop(0)
+                segments: _TokenSegments = ctx.segments
+                dy_t = segments.quantize(plan, dy_TN, TensorRole.GRAD_OUTPUT)
+                dw = k_grouped_block_mm(
+                    dy_t.data, dy_t.scale, x_t_data, x_t_scale, segments.starts, w_dtype
+                )
+            if need_dx:
+                weight_t_data, weight_t_scale = saved.pop(0), saved.pop(0)
+                dx = grouped_block_mm(
+                    dy_q.data, dy_q.scale, weight_t_data, weight_t_scale, tiles, x_dtype
+                )
+            if need_db:
+                db = _bias_gradient(dy_TN, ctx.sizes, b_dtype)
+        if plan.weight_cache is not None:
+            plan.weight_cache.release_after_backward()
+        return dx, dw, db, None, None
+
+
+def fp8_block_grouped_linear(
+    x_TK: torch.Tensor,
+    weight_ENK: torch.Tensor,
+    bias_EN: torch.Tensor | None,
+    group_sizes: Sequence[int],
+    plan: LinearPlan,
+) -> torch.Tensor:
+    """``y[group e] = x[group e] W_eᵀ + b_e`` with the grouped block-scaled FP8 GEMMs.
+
+    ``plan.recipe`` is a :class:`~mt_fp8.recipes.BlockScaling` with 128-long groups and blocks,
+    ``plan.weight_cache`` the layer's grouped weight cache (or None); the caller checks the
+    device with :func:`~mt_fp8.grouped.grouped_gemm_reason`.
+    """
+    sizes = [int(s) for s in group_sizes]
+    experts, out_features, in_features = weight_ENK.shape
+    if len(sizes) != experts or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
+        raise ValueError(
+            f"group_sizes must be {experts} non-negative ints summing to the "
+            f"{x_TK.shape[0]} tokens, got {sizes}"
+        )
+    recipe = plan.recipe
+    if not isinstance(recipe, BlockScaling) or (recipe.group, recipe.weight_block) != (128, 128):
+        raise ValueError(
+            "fp8_block_grouped_linear takes BlockScaling with group=128 and weight_block=128, "
+            f"got {recipe!r}"
+        )
+    if in_features % 128 or out_features % 128:
+        raise ValueError(
+            "fp8_block_grouped_linear needs K and N divisible by 128 (whole weight blocks per "
+            f"expert), got K={in_features}, N={out_features}"
+        )
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return FP8BlockGroupedLinearFunction.apply(x_TK, weight_ENK, bias_EN, plan, sizes)
