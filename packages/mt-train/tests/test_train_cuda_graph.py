@@ -175,3 +175,25 @@ def test_graphed_vlm_steps_carry_each_steps_images(digits: Path, tmp_path: Path)
     graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
     assert captured
     assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+
+
+@pytest.mark.gpu
+def test_graphed_packed_vlm_steps_train_as_eager_steps(tmp_path: Path) -> None:
+    # Packed rows of samples with zero, one or two images: the batches' image counts differ,
+    # so the captured step takes each batch padded to a fixed count (zero images no
+    # placeholder takes) while the eager step takes the batch's own. Bound as above.
+    from test_train_vlm_packing import SEQ_LEN, prepare_varied
+
+    (tmp_path / "data").mkdir()
+    prepare_varied(tmp_path / "data", val_every=2)  # five held-out samples: one sequence
+    overrides = [
+        "model=vlm_tiny", f"data.path={tmp_path / 'data' / 'out'}", "trainer.device=cuda",
+        "data.pack_samples=true", f"trainer.seq_len={SEQ_LEN}", "trainer.max_steps=10",
+        "trainer.global_batch_size=2", "trainer.micro_batch_size=1", "trainer.eval_interval=5",
+        "trainer.eval_batches=1", "scheduler.warmup_steps=1", "checkpoint.enabled=false",
+        "logging.progress_bar=false", "model.dropout=0.0",
+    ]  # fmt: skip
+    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
+    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
+    assert captured
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)

@@ -160,7 +160,7 @@ def test_a_sample_cannot_see_another_and_positions_restart(tmp_path: Path) -> No
     torch.testing.assert_close(other[1:], logits[1:], rtol=0, atol=0)
 
 
-def test_pack_samples_refuses_text_data_pipelines_and_cuda_graphs(tmp_path: Path) -> None:
+def test_pack_samples_refuses_text_data(tmp_path: Path) -> None:
     from mt_train import compose_config, to_train_config
 
     (tmp_path / "text").mkdir()
@@ -168,8 +168,42 @@ def test_pack_samples_refuses_text_data_pipelines_and_cuda_graphs(tmp_path: Path
     with pytest.raises(ValueError, match=r"data\.pack_samples=true packs image-text samples"):
         DataModule(tmp_path / "text", 32, pack_samples=True)
     packed = ["model=vlm_tiny", "data=digits", "data.pack_samples=true"]
-    with pytest.raises(ValueError, match=r"data\.pack_samples=true with trainer\.cuda_graph=true"):
-        to_train_config(compose_config([*packed, "trainer.cuda_graph=true"]))
+    cfg = to_train_config(compose_config([*packed, "trainer.cuda_graph=true"]))  # no refusal
+    assert cfg.data.pack_samples and cfg.trainer.cuda_graph
+
+
+def test_padded_images_give_a_fixed_count_and_change_nothing(tmp_path: Path) -> None:
+    # trainer.cuda_graph's fixed shapes: every batch carries rows x (most images a row of the
+    # split holds) images, its own first; the padding takes no placeholder, so in float64 the
+    # loss and every gradient are the unpadded batch's.
+    model, packed, _, _ = packed_and_unpacked(tmp_path)
+    train = DataModule(tmp_path / "out", SEQ_LEN, pack_samples=True, pad_images=True).train
+    per_row = [
+        sum(len(train.sample(i)[2]) for i in train.row_samples(p)) for p in range(len(train))
+    ]
+    assert train.row_images == max(per_row) and min(per_row) < max(per_row)
+    for rows in (np.arange(len(train)), np.asarray([int(np.argmin(per_row))])):
+        batch = train.collate(rows)
+        assert batch.images.shape[0] == len(rows) * max(per_row)
+        own = sum(per_row[r] for r in rows)
+        assert batch.images.shape[0] > own and not batch.images[own:].any()
+    padded = train.collate(np.arange(len(train)))
+    torch.testing.assert_close(padded.images[: packed.images.shape[0]], packed.images)
+    # Unannounced padding is a count mismatch, as before.
+    with pytest.raises(ValueError, match=r"image placeholder tokens .* for \d+ images"):
+        run(model, padded)
+    _, loss, counts, grads = run(model, packed)
+    model.image_placement.set_image_padding(True)
+    _, loss_padded, counts_padded, grads_padded = run(model, padded)
+    # fp64: the encoder runs on more images (other GEMM row counts), the decoder is unchanged.
+    torch.testing.assert_close(loss_padded, loss, rtol=1e-12, atol=1e-12)
+    assert counts_padded["loss_tokens"] == counts["loss_tokens"]
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_padded[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+    # More placeholders than images, or a partial image, are still refused.
+    short = dataclasses.replace(padded, images=padded.images[: packed.images.shape[0] - 1])
+    with pytest.raises(ValueError, match=r"for at most \d+ images"):
+        run(model, short)
 
 
 def test_trainer_runs_packed_digits(digits: Path, tmp_path: Path) -> None:

@@ -34,7 +34,9 @@ Invariants a replay relies on:
   happens at a step's first forward after an optimizer step, so it records the weight
   quantization, and every replay quantizes the new weights.
 * Same shapes every step (fixed ``seq_len`` and micro-batch size, and for image-text data the
-  same number of images in every micro-batch; another number is refused in one line).
+  same number of images in every micro-batch: with ``trainer.cuda_graph`` the data pads each
+  batch to a fixed count, :mod:`mt_train.data.image_text`; another number is refused in one
+  line).
 * No collectives inside the forward/backward: ``parallel.tp = cp = pp = 1`` and no DDP/FSDP
   wrapper (``data_parallel`` none or zero1, or a single data-parallel rank).
 * No dropout: its random streams would have to be registered with the graph.

@@ -177,6 +177,12 @@ class Trainer:
             m.set_train_step for m in self.module.modules() if hasattr(m, "set_train_step")
         ]
         sequence_inputs = getattr(self.module, "sequence_inputs", None)
+        # Image-text batches padded to a fixed image count (a captured step's fixed shapes):
+        # modules that check images against placeholders accept the trailing padding.
+        if getattr(self.data.train, "pad_images", False):
+            for m in self.module.modules():
+                if hasattr(m, "set_image_padding"):
+                    m.set_image_padding(True)
         self.model = parallelize(self.module, self.model_cfg, p, self.pstate, cfg.fp8, tr.compile)
         if p.pp > 1:  # this rank's chunks, under the whole model's names
             self.module = self.model

@@ -268,8 +268,10 @@ class DataConfig:
     (document masks, applied whether or not ``document_masking`` is set, by
     ``document_masking_kernel``), the decoder's RoPE positions restart at each sample and the
     loss stays on the captions, a masked mean over the global batch's trained targets. Under
-    ``parallel.pp > 1`` every stage's blocks receive the per-sample positions. Not with
-    ``trainer.cuda_graph``."""
+    ``parallel.pp > 1`` every stage's blocks receive the per-sample positions. With
+    ``trainer.cuda_graph`` every batch is padded to the most images a row of the split holds
+    times the rows (zero images no placeholder takes: the encoder's compute grows, the loss
+    and gradients do not change)."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -510,12 +512,6 @@ class TrainConfig:
             raise ValueError(
                 f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
                 "has no attention dropout; use parallel.cp_attention=all_gather or model.dropout=0"
-            )
-        if self.data.pack_samples and tr.cuda_graph:
-            raise ValueError(
-                "data.pack_samples=true with trainer.cuda_graph=true: packed rows hold a number "
-                "of images that changes every step, which a captured step cannot take; set "
-                "trainer.cuda_graph=false"
             )
         masks = self.data.document_masking or self.data.pack_samples
         flex = masks and self.data.document_masking_kernel == "flex"

@@ -240,7 +240,8 @@ class DataModule:
     """The train and validation datasets of a prepared folder, plus its tokenizer: packed
     text windows, or image-text samples (:mod:`mt_train.data.image_text`) when ``meta.json``
     says ``"kind": "image_text"``, packed several to a sequence with ``pack_samples``
-    (``data.pack_samples``)."""
+    (``data.pack_samples``); ``pad_images`` gives every image-text batch a fixed image count
+    (:mod:`mt_train.data.image_text`, for a captured step)."""
 
     def __init__(
         self,
@@ -248,6 +249,7 @@ class DataModule:
         seq_len: int,
         train_stride: int | None = None,
         pack_samples: bool = False,
+        pad_images: bool = False,
     ) -> None:
         from mt_train.data.image_text import KIND, ImageTextDataset
 
@@ -257,8 +259,8 @@ class DataModule:
         self.train: PackedDataset | ImageTextDataset
         self.val: PackedDataset | ImageTextDataset
         if kind == KIND:
-            self.train = ImageTextDataset(folder, "train", seq_len, pack_samples)
-            self.val = ImageTextDataset(folder, "val", seq_len, pack_samples)
+            self.train = ImageTextDataset(folder, "train", seq_len, pack_samples, pad_images)
+            self.val = ImageTextDataset(folder, "val", seq_len, pack_samples, pad_images)
         elif pack_samples:
             raise ValueError(
                 f"data.pack_samples=true packs image-text samples, but {str(folder)!r} holds "

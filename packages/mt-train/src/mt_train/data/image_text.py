@@ -44,6 +44,14 @@ placeholders, which is what :class:`~mt_train.models.vlm.model.ImagePlacement` f
 many images each row has. :meth:`ImageTextDataset.target_counts` sums the pack's samples, so the
 token-weighted loss (:mod:`mt_train.loss_weights`) counts every trained target once.
 
+Fixed image count (``pad_images=True``, which ``trainer.cuda_graph`` sets: a captured step
+replays fixed shapes). With ``M`` the most images any row (pack or sample) of the split holds,
+a batch of ``B`` rows carries exactly ``B·M`` images: its own, in the order above, then zero
+images. No placeholder numbers the padding (the ``k``-th placeholder run takes image ``k``,
+and the batch has fewer runs than ``B·M``), so the padding never reaches the decoder and
+gets no gradient; its cost is the encoder's compute on ``B·M`` images instead of the batch's
+own (:attr:`ImageTextDataset.row_images` says ``M``).
+
 Bad input (a missing or unreadable image, a wrong shape or channel count, placeholders not
 matching images, a sample longer than the sequence) raises one line naming the file and line.
 """
@@ -234,7 +242,14 @@ def read_jsonl_records(paths: Sequence[Path]) -> Iterable[tuple[str, Path, dict[
 class ImageTextDataset:
     """One split of an image-text folder as fixed-length samples (module docstring)."""
 
-    def __init__(self, folder: str | Path, split: str, seq_len: int, pack: bool = False) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        split: str,
+        seq_len: int,
+        pack: bool = False,
+        pad_images: bool = False,
+    ) -> None:
         folder = Path(folder)
         self.meta = json.loads((folder / "meta.json").read_text())
         if split not in self.meta["splits"]:
@@ -269,6 +284,11 @@ class ImageTextDataset:
             )
         self.pack_starts = pack_boundaries(lengths - 1, seq_len) if pack else None
         """The first sample of each pack, then the sample count (module docstring)."""
+        row_starts = self.pack_starts if pack else np.arange(len(lengths) + 1)
+        self.row_images = int(np.diff(self.image_starts[row_starts]).max(initial=0))
+        """The most images a row (pack or sample) of this split holds."""
+        self.pad_images = pad_images
+        """Pad every batch to ``rows · row_images`` images (module docstring)."""
 
     def __len__(self) -> int:
         if self.pack_starts is not None:
@@ -323,6 +343,9 @@ class ImageTextDataset:
                 offset = end
             docs[row, offset:] = len(samples)
         pixels = self.normalize(np.concatenate(images))
+        if self.pad_images:
+            padding = len(indices) * self.row_images - pixels.shape[0]
+            pixels = torch.cat([pixels, pixels.new_zeros(padding, *pixels.shape[1:])])
         document_ids = None if self.pack_starts is None else torch.from_numpy(docs)
         return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), document_ids, pixels)
 

@@ -64,7 +64,11 @@ def open_training_data(
     if cfg.model.vocab_size is not None:
         check_vocab(data_meta, cfg.model.vocab_size, data_dir)
     data = DataModule(
-        data_dir, tr.seq_len, cfg.data.train_stride, pack_samples=cfg.data.pack_samples
+        data_dir,
+        tr.seq_len,
+        cfg.data.train_stride,
+        pack_samples=cfg.data.pack_samples,
+        pad_images=tr.cuda_graph,
     )
     sampler = ResumableSampler(
         len(data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size, dp_rank, dp_size,

@@ -14,8 +14,10 @@ Images are placed at their placeholders: the input ids hold ``L`` copies of
 ``image_token_id`` per image (``mt-prepare-data``'s image-text format, or the Hugging Face
 LLaVA processor), and the ``k``-th image of the micro-batch (samples in order, a sample's
 images in text order) fills the ``k``-th run of ``L`` placeholders, so a sample may have any
-number of images. The counts must agree (the error says both). Placeholder rows of the
-embedding are overwritten, never read.
+number of images. The counts must agree (the error says both), except that a batch padded to
+a fixed image count (``trainer.cuda_graph``, :mod:`mt_train.data.image_text`) may carry
+trailing images no placeholder takes (:meth:`ImagePlacement.set_image_padding`). Placeholder
+rows of the embedding are overwritten, never read.
 
 Loss: next-token cross-entropy only where the target is not ``IGNORE_INDEX`` (the data
 masks image and prompt tokens and the padding); the mean is over the micro-batch's unmasked
@@ -98,6 +100,14 @@ class Projector(nn.Module):
         return self.linear_2(torch.nn.functional.gelu(self.linear_1(f_NLE)))
 
 
+def _placeholders_fit(found: int, n_images: int, per_image: int, padded: bool) -> bool:
+    """``found`` placeholders take whole images: all ``n_images``, or with trailing padding
+    images a leading part of them."""
+    if padded:
+        return found % per_image == 0 and found <= n_images * per_image
+    return found == n_images * per_image
+
+
 class ImagePlacement(nn.Module):
     """Writes the projected image features over their placeholders (module docstring); holds
     no parameters, only the groups its hooks receive, so it can sit on the first pipeline chunk
@@ -110,6 +120,12 @@ class ImagePlacement(nn.Module):
         """The TP group when sequence parallel is on (set by the TP transform)."""
         self.cp_group: Any = None
         """The cp group under context parallelism (set by the CP transform)."""
+        self.padded_images = False
+        """Batches may end with images no placeholder takes (set by the trainer)."""
+
+    def set_image_padding(self, padded: bool) -> None:
+        """Hook of the trainer: its batches carry a fixed image count, padded at the end."""
+        self.padded_images = padded
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
         """Hook of the TP transform: under SP each rank merges the features of its shard."""
@@ -142,15 +158,16 @@ class ImagePlacement(nn.Module):
             gathered_S = mt_comm.all_gather(positions_S.long(), dim=0, group=self.cp_group)
             full_BT = torch.zeros_like(gathered_BT)
             full_BT[:, gathered_S] = gathered_BT
-        per_image = self.tokens_per_image
+        per_image, padding = self.tokens_per_image, self.padded_images
         # The count is read on the host except while a CUDA graph captures the step (a read
         # would end the capture); the eager steps before the capture check it.
         capturing = tokens_BT.is_cuda and torch.cuda.is_current_stream_capturing()
         found = None if capturing else int(full_BT.sum())
-        if found is not None and found != n_images * per_image:
+        if found is not None and not _placeholders_fit(found, n_images, per_image, padding):
+            images = f"at most {n_images}" if padding else str(n_images)
             raise ValueError(
                 f"the batch has {found} image placeholder tokens (id {self.image_token_id}) "
-                f"for {n_images} images of {per_image} tokens each (model.vision gives "
+                f"for {images} images of {per_image} tokens each (model.vision gives "
                 f"{per_image} per image; prepare the data with that many)"
             )
         rows_BT = full_BT.flatten().cumsum(0).view_as(full_BT) - 1
