@@ -23,14 +23,24 @@ local_sizes_L)`` and return its output rows aligned with ``x_ND``:
 Gradients: the all-to-all's backward is the all-to-all with the splits swapped; all-gather's
 is reduce-scatter (:func:`mt_parallel.all_gather_grad_rs`) and back. With ``ep=1`` (no group)
 both are the identity around ``compute``.
+
+Overlap (:func:`all_to_all_in_flight`): inside that context the row all-to-alls of
+:class:`AllToAllDispatcher`, forward and backward, are started asynchronously and the
+context's ``while_in_flight()`` runs before each is waited on, so another piece of work (the
+other half of a DualPipeV ``OVERLAP_F_B`` pair, :mod:`mt_parallel.pipeline.overlap`) computes
+while the rows travel. The values are the blocking all-to-all's, bit for bit: only the moment
+the caller blocks moves. The small exchange of the ``P×L`` counts stays blocking (its result
+sizes the row exchange); :class:`AllGatherDispatcher` is not affected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import mt_comm
 from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size, reduce_scatter_grad_ag
@@ -40,15 +50,47 @@ ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``compute(x_MD, local_sizes_L) -> y_MD``: the local experts on rows sorted by local expert."""
 
 
+_while_in_flight: Callable[[], None] | None = None
+"""Run between starting and waiting for each row all-to-all (module docstring); None: they block."""
+
+
+@contextlib.contextmanager
+def all_to_all_in_flight(while_in_flight: Callable[[], None]) -> Iterator[None]:
+    """Start every row all-to-all asynchronously and call ``while_in_flight()`` before waiting
+    for it (module docstring). Process-wide: every thread's dispatch sees it, as the two
+    halves of an overlapped pair run on two threads."""
+    global _while_in_flight
+    if _while_in_flight is not None:
+        raise RuntimeError("all_to_all_in_flight regions do not nest")
+    _while_in_flight = while_in_flight
+    try:
+        yield
+    finally:
+        _while_in_flight = None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
+    """:func:`mt_comm.all_to_all` of ``x``'s rows, started before and waited for after
+    ``_while_in_flight()`` inside :func:`all_to_all_in_flight`."""
+    while_in_flight = _while_in_flight
+    if while_in_flight is None or group_size(group) == 1:
+        return mt_comm.all_to_all(x, out_splits, in_splits, group=group)
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    while_in_flight()
+    work.wait()
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        return mt_comm.all_to_all(x.contiguous(), out_splits, in_splits, group=group)
+        return _exchange(x.contiguous(), out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        back = mt_comm.all_to_all(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
+        back = _exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
         return back, None, None, None
 
 

@@ -58,7 +58,9 @@ from torch.distributed.pipelining.schedules import _ComputationType, _PipelineSc
 
 import mt_fp8
 from mt_parallel.moe.carry import AuxLossScale
+from mt_parallel.pipeline.overlap import overlap_forward_backward, overlaps_all_to_all
 from mt_parallel.pipeline.schedules import (
+    OVERLAP,
     SCHEDULES,
     chunks_per_rank,
     schedule_actions,
@@ -122,6 +124,7 @@ class PipelineSchedule:
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
         loss_fn: Callable[..., Any],
+        overlap: bool = True,
     ) -> None:
         v = chunks_per_rank(schedule, chunks_asked)
         placement = stage_to_rank(schedule, pp, v)
@@ -161,6 +164,12 @@ class PipelineSchedule:
         self.reports_chunks = _registers_reduce_grad(self.runtime, self._chunk_done)
         """Whether :attr:`on_chunk_gradients` is called (a torch whose runtime has a
         ``REDUCE_GRAD`` action that takes a custom function)."""
+        pairs = any(a.computation_type == OVERLAP for a in self.actions[pp_rank])
+        self.overlaps = overlap and pairs and overlaps_all_to_all(chunks)
+        """Whether the ``OVERLAP_F_B`` pairs run their halves interleaved at the MoE
+        all-to-alls (:mod:`mt_parallel.pipeline.overlap`); else torch runs them back to back."""
+        if self.overlaps:
+            self.runtime.register_custom_function(OVERLAP, overlap_forward_backward)
 
     def _chunk_done(self, action: Any, ctx: Any) -> None:
         """``REDUCE_GRAD``: torch's own action (FSDP2's post-backward; the runtime's gradient
