@@ -73,6 +73,32 @@ def test_graphed_steps_train_as_eager_steps(kjv_data: Path, tmp_path: Path, fp8:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["flex", "explicit"])
+def test_graphed_document_masked_steps_train_as_eager_steps(
+    kjv_data: Path, tmp_path: Path, kernel: str
+) -> None:
+    # Document masks rebuilt from each micro-batch's document ids inside the captured step
+    # (FlexAttention's block mask, or SDPA's boolean mask): a replay that kept the captured
+    # step's masks would attend across other documents and leave the eager losses. Bound as
+    # above.
+    overrides = tiny_overrides(
+        kjv_data,
+        **{
+            "trainer.device": "cuda",
+            "data.document_masking": True,
+            "data.document_masking_kernel": kernel,
+            "trainer.max_steps": 10,
+            "trainer.eval_interval": 5,
+            "optimizer.lr": 3e-3,
+        },
+    )
+    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
+    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
+    assert captured
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+
+
+@pytest.mark.gpu
 def test_a_graphed_run_rewinds_as_an_eager_run(kjv_data: Path, tmp_path: Path) -> None:
     # The NaN step runs eagerly (a fault factor changes its kernels); the rewind restores the
     # parameters in place and drops the graph, which the next step captures again. Bound as
