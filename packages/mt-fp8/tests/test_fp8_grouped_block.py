@@ -1,0 +1,478 @@
+"""The grouped block-scaled path of FP8GroupedLinear (mt_fp8.grouped_block) against the
+per-expert loop and against float64.
+
+CPU cases run the Triton kernels (GEMMs and quantizers) in Triton's interpreter, only under
+``TRITON_INTERPRET=1`` (otherwise they skip)::
+
+    TRITON_INTERPRET=1 pytest -q packages/mt-fp8/tests/test_fp8_grouped_block.py
+
+The ``gpu`` cases run the real kernels at a DeepSeek-V2-Lite expert shape (64 experts, K 2048,
+N 1408 = 11 · 128).
+
+Operands: the grouped path's FP8 bytes and scales equal the loop's quantizers' per expert (the
+padded wgrad segments included), so the two differ only in how the GEMMs sum. Bounds, per output
+element, against the float64 product ``Σ_k a'_k b'_k`` of the dequantized operands
+(``a' = a_q · s_a``; ``M = Σ_k |a'_k||b'_k|``), with ``u = 2^-24``:
+
+* Grouped kernel in the interpreter: each 128-step sums 128 exact products of FP8 values in fp32
+  (at most 127·u·M over the step), its two scale products round twice (2u), and the fp32
+  accumulator adds Z/128 <= 2 steps (2u): under 131·u·M, bounded by 2^-16·M = 256·u·M.
+* Grouped kernel on a GPU: FP8 tensor cores keep about 14 bits within a 128-step (DeepSeek-V3
+  report, §3.3.2): 2^-12·M, the bound of the dense block GEMM (test_fp8_block_fast.py); the
+  fp32 promotion adds (Z/128)·u·M, negligible.
+* The loop on the CPU (emulated: operands dequantized to fp32, one rounding each, then an fp32
+  matmul over Z): (Z + 2)·u·M. On a GPU (backend "triton", the dense Triton block GEMM): 2^-12·M.
+* Outputs: one rounding from fp32 into the output dtype, and with the bias one fp32 rounding of
+  the sum: eps·(|product| + |reference|) covers both (eps = 2^-23 for fp32, 2^-7 for bf16; each
+  rounding is at most eps/2 of its value).
+
+Grouped and loop are each checked against float64 and against each other (the sum of the two
+bounds). The bias gradient is one fp32 sum per expert on both paths: equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mt_fp8.grouped as grouped_module
+from mt_fp8 import (
+    BlockScaling,
+    FormatConfig,
+    FP8GroupedLinear,
+    TensorRole,
+    quantize,
+)
+from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.grouped_block import _TokenSegments, fp8_block_grouped_linear
+from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
+E4M3, HYBRID = FormatConfig.all_e4m3(), FormatConfig()
+FORMATS = [pytest.param(E4M3, id="e4m3"), pytest.param(HYBRID, id="hybrid")]
+
+# Uneven experts: fewer than 128 tokens, none (in the middle and last), exactly 128, and 128 plus
+# a partial group.
+SIZES = [37, 0, 128, 140, 0]
+K = N = 256
+GPU_E, GPU_K, GPU_N = 64, 2048, 1408  # DeepSeek-V2-Lite's routed experts (1408 = 11 · 128)
+U = 2.0**-24
+
+
+def gpu_sizes() -> list[int]:
+    """64 skewed group sizes, seeded, with the edge cases of SIZES among them."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(GPU_E, generator=generator), 0)
+    draws = torch.multinomial(probs, 6000, replacement=True, generator=generator)
+    sizes = torch.bincount(draws, minlength=GPU_E).tolist()
+    sizes[:4] = [0, 5, 128, 256]
+    return sizes
+
+
+def kernels():
+    from mt_fp8.kernels import grouped_block_gemm
+
+    return grouped_block_gemm
+
+
+def make_layer(experts, k, n, formats, dtype, device, backend="auto", bias=True):
+    torch.manual_seed(0)
+    layer = FP8GroupedLinear(
+        experts,
+        k,
+        n,
+        bias=bias,
+        recipe=BlockScaling(formats=formats),
+        backend=backend,
+        dtype=dtype,
+        device=device,
+    )
+    with torch.no_grad():  # experts of different ranges, so that their block scales differ
+        layer.weight.mul_(torch.logspace(-1, 1, experts, device=device)[:, None, None].to(dtype))
+    return layer
+
+
+def make_inputs(sizes, k, n, dtype, device):
+    generator = torch.Generator().manual_seed(1)
+    scale_T = torch.logspace(-2, 2, len(sizes)).repeat_interleave(torch.tensor(sizes))[:, None]
+    x = torch.randn(sum(sizes), k, generator=generator) * scale_T
+    dy = torch.randn(sum(sizes), n, generator=generator)
+    return x.to(device, dtype), dy.to(device, dtype)
+
+
+def run(layer, x, dy, sizes, through, autocast=False):
+    """y, dx, dW, db of one forward + backward ``through`` "function" (the grouped block path
+    called directly: on the CPU the layer loops) or "layer" (the path grouped_gemm_reason
+    picks)."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        if through == "function":
+            plan = layer.linear_plan(x, layer.grouped_weight_cache)
+            y = fp8_block_grouped_linear(x, layer.weight, layer.bias, sizes, plan)
+        else:
+            y = layer(x, sizes)
+    y.backward(dy.to(y.dtype))
+    return {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
+
+
+def dequantized(x, fmt, layout):
+    return quantize(x, fmt, layout).dequantize(torch.float64)
+
+
+def references(layer, x, dy, sizes):
+    """Per expert: the float64 products of the loop's dequantized FP8 operands, their
+    magnitudes ``Σ|a'||b'|`` and contraction lengths, for y (with bias), dx and dW."""
+    formats = layer.recipe.formats
+    weight = layer.weight.detach()
+    y_e = torch.zeros(0, weight.shape[1], dtype=torch.float64, device=x.device)
+    dx_e = torch.zeros(0, weight.shape[2], dtype=torch.float64, device=x.device)
+    out = {name: ([], [], []) for name in ("y", "dx", "dw")}
+    start = 0
+    for e, size in enumerate(sizes):
+        x_e, dy_e = x[start : start + size], dy[start : start + size]
+        start += size
+        if size == 0:  # no rows of y and dx; dW_e = 0 exactly
+            zeros = torch.zeros(weight.shape[1:], dtype=torch.float64, device=x.device)
+            for name, part in (("y", y_e), ("dx", dx_e), ("dw", zeros)):
+                for i in range(3):
+                    out[name][i].append(part)
+            continue
+        w = dequantized(weight[e], formats.weight, BLOCKS_128X128)
+        pad = -size % 128
+        x_q = dequantized(x_e, formats.input, GROUPS_1X128)
+        dy_q = dequantized(dy_e, formats.grad_output, GROUPS_1X128)
+        # The loop's wgrad operands: x_eᵀ and dy_eᵀ padded with zeros to whole 128-groups.
+        x_t = dequantized(F.pad(x_e.t(), (0, pad)), formats.input, GROUPS_1X128)
+        dy_t = dequantized(F.pad(dy_e.t(), (0, pad)), formats.grad_output, GROUPS_1X128)
+        bias = layer.bias.detach()[e].double()
+        for name, a, b, extra in (
+            ("y", x_q, w, bias),
+            ("dx", dy_q, w.t(), None),
+            ("dw", dy_t, x_t, None),
+        ):
+            product = a @ b.t()
+            out[name][0].append(product if extra is None else product + extra)
+            out[name][1].append(a.abs() @ b.abs().t())
+            out[name][2].append(product)
+    join = {"y": torch.cat, "dx": torch.cat, "dw": torch.stack}
+    return {name: tuple(join[name](parts) for parts in out[name]) for name in out}
+
+
+def check_against_float64_and_loop(grouped, loop, refs, depths, grouped_acc, loop_acc, eps):
+    """``depths``: contraction length per GEMM; ``*_acc``: M's factor in each path's bound."""
+    for name in ("y", "dx", "dw"):
+        reference, magnitude, product = refs[name]
+        rounding = eps * (product.abs() + reference.abs())
+        g, lo = grouped[name].double(), loop[name].double()
+        grouped_bound = grouped_acc(depths[name]) * magnitude + rounding
+        loop_bound = loop_acc(depths[name]) * magnitude + rounding
+        for label, value, bound in (
+            ("grouped", g, grouped_bound),
+            ("loop", lo, loop_bound),
+        ):
+            error = (value - reference).abs()
+            assert (error <= bound).all(), f"{name} {label}: {(error - bound).max()}"
+        assert ((g - lo).abs() <= grouped_bound + loop_bound).all(), f"{name} grouped vs loop"
+    assert torch.equal(grouped["db"], loop["db"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the grouped block path runs (plain Python)
+
+
+def test_reasons_for_block_scaling():
+    layer = make_layer(len(SIZES), K, N, E4M3, torch.float32, "cpu")
+    x, _ = make_inputs(SIZES, K, N, torch.float32, "cpu")
+    reason = grouped_gemm_reason(x, layer.weight, SIZES, layer.recipe, "auto", torch.float32)
+    assert reason == (
+        "the grouped block-scaled GEMM is a Triton kernel for CUDA GPUs of compute capability "
+        ">= 9.0 with Triton, not cpu"
+    )
+    small = BlockScaling(group=64, weight_block=64)
+    reason = grouped_gemm_reason(x, layer.weight, SIZES, small, "auto", torch.float32)
+    assert reason == (
+        "the grouped block-scaled GEMM takes 1x128 groups and 128x128 weight blocks, got "
+        "group=64, weight_block=64"
+    )
+    narrow = torch.empty(len(SIZES), 192, K)
+    reason = grouped_gemm_reason(x, narrow, SIZES, layer.recipe, "auto", torch.float32)
+    assert reason is not None and "got K=256, N=192" in reason
+    reason = grouped_gemm_reason(x, layer.weight, SIZES, layer.recipe, "triton", torch.float32)
+    assert reason is not None and reason.startswith("backend 'triton' keeps the per-expert loop")
+
+
+def test_bad_calls_are_refused():
+    layer = make_layer(len(SIZES), K, N, E4M3, torch.float32, "cpu")
+    x, _ = make_inputs(SIZES, K, N, torch.float32, "cpu")
+    plan = layer.linear_plan(x, None)
+    with pytest.raises(ValueError, match="block scaling runs grouped through"):
+        fp8_grouped_linear(x, layer.weight, None, SIZES, plan)
+    with pytest.raises(ValueError, match="must be 5 non-negative ints summing to the 305 tokens"):
+        fp8_block_grouped_linear(x, layer.weight, None, SIZES[:-1], plan)
+    narrow = torch.empty(len(SIZES), 192, K)
+    with pytest.raises(ValueError, match=r"K and N divisible by 128.*N=192"):
+        fp8_block_grouped_linear(x, narrow, None, SIZES, plan)
+
+
+def test_tables_from_the_host_sizes():
+    pytest.importorskip("triton")
+    assert kernels().row_tiles([37, 0, 128, 140, 0]) == [
+        *(0, 0, 37),
+        *(2, 37, 165),
+        *(3, 165, 293),
+        *(3, 293, 305),
+    ]
+    assert kernels().padded_starts([37, 0, 128, 140, 0]) == [0, 128, 128, 256, 512, 512]
+
+
+def test_kernels_refuse_what_they_cannot_take():
+    pytest.importorskip("triton")
+
+    def fp8(*shape):
+        return torch.zeros(*shape, dtype=torch.float8_e4m3fn)
+
+    a, b = fp8(8, 256), fp8(2, 128, 256)
+    scale_a, scale_b = torch.ones(8, 2), torch.ones(2, 1, 2)
+    tiles = torch.tensor([0, 0, 8], dtype=torch.int32)
+    mm = kernels().grouped_block_mm
+    with pytest.raises(ValueError, match=r"a must be a contiguous 2-D FP8 tensor, got \(8, 256\) "):
+        mm(a.float(), scale_a, b, scale_b, tiles, torch.float32)
+    with pytest.raises(ValueError, match=r"last dims must agree"):
+        mm(fp8(8, 128), scale_a, b, scale_b, tiles, torch.float32)
+    with pytest.raises(ValueError, match=r"scale_b must be contiguous float32 scales of shape"):
+        mm(a, scale_a, b, torch.ones(2, 1, 1), tiles, torch.float32)
+    with pytest.raises(ValueError, match=r"bias must be \(E, Y\) = \(2, 128\)"):
+        mm(a, scale_a, b, scale_b, tiles, torch.float32, torch.zeros(128))
+    starts = torch.tensor([0, 128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"padded token dims must agree and be a multiple of 128"):
+        kernels().k_grouped_block_mm(
+            fp8(64, 256), torch.ones(64, 2), fp8(64, 200), torch.ones(64, 2), starts, torch.float32
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands: the loop's bytes and scales
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same(data, scale, expected_data, expected_scale):
+    """Equal bytes and scales; where the expected value is NaN, NaN-ness only (the FP8 NaN
+    codes of the Triton and PyTorch casts may differ in sign)."""
+    nan_scale, nan_data = expected_scale.isnan(), expected_data.float().isnan()
+    assert torch.equal(scale.isnan(), nan_scale) and torch.equal(data.float().isnan(), nan_data)
+    assert torch.equal(scale[~nan_scale], expected_scale[~nan_scale])
+    assert torch.equal(as_bytes(data)[~nan_data], as_bytes(expected_data)[~nan_data])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("formats", "dtype"),
+    [(E4M3, torch.float32), (HYBRID, torch.bfloat16)],
+    ids=["e4m3-fp32", "hybrid-bf16"],
+)
+def test_grouped_operands_are_the_loops(device, formats, dtype):
+    """The stacked W and Wᵀ and the padded wgrad segments of xᵀ and dyᵀ, expert by expert,
+    against what the loop's quantizers (the Triton kernels here) give each expert."""
+    layer = make_layer(len(SIZES), K, N, formats, dtype, device)
+    x, dy = make_inputs(SIZES, K, N, dtype, device)
+    x[40, 3] = float("inf")  # a NaN scale in expert 2's first column group
+    x[:37] = 0  # expert 0's tokens are zeros: scale 1
+    plan, loop_plan = layer.linear_plan(x, None), layer.linear_plan(x, None)
+    weight, weight_t = grouped_module._quantize_weights(plan, layer.weight.detach(), True)
+    segments = _TokenSegments.of(SIZES, x.device)
+    starts = kernels().padded_starts(SIZES)
+    assert segments.padded_tokens == starts[-1] and segments.dest_T is not None
+    assert torch.equal(segments.starts.cpu(), torch.tensor(starts, dtype=torch.int32))
+    for role, values in ((TensorRole.INPUT, x), (TensorRole.GRAD_OUTPUT, dy)):
+        columns = segments.quantize(plan, values, role)
+        assert columns.data.shape == (values.shape[1], starts[-1])
+        start = 0
+        for e, size in enumerate(SIZES):
+            begin, end = starts[e], starts[e + 1]
+            group_begin, group_end = begin // 128, end // 128
+            if size:
+                part = values[start : start + size]
+                q = loop_plan.quantize(part, role, record=False, transposed=True)
+                q_t = loop_plan.quantize_transposed(part, q, role)
+                assert_same(
+                    columns.data[:, begin:end],
+                    columns.scale[:, group_begin:group_end],
+                    q_t.data,
+                    q_t.scale,
+                )
+            assert end - begin == -(-size // 128) * 128
+            start += size
+        if role is TensorRole.INPUT:  # the edge cases are really there
+            assert (columns.scale[:, 0] == 1).all() and columns.scale[3, 1].isnan()
+    for e in range(len(SIZES)):
+        w_q, w_t_q = loop_plan.weight_operands(layer.weight.detach()[e], need_transpose=True)
+        assert_same(weight.data[e], weight.scale[e], w_q.data, w_q.scale)
+        assert_same(weight_t.data[e], weight_t.scale[e], w_t_q.data, w_t_q.scale)
+    # Whole 128-token experts need no scatter: the operand is the plain column quantization.
+    aligned = _TokenSegments.of([128, 0, 256], x.device)
+    assert aligned.dest_T is None and aligned.padded_tokens == 384
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer outputs and gradients
+
+
+def interpreter_accumulation(depth):
+    return 2.0**-16
+
+
+def emulated_loop_accumulation(depth):
+    return (depth + 2) * U
+
+
+# (formats, dtype, whether the quantizers run as Triton kernels too)
+EQUIVALENCE_CASES = {
+    "e4m3-fp32": (E4M3, torch.float32, False),
+    "e4m3-bf16": (E4M3, torch.bfloat16, False),
+    "hybrid-fp32": (HYBRID, torch.float32, False),
+    "hybrid-bf16-triton-quantizers": (HYBRID, torch.bfloat16, True),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("case", EQUIVALENCE_CASES)
+def test_grouped_matches_loop_and_float64(case, monkeypatch):
+    formats, dtype, triton_quantizers = EQUIVALENCE_CASES[case]
+    if not triton_quantizers:
+        # The plain-PyTorch quantizers, bit-identical to the Triton ones (test_fp8_block_fast.py
+        # and the operand test above), interpret in seconds less; the GEMMs stay Triton.
+        monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")
+    layer = make_layer(len(SIZES), K, N, formats, dtype, "cpu")
+    x, dy = make_inputs(SIZES, K, N, dtype, "cpu")
+    grouped = run(layer, x, dy, SIZES, "function")
+    loop = run(layer, x, dy, SIZES, "layer")  # on the CPU the layer loops
+    refs = references(layer, x, dy, SIZES)
+    depths = {"y": K, "dx": N, "dw": 256}  # dw: the loop contracts over each padded segment
+    eps = torch.finfo(dtype).eps
+    check_against_float64_and_loop(
+        grouped, loop, refs, depths, interpreter_accumulation, emulated_loop_accumulation, eps
+    )
+    for e, size in enumerate(SIZES):
+        if size == 0:
+            assert torch.equal(grouped["dw"][e], torch.zeros(N, K, dtype=dtype))
+
+
+@interpreted
+def test_grouped_health_counts_are_the_loops(monkeypatch):
+    monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as in the test above
+    sizes = SIZES
+    counts = {}
+    for path in ("grouped", "loop"):
+        layer = make_layer(len(sizes), K, N, E4M3, torch.float32, "cpu")
+        x, dy = make_inputs(sizes, K, N, torch.float32, "cpu")
+        x[4, 0], x[4, 1] = 1e4, 1e-6  # the second flushes to zero at the first one's scale
+        run(layer, x, dy, sizes, "function" if path == "grouped" else "layer")
+        counts[path] = layer.fp8_meta.health.clone()
+    grouped, loop = counts["grouped"], counts["loop"]
+    assert torch.equal(grouped[0], loop[0]) and torch.equal(grouped[2], loop[2])
+    assert grouped[0, 1] > 0  # the flush really counted
+    # The loop counts the weights of experts with tokens, the grouped path all of them.
+    present = sum(size > 0 for size in sizes)
+    assert grouped[1, 2] == len(sizes) * N * K and loop[1, 2] == present * N * K
+
+
+class AtenOpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(experts):
+    """Aten ops of one forward + backward (no bias: its gradient is one sum per expert)."""
+    sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # a third of the experts empty-ish
+    layer = make_layer(experts, 128, 128, HYBRID, torch.bfloat16, "cpu", bias=False)
+    x, dy = make_inputs(sizes, 128, 128, torch.bfloat16, "cpu")
+    x.requires_grad_()
+    plan = layer.linear_plan(x, None)
+    counter = AtenOpCount()
+    with counter:
+        y = fp8_block_grouped_linear(x, layer.weight, None, sizes, plan)
+        y.backward(dy)
+    assert x.grad is not None and layer.weight.grad is not None
+    return counter.count
+
+
+@interpreted
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(monkeypatch):
+    monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
+    assert ops_per_call(4) == ops_per_call(24)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the real kernels at DeepSeek-V2-Lite's expert shape
+
+
+def hardware_accumulation(depth):
+    return 2.0**-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", FORMATS)
+@pytest.mark.parametrize(
+    ("dtype", "autocast"),
+    [(torch.bfloat16, False), (torch.float32, True)],
+    ids=["bf16", "fp32-autocast"],
+)
+def test_grouped_matches_loop_on_cuda(formats, dtype, autocast):
+    sizes = gpu_sizes()
+    grouped_layer = make_layer(GPU_E, GPU_K, GPU_N, formats, dtype, "cuda")
+    # The loop on the dense Triton block GEMM per expert ("auto" would group).
+    loop_layer = make_layer(GPU_E, GPU_K, GPU_N, formats, dtype, "cuda", backend="triton")
+    x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
+    x, dy = x.to(dtype), dy.to(dtype)
+    out_dtype = torch.bfloat16
+    recipe = grouped_layer.recipe
+    assert grouped_gemm_reason(x, grouped_layer.weight, sizes, recipe, "auto", out_dtype) is None
+    grouped = run(grouped_layer, x, dy, sizes, "layer", autocast)
+    loop = run(loop_layer, x, dy, sizes, "layer", autocast)
+    for result in (grouped, loop):
+        for name, value in result.items():
+            assert torch.isfinite(value).all(), name
+    # Under autocast y is bf16 (the GEMMs' output dtype); dx and dW are in the fp32 dtypes.
+    eps = torch.finfo(torch.bfloat16).eps
+    refs = references(loop_layer, x.float(), dy.to(grouped["y"].dtype).float(), sizes)
+    depths = {"y": GPU_K, "dx": GPU_N, "dw": max(sizes)}
+    check_against_float64_and_loop(
+        grouped, loop, refs, depths, hardware_accumulation, hardware_accumulation, eps
+    )
+    assert grouped["dw"][0].abs().max() == 0  # the expert with no tokens
+
+
+@pytest.mark.gpu
+def test_grouped_call_does_not_synchronize_on_cuda():
+    # Group sizes as host ints: a forward + backward waits for the device nowhere (CUDA's sync
+    # debug mode raises on a blocking copy, .item() or nonzero).
+    sizes = gpu_sizes()
+    layer = make_layer(GPU_E, GPU_K, GPU_N, HYBRID, torch.bfloat16, "cuda", bias=False)
+    x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
+    x.requires_grad_()
+    step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
+    step()  # the weight cache fills, Triton kernels compile
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
