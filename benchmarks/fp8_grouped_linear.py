@@ -13,35 +13,65 @@ alignment the grouped wgrad GEMM needs; a size may be 0). Shapes (E, K, N): Mixt
 (8, 4096, 14336) and (8, 14336, 4096), fine-grained (64, 2048, 1408).
 
 Columns: "bf16 loop" (``F.linear`` per expert), "bf16 grouped_mm" (``torch._grouped_mm``),
-then per FP8 recipe the per-expert loop (backend ``"scaled_mm"``: cuBLAS per expert) and the
-grouped path (backend ``"auto"``). With the default hybrid formats only the forward GEMM is
-grouped (``torch._scaled_grouped_mm`` takes E4M3 only); the ``_e4m3`` recipes (all roles E4M3)
-group all three GEMMs. Times are medians of CUDA-event timings (wall clock on CPU), in ms
-(``harness.median_ms``).
+then per FP8 recipe the per-expert loop and the grouped path (backend ``"auto"``). The
+tensorwise and rowwise loops run with backend ``"scaled_mm"`` (cuBLAS per expert); with the
+default hybrid formats only their forward GEMM is grouped (``torch._scaled_grouped_mm`` takes
+E4M3 only), the ``_e4m3`` recipes (all roles E4M3) group all three GEMMs. Block scaling
+(DeepSeek-V3; ``block`` all E4M3, its default, ``block_hybrid`` with E5M2 gradients) groups all
+three GEMMs in mt-fp8's Triton kernels (``mt_fp8.grouped_block``); its loop is the one backend
+``"auto"`` ran before that path existed (cuBLAS blockwise GEMMs where their rule takes the
+operands, the Triton block GEMM otherwise), reached by making ``grouped_gemm_reason`` answer
+with a reason (:func:`per_expert_loop`). Times are medians of CUDA-event timings (wall clock on
+CPU), in ms (``harness.median_ms``); after the table, each recipe's grouped path against its
+loop and against bf16 ``grouped_mm``.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import harness
 import torch
 import torch.nn.functional as F
 
-from mt_fp8 import FormatConfig, FP8GroupedLinear, RowwiseScaling, TensorwiseScaling
+import mt_fp8.linear
+from mt_fp8 import (
+    BlockScaling,
+    FormatConfig,
+    FP8GroupedLinear,
+    RowwiseScaling,
+    TensorwiseScaling,
+)
 from mt_fp8.grouped import GEMMS, gemm_reason, grouped_gemm_reason
 
 TOKENS = 16384
 SHAPES = [(8, 4096, 14336), (8, 14336, 4096), (64, 2048, 1408)]  # (E, K, N)
-SMOKE_TOKENS, SMOKE_SHAPES = 256, [(4, 64, 96)]
+SMOKE_TOKENS, SMOKE_SHAPES = 256, [(4, 128, 256)]  # block scaling needs multiples of 128
 E4M3 = FormatConfig.all_e4m3()
 RECIPES = [
     ("tensorwise", TensorwiseScaling()),
     ("rowwise", RowwiseScaling()),
     ("tensorwise_e4m3", TensorwiseScaling(formats=E4M3)),
     ("rowwise_e4m3", RowwiseScaling(formats=E4M3)),
+    ("block", BlockScaling()),
+    ("block_hybrid", BlockScaling(formats=FormatConfig())),
 ]
+LOOP_BACKENDS = {"block": "auto", "block_hybrid": "auto"}
+"""The loop's backend per recipe where it is not ``"scaled_mm"`` (module docstring)."""
+
+
+@contextlib.contextmanager
+def per_expert_loop(forced: bool) -> Iterator[None]:
+    """With ``forced``, FP8GroupedLinear takes its per-expert loop whatever the backend."""
+    original = mt_fp8.linear.grouped_gemm_reason
+    if forced:
+        mt_fp8.linear.grouped_gemm_reason = lambda *args: "the benchmark's per-expert loop"
+    try:
+        yield
+    finally:
+        mt_fp8.linear.grouped_gemm_reason = original
 
 
 def routing(tokens: int, experts: int, seed: int = 0) -> list[int]:
@@ -85,7 +115,8 @@ def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: i
     except (AttributeError, RuntimeError, NotImplementedError):
         row["bf16 grouped_mm"] = None
     for name, recipe in RECIPES:
-        for path, backend in (("loop", "scaled_mm"), ("grouped", "auto")):
+        loop_backend = LOOP_BACKENDS.get(name, "scaled_mm")
+        for path, backend in (("loop", loop_backend), ("grouped", "auto")):
             layer = FP8GroupedLinear(
                 experts,
                 k,
@@ -107,12 +138,27 @@ def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: i
                 row.setdefault("notes", []).append(f"{label}: loop ({reason})")
                 continue
 
-            def fp8_step(layer: FP8GroupedLinear = layer) -> None:
-                layer(x, sizes).backward(dy)
+            def fp8_step(layer: FP8GroupedLinear = layer, forced: bool = path == "loop") -> None:
+                with per_expert_loop(forced):
+                    layer(x, sizes).backward(dy)
 
             row[label] = time_ms(fp8_step, clear, device, iters)
         params[1:] = [weight]
     return row
+
+
+def speedups(shape: str, row: dict) -> list[str]:
+    """Each recipe's grouped path against its loop and against bf16 grouped_mm (time ratios)."""
+    lines = []
+    for name, _ in RECIPES:
+        grouped = row.get(f"{name} grouped")
+        if grouped is None:
+            continue
+        parts = [f"{row[f'{name} loop'] / grouped:.2f}x its loop"]
+        if row["bf16 grouped_mm"] is not None:
+            parts.append(f"{row['bf16 grouped_mm'] / grouped:.2f}x bf16 grouped_mm")
+        lines.append(f"{shape}: {name} grouped is {', '.join(parts)}")
+    return lines
 
 
 def main() -> None:
@@ -135,7 +181,10 @@ def main() -> None:
         f"torch {torch.__version__}, T = {tokens}, bf16, fwd+bwd ms (median of {iters})\n"
     )
     for name, recipe in RECIPES:
-        grouped = [g for g in GEMMS if gemm_reason(g, recipe, [16], torch.bfloat16) is None]
+        if isinstance(recipe, BlockScaling):
+            grouped = list(GEMMS)  # mt_fp8.grouped_block: all three, any formats
+        else:
+            grouped = [g for g in GEMMS if gemm_reason(g, recipe, [16], torch.bfloat16) is None]
         print(f"- {name}: grouped GEMMs {', '.join(grouped) or 'none'}")
     print()
     print("| E, K, N | " + " | ".join(columns) + " |")
@@ -147,6 +196,7 @@ def main() -> None:
         print(f"| {experts}, {k}, {n} | " + " | ".join(cells) + " |")
         notes.append(f"{experts}, {k}, {n}: group sizes {row['sizes']}")
         notes += row.get("notes", [])
+        notes += speedups(f"{experts}, {k}, {n}", row)
     print()
     for note in notes:
         print(f"- {note}")
