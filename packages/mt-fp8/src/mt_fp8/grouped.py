@@ -1,5 +1,20 @@
 """The grouped FP8 GEMM path of :class:`~mt_fp8.linear.FP8GroupedLinear` (MoE experts).
 
+Two implementations, one per scale layout (:func:`grouped_gemm_reason` says where each runs):
+
+* Current tensorwise and rowwise scaling: PyTorch's ``torch._scaled_grouped_mm`` (CUTLASS,
+  Hopper), this module.
+* Block scaling (DeepSeek-V3: 1×128 groups, 128×128 weight blocks): PyTorch has no grouped
+  block-scaled GEMM, and the per-expert loop it would otherwise run is bound by the host's
+  launches at fine-grained MoE shapes (docs/architecture.md), so the three GEMMs run in
+  mt-fp8's own Triton kernels, one launch each whatever E is, on the loop's FP8 operands
+  (:mod:`mt_fp8.grouped_block`, whose docstring states its math, operands and empty experts;
+  the stacked weights come from this module's weight cache, :func:`_weight_operands`). It
+  takes any formats (mixed E4M3 × E5M2 in exact fp16 dots) and needs K, N % 128 == 0.
+
+The rest of this docstring is the ``torch._scaled_grouped_mm`` path, except the weight cache,
+which both share.
+
 Shape suffixes: T tokens (all groups, sorted by group), E groups (experts), E' non-empty groups,
 K in_features, N out_features. Group ``e`` holds the ``T_e`` tokens ``[o_{e-1}, o_e)`` with
 ``o_e = T_0 + ... + T_e`` (``offs``: the int32 cumulative *end* offsets).
@@ -90,11 +105,12 @@ caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and
 index tensors built from them (offsets, counts) are copied to the device without waiting
 (:func:`_host_ints`).
 
-Weight cache: the grouped path keeps one entry per layer with the FP8 weights of all experts
-stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the per-expert caches
-(:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage pointer,
-``_version``, recipe, scale state and the count of torch optimizer steps; a miss quantizes
-all experts at once (above), to the bytes the loop gives each. The loop path's per-expert
+Weight cache (both implementations): the grouped path keeps one entry per layer with the FP8
+weights of all experts stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the
+per-expert caches (:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage
+pointer, ``_version``, recipe, scale state and the count of torch optimizer steps; a miss
+quantizes all experts at once (above; block scaling: the stacked (E·N, K) rows in 128×128
+blocks and each expert's exact transpose), to the bytes the loop gives each. The loop path's per-expert
 caches are separate (a layer that switches path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
@@ -274,23 +290,23 @@ def grouped_gemm_reason(
 
 def _block_reason(x_TK: torch.Tensor, weight_ENK: torch.Tensor, recipe: BlockScaling) -> str | None:
     """Why the grouped block-scaled GEMMs (:mod:`mt_fp8.grouped_block`) cannot run, or None."""
+    side = BLOCK_GROUPED_SIDE
+    if (recipe.group, recipe.weight_block) != (side, side):
+        return (
+            f"the grouped block-scaled GEMM takes 1x{side} groups and {side}x{side} weight "
+            f"blocks, got group={recipe.group}, weight_block={recipe.weight_block}"
+        )
+    _, out_features, in_features = weight_ENK.shape
+    if in_features % side or out_features % side:
+        return (
+            f"the grouped block-scaled GEMM needs K and N divisible by {side} (whole weight "
+            f"blocks per expert), got K={in_features}, N={out_features}"
+        )
     device = x_TK.device
     if device.type != "cuda" or not _triton_block_gemm_available(device.index):
         return (
             "the grouped block-scaled GEMM is a Triton kernel for CUDA GPUs of compute "
             f"capability >= 9.0 with Triton, not {device}"
-        )
-    if (recipe.group, recipe.weight_block) != (BLOCK_GROUPED_SIDE, BLOCK_GROUPED_SIDE):
-        return (
-            f"the grouped block-scaled GEMM takes 1x{BLOCK_GROUPED_SIDE} groups and "
-            f"{BLOCK_GROUPED_SIDE}x{BLOCK_GROUPED_SIDE} weight blocks, got group={recipe.group}, "
-            f"weight_block={recipe.weight_block}"
-        )
-    _, out_features, in_features = weight_ENK.shape
-    if in_features % BLOCK_GROUPED_SIDE or out_features % BLOCK_GROUPED_SIDE:
-        return (
-            f"the grouped block-scaled GEMM needs K and N divisible by {BLOCK_GROUPED_SIDE} (whole "
-            f"weight blocks per expert), got K={in_features}, N={out_features}"
         )
     if x_TK.shape[0] == 0:
         return "no tokens: nothing to group"

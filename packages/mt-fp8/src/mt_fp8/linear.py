@@ -2,9 +2,10 @@
 
 Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and backward GEMMs,
 FP8-saved input, cached FP8 weight; ``FP8GroupedLinear`` once per expert); see
-:mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where
-PyTorch's grouped FP8 GEMM can take them, ``FP8GroupedLinear`` runs all experts at once
-instead, with the same FP8 operands (:mod:`mt_fp8.grouped`). Parameters keep their dtype (fp32
+:mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where a
+grouped FP8 GEMM can take them (PyTorch's for tensorwise and rowwise scales, mt-fp8's Triton
+kernels for block scaling), ``FP8GroupedLinear`` runs all experts at once instead, with the
+same FP8 operands (:mod:`mt_fp8.grouped`, :mod:`mt_fp8.grouped_block`). Parameters keep their dtype (fp32
 or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast region and the
 input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
 region to high precision or override the recipe.
@@ -233,11 +234,17 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
 
     Two implementations with the same FP8 operands (same bytes, same scales):
 
-    * Grouped (:mod:`mt_fp8.grouped`): one ``torch._scaled_grouped_mm`` per GEMM for all experts,
-      taken with current tensorwise or rowwise scaling on CUDA compute capability 9.x and
-      ``backend`` ``"auto"`` or ``"fast"`` (:func:`~mt_fp8.grouped.grouped_gemm_reason` says
-      why not otherwise). The kernel takes E4M3 operands only, so with the default hybrid
-      formats the forward GEMM is grouped and dgrad/wgrad (E5M2 gradients) run per expert.
+    * Grouped (:mod:`mt_fp8.grouped`), with ``backend`` ``"auto"`` or ``"fast"``
+      (:func:`~mt_fp8.grouped.grouped_gemm_reason` says why not otherwise):
+
+      - current tensorwise or rowwise scaling on CUDA compute capability 9.x: one
+        ``torch._scaled_grouped_mm`` per GEMM for all experts. The kernel takes E4M3 operands
+        only, so with the default hybrid formats the forward GEMM is grouped and dgrad/wgrad
+        (E5M2 gradients) run per expert;
+      - block scaling (1×128 groups, 128×128 blocks) on CUDA compute capability >= 9.0 with
+        Triton: all three GEMMs in mt-fp8's grouped block-scaled Triton kernels
+        (:mod:`mt_fp8.grouped_block`), any formats.
+
       One cached entry holds all experts' FP8 weights, stacked.
     * Loop: one FP8 GEMM per non-empty group (every other recipe, device and backend), with one
       shared delayed-scaling state (amax = max over experts) and one cached FP8 weight per
