@@ -1,5 +1,6 @@
-"""Pipeline parallelism: schedules as torch action lists, their simulator, model splitting and
-the runtime that executes them (``torch.distributed.pipelining``)."""
+"""Pipeline parallelism: schedules as torch action lists, their simulator, model splitting, the
+runtime that executes them (``torch.distributed.pipelining``) and DualPipeV's overlapped
+forward/backward pairs (:mod:`.overlap`)."""
 
 from mt_parallel.pipeline.module import PipelineModule
 from mt_parallel.pipeline.parallelize import pipeline_chunks, pipeline_module

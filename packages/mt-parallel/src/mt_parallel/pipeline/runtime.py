@@ -38,6 +38,11 @@ What this module adds around it:
   schedule (the other chunks' backwards on this rank), and waits for it after
   :meth:`PipelineSchedule.step`. A torch without ``REDUCE_GRAD`` never calls the hook, and the
   caller reduces everything after the step.
+* DualPipeV's ``OVERLAP_F_B`` pairs: with MoE layers split over ep > 1 (all-to-all
+  dispatcher) the pair's forward and backward run interleaved at the MoE all-to-alls, each
+  half's exchanges in flight while the other computes (:mod:`mt_parallel.pipeline.overlap`,
+  registered for the action unless ``overlap=False``); otherwise torch runs the halves back
+  to back.
 * p2p: torch's lowering posts each receive when its sender's action is issued, so between two
   ranks the sends and receives are in the same order (checked in the tests); every operation
   is its own batch of one, so gloo's batched send/receive ordering (pytorch#152938) is never

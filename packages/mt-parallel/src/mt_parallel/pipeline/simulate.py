@@ -5,8 +5,9 @@ rank is free and its producers have finished (``F(s, m)`` after ``F(s−1, m)``;
 after ``B``/``I(s+1, m)``, or after ``F(S−1, m)`` on the last stage; ``W(s, m)`` after
 ``I(s, m)``; for an ``OVERLAP_F_B`` both halves' producers). Transfers take no time. Costs are
 per chunk: ``F``, ``I`` (input gradient), ``W`` (weight gradient); a full backward ``B`` costs
-``I + W``; an overlapped pair costs ``overlap(F, B)``, by default ``F + I + W`` (torch runs the
-halves one after the other unless an overlap function is registered).
+``I + W``; an overlapped pair costs ``overlap(F, B)``, by default ``F + I + W``: torch runs the
+halves one after the other, and :mod:`.overlap` (MoE with ep > 1) hides only all-to-all time,
+which these per-chunk compute costs do not separate.
 
 Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
 
