@@ -288,7 +288,7 @@ def test_mtp_layers_the_config_does_not_name_or_unshared_copies_are_refused(hub_
     with pytest.raises(ValueError, match=r"--mtp-depth=1: architectures=\['LlamaForCausalLM'\]"):
         LlamaHF().import_view({"architectures": ["LlamaForCausalLM"]}, set(), 1)
     with pytest.raises(ValueError, match="--mtp-depth=1: model 'debug' has no multi-token-pre"):
-        LlamaHF().export_view(model_sizes()["debug"], {}, 1)
+        LlamaHF().export_view(model_sizes()["debug"], [], 1)
 
 
 def test_export_writes_the_mtp_modules_under_the_hub_names() -> None:
@@ -297,7 +297,7 @@ def test_export_writes_the_mtp_modules_under_the_hub_names() -> None:
     )
     state = DeepSeekV3(cfg).state_dict()
     adapter = DeepseekV3HF()
-    hf = adapter.tensors_to_hf(state)
+    hf = adapter.tensors_to_hf(state, cfg)
     assert adapter.config_to_hf(cfg, torch.float32)["num_nextn_predict_layers"] == 2
     for k in range(2):
         layer = f"model.layers.{2 + k}"
@@ -308,5 +308,6 @@ def test_export_writes_the_mtp_modules_under_the_hub_names() -> None:
         assert (
             hf[f"{layer}.shared_head.head.weight"].data_ptr() != state["output.weight"].data_ptr()
         )
-    plain = adapter.tensors_to_hf(DeepSeekV3(dataclasses.replace(cfg, mtp_depth=0)).state_dict())
+    plain_cfg = dataclasses.replace(cfg, mtp_depth=0)
+    plain = adapter.tensors_to_hf(DeepSeekV3(plain_cfg).state_dict(), plain_cfg)
     assert not any(name.startswith("model.layers.2.") for name in plain)

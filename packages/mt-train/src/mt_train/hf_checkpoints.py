@@ -33,6 +33,31 @@ in one group, the whole model in memory, as before. Tensor names are checked per
 the config does not have stops the import at once) and the missing ones at the end; an
 import that fails leaves no ``.tmp-step-*`` folder behind.
 
+Export streams the same way, the other direction. The checkpoint's model keys (tp=1 names)
+go through the adapter's ``export_view`` (which MTP modules) and ``export_groups`` (the
+built-in families: embedding, final norm and head, then each layer, a layer's stacked routed
+experts by projection; :func:`~mt_train.models.family.layer_groups` of mt names). A first
+pass converts every group as meta tensors read from the files' headers
+(:class:`HeaderReader`: TP slices and FSDP2 pieces re-joined as on load, no data read); it
+gives every name, shape and dtype export writes, so the dtype (above), the ``config.json``
+(whose refusals come first) and the files (:func:`~mt_train.hf_shards.plan_files`: at most
+``--max-file-gb`` each, default 5, ``save_pretrained``'s ``max_shard_size``) are fixed
+before a tensor is read or a file written. The second pass reads each group (``safe_open``
+reads single tensors), converts it with ``tensors_to_hf`` and hands it to a
+:class:`~mt_train.hf_shards.HFWriter`, which writes each file as soon as its last tensor
+arrives and publishes the folder at the end (a failed or killed export never leaves a
+loadable mix of files). Host memory holds one group as read and converted plus at most one
+file: for V3 in bf16 a 7.5 GB expert projection and 5 GB (three times the projection when a
+checkpoint of mixed dtypes is upcast to float32), where the whole model is 1.3 TB. Below
+the limit the folder holds one ``model.safetensors``, byte for byte what converting the
+whole model at once writes; above it ``model-<k>-of-<n>.safetensors`` files and
+``model.safetensors.index.json``. An adapter without ``export_groups`` converts the whole
+model in one group, as before.
+
+:func:`load_model` builds the model and fills it one tensor at a time (``load_state_dict`` of
+one key, so module load hooks such as mt_fp8's still run): host memory holds the model and
+one tensor, not the model twice.
+
 FP8 weights (DeepSeek-V3's Hub layout) are dequantized as they are read; the layout, the
 math and every refusal are in :mod:`mt_train.hf_shards`. Export writes no FP8 and no
 ``quantization_config``.
@@ -45,13 +70,14 @@ import dataclasses
 import json
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
+from safetensors import safe_open
 from torch import nn
 
 from mt_train.checkpoint.checkpointer import TPLayout, read_resharded
@@ -65,11 +91,14 @@ from mt_train.checkpoint.files import (
 from mt_train.config.schema import ModelConfig
 from mt_train.errors import UserError, report
 from mt_train.hf_shards import (  # noqa: F401 (re-exported: the FP8 layout's names)
+    SAFETENSORS_DTYPES,
     SCALE_SUFFIX,
     FP8Weights,
     HFShards,
+    HFWriter,
     dequantize_fp8,
     fp8_weights,
+    plan_files,
 )
 from mt_train.models.build import build_model
 from mt_train.models.family import HFAdapter, ModelFamily
@@ -94,8 +123,9 @@ def family_for_architectures(hf: dict[str, Any]) -> tuple[ModelFamily, HFAdapter
 
 
 DEFAULT_MAX_FILE_BYTES = 5 * 10**9
-"""Import writes a file of the checkpoint each time it has this many bytes (Hugging Face's
-default ``max_shard_size`` of 5 GB): the bound on what it buffers."""
+"""Import writes a file of the checkpoint each time it has this many bytes, export writes
+files of at most this many (Hugging Face's default ``max_shard_size`` of 5 GB): the bound on
+what they buffer."""
 
 
 def import_manifest(cfg: ModelConfig, family: ModelFamily, hf_dir: Path) -> dict[str, Any]:
@@ -185,41 +215,105 @@ def model_config_of(reader: CheckpointReader) -> ModelConfig:
     return OmegaConf.to_object(typed)  # type: ignore[return-value]
 
 
-def full_model_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    """Every model tensor at tp=1 (TP slices and FSDP2 pieces re-joined)."""
+def model_keys(reader: CheckpointReader) -> list[str]:
+    """The checkpoint's model state-dict keys (tp=1 names: no ``model/`` prefix, no TP-slice
+    or FSDP2-piece suffix), sorted."""
+    return sorted({n.removeprefix("model/").split("@")[0] for n in reader.names("model/")})
+
+
+def model_tensors(reader: CheckpointReader, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The model tensors ``keys`` at tp=1 (TP slices and FSDP2 pieces re-joined)."""
     plan = reader.manifest.get("tp_plan", {})
-    keys = {n.removeprefix("model/").split("@")[0] for n in reader.names("model/")}
     single = TPLayout(plan, 0, 1)
-    return {k: read_resharded(reader, f"model/{k}", plan.get(k), single) for k in sorted(keys)}
+    return {k: read_resharded(reader, f"model/{k}", plan.get(k), single) for k in keys}
+
+
+def full_model_tensors(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    """Every model tensor at tp=1, all in memory at once (to compare checkpoints)."""
+    return model_tensors(reader, model_keys(reader))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
-    """An mt checkpoint (folder or root) as its family's plain tp=1 model."""
+    """An mt checkpoint (folder or root) as its family's plain tp=1 model, its tensors read
+    one at a time (module docstring)."""
     reader = CheckpointReader(checkpoint_folder(Path(path)))
     model = build_model(model_config_of(reader), device)
-    model.load_state_dict(full_model_tensors(reader))
+    keys, live = model_keys(reader), model.state_dict()
+    missing, extra = sorted(set(live) - set(keys)), sorted(set(keys) - set(live))
+    if missing or extra:
+        raise ValueError(
+            f"checkpoint {reader.folder} does not match its model config: missing "
+            f"{missing[:3]}, unexpected {extra[:3]}"
+        )
+    for key in keys:
+        tensor = model_tensors(reader, [key])[key]
+        if tensor.shape != live[key].shape:
+            raise ValueError(
+                f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, the model "
+                f"{tuple(live[key].shape)}: is the manifest's model config the one it saved?"
+            )
+        # Through the owning module's load_state_dict (its load hooks run, mt_fp8's too),
+        # not the whole model's, which would visit every module once per tensor.
+        owner, _, leaf = key.rpartition(".")
+        model.get_submodule(owner).load_state_dict({leaf: tensor}, strict=False)
     return model
 
 
-def export_hf(path: str | Path, out_dir: str | Path, mtp_depth: int | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (HF names) from an mt checkpoint, with its
-    first ``mtp_depth`` multi-token-prediction modules (None: all it has; 0: none)."""
-    reader = CheckpointReader(checkpoint_folder(Path(path)))
+class HeaderReader(CheckpointReader):
+    """A checkpoint whose tensors read as meta tensors of their stored dtype and shape, from
+    the files' headers (no data read, no sha256 checked): what export plans with."""
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            if name not in self.manifest["tensors"]:
+                raise KeyError(f"checkpoint {self.folder} has no tensor {name!r}")
+            path = self.folder / self.manifest["tensors"][name]
+            with safe_open(str(path), framework="pt") as f:
+                view = f.get_slice(name)
+                dtype = SAFETENSORS_DTYPES[view.get_dtype()]
+                out[name] = torch.empty(view.get_shape(), dtype=dtype, device="meta")
+        return out
+
+
+def export_hf(
+    path: str | Path,
+    out_dir: str | Path,
+    mtp_depth: int | None = None,
+    max_file_bytes: int | None = DEFAULT_MAX_FILE_BYTES,
+) -> Path:
+    """Write a Hugging Face folder (``config.json`` and the weights, in files of at most
+    ``max_file_bytes``; None: one file) from an mt checkpoint, with its first ``mtp_depth``
+    multi-token-prediction modules (None: all it has; 0: none); module docstring."""
+    folder = checkpoint_folder(Path(path))
+    reader = CheckpointReader(folder)
     cfg = model_config_of(reader)
     family = family_of(cfg)
-    if family.hf is None:
+    adapter = family.hf
+    if adapter is None:
         raise ValueError(f"model family {family.name!r} has no Hugging Face adapter")
-    cfg, state = family.hf.export_view(cfg, full_model_tensors(reader), mtp_depth)
-    tensors = family.hf.tensors_to_hf(state)
-    dtypes = {t.dtype for t in tensors.values()}
+    cfg, keys = adapter.export_view(cfg, model_keys(reader), mtp_depth)
+    groups = adapter.export_groups(keys, cfg)
+    header = HeaderReader(folder)
+    planned = [adapter.tensors_to_hf(model_tensors(header, group), cfg) for group in groups]
+    twice = sorted(n for n, c in Counter(n for hf in planned for n in hf).items() if c > 1)
+    if twice:
+        raise ValueError(f"the adapter's export groups convert {twice[:3]} more than once")
+    dtypes = {t.dtype for hf in planned for t in hf.values()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_config = family.hf.config_to_hf(cfg, dtype)
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
+    config = adapter.config_to_hf(cfg, dtype)
+    sizes = ((n, t.numel() * dtype.itemsize) for hf in planned for n, t in hf.items())
+    writer = HFWriter(Path(out_dir), plan_files(sizes, max_file_bytes))
+    try:
+        for group in groups:
+            tensors = adapter.tensors_to_hf(model_tensors(reader, group), cfg)
+            writer.add({k: v.to(dtype) for k, v in tensors.items()})
+            del tensors  # before the next group is read: host memory holds one group
+        writer.close(config)
+    except BaseException:
+        writer.discard()
+        raise
+    return Path(out_dir)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,15 +347,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="multi-token-prediction modules to write (default: all; 0 for next-token inference)",
     )
+    exp.add_argument(
+        "--max-file-gb",
+        type=float,
+        default=DEFAULT_MAX_FILE_BYTES / 1e9,
+        help="write the weights in files of at most this many GB, with an index past one "
+        "(Hugging Face's max_shard_size; default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
+        if not args.max_file_gb > 0:
+            raise ValueError(f"--max-file-gb={args.max_file_gb}; valid: a positive size")
+        max_bytes = max(1, round(args.max_file_gb * 1e9))
         if args.command == "import":
-            if not args.max_file_gb > 0:
-                raise ValueError(f"--max-file-gb={args.max_file_gb}; valid: a positive size")
-            max_bytes = max(1, round(args.max_file_gb * 1e9))
             written = import_hf(args.hf_dir, args.out, args.mtp_depth, max_file_bytes=max_bytes)
         else:
-            written = export_hf(args.checkpoint, args.out, args.mtp_depth)
+            written = export_hf(args.checkpoint, args.out, args.mtp_depth, max_bytes)
     except (OSError, ValueError, KeyError, UserError) as err:
         return report("mt-convert", err.args[0] if isinstance(err, KeyError) and err.args else err)
     print(f"wrote {written}")

@@ -1,4 +1,5 @@
-"""A Hugging Face folder's safetensors shards, read one tensor at a time (``mt-convert import``).
+"""A Hugging Face folder's safetensors shards, read one tensor at a time (``mt-convert import``)
+and written as their tensors arrive (``mt-convert export``, :class:`HFWriter`).
 
 :class:`HFShards` opens every ``*.safetensors`` file of the folder once and indexes its tensors
 by name from the headers alone (dtype, shape and file; no tensor data is read), so a checkpoint
@@ -33,12 +34,28 @@ order the shards are listed, each with one line: another ``quant_method`` or ``f
 float32/bfloat16/float16, a float8 tensor without a ``quantization_config``, of another float8
 dtype, of fewer than two dimensions or without its scale, a scale that is not float32, whose
 shape is not ``[ceil(O/b0), ceil(I/b1)]`` or whose weight is missing or not float8.
+
+Writing. A folder is written as transformers' ``save_pretrained`` writes one: a model of at
+most ``max_file_bytes`` tensor bytes as ``model.safetensors``; a larger one as
+``model-<k>-of-<n>.safetensors`` files (k from 1) of at most ``max_file_bytes`` each (a
+tensor larger than that in a file of its own) and ``model.safetensors.index.json``, whose
+``weight_map`` names each tensor's file and whose ``metadata.total_size`` is the sum of the
+tensors' bytes. :func:`plan_files` cuts the tensors (known ahead, with their sizes, from a
+conversion of meta tensors) into files; :class:`HFWriter` holds a file's tensors until its
+last one arrives, writes it into a temporary folder and publishes the folder at the end
+(its docstring: a kill never leaves a loadable mix of two exports).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -46,12 +63,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mt_train.checkpoint.files import fsync_dir, save_safetensors
 from mt_train.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"
 """``<weight name>`` + this names an FP8 weight's block scales (module docstring)."""
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
@@ -198,7 +216,7 @@ class HFShards:
                 f"{key} is in both {self._index[key].path.name} and {path.name} (valid: each "
                 "tensor in one shard, as model.safetensors.index.json maps them)"
             )
-        dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+        dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
         self._index[key] = TensorInfo(path, dtype, tuple(view.get_shape()))
 
     def _checked_names(self) -> list[str]:
@@ -265,3 +283,121 @@ class HFShards:
             scale = self._read(name + SCALE_SUFFIX)
             tensor = dequantize_fp8(tensor, scale, self.fp8.block).to(self.fp8.dtype)
         return tensor
+
+
+# --- Writing a Hugging Face folder (mt-convert export) ----------------------------------------
+
+SINGLE_FILE = "model.safetensors"
+"""The weights of a folder written as one file (transformers' name; no index then)."""
+INDEX_FILE = "model.safetensors.index.json"
+"""The index of a folder written in several files: ``weight_map`` and ``total_size``."""
+_PART_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_TMP_PREFIX = ".tmp-export-"
+
+
+def file_names(count: int) -> list[str]:
+    """Hugging Face's names of a folder's ``count`` weight files (1-based, of ``count``)."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def plan_files(sizes: Iterable[tuple[str, int]], max_file_bytes: int | None) -> list[list[str]]:
+    """Tensor names (with their bytes, in the order they will be written) cut into files of
+    at most ``max_file_bytes`` tensor bytes, as ``save_pretrained``'s ``max_shard_size``
+    does: a file takes names until the next one would cross the limit; a tensor larger than
+    the limit gets a file of its own. None: one file."""
+    if max_file_bytes is not None and max_file_bytes < 1:
+        raise ValueError(f"max_file_bytes={max_file_bytes}; valid: a positive size or None")
+    files: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if max_file_bytes is not None and files[-1] and used + size > max_file_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(name)
+        used += size
+    return files
+
+
+class HFWriter:
+    """Writes a Hugging Face model folder (``config.json``, the weight files of a
+    :func:`plan_files` plan and, for several files, ``model.safetensors.index.json``) as
+    its tensors arrive, atomically.
+
+    :meth:`add` buffers tensors and writes a file as soon as it holds every tensor the plan
+    gives it (tensors arriving in the plan's order, the buffer is at most one file plus the
+    last :meth:`add`). Everything goes into ``<out_dir>/.tmp-export-<hex>/`` first;
+    :meth:`close` writes the index and ``config.json`` there, then publishes: it deletes the
+    folder's previous weights (``model.safetensors``, the index, ``model-*-of-*`` files; the
+    other files, a tokenizer, stay), moves the new files in, the file that makes the folder
+    loadable (the index, or the single ``model.safetensors``) last, and fsyncs the folder.
+    A failure or a kill therefore leaves the previous export, a folder without weights, or
+    the new export, never a loadable mix; :meth:`discard` (on failure) removes the temporary
+    folder, and ``out_dir`` itself if this writer created it. A ``.tmp-export-*`` folder left
+    by a killed export is removed by the next one."""
+
+    def __init__(self, out_dir: Path, plan: list[list[str]]) -> None:
+        self.out_dir, self.plan = out_dir, plan
+        self.files = file_names(len(plan))
+        """The weight files' names, in plan order."""
+        self._created = not out_dir.exists()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.glob(f"{_TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tmp = out_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        self.tmp.mkdir()
+        self._file_of = {name: k for k, names in enumerate(plan) for name in names}
+        self._pending = set(self._file_of)
+        self._left = [len(names) for names in plan]
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._total_size = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Buffer ``tensors`` (names of the plan, each once); write every file now complete."""
+        for name, tensor in tensors.items():
+            if name not in self._pending:
+                raise ValueError(
+                    f"tensor {name!r} is not in the export's plan (the adapter's conversion of "
+                    "meta tensors) or came twice"
+                )
+            self._pending.remove(name)
+            self._buffer[name] = tensor
+            self._total_size += tensor.numel() * tensor.element_size()
+            file = self._file_of[name]
+            self._left[file] -= 1
+            if self._left[file] == 0:
+                tensors_of_file = {n: self._buffer.pop(n) for n in self.plan[file]}
+                save_safetensors(tensors_of_file, self.tmp / self.files[file])
+
+    def close(self, config: dict[str, Any]) -> None:
+        """Write the index (several files) and ``config.json``, then publish (class docstring)."""
+        if self._pending:
+            raise ValueError(f"the export never produced the planned {sorted(self._pending)[:3]}")
+        if len(self.files) > 1:
+            index = {
+                "metadata": {"total_size": self._total_size},
+                "weight_map": {n: self.files[k] for n, k in sorted(self._file_of.items())},
+            }
+            _write_text(self.tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_text(self.tmp / "config.json", json.dumps(config, indent=2) + "\n")
+        fsync_dir(self.tmp)
+        for old in self.out_dir.iterdir():
+            if old.name in (SINGLE_FILE, INDEX_FILE) or _PART_FILE.match(old.name):
+                old.unlink()
+        marker = INDEX_FILE if len(self.files) > 1 else SINGLE_FILE
+        for name in [n for n in self.files if n != marker] + ["config.json", marker]:
+            os.replace(self.tmp / name, self.out_dir / name)
+        fsync_dir(self.out_dir)
+        self.tmp.rmdir()
+
+    def discard(self) -> None:
+        """Remove what this writer wrote (after a failure; class docstring)."""
+        shutil.rmtree(self.out_dir if self._created else self.tmp, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

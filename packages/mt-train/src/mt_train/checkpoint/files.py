@@ -113,9 +113,10 @@ def fsync_dir(folder: Path) -> None:
 OS_ERROR_CODE = re.compile(r"(?:os error |code: )(\d+)")
 
 
-def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``safetensors.torch.save_file``, its I/O failures raised as ``OSError`` (it reports a
-    full disk as a ``SafetensorError`` naming the OS error code)."""
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` (metadata ``format: pt``, as transformers writes),
+    fsynced, its I/O failures raised as ``OSError`` (it reports a full disk as a
+    ``SafetensorError`` naming the OS error code)."""
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     try:
         save_file(contiguous, str(path), metadata={"format": "pt"})
@@ -125,6 +126,8 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
             raise
         number = int(code.group(1))
         raise OSError(number, os.strerror(number), str(path)) from err
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def part_name(rank: int, part: int) -> str:
@@ -181,9 +184,7 @@ class ShardWriter:
     def _flush(self, name: str) -> None:
         path = self.folder / name
         fault_points.disk_write("checkpoint", path, self.step)
-        _save_safetensors(self._buffer, path)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
+        save_safetensors(self._buffer, path)
         self._parts[name] = {
             "sha256": sha256_file(path),
             "bytes": path.stat().st_size,

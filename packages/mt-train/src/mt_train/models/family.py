@@ -88,16 +88,17 @@ class HFAdapter:
         return hf, None
 
     def export_view(
-        self, cfg: Any, tensors: dict[str, torch.Tensor], mtp_depth: int | None
-    ) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The config and tensors export writes with ``mtp_depth`` multi-token-prediction
-        modules (None: all the model has). Families without MTP refuse a depth above 0."""
+        self, cfg: Any, names: Collection[str], mtp_depth: int | None
+    ) -> tuple[Any, Collection[str]]:
+        """The config export writes with ``mtp_depth`` multi-token-prediction modules (None:
+        all the model has) and the names of the model's (tp=1) tensors it reads for it.
+        Families without MTP refuse a depth above 0."""
         if mtp_depth:
             raise ValueError(
                 f"--mtp-depth={mtp_depth}: model {cfg.name!r} has no multi-token-prediction "
                 "modules (valid: 0 or unset)"
             )
-        return cfg, tensors
+        return cfg, names
 
     def config_from_hf(self, hf: dict[str, Any], name: str) -> ModelConfig:
         """The family's config of a Hugging Face ``config.json``; refuses what it cannot build."""
@@ -124,8 +125,20 @@ class HFAdapter:
         whole checkpoint, or one of :meth:`import_groups`' groups."""
         raise NotImplementedError
 
-    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The family's full (tp=1) state dict as Hugging Face tensors."""
+    def export_groups(self, names: Collection[str], cfg: Any) -> list[list[str]]:
+        """The model's tensor ``names`` (after :meth:`export_view`) in the groups ``mt-convert
+        export`` reads and converts one at a time: :meth:`import_groups`' contract with the
+        directions swapped (each group's :meth:`tensors_to_hf` gives disjoint Hugging Face
+        tensors whose union is that of all ``names``). The default, one group, holds the
+        whole model in memory; the built-in families split by layer (:func:`layer_groups` of
+        mt names) and routed experts by projection."""
+        return [sorted(names)]
+
+    def tensors_to_hf(self, tensors: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+        """The family's (tp=1) tensors of config ``cfg`` (the whole state dict, or one of
+        :meth:`export_groups`' groups) as Hugging Face tensors. Export first calls it on meta
+        tensors (dtype and shape only) to plan its files: a conversion renames, splits and
+        permutes, and checks values only of tensors that are not meta."""
         raise NotImplementedError
 
 

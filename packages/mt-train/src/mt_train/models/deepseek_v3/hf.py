@@ -105,6 +105,7 @@ _MTP = {"enorm.weight": "embed_norm.weight", "hnorm.weight": "hidden_norm.weight
 _MTP_INVERSE = {mt: hf for hf, mt in _MTP.items()}
 _MTP_SHARED = {"embed_tokens.weight": "embed.weight", "shared_head.head.weight": "output.weight"}
 """An MTP layer's copies of the main embedding and head (mt shares them)."""
+_MTP_COPY = {main: rest for rest, main in _MTP_SHARED.items()}
 _MAIN_NAME = {mt: hf for hf, mt in _TOP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -308,21 +309,21 @@ class DeepseekV3HF(HFAdapter):
         return {**hf, "num_nextn_predict_layers": depth}, note
 
     def export_view(
-        self, cfg: DeepSeekV3Config, tensors: dict[str, torch.Tensor], mtp_depth: int | None
-    ) -> tuple[DeepSeekV3Config, dict[str, torch.Tensor]]:
+        self, cfg: DeepSeekV3Config, names: Collection[str], mtp_depth: int | None
+    ) -> tuple[DeepSeekV3Config, Collection[str]]:
         """The first ``mtp_depth`` MTP modules (None: all; 0: next-token inference only)."""
         if mtp_depth is None:
-            return cfg, tensors
+            return cfg, names
         if not 0 <= mtp_depth <= cfg.mtp_depth:
             raise ValueError(
                 f"--mtp-depth={mtp_depth} but the checkpoint's model has model.mtp_depth="
                 f"{cfg.mtp_depth}; valid: 0 to {cfg.mtp_depth}"
             )
-        kept = {
-            name: tensor
-            for name, tensor in tensors.items()
+        kept = [
+            name
+            for name in names
             if not ((mtp := _MT_MTP.match(name)) and int(mtp.group(1)) >= mtp_depth)
-        }
+        ]
         return dataclasses.replace(cfg, mtp_depth=mtp_depth), kept
 
     def import_groups(self, names: Collection[str], hf: dict[str, Any]) -> list[list[str]]:
@@ -401,15 +402,37 @@ class DeepseekV3HF(HFAdapter):
                 )
         return out
 
-    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        layers = len({m.group(1) for n in tensors if (m := _MT_LAYER.match(n))})
-        shapes = _shapes_from_tensors(tensors)
+    def export_groups(self, names: Collection[str], cfg: DeepSeekV3Config) -> list[list[str]]:
+        """:meth:`import_groups` of the mt names: embedding, final norm and head (whose
+        conversion writes the MTP layers' copies of them), then each layer and each MTP
+        module (its block and its own norms and projection), routed experts by projection."""
+
+        def key(name: str) -> GroupKey | None:
+            match = _MT_LAYER.match(name) or _MT_MTP.match(name)
+            if match is None:
+                return None
+            rest = match.group(2).removeprefix("block.")
+            experts = _MT_EXPERTS.match(rest)
+            stem = "layers" if name.startswith("layers.") else "mtp"
+            return stem, int(match.group(1)), experts.group(1) if experts else ""
+
+        return layer_groups(names, key)
+
+    def tensors_to_hf(
+        self, tensors: dict[str, torch.Tensor], cfg: DeepSeekV3Config
+    ) -> dict[str, torch.Tensor]:
+        layers = cfg.n_layers
+        shapes = {"num_attention_heads": cfg.n_heads, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+                  "qk_rope_head_dim": cfg.qk_rope_head_dim, "kv_lora_rank": cfg.kv_lora_rank}  # fmt: skip
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             if "fp8" in name:
                 continue
             if name in _MAIN_NAME:
                 out[_MAIN_NAME[name]] = tensor.contiguous()
+                if name in _MTP_COPY:  # the Hub's copy in each MTP layer, cloned (a
+                    for k in range(cfg.mtp_depth):  # safetensors file holds no aliases)
+                        out[f"model.layers.{layers + k}.{_MTP_COPY[name]}"] = tensor.clone()
                 continue
             match = _MT_LAYER.match(name) or _MT_MTP_BLOCK.match(name)
             if match is not None:
@@ -421,10 +444,6 @@ class DeepseekV3HF(HFAdapter):
                 raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
             hf_layer = f"model.layers.{layers + int(mtp.group(1))}"
             out[f"{hf_layer}.{_MTP_INVERSE[mtp.group(2)]}"] = tensor.contiguous()
-        modules = {int(m.group(1)) for n in tensors if (m := _MT_MTP.match(n))}
-        for k in sorted(modules):  # the Hub's copies of the shared embedding and head, cloned
-            for rest, main in _MTP_SHARED.items():  # (a safetensors file holds no aliases)
-                out[f"model.layers.{layers + k}.{rest}"] = tensors[main].clone()
         return out
 
 
@@ -445,20 +464,3 @@ def _layer_to_hf(
         out[f"{hf_layer}.{_LAYER_INVERSE[rest]}"] = tensor.contiguous()
     else:
         raise ValueError(f"unexpected tensor {name!r} in an mt DeepSeek-V3 checkpoint")
-
-
-def _shapes_from_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """The attention sizes the RoPE reordering needs, read off layer 0's weights."""
-    kv_a = tensors["layers.0.attention.kv_a_proj.weight"]
-    kv_lora = tensors["layers.0.attention.kv_a_norm.weight"].numel()
-    rope = kv_a.shape[0] - kv_lora
-    kv_b = tensors["layers.0.attention.kv_b_proj.weight"]
-    o = tensors["layers.0.attention.o_proj.weight"]
-    q = tensors.get("layers.0.attention.q_b_proj.weight")
-    if q is None:
-        q = tensors["layers.0.attention.q_proj.weight"]
-    # q rows = H·(nope + rope), kv_b rows = H·(nope + v), o columns = H·v.
-    heads = (q.shape[0] - kv_b.shape[0] + o.shape[1]) // rope
-    nope = q.shape[0] // heads - rope
-    return {"num_attention_heads": heads, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
-            "kv_lora_rank": kv_lora}  # fmt: skip

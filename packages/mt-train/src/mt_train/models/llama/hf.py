@@ -221,7 +221,13 @@ class LlamaHF(HFAdapter):
             out["output.weight"] = out["embed.weight"].clone()
         return out
 
-    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_groups(self, names: Collection[str], cfg: LlamaConfig) -> list[list[str]]:
+        """Embedding, final norm and head, then one group per layer."""
+        return layer_groups(names)
+
+    def tensors_to_hf(
+        self, tensors: dict[str, torch.Tensor], cfg: LlamaConfig
+    ) -> dict[str, torch.Tensor]:
         return {
             mt_to_hf_name(k): v.contiguous()
             for k, v in tensors.items()

@@ -62,6 +62,14 @@ def _group_key(name: str) -> GroupKey | None:
     return layer_key(name)
 
 
+def _mt_group_key(name: str) -> GroupKey | None:
+    """:func:`_group_key` of the mt names: a layer's stacked experts by projection."""
+    match = _MT_MOE.match(name)
+    if match and match.group(3):
+        return "layers", int(match.group(1)), match.group(3)
+    return layer_key(name)
+
+
 class MixtralHF(HFAdapter):
     """The MoE family's Hugging Face adapter for Mixtral (module docstring)."""
 
@@ -181,7 +189,13 @@ class MixtralHF(HFAdapter):
             out[router.replace(".router.weight", ".router.expert_bias")] = torch.zeros(count)
         return out
 
-    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_groups(self, names: Collection[str], cfg: MoEModelConfig) -> list[list[str]]:
+        """:meth:`import_groups` of the mt names: each stacked expert projection apart."""
+        return layer_groups(names, _mt_group_key)
+
+    def tensors_to_hf(
+        self, tensors: dict[str, torch.Tensor], cfg: MoEModelConfig
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         inverse = {v: k for k, v in _HUB_PROJ.items()}
         for name, tensor in tensors.items():
@@ -194,7 +208,7 @@ class MixtralHF(HFAdapter):
             layer, part, proj = match.group(1), match.group(2), match.group(3)
             prefix = f"model.layers.{layer}.block_sparse_moe"
             if part == "router.expert_bias":
-                if tensor.abs().max() > 0:
+                if not tensor.is_meta and tensor.abs().max() > 0:
                     raise ValueError(
                         f"{name} is non-zero (aux-loss-free balancing): Mixtral routing has no "
                         "selection bias"

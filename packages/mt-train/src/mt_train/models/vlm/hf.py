@@ -227,5 +227,11 @@ class LlavaHF(HFAdapter):
             raise ValueError("tie_word_embeddings=true is not supported for LLaVA checkpoints")
         return {hf_to_mt(k): v for k, v in tensors.items()}
 
-    def tensors_to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def export_groups(self, names: Collection[str], cfg: VLMConfig) -> list[list[str]]:
+        """The top-level tensors, then one group per vision and per language layer."""
+        return layer_groups(names)
+
+    def tensors_to_hf(
+        self, tensors: dict[str, torch.Tensor], cfg: VLMConfig
+    ) -> dict[str, torch.Tensor]:
         return {mt_to_hf(k): v.contiguous() for k, v in tensors.items() if "fp8" not in k}
