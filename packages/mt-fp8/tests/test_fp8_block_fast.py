@@ -160,6 +160,17 @@ def test_groups_with_transpose_match_quantize(device, dtype, shape, fmt, layout)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_group_columns_alone_match_quantize(device, dtype):
+    # The transposed operand without the rows (bf16: fused transposed store; fp32: buffered).
+    x = awkward_input(200, 256, dtype, device)
+    q_t = block_kernels().quantize_group_columns(x, FP8Format.E5M2)
+    assert_same_quantization(q_t, quantize(padded_transpose(x), FP8Format.E5M2, GROUPS_1X128))
+    with pytest.raises(ValueError, match="128x128 blocks transpose exactly"):
+        block_kernels().quantize_group_columns(x, FP8Format.E4M3, BLOCKS_128X128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
 @pytest.mark.parametrize("transpose", [False, True], ids=["alone", "with_transpose"])
 def test_square_blocks_match_quantize(device, dtype, fmt, transpose):
