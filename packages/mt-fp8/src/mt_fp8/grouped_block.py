@@ -46,6 +46,9 @@ weight count them, transposed operands nothing, as in the loop (which counts the
 experts with tokens only). Output dtypes are the loop's: ``y`` in the plan's output dtype (bias
 added in the fp32 epilogue), ``dx`` in the input's dtype, ``dW`` in the weight's, each rounded
 once from the fp32 accumulator. The bias gradient is one fp32 sum per expert, as the loop's.
+
+The kernel module (and with it its host-side tables) is imported on first use: it imports
+Triton, which mt-fp8 does not require (as :mod:`mt_fp8.gemm` imports its Triton GEMM).
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
-            if need_dx or need_dw:  # the loop quantizes (and counts) dy's rows for either
+            if need_dx or need_dw:  # as the loop: dy's rows quantized (and counted) for either
                 dy_q = plan.quantize(dy_TN, TensorRole.GRAD_OUTPUT, record=True)
             if need_dw:
                 x_t_data, x_t_scale = saved.pop(0), saved.pop(0)
