@@ -398,7 +398,7 @@ class AtenOpCount(TorchDispatchMode):
 
 def ops_per_call(experts):
     """Aten ops of one forward + backward (no bias: its gradient is one sum per expert)."""
-    sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # a third of the experts empty-ish
+    sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # some empty, none whole 128s
     layer = make_layer(experts, 128, 128, HYBRID, torch.bfloat16, "cpu", bias=False)
     x, dy = make_inputs(sizes, 128, 128, torch.bfloat16, "cpu")
     x.requires_grad_()
