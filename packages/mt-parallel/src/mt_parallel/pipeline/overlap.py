@@ -122,7 +122,8 @@ class _Turns:
         self._lock = threading.Condition()
         self._forward_turn = False
         self._forward_done = self._backward_done = False
-        self._rng = {True: _rng_state(device), False: _rng_state(device)}
+        start = _rng_state(device)
+        self._rng = {True: start, False: start}
         """Each half's generator state while the other runs (keyed by "is the forward")."""
         self.result: Any = None
         self.error: BaseException | None = None
@@ -136,7 +137,7 @@ class _Turns:
         _set_rng_state(self._device, self._rng[True])
         try:
             self.result = forward()
-        except BaseException as error:  # re-raised on the caller's thread by finish()
+        except BaseException as error:  # re-raised on the caller's thread after finish()
             self.error = error
         self._rng[True] = _rng_state(self._device)
         with self._lock:
