@@ -41,6 +41,7 @@ from mt_train.hf_checkpoints import (
     export_hf,
     full_model_tensors,
     import_hf,
+    load_model,
     main,
     model_config_of,
     model_keys,
@@ -289,3 +290,24 @@ def test_a_failed_export_leaves_no_output_that_looks_complete(
     names = sorted(p.name for p in folder.iterdir())
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names
     assert "tokenizer.json" in names and not any(n.startswith(".tmp") for n in names)
+
+
+def test_load_model_reads_one_tensor_at_a_time(checkpoints, monkeypatch) -> None:
+    """``load_model`` fills the model tensor by tensor (TP slices and FSDP2 pieces re-joined,
+    bf16 tensors cast into the float32 model as ``load_state_dict`` casts them): besides the
+    model, the largest tensor is all it holds."""
+    root = checkpoints["llama_pieces"]
+    want = full_model_tensors(CheckpointReader(checkpoint_folder(root)))
+    meter, read = LiveStorages(), CheckpointReader.read
+    monkeypatch.setattr(
+        CheckpointReader,
+        "read",
+        lambda self, names: {k: meter.track(v) for k, v in read(self, names).items()},
+    )
+    model = load_model(root)
+    monkeypatch.undo()
+    largest = max(t.numel() * t.element_size() for t in want.values())
+    assert meter.live == 0 and meter.peak == largest
+    state = model.state_dict()
+    assert state.keys() == want.keys()
+    assert all(torch.equal(state[k], want[k].float()) for k in state)

@@ -46,8 +46,9 @@ before a tensor is read or a file written. The second pass reads each group (``s
 reads single tensors), converts it with ``tensors_to_hf`` and hands it to a
 :class:`~mt_train.hf_shards.HFWriter`, which writes each file as soon as its last tensor
 arrives and publishes the folder at the end (a failed or killed export never leaves a
-loadable mix of files). Host memory holds one group as read and converted plus at most one
-file: for V3 in bf16 a 7.5 GB expert projection and 5 GB (three times the projection when a
+loadable mix of files). Host memory holds one group as read and converted plus the file
+being filled: for V3 in bf16 a 7.5 GB expert projection and 5 GB (a projection's stack stays
+alive while any of its experts waits for its file; three times the projection when a
 checkpoint of mixed dtypes is upcast to float32), where the whole model is 1.3 TB. Below
 the limit the folder holds one ``model.safetensors``, byte for byte what converting the
 whole model at once writes; above it ``model-<k>-of-<n>.safetensors`` files and
@@ -246,17 +247,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> nn.Modul
             f"{missing[:3]}, unexpected {extra[:3]}"
         )
     for key in keys:
-        tensor = model_tensors(reader, [key])[key]
-        if tensor.shape != live[key].shape:
-            raise ValueError(
-                f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, the model "
-                f"{tuple(live[key].shape)}: is the manifest's model config the one it saved?"
-            )
-        # Through the owning module's load_state_dict (its load hooks run, mt_fp8's too),
-        # not the whole model's, which would visit every module once per tensor.
-        owner, _, leaf = key.rpartition(".")
-        model.get_submodule(owner).load_state_dict({leaf: tensor}, strict=False)
+        _load_tensor(model, key, model_tensors(reader, [key])[key], live[key].shape)
     return model
+
+
+def _load_tensor(model: nn.Module, key: str, tensor: torch.Tensor, shape: torch.Size) -> None:
+    """Copy ``tensor`` into the model's ``key`` (it dies on return, before the next is read)."""
+    if tensor.shape != shape:
+        raise ValueError(
+            f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, the model "
+            f"{tuple(shape)}: is the manifest's model config the one it saved?"
+        )
+    # Through the owning module's load_state_dict (its load hooks run, mt_fp8's too), not
+    # the whole model's, which would visit every module once per tensor.
+    owner, _, leaf = key.rpartition(".")
+    model.get_submodule(owner).load_state_dict({leaf: tensor}, strict=False)
 
 
 class HeaderReader(CheckpointReader):
