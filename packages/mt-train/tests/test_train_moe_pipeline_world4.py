@@ -40,7 +40,7 @@ def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layo
     assert len(rows) == len(reference) == 8
     for row, ref in zip(rows, reference, strict=True):
         names = [n for n in ref if n.startswith("moe_max_vio_global")]
-        assert len(names) == 3  # the worst and both routers (one per stage)
+        assert len(names) == 1 + int(model["model.n_layers"])  # the worst and each router
         assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
 
 
@@ -52,6 +52,16 @@ def test_mixtral_pp2_ep2_dp2_matches_one_process(
 ) -> None:
     # fsdp: each chunk's experts are their own FSDP2 unit over the edp group, the rest over dp.
     check(pool, kjv_data, tmp_path, MOE, **{"parallel.data_parallel": data_parallel})
+
+
+def test_mixtral_pp2_ep2_dp2_under_overlapped_dualpipev_matches_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    # DualPipeV's overlapped pairs run their halves interleaved at the experts' all-to-alls
+    # (parallel.pp_overlap, on by default at ep > 1); four layers for its two chunks per rank,
+    # four micro-batches per rank for its 2·pp minimum.
+    model = {**MOE, "model.n_layers": 4, "trainer.global_batch_size": 16}
+    check(pool, kjv_data, tmp_path, model, **{"parallel.pp_schedule": "dualpipev"})
 
 
 @pytest.mark.slow

@@ -45,6 +45,11 @@ class ParallelConfig:
     pp_chunks: int = 1
     """Model chunks per pipeline rank (virtual stages): ≥ 2 for ``interleaved_1f1b``; ``zbv``
     and ``dualpipev`` always hold 2."""
+    pp_overlap: bool = True
+    """``dualpipev``: run each overlapped forward/backward pair interleaved at the MoE
+    all-to-alls, each half's exchanges in flight while the other computes
+    (:mod:`mt_parallel.pipeline.overlap`; only where the chunks hold MoE layers split over
+    ``ep > 1``); false runs the halves back to back, as torch's runtime does."""
     pp_layers: list[int] = field(default_factory=list)
     """Decoder layers of each chunk, first to last (``pp·chunks`` entries summing to the layer
     count); empty: even, with the remainder on the middle chunks (the first holds the

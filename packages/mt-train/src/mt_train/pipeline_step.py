@@ -105,7 +105,7 @@ class PipelineStep:
         self.schedule = mt_parallel.PipelineSchedule(
             module.pipeline_chunks, parallel.pp_schedule, parallel.pp, pstate.rank("pp"),
             microbatches, parallel.pp_chunks, shapes, runner.device, self.pp_group,
-            module.local_loss,
+            module.local_loss, overlap=parallel.pp_overlap,
         )  # fmt: skip
         if runner.autocast_dtype is not None:
             for chunk in module.pipeline_chunks:
