@@ -194,6 +194,22 @@ def test_recompute_keeping_attention_runs_its_forward_once_with_the_same_gradien
         assert all(torch.equal(a, b) for a, b in zip(grads[None], grads[keep], strict=True))
 
 
+def test_recompute_keep_modes_are_per_thread() -> None:
+    # DualPipeV's overlapped halves run a forward and a backward on two threads that take
+    # turns inside checkpoints: a kept module enters only a mode its own thread published.
+    import threading
+
+    from mt_parallel import recompute
+
+    seen: list[list[object]] = []
+    with recompute._publish("this thread's mode"):
+        other = threading.Thread(target=lambda: seen.append(list(recompute._active_keep_modes())))
+        other.start()
+        other.join()
+        assert recompute._active_keep_modes() == ["this thread's mode"]
+    assert seen == [[]] and recompute._active_keep_modes() == []
+
+
 @pytest.mark.parametrize(
     "backend",
     # Dynamo and AOTAutograd trace the checkpoint (where the refusal was); Inductor's code

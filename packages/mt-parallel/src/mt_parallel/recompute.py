@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,18 +92,28 @@ def _keep_policy(keep: tuple[str, ...]) -> Any:
 
 
 # The dispatch mode (storing in the forward, returning in the recomputation) that the kept
-# modules of the running checkpoint enter; a stack, as checkpoints may nest. The forward runs on
-# the caller's thread and the recomputation on the autograd engine's, one at a time.
-_ACTIVE_KEEP_MODES: list[Any] = []
+# modules of the running checkpoint enter; a stack, as checkpoints may nest. One stack per
+# thread: a checkpoint's forward publishes on the thread running it and its recomputation on
+# the autograd engine's, and DualPipeV's overlapped halves (mt_parallel.pipeline.overlap) run
+# a forward and a backward on two threads that take turns inside them.
+_KEEP_MODES = threading.local()
+
+
+def _active_keep_modes() -> list[Any]:
+    modes = getattr(_KEEP_MODES, "stack", None)
+    if modes is None:
+        modes = _KEEP_MODES.stack = []
+    return modes
 
 
 @contextlib.contextmanager
 def _publish(mode: Any) -> Iterator[None]:
-    _ACTIVE_KEEP_MODES.append(mode)
+    modes = _active_keep_modes()
+    modes.append(mode)
     try:
         yield
     finally:
-        _ACTIVE_KEEP_MODES.pop()
+        modes.pop()
 
 
 def _scoped_keep_contexts(keep: tuple[str, ...]) -> tuple[Any, Any]:
@@ -114,9 +125,10 @@ def _scoped_keep_contexts(keep: tuple[str, ...]) -> tuple[Any, Any]:
 
 def _kept_module_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The forward of a module whose operators' outputs a recomputation reuses."""
-    if not _ACTIVE_KEEP_MODES:
+    modes = _active_keep_modes()
+    if not modes:
         return type(module).forward(module, *args, **kwargs)
-    with _ACTIVE_KEEP_MODES[-1]:
+    with modes[-1]:
         return type(module).forward(module, *args, **kwargs)
 
 
