@@ -33,6 +33,7 @@ from test_train_convert_deepseek_v3 import _hf_config, _tokens
 
 from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder
 from mt_train.hf_checkpoints import full_model_tensors, import_hf, load_model, main
+from mt_train.hf_shards import scale_float32
 
 transformers = pytest.importorskip(
     "transformers", reason="the test extra: pip install 'mt-train[test]'"
@@ -52,12 +53,16 @@ def _block_index(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(rows)[:, None] // BLOCK[0], torch.arange(cols)[None, :] // BLOCK[1]
 
 
-def _quantize(w_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's blockwise E4M3: ``s = amax / 448`` per block (partial ones at the ends)."""
+def _quantize(w_OI: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's blockwise E4M3: ``s = amax / 448`` per block (partial ones at the ends);
+    ``ue8m0``: ``s`` rounded up to a power of two (as DeepSeek's ``act_quant`` rounds under
+    ``scale_fmt="ue8m0"``)."""
     rows, cols = w_OI.shape
     padded = F.pad(w_OI, (0, -cols % BLOCK[1], 0, -rows % BLOCK[0]))
     amax = padded.unflatten(0, (-1, BLOCK[0])).unflatten(-1, (-1, BLOCK[1])).abs().amax((1, 3))
     scale = amax / E4M3_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (w_OI / scale[_block_index(rows, cols)]).clamp(-E4M3_MAX, E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
 
@@ -183,6 +188,63 @@ def test_bf16_checkpoint_stores_the_float32_product_in_bf16(hub_fp8, tmp_path: P
         assert torch.equal(tensor, want[name]), name
 
 
+def test_e8m0_bytes_convert_exactly_to_float32() -> None:
+    """Every ``float8_e8m0fnu`` byte ``b`` reads as ``2^(b - 127)`` (``2^-127`` a float32
+    subnormal), 0xFF as NaN; float32 scales pass unchanged."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = scale_float32("s", codes.view(torch.float8_e8m0fnu), "ue8m0")
+    want = torch.exp2(codes[:255].double() - 127).float()
+    assert got.dtype == torch.float32 and torch.equal(got[:255], want) and got[255].isnan()
+    assert want[0] == 2.0**-127 and want[0] != 0  # no flush to zero
+    scale = torch.tensor([0.1, 3.0])
+    assert scale_float32("s", scale, None) is scale
+
+
+def test_ue8m0_scales_import_alike_in_float32_and_e8m0(hub_fp8, tmp_path: Path) -> None:
+    """DeepSeek-V3.1's ``scale_fmt="ue8m0"``: power-of-two scales stored as float32 or as
+    ``float8_e8m0fnu`` (with or without ``scale_fmt``) import bit for bit alike, and as a
+    copy holding the float64 dequantization rounded to float32 (here exact: an E4M3 value
+    times a power of two)."""
+    config, _, exact, _, plain_folder = hub_fp8
+    plain = load_file(str(plain_folder / "model.safetensors"))
+    as_f32: dict[str, torch.Tensor] = {}
+    for name, tensor in plain.items():
+        if name in exact:
+            as_f32[name], as_f32[f"{name}_scale_inv"] = _quantize(tensor, ue8m0=True)
+        else:
+            as_f32[name] = tensor
+    as_e8m0 = {
+        n: t.to(torch.float8_e8m0fnu) if n.endswith("_scale_inv") else t
+        for n, t in as_f32.items()
+    }  # fmt: skip
+    for name, tensor in as_e8m0.items():
+        if name.endswith("_scale_inv"):  # the e8m0 bytes hold the float32 scales exactly
+            assert torch.equal(tensor.float(), as_f32[name]), name
+            assert (torch.frexp(as_f32[name]).mantissa == 0.5).all(), name
+    ue8m0 = {
+        **config,
+        "quantization_config": {**config["quantization_config"], "scale_fmt": "ue8m0"},
+    }
+    dequantized = {
+        n: _dequantize_fp64(t, as_f32[f"{n}_scale_inv"]).float() if n in exact else t
+        for n, t in as_f32.items()
+        if not n.endswith("_scale_inv")
+    }
+    plain_config = {k: v for k, v in config.items() if k != "quantization_config"}
+    folders = {
+        "float32": _write(tmp_path / "float32", ue8m0, as_f32, sharded=True),
+        "e8m0": _write(tmp_path / "e8m0", ue8m0, as_e8m0, sharded=True),
+        "e8m0, no scale_fmt": _write(tmp_path / "e8m0_plain", config, as_e8m0, sharded=True),
+    }
+    want = _imported(_write(tmp_path / "plain", plain_config, dequantized, False), tmp_path / "p")
+    for case, folder in folders.items():
+        got = _imported(folder, tmp_path / f"{case} mt")
+        assert got.keys() == want.keys(), case
+        for name, tensor in got.items():
+            assert tensor.dtype == want[name].dtype, (case, name)
+            assert torch.equal(tensor, want[name]), (case, name)
+
+
 def test_export_of_an_fp8_import_is_unquantized(hub_fp8, tmp_path: Path) -> None:
     config, fp8, _, reference, plain_folder = hub_fp8
     folder = _write(tmp_path / "fp8", config, fp8, sharded=True)
@@ -217,6 +279,16 @@ def test_fp8_checkpoints_mt_cannot_read_are_refused_with_one_line(hub_fp8, tmp_p
             {**config, "quantization_config": {**quant, "fmt": "e5m2"}}, pair,
             "quantization_config.fmt='e5m2' is not supported; valid: 'e4m3'",
         ),
+        "scale_fmt": (
+            {**config, "quantization_config": {**quant, "scale_fmt": "fp32"}}, pair,
+            "quantization_config.scale_fmt='fp32' is not supported; valid: 'ue8m0' "
+            "(power-of-two scales, DeepSeek-V3.1's) or none (float32 scales)",
+        ),
+        "not a power of two": (
+            {**config, "quantization_config": {**quant, "scale_fmt": "ue8m0"}}, pair,
+            f"{scale} holds {fp8[scale][0, 0].item()!r} at block [0, 0], not a power of two, "
+            "but quantization_config.scale_fmt='ue8m0'",
+        ),
         "block": (
             {**config, "quantization_config": {**quant, "weight_block_size": [128]}}, pair,
             "quantization_config.weight_block_size=[128] is not supported; valid: two positive",
@@ -228,7 +300,8 @@ def test_fp8_checkpoints_mt_cannot_read_are_refused_with_one_line(hub_fp8, tmp_p
         ),
         "no scale": (
             config, {weight: fp8[weight]},
-            f"{weight} is float8_e4m3fn without its {scale} (valid: a float32 scale per",
+            f"{weight} is float8_e4m3fn without its {scale} (valid: a scale per weight block, "
+            "float32 or float8_e8m0fnu)",
         ),
         "scale shape": (
             config, {**pair, scale: torch.ones(3, 2)},
@@ -237,7 +310,7 @@ def test_fp8_checkpoints_mt_cannot_read_are_refused_with_one_line(hub_fp8, tmp_p
         ),
         "scale dtype": (
             config, {**pair, scale: fp8[scale].bfloat16()},
-            f"{scale} is torch.bfloat16; valid: torch.float32",
+            f"{scale} is torch.bfloat16; valid: torch.float32 or torch.float8_e8m0fnu",
         ),
         "no weight": (
             config, {scale: fp8[scale]},
@@ -260,7 +333,11 @@ def test_fp8_checkpoints_mt_cannot_read_are_refused_with_one_line(hub_fp8, tmp_p
         folder = _write(tmp_path / case, case_config, tensors, sharded=True)
         with pytest.raises(ValueError, match=re.escape(line)):
             import_hf(folder, tmp_path / f"{case} mt")
-    folder = tmp_path / "no scale"
-    assert main(["import", str(folder), str(tmp_path / "cli")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{weight} is float8_e4m3fn without its" in err
+    assert torch.frexp(fp8[scale]).mantissa[0, 0] != 0.5  # amax / 448: not a power of two
+    for case, line in [("no scale", f"{weight} is float8_e4m3fn without its"),
+                       ("not a power of two", f"{scale} holds ")]:  # fmt: skip
+        folder = tmp_path / case
+        assert main(["import", str(folder), str(tmp_path / f"{case} cli")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err
+        assert not (tmp_path / f"{case} cli").exists()

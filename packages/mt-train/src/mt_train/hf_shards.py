@@ -12,9 +12,9 @@ file, so a duplicate means a mixed-up folder).
 FP8 weights (transformers' fine-grained FP8 layout, DeepSeek-V3's Hub checkpoints). A
 ``config.json`` with ``quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
 "weight_block_size": [b0, b1], ...}`` stores some ``<name>.weight`` tensors as
-``float8_e4m3fn`` ``w_OI`` next to a float32 ``<name>.weight_scale_inv`` ``s`` of shape
-``[ceil(O/b0), ceil(I/b1)]`` (the last block row and column may be partial); import reads
-them as::
+``float8_e4m3fn`` ``w_OI`` next to a ``<name>.weight_scale_inv`` ``s`` (float32, or
+``float8_e8m0fnu`` below) of shape ``[ceil(O/b0), ceil(I/b1)]`` (the last block row and column
+may be partial); import reads them as::
 
     w[i, j] = float32(w_OI[i, j]) · s[i // b0, j // b1]
 
@@ -27,13 +27,25 @@ the model nor its scales are held beside the dequantized tensors. The scales are
 :attr:`HFShards.names` lists no scale, and the family's adapter never sees one.
 ``activation_scheme`` is not read: it says how inference quantizes activations.
 
+Power-of-two scales (DeepSeek-V3.1). A scale is stored as float32 or as ``float8_e8m0fnu``
+(some exporters of power-of-two scales write them so): a byte ``b`` of the latter means
+``2^(b − 127)`` (0xFF: NaN), which float32 holds exactly (``2^-127`` as a subnormal), so
+``s`` is converted to float32 first and the formula above is unchanged, bit for bit.
+``quantization_config.scale_fmt = "ue8m0"`` (DeepSeek-V3.1's config; its inference code then
+rounds activation scales up to powers of two as well) declares every scale a power of two:
+import checks it from the data as each float32 scale is read (``frexp``'s mantissa is 0.5;
+0, a negative value, inf or NaN fail), and refuses the first that is not with one line
+naming the scale tensor, the value and its block. ``scale_fmt`` absent means any float32
+scale; any other value is refused when the folder is opened.
+
 Every pairing is checked from the headers when the folder is opened, before any tensor is
 read (a 690 GB checkpoint is refused in seconds, not after an hour of converting), in the
-order the shards are listed, each with one line: another ``quant_method`` or ``fmt``, a
-``weight_block_size`` that is not two positive integers, a ``torch_dtype`` other than
-float32/bfloat16/float16, a float8 tensor without a ``quantization_config``, of another float8
-dtype, of fewer than two dimensions or without its scale, a scale that is not float32, whose
-shape is not ``[ceil(O/b0), ceil(I/b1)]`` or whose weight is missing or not float8.
+order the shards are listed, each with one line: another ``quant_method``, ``fmt`` or
+``scale_fmt``, a ``weight_block_size`` that is not two positive integers, a ``torch_dtype``
+other than float32/bfloat16/float16, a float8 tensor without a ``quantization_config``, of
+another float8 dtype, of fewer than two dimensions or without its scale, a scale that is
+neither float32 nor float8_e8m0fnu, whose shape is not ``[ceil(O/b0), ceil(I/b1)]`` or whose
+weight is missing or not float8.
 
 Writing. A folder is written as transformers' ``save_pretrained`` writes one: a model of at
 most ``max_file_bytes`` tensor bytes as ``model.safetensors``; a larger one as
@@ -74,7 +86,7 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu,
 }  # fmt: skip
 """A header's dtype names (safetensors' ``Dtype``) as torch dtypes; others read as None."""
 
@@ -87,6 +99,14 @@ class FP8Weights:
     """``weight_block_size``: rows × columns of a weight that share one scale."""
     dtype: torch.dtype
     """What a dequantized weight is stored in (the checkpoint's ``torch_dtype``)."""
+    scale_fmt: str | None = None
+    """``"ue8m0"``: every scale is a power of two (checked as it is read); None: any float32."""
+
+
+SCALE_FORMATS = ("ue8m0",)
+"""The ``quantization_config.scale_fmt`` values import reads (besides none)."""
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+"""The dtypes a ``weight_scale_inv`` may be stored in (module docstring)."""
 
 
 def fp8_weights(hf: dict[str, Any]) -> FP8Weights | None:
@@ -103,6 +123,13 @@ def fp8_weights(hf: dict[str, Any]) -> FP8Weights | None:
         )
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; valid: 'e4m3'")
+    scale_fmt = quant.get("scale_fmt")
+    if scale_fmt is not None and scale_fmt not in SCALE_FORMATS:
+        raise ValueError(
+            f"quantization_config.scale_fmt={scale_fmt!r} is not supported; valid: "
+            f"{', '.join(map(repr, SCALE_FORMATS))} (power-of-two scales, DeepSeek-V3.1's) "
+            "or none (float32 scales)"
+        )
     # activation_scheme is not read: it says how inference quantizes activations, which
     # training from these weights does not reuse (mt's fp8 recipes pick their own scales).
     block = quant.get("weight_block_size")
@@ -122,7 +149,27 @@ def fp8_weights(hf: dict[str, Any]) -> FP8Weights | None:
             f"{key}={name!r} of an FP8 checkpoint is not supported; valid: "
             f"{', '.join(_FLOAT_DTYPES)} (what its FP8 weights are dequantized to)"
         )
-    return FP8Weights((block[0], block[1]), _FLOAT_DTYPES[name])
+    return FP8Weights((block[0], block[1]), _FLOAT_DTYPES[name], scale_fmt)
+
+
+def scale_float32(name: str, scale: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
+    """The scales ``name`` holds as float32 (module docstring): a ``float8_e8m0fnu`` byte ``b``
+    as ``2^(b - 127)`` (NaN for 0xFF), exactly; float32 ones as they are, checked to be powers
+    of two where ``scale_fmt`` is ``"ue8m0"``."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.to(torch.float32)
+    if scale_fmt == "ue8m0":
+        # frexp's mantissa is 0.5 exactly for a positive power of two (subnormals included),
+        # and 0, NaN, inf, a negative value or any other for everything else.
+        bad = torch.frexp(scale).mantissa != 0.5
+        if bad.any():
+            where = [int(i) for i in bad.nonzero()[0]]
+            raise ValueError(
+                f"{name} holds {scale[tuple(where)].item()!r} at block {where}, not a power of "
+                "two, but quantization_config.scale_fmt='ue8m0' (valid: every scale 2^k, k an "
+                "integer, as ue8m0 stores them; or no scale_fmt)"
+            )
+    return scale
 
 
 def dequantize_fp8(
@@ -160,11 +207,13 @@ def _fp8_checked(
         )
     if scale is None:
         raise ValueError(
-            f"{name} is float8_e4m3fn without its {name}{SCALE_SUFFIX} (valid: a float32 "
-            "scale per weight block)"
+            f"{name} is float8_e4m3fn without its {name}{SCALE_SUFFIX} (valid: a scale per "
+            "weight block, float32 or float8_e8m0fnu)"
         )
-    if scale.dtype != torch.float32:
-        raise ValueError(f"{name}{SCALE_SUFFIX} is {scale.dtype}; valid: torch.float32")
+    if scale.dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"{name}{SCALE_SUFFIX} is {scale.dtype}; valid: {' or '.join(map(str, SCALE_DTYPES))}"
+        )
     if len(weight.shape) < 2:
         raise ValueError(f"{name} is an FP8 tensor of shape {list(weight.shape)}; valid: 2-D")
     *lead, rows, cols = weight.shape
@@ -280,7 +329,8 @@ class HFShards:
             raise KeyError(f"no tensor {name!r} in the checkpoint")
         tensor = self._read(name)
         if self.fp8 is not None and self._index[name].is_float8:
-            scale = self._read(name + SCALE_SUFFIX)
+            scale_name = name + SCALE_SUFFIX
+            scale = scale_float32(scale_name, self._read(scale_name), self.fp8.scale_fmt)
             tensor = dequantize_fp8(tensor, scale, self.fp8.block).to(self.fp8.dtype)
         return tensor
 
