@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_train_convert_deepseek_v3 import _hf_config, _tokens
+from train_checks import export_round_trip
 
 from mt_train.checkpoint.files import CheckpointReader, checkpoint_folder
 from mt_train.hf_checkpoints import full_model_tensors, import_hf, load_model, main
@@ -163,11 +164,10 @@ def test_fp8_import_matches_transformers_logits(hub_fp8, tmp_path: Path) -> None
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
-def test_bf16_checkpoint_stores_the_float32_product_in_bf16(hub_fp8, tmp_path: Path) -> None:
+def _hub_bf16(hub_fp8, tmp_path: Path) -> tuple[Path, Path]:
     """The Hub's layout: ``torch_dtype`` bfloat16, unquantized tensors in bf16 but the router
-    bias in float32. A dequantized weight is the float32 product rounded to bf16, the value
-    DeepSeek's ``fp8_cast_bf16.py`` writes (rounded twice, so it may sit one bf16 ulp from the
-    float64 product rounded once)."""
+    bias in float32; the FP8 folder and an unquantized copy (the float64 dequantization
+    rounded to bf16)."""
     config, fp8, exact, _, _ = hub_fp8
     config = {k: v for k, v in config.items() if k != "dtype"} | {"torch_dtype": "bfloat16"}
     hub = {
@@ -179,7 +179,14 @@ def test_bf16_checkpoint_stores_the_float32_product_in_bf16(hub_fp8, tmp_path: P
     plain = {n: exact[n].float().bfloat16() if n in exact else t for n, t in hub.items()}
     plain = {n: t for n, t in plain.items() if not n.endswith("_scale_inv")}
     plain_config = {k: v for k, v in config.items() if k != "quantization_config"}
-    plain_folder = _write(tmp_path / "plain", plain_config, plain, sharded=False)
+    return folder, _write(tmp_path / "plain", plain_config, plain, sharded=False)
+
+
+def test_bf16_checkpoint_stores_the_float32_product_in_bf16(hub_fp8, tmp_path: Path) -> None:
+    """The Hub's bf16 layout (:func:`_hub_bf16`). A dequantized weight is the float32 product
+    rounded to bf16, the value DeepSeek's ``fp8_cast_bf16.py`` writes (rounded twice, so it
+    may sit one bf16 ulp from the float64 product rounded once)."""
+    folder, plain_folder = _hub_bf16(hub_fp8, tmp_path)
     got = _imported(folder, tmp_path / "mt")
     want = _imported(plain_folder, tmp_path / "mt_plain")
     assert {t.dtype for t in got.values()} == {torch.bfloat16, torch.float32}
@@ -261,6 +268,36 @@ def test_export_of_an_fp8_import_is_unquantized(hub_fp8, tmp_path: Path) -> None
     ).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(_tokens()).logits, reference(_tokens()).logits)
+
+
+def test_export_keeps_bf16_weights_beside_the_float32_router(hub_fp8, tmp_path: Path) -> None:
+    """An imported bf16 DeepSeek-V3 (bf16 weights, float32 ``e_score_correction_bias``) exports
+    as the Hub stores it, not upcast to float32: ``torch_dtype`` bfloat16, each tensor in its
+    own dtype. transformers loads it as it loads the original (the bias stays float32, its
+    ``_keep_in_fp32_modules_strict``): the same tensors and the same logits, bit for bit."""
+    folder, plain_folder = _hub_bf16(hub_fp8, tmp_path)
+    assert main(["import", str(folder), str(tmp_path / "fp8_mt")]) == 0
+    assert main(["export", str(tmp_path / "fp8_mt"), str(tmp_path / "fp8_back")]) == 0
+    exported = json.loads((tmp_path / "fp8_back" / "config.json").read_text())
+    assert exported["torch_dtype"] == exported["dtype"] == "bfloat16"
+    back = export_round_trip(plain_folder, tmp_path)  # every tensor, dtype included
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    tensors = load_file(str(back / "model.safetensors"))
+    assert {n for n, t in tensors.items() if t.dtype != torch.bfloat16} == {
+        f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)
+    }
+    for name, tensor in load_file(str(tmp_path / "fp8_back" / "model.safetensors")).items():
+        assert tensor.dtype == tensors[name].dtype, name
+    # Eager experts: bf16 grouped GEMMs on a CPU want 16-byte strides (the widths are 20).
+    kwargs = {"attn_implementation": "eager", "experts_implementation": "eager"}
+    want = transformers.DeepseekV3ForCausalLM.from_pretrained(plain_folder, **kwargs).eval()
+    got = transformers.DeepseekV3ForCausalLM.from_pretrained(back, **kwargs).eval()
+    state = got.state_dict()
+    assert state["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert all(torch.equal(t, state[n]) and t.dtype == state[n].dtype
+               for n, t in want.state_dict().items())  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(got(_tokens()).logits, want(_tokens()).logits)
 
 
 def test_fp8_checkpoints_mt_cannot_read_are_refused_with_one_line(hub_fp8, tmp_path, capsys):

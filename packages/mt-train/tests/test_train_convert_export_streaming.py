@@ -38,6 +38,7 @@ from mt_train.checkpoint.files import (
     write_shard,
 )
 from mt_train.hf_checkpoints import (
+    export_dtypes,
     export_hf,
     full_model_tensors,
     import_hf,
@@ -143,6 +144,32 @@ def test_streamed_export_writes_the_whole_model_conversions_bytes(
     assert json.loads((got / "config.json").read_text()) == config
     assert config["torch_dtype"] == {"llama_pieces": "float32", "mixtral_bf16": "bfloat16",
                                      "deepseek": "float32"}[name]  # fmt: skip
+
+
+def test_export_keeps_dtypes_only_where_from_pretrained_loads_them_back() -> None:
+    """One dtype, or one dtype beside float32 tensors the HF model keeps in float32 (the
+    adapter's ``float32_names``): each tensor in its own, ``torch_dtype`` the shared one. Any
+    other mix: float32 for all (transformers would round float32 tensors to a bf16
+    ``torch_dtype``; the DeepSeek-V3 case is loaded in transformers by
+    test_train_convert_deepseek_v3_fp8.py)."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    kept = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    bias, gate = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"
+    for dtypes, config_dtype in [
+        ({"a.weight": bf16, "b.weight": bf16}, bf16),
+        ({"a.weight": fp32}, fp32),
+        ({"a.weight": bf16, bias: fp32, gate: bf16}, bf16),
+        ({"a.weight": fp16, bias: fp32, gate: fp32}, fp16),
+        ({bias: fp32, gate: fp32}, fp32),
+    ]:
+        assert export_dtypes(dtypes, kept) == (config_dtype, dtypes), dtypes
+    for dtypes, names in [
+        ({"a.weight": bf16, "b.weight": fp32}, kept),  # b is no tensor HF keeps in float32
+        ({"a.weight": bf16, bias: fp32}, ()),  # an adapter without float32_names
+        ({"a.weight": bf16, "b.weight": fp16, bias: fp32}, kept),
+        ({"a.weight": bf16, bias: bf16, gate: fp16}, kept),  # kept only when float32
+    ]:
+        assert export_dtypes(dtypes, names) == (fp32, dict.fromkeys(dtypes, fp32)), dtypes
 
 
 def _tensor_bytes(path: Path) -> dict[str, int]:

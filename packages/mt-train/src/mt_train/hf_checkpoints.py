@@ -11,9 +11,16 @@ multi-token-prediction layers of a checkpoint that has them (default: all; the a
 ``import_view`` decides and refuses the rest); ``export --mtp-depth D`` writes the first
 ``D`` of the model's (``export_view``; 0 for plain next-token inference). Export goes back
 through the family named in the manifest (checkpoints from before manifests named one are
-Llama) and labels ``config.json``'s ``torch_dtype`` with the dtype of the tensors it writes:
-the checkpoint's, or float32 when a checkpoint mixes dtypes (every weight then upcast,
-losslessly).
+Llama), writes each tensor in the checkpoint's dtype and labels ``config.json``'s
+``torch_dtype`` with it. A checkpoint of mixed dtypes is written so that transformers'
+``from_pretrained`` (``dtype="auto"``: the model built in ``torch_dtype``, each tensor cast
+to its parameter's dtype) loads it without loss (:func:`export_dtypes`): where all tensors
+but float32 ones the HF model keeps in float32 (the adapter's ``float32_names``:
+DeepSeek-V3's router weight and ``e_score_correction_bias``) share one dtype, every tensor
+keeps its own and ``torch_dtype`` names the shared one (an imported DeepSeek-V3: bf16
+weights and float32 biases, as the Hub's bf16 checkpoint, 1.3 TB rather than 2.7 TB of
+float32); any other mix is upcast to float32, losslessly (labelled with the majority dtype,
+its float32 tensors would be rounded by ``from_pretrained``).
 
 Streaming. ``mt-convert import`` never holds the whole model: :class:`~mt_train.hf_shards.HFShards`
 indexes the folder's shards from their headers (a name -> shard map; FP8 weights and their
@@ -281,6 +288,20 @@ class HeaderReader(CheckpointReader):
         return out
 
 
+def export_dtypes(
+    dtypes: dict[str, torch.dtype], float32_names: tuple[str, ...] = ()
+) -> tuple[torch.dtype, dict[str, torch.dtype]]:
+    """The ``torch_dtype`` export writes in ``config.json`` and the dtype it writes each tensor
+    in, given the converted tensors' dtypes by HF name (module docstring): one dtype for all
+    tensors but the float32 ones named by ``float32_names`` (kept float32, as the HF model
+    holds them): that dtype, each tensor in its own; any other mix: float32 for all."""
+    kept = {n for n, d in dtypes.items() if d == torch.float32 and n.endswith(float32_names)}
+    others = {d for n, d in dtypes.items() if n not in kept}
+    if len(others) <= 1:
+        return (others.pop() if others else torch.float32), dict(dtypes)
+    return torch.float32, dict.fromkeys(dtypes, torch.float32)
+
+
 def export_hf(
     path: str | Path,
     out_dir: str | Path,
@@ -304,15 +325,16 @@ def export_hf(
     twice = sorted(n for n, c in Counter(n for hf in planned for n in hf).items() if c > 1)
     if twice:
         raise ValueError(f"the adapter's export groups convert {twice[:3]} more than once")
-    dtypes = {t.dtype for hf in planned for t in hf.values()}
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    dtype, written = export_dtypes(
+        {n: t.dtype for hf in planned for n, t in hf.items()}, adapter.float32_names
+    )
     config = adapter.config_to_hf(cfg, dtype)
-    sizes = ((n, t.numel() * dtype.itemsize) for hf in planned for n, t in hf.items())
+    sizes = ((n, t.numel() * written[n].itemsize) for hf in planned for n, t in hf.items())
     writer = HFWriter(Path(out_dir), plan_files(sizes, max_file_bytes))
     try:
         for group in groups:
             tensors = adapter.tensors_to_hf(model_tensors(reader, group), cfg)
-            writer.add({k: v.to(dtype) for k, v in tensors.items()})
+            writer.add({k: v.to(written[k]) for k, v in tensors.items()})
             del tensors  # before the next group is read: host memory holds one group
         writer.close(config)
     except BaseException:

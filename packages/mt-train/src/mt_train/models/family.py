@@ -73,6 +73,11 @@ class HFAdapter:
 
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
+    float32_names: tuple[str, ...] = ()
+    """Endings of the Hugging Face tensor names the HF model holds in float32 whatever its
+    ``torch_dtype`` (transformers' ``_keep_in_fp32_modules_strict``): export writes these
+    float32 beside weights of another dtype instead of upcasting every weight
+    (:func:`mt_train.hf_checkpoints.export_dtypes`)."""
 
     def import_view(
         self, hf: dict[str, Any], names: set[str], mtp_depth: int | None

@@ -204,6 +204,9 @@ class DeepseekV3HF(HFAdapter):
 
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3",)
+    float32_names = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+    """The router's weight and bias: float32 in transformers' model at any dtype (its
+    ``_keep_in_fp32_modules_strict``), float32 beside bf16 weights in the Hub's checkpoint."""
 
     def config_from_hf(self, hf: dict[str, Any], name: str = "hf_deepseek_v3") -> DeepSeekV3Config:
         _refuse_unsupported(hf)
