@@ -139,7 +139,8 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
         errors[name] = rel_err(final[name], want)
     expert = model.blocks[0].moe.experts.gate_proj.weight
     sharding = {
-        "expert_local_rows": int(getattr(expert, "to_local", lambda: expert)().shape[0]),
+        "expert_local_shape": list(getattr(expert, "to_local", lambda: expert)().shape),
+        "expert_shard_dims": [p.dim for p in getattr(expert, "placements", ())],
         "partition_groups": [group_size(p.group) for p in optimizer.partitions]
         if mode == "zero1"
         else [],

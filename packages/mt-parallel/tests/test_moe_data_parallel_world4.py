@@ -2,8 +2,9 @@
 is held by an expert-data-parallel group of 2 ranks), in float64 against one process and
 against each other: ``ddp``, ``fsdp`` (experts sharded over the edp mesh) and ``zero1`` (the
 experts' optimizer state sharded over edp) reach the same parameters and gradient norms after
-clipped AdamW steps with gradient accumulation, also when FSDP2 cannot split the local experts
-evenly over edp or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
+clipped AdamW steps with gradient accumulation, also when FSDP2 shards the experts along dim 1
+(fewer local experts than edp ranks, at ep=2 and at ep=1), when it cannot split them evenly
+along dim 0, or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
 (dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode). A pool
 shared across modules."""
 
@@ -14,6 +15,7 @@ import pytest
 from parallel_checks import rel_err
 
 from mt_comm.testing import PoolCache
+from mt_parallel.data_parallel import expert_shard_dim
 
 # Both sides in float64 with the same experts, tokens and order of micro-batches; only the
 # order of the terms of each gradient sum (rows inside the grouped GEMMs, the ranks in a
@@ -34,9 +36,14 @@ MODES = ("ddp", "fsdp", "zero1")
 def runs(distributed_pools: PoolCache) -> dict:
     pool = distributed_pools.get(world_size=4)
     out = {mode: pool.run(moe_data_parallel_checks.train_steps, mode=mode) for mode in MODES}
-    # 2 experts over ep=2: one local expert, which FSDP2 cannot split evenly over 2 edp
-    # ranks (dim 0 has 1 row: one rank holds it, the other an empty shard)
-    out["fsdp-uneven"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2)
+    # 2 experts over ep=2: one local expert for 2 edp ranks, so FSDP2 shards along dim 1
+    out["fsdp-dim1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=2)
+    # ep=1: the experts sit in the blocks' units over dp×cp = 4 ranks, 2 experts: dim 1 too
+    out["fsdp-dim1-ep1"] = pool.run(
+        moe_data_parallel_checks.train_steps, mode="fsdp", ep=1, num_experts=2
+    )
+    # 6 experts over ep=2: 3 local experts over 2 edp ranks, dim 0 unevenly (2 rows and 1)
+    out["fsdp-uneven"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=6)
     # ep = dp = 4: edp groups of one rank (FSDP2 leaves the experts to DDP's reduction)
     out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
     for mode in MODES:
@@ -51,7 +58,10 @@ def runs(distributed_pools: PoolCache) -> dict:
 SP_MODES = tuple(f"{mode}-sp" for mode in MODES)
 
 
-@pytest.mark.parametrize("mode", [*MODES, "fsdp-uneven", "fsdp-edp1", *SP_MODES])
+FSDP_LAYOUTS = ("fsdp-dim1", "fsdp-dim1-ep1", "fsdp-uneven", "fsdp-edp1")
+
+
+@pytest.mark.parametrize("mode", [*MODES, *FSDP_LAYOUTS, *SP_MODES])
 def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
     for result in runs[mode]:
         assert any(result["clipped"]), result["clipped"]  # clipping is part of the check
@@ -67,12 +77,21 @@ def test_sharded_modes_equal_ddp(runs: dict, mode: str) -> None:
             assert rel_err(ours["final"][name], value) < FP64_BOUND, name
 
 
+def _shards(runs: list[dict]) -> list[tuple]:
+    """(FSDP2's shard dims, the local shape) of every rank's gate_proj weight."""
+    return sorted((tuple(r["expert_shard_dims"]), tuple(r["expert_local_shape"])) for r in runs)
+
+
 def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> None:
-    # 8 experts over ep=2: 4 per rank, which FSDP2 splits over the 2 edp ranks.
-    assert {r["expert_local_rows"] for r in runs["ddp"]} == {4}
-    assert {r["expert_local_rows"] for r in runs["fsdp"]} == {2}
-    assert sorted(r["expert_local_rows"] for r in runs["fsdp-uneven"]) == [0, 0, 1, 1]
-    assert {r["expert_local_rows"] for r in runs["fsdp-edp1"]} == {2}  # 8 over ep=4, unsharded
+    # gate_proj [L, 16, 16]. 8 experts over ep=2: 4 per rank, split along dim 0 over 2 edp ranks.
+    assert _shards(runs["ddp"]) == [((), (4, 16, 16))] * 4
+    assert _shards(runs["fsdp"]) == [((0,), (2, 16, 16))] * 4
+    # Fewer local experts than FSDP2 ranks: dim 1, an equal share on every rank (not one rank
+    # holding the expert and the other an empty shard padded to a whole one).
+    assert _shards(runs["fsdp-dim1"]) == [((1,), (1, 8, 16))] * 4
+    assert _shards(runs["fsdp-dim1-ep1"]) == [((1,), (2, 4, 16))] * 4
+    assert _shards(runs["fsdp-uneven"]) == [((0,), (1, 16, 16))] * 2 + [((0,), (2, 16, 16))] * 2
+    assert _shards(runs["fsdp-edp1"]) == [((), (2, 16, 16))] * 4  # 8 over ep=4, unsharded
     # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
     assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}
 
@@ -83,3 +102,12 @@ def test_ddp_never_reduces_an_expert_weight(runs: dict, fp8: bool) -> None:
     # must not also average them over dp×cp, where other ranks hold other experts. An FP8
     # expert layer's second name for the weight (``..._fp8.weight``) once slipped through.
     assert runs[f"ddp-reduced-fp8={fp8}"] == [[]] * 4
+
+
+def test_expert_shard_dim_follows_torchtitans_rule() -> None:
+    # [L, N, K] over W ranks: dim 1 only when W > L (dim 0 would leave ranks without an
+    # expert) and W divides N (FSDP2 refuses uneven shards on a non-zero dim).
+    assert expert_shard_dim((4, 16, 8), 8) == 1  # DeepSeek-V3-like: 4 local experts, edp 8
+    assert expert_shard_dim((4, 12, 8), 8) == 0  # 12 rows do not split over 8
+    assert expert_shard_dim((4, 16, 8), 4) == 0  # one whole expert per rank
+    assert expert_shard_dim((8, 16, 8), 2) == 0

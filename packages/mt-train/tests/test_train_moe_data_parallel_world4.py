@@ -3,18 +3,24 @@ dp=4: each expert held by an expert-data-parallel group of 2): ``fsdp`` (experts
 the edp mesh), ``zero1`` (their optimizer state sharded over edp) and ``none`` train
 ``mixtral_tiny`` like ``ddp`` and like one process, step by step, with the same gradient norms;
 ``fsdp`` and ``zero1`` checkpoints at ep=2 resume exactly and load in one process, and rewind's
-in-memory snapshots restore them; FP8 experts train under ``fsdp`` as under ``ddp`` (one pool
-for the module)."""
+in-memory snapshots restore them; FP8 experts train under ``fsdp`` as under ``ddp``. With fewer
+local experts than FSDP2 ranks (2 experts at ep=1, dp=4) FSDP2 shards them along dim 1: the
+run trains like one process, and its checkpoint resumes exactly and holds the same tensors
+after a load and re-save in one process and at ep=2 (one pool for the module)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
 from test_train_moe import RTOL, overrides
 
 from mt_comm.testing import DistributedPool, PoolCache
+from mt_train import Trainer, compose_config, to_train_config
+from mt_train.checkpoint.checkpointer import ELEMS, read_whole
+from mt_train.checkpoint.files import CheckpointReader
 
 STEPS = {
     "trainer.max_steps": 8, "trainer.micro_batch_size": 2, "trainer.log_interval": 1,
@@ -111,3 +117,58 @@ def test_fp8_experts_under_fsdp_train_like_ddp(
     }
     assert len(losses["fsdp"]) == 4
     assert losses["fsdp"] == pytest.approx(losses["ddp"], rel=RTOL)
+
+
+# 2 experts at ep=1: the blocks' FSDP2 units over dp=4 hold [2, N, K] expert weights, fewer
+# experts than ranks, so dim 1 (N = 64 rows over 4 ranks): every rank writes two pieces of
+# each, one per expert. At ep=2 the same experts are [1, N, K] per ep rank over edp=2, dim 1.
+TWO_EXPERTS = {"model.moe.num_experts": 2, "trainer.max_steps": 6}
+
+
+def resave(run: list[str], output_dir: Path, folder: Path) -> None:
+    """Load checkpoint ``folder`` into the trainer of ``run`` and save it again at once."""
+    trainer = Trainer(to_train_config(compose_config(run)), output_dir=output_dir)
+    try:
+        trainer.load(folder)
+        trainer.save()
+    finally:
+        trainer.close()
+
+
+def whole_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of a checkpoint, its pieces joined."""
+    reader = CheckpointReader(folder)
+    names = {ELEMS.sub("", n) for n in reader.names() if n.startswith(("model/", "optim/"))}
+    return {name: read_whole(reader, name) for name in sorted(names)}
+
+
+def test_experts_sharded_along_dim_1_train_and_checkpoint_like_one_process(
+    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+) -> None:
+    root = tmp_path
+    steps = {**STEPS, **TWO_EXPERTS}
+    fsdp = {"parallel": "fsdp", **steps}
+    single = train_checks.run_losses(overrides(kjv_data, **steps), root / "single")
+    ranks = pool.run(train_checks.run_losses, overrides(kjv_data, **fsdp), root / "fsdp")
+    assert all(losses == ranks[0] for losses in ranks)
+    assert ranks[0] == pytest.approx(single, rel=RTOL)
+
+    saved = root / "fsdp" / "checkpoints" / f"step-{SPLIT:08d}"
+    manifest = (saved / "manifest.json").read_text()
+    for entry in ("model/layers.0.mlp.experts.down_proj.weight", "optim/layers.0.mlp.experts."
+                  "down_proj.weight/exp_avg"):  # fmt: skip
+        assert manifest.count(f"{entry}@elems") == 8  # 4 ranks, one piece per local expert
+    resume = {**fsdp, "checkpoint.resume": str(saved)}
+    resumed = pool.run(train_checks.run_losses, overrides(kjv_data, **resume), root / "resumed")
+    assert resumed[0] == ranks[0][SPLIT:]  # exact, step by step
+
+    expected = whole_tensors(saved)
+    assert any(".experts." in name for name in expected)
+    resave(overrides(kjv_data, **steps), root / "one", saved)
+    at_ep2 = {"parallel": "ep2", "parallel.data_parallel": "fsdp", **steps}
+    pool.run(resave, overrides(kjv_data, **at_ep2), root / "ep2", saved)
+    for again in ("one", "ep2"):
+        got = whole_tensors(root / again / "checkpoints" / f"step-{SPLIT:08d}")
+        assert got.keys() == expected.keys(), again
+        differ = [n for n, t in expected.items() if not torch.equal(got[n], t)]
+        assert differ == [], again

@@ -10,7 +10,8 @@ Modes (:class:`~mt_parallel.ParallelConfig` ``data_parallel``):
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the dp×cp process group. It only
   hooks parameter gradients, so it composes with our TP layers (plain local tensors) and FP8.
 * ``fsdp``: FSDP2 ``fully_shard`` on every block (the ``block_types`` the caller names) and
-  the root, over a 1-D mesh of the dp×cp group (parameters sharded along dim 0 of the local TP shard). FP8 layers already in the
+  the root, over a 1-D mesh of the dp×cp group (parameters sharded along dim 0 of the local TP
+  shard; routed-expert weights by :func:`expert_shard_dim`, below). FP8 layers already in the
   model stop caching FP8 weights (``cache_weight=False``): FSDP2 re-materialises the unsharded
   weights without bumping their version counter, which the cache key relies on.
 * ``zero1``: no wrapper; :class:`~mt_parallel.DistributedOptimizer` reduce-scatters at the step.
@@ -41,6 +42,21 @@ whose mean losses are averaged. Who computes it, per mode:
 * ``zero1``: :class:`~mt_parallel.DistributedOptimizer` reduce-scatters them over edp at its
   step (sum, then the division) and shards their optimizer state there; it marks them so
   :func:`accumulate` leaves them alone.
+
+Which dim FSDP2 shards a routed-expert weight ``[L, N, K]`` along (``L`` local experts, ``E/ep``;
+``W`` ranks in its FSDP2 mesh: edp when split over ep, dp×cp at ep = 1), torchtitan's rule:
+dim 1 when ``W > L`` and ``W`` divides ``N``, else dim 0 (:func:`expert_shard_dim`). Dim 0
+follows ``torch.chunk``: with ``W > L`` the first ``L`` ranks hold one whole expert each and
+the other ``W − L`` none, and FSDP2 pads every shard to ``⌈L/W⌉`` rows, so those ranks still
+all-gather and reduce-scatter a whole padded expert (DeepSeek-V3: 256 experts at ep = 64 are
+4 local experts, over an edp of 8 or more). Dim 1 gives every rank ``[L, N/W, K]``, an equal
+share with no padding; FSDP2 refuses a non-zero shard dim that ``W`` does not divide, hence
+the fallback to dim 0 (uneven, padded, but correct). With ``W ≤ L`` dim 0 is kept: whole
+experts per rank, which a checkpoint stores as one flat piece per rank. The choice is
+FSDP2's ``shard_placement_fn`` (torch ≥ 2.6, the oldest torch this package supports, has it);
+it changes which elements a rank holds, never the gradients' arithmetic: FSDP2 reduce-scatters
+``Shard(1)`` parameters by chunking each gradient along dim 1, so every element is still the
+sum over the ``W`` ranks, divided as below.
 
 Under sequence parallel the experts' gradients are also summed over TP: by
 :func:`~mt_parallel.moe.reduce_expert_gradients` under ``ddp`` and ``none``, in each
@@ -96,6 +112,7 @@ def apply_data_parallel(
     if mode == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
 
         mesh = DeviceMesh.from_group(dp_cp_group, device_type)
         # FSDP2 re-materialises unsharded weights with their version counter preserved: FP8
@@ -108,6 +125,19 @@ def apply_data_parallel(
         }
         from mt_parallel.moe.experts import GroupedLinear
 
+        grouped = {m.weight for m in model.modules() if isinstance(m, GroupedLinear)}
+
+        def placement(mesh_size: int) -> Any:
+            """FSDP2's ``shard_placement_fn`` for a unit over ``mesh_size`` ranks: routed-expert
+            weights by :func:`expert_shard_dim`, everything else dim 0 (None)."""
+
+            def place(param: nn.Parameter) -> Any:
+                if param not in grouped:
+                    return None
+                return Shard(expert_shard_dim(tuple(param.shape), mesh_size))
+
+            return place
+
         ignored: set[nn.Parameter] = set()
         for experts in expert_modules(model):  # first: the blocks skip parameters sharded here
             param = next(experts.parameters())
@@ -118,7 +148,12 @@ def apply_data_parallel(
                 if isinstance(module, GroupedLinear):
                     module.reduced_by_data_parallel = True
             edp_mesh = DeviceMesh.from_group(param.expert_data_group, device_type)
-            fully_shard(experts, mesh=edp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(
+                experts,
+                mesh=edp_mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=placement(edp_mesh.size()),
+            )
             experts.set_force_sum_reduction_for_comms(True)
             experts.set_gradient_divide_factor(float(param.expert_grad_divisor))
         shard = functools.partial(
@@ -126,6 +161,7 @@ def apply_data_parallel(
             mesh=mesh,
             ignored_params=ignored or None,
             reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=placement(mesh.size()),  # experts at ep = 1
         )
         for module in model.modules():
             if isinstance(module, block_types):
@@ -151,6 +187,14 @@ that FSDP2's DTensor parameters must keep."""
 REDUCED_BY_OPTIMIZER = "expert_grads_reduced_by_optimizer"
 """Set (True) on expert parameters whose gradients an optimizer reduces at its step (ZeRO-1),
 so :func:`accumulate` does not reduce them first."""
+
+
+def expert_shard_dim(shape: tuple[int, ...], mesh_size: int) -> int:
+    """The dim FSDP2 shards a routed-expert weight of ``shape`` ``[L, N, K]`` along over
+    ``mesh_size`` ranks: 1 when ``mesh_size > L`` and ``mesh_size`` divides ``N``, else 0
+    (module docstring)."""
+    local, rows = shape[0], shape[1]
+    return 1 if mesh_size > local and rows % mesh_size == 0 else 0
 
 
 def is_expert_parameter(param: nn.Parameter) -> bool:

@@ -10,7 +10,9 @@ Tensor names in the shards (local names and pieces: :mod:`mt_train.checkpoint.st
   ``@tp<r>of<n>`` suffix for the moments of TP-sharded parameters;
 * ``<any of the above>@elems<a>-<b>of<n>`` — a piece: flattened elements ``[a, b)`` of that
   tensor (``n`` elements, its shape in the manifest's ``sharded_shapes``), written by the
-  dp×cp rank that holds it (FSDP2 parameters and moments, ZeRO-1 moments);
+  dp×cp rank that holds it (FSDP2 parameters and moments, ZeRO-1 moments); a rank holding
+  several runs of a tensor (an FSDP2 shard along dim 1, :mod:`mt_train.checkpoint.state`)
+  writes one piece per run, so pieces never depend on the dim a layout shards along;
 * ``rng/rank<r>/<device>`` and ``rng/rank<r>/tracker/<stream>/<what>`` — every rank's torch
   generators and mt_parallel RNG-tracker states.
 
@@ -58,7 +60,7 @@ from mt_train.checkpoint.files import (
     tmp_dir,
     write_shard,
 )
-from mt_train.checkpoint.state import StateLayout, load_state, restore_rng
+from mt_train.checkpoint.state import Run, StateLayout, load_state, restore_rng, take_runs
 from mt_train.errors import DiskError
 
 ELEMS = re.compile(r"@elems(\d+)-(\d+)of(\d+)$")
@@ -87,8 +89,9 @@ def shard_tensors(
 ) -> dict[str, torch.Tensor]:
     """This rank's shard from its local state (:func:`mt_train.checkpoint.state.live_state`
     names): whole model and optimizer entries only from dp×cp rank 0, pieces from the rank
-    holding them (``@elems`` suffix); entries replicated over TP only from TP rank 0,
-    TP-sharded ones suffixed ``@tp<r>of<n>``; RNG states from every rank."""
+    holding them (``@elems`` suffix, one per run of :attr:`StateLayout.runs`); entries
+    replicated over TP only from TP rank 0, TP-sharded ones suffixed ``@tp<r>of<n>``; RNG
+    states from every rank."""
     out = {}
     for name, value in local.items():
         kind, rest = name.split("/", 1)
@@ -103,13 +106,21 @@ def shard_tensors(
             stored = tp.name("optim/", key, f"/{entry}") if sharded else name
         if (key not in tp.plan and tp.rank != 0) or name in layout.replicas:
             continue
-        start = layout.starts.get(name)
-        if start is None:
+        runs = layout.runs.get(name)
+        if runs is None:
             if dp_cp_rank == 0:
                 out[stored] = value
-        elif value.numel() > 0:
-            end, total = start + value.numel(), math.prod(layout.shapes[name])
-            out[f"{stored}@elems{start}-{end}of{total}"] = value
+            continue
+        total = math.prod(layout.shapes[name])
+        if len(runs) == 1:  # the local tensor, in its own shape
+            start, numel = runs[0]
+            if numel > 0:
+                out[f"{stored}@elems{start}-{start + numel}of{total}"] = value
+            continue
+        flat, offset = value.reshape(-1), 0
+        for start, numel in runs:  # flat views of the local tensor, one per run
+            out[f"{stored}@elems{start}-{start + numel}of{total}"] = flat[offset : offset + numel]
+            offset += numel
     return out
 
 
@@ -246,7 +257,8 @@ def read_whole(reader: CheckpointReader, name: str) -> torch.Tensor:
     if expected != total:
         raise ValueError(f"checkpoint {reader.folder}: {name} pieces end at {expected} of {total}")
     loaded = reader.read([p for *_, p in ranges])
-    flat = torch.cat([loaded[p] for *_, p in ranges])
+    # Flattened: a piece keeps its writer's local shape (an FSDP2 shard's rows) or is 1-D.
+    flat = torch.cat([loaded[p].reshape(-1) for *_, p in ranges])
     return flat.view(reader.manifest["sharded_shapes"][TP_SUFFIX.sub("", name)])
 
 
@@ -279,7 +291,7 @@ def load_into(
     """Restore model and optimizer state (any tp/cp/dp layout and data-parallel mode) from
     ``reader``, and with ``rng_rank`` that rank's RNG states (when the checkpoint has them)."""
 
-    def source(name: str, live: torch.Tensor, start: int) -> torch.Tensor | None:
+    def source(name: str, live: torch.Tensor, runs: list[Run] | None) -> torch.Tensor | None:
         key = name.split("/", 1)[1]
         if name.startswith("optim/"):
             key, entry = key.rsplit("/", 1)
@@ -294,9 +306,9 @@ def load_into(
                 f"checkpoint tensor {name} has shape {tuple(full.shape)} here, the model "
                 f"{tuple(expected)}: is the model config the same?"
             )
-        if name not in layout.starts:
+        if runs is None:
             return full
-        return full.reshape(-1)[start : start + live.numel()].view_as(live)
+        return take_runs(full.reshape(-1), runs).view_as(live)
 
     load_state(model, optimizer, layout, source)
     prefix = f"rng/rank{rng_rank}/"

@@ -12,25 +12,34 @@ turns them into a checkpoint's names)::
 
 Whole entries and pieces. Under ``ddp`` and ``none`` every model and optimizer entry is whole
 and identical on all dp×cp ranks. Under ``fsdp`` parameters and their AdamW moments are
-DTensors sharded along dim 0 over the ``W`` dp×cp ranks with ``torch.chunk``'s rule (rank
-``r`` holds rows ``[min(r·⌈R/W⌉, R), min((r+1)·⌈R/W⌉, R))``), that is the flattened elements
-``[row₀·C, row₁·C)`` of the TP-local tensor (``C`` elements per row). Under ``zero1`` the
+DTensors sharded along one dim ``d`` (``Shard(d)``) over the ``W`` ranks of a 1-D mesh (dp×cp;
+edp for split experts) with ``torch.chunk``'s rule: rank ``r`` holds indices
+``[i₀, i₁) = [min(r·⌈S/W⌉, S), min((r+1)·⌈S/W⌉, S))`` of dim ``d`` (size ``S``). Dense
+parameters use ``d = 0``; routed-expert weights ``[L, N, K]`` may use ``d = 1``
+(:func:`mt_parallel.data_parallel.expert_shard_dim`). In the flattened TP-local tensor, with
+``O`` the product of the sizes before ``d`` and ``C`` of those after it, that shard is ``O``
+runs of elements: run ``o`` is ``[(o·S + i₀)·C, (o·S + i₁)·C)``, and the local tensor's
+flattened elements are the runs' in order (``O = 1`` for dim 0: one run). Under ``zero1`` the
 moments are one flat shard per rank (:class:`mt_train.optim.Zero1AdamW`), and each parameter
-overlapping it owns the elements ``[a, b)`` of its flattened TP-local tensor. Both are
-*pieces*: flat elements ``[start, start + numel)`` of a tensor of a known shape, and the
-pieces of the ``W`` ranks tile that tensor exactly. :class:`StateLayout` records, for every
-entry that is a piece on this rank, its ``start`` and the full shape.
+overlapping it owns one run ``[a, b)`` of its flattened TP-local tensor. Every run is a
+*piece*: flat elements ``[start, start + numel)`` of a tensor of a known shape, and the pieces
+of the ``W`` ranks tile that tensor exactly; the checkpoint stores pieces only, so its format
+does not depend on the shard dim (a ``Shard(1)`` checkpoint loads where the same tensor is
+sharded along dim 0, or whole). :class:`StateLayout` records, for every entry that is made of
+pieces on this rank, its runs and the full shape.
 
 Expert parallelism (``parallel.ep > 1``): an MoE layer's routed-expert weights ``[E, out, in]``
 are split along dim 0 over the ep ranks, so ep rank ``r`` holds the flat elements
 ``[r·n, (r+1)·n)`` (``n`` its local numel) of the whole tensor: a piece, with its AdamW moments.
 Under ``ddp`` and ``none`` its expert-data-parallel replicas (edp rank > 0) hold the same piece
 and do not write it (:attr:`StateLayout.replicas`). Under ``fsdp`` the local experts are a
-DTensor sharded along dim 0 over the edp ranks (the rule above, over edp), and under ``zero1``
-their moments are slices of the edp-sharded expert partition: a piece of a piece, starting at
-``r·n`` plus its start within the local experts, written by every rank that holds it (ZeRO-1's
-weights themselves stay whole on each edp rank, replicas as under ``ddp``). Loading re-cuts
-pieces for any ep degree and data-parallel mode (ep=2 → ep=1 and back).
+DTensor sharded over the edp ranks (the rule above, over edp, along dim 0 or 1), and under
+``zero1`` their moments are slices of the edp-sharded expert partition: runs of a piece,
+each starting at ``r·n`` plus its start within the local experts (dim 0 of the whole tensor is
+the experts, so a run inside ep rank ``r``'s experts is the same run shifted by ``r·n``),
+written by every rank that holds it (ZeRO-1's weights themselves stay whole on each edp rank,
+replicas as under ``ddp``). Loading re-cuts pieces for any ep degree, data-parallel mode and
+shard dim (ep=2 → ep=1 and back).
 
 Pipeline copies: the last stage's copy of a module the first stage holds (DeepSeek-V3's input
 embedding under multi-token prediction, ``param.pipeline_copy``) equals the first stage's
@@ -70,29 +79,48 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def row_shard_start(tensor: DTensor) -> int:
-    """First flattened element of this rank's dim-0 shard of ``tensor`` (module docstring)."""
-    if tuple(tensor.placements) != (Shard(0),):
+Run = tuple[int, int]
+"""``(start, numel)``: flat elements ``[start, start + numel)`` of a whole tensor."""
+
+
+def shard_runs(tensor: DTensor) -> list[Run]:
+    """This rank's shard of ``tensor`` as runs of the whole tensor's flat elements, in the
+    order of its local tensor's flat elements (module docstring)."""
+    placements = tuple(tensor.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard):
         raise ValueError(
-            f"expected an FSDP2 parameter sharded along dim 0 over one mesh dimension, got "
-            f"placements {tuple(tensor.placements)}"
+            f"expected an FSDP2 parameter sharded along one dim over one mesh dimension "
+            f"(Shard(d),), got placements {placements}"
         )
-    mesh = tensor.device_mesh
+    dim, shape, mesh = placements[0].dim % tensor.ndim, tuple(tensor.shape), tensor.device_mesh
     # The coordinate, not get_local_rank(): that resolves the mesh's process group by name, and
     # a state dict's DTensors may carry an equal mesh of an earlier, destroyed group (DTensor's
     # sharding cache compares meshes by ranks, not groups: a second trainer in one process).
-    rows, world, (rank,) = tensor.shape[0], mesh.size(), mesh.get_coordinate()
-    first_row = min(rank * math.ceil(rows / world), rows)
-    return first_row * (tensor.numel() // rows if rows else 0)
+    size, world, (rank,) = shape[dim], mesh.size(), mesh.get_coordinate()
+    per_rank = math.ceil(size / world)
+    first, last = min(rank * per_rank, size), min((rank + 1) * per_rank, size)
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1 :])
+    if first == last or inner == 0:
+        return []
+    return [((o * size + first) * inner, (last - first) * inner) for o in range(outer)]
+
+
+def take_runs(flat: torch.Tensor, runs: list[Run]) -> torch.Tensor:
+    """The elements of ``runs`` of the 1-D ``flat``, in order (one run: a view)."""
+    if len(runs) == 1:
+        start, numel = runs[0]
+        return flat[start : start + numel]
+    return torch.cat([flat[start : start + numel] for start, numel in runs]) if runs else flat[:0]
 
 
 @dataclass
 class StateLayout:
-    """Which local entries are pieces of a larger tensor: ``starts[name]`` (first flat
-    element held here) and ``shapes[name]`` (the whole TP-local tensor's shape). ``shapes``
-    lists every entry any rank stores as a piece, so rank 0 can put it in the manifest."""
+    """Which local entries are pieces of a larger tensor: ``runs[name]`` (the flat elements
+    held here, in local order) and ``shapes[name]`` (the whole TP-local tensor's shape).
+    ``shapes`` lists every entry any rank stores as pieces, so rank 0 can put it in the
+    manifest."""
 
-    starts: dict[str, int] = field(default_factory=dict)
+    runs: dict[str, list[Run]] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
     """Entries this rank holds but another rank writes (expert-data-parallel replicas, a
@@ -107,15 +135,16 @@ class StateLayout:
                 for key in MOMENTS:
                     layout.shapes[f"optim/{name}/{key}"] = list(param.shape)
             for view in optimizer.views():
+                run = (view.start, view.local.stop - view.local.start)
                 for key in MOMENTS:
-                    layout.starts[f"optim/{view.name}/{key}"] = view.start
+                    layout.runs[f"optim/{view.name}/{key}"] = [run]
         for key, value in module.state_dict().items():
             if isinstance(value, DTensor):
                 short = canonical_key(key)
-                start = row_shard_start(value)
+                runs = shard_runs(value)
                 names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
                 for name in names:
-                    layout.starts[name] = start
+                    layout.runs[name] = runs
                     layout.shapes[name] = list(value.shape)
         for short, param in named_parameters(module).items():
             if getattr(param, "pipeline_copy", False):
@@ -127,13 +156,14 @@ class StateLayout:
                 continue
             ep_rank, ep_size, edp_rank = expert
             names = [f"model/{short}"] + [f"optim/{short}/{k}" for k in MOMENTS]
+            offset = ep_rank * param.numel()  # this ep rank's experts in the whole tensor
             for name in names:
                 layout.shapes[name] = [param.shape[0] * ep_size, *param.shape[1:]]
-                within = layout.starts.get(name)  # FSDP2's or ZeRO-1's edp shard, if any
+                within = layout.runs.get(name)  # FSDP2's or ZeRO-1's edp shard, if any
                 if within is not None:
-                    layout.starts[name] = ep_rank * param.numel() + within
+                    layout.runs[name] = [(offset + start, numel) for start, numel in within]
                 elif not (zero1 and name.startswith("optim/")):  # else not in this shard
-                    layout.starts[name] = ep_rank * param.numel()  # whole, as on every edp rank
+                    layout.runs[name] = [(offset, param.numel())]  # whole, as on every edp rank
                     if edp_rank != 0:
                         layout.replicas.add(name)
         return layout
@@ -163,10 +193,11 @@ def live_state(module: nn.Module, optimizer: Any, device: Any) -> dict[str, torc
     return out
 
 
-Source = Callable[[str, torch.Tensor, int], torch.Tensor | None]
-"""``source(name, live_local, start)``: values shaped like ``live_local``, the local tensor of
-entry ``name`` whose first flattened element is element ``start`` of the whole tensor; None
-when the saved state has no such entry."""
+Source = Callable[[str, torch.Tensor, list[Run] | None], torch.Tensor | None]
+"""``source(name, live_local, runs)``: values shaped like ``live_local``, the local tensor of
+entry ``name``: the whole tensor (``runs`` None) or the elements ``runs`` of the flattened
+whole tensor, in order (:attr:`StateLayout.runs`); None when the saved state has no such
+entry."""
 
 
 def _moment_like(param: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
@@ -187,7 +218,7 @@ def load_state(module: nn.Module, optimizer: Any, layout: StateLayout, source: S
     for key, live in module.state_dict().items():
         name = f"model/{canonical_key(key)}"
         target = local(live)
-        values = source(name, target, layout.starts.get(name, 0))
+        values = source(name, target, layout.runs.get(name))
         if values is None:
             raise KeyError(f"the saved state has no {name!r}")
         target.copy_(values)
@@ -198,14 +229,14 @@ def load_state(module: nn.Module, optimizer: Any, layout: StateLayout, source: S
         return
     fused = any(g.get("fused") for g in optimizer.param_groups)
     for name, param in named_parameters(module).items():
-        step = source(f"optim/{name}/step", torch.zeros(()), 0)
+        step = source(f"optim/{name}/step", torch.zeros(()), None)
         if step is None:
             optimizer.state.pop(param, None)
             continue
         state = {"step": step.to(local(param).device if fused else "cpu", copy=True)}
         for key in MOMENTS:
             entry = f"optim/{name}/{key}"
-            values = source(entry, local(param), layout.starts.get(entry, 0))
+            values = source(entry, local(param), layout.runs.get(entry))
             if values is None:
                 raise KeyError(f"the saved state has {name!r}'s AdamW step but not its {key}")
             state[key] = _moment_like(param, values)
@@ -214,7 +245,7 @@ def load_state(module: nn.Module, optimizer: Any, layout: StateLayout, source: S
 
 def _load_zero1(optimizer: Zero1AdamW, layout: StateLayout, source: Source) -> None:
     optimizer.sync_master()
-    step = source(f"optim/{optimizer.names[0]}/step", torch.zeros(()), 0)
+    step = source(f"optim/{optimizer.names[0]}/step", torch.zeros(()), None)
     if step is None:
         optimizer.inner.state.pop(optimizer.master, None)
         return
@@ -225,7 +256,7 @@ def _load_zero1(optimizer: Zero1AdamW, layout: StateLayout, source: Source) -> N
         flat = torch.zeros_like(master)  # padding past the last parameter stays 0
         for view in optimizer.views():
             entry = f"optim/{view.name}/{key}"
-            values = source(entry, flat[view.local], layout.starts[entry])
+            values = source(entry, flat[view.local], layout.runs[entry])
             if values is None:
                 raise KeyError(f"the saved state has {view.name!r}'s AdamW step but not its {key}")
             flat[view.local] = values
