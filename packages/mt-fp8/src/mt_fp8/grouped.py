@@ -4,13 +4,14 @@ Two implementations, one per scale layout (:func:`grouped_gemm_reason` says wher
 
 * Current tensorwise and rowwise scaling: PyTorch's ``torch._scaled_grouped_mm`` (CUTLASS,
   Hopper), this module.
-* Block scaling (DeepSeek-V3: 1×128 groups, 128×128 weight blocks): PyTorch has no grouped
-  block-scaled GEMM, and the per-expert loop it would otherwise run is bound by the host's
-  launches at fine-grained MoE shapes (docs/architecture.md), so the three GEMMs run in
-  mt-fp8's own Triton kernels, one launch each whatever E is, on the loop's FP8 operands
-  (:mod:`mt_fp8.grouped_block`, whose docstring states its math, operands and empty experts;
-  the stacked weights come from this module's weight cache, :func:`_weight_operands`). It
-  takes any formats (mixed E4M3 × E5M2 in exact fp16 dots) and needs K, N % 128 == 0.
+* Block scaling (DeepSeek-V3: 1×128 groups, 128×128 weight blocks) and MXFP8 (1×32 groups
+  with power-of-two scales for every operand): PyTorch has no grouped GEMM for either, and the
+  per-expert loop it would otherwise run is bound by the host's launches at fine-grained MoE
+  shapes (docs/architecture.md), so the three GEMMs run in mt-fp8's own Triton kernels, one
+  launch each whatever E is, on the loop's FP8 operands (:mod:`mt_fp8.grouped_block`, whose
+  docstring states its math, operands and empty experts; the stacked weights come from this
+  module's weight cache, :func:`_weight_operands`). It takes any formats (mixed E4M3 × E5M2
+  in exact fp16 dots) and needs K, N % 128 == 0 (block scaling) or % 32 (MXFP8).
 
 The rest of this docstring is the ``torch._scaled_grouped_mm`` path, except the weight cache,
 which both share.
@@ -110,7 +111,8 @@ weights of all experts stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed l
 per-expert caches (:mod:`mt_fp8.weight_cache`) on the weight tensor (weak reference), storage
 pointer, ``_version``, recipe, scale state and the count of torch optimizer steps; a miss
 quantizes all experts at once (above; block scaling: the stacked (E·N, K) rows in 128×128
-blocks and each expert's exact transpose), to the bytes the loop gives each. The loop path's per-expert
+blocks and each expert's exact transpose; MXFP8: the stacked rows in 1×32 groups along K and,
+in the same quantizer call, along E·N for ``Wᵀ``), to the bytes the loop gives each. The loop path's per-expert
 caches are separate (a layer that switches path quantizes once more).
 :func:`mt_fp8.clear_fp8_weight_caches` clears both.
 """
@@ -134,7 +136,7 @@ from mt_fp8.quantized import (
     reduce_amax_,
     scale_from_amax,
 )
-from mt_fp8.recipes import BlockScaling, Recipe, RowwiseScaling, TensorwiseScaling
+from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling
 from mt_fp8.weight_cache import weight_key
 
 GroupedGemm = Callable[
@@ -154,6 +156,8 @@ WGRAD_ALIGN = 16
 BLOCK_GROUPED_SIDE = 128
 """The group length and weight-block side the grouped block-scaled GEMM takes
 (:mod:`mt_fp8.kernels.grouped_block_gemm`)."""
+MX_GROUPED_GROUP = 32
+"""MXFP8's group length, the grouped block-scaled GEMM's step for it."""
 MAX_GROUPS = 1023
 """PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
 
@@ -251,7 +255,7 @@ def grouped_gemm_reason(
 ) -> str | None:
     """Why :class:`~mt_fp8.linear.FP8GroupedLinear` must loop over experts here, or None.
 
-    None means the grouped path runs: for block scaling
+    None means the grouped path runs: for block scaling and MXFP8
     :func:`~mt_fp8.grouped_block.fp8_block_grouped_linear` (all three GEMMs grouped), else
     :func:`fp8_grouped_linear`, with at least one GEMM grouped (the others per group;
     :func:`gemm_reason`).
@@ -261,12 +265,12 @@ def grouped_gemm_reason(
             f"backend {backend!r} keeps the per-expert loop (the grouped GEMM is taken with "
             f"{' or '.join(repr(b) for b in GROUPED_BACKENDS)})"
         )
-    if isinstance(recipe, BlockScaling):
+    if isinstance(recipe, (BlockScaling, MXFP8Scaling)):
         return _block_reason(x_TK, weight_ENK, recipe)
     if type(recipe) not in (TensorwiseScaling, RowwiseScaling):
         return (
-            "the grouped FP8 GEMM takes current tensorwise, rowwise or block scaling, not the "
-            f"{recipe.name} recipe"
+            "the grouped FP8 GEMM takes current tensorwise, rowwise, block or MXFP8 scaling, "
+            f"not the {recipe.name} recipe"
         )
     reason = _device_reason(x_TK.device)
     if reason is not None:
@@ -288,19 +292,28 @@ def grouped_gemm_reason(
     return None
 
 
-def _block_reason(x_TK: torch.Tensor, weight_ENK: torch.Tensor, recipe: BlockScaling) -> str | None:
-    """Why the grouped block-scaled GEMMs (:mod:`mt_fp8.grouped_block`) cannot run, or None."""
-    side = BLOCK_GROUPED_SIDE
-    if (recipe.group, recipe.weight_block) != (side, side):
-        return (
-            f"the grouped block-scaled GEMM takes 1x{side} groups and {side}x{side} weight "
-            f"blocks, got group={recipe.group}, weight_block={recipe.weight_block}"
-        )
+def _block_reason(
+    x_TK: torch.Tensor, weight_ENK: torch.Tensor, recipe: BlockScaling | MXFP8Scaling
+) -> str | None:
+    """Why the grouped block-scaled GEMMs (:mod:`mt_fp8.grouped_block`) cannot run, or None.
+
+    They run where the dense Triton block GEMM would (:func:`~mt_fp8.gemm.triton_reason`):
+    CUDA compute capability >= 9.0 with Triton."""
+    if isinstance(recipe, BlockScaling):
+        side = BLOCK_GROUPED_SIDE
+        if (recipe.group, recipe.weight_block) != (side, side):
+            return (
+                f"the grouped block-scaled GEMM takes 1x{side} groups and {side}x{side} weight "
+                f"blocks, got group={recipe.group}, weight_block={recipe.weight_block}"
+            )
+        multiple, unit = side, "whole weight blocks per expert"
+    else:
+        multiple, unit = MX_GROUPED_GROUP, "whole 1x32 groups of W and Wᵀ"
     _, out_features, in_features = weight_ENK.shape
-    if in_features % side or out_features % side:
+    if in_features % multiple or out_features % multiple:
         return (
-            f"the grouped block-scaled GEMM needs K and N divisible by {side} (whole weight "
-            f"blocks per expert), got K={in_features}, N={out_features}"
+            f"the grouped {recipe.name} GEMM needs K and N divisible by {multiple} ({unit}), "
+            f"got K={in_features}, N={out_features}"
         )
     device = x_TK.device
     if device.type != "cuda" or not _triton_block_gemm_available(device.index):
@@ -573,12 +586,14 @@ def _rows_by_experts(
 def _quantize_weights(
     plan: LinearPlan, weight_ENK: torch.Tensor, need_transpose: bool
 ) -> tuple[_Stacked, _Stacked | None]:
-    """``W`` per (expert, output row), per expert or in square blocks, and ``Wᵀ`` per (expert,
-    input column) or the exact transpose, as the loop quantizes each expert, in one
-    quantization each."""
+    """``W`` per (expert, output row), per expert, in square blocks or in 1×32 groups, and
+    ``Wᵀ`` per (expert, input column), the exact transpose or in 1×32 groups along N, as the
+    loop quantizes each expert, in one quantization each."""
     experts, out_features, in_features = weight_ENK.shape
     role = TensorRole.WEIGHT
     fmt, layout = plan.recipe.formats.for_role(role), plan.recipe.layout(role)
+    if isinstance(plan.recipe, MXFP8Scaling):
+        return _quantize_mx_weights(plan, weight_ENK, need_transpose, fmt, layout)
     if isinstance(plan.recipe, BlockScaling):
         # (E·N, K) in square blocks: with N % block == 0 no block straddles two experts.
         q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
@@ -608,6 +623,36 @@ def _quantize_weights(
     if not need_transpose:
         return weight, None
     return weight, _Stacked(weight.data.transpose(1, 2).contiguous(), weight.scale, layout, fmt)
+
+
+def _quantize_mx_weights(
+    plan: LinearPlan,
+    weight_ENK: torch.Tensor,
+    need_transpose: bool,
+    fmt: FP8Format,
+    layout: ScaleLayout,
+) -> tuple[_Stacked, _Stacked | None]:
+    """MXFP8 ``W`` (E, N, K) in 1×32 groups along K and ``Wᵀ`` (E, K, N) in 1×32 groups along N.
+
+    One quantization of the stacked (E·N, K) rows gives ``W``: a group lies inside one row, so
+    each is the loop's group of ``W_e``. ``Wᵀ`` is that call's transposed operand, the (K, E·N)
+    transpose quantized in 1×32 groups along E·N (the fused quantizer writes it in the same
+    pass; else :meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`): with N % 32 == 0 a
+    group is 32 consecutive ``n`` of one expert's column ``k``, the loop's group of row ``k`` of
+    ``W_eᵀ``, so bytes and scales are the loop's. An FP8 copy puts each expert's (K, N) block
+    together (no transposed copy of the high-precision weights)."""
+    experts, out_features, in_features = weight_ENK.shape
+    group = layout.block[1]
+    rows = weight_ENK.reshape(-1, in_features)
+    q = plan.quantize(rows, TensorRole.WEIGHT, record=True, transposed=need_transpose)
+    scale = q.scale.view(experts, out_features, in_features // group)
+    weight = _Stacked(q.data.view(weight_ENK.shape), scale, layout, fmt)
+    if not need_transpose:
+        return weight, None
+    q_t = plan.quantize_transposed(rows, q, TensorRole.WEIGHT)  # (K, E·N)
+    data_t = q_t.data.view(in_features, experts, out_features).transpose(0, 1)
+    scale_t = q_t.scale.view(in_features, experts, out_features // group).transpose(0, 1)
+    return weight, _Stacked(data_t.contiguous(), scale_t.contiguous(), layout, fmt)
 
 
 def _quantize_weight_columns(
@@ -794,10 +839,11 @@ def fp8_grouped_linear(
     replaces the kernel (tests pass :func:`emulated_grouped_mm` to run this on CPU); the caller
     checks the device with :func:`grouped_gemm_reason`.
     """
-    if isinstance(plan.recipe, BlockScaling):
+    if isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):
         raise ValueError(
-            "block scaling runs grouped through mt_fp8.grouped_block.fp8_block_grouped_linear, "
-            "not fp8_grouped_linear (torch._scaled_grouped_mm takes no block scales)"
+            f"{plan.recipe.name} scaling runs grouped through "
+            "mt_fp8.grouped_block.fp8_block_grouped_linear, not fp8_grouped_linear "
+            "(torch._scaled_grouped_mm takes no block scales)"
         )
     sizes = [int(s) for s in group_sizes]
     num_groups = weight_ENK.shape[0]

@@ -1,43 +1,55 @@
-"""The grouped path of :class:`~mt_fp8.linear.FP8GroupedLinear` under DeepSeek-V3 block scaling.
+"""The grouped path of :class:`~mt_fp8.linear.FP8GroupedLinear` under block scaling and MXFP8.
 
 Shape suffixes: T tokens (sorted by expert), E experts, K in_features, N out_features, P padded
-tokens (below). Expert ``e`` holds the ``T_e`` tokens ``[o_e, o_e + T_e)``.
+tokens (below), g the group length: 128 for DeepSeek-V3 block scaling, 32 for MXFP8. Expert
+``e`` holds the ``T_e`` tokens ``[o_e, o_e + T_e)``.
 
 Why our own kernels: PyTorch has no grouped block-scaled GEMM (``torch._scaled_grouped_mm``, which
 :mod:`mt_fp8.grouped` runs for tensorwise and rowwise scaling, takes rowwise scales), and the
 per-expert loop of :class:`~mt_fp8.functional.FP8LinearFunction` is bound by the host's kernel
 launches at fine-grained MoE shapes (docs/architecture.md, docs/performance.md). The three GEMMs
-run in :mod:`mt_fp8.kernels.grouped_block_gemm`, one launch each whatever E is:
+run in :mod:`mt_fp8.kernels.grouped_block_gemm`, one launch each whatever E is, its two kernels
+parameterised by the recipe (:class:`_Steps`): the contraction step g (one scale pair per FP8
+product) and whether ``b``'s scales are per g×g block or per row:
 
 =========  ==========================  ==========  ==========================================
 GEMM       per expert                  mode        operands (a, b) as passed
 =========  ==========================  ==========  ==========================================
-forward    ``y_e = x_e W_eᵀ (+ b_e)``  2d × 3d     ``x_TK`` 1×128, ``W_ENK`` 128×128 blocks
-dgrad      ``dx_e = dy_e W_e``         2d × 3d     ``dy_TN`` 1×128, ``Wᵀ_EKN`` 128×128 blocks
-wgrad      ``dW_e = dy_eᵀ x_e``        k-grouped   ``dyᵀ_NP``, ``xᵀ_KP``, 1×128 along P
+forward    ``y_e = x_e W_eᵀ (+ b_e)``  2d × 3d     ``x_TK`` 1×g, ``W_ENK`` (block: 128×128)
+dgrad      ``dx_e = dy_e W_e``         2d × 3d     ``dy_TN`` 1×g, ``Wᵀ_EKN`` (block: 128×128)
+wgrad      ``dW_e = dy_eᵀ x_e``        k-grouped   ``dyᵀ_NP``, ``xᵀ_KP``, 1×g along P
 =========  ==========================  ==========  ==========================================
+
+Block scaling quantizes the weights in 128×128 blocks, MXFP8 in 1×32 groups along the
+contraction axis like every other operand (``W`` along K, ``Wᵀ`` along N); MX scales are powers
+of two stored as fp32 values, which the kernels read as any fp32 scale.
 
 The FP8 operands are the loop's, byte for byte and scale for scale, built in a number of kernels
 that does not depend on E, with the loop's quantizers (:meth:`~mt_fp8.linear_plan.LinearPlan.
 quantize`: the Triton kernels of :mod:`mt_fp8.kernels.block_quantize` on CUDA):
 
-* ``x`` and ``dy``: one quantization of all T rows in 1×128 groups along the contraction axis.
+* ``x`` and ``dy``: one quantization of all T rows in 1×g groups along the contraction axis.
   A group lies inside one token's row, so it is the loop's per-expert quantization.
-* ``W``: one quantization of the stacked (E·N, K) rows in 128×128 blocks. With N a multiple of
-  128 (required) no block straddles two experts, so expert ``e``'s blocks are the loop's.
-  ``Wᵀ``: the exact transpose of each expert's square blocks (FP8 bytes and scales transposed),
-  as the loop's ``QuantizedTensor.transpose``. Both cached in the layer's grouped weight cache
-  (:func:`mt_fp8.grouped._weight_operands`).
+* ``W``: one quantization of the stacked (E·N, K) rows, in 128×128 blocks (N a multiple of 128,
+  required: no block straddles two experts) or in 1×32 groups (each inside one row). Both
+  cached in the layer's grouped weight cache (:func:`mt_fp8.grouped._weight_operands`).
+* ``Wᵀ``: block scaling, the exact transpose of each expert's square blocks (FP8 bytes and
+  scales transposed), as the loop's ``QuantizedTensor.transpose``. MXFP8, a fresh quantization
+  along N, as the loop's ``quantize_transposed`` of each ``W_e``: the same quantizer call as
+  ``W`` also quantizes the (K, E·N) transpose of the stacked rows in 1×32 groups along E·N
+  (N % 32 == 0, required: a group is 32 outputs of one expert), and one FP8 copy regroups it
+  as (E, K, N) (:func:`mt_fp8.grouped._quantize_mx_weights`).
 * ``xᵀ`` and ``dyᵀ`` (wgrad, quantized along the tokens): the loop quantizes each expert's
-  ``x_eᵀ`` zero-padded to ``P_e = ceil(T_e / 128) · 128`` tokens, in 1×128 groups from the
-  expert's first token. Here one scatter puts every expert's tokens at the start of its own
-  segment of ``P_e`` columns of a zero ``(P, C)`` buffer (``P = Σ P_e``; skipped when every
-  ``T_e`` is a multiple of 128), and one column quantization
-  (:meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`) cuts it into 1×128 groups along
+  ``x_eᵀ`` zero-padded to ``P_e = ceil(T_e / g) · g`` tokens, in 1×g groups from the expert's
+  first token. Here one scatter puts every expert's tokens at the start of its own segment of
+  ``P_e`` columns of a zero ``(P, C)`` buffer (``P = Σ P_e``; skipped when every ``T_e`` is a
+  multiple of g), and one column quantization
+  (:meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`) cuts it into 1×g groups along
   P. Every group lies inside one segment and holds the same values as the loop's group plus
   zeros (the loop's padding is zeros too), and zeros change no amax, so scales and bytes are
-  the loop's, the last partial group of each expert included. An expert with no tokens has an
-  empty segment; its ``dW_e`` is written as zeros by the kernel.
+  the loop's, the last partial group of each expert included; no group is all padding, as the
+  kernel's step is the group. An expert with no tokens has an empty segment; its ``dW_e`` is
+  written as zeros by the kernel.
 
 The kernels' tables come from the host's group sizes (``plan.sizes``: Python ints) and reach the
 device by non-blocking copies (:func:`mt_fp8.grouped._host_ints`): the host reads nothing from
@@ -63,25 +75,48 @@ from mt_fp8.formats import TensorRole
 from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
-from mt_fp8.recipes import BlockScaling
+from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """How the kernels step through the contraction for a recipe (module docstring)."""
+
+    group: int
+    """g: the 1×g group length of every operand but block scaling's weights, the kernels' step."""
+    weight_row_scales: bool
+    """Whether ``W`` and ``Wᵀ`` have a scale per row and group (MXFP8) rather than per g×g
+    block (block scaling)."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> _Steps:
+        """The steps of ``recipe``; raises for a recipe the kernels do not take."""
+        if isinstance(recipe, MXFP8Scaling):
+            return cls(recipe.block, True)
+        if isinstance(recipe, BlockScaling) and (recipe.group, recipe.weight_block) == (128, 128):
+            return cls(128, False)
+        raise ValueError(
+            "fp8_block_grouped_linear takes BlockScaling with group=128 and weight_block=128, "
+            f"or MXFP8Scaling, got {recipe!r}"
+        )
 
 
 @dataclass
 class _TokenSegments:
-    """Where each expert's tokens go in the 128-padded wgrad operands (module docstring)."""
+    """Where each expert's tokens go in the g-padded wgrad operands (module docstring)."""
 
     starts: torch.Tensor
-    """E + 1 int32 segment boundaries (multiples of 128) on the device."""
+    """E + 1 int32 segment boundaries (multiples of g) on the device."""
     padded_tokens: int
     """P, the padded token count."""
     dest_T: torch.Tensor | None
     """The padded row of each token (int64, on the device); None when no expert needs padding."""
 
     @classmethod
-    def of(cls, sizes: Sequence[int], device: torch.device) -> _TokenSegments:
+    def of(cls, sizes: Sequence[int], device: torch.device, group: int) -> _TokenSegments:
         from mt_fp8.kernels.grouped_block_gemm import padded_starts
 
-        starts = padded_starts(sizes)
+        starts = padded_starts(sizes, group)
         dest_T = None
         if starts[-1] != sum(sizes):
             shift_E, shift = [], 0
@@ -94,7 +129,7 @@ class _TokenSegments:
         return cls(_host_ints(starts, torch.int32, device), starts[-1], dest_T)
 
     def quantize(self, plan: LinearPlan, x_TC: torch.Tensor, role: TensorRole) -> QuantizedTensor:
-        """``xᵀ`` (C, P) in 1×128 groups along the padded tokens: every expert's ``x_eᵀ`` as
+        """``xᵀ`` (C, P) in 1×g groups along the padded tokens: every expert's ``x_eᵀ`` as
         the loop quantizes it, side by side (module docstring)."""
         padded = x_TC
         if self.dest_T is not None:
@@ -110,8 +145,8 @@ def _row_tiles(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class FP8BlockGroupedLinearFunction(torch.autograd.Function):
-    """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped block-scaled FP8 GEMMs (module
-    docstring)."""
+    """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped block-scaled (or MXFP8) FP8 GEMMs
+    (module docstring)."""
 
     @staticmethod
     def forward(
@@ -125,16 +160,25 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         from mt_fp8.kernels.grouped_block_gemm import grouped_block_mm
 
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        steps = _Steps.of(plan.recipe)
         tiles = _row_tiles(sizes, x_TK.device)
         x_q = plan.quantize(x_TK, TensorRole.INPUT, record=True)
         weight, weight_t = _weight_operands(plan, weight_ENK, need_transpose=need_dx)
         bias = None if bias_EN is None else bias_EN.to(plan.out_dtype)
         y_TN = grouped_block_mm(
-            x_q.data, x_q.scale, weight.data, weight.scale, tiles, plan.out_dtype, bias
+            x_q.data,
+            x_q.scale,
+            weight.data,
+            weight.scale,
+            tiles,
+            plan.out_dtype,
+            bias,
+            steps.group,
+            steps.weight_row_scales,
         )
         saved = [tiles]
         if need_dw:
-            segments = _TokenSegments.of(sizes, x_TK.device)
+            segments = _TokenSegments.of(sizes, x_TK.device, steps.group)
             x_t = segments.quantize(plan, x_TK, TensorRole.INPUT)
             saved += [x_t.data, x_t.scale]
             ctx.segments = segments
@@ -142,7 +186,7 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
             assert weight_t is not None
             saved += [weight_t.data, weight_t.scale]
         ctx.save_for_backward(*saved)
-        ctx.plan, ctx.sizes = plan, sizes
+        ctx.plan, ctx.sizes, ctx.steps = plan, sizes, steps
         ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
         return y_TN
 
@@ -151,6 +195,7 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         from mt_fp8.kernels.grouped_block_gemm import grouped_block_mm, k_grouped_block_mm
 
         plan: LinearPlan = ctx.plan
+        steps: _Steps = ctx.steps
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         saved = list(ctx.saved_tensors)
@@ -165,12 +210,26 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
                 segments: _TokenSegments = ctx.segments
                 dy_t = segments.quantize(plan, dy_TN, TensorRole.GRAD_OUTPUT)
                 dw = k_grouped_block_mm(
-                    dy_t.data, dy_t.scale, x_t_data, x_t_scale, segments.starts, w_dtype
+                    dy_t.data,
+                    dy_t.scale,
+                    x_t_data,
+                    x_t_scale,
+                    segments.starts,
+                    w_dtype,
+                    steps.group,
                 )
             if need_dx:
                 weight_t_data, weight_t_scale = saved.pop(0), saved.pop(0)
                 dx = grouped_block_mm(
-                    dy_q.data, dy_q.scale, weight_t_data, weight_t_scale, tiles, x_dtype
+                    dy_q.data,
+                    dy_q.scale,
+                    weight_t_data,
+                    weight_t_scale,
+                    tiles,
+                    x_dtype,
+                    None,
+                    steps.group,
+                    steps.weight_row_scales,
                 )
             if need_db:
                 db = _bias_gradient(dy_TN, ctx.sizes, b_dtype)
@@ -188,9 +247,10 @@ def fp8_block_grouped_linear(
 ) -> torch.Tensor:
     """``y[group e] = x[group e] W_eᵀ + b_e`` with the grouped block-scaled FP8 GEMMs.
 
-    ``plan.recipe`` is a :class:`~mt_fp8.recipes.BlockScaling` with 128-long groups and blocks,
-    ``plan.weight_cache`` the layer's grouped weight cache (or None); the caller checks the
-    device with :func:`~mt_fp8.grouped.grouped_gemm_reason`.
+    ``plan.recipe`` is a :class:`~mt_fp8.recipes.BlockScaling` with 128-long groups and blocks
+    or an :class:`~mt_fp8.recipes.MXFP8Scaling`, ``plan.weight_cache`` the layer's grouped
+    weight cache (or None); the caller checks the device with
+    :func:`~mt_fp8.grouped.grouped_gemm_reason`.
     """
     sizes = [int(s) for s in group_sizes]
     experts, out_features, in_features = weight_ENK.shape
@@ -199,16 +259,12 @@ def fp8_block_grouped_linear(
             f"group_sizes must be {experts} non-negative ints summing to the "
             f"{x_TK.shape[0]} tokens, got {sizes}"
         )
-    recipe = plan.recipe
-    if not isinstance(recipe, BlockScaling) or (recipe.group, recipe.weight_block) != (128, 128):
+    steps = _Steps.of(plan.recipe)
+    if in_features % steps.group or out_features % steps.group:
+        unit = "1x32 groups of W and Wᵀ" if steps.weight_row_scales else "weight blocks per expert"
         raise ValueError(
-            "fp8_block_grouped_linear takes BlockScaling with group=128 and weight_block=128, "
-            f"got {recipe!r}"
-        )
-    if in_features % 128 or out_features % 128:
-        raise ValueError(
-            "fp8_block_grouped_linear needs K and N divisible by 128 (whole weight blocks per "
-            f"expert), got K={in_features}, N={out_features}"
+            f"fp8_block_grouped_linear with the {plan.recipe.name} recipe needs K and N "
+            f"divisible by {steps.group} (whole {unit}), got K={in_features}, N={out_features}"
         )
     with torch.autocast(x_TK.device.type, enabled=False):
         return FP8BlockGroupedLinearFunction.apply(x_TK, weight_ENK, bias_EN, plan, sizes)

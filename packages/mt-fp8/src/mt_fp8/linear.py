@@ -4,11 +4,11 @@ Both run :class:`~mt_fp8.functional.FP8LinearFunction` (quantized forward and ba
 FP8-saved input, cached FP8 weight; ``FP8GroupedLinear`` once per expert); see
 :mod:`mt_fp8.functional` for the math and :mod:`mt_fp8.linear_plan` for the quantizers. Where a
 grouped FP8 GEMM can take them (PyTorch's for tensorwise and rowwise scales, mt-fp8's Triton
-kernels for block scaling), ``FP8GroupedLinear`` runs all experts at once instead, with the
-same FP8 operands (:mod:`mt_fp8.grouped`, :mod:`mt_fp8.grouped_block`). Parameters keep their dtype (fp32
-or bf16); the output dtype is the ``torch.autocast`` dtype inside an autocast region and the
-input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can switch a
-region to high precision or override the recipe.
+kernels for block scaling and MXFP8), ``FP8GroupedLinear`` runs all experts at once instead,
+with the same FP8 operands (:mod:`mt_fp8.grouped`, :mod:`mt_fp8.grouped_block`). Parameters
+keep their dtype (fp32 or bf16); the output dtype is the ``torch.autocast`` dtype inside an
+autocast region and the input's dtype otherwise. ``fp8_autocast`` (:mod:`mt_fp8.autocast`) can
+switch a region to high precision or override the recipe.
 
 Under tensor parallelism, ``FP8Linear(amax_reduction_roles=...)`` names the roles whose current
 tensorwise amax is MAX-reduced over the layer's amax group (``fp8_meta.amax_group``, set by
@@ -58,7 +58,7 @@ from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.grouped_block import fp8_block_grouped_linear
 from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
 from mt_fp8.ops.swiglu import swiglu
-from mt_fp8.recipes import BlockScaling, Recipe, TensorwiseScaling
+from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
 from mt_fp8.weight_cache import WeightCache
 from mt_fp8.wgrad import WeightGradSink
@@ -241,9 +241,9 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         ``torch._scaled_grouped_mm`` per GEMM for all experts. The kernel takes E4M3 operands
         only, so with the default hybrid formats the forward GEMM is grouped and dgrad/wgrad
         (E5M2 gradients) run per expert;
-      - block scaling (1×128 groups, 128×128 blocks) on CUDA compute capability >= 9.0 with
-        Triton: all three GEMMs in mt-fp8's grouped block-scaled Triton kernels
-        (:mod:`mt_fp8.grouped_block`), any formats.
+      - block scaling (1×128 groups, 128×128 blocks) and MXFP8 (1×32 groups) on CUDA compute
+        capability >= 9.0 with Triton: all three GEMMs in mt-fp8's grouped block-scaled Triton
+        kernels (:mod:`mt_fp8.grouped_block`), any formats.
 
       One cached entry holds all experts' FP8 weights, stacked.
     * Loop: one FP8 GEMM per non-empty group (every other recipe, device and backend), with one
@@ -321,7 +321,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             reason = grouped_gemm_reason(
                 x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
             )
-            if reason is None and isinstance(plan.recipe, BlockScaling):
+            if reason is None and isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):
                 return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
             if reason is None:
                 return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)

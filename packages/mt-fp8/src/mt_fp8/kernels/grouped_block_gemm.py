@@ -1,24 +1,35 @@
-"""Triton grouped block-scaled FP8 GEMMs for MoE experts (DeepSeek-V3 block scaling).
+"""Triton grouped block-scaled FP8 GEMMs for MoE experts (DeepSeek-V3 block scaling and MXFP8).
 
 PyTorch has no grouped block-scaled GEMM (``torch._scaled_grouped_mm`` takes rowwise scales), and
 one :mod:`mt_fp8.kernels.block_gemm` launch per expert is bound by the host's launches at
 fine-grained MoE shapes (docs/architecture.md, ``grouped.py``). These two kernels run every
 expert's GEMM in one launch each, with the promotion of :mod:`~mt_fp8.kernels.block_gemm`:
-every 128-deep step of the contraction is one FP8 tensor-core product, added to the fp32
+every g-deep step of the contraction is one FP8 tensor-core product, added to the fp32
 accumulator with its two scales, ``acc += dot(a_k, b_kᵀ) · s_a[:, k] · s_b[:, k]``.
 
 Shape suffixes: T tokens sorted by expert, E experts, Y rows of ``b`` (output columns), Z the
-contraction axis, P padded tokens (below), g = :data:`GROUP` = 128.
+contraction axis, P padded tokens (below), g the group length: the contraction step per scale,
+a constexpr (``BLOCK_Z``) of both kernels, :data:`GROUPS`:
+
+* 128 for block scaling: ``a`` in 1×128 groups, ``b`` in 128×128 blocks (2d × 3d) or 1×128
+  groups (k-grouped);
+* 32 for MXFP8: every operand in 1×32 groups with power-of-two scales (fp32 values
+  ``2^e``, as :mod:`mt_fp8.quantized` stores them; the kernels read them as any fp32 scale).
+  The step is the group, as in the dense MX GEMM (:mod:`~mt_fp8.kernels.block_gemm` walks Z in
+  32-deep steps with 128×128 output tiles and one pipeline stage fewer): one scale pair per
+  FP8 product, so no group is skipped or split.
 
 Rows by experts (2d × 3d; the forward ``y_e = x_e W_eᵀ`` and dgrad ``dx_e = dy_e W_e``):
 
     out_TY[t] = Σ_k (a_TZ[t, k] · s_a[t, k]) (b_EYZ[e(t), :, k] · s_b[e(t), :, k])ᵀ  (+ bias_EY[e(t)])
 
 ``a_TZ`` in 1×g groups along Z (``s_a`` (T, Z/g)), ``b_EYZ`` in g×g blocks (``s_b``
-(E, Y/g, Z/g)), ``e(t)`` the expert owning token ``t``. The tile table (:func:`row_tiles`) lists,
-for every expert with tokens, ``ceil(T_e / ROW_TILE)`` row tiles as ``(expert, row_start,
-row_end)``: a program owns one such tile and one column tile, so no tile mixes experts and
-experts without tokens cost nothing. Grid: ``(Y / BLOCK_Y, tiles)``.
+(E, Y/g, Z/g), block scaling) or in 1×g groups along Z (``s_b`` (E, Y, Z/g), MXFP8: the
+constexpr ``B_ROW_SCALES``), ``e(t)`` the expert owning token ``t``. The tile table
+(:func:`row_tiles`) lists, for every expert with tokens, ``ceil(T_e / ROW_TILE)`` row tiles as
+``(expert, row_start, row_end)``: a program owns one such tile and one column tile, so no tile
+mixes experts and experts without tokens cost nothing. Grid: ``(ceil(Y / BLOCK_Y), tiles)``;
+columns past Y are masked, so with row scales Y may be any size (with blocks, a multiple of g).
 
 k-grouped (2d × 2d; the wgrad ``dW_e = dy_eᵀ x_e``, contracting over the expert's tokens):
 
@@ -27,8 +38,8 @@ k-grouped (2d × 2d; the wgrad ``dW_e = dy_eᵀ x_e``, contracting over the expe
 ``a_XP`` and ``b_YP`` are the transposed operands (``dyᵀ``, ``xᵀ``) in 1×g groups along the
 padded token axis: each expert's tokens start a segment of ``P_e = ceil(T_e / g) · g`` columns
 whose tail is zeros, so no group straddles two experts. ``starts`` (E + 1 int32) holds the
-segment boundaries (multiples of g); an expert with no tokens has an empty segment and its
-programs write zeros. Grid: ``(Y / BLOCK_Y, X / BLOCK_X, E)``.
+segment boundaries (multiples of g, :func:`padded_starts`); an expert with no tokens has an
+empty segment and its programs write zeros. Grid: ``(Y / BLOCK_Y, X / BLOCK_X, E)``.
 
 Mixed E4M3 × E5M2 operands (the hybrid formats' gradients) are multiplied in fp16, which holds
 every value of both formats exactly (E5M2 is fp16's top byte; E4M3's range 2^-9..448 lies in
@@ -46,7 +57,11 @@ import triton
 import triton.language as tl
 
 GROUP = 128
-"""The 1×g group length of the activations and gradients and the side of the weight blocks."""
+"""Block scaling's group length (1×128 groups) and weight-block side: the default step."""
+MX_GROUP = 32
+"""MXFP8's group length (1×32 groups for every operand)."""
+GROUPS = (MX_GROUP, GROUP)
+"""The contraction steps (group lengths) the kernels take."""
 ROW_TILE = 128
 """Rows of ``a`` per program in the 2d × 3d kernel (the tile table is cut in these)."""
 COLUMN_TILE = 128
@@ -68,6 +83,7 @@ def _rows_by_experts(
     Z,
     HAS_BIAS: tl.constexpr,
     MIXED: tl.constexpr,
+    B_ROW_SCALES: tl.constexpr,
     BLOCK_X: tl.constexpr,
     BLOCK_Y: tl.constexpr,
     BLOCK_Z: tl.constexpr,
@@ -84,8 +100,10 @@ def _rows_by_experts(
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * Z + ks[None, :]
     b_ptrs = b_ptr + expert * Y * Z + cols.to(tl.int64)[:, None] * Z + ks[None, :]
     sa_ptrs = sa_ptr + rows.to(tl.int64) * steps
-    # One scale per BLOCK_Z × BLOCK_Z block of b: expert e's block row of output column c.
-    sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * steps
+    if B_ROW_SCALES:  # one scale per 1 × BLOCK_Z group of b: expert e's row c
+        sb_ptrs = sb_ptr + (expert * Y + cols) * steps
+    else:  # one per BLOCK_Z × BLOCK_Z block of b: expert e's block row of output column c
+        sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * steps
     acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
     for step in range(0, steps):
         a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
@@ -163,13 +181,27 @@ def row_tiles(sizes: Sequence[int]) -> list[int]:
     return table
 
 
-def padded_starts(sizes: Sequence[int]) -> list[int]:
+def padded_starts(sizes: Sequence[int], group: int = GROUP) -> list[int]:
     """The k-grouped segment boundaries: ``E + 1`` offsets, expert ``e`` owning
-    ``[starts[e], starts[e + 1])`` of ``ceil(T_e / GROUP) · GROUP`` padded tokens."""
+    ``[starts[e], starts[e + 1])`` of ``ceil(T_e / group) · group`` padded tokens."""
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // GROUP) * GROUP)
+        starts.append(starts[-1] + -(-size // group) * group)
     return starts
+
+
+def _check_group(group: int) -> None:
+    if group not in GROUPS:
+        raise ValueError(
+            f"the grouped block-scaled GEMMs step through the contraction in groups of "
+            f"{' or '.join(map(str, GROUPS))}, got group={group}"
+        )
+
+
+def _stages(group: int) -> int:
+    """Software-pipeline stages: the dense block GEMM's choice (:mod:`~mt_fp8.kernels.block_gemm`:
+    one fewer for 32-deep steps, whose tiles are a quarter the size)."""
+    return 4 if group >= GROUP else 3
 
 
 def _check_fp8(name: str, tensor: torch.Tensor, dim: int) -> None:
@@ -196,20 +228,26 @@ def grouped_block_mm(
     tiles: torch.Tensor,
     out_dtype: torch.dtype,
     bias_EY: torch.Tensor | None = None,
+    group: int = GROUP,
+    b_row_scales: bool = False,
 ) -> torch.Tensor:
-    """The 2d × 3d GEMM (module docstring): ``a_TZ`` (T, Z) FP8 with (T, Z/128) scales,
-    ``b_EYZ`` (E, Y, Z) FP8 with (E, Y/128, Z/128) block scales, ``tiles`` the
-    :func:`row_tiles` table as an int32 tensor on the operands' device."""
+    """The 2d × 3d GEMM (module docstring): ``a_TZ`` (T, Z) FP8 with (T, Z/g) scales,
+    ``b_EYZ`` (E, Y, Z) FP8 with (E, Y/g, Z/g) block scales or, with ``b_row_scales``,
+    (E, Y, Z/g) group scales, ``tiles`` the :func:`row_tiles` table as an int32 tensor on the
+    operands' device; g = ``group`` (:data:`GROUPS`)."""
+    _check_group(group)
     _check_fp8("a", a_TZ, 2)
     _check_fp8("b", b_EYZ, 3)
     (tokens, depth), (experts, cols, depth_b) = a_TZ.shape, b_EYZ.shape
-    if depth != depth_b or depth % GROUP or cols % GROUP:
+    if depth != depth_b or depth % group or (cols % group and not b_row_scales):
+        other = "" if b_row_scales else ", like b's other dim (square blocks),"
         raise ValueError(
             f"grouped_block_mm contracts a {tuple(a_TZ.shape)} with b {tuple(b_EYZ.shape)}: "
-            f"the last dims must agree and, like b's other dim, be multiples of {GROUP}"
+            f"the last dims must agree and{other} be multiples of {group}"
         )
-    _check_scales("scale_a", scale_a, (tokens, depth // GROUP))
-    _check_scales("scale_b", scale_b, (experts, cols // GROUP, depth // GROUP))
+    _check_scales("scale_a", scale_a, (tokens, depth // group))
+    b_scale_rows = cols if b_row_scales else cols // group
+    _check_scales("scale_b", scale_b, (experts, b_scale_rows, depth // group))
     if bias_EY is not None and tuple(bias_EY.shape) != (experts, cols):
         raise ValueError(f"bias must be (E, Y) = {(experts, cols)}, got {tuple(bias_EY.shape)}")
     out = torch.empty(tokens, cols, device=a_TZ.device, dtype=out_dtype)
@@ -228,11 +266,12 @@ def grouped_block_mm(
         depth,
         HAS_BIAS=bias_EY is not None,
         MIXED=a_TZ.dtype != b_EYZ.dtype,
+        B_ROW_SCALES=b_row_scales,
         BLOCK_X=ROW_TILE,
         BLOCK_Y=COLUMN_TILE,
-        BLOCK_Z=GROUP,
+        BLOCK_Z=group,
         num_warps=8,
-        num_stages=4,
+        num_stages=_stages(group),
     )
     return out
 
@@ -244,20 +283,23 @@ def k_grouped_block_mm(
     scale_b: torch.Tensor,
     starts: torch.Tensor,
     out_dtype: torch.dtype,
+    group: int = GROUP,
 ) -> torch.Tensor:
     """The k-grouped GEMM (module docstring): ``(E, X, Y)`` from ``a_XP`` (X, P) and ``b_YP``
-    (Y, P) FP8 in 1×128 groups along the padded tokens (scales (X, P/128), (Y, P/128)), and
-    ``starts`` the :func:`padded_starts` boundaries (E + 1 int32 on the operands' device)."""
+    (Y, P) FP8 in 1×g groups along the padded tokens (scales (X, P/g), (Y, P/g)), and
+    ``starts`` the :func:`padded_starts` boundaries for ``group`` (E + 1 int32 on the operands'
+    device); g = ``group`` (:data:`GROUPS`)."""
+    _check_group(group)
     _check_fp8("a", a_XP, 2)
     _check_fp8("b", b_YP, 2)
     (rows, padded), (cols, padded_b) = a_XP.shape, b_YP.shape
-    if padded != padded_b or padded % GROUP:
+    if padded != padded_b or padded % group:
         raise ValueError(
             f"k_grouped_block_mm contracts a {tuple(a_XP.shape)} with b {tuple(b_YP.shape)}: "
-            f"the padded token dims must agree and be a multiple of {GROUP}"
+            f"the padded token dims must agree and be a multiple of {group}"
         )
-    _check_scales("scale_a", scale_a, (rows, padded // GROUP))
-    _check_scales("scale_b", scale_b, (cols, padded // GROUP))
+    _check_scales("scale_a", scale_a, (rows, padded // group))
+    _check_scales("scale_b", scale_b, (cols, padded // group))
     experts = starts.numel() - 1
     out = torch.empty(experts, rows, cols, device=a_XP.device, dtype=out_dtype)
     _k_grouped[(triton.cdiv(cols, COLUMN_TILE), triton.cdiv(rows, WGRAD_ROW_TILE), experts)](
@@ -273,8 +315,8 @@ def k_grouped_block_mm(
         MIXED=a_XP.dtype != b_YP.dtype,
         BLOCK_X=WGRAD_ROW_TILE,
         BLOCK_Y=COLUMN_TILE,
-        BLOCK_Z=GROUP,
+        BLOCK_Z=group,
         num_warps=8,
-        num_stages=4,
+        num_stages=_stages(group),
     )
     return out
