@@ -1,4 +1,4 @@
-"""Multi-head latent attention on 2 gloo ranks against one process (one pool for the module),
+"""Multi-head latent attention on 2 gloo ranks against one process (the shared 2-rank pool),
 YaRN on. tp=2: heads split, compressed projections replicated; in float64, and in float32 with
 sequence parallel (latents all-gathered along the sequence). cp=2: the all-gather path moves
 the compressed latent (counted) and expands it on each rank, in float64, with document masking
@@ -12,13 +12,12 @@ import pytest
 from mla_checks import FP8_SHAPES, SHAPES
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=2)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 10], ids=["no-q-lora", "q-lora"])

@@ -11,15 +11,14 @@ import pytest
 from mla_checks import SHAPES
 from parallel_tolerances import FP64_VS_FP64, assert_close
 
-from mt_comm.testing import DistributedPool
+from mt_comm.testing import DistributedPool, PoolCache
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as pool:
-        yield pool
+def pool(distributed_pools: PoolCache) -> DistributedPool:
+    return distributed_pools.get(world_size=4)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["cp2-tp2", "cp2-tp2-sp"])
