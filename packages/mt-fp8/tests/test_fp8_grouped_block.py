@@ -1,4 +1,5 @@
-"""The grouped block-scaled path of FP8GroupedLinear (mt_fp8.grouped_block) against the
+"""The grouped block-scaled path of FP8GroupedLinear (mt_fp8.grouped_block), under block
+scaling (1×128 groups, 128×128 weight blocks) and MXFP8 (1×32 groups everywhere), against the
 per-expert loop and against float64.
 
 CPU cases run the Triton kernels (GEMMs and quantizers) in Triton's interpreter, only under
@@ -7,21 +8,25 @@ CPU cases run the Triton kernels (GEMMs and quantizers) in Triton's interpreter,
     TRITON_INTERPRET=1 pytest -q packages/mt-fp8/tests/test_fp8_grouped_block.py
 
 The ``gpu`` cases run the real kernels at a DeepSeek-V2-Lite expert shape (64 experts, K 2048,
-N 1408 = 11 · 128).
+N 1408 = 11 · 128)::
+
+    pytest -q -m gpu packages/mt-fp8/tests/test_fp8_grouped_block.py
 
 Operands: the grouped path's FP8 bytes and scales equal the loop's quantizers' per expert (the
 padded wgrad segments included), so the two differ only in how the GEMMs sum. Bounds, per output
 element, against the float64 product ``Σ_k a'_k b'_k`` of the dequantized operands
 (``a' = a_q · s_a``; ``M = Σ_k |a'_k||b'_k|``), with ``u = 2^-24``:
 
-* Grouped kernel in the interpreter: each 128-step sums 128 exact products of FP8 values in fp32
-  (at most 127·u·M over the step), its two scale products round twice (2u), and the fp32
-  accumulator adds Z/128 <= 2 steps (2u): under 131·u·M, bounded by 2^-16·M = 256·u·M.
+* Grouped kernel in the interpreter: each g-step (g = 128 block, 32 MXFP8) sums g exact products
+  of FP8 values in fp32 (at most (g - 1)·u·M over the step), its two scale products round twice
+  (2u; MX's power-of-two scales not at all), and the fp32 accumulator adds Z/g <= 8 steps (8u):
+  under 137·u·M, bounded by 2^-16·M = 256·u·M.
 * Grouped kernel on a GPU: FP8 tensor cores keep about 14 bits within a 128-step (DeepSeek-V3
-  report, §3.3.2): 2^-12·M, the bound of the dense block GEMM (test_fp8_block_fast.py); the
-  fp32 promotion adds (Z/128)·u·M, negligible.
+  report, §3.3.2): 2^-12·M, the bound of the dense block GEMM (test_fp8_block_fast.py), which
+  a 32-step keeps too; the fp32 promotion adds (Z/g)·u·M, negligible.
 * The loop on the CPU (emulated: operands dequantized to fp32, one rounding each, then an fp32
-  matmul over Z): (Z + 2)·u·M. On a GPU (backend "triton", the dense Triton block GEMM): 2^-12·M.
+  matmul over Z): (Z + 2)·u·M. On a GPU (backend "triton", the dense Triton block GEMM, 1×g
+  steps as the grouped kernel's): 2^-12·M.
 * Outputs: one rounding from fp32 into the output dtype, and with the bias one fp32 rounding of
   the sum: eps·(|product| + |reference|) covers both (eps = 2^-23 for fp32, 2^-7 for bf16; each
   rounding is at most eps/2 of its value).
@@ -44,12 +49,13 @@ from mt_fp8 import (
     BlockScaling,
     FormatConfig,
     FP8GroupedLinear,
+    MXFP8Scaling,
     TensorRole,
+    TensorwiseScaling,
     quantize,
 )
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.grouped_block import _TokenSegments, fp8_block_grouped_linear
-from mt_fp8.quantized import BLOCKS_128X128, GROUPS_1X128
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
@@ -61,6 +67,13 @@ FORMATS = [pytest.param(E4M3, id="e4m3"), pytest.param(HYBRID, id="hybrid")]
 # a partial group.
 SIZES = [37, 0, 128, 140, 0]
 K = N = 256
+# MXFP8: fewer than 32 tokens, none (middle and last), 70 and 45 (not multiples of 32), 128. N is
+# no multiple of 128 (MXFP8 layers need 32): the kernels' last column tile is partial.
+MX_SIZES = [19, 0, 70, 128, 45, 0]
+MX_K, MX_N = 128, 96
+RECIPES = ("block", "mxfp8")
+SHAPES = {"block": (SIZES, K, N), "mxfp8": (MX_SIZES, MX_K, MX_N)}
+"""Per recipe: the group sizes, K and N of the CPU cases."""
 GPU_E, GPU_K, GPU_N = 64, 2048, 1408  # DeepSeek-V2-Lite's routed experts (1408 = 11 · 128)
 U = 2.0**-24
 
@@ -81,14 +94,22 @@ def kernels():
     return grouped_block_gemm
 
 
-def make_layer(experts, k, n, formats, dtype, device, backend="auto", bias=True):
+def make_recipe(name, formats):
+    return BlockScaling(formats=formats) if name == "block" else MXFP8Scaling(formats=formats)
+
+
+def group_of(recipe):
+    return recipe.layout(TensorRole.INPUT).block[1]
+
+
+def make_layer(experts, k, n, formats, dtype, device, backend="auto", bias=True, recipe="block"):
     torch.manual_seed(0)
     layer = FP8GroupedLinear(
         experts,
         k,
         n,
         bias=bias,
-        recipe=BlockScaling(formats=formats),
+        recipe=make_recipe(recipe, formats),
         backend=backend,
         dtype=dtype,
         device=device,
@@ -129,7 +150,9 @@ def dequantized(x, fmt, layout):
 def references(layer, x, dy, sizes):
     """Per expert: the float64 products of the loop's dequantized FP8 operands, their
     magnitudes ``Σ|a'||b'|`` and contraction lengths, for y (with bias), dx and dW."""
-    formats = layer.recipe.formats
+    formats, recipe = layer.recipe.formats, layer.recipe
+    group, weight_layout = group_of(recipe), recipe.layout(TensorRole.WEIGHT)
+    layouts = {role: recipe.layout(role) for role in (TensorRole.INPUT, TensorRole.GRAD_OUTPUT)}
     weight = layer.weight.detach()
     y_e = torch.zeros(0, weight.shape[1], dtype=torch.float64, device=x.device)
     dx_e = torch.zeros(0, weight.shape[2], dtype=torch.float64, device=x.device)
@@ -144,17 +167,22 @@ def references(layer, x, dy, sizes):
                 for i in range(3):
                     out[name][i].append(part)
             continue
-        w = dequantized(weight[e], formats.weight, BLOCKS_128X128)
-        pad = -size % 128
-        x_q = dequantized(x_e, formats.input, GROUPS_1X128)
-        dy_q = dequantized(dy_e, formats.grad_output, GROUPS_1X128)
-        # The loop's wgrad operands: x_eᵀ and dy_eᵀ padded with zeros to whole 128-groups.
-        x_t = dequantized(F.pad(x_e.t(), (0, pad)), formats.input, GROUPS_1X128)
-        dy_t = dequantized(F.pad(dy_e.t(), (0, pad)), formats.grad_output, GROUPS_1X128)
+        w = dequantized(weight[e], formats.weight, weight_layout)
+        # Wᵀ: square blocks transpose exactly; MXFP8 quantizes W_eᵀ afresh along N.
+        square = weight_layout.block[0] == weight_layout.block[1]
+        w_t = w.t() if square else dequantized(weight[e].t(), formats.weight, weight_layout)
+        pad = -size % group
+        x_q = dequantized(x_e, formats.input, layouts[TensorRole.INPUT])
+        dy_q = dequantized(dy_e, formats.grad_output, layouts[TensorRole.GRAD_OUTPUT])
+        # The loop's wgrad operands: x_eᵀ and dy_eᵀ padded with zeros to whole groups.
+        x_t = dequantized(F.pad(x_e.t(), (0, pad)), formats.input, layouts[TensorRole.INPUT])
+        dy_t = dequantized(
+            F.pad(dy_e.t(), (0, pad)), formats.grad_output, layouts[TensorRole.GRAD_OUTPUT]
+        )
         bias = layer.bias.detach()[e].double()
         for name, a, b, extra in (
             ("y", x_q, w, bias),
-            ("dx", dy_q, w.t(), None),
+            ("dx", dy_q, w_t, None),
             ("dw", dy_t, x_t, None),
         ):
             product = a @ b.t()
@@ -208,6 +236,24 @@ def test_reasons_for_block_scaling():
     assert reason is not None and reason.startswith("backend 'triton' keeps the per-expert loop")
 
 
+def test_reasons_for_mxfp8():
+    layer = make_layer(len(MX_SIZES), MX_K, MX_N, HYBRID, torch.float32, "cpu", recipe="mxfp8")
+    x, _ = make_inputs(MX_SIZES, MX_K, MX_N, torch.float32, "cpu")
+    reason = grouped_gemm_reason(x, layer.weight, MX_SIZES, layer.recipe, "auto", torch.float32)
+    assert reason == (
+        "the grouped block-scaled GEMM is a Triton kernel for CUDA GPUs of compute capability "
+        ">= 9.0 with Triton, not cpu"
+    )
+    narrow = torch.empty(len(MX_SIZES), 48, MX_K)
+    reason = grouped_gemm_reason(x, narrow, MX_SIZES, layer.recipe, "auto", torch.float32)
+    assert reason == (
+        "the grouped mxfp8 GEMM needs K and N divisible by 32 (whole 1x32 groups of W and Wᵀ), "
+        "got K=128, N=48"
+    )
+    reason = grouped_gemm_reason(x, layer.weight, MX_SIZES, layer.recipe, "bf16", torch.float32)
+    assert reason is not None and reason.startswith("backend 'bf16' keeps the per-expert loop")
+
+
 def test_bad_calls_are_refused():
     layer = make_layer(len(SIZES), K, N, E4M3, torch.float32, "cpu")
     x, _ = make_inputs(SIZES, K, N, torch.float32, "cpu")
@@ -219,6 +265,15 @@ def test_bad_calls_are_refused():
     narrow = torch.empty(len(SIZES), 192, K)
     with pytest.raises(ValueError, match=r"K and N divisible by 128.*N=192"):
         fp8_block_grouped_linear(x, narrow, None, SIZES, plan)
+    mx_layer = make_layer(len(SIZES), K, N, HYBRID, torch.float32, "cpu", recipe="mxfp8")
+    mx_plan = mx_layer.linear_plan(x, None)
+    with pytest.raises(ValueError, match="mxfp8 scaling runs grouped through"):
+        fp8_grouped_linear(x, mx_layer.weight, None, SIZES, mx_plan)
+    with pytest.raises(ValueError, match=r"K and N divisible by 32 \(whole 1x32 groups.*N=48"):
+        fp8_block_grouped_linear(x, torch.empty(len(SIZES), 48, K), None, SIZES, mx_plan)
+    tensorwise = FP8GroupedLinear(len(SIZES), K, N, recipe=TensorwiseScaling())
+    with pytest.raises(ValueError, match=r"group=128 and weight_block=128, or MXFP8Scaling, got"):
+        fp8_block_grouped_linear(x, layer.weight, None, SIZES, tensorwise.linear_plan(x, None))
 
 
 def test_tables_from_the_host_sizes():
@@ -230,6 +285,7 @@ def test_tables_from_the_host_sizes():
         *(3, 293, 305),
     ]
     assert kernels().padded_starts([37, 0, 128, 140, 0]) == [0, 128, 128, 256, 512, 512]
+    assert kernels().padded_starts(MX_SIZES, 32) == [0, 32, 32, 128, 256, 320, 320]
 
 
 def test_kernels_refuse_what_they_cannot_take():
@@ -255,6 +311,43 @@ def test_kernels_refuse_what_they_cannot_take():
         kernels().k_grouped_block_mm(
             fp8(64, 256), torch.ones(64, 2), fp8(64, 200), torch.ones(64, 2), starts, torch.float32
         )
+    # MXFP8's steps: 1x32 scales for a and for each row of b, whose rows need no multiple.
+    with pytest.raises(ValueError, match=r"in groups of 32 or 128, got group=64"):
+        mm(a, torch.ones(8, 4), b, torch.ones(2, 2, 4), tiles, torch.float32, group=64)
+    with pytest.raises(
+        ValueError, match=r"scale_b must be .* of shape \(2, 100, 8\), got \(2, 4, 8\)"
+    ):
+        mm(
+            a,
+            torch.ones(8, 8),
+            fp8(2, 100, 256),
+            torch.ones(2, 4, 8),
+            tiles,
+            torch.float32,
+            group=32,
+            b_row_scales=True,
+        )
+    with pytest.raises(ValueError, match=r"the last dims must agree and be multiples of 32"):
+        mm(
+            fp8(8, 48),
+            torch.ones(8, 1),
+            fp8(2, 100, 48),
+            torch.ones(2, 100, 1),
+            tiles,
+            torch.float32,
+            group=32,
+            b_row_scales=True,
+        )
+    with pytest.raises(ValueError, match=r"padded token dims must agree and be a multiple of 32"):
+        kernels().k_grouped_block_mm(
+            fp8(64, 48),
+            torch.ones(64, 1),
+            fp8(64, 48),
+            torch.ones(64, 1),
+            starts,
+            torch.float32,
+            group=32,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,32 +367,37 @@ def assert_same(data, scale, expected_data, expected_scale):
     assert torch.equal(as_bytes(data)[~nan_data], as_bytes(expected_data)[~nan_data])
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("formats", "dtype"),
     [(E4M3, torch.float32), (HYBRID, torch.bfloat16)],
     ids=["e4m3-fp32", "hybrid-bf16"],
 )
-def test_grouped_operands_are_the_loops(device, formats, dtype):
+def test_grouped_operands_are_the_loops(device, formats, dtype, recipe):
     """The stacked W and Wᵀ and the padded wgrad segments of xᵀ and dyᵀ, expert by expert,
     against what the loop's quantizers (the Triton kernels here) give each expert."""
-    layer = make_layer(len(SIZES), K, N, formats, dtype, device)
-    x, dy = make_inputs(SIZES, K, N, dtype, device)
-    x[40, 3] = float("inf")  # a NaN scale in expert 2's first column group
-    x[:37] = 0  # expert 0's tokens are zeros: scale 1
+    sizes, k, n = SHAPES[recipe]
+    layer = make_layer(len(sizes), k, n, formats, dtype, device, recipe=recipe)
+    group = group_of(layer.recipe)
+    x, dy = make_inputs(sizes, k, n, dtype, device)
+    # Token 40 is expert 2's 4th (block) or 22nd (MXFP8) token: a NaN scale in its segment's
+    # first column group, the second group of the padded tokens.
+    x[40, 3] = float("inf")
+    x[: sizes[0]] = 0  # expert 0's tokens are zeros: scale 1
     plan, loop_plan = layer.linear_plan(x, None), layer.linear_plan(x, None)
     weight, weight_t = grouped_module._quantize_weights(plan, layer.weight.detach(), True)
-    segments = _TokenSegments.of(SIZES, x.device)
-    starts = kernels().padded_starts(SIZES)
+    segments = _TokenSegments.of(sizes, x.device, group)
+    starts = kernels().padded_starts(sizes, group)
     assert segments.padded_tokens == starts[-1] and segments.dest_T is not None
     assert torch.equal(segments.starts.cpu(), torch.tensor(starts, dtype=torch.int32))
     for role, values in ((TensorRole.INPUT, x), (TensorRole.GRAD_OUTPUT, dy)):
         columns = segments.quantize(plan, values, role)
         assert columns.data.shape == (values.shape[1], starts[-1])
         start = 0
-        for e, size in enumerate(SIZES):
+        for e, size in enumerate(sizes):
             begin, end = starts[e], starts[e + 1]
-            group_begin, group_end = begin // 128, end // 128
+            group_begin, group_end = begin // group, end // group
             if size:
                 part = values[start : start + size]
                 q = loop_plan.quantize(part, role, record=False, transposed=True)
@@ -310,17 +408,20 @@ def test_grouped_operands_are_the_loops(device, formats, dtype):
                     q_t.data,
                     q_t.scale,
                 )
-            assert end - begin == -(-size // 128) * 128
+            assert end - begin == -(-size // group) * group
             start += size
         if role is TensorRole.INPUT:  # the edge cases are really there
             assert (columns.scale[:, 0] == 1).all() and columns.scale[3, 1].isnan()
-    for e in range(len(SIZES)):
+    for e in range(len(sizes)):
         w_q, w_t_q = loop_plan.weight_operands(layer.weight.detach()[e], need_transpose=True)
         assert_same(weight.data[e], weight.scale[e], w_q.data, w_q.scale)
         assert_same(weight_t.data[e], weight_t.scale[e], w_t_q.data, w_t_q.scale)
-    # Whole 128-token experts need no scatter: the operand is the plain column quantization.
-    aligned = _TokenSegments.of([128, 0, 256], x.device)
-    assert aligned.dest_T is None and aligned.padded_tokens == 384
+    if recipe == "mxfp8":  # power-of-two scales, and Wᵀ is no transpose of W's scales
+        assert torch.equal(torch.frexp(weight_t.scale)[0], torch.full_like(weight_t.scale, 0.5))
+        assert weight_t.scale.shape == (len(sizes), k, n // 32)
+    # Experts of whole groups need no scatter: the operand is the plain column quantization.
+    aligned = _TokenSegments.of([group, 0, 2 * group], x.device, group)
+    assert aligned.dest_T is None and aligned.padded_tokens == 3 * group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,46 +436,53 @@ def emulated_loop_accumulation(depth):
     return (depth + 2) * U
 
 
-# (formats, dtype, whether the quantizers run as Triton kernels too)
+# (recipe, formats, dtype, whether the quantizers run as Triton kernels too)
 EQUIVALENCE_CASES = {
-    "e4m3-fp32": (E4M3, torch.float32, False),
-    "e4m3-bf16": (E4M3, torch.bfloat16, False),
-    "hybrid-fp32": (HYBRID, torch.float32, False),
-    "hybrid-bf16-triton-quantizers": (HYBRID, torch.bfloat16, True),
+    "e4m3-fp32": ("block", E4M3, torch.float32, False),
+    "e4m3-bf16": ("block", E4M3, torch.bfloat16, False),
+    "hybrid-fp32": ("block", HYBRID, torch.float32, False),
+    "hybrid-bf16-triton-quantizers": ("block", HYBRID, torch.bfloat16, True),
+    "mxfp8-hybrid-fp32": ("mxfp8", HYBRID, torch.float32, False),
+    "mxfp8-e4m3-bf16": ("mxfp8", E4M3, torch.bfloat16, False),
+    "mxfp8-hybrid-bf16-triton-quantizers": ("mxfp8", HYBRID, torch.bfloat16, True),
 }
 
 
 @interpreted
 @pytest.mark.parametrize("case", EQUIVALENCE_CASES)
 def test_grouped_matches_loop_and_float64(case, monkeypatch):
-    formats, dtype, triton_quantizers = EQUIVALENCE_CASES[case]
+    recipe, formats, dtype, triton_quantizers = EQUIVALENCE_CASES[case]
     if not triton_quantizers:
         # The plain-PyTorch quantizers, bit-identical to the Triton ones (test_fp8_block_fast.py
         # and the operand test above), interpret in seconds less; the GEMMs stay Triton.
         monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")
-    layer = make_layer(len(SIZES), K, N, formats, dtype, "cpu")
-    x, dy = make_inputs(SIZES, K, N, dtype, "cpu")
-    grouped = run(layer, x, dy, SIZES, "function")
-    loop = run(layer, x, dy, SIZES, "layer")  # on the CPU the layer loops
-    refs = references(layer, x, dy, SIZES)
-    depths = {"y": K, "dx": N, "dw": 256}  # dw: the loop contracts over each padded segment
+    sizes, k, n = SHAPES[recipe]
+    layer = make_layer(len(sizes), k, n, formats, dtype, "cpu", recipe=recipe)
+    x, dy = make_inputs(sizes, k, n, dtype, "cpu")
+    grouped = run(layer, x, dy, sizes, "function")
+    loop = run(layer, x, dy, sizes, "layer")  # on the CPU the layer loops
+    refs = references(layer, x, dy, sizes)
+    # dw: the loop contracts over each expert's padded segment, the longest here.
+    group = group_of(layer.recipe)
+    depths = {"y": k, "dx": n, "dw": -(-max(sizes) // group) * group}
     eps = torch.finfo(dtype).eps
     check_against_float64_and_loop(
         grouped, loop, refs, depths, interpreter_accumulation, emulated_loop_accumulation, eps
     )
-    for e, size in enumerate(SIZES):
+    for e, size in enumerate(sizes):
         if size == 0:
-            assert torch.equal(grouped["dw"][e], torch.zeros(N, K, dtype=dtype))
+            assert torch.equal(grouped["dw"][e], torch.zeros(n, k, dtype=dtype))
 
 
 @interpreted
-def test_grouped_health_counts_are_the_loops(monkeypatch):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_health_counts_are_the_loops(recipe, monkeypatch):
     monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as in the test above
-    sizes = SIZES
+    sizes, k, n = SHAPES[recipe]
     counts = {}
     for path in ("grouped", "loop"):
-        layer = make_layer(len(sizes), K, N, E4M3, torch.float32, "cpu")
-        x, dy = make_inputs(sizes, K, N, torch.float32, "cpu")
+        layer = make_layer(len(sizes), k, n, E4M3, torch.float32, "cpu", recipe=recipe)
+        x, dy = make_inputs(sizes, k, n, torch.float32, "cpu")
         x[4, 0], x[4, 1] = 1e4, 1e-6  # the second flushes to zero at the first one's scale
         run(layer, x, dy, sizes, "function" if path == "grouped" else "layer")
         counts[path] = layer.fp8_meta.health.clone()
@@ -383,7 +491,7 @@ def test_grouped_health_counts_are_the_loops(monkeypatch):
     assert grouped[0, 1] > 0  # the flush really counted
     # The loop counts the weights of experts with tokens, the grouped path all of them.
     present = sum(size > 0 for size in sizes)
-    assert grouped[1, 2] == len(sizes) * N * K and loop[1, 2] == present * N * K
+    assert grouped[1, 2] == len(sizes) * n * k and loop[1, 2] == present * n * k
 
 
 class AtenOpCount(TorchDispatchMode):
@@ -396,10 +504,10 @@ class AtenOpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_call(experts):
+def ops_per_call(experts, recipe):
     """Aten ops of one forward + backward (no bias: its gradient is one sum per expert)."""
-    sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # some empty, none whole 128s
-    layer = make_layer(experts, 128, 128, HYBRID, torch.bfloat16, "cpu", bias=False)
+    sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # some empty, most partial groups
+    layer = make_layer(experts, 128, 128, HYBRID, torch.bfloat16, "cpu", bias=False, recipe=recipe)
     x, dy = make_inputs(sizes, 128, 128, torch.bfloat16, "cpu")
     x.requires_grad_()
     plan = layer.linear_plan(x, None)
@@ -412,9 +520,10 @@ def ops_per_call(experts):
 
 
 @interpreted
-def test_ops_per_call_do_not_grow_with_the_number_of_experts(monkeypatch):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe, monkeypatch):
     monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
-    assert ops_per_call(4) == ops_per_call(24)
+    assert ops_per_call(4, recipe) == ops_per_call(24, recipe)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,17 +535,21 @@ def hardware_accumulation(depth):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("formats", FORMATS)
 @pytest.mark.parametrize(
     ("dtype", "autocast"),
     [(torch.bfloat16, False), (torch.float32, True)],
     ids=["bf16", "fp32-autocast"],
 )
-def test_grouped_matches_loop_on_cuda(formats, dtype, autocast):
+def test_grouped_matches_loop_on_cuda(formats, dtype, autocast, recipe):
     sizes = gpu_sizes()
-    grouped_layer = make_layer(GPU_E, GPU_K, GPU_N, formats, dtype, "cuda")
-    # The loop on the dense Triton block GEMM per expert ("auto" would group).
-    loop_layer = make_layer(GPU_E, GPU_K, GPU_N, formats, dtype, "cuda", backend="triton")
+    grouped_layer = make_layer(GPU_E, GPU_K, GPU_N, formats, dtype, "cuda", recipe=recipe)
+    # The loop on the dense Triton block GEMM per expert ("auto" would group; for MXFP8 it
+    # would run the loop's exact bf16 GEMMs).
+    loop_layer = make_layer(
+        GPU_E, GPU_K, GPU_N, formats, dtype, "cuda", backend="triton", recipe=recipe
+    )
     x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
     x, dy = x.to(dtype), dy.to(dtype)
     out_dtype = torch.bfloat16
@@ -458,11 +571,14 @@ def test_grouped_matches_loop_on_cuda(formats, dtype, autocast):
 
 
 @pytest.mark.gpu
-def test_grouped_call_does_not_synchronize_on_cuda():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_call_does_not_synchronize_on_cuda(recipe):
     # Group sizes as host ints: a forward + backward waits for the device nowhere (CUDA's sync
     # debug mode raises on a blocking copy, .item() or nonzero).
     sizes = gpu_sizes()
-    layer = make_layer(GPU_E, GPU_K, GPU_N, HYBRID, torch.bfloat16, "cuda", bias=False)
+    layer = make_layer(
+        GPU_E, GPU_K, GPU_N, HYBRID, torch.bfloat16, "cuda", bias=False, recipe=recipe
+    )
     x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
     x.requires_grad_()
     step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
