@@ -21,7 +21,10 @@ E4M3 only), the ``_e4m3`` recipes (all roles E4M3) group all three GEMMs. Block 
 three GEMMs in mt-fp8's Triton kernels (``mt_fp8.grouped_block``); its loop is the one backend
 ``"auto"`` ran before that path existed (cuBLAS blockwise GEMMs where their rule takes the
 operands, the Triton block GEMM otherwise), reached by making ``grouped_gemm_reason`` answer
-with a reason (:func:`per_expert_loop`). Times are medians of CUDA-event timings (wall clock on
+with a reason (:func:`per_expert_loop`). MXFP8 (``mxfp8``: 1×32 groups with power-of-two scales
+for every operand, hybrid formats) groups all three GEMMs in the same kernels with 32-deep
+steps; its loop is backend ``"auto"``'s per-expert path (on Hopper, which has no MX tensor
+cores, the exact bf16 GEMM of the dequantized operands, ``mt_fp8.gemm``). Times are medians of CUDA-event timings (wall clock on
 CPU), in ms (``harness.median_ms``); after the table, each recipe's grouped path against its
 loop and against bf16 ``grouped_mm``.
 """
@@ -41,6 +44,7 @@ from mt_fp8 import (
     BlockScaling,
     FormatConfig,
     FP8GroupedLinear,
+    MXFP8Scaling,
     RowwiseScaling,
     TensorwiseScaling,
 )
@@ -57,8 +61,9 @@ RECIPES = [
     ("rowwise_e4m3", RowwiseScaling(formats=E4M3)),
     ("block", BlockScaling()),
     ("block_hybrid", BlockScaling(formats=FormatConfig())),
+    ("mxfp8", MXFP8Scaling()),
 ]
-LOOP_BACKENDS = {"block": "auto", "block_hybrid": "auto"}
+LOOP_BACKENDS = {"block": "auto", "block_hybrid": "auto", "mxfp8": "auto"}
 """The loop's backend per recipe where it is not ``"scaled_mm"`` (module docstring)."""
 
 
@@ -161,11 +166,12 @@ def speedups(shape: str, row: dict) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    """Print the table and notes; returns each shape's row (keyed ``"E, K, N"``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
     parser.add_argument("--iters", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         shapes, tokens, iters = SMOKE_SHAPES, SMOKE_TOKENS, 1
@@ -181,7 +187,7 @@ def main() -> None:
         f"torch {torch.__version__}, T = {tokens}, bf16, fwd+bwd ms (median of {iters})\n"
     )
     for name, recipe in RECIPES:
-        if isinstance(recipe, BlockScaling):
+        if isinstance(recipe, (BlockScaling, MXFP8Scaling)):
             grouped = list(GEMMS)  # mt_fp8.grouped_block: all three, any formats
         else:
             grouped = [g for g in GEMMS if gemm_reason(g, recipe, [16], torch.bfloat16) is None]
@@ -189,9 +195,10 @@ def main() -> None:
     print()
     print("| E, K, N | " + " | ".join(columns) + " |")
     print("| --- | " + " | ".join("---" for _ in columns) + " |")
-    notes = []
+    notes, rows = [], {}
     for experts, k, n in shapes:
         row = bench_shape(experts, k, n, tokens, device, iters)
+        rows[f"{experts}, {k}, {n}"] = row
         cells = ["n/a" if row[c] is None else f"{row[c]:.2f}" for c in columns]
         print(f"| {experts}, {k}, {n} | " + " | ".join(cells) + " |")
         notes.append(f"{experts}, {k}, {n}: group sizes {row['sizes']}")
@@ -200,6 +207,7 @@ def main() -> None:
     print()
     for note in notes:
         print(f"- {note}")
+    return rows
 
 
 if __name__ == "__main__":
