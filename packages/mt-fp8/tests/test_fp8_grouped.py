@@ -166,8 +166,8 @@ def test_reasons_keep_the_loop_on_cpu():
     )
     reason = grouped_gemm_reason(x, layer.weight, ALIGNED, DelayedScaling(), "auto", x.dtype)
     assert reason == (
-        "the grouped FP8 GEMM takes current tensorwise, rowwise or block scaling, not the "
-        "delayed recipe"
+        "the grouped FP8 GEMM takes current tensorwise, rowwise, block or MXFP8 scaling, "
+        "not the delayed recipe"
     )
     reason = grouped_gemm_reason(x, layer.weight, ALIGNED, layer.recipe, "emulate", x.dtype)
     assert reason is not None and reason.startswith("backend 'emulate' keeps the per-expert loop")
