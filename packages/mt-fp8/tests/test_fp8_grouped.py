@@ -461,10 +461,11 @@ class WholeStackOutputs(TorchDispatchMode):
 
 @pytest.mark.parametrize("recipe_name", ["rowwise", "block"])
 def test_loop_backward_builds_the_weight_gradient_once(recipe_name):
-    # The per-expert loop (every recipe on CPU; block and MXFP8 everywhere) once indexed the
-    # stacked weight per expert, and each index's backward wrote a zero tensor of the whole
-    # stack and added into it: 2E whole-stack tensors per backward (10x slower steps at 64
-    # experts on the GPU). Now: the stacked gradient plus the accumulation into .grad.
+    # The per-expert loop (every recipe on CPU, and wherever grouped_gemm_reason gives a
+    # reason) once indexed the stacked weight per expert, and each index's backward wrote a
+    # zero tensor of the whole stack and added into it: 2E whole-stack tensors per backward
+    # (10x slower steps at 64 experts on the GPU). Now: the stacked gradient plus the
+    # accumulation into .grad.
     experts, dim = 16, 128
     layer = FP8GroupedLinear(experts, dim, dim, recipe=recipe_from_name(recipe_name), bias=False)
     sizes = [8 * (e % 3) for e in range(experts)]
