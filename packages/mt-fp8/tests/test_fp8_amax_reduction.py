@@ -8,6 +8,10 @@ What must hold: with the reduction, each rank's FP8 bytes are exactly its slice 
 tensor's quantization and every rank holds the unsharded scale. Then a column-parallel FP8Linear
 split over the ranks multiplies exactly the FP8 operands the unsharded layer multiplies, so its
 outputs differ from the unsharded layer's only by fp32 summation order (bounded below).
+
+The same spawn runs delayed scaling's reduction (test_fp8_delayed.py's subject, here to save a
+second start of two ranks): ``update_fp8_scales`` MAX-reduces each rank's amax history over the
+group ``fp8_autocast`` recorded, so both ranks reach the same scales.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import torch.multiprocessing as mp
 
 from mt_fp8 import (
     ROWWISE,
+    DelayedScaling,
     FP8Format,
     FP8Linear,
     TensorRole,
     TensorwiseScaling,
     fp8_autocast,
     quantize,
+    update_fp8_scales,
 )
 from mt_fp8.ops import quantize_transpose_amax
 
@@ -80,6 +86,21 @@ def column_parallel_run(rank: int, roles: tuple[TensorRole, ...]) -> dict[str, t
     }
 
 
+def delayed_scaling_run(rank: int) -> dict[str, torch.Tensor]:
+    """Delayed scaling on two ranks: each records its own amaxes, the update reduces them."""
+    torch.manual_seed(0)  # same weights on both ranks
+    recipe = DelayedScaling(amax_history_len=2)
+    layer = FP8Linear(64, 32, recipe=recipe)
+    generator = torch.Generator().manual_seed(rank + 1)
+    x = torch.randn(16, 64, generator=generator) * (rank + 1)  # rank 1 has the larger amax
+    dy = torch.randn(16, 32, generator=generator) / (rank + 1)  # rank 0 has the larger amax
+    with fp8_autocast(amax_group=dist.group.WORLD):
+        layer(x).backward(dy)
+    local = layer.fp8_meta.amax_history[0].clone()
+    update_fp8_scales(layer, recipe)  # reduces over the group recorded by fp8_autocast
+    return {"local": local, "scale": layer.fp8_meta.scale.clone()}
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -115,6 +136,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         out["nan_fused_scale"] = quantize_transpose_amax(
             poisoned, FP8Format.E4M3, amax_group=group
         )[0].scale
+        out["delayed"] = delayed_scaling_run(rank)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -182,6 +204,16 @@ def test_nan_on_one_rank_reaches_every_rank(results):
     for rank_result in results:
         assert rank_result["nan_scale"].isnan().all()
         assert rank_result["nan_fused_scale"].isnan().all()
+
+
+def test_amax_is_max_reduced_across_two_gloo_ranks(results):
+    # Delayed scaling (moved here from test_fp8_delayed.py to share this module's spawn).
+    rank0, rank1 = (r["delayed"] for r in results)
+    assert not torch.equal(rank0["local"], rank1["local"])
+    global_amax = torch.maximum(rank0["local"], rank1["local"])
+    fmt_max = torch.tensor([FP8Format.E4M3.max, FP8Format.E4M3.max, FP8Format.E5M2.max])
+    assert torch.equal(rank0["scale"], rank1["scale"])
+    assert torch.allclose(rank0["scale"], global_amax / fmt_max, rtol=1e-6)
 
 
 def test_amax_group_is_refused_where_it_has_no_meaning():

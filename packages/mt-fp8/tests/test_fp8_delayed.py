@@ -1,16 +1,13 @@
 """Delayed scaling: amax history update, current scales until the first update, state-dict round
-trip, amax reduction over 2 gloo ranks."""
+trip. Its amax reduction over 2 gloo ranks is tested in test_fp8_amax_reduction.py, in that
+module's spawn (one start of two ranks for both)."""
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from mt_fp8 import (
@@ -19,7 +16,6 @@ from mt_fp8 import (
     FP8Linear,
     TensorRole,
     TensorwiseScaling,
-    fp8_autocast,
     scale_from_amax,
     update_fp8_scales,
 )
@@ -113,45 +109,6 @@ def test_loading_recorded_history_uses_its_scales():
     assert restored.fp8_meta.scales_ready
     restored.load_state_dict(fresh.state_dict())  # an untouched history: nothing recorded yet
     assert not restored.fp8_meta.scales_ready
-
-
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)  # same weights on both ranks
-        recipe = DelayedScaling(amax_history_len=2)
-        layer = FP8Linear(64, 32, recipe=recipe)
-        generator = torch.Generator().manual_seed(rank + 1)
-        x = torch.randn(16, 64, generator=generator) * (rank + 1)  # rank 1 has the larger amax
-        dy = torch.randn(16, 32, generator=generator) / (rank + 1)  # rank 0 has the larger amax
-        with fp8_autocast(amax_group=dist.group.WORLD):
-            layer(x).backward(dy)
-        local = layer.fp8_meta.amax_history[0].clone()
-        update_fp8_scales(layer, recipe)  # reduces over the group recorded by fp8_autocast
-        torch.save(
-            {"local": local, "scale": layer.fp8_meta.scale.clone()},
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def two_rank_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=2, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
-
-
-def test_amax_is_max_reduced_across_two_gloo_ranks(two_rank_results):
-    rank0, rank1 = two_rank_results
-    assert not torch.equal(rank0["local"], rank1["local"])
-    global_amax = torch.maximum(rank0["local"], rank1["local"])
-    fmt_max = torch.tensor([E4M3_MAX, E4M3_MAX, E5M2_MAX])
-    assert torch.equal(rank0["scale"], rank1["scale"])
-    assert torch.allclose(rank0["scale"], global_amax / fmt_max, rtol=1e-6)
 
 
 def update_layer_by_layer(metas: list[FP8Meta], recipe: DelayedScaling) -> None:
