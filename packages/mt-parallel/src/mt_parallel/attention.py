@@ -44,7 +44,7 @@ from mt_parallel.context_parallel import context_parallel_attention
 from mt_parallel.document_attention import check_flex, flex_document_attention
 from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 from mt_parallel.mappings import group_size
-from mt_parallel.ring_attention import ring_attention
+from mt_parallel.ring_attention import KVExpander, expanded_ring_attention, ring_attention
 from mt_parallel.rng import forks_rng, rng_region
 
 RING_DROPOUT_ERROR = "ring attention has no attention dropout: use cp_attention=all_gather"
@@ -129,6 +129,11 @@ class CoreAttention(nn.Module):
         may gather a narrower tensor itself and pass ``kv_gathered=True``."""
         return group_size(self.cp_group) > 1 and not self.cp_ring
 
+    def rings_kv(self) -> bool:
+        """Whether the forward passes K/V around the cp ring (cp > 1 with the ring), so a
+        caller may hand it a narrower block and a ``kv_expander`` instead."""
+        return group_size(self.cp_group) > 1 and self.cp_ring
+
     def forks_rng(self) -> bool:
         """Whether the next forward draws from the RNG tracker (recompute then replays it)."""
         return forks_rng(self.training, self.dropout, sharded=True)
@@ -137,14 +142,23 @@ class CoreAttention(nn.Module):
         self,
         q_BHSd: torch.Tensor,
         k_BKSd: torch.Tensor,
-        v_BKSd: torch.Tensor,
+        v_BKSd: torch.Tensor | None,
         document_ids_BS: torch.Tensor | None = None,
         kv_gathered: bool = False,
+        kv_expander: KVExpander | None = None,
     ) -> torch.Tensor:
         """``kv_gathered``: ``k``/``v`` hold the whole sequence in global order
-        (:func:`~mt_parallel.context_parallel.gather_sequence`); only where :meth:`gathers_kv`."""
+        (:func:`~mt_parallel.context_parallel.gather_sequence`); only where :meth:`gathers_kv`.
+        ``kv_expander``: ``k`` is the rank's block of a narrower tensor the ring passes instead
+        of K/V, ``v`` is None, and ``kv_expander`` turns each held block into K/V
+        (:func:`~mt_parallel.ring_attention.expanded_ring_attention`); only where
+        :meth:`rings_kv`."""
         if kv_gathered and not self.gathers_kv():
             raise ValueError("gathered K/V need all-gather context parallelism (cp > 1, no ring)")
+        if kv_expander is not None and not self.rings_kv():
+            raise ValueError(
+                "a K/V block expander needs ring context parallelism (cp > 1, cp_attention=ring)"
+            )
         p = self.dropout if self.training else 0.0
         if document_ids_BS is not None and self.document_mask_kernel == "flex":
             check_flex(group_size(self.cp_group), p, ring=self.cp_ring)
@@ -154,6 +168,10 @@ class CoreAttention(nn.Module):
         if self.cp_ring and group_size(self.cp_group) > 1:
             if p > 0:
                 raise ValueError(RING_DROPOUT_ERROR)
+            if kv_expander is not None:
+                return expanded_ring_attention(
+                    q_BHSd, k_BKSd, kv_expander, self.cp_group, document_ids_BS
+                )
             return ring_attention(q_BHSd, k_BKSd, v_BKSd, self.cp_group, document_ids_BS)
         region = rng_region(True, self.tp_group, q_BHSd.device) if p > 0 else nullcontext()
         with region:

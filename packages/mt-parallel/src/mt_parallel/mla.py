@@ -242,26 +242,64 @@ class MultiLatentAttention(torch.nn.Module):
         q_rot_BSHR, k_rot_BS1R = apply_rotary(
             q_rot_BSHR.contiguous(), k_rot_BSR.reshape(B, S, 1, R).contiguous(), cos_SP, sin_SP
         )
+        heads = q_BSHE.shape[2]
+        q_BHSE = (
+            torch.cat([q_nope_BSHN, q_rot_BSHR], dim=-1) * self.yarn.softmax_scale_factor
+        ).transpose(1, 2)
+        k_rot_BSR = k_rot_BS1R.view(B, S, R)
+        if self.core.rings_kv():
+            # Ring CP: the rank's [c ; RoPE(k_rot)] travel and each rank expands every block
+            # it holds (docstring).
+            block_B1SX = torch.cat([c_BSC, k_rot_BSR], dim=-1).unsqueeze(1)
+            o_BHSV = self.core(
+                q_BHSE, block_B1SX, None, document_ids_BS, kv_expander=_LatentExpansion(self)
+            )
+            return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
         # All-gather CP: the rank's [c ; RoPE(k_rot)] travel, not the expanded K/V (docstring).
         gathered = self.core.gathers_kv()
         if gathered:
-            kv_latent_BSX = torch.cat([c_BSC, k_rot_BS1R.view(B, S, R)], dim=-1)
+            kv_latent_BSX = torch.cat([c_BSC, k_rot_BSR], dim=-1)
             kv_latent_BTX = gather_sequence(kv_latent_BSX, SEQUENCE_DIM, self.core.cp_group)
             c_BTC, k_rot_BTR = kv_latent_BTX.split([C, R], dim=-1)
         else:
-            c_BTC, k_rot_BTR = c_BSC, k_rot_BS1R.view(B, S, R)
-        T = c_BTC.shape[1]
-        kv_BTHW = self.kv_b_proj.forward_prepared(c_BTC.contiguous()).view(B, T, -1, N + V)
-        k_nope_BTHN, v_BTHV = kv_BTHW.split([N, V], dim=-1)
-        heads = q_BSHE.shape[2]
-        q_BSHE = torch.cat([q_nope_BSHN, q_rot_BSHR], dim=-1) * self.yarn.softmax_scale_factor
-        k_rot_BTHR = k_rot_BTR.reshape(B, T, 1, R).expand(B, T, heads, R)
-        k_BTHE = torch.cat([k_nope_BTHN, k_rot_BTHR], dim=-1)
+            c_BTC, k_rot_BTR = c_BSC, k_rot_BSR
+        k_BTHE, v_BTHV = self.expand_latent(c_BTC, k_rot_BTR)
         o_BHSV = self.core(
-            q_BSHE.transpose(1, 2),
+            q_BHSE,
             k_BTHE.transpose(1, 2),
             v_BTHV.transpose(1, 2),
             document_ids_BS,
             kv_gathered=gathered,
         )
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
+
+    def expand_latent(
+        self, c_BTC: torch.Tensor, k_rot_BTR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_BTHE, v_BTHV)`` of this TP rank's heads from the normed latent ``c`` and the
+        rotated shared key: ``[k_nope, k_rot]`` and ``v`` with ``k_nope, v = kv_b(c)``."""
+        N, R, V = self.nope_dim, self.rope_dim, self.v_dim
+        B, T, _ = c_BTC.shape
+        # The GEMMs (FP8 kernels included) read contiguous inputs; the latents are narrow.
+        kv_BTHW = self.kv_b_proj.forward_prepared(c_BTC.contiguous()).view(B, T, -1, N + V)
+        k_nope_BTHN, v_BTHV = kv_BTHW.split([N, V], dim=-1)
+        k_rot_BTHR = k_rot_BTR.reshape(B, T, 1, R).expand(B, T, kv_BTHW.shape[2], R)
+        return torch.cat([k_nope_BTHN, k_rot_BTHR], dim=-1), v_BTHV
+
+
+class _LatentExpansion:
+    """Ring CP's block expander (:class:`~mt_parallel.ring_attention.KVExpander`): a held
+    block ``(B, 1, j, C + R)`` of ``[RMSNorm_kv(c) ; RoPE(k_rot)]`` into this TP rank's heads'
+    ``k_BHjE``, ``v_BHjV`` (:meth:`MultiLatentAttention.expand_latent`); the ring returns the
+    gradient of ``kv_b``'s parameters through :attr:`params`."""
+
+    def __init__(self, mla: MultiLatentAttention) -> None:
+        self.mla = mla
+        self.params = tuple(p for p in mla.kv_b_proj.parameters() if p.requires_grad)
+
+    def __call__(self, block_B1jX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, _, j, X = block_B1jX.shape
+        C = self.mla.kv_lora_rank
+        c_BjC, k_rot_BjR = block_B1jX.reshape(B, j, X).split([C, X - C], dim=-1)
+        k_BjHE, v_BjHV = self.mla.expand_latent(c_BjC, k_rot_BjR)
+        return k_BjHE.transpose(1, 2), v_BjHV.transpose(1, 2)

@@ -39,7 +39,7 @@ all-gather variant). Blocks are computed with plain PyTorch in fp32 (fp64 for fp
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,19 @@ from mt_parallel.context_parallel import check_document_ids, load_balanced_posit
 from mt_parallel.mappings import group_rank, group_size
 
 KV_TAG, GRAD_TAG = 0, 1
+
+
+class KVExpander(Protocol):
+    """Turns a message block the ring passes into that block's K and V (module docstring,
+    "Block expanders")."""
+
+    params: tuple[torch.Tensor, ...]
+    """The tensors (weights) the expansion reads that need gradients; the ring returns theirs."""
+
+    def __call__(self, block_B1jX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_BKjd, v_BKje)`` of the block's ``j`` tokens, differentiable in the block and in
+        :attr:`params`."""
+        ...
 
 
 class _Ring:
@@ -162,28 +175,48 @@ class _Plan:
         )
 
 
+def _rows(block: torch.Tensor, keys: slice) -> torch.Tensor:
+    """The ``keys`` tokens of a message block (tokens on dim 2)."""
+    return block[:, :, keys]
+
+
+def _held_kv(
+    block: torch.Tensor, expander: KVExpander | None, d: int, work: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V (in ``work``) of a message block: split at ``d``, or expanded."""
+    if expander is None:
+        return block[..., :d].to(work), block[..., d:].to(work)
+    k, v = expander(block)
+    return k.to(work), v.to(work)
+
+
 class _RingAttention(torch.autograd.Function):
+    """The ring loop over messages ``msg_B·t·`` (module docstring): ``expander`` None for K|V
+    concatenated along the last dim (split at q's head dim ``d``), else the block expander,
+    whose ``params`` follow as the last inputs and receive its weight gradients."""
+
     @staticmethod
-    def forward(ctx: Any, q_BHtd, k_BKtd, v_BKtd, group: Any, doc_q, doc_all):  # type: ignore[override]
+    def forward(ctx: Any, q_BHtd, msg, expander, group, doc_q, doc_all, *params):  # type: ignore[override]
         B, H, t, d = q_BHtd.shape
-        K, e = k_BKtd.shape[1], v_BKtd.shape[-1]
         work = torch.float64 if q_BHtd.dtype == torch.float64 else torch.float32
         scale = 1.0 / math.sqrt(d)
         ring, plan = _Ring(group), _Plan(group_rank(group), group_size(group), t, doc_all)
-        q = q_BHtd.to(work).view(B, K, H // K, t, d)
-        out = torch.zeros((B, K, H // K, t, e), dtype=work, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
-        kv = torch.cat([k_BKtd, v_BKtd], dim=-1).contiguous()
+        out = lse = q = None
+        kv = msg.contiguous()
         for s in range(plan.cp):
             if s + 1 < plan.cp:
                 next_kv, works = ring.start(kv, KV_TAG)
             rows, keys, _, _ = plan.step(s)
+            k, v = _held_kv(_rows(kv, keys), expander, d, work)
+            if out is None:  # the K/V heads and value dim are known once a block is expanded
+                K, e = k.shape[1], v.shape[-1]
+                if H % K:
+                    raise ValueError(f"{H} query heads are not a multiple of {K} KV heads")
+                q = q_BHtd.to(work).view(B, K, H // K, t, d)
+                out = torch.zeros((B, K, H // K, t, e), dtype=work, device=q.device)
+                lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
             o_b, lse_b = _block_forward(
-                q[:, :, :, rows],
-                kv[:, :, keys, :d].to(work),
-                kv[:, :, keys, d:].to(work),
-                plan.mask(s, doc_q, q.device),
-                scale,
+                q[:, :, :, rows], k, v, plan.mask(s, doc_q, q.device), scale
             )
             new = torch.logaddexp(lse[..., rows], lse_b)
             out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(
@@ -193,31 +226,43 @@ class _RingAttention(torch.autograd.Function):
             if s + 1 < plan.cp:
                 _wait(works)
                 kv = next_kv
-        ctx.save_for_backward(q_BHtd, k_BKtd, v_BKtd, out, lse, doc_q, doc_all)
-        ctx.group, ctx.scale = group, scale
-        return out.view(B, H, t, e).to(q_BHtd.dtype)
+        ctx.save_for_backward(q_BHtd, msg, out, lse, doc_q, doc_all)
+        ctx.group, ctx.scale, ctx.expander, ctx.params = group, scale, expander, params
+        return out.view(B, H, t, -1).to(q_BHtd.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout_BHtd):  # type: ignore[override]
-        q_BHtd, k_BKtd, v_BKtd, out, lse, doc_q, doc_all = ctx.saved_tensors
+        q_BHtd, msg, out, lse, doc_q, doc_all = ctx.saved_tensors
+        expander, params = ctx.expander, ctx.params
         B, H, t, d = q_BHtd.shape
-        K, e, work = k_BKtd.shape[1], v_BKtd.shape[-1], out.dtype
+        K, work = out.shape[1], out.dtype
         ring = _Ring(ctx.group)
         plan = _Plan(group_rank(ctx.group), group_size(ctx.group), t, doc_all)
         q = q_BHtd.to(work).view(B, K, H // K, t, d)
         do = dout_BHtd.to(work).view_as(out)
         delta = (do * out).sum(-1)
         dq = torch.zeros_like(q)
-        kv = torch.cat([k_BKtd, v_BKtd], dim=-1).contiguous()
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        kv = msg.contiguous()
         arrived, grad_works = None, []
         for s in range(plan.cp):
             if s + 1 < plan.cp:
                 next_kv, kv_works = ring.start(kv, KV_TAG)
             rows, keys, _, _ = plan.step(s)
+            block = _rows(kv, keys)
+            if expander is not None:
+                # The block is expanded again (the ring keeps no expanded K/V), with its graph
+                # this time, so the block's dK, dV go back through the expansion below.
+                block = block.detach().requires_grad_()
+                with torch.enable_grad():
+                    k_graph, v_graph = _held_kv(block, expander, d, work)
+                k, v = k_graph.detach(), v_graph.detach()
+            else:
+                k, v = _held_kv(block, None, d, work)
             dq_b, dk_b, dv_b = _block_backward(
                 q[:, :, :, rows],
-                kv[:, :, keys, :d].to(work),
-                kv[:, :, keys, d:].to(work),
+                k,
+                v,
                 do[:, :, :, rows],
                 lse[..., rows],
                 delta[..., rows],
@@ -225,8 +270,18 @@ class _RingAttention(torch.autograd.Function):
                 ctx.scale,
             )
             dq[:, :, :, rows] += dq_b
-            dkv = torch.zeros((B, K, t, d + e), dtype=work, device=q.device)
-            dkv[:, :, keys, :d], dkv[:, :, keys, d:] = dk_b, dv_b
+            if expander is None:
+                d_block = torch.cat([dk_b, dv_b], dim=-1)
+            else:
+                d_block, *d_params = torch.autograd.grad(
+                    (k_graph, v_graph), (block, *params), (dk_b, dv_b), allow_unused=True
+                )
+                for i, grad in enumerate(d_params):
+                    if grad is not None:
+                        acc = param_grads[i]
+                        param_grads[i] = grad.to(work) if acc is None else acc + grad
+            dkv = torch.zeros(kv.shape, dtype=work, device=q.device)
+            dkv[:, :, keys] = d_block
             if arrived is not None:
                 _wait(grad_works)
                 dkv += arrived
@@ -237,12 +292,30 @@ class _RingAttention(torch.autograd.Function):
         _wait(grad_works)
         return (
             dq.view(B, H, t, d).to(q_BHtd.dtype),
-            arrived[..., :d].to(k_BKtd.dtype),
-            arrived[..., d:].to(v_BKtd.dtype),
+            arrived.to(msg.dtype),
             None,
             None,
             None,
+            None,
+            *(
+                None if g is None else g.to(p.dtype)
+                for g, p in zip(param_grads, params, strict=True)
+            ),
         )
+
+
+def _check(q_BHtd: torch.Tensor, cp_group: Any, doc: Any) -> Any:
+    """Validate the ring's inputs; the all-gathered document ids (``B·T`` integers) or None."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        raise ValueError("ring attention needs a cp group of more than one rank")
+    local = q_BHtd.shape[2]
+    if local % 2:
+        raise ValueError(f"ring attention needs an even local length, got {local}")
+    check_document_ids(q_BHtd, doc)
+    if doc is None:
+        return None
+    return mt_comm.all_gather(doc.contiguous(), dim=1, group=cp_group)
 
 
 def ring_attention(
@@ -254,18 +327,28 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal (GQA, optionally document-masked) attention of the load-balanced local tokens
     over the whole sequence, exchanging K/V around the cp ring (module docstring)."""
-    cp = group_size(cp_group)
-    if cp == 1:
-        raise ValueError("ring attention needs a cp group of more than one rank")
-    local = q_BHtd.shape[2]
-    if local % 2:
-        raise ValueError(f"ring attention needs an even local length, got {local}")
-    if q_BHtd.shape[1] % k_BKtd.shape[1]:
+    doc_all = _check(q_BHtd, cp_group, document_ids_Bt)
+    kv_BKtf = torch.cat([k_BKtd, v_BKtd], dim=-1)
+    return _RingAttention.apply(q_BHtd, kv_BKtf, None, cp_group, document_ids_Bt, doc_all)
+
+
+def expanded_ring_attention(
+    q_BHtd: torch.Tensor,
+    block_B1tX: torch.Tensor,
+    expander: KVExpander,
+    cp_group: Any,
+    document_ids_Bt: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`ring_attention` passing ``block_B1tX`` (this rank's tokens of a narrower
+    message, tokens on dim 2) around the ring instead of K/V; each rank turns every block it
+    holds into K/V with ``expander`` (module docstring, "Block expanders")."""
+    if block_B1tX.dim() != 4 or block_B1tX.shape[2] != q_BHtd.shape[2]:
         raise ValueError(
-            f"{q_BHtd.shape[1]} query heads are not a multiple of {k_BKtd.shape[1]} KV heads"
+            f"the ring's block of shape {tuple(block_B1tX.shape)} must be (batch, ·, tokens, ·) "
+            f"with the queries' {q_BHtd.shape[2]} tokens"
         )
-    check_document_ids(q_BHtd, document_ids_Bt)
-    doc_all = None
-    if document_ids_Bt is not None:
-        doc_all = mt_comm.all_gather(document_ids_Bt.contiguous(), dim=1, group=cp_group)
-    return _RingAttention.apply(q_BHtd, k_BKtd, v_BKtd, cp_group, document_ids_Bt, doc_all)
+    doc_all = _check(q_BHtd, cp_group, document_ids_Bt)
+    params = tuple(expander.params)
+    return _RingAttention.apply(
+        q_BHtd, block_B1tX, expander, cp_group, document_ids_Bt, doc_all, *params
+    )
