@@ -1,14 +1,15 @@
 """Multi-head latent attention under ring context parallelism (``cp_attention=ring``) on 2 gloo
 ranks against one process: the ring passes the compressed latent ``[c ; RoPE(k_rot)]`` (C + R
 values per token, counted at the p2p) and every rank expands each block it holds with ``kv_b``;
-float64, with and without q-lora, on packed documents, with the core recomputed. cp=2 × tp=2
-(every TP rank expands its heads from the same latent) is in the slow tier."""
+float64, with and without q-lora, on packed documents, with the core recomputed; FP8 in the
+expansion. cp=2 × tp=2 (every TP rank expands its heads from the same latent) is in the slow
+tier."""
 
 from __future__ import annotations
 
 import mla_ring_checks
 import pytest
-from mla_checks import SHAPES
+from mla_checks import FP8_SHAPES, SHAPES
 from parallel_tolerances import FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool, PoolCache
@@ -67,3 +68,15 @@ def test_mla_ring_cp2_tp2_equals_one_process(distributed_pools: PoolCache) -> No
         # over tp is an O(1) error).
         check_latent_sends(result, SHAPES)
         assert_close(result, FP64_VS_FP64)
+
+
+def test_mla_ring_fp8_expansion(pool: DistributedPool) -> None:
+    for result in pool.run(mla_ring_checks.ring_cp_parity, q_lora_rank=16, fp8_gemms=("forward",)):
+        check_latent_sends(result, FP8_SHAPES)
+        # kv_b's forward GEMM in FP8 (tensorwise current scaling, emulated), fp32 against the
+        # same FP8 layer on one process. Each ring block is quantized with its own amax, the
+        # one process with the whole sequence's, so an expanded K/V entry may land on the
+        # neighbouring E4M3 value: up to E4M3's unit roundoff 2^-4 relative to the largest
+        # entry, and the output and gradients (averages over keys) stay below it (observed
+        # <= 0.04). A scale applied twice or a block quantized with no scale is O(1).
+        assert_close(result, 2.0**-4)

@@ -4,7 +4,8 @@ Shape suffixes: B batch, S tokens in the TP region (``T_seq/cp``), D model width
 (this TP rank's), N = ``qk_nope_head_dim``, R = ``qk_rope_head_dim``, E = N + R, V =
 ``v_head_dim``, Q = ``q_lora_rank``, C = ``kv_lora_rank``, P = R/2, L = (Q +) C + R the
 latents' width, s the tokens of ``n`` (S/tp under sequence parallel, else S), T the tokens
-whose keys are expanded (``T_seq`` under all-gather context parallelism, else S), X = C + R.
+whose keys are expanded (``T_seq`` under all-gather context parallelism, else S; under ring
+attention a block of ``T_seq/cp`` at a time), X = C + R.
 
 Math (``n`` the block's normalised input)::
 
@@ -67,8 +68,30 @@ core keeps them for its backward); under selective recompute of the core its che
 holds them as its inputs, where it held the rank's own before. FP8: ``kv_b``'s input is the
 whole sequence's latent, the same on every cp rank, so its current-scaling amax is the one
 process's; its output gradient is the rank's share, quantized with the rank's scale before the
-cp sum. Ring attention (``cp_attention=ring``) is unchanged: each rank expands its own tokens
-and the ring passes the expanded K/V.
+cp sum.
+
+Context parallelism (ring, ``cp_attention=ring``): the ring passes the same latent
+``[RMSNorm_kv(c) ; RoPE(k_rot)]`` (X = C + R per token, rotated by the rank's own positions as
+above, after the TP preparation) instead of the expanded K/V, through
+:func:`~mt_parallel.ring_attention.expanded_ring_attention`: at each of the ``cp`` steps a rank
+expands the block it holds with ``kv_b`` (its own heads; :class:`_LatentExpansion`),
+concatenates the shared rotary key, and runs the ring's block attention on it; document masks
+and the load-balanced chunks are the ring's own. Backward: the ring receives each block again,
+expands it again with its graph, and takes the block's ``dK, dV`` back through ``kv_b`` to a
+latent gradient (``[dc ; Σ_heads dk_rot]``), which travels home around the ring as the expanded
+``dK, dV`` did; ``kv_b``'s weight gradient is summed over the steps and handed to autograd as
+the ring's input gradient (TP: each rank's slice; its cp sum is data parallelism's, as above).
+The trade per ring step and rank: p2p bytes fall by ``H·(E + V)/(C + R)`` per block
+(DeepSeek-V3: 40,960/tp over 576, 71× at tp=1; the gradient message alike), and ``kv_b`` runs
+on one block of ``T_seq/cp`` tokens, so over the ring its forward GEMM covers ``T_seq`` tokens
+per rank (cp× the local work, as under all-gather CP), and the backward covers them again with
+the forward GEMM repeated before dgrad and wgrad (the ring keeps no expanded block: kept, they
+would be the whole sequence's K/V). ``kv_b`` thus costs ``4·2·T_seq·C·H·(N + V)`` FLOPs per
+rank and training step, a third more than under all-gather CP, for one expanded block in memory
+at a time instead of the whole sequence's. FP8: each block is quantized with its own
+current-scaling amax (one process and all-gather CP use the whole sequence's), so ring FP8 is
+about one E4M3 rounding away from the one process's; delayed scaling records ``2·cp`` amaxes of
+``kv_b``'s input per step.
 """
 
 from __future__ import annotations

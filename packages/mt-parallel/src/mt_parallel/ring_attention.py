@@ -4,7 +4,8 @@ Layout and shapes as in :mod:`mt_parallel.context_parallel`: rank ``r`` of ``c``
 the load-balanced chunks ``r`` and ``2c−1−r`` (``L`` tokens each, ``t = 2L``) of q, k, v. Shape
 suffixes: B batch, H = K·G query heads in K groups of G (GQA: query head ``k·G + g`` reads KV
 head ``k``), t local tokens, d query/key head dim, e value head dim (equal to d except in
-multi-latent attention). K and V travel as one ``(B, K, t, d + e)`` message.
+multi-latent attention). K and V travel as one ``(B, K, t, d + e)`` message (or a narrower
+block that each rank expands, "Block expanders" below).
 
 Forward. Step ``s = 0..c−1``: this rank holds the K/V of rank ``src = r − s (mod c)`` and sends
 them on to rank ``r+1`` (receiving the next from ``r−1``) while it computes the block::
@@ -28,6 +29,23 @@ Backward (the same ring again). With ``Δ = rowsum(dO·O)`` and the final ``lse`
 ``dK = dSᵀ Q·scale``. ``dQ`` stays local; the fp32 ``dK, dV`` of a block travel with it: each
 rank adds its contribution to the buffer it receives for the K/V it holds and passes it on, and
 after ``c`` hops every buffer is home. K/V and gradient messages use different tags.
+
+Block expanders (:func:`expanded_ring_attention`). A caller whose K/V are a per-token function
+of something narrower passes that instead: the message is this rank's block ``(B, 1, t, X)``
+and a :class:`KVExpander` turns every block a rank holds (its own and each received one) into
+the block's K/V before the block attention above, which is unchanged. Multi-head latent
+attention passes its compressed latent ``[RMSNorm(c) ; RoPE(k_rot)]`` (X = C + R values per
+token) and expands it with ``kv_b`` (:mod:`mt_parallel.mla`). The backward receives the blocks
+again, expands each once more with its graph (the ring keeps no expanded K/V: that would be the
+whole sequence's), runs the block backward on it, and takes the block's ``dK, dV`` back through
+the expansion (``torch.autograd.grad``): the block's gradient joins the buffer that travels home
+as ``dK, dV`` do above (now ``X`` wide), and the gradients of the expander's ``params`` (``kv_b``'s
+weight) are summed over the steps and returned as the gradients of the ring's inputs, so they
+reach the parameters through autograd like any other (DDP/FSDP hooks, TP shards: each rank's
+expander reads its own heads' slice). Per block on the wire: ``X`` values per token where K/V
+take ``K·(d + e)``; the price is the expansion of ``cp`` blocks per rank in the forward and again
+in the backward (the module docstring of :mod:`mt_parallel.mla` counts both for MLA). Plain
+:func:`ring_attention` passes ``K|V`` and splits it, with no expansion and no extra autograd.
 
 Document masks (packed sequences): the mask is also ``same document``; the ids of all tokens
 are all-gathered once (``B·T`` integers). Attention dropout is not supported here (use the
