@@ -28,8 +28,9 @@ Rows by experts (2d × 3d; the forward ``y_e = x_e W_eᵀ`` and dgrad ``dx_e = d
 constexpr ``B_ROW_SCALES``), ``e(t)`` the expert owning token ``t``. The tile table
 (:func:`row_tiles`) lists, for every expert with tokens, ``ceil(T_e / ROW_TILE)`` row tiles as
 ``(expert, row_start, row_end)``: a program owns one such tile and one column tile, so no tile
-mixes experts and experts without tokens cost nothing. Grid: ``(ceil(Y / BLOCK_Y), tiles)``;
-columns past Y are masked, so with row scales Y may be any size (with blocks, a multiple of g).
+mixes experts and experts without tokens cost nothing. Grid: ``ceil(Y / BLOCK_Y) · tiles``
+programs in block_gemm's grouped order (8 consecutive row tiles sweep the column tiles
+together, sharing each tile of ``b`` in L2); columns past Y are masked, so with row scales Y may be any size (with blocks, a multiple of g).
 
 k-grouped (2d × 2d; the wgrad ``dW_e = dy_eᵀ x_e``, contracting over the expert's tokens):
 
@@ -79,6 +80,7 @@ def _rows_by_experts(
     bias_ptr,
     out_ptr,
     tiles_ptr,
+    num_tiles,
     Y,
     Z,
     HAS_BIAS: tl.constexpr,
@@ -87,8 +89,17 @@ def _rows_by_experts(
     BLOCK_X: tl.constexpr,
     BLOCK_Y: tl.constexpr,
     BLOCK_Z: tl.constexpr,
+    GROUP_X: tl.constexpr,
 ):
-    tile_y, tile = tl.program_id(0), tl.program_id(1)
+    # Grouped ordering (block_gemm's): GROUP_X consecutive row tiles of the table run over
+    # the same column tiles together, so each tile of b is read from L2 by up to GROUP_X
+    # programs instead of from memory once per row tile.
+    pid = tl.program_id(0)
+    tiles_y = tl.cdiv(Y, BLOCK_Y)
+    first = (pid // (GROUP_X * tiles_y)) * GROUP_X
+    group_size = tl.minimum(num_tiles - first, GROUP_X)
+    tile = first + (pid % (GROUP_X * tiles_y)) % group_size
+    tile_y = (pid % (GROUP_X * tiles_y)) // group_size
     expert = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
     row_start = tl.load(tiles_ptr + 3 * tile + 1)
     row_end = tl.load(tiles_ptr + 3 * tile + 2)
@@ -142,8 +153,10 @@ def _k_grouped(
 ):
     tile_y, tile_x = tl.program_id(0), tl.program_id(1)
     expert = tl.program_id(2).to(tl.int64)
-    start = tl.load(starts_ptr + expert)
-    end = tl.load(starts_ptr + expert + 1)
+    # The segments start at multiples of the group (padded_starts); saying so lets the
+    # compiler vectorize the loads along the tokens, which it cannot prove for a loaded offset.
+    start = tl.multiple_of(tl.load(starts_ptr + expert), BLOCK_Z)
+    end = tl.multiple_of(tl.load(starts_ptr + expert + 1), BLOCK_Z)
     rows = tile_x * BLOCK_X + tl.arange(0, BLOCK_X)
     cols = tile_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
     ks = start + tl.arange(0, BLOCK_Z)
@@ -254,7 +267,7 @@ def grouped_block_mm(
     num_tiles = tiles.numel() // 3
     if num_tiles == 0:
         return out
-    _rows_by_experts[(triton.cdiv(cols, COLUMN_TILE), num_tiles)](
+    _rows_by_experts[(triton.cdiv(cols, COLUMN_TILE) * num_tiles,)](
         a_TZ,
         b_EYZ,
         scale_a,
@@ -262,6 +275,7 @@ def grouped_block_mm(
         bias_EY.contiguous() if bias_EY is not None else out,
         out,
         tiles,
+        num_tiles,
         cols,
         depth,
         HAS_BIAS=bias_EY is not None,
@@ -270,6 +284,7 @@ def grouped_block_mm(
         BLOCK_X=ROW_TILE,
         BLOCK_Y=COLUMN_TILE,
         BLOCK_Z=group,
+        GROUP_X=8,
         num_warps=8,
         num_stages=_stages(group),
     )
