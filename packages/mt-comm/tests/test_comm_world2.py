@@ -1,4 +1,5 @@
-"""Two ranks through the third-party ``fakeaccel`` device and its ``fakeccl`` backend."""
+"""Two ranks through the third-party ``fakeaccel`` device and its ``fakeccl`` backend, and the
+environment a pool hands its ranks."""
 
 from __future__ import annotations
 
@@ -39,3 +40,24 @@ def test_third_party_device_and_backend_train_a_model(fake_pool: DistributedPool
     losses = results[0]["losses"]
     assert losses == results[1]["losses"]
     assert losses[-1] < 0.05 * losses[0]
+
+
+def test_ranks_get_the_environment_the_test_process_had_at_their_pool_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ranks are forked from a server that keeps the environment of the first pool start:
+    # what changed since must still reach them.
+    monkeypatch.setenv("MT_TEST_REMOVED_LATER", "1")
+    with DistributedPool(world_size=2):  # the fork server runs from here on
+        pass
+    monkeypatch.delenv("MT_TEST_REMOVED_LATER")
+    monkeypatch.setenv("MT_TEST_SET_LATER", "1")
+    with DistributedPool(world_size=2, env={"MT_TEST_POOL_ENV": "2"}) as pool:
+        states = pool.run(comm_checks.process_state)
+    for rank, state in enumerate(states):
+        environ = state["environ"]
+        assert "MT_TEST_REMOVED_LATER" not in environ
+        assert environ["MT_TEST_SET_LATER"] == "1"
+        assert environ["MT_TEST_POOL_ENV"] == "2"
+        assert environ["RANK"] == str(rank)
+        assert environ["OMP_NUM_THREADS"] == "1"

@@ -1,4 +1,4 @@
-"""A pool of spawned processes forming a gloo world, for multi-process tests.
+"""A pool of processes forming a gloo world, for multi-process tests.
 
 Starting a process that imports torch costs seconds, so a :class:`DistributedPool`
 runs many functions in the same ranks, and test suites share pools across test
@@ -27,9 +27,20 @@ pytest-xdist, one per worker process) as the ``distributed_pools`` fixture::
 
 A module whose setting no other module uses can start a pool of its own for its
 lifetime instead (``with DistributedPool(world_size=8) as pool: yield pool``), so
-its ranks do not stay alive until the session ends. A shared pool's ranks inherit
+its ranks do not stay alive until the session ends. A shared pool's ranks get
 the test process's environment as it was when the pool started, so a module that
 needs variables in its ranks passes them as ``env`` (part of the setting).
+
+Ranks are forked from multiprocessing's fork server: one process per test process,
+started with the first pool, that imports :data:`PRELOAD` (torch and mt_comm) and
+then only forks. So a rank starts in a fraction of a second instead of paying the
+imports itself. The server is a fresh interpreter that has run no torch operation:
+no thread pool to lose in a fork, no process group, no CUDA context, so ranks can
+initialise CUDA; anything added to :data:`PRELOAD` must keep it so. The server's
+environment is the test process's at the first pool start, so every pool hands
+its ranks the environment explicitly; only variables read while torch or mt_comm
+is imported come from that first start. Ranks end with ``os._exit`` (as the fork
+server's children do), without the interpreter's teardown.
 
 Each worker sets the torchrun variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``OMP_NUM_THREADS=1``, and
@@ -58,6 +69,9 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
+PRELOAD = ("torch", "mt_comm.testing")
+"""What the fork server imports before it forks any rank (every rank imports these anyway);
+importing them must start no threads, process group or CUDA context (module docstring)."""
 FAILURE_GRACE_S = 10.0
 
 
@@ -119,14 +133,17 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    env: dict[str, str],
+    environ: dict[str, str],
     device: str,
     backend: str,
     collective_timeout_s: float,
     tasks: Any,
     results: Any,
 ) -> None:
-    os.environ.update(env)
+    # The fork server's environment is the test process's at the first pool start: take the
+    # one this pool started with instead.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -177,7 +194,7 @@ def _worker(
 
 
 class DistributedPool:
-    """``world_size`` spawned ranks with an initialised process group (see module docstring)."""
+    """``world_size`` ranks with an initialised process group (see module docstring)."""
 
     def __init__(
         self,
@@ -198,7 +215,8 @@ class DistributedPool:
         self._start()
 
     def _start(self) -> None:
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
         port = free_port()
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._results = context.Queue()
@@ -209,7 +227,7 @@ class DistributedPool:
                     rank,
                     self.world_size,
                     port,
-                    self.env,
+                    {**os.environ, **self.env},
                     self.device,
                     self.backend,
                     self.timeout_s / 2,
