@@ -64,11 +64,14 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 180.0
+CLOSE_GRACE_S = 2.0
+"""How long :meth:`DistributedPool.close` waits for ranks to leave cleanly before killing them."""
 PRELOAD = ("torch", "mt_comm.testing")
 """What the fork server imports before it forks any rank (every rank imports these anyway);
 importing them must start no threads, process group or CUDA context (module docstring)."""
@@ -293,11 +296,14 @@ class DistributedPool:
         self._start()
 
     def close(self) -> None:
-        """Stop every worker (cleanly if they are idle)."""
+        """Stop every worker: cleanly if it is idle, killed if not gone within CLOSE_GRACE_S."""
         for task_queue in self._tasks:
             task_queue.put(None)
+        # One deadline for all ranks: a pool whose ranks are all stuck in a function costs
+        # the grace once, not once per rank.
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for process in self._processes:
-            process.join(timeout=10)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._terminate()
 
     def __enter__(self) -> DistributedPool:
