@@ -57,6 +57,7 @@ from mt_fp8.gemm import BACKENDS
 from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.grouped_block import fp8_block_grouped_linear
 from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
+from mt_fp8.ops.dispatch import compiler_disable
 from mt_fp8.ops.swiglu import swiglu
 from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe, TensorwiseScaling
 from mt_fp8.state import FP8Meta
@@ -202,14 +203,14 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
         layer.fp8_meta = FP8Meta(layer.recipe, device=linear.weight.device)
         return layer
 
-    @torch.compiler.disable  # eager inside compiled models (module docstring)
+    @compiler_disable  # eager inside compiled models (module docstring)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.linear_plan(x, self._weight_cache)
         if plan is None:
             return F.linear(x, self.weight, self.bias)
         return fp8_linear(x, self.weight, self.bias, plan)
 
-    @torch.compiler.disable  # eager inside compiled models (module docstring)
+    @compiler_disable  # eager inside compiled models (module docstring)
     def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``self(swiglu(gate, up))``, the down projection of a SwiGLU MLP, without storing
         ``swiglu(gate, up)`` in high precision where the fused quantizer applies
@@ -296,7 +297,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             bound = 1 / self.in_features**0.5
             nn.init.uniform_(self.bias, -bound, bound)
 
-    @torch.compiler.disable  # eager inside compiled models (module docstring)
+    @compiler_disable  # eager inside compiled models (module docstring)
     def forward(
         self,
         x_TK: torch.Tensor,

@@ -31,6 +31,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(triton_runs_on(t.device.type) for t in tensors)
 
 
+def compiler_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)`` that imports ``torch._dynamo`` at its first call, not here.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (1.8 s of CPU) when it decorates, so
+    every process that imports mt_fp8 paid for it, eager ones included. torch's own lazy form
+    wraps ``fn`` in a function of ``torch._compile``, a module Dynamo skips: inside a compiled
+    graph the call breaks the graph and runs ``fn`` with Dynamo disabled, as the eager form does.
+    """
+    return torch._disable_dynamo(fn)
+
+
 PLAIN_FUNCTIONS_COMPILE_ON_CPU = TorchVersion(torch.__version__) >= "2.13"
 """Whether the plain autograd functions are traced into ``torch.compile`` graphs on the CPU
 (:func:`plain_apply`): only with a torch whose compiled gradients were seen right."""
@@ -48,7 +59,12 @@ def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     CPU test's compiled gradient was wrong (forward exact). The cause inside the compiler stack
     was not isolated, so elsewhere they are not compiled.
     """
-    eager_apply = torch.compiler.disable(function.apply)
+
+    # Not ``function.apply`` itself: the lazy disable caches its disabled form as an attribute,
+    # which a bound method does not take.
+    @compiler_disable
+    def eager_apply(*args: Any) -> Any:
+        return function.apply(*args)
 
     def apply(*args: Any) -> Any:
         if torch.compiler.is_compiling():
