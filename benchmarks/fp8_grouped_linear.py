@@ -13,7 +13,8 @@ alignment the grouped wgrad GEMM needs; a size may be 0). Shapes (E, K, N): Mixt
 (8, 4096, 14336) and (8, 14336, 4096), fine-grained (64, 2048, 1408).
 
 Columns: "bf16 loop" (``F.linear`` per expert), "bf16 grouped_mm" (``torch._grouped_mm``),
-then per FP8 recipe the per-expert loop and the grouped path (backend ``"auto"``). The
+then per FP8 recipe the per-expert loop and the grouped path (backend ``"fast"``, which groups
+wherever ``"auto"`` does, and also block and MXFP8 layers of few experts). The
 tensorwise and rowwise loops run with backend ``"scaled_mm"`` (cuBLAS per expert); with the
 default hybrid formats only their forward GEMM is grouped (``torch._scaled_grouped_mm`` takes
 E4M3 only), the ``_e4m3`` recipes (all roles E4M3) group all three GEMMs. Block scaling
@@ -121,7 +122,7 @@ def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: i
         row["bf16 grouped_mm"] = None
     for name, recipe in RECIPES:
         loop_backend = LOOP_BACKENDS.get(name, "scaled_mm")
-        for path, backend in (("loop", loop_backend), ("grouped", "auto")):
+        for path, backend in (("loop", loop_backend), ("grouped", "fast")):
             layer = FP8GroupedLinear(
                 experts,
                 k,

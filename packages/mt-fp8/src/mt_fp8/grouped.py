@@ -158,6 +158,11 @@ BLOCK_GROUPED_SIDE = 128
 (:mod:`mt_fp8.kernels.grouped_block_gemm`)."""
 MX_GROUPED_GROUP = 32
 """MXFP8's group length, the grouped block-scaled GEMM's step for it."""
+BLOCK_GROUPED_MIN_EXPERTS = 16
+"""Under backend ``"auto"``, block and MXFP8 layers with fewer experts than this keep the
+per-expert loop: with few, large experts the loop's launches are few and its dense Triton GEMMs
+were measured faster than the grouped kernels (docs/performance.md, "Grouped block-scaled and
+MXFP8 expert layers against their per-expert loops"); ``"fast"`` groups them all the same."""
 MAX_GROUPS = 1023
 """PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
 
@@ -266,7 +271,9 @@ def grouped_gemm_reason(
             f"{' or '.join(repr(b) for b in GROUPED_BACKENDS)})"
         )
     if isinstance(recipe, (BlockScaling, MXFP8Scaling)):
-        return _block_reason(x_TK, weight_ENK, recipe)
+        return _block_reason(x_TK, weight_ENK, recipe) or (
+            block_loop_reason(weight_ENK.shape[0]) if backend == "auto" else None
+        )
     if type(recipe) not in (TensorwiseScaling, RowwiseScaling):
         return (
             "the grouped FP8 GEMM takes current tensorwise, rowwise, block or MXFP8 scaling, "
@@ -289,6 +296,18 @@ def grouped_gemm_reason(
     reasons = [gemm_reason(gemm, recipe, group_sizes, dtypes[gemm]) for gemm in GEMMS]
     if all(r is not None for r in reasons):
         return "no GEMM can run grouped: " + "; ".join(r for r in reasons if r is not None)
+    return None
+
+
+def block_loop_reason(num_experts: int) -> str | None:
+    """Why backend ``"auto"`` keeps a block or MXFP8 layer of ``num_experts`` experts on its
+    per-expert loop (:data:`BLOCK_GROUPED_MIN_EXPERTS`), or None."""
+    if num_experts < BLOCK_GROUPED_MIN_EXPERTS:
+        return (
+            f"{num_experts} experts (fewer than {BLOCK_GROUPED_MIN_EXPERTS}) keep the per-expert "
+            "loop under backend 'auto', measured faster than the grouped block-scaled GEMM for "
+            "few large experts; backend 'fast' groups them"
+        )
     return None
 
 
