@@ -35,4 +35,6 @@ def test_moe_experts_over_edp2_with_sequence_parallel(pool: DistributedPool, mod
         assert any(result["clipped"]), result["clipped"]
         assert max(result["norms"]) < NORM_BOUND, result["norms"]
         assert max(result["params"].values()) < FP64_BOUND, result["params"]
-        assert result["expert_local_rows"] == (2 if mode == "fsdp" else 4)  # sharded over edp
+        # Four local experts over an edp group of two: FSDP2 shards them along dim 0.
+        assert result["expert_local_shape"][0] == (2 if mode == "fsdp" else 4)
+        assert result["expert_shard_dims"] == ([0] if mode == "fsdp" else [])
