@@ -16,8 +16,11 @@ other devices): both compute the same products. On CUDA each group is padded to 
 group starts (torchtitan pads the same way); the CPU kernel takes any offsets.
 
 With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
-``mt_fp8.FP8GroupedLinear`` sharing the same weight (its grouped ``torch._scaled_grouped_mm``
-path on Hopper, a per-expert FP8 loop elsewhere; every mt-fp8 recipe). It takes the group sizes
+``mt_fp8.FP8GroupedLinear`` sharing the same weight (every mt-fp8 recipe): tensorwise and
+rowwise scaling through ``torch._scaled_grouped_mm`` on Hopper, block and MXFP8 scaling through
+mt-fp8's grouped Triton kernels on CUDA (``mt_fp8.grouped_block``; under backend ``auto`` for
+layers of at least ``mt_fp8.grouped.BLOCK_GROUPED_MIN_EXPERTS`` experts), a per-expert FP8
+loop elsewhere. It takes the group sizes
 as host ints: :class:`GroupedExperts` reads ``sizes_L`` once per MLP (one device-to-host read,
 as the bf16 path's :class:`PaddedLayout`) and hands the same list to its three projections.
 
