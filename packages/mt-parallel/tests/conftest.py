@@ -7,8 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from mt_comm.testing import PoolCache
+from mt_comm.testing import PoolCache, preload_in_ranks
 from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
+
+# Every rank of this package's pools imports these; the fork server does it once.
+preload_in_ranks("mt_parallel")
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from mt_comm.testing import PoolCache
+from mt_comm.testing import PoolCache, preload_in_ranks
 from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
 from mt_train.data import prepare_bundled
+
+# Every rank of this package's pools imports these; the fork server does it once.
+preload_in_ranks("mt_parallel", "mt_train")
 
 
 @pytest.fixture(scope="session")

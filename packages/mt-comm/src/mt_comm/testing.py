@@ -74,8 +74,19 @@ CLOSE_GRACE_S = 2.0
 """How long :meth:`DistributedPool.close` waits for ranks to leave cleanly before killing them."""
 PRELOAD = ("torch", "mt_comm.testing")
 """What the fork server imports before it forks any rank (every rank imports these anyway);
-importing them must start no threads, process group or CUDA context (module docstring)."""
+importing them must start no threads, process group or CUDA context (module docstring).
+:func:`preload_in_ranks` adds to it."""
 FAILURE_GRACE_S = 10.0
+
+
+def preload_in_ranks(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, so ranks inherit them instead of importing
+    them one by one. A conftest calls this at import, before any pool starts (the server imports
+    its list once, when it starts). The modules must keep the server free of threads, process
+    groups and CUDA contexts, and must read no environment variable at import that a pool's
+    ``env`` is meant to set (ranks get that environment after the fork)."""
+    global PRELOAD
+    PRELOAD = (*PRELOAD, *(m for m in modules if m not in PRELOAD))
 
 
 def free_port() -> int:
