@@ -42,6 +42,17 @@ def _losses(overrides: list[str], out: Path, graphed: bool) -> tuple[list[float]
         trainer.close()
 
 
+def _graphed_equals_eager(overrides: list[str], tmp_path: Path) -> list[float]:
+    """Fit eagerly and with the step graph; the graphed run captured a graph and its per-step
+    losses are the eager run's to 1e-4 (the bound of test_graphed_steps_train_as_eager_steps).
+    Returns the eager losses."""
+    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
+    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
+    assert captured
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+    return eager
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", ["none", "tensorwise", "delayed", "blockwise"])
 def test_graphed_steps_train_as_eager_steps(kjv_data: Path, tmp_path: Path, fp8: str) -> None:
@@ -65,11 +76,8 @@ def test_graphed_steps_train_as_eager_steps(kjv_data: Path, tmp_path: Path, fp8:
             "optimizer.lr": 3e-3,
         },
     )
-    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
-    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
-    assert captured
+    eager = _graphed_equals_eager(overrides, tmp_path)
     assert eager[-1] < 0.9 * eager[0], eager  # it trains
-    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
 
 
 @pytest.mark.gpu
@@ -92,10 +100,7 @@ def test_graphed_document_masked_steps_train_as_eager_steps(
             "optimizer.lr": 3e-3,
         },
     )
-    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
-    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
-    assert captured
-    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+    _graphed_equals_eager(overrides, tmp_path)
 
 
 @pytest.mark.gpu
@@ -197,10 +202,7 @@ def test_graphed_vlm_steps_carry_each_steps_images(digits: Path, tmp_path: Path)
         "scheduler.warmup_steps=1", "checkpoint.enabled=false", "logging.progress_bar=false",
         "model.dropout=0.0",  # a graph would replay the captured step's dropout masks
     ]  # fmt: skip
-    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
-    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
-    assert captured
-    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+    _graphed_equals_eager(overrides, tmp_path)
 
 
 @pytest.mark.gpu
@@ -219,7 +221,4 @@ def test_graphed_packed_vlm_steps_train_as_eager_steps(tmp_path: Path) -> None:
         "trainer.eval_batches=1", "scheduler.warmup_steps=1", "checkpoint.enabled=false",
         "logging.progress_bar=false", "model.dropout=0.0",
     ]  # fmt: skip
-    eager, _ = _losses(overrides, tmp_path / "eager", graphed=False)
-    graphed, captured = _losses(overrides, tmp_path / "graphed", graphed=True)
-    assert captured
-    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+    _graphed_equals_eager(overrides, tmp_path)
