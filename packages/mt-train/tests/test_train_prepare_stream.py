@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mt_train.data import ByteTokenizer, bundled_corpus, prepare
+from mt_train.data import ByteTokenizer, bundled_corpus, prepare, readers
 from mt_train.data.checks import check_prepared
 from mt_train.data.prepare import main as prepare_main
 from mt_train.data.prepare import prepare_files, read_documents, write_prepared
@@ -26,6 +27,7 @@ from mt_train.data.readers import (
     ReadStats,
     Tally,
     input_files,
+    jsonl_text,
     parse_chunk,
     read_chunks,
     read_records,
@@ -276,6 +278,59 @@ def test_a_bad_record_in_a_worker_is_reported_first_in_input_order(
     assert stats.bad_examples[0].startswith(f"{src}:3: not JSON")
     assert stats.bad_examples[1].startswith(f"{src}:31: not JSON")
     assert meta["skipped_records"] == 2 and stats.documents == 38
+
+
+def _raw_utf8_jsonl() -> bytes:
+    """JSONL written as raw UTF-8: multi-byte characters, a combining accent, U+2028 and U+0085
+    (line breaks to ``str.splitlines``, not to a byte reader), a BOM; CRLF and LF endings,
+    blank and whitespace-only lines, an empty document, one line longer than many chunks, a
+    character cut short on line 31 and a last line without its newline."""
+    pieces = ["日本語", "😀 👩‍👩‍👧", "e\u0301", "a\u2028b\u0085c", "\ufeffbom", 'tab\t"q"']
+    lines = [
+        json.dumps({"text": f"{i} " + pieces[i % 6] * (i % 5)}, ensure_ascii=False).encode()
+        + (b"\r\n" if i % 4 == 0 else b"\n")
+        for i in range(40)
+    ]
+    lines[5:5] = [b"\n", b" \t\r\n", b'{"text": ""}\n']
+    lines.insert(
+        20, json.dumps({"text": "long " + "日本語 😀 " * 400}, ensure_ascii=False).encode() + b"\n"
+    )
+    lines.insert(30, b'{"text": "\xe6\x97\xa5\xe6"}\n')
+    return b"".join(lines).rstrip(b"\n")
+
+
+def test_pool_workers_parse_the_jsonl_into_the_in_process_readers_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "utf8.jsonl"
+    src.write_bytes(_raw_utf8_jsonl())
+    # The reference is the reader that parsed in this process before parsing moved to the pool.
+    reference_stats = ReadStats()
+    records = read_records([src], skip_bad=True, stats=reference_stats)
+    reference = tmp_path / "reference"
+    write_prepared(reference, (r.text for r in records), ByteTokenizer(), 5)
+    assert reference_stats.documents == 42  # 40 lines, the empty document and the long one
+    assert len(reference_stats.bad_examples) == 1
+    assert reference_stats.bad_examples[0].startswith(f"{src}:31: invalid UTF-8")
+
+    parsers = tmp_path / "parsers"
+    parsers.mkdir()
+
+    def recorded(line: bytes, text_key: str) -> str | None:
+        (parsers / str(os.getpid())).touch()
+        return jsonl_text(line, text_key)
+
+    monkeypatch.setattr(readers, "jsonl_text", recorded)  # inherited by the forked workers
+    monkeypatch.setattr(prepare, "BATCH_CHARS", 256)
+    stats = ReadStats()
+    pooled = tmp_path / "pooled"
+    prepare_files(pooled, [src], ByteTokenizer(), 5, workers=2, skip_bad=True, stats=stats)
+    parsed_in = {int(p.name) for p in parsers.iterdir()}
+    assert parsed_in and os.getpid() not in parsed_in, "this process parsed JSON lines"
+    for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
+        assert (pooled / name).read_bytes() == (reference / name).read_bytes(), name
+    assert stats.bad_examples == reference_stats.bad_examples
+    assert stats.documents == reference_stats.documents
 
 
 def test_an_empty_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
