@@ -8,8 +8,8 @@ measured). Then, side by side on the same cores:
 * ``mt-prepare-data`` with that ``tokenizer.json`` and ``--workers`` processes, run as a
   subprocess;
 * the bare loop, also a subprocess: read the file line by line, ``json.loads``, and
-  ``Tokenizer.encode_batch`` on batches of ``--batch`` documents (the library's own threads on
-  all cores), discarding the ids.
+  ``Tokenizer.encode_batch`` on batches of ``--batch`` documents (the library's own threads,
+  ``RAYON_NUM_THREADS`` = ``--workers`` of them), discarding the ids.
 
 Each reports wall seconds, input MB/s and the peak resident memory of its whole process tree
 (the sum of the proportional set sizes, ``Pss``, of the process and its children, polled from
@@ -101,10 +101,18 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def measure(command: list[str], poll_s: float = 0.05) -> dict[str, float]:
-    """Run ``command``; its wall seconds and the peak RSS of its process tree."""
+def measure(
+    command: list[str], poll_s: float = 0.05, env: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Run ``command`` (with ``env`` added to this environment); its wall seconds and the peak
+    RSS of its process tree."""
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
     peak = 0
 
     def poll() -> None:
@@ -148,8 +156,10 @@ def run(
             corpus = folder / f"corpus-{megabytes}.jsonl"
             documents = write_corpus(corpus, megabytes)
             size_mb = corpus.stat().st_size / 1e6
+            # The same number of tokenizing threads as mt-prepare-data has worker processes.
             bare = measure(
-                [sys.executable, "-c", BARE_LOOP, str(tokenizer), str(corpus), str(batch)]
+                [sys.executable, "-c", BARE_LOOP, str(tokenizer), str(corpus), str(batch)],
+                env={"RAYON_NUM_THREADS": str(workers)},
             )
             out = folder / "prepared"
             mt = measure([
