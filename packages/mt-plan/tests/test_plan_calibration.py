@@ -6,6 +6,9 @@ rate of whichever entry the table lists first (the nearest-shape rule's tie, whi
 Llama3-1B's 2048-wide GEMMs at the rate of a 1024-wide one, the grid's slowest neighbour).
 Grid points keep their own rate, shapes beyond the grid its edge's, and a shape whose bracketing
 corners were not all measured the nearest measured shape's.
+
+Each GEMM pass (forward, dgrad, wgrad) is priced from its own entries; a table measured before
+the passes (the shipped ones) prices every pass from its layout-free ``gemm`` entries.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import itertools
 
 import pytest
 
-from mt_plan.calibration import CalibrationTable, Entry
+from mt_plan.calibration import GEMM_PASSES, CalibrationTable, Entry, load_table
 
 GRID = (1024, 4096)
 
@@ -68,3 +71,38 @@ def test_memory_bound_rates_count_what_the_calibration_harness_moved(op, traffic
     # an op without entries takes copy's rate as it is (the copy harness moves what it rates)
     copy = CalibrationTable("test", [Entry("copy", "bf16", (8192, 4096), rate)])
     assert copy.membound_time(op, "bf16", (8192, 4096), moved, bandwidth)[0] == moved / rate
+
+
+def _pass_time(table: CalibrationTable, op: str, dtype: str = "bf16") -> tuple[float, str]:
+    shape = (4096, 4096, 4096)
+    return table.compute_time(op, dtype, shape, 2.0 * 4096**3, 1.0, 1e30, 1e30)
+
+
+def test_each_gemm_pass_is_priced_from_its_own_entries_else_the_layout_free_ones() -> None:
+    flops, shape = 2.0 * 4096**3, (4096, 4096, 4096)
+    # a table measured before the passes (a @ b, row-major) prices every pass from ``gemm``
+    old = CalibrationTable("old", [Entry("gemm", "bf16", shape, 5e14)])
+    for gemm_pass in GEMM_PASSES:
+        assert _pass_time(old, f"gemm_{gemm_pass}") == (flops / 5e14, "measured")
+        assert old.layout_free(f"gemm_{gemm_pass}", "bf16")
+    # a pass's own entries win over the layout-free ones
+    both = CalibrationTable("new", [*old.entries, Entry("gemm_wgrad", "bf16", shape, 6e14)])
+    assert _pass_time(both, "gemm_wgrad") == (flops / 6e14, "measured")
+    assert _pass_time(both, "gemm_fwd") == (flops / 5e14, "measured")
+    assert not both.layout_free("gemm_wgrad", "bf16") and both.layout_free("gemm_fwd", "bf16")
+    # a recipe's own (even layout-free) rates come before fp8_tensorwise's
+    fp8 = CalibrationTable("fp8", [Entry("gemm", "fp8_rowwise", shape, 1e15),
+                                   Entry("gemm_dgrad", "fp8_tensorwise", shape, 1.2e15)])  # fmt: skip
+    assert _pass_time(fp8, "gemm_dgrad", "fp8_rowwise") == (flops / 1e15, "measured")
+    assert _pass_time(fp8, "gemm_dgrad", "fp8_delayed") == (flops / 1.2e15, "derived")
+    assert _pass_time(fp8, "gemm_fwd", "fp8_delayed")[1] == "roofline"
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_shipped_tables_price_every_pass_from_their_layout_free_gemms(name) -> None:
+    table = load_table(name)
+    for gemm_pass in GEMM_PASSES:
+        for dtype in ("bf16", "fp8_tensorwise", "fp8_rowwise"):
+            assert table.layout_free(f"gemm_{gemm_pass}", dtype)
+            assert _pass_time(table, f"gemm_{gemm_pass}", dtype)[1] == "measured"
+        assert table.layout_free(f"grouped_gemm_{gemm_pass}", "bf16")

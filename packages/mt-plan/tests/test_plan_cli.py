@@ -107,7 +107,8 @@ def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
     assert code == 0, err
     table = load_table(str(path))
     kinds = {(e.op, e.dtype) for e in table.entries}
-    for kind in [("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_fwd", "bf16"),
+    for kind in [("gemm_fwd", "bf16"), ("gemm_dgrad", "bf16"), ("gemm_wgrad", "bf16"),
+                 ("gemm_wgrad", "fp8_tensorwise"), ("attention_fwd", "bf16"),
                  ("attention_bwd", "bf16"), ("rmsnorm", "bf16"), ("adamw", "fp32"),
                  ("grouped_linear_fwd", "bf16"), ("grouped_linear_bwd", "bf16"),
                  ("grouped_linear_fwd", "fp8_tensorwise"),
@@ -129,6 +130,12 @@ def test_calibrate_writes_a_table_the_search_uses(capsys, tmp_path) -> None:
     fast = json.loads((tmp_path / "a").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
     slow = json.loads((tmp_path / "b").read_text().splitlines()[0])["tokens_per_s_per_gpu"]
     assert slow < fast / 100
+    # without --fp8 the search tries the recipes whose GEMM passes the table measured
+    code, _, err = run(capsys, "search", *SMALL, "--gpus", "1", "--calibration", str(path),
+                       "--json", str(tmp_path / "c"))  # fmt: skip
+    assert code == 0, err
+    lines = (tmp_path / "c").read_text().splitlines()
+    assert {json.loads(line)["layout"]["fp8"] for line in lines} == {"none", "tensorwise"}
 
 
 @pytest.mark.gpu
@@ -141,12 +148,13 @@ def test_calibrate_on_the_gpu(capsys, tmp_path) -> None:
     assert code == 0, err
     table = load_table(str(path))
     kinds = {(e.op, e.dtype) for e in table.entries}
-    assert {("gemm", "bf16"), ("gemm", "fp8_tensorwise"), ("attention_bwd", "bf16"),
+    assert {("gemm_fwd", "bf16"), ("gemm_wgrad", "fp8_tensorwise"), ("attention_bwd", "bf16"),
+            ("grouped_gemm_wgrad", "bf16"),
             ("cross_entropy", "bf16"), ("adamw", "fp32"), ("grouped_linear_bwd", "bf16"),
             ("grouped_linear_bwd", "fp8_rowwise"),
             ("grouped_linear_bwd", "fp8_blockwise")} <= kinds  # fmt: skip
     assert table.device == torch.cuda.get_device_name()
-    bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm", "bf16"))
+    bf16 = max(e.rate for e in table.entries if (e.op, e.dtype) == ("gemm_fwd", "bf16"))
     assert 1e14 < bf16 < 2.5e15  # a Hopper-class GPU: hundreds of dense bf16 TFLOP/s
 
 

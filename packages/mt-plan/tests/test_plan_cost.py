@@ -6,6 +6,8 @@
 * the pipeline timing the search uses equals a full run of mt-parallel's simulator (the
   steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
 * memory and time respond the way the model says they must (recompute, ZeRO-1, tp);
+* each linear's forward, dgrad and wgrad GEMMs are priced from their own pass's entries at the
+  pass's own GEMM shape;
 * the routed experts' TP gradient sum under sequence parallel is priced where mt-parallel runs
   it: per micro-batch at ep > 1 under zero1 and fsdp, once per step under ddp;
 * the routed experts' linears are priced from ``grouped_linear`` entries where the table has
@@ -283,3 +285,22 @@ def test_fsdp_under_pp_gathers_once_per_step_and_holds_the_gathered_chunks() -> 
         assert growth == pytest.approx(expected, rel=1e-9), (pp, growth)
     one, two = estimate(1, 4).memory, estimate(2, 4).memory
     assert two["weights"] > one["weights"] and two["gradients"] > 2 * one["gradients"]
+
+
+def test_each_linear_gemm_is_priced_from_its_own_pass_at_its_own_shape() -> None:
+    # The MLP's gate/up run 4096 tokens × 14336 out × 4096 in, down 4096 × 4096 × 14336; a
+    # wgrad GEMM's shape is (out, in, tokens), so the two wgrad entries differ only in which of
+    # out and in is 14336 (taking (in, out, tokens) would swap their rates).
+    T, D, F = 4096, 4096, 14336
+    fwd, dgrad, wide_out, wide_in = 1e14, 2e14, 3e14, 4e14
+    entries = [Entry("gemm_fwd", "bf16", (T, D, D), fwd),
+               Entry("gemm_dgrad", "bf16", (T, D, D), dgrad),
+               Entry("gemm_wgrad", "bf16", (F, D, T), wide_out),
+               Entry("gemm_wgrad", "bf16", (D, F, T), wide_in)]  # fmt: skip
+    shape = ModelShape(name="one_layer", family="llama", n_layers=1, dim=D, vocab_size=32000,
+                       n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=F)  # fmt: skip
+    cost = CostModel(shape, load_cluster("h100_nodes").with_gpus(1),
+                     CalibrationTable("test", entries), Workload(seq_len=T, global_batch=1))  # fmt: skip
+    flops = 2.0 * T * D * F  # each of gate, up and down
+    expected = 3 * flops * (1 / fwd + 1 / dgrad) + 2 * flops / wide_out + flops / wide_in
+    assert cost.estimate(Layout()).compute["mlp"] == pytest.approx(expected, rel=1e-12)

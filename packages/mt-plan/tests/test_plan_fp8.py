@@ -7,7 +7,8 @@
   once, tensorwise and blockwise twice, rowwise three times), priced from the table's current
   tensorwise ``quantize`` rate, which is rated per ``A + 2`` of the ``2A + 2`` bytes it moves;
 * the fp32 weights are quantized once per step with their own read counts;
-* rowwise converts each bf16 weight gradient to fp32;
+* rowwise converts each bf16 weight gradient to fp32 (inside the time of the table's own rowwise
+  wgrad entries, where it has them);
 * under FP8, selective ``mlp`` recompute is selective recompute (no SwiGLU module runs).
 """
 
@@ -32,8 +33,8 @@ PER_BYTE = (A + 2) / (2 * A + 2)
 """Seconds at the quantize rate are for A + 2 of every 2A + 2 bytes the quantizer moves."""
 
 
-def _estimate(fp8: str, recompute: str = "none", copy: bool = False):
-    entries = [Entry("quantize", "bf16", (8192, 4096), QUANTIZE_RATE)]
+def _estimate(fp8: str, recompute: str = "none", copy: bool = False, extra: tuple = ()):
+    entries = [Entry("quantize", "bf16", (8192, 4096), QUANTIZE_RATE), *extra]
     if copy:
         entries.append(Entry("copy", "bf16", (8192, 4096), COPY_RATE))
     cost = CostModel(SHAPE, load_cluster("h100_nodes").with_gpus(1),
@@ -109,6 +110,10 @@ def test_rowwise_converts_each_weight_gradient_to_fp32() -> None:
     est = _estimate("rowwise", copy=True)
     assert est.compute["fp8_wgrad_convert"] == pytest.approx(6 * linears / COPY_RATE)
     assert "fp8_wgrad_convert" not in _estimate("tensorwise", copy=True).compute
+    # rowwise's own wgrad entries timed mt_fp8.fp8_gemm with its fp32 output: the conversion
+    # is inside their time, so it is not charged again
+    wgrad = Entry("gemm_wgrad", "fp8_rowwise", (4096, 4096, 4096), 1e15)
+    assert "fp8_wgrad_convert" not in _estimate("rowwise", copy=True, extra=(wgrad,)).compute
 
 
 def test_selective_mlp_recompute_under_fp8_is_selective_recompute() -> None:

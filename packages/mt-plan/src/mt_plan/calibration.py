@@ -2,8 +2,10 @@
 
 A table (JSON) has ``device`` and ``entries``; each entry is one measurement::
 
-    {"op": "gemm", "dtype": "bf16", "shape": [M, N, K], "flops_per_s": 7.6e14}
-    {"op": "grouped_gemm", "dtype": "bf16", "shape": [rows, N, K, groups], "flops_per_s": ...}
+    {"op": "gemm_fwd", "dtype": "bf16", "shape": [M, N, K], "flops_per_s": 7.6e14}
+    {"op": "gemm_dgrad", ...}, {"op": "gemm_wgrad", ...}
+    {"op": "grouped_gemm_fwd", "dtype": "bf16", "shape": [rows, N, K, groups], ...}
+    {"op": "grouped_gemm_dgrad", ...}, {"op": "grouped_gemm_wgrad", ...}
     {"op": "grouped_linear_fwd", "dtype": "fp8_rowwise", "shape": [rows, N, K, groups], ...}
     {"op": "grouped_linear_bwd", ...}
     {"op": "attention_fwd", "dtype": "bf16", "shape": [batch·heads, seq, head_dim], ...}
@@ -19,6 +21,33 @@ model prices the experts from ``grouped_gemm`` (:mod:`mt_plan.cost`). Memory-bou
 (``rmsnorm``, ``swiglu``, ``rope``, ``cross_entropy``, ``adamw``, ``quantize``, ``permute``,
 ``copy``) are rated in bytes per second for the bytes the table's op convention names (below).
 
+GEMM passes and their operand layouts. A GEMM entry's shape is the GEMM's own: an ``M×N``
+output over a contraction of ``K``. A linear ``y = x·Wᵀ`` (``x`` [T, in], the weight stored
+[out, in] as ``nn.Linear`` keeps it) runs three GEMMs, each with its own operand layouts, and
+each pass is its own op:
+
+* ``gemm_fwd`` [T, out, in]: ``F.linear(x, W)``, ``x`` row-major times the transposed view of
+  ``W`` (column-major);
+* ``gemm_dgrad`` [T, in, out]: ``dY @ W``, both row-major;
+* ``gemm_wgrad`` [out, in, T]: ``dYᵀ @ x``, the transposed view of ``dY`` times ``x``.
+
+These are the calls autograd makes for ``F.linear``; under FP8 each pass is ``mt_fp8.fp8_gemm``
+on the operands ``mt_fp8.functional`` passes it (``x`` and ``W`` quantized along ``in``; ``dY``
+and ``Wᵀ`` along ``out``; ``dYᵀ`` and ``xᵀ`` along ``T``, each in its role's format, the weight
+gradient written in fp32, which under rowwise scaling is cuBLAS's bf16 result converted inside
+the call). ``grouped_gemm_*`` are the same three passes of ``torch._grouped_mm`` as autograd
+runs them for ``GroupedLinear`` (forward on the weights' transposed view, dgrad on the weights,
+wgrad ``dYᵀ·x`` per group). Why per pass: the GEMM libraries pick their kernels by the
+operands' memory order (and, in FP8, by their formats and the output dtype), so a product of
+row-major random matrices ``a @ b``, which is none of the three, is not timed at a rate any
+training GEMM runs at (docs/plan.md, "GEMM layouts in the calibration").
+
+Tables written before the passes were measured hold ``gemm`` and ``grouped_gemm`` entries
+without one (the layout-free ops of :data:`LAYOUT_FREE`: bf16 timed as ``a @ b`` with both
+operands row-major, FP8 as the forward's ``fp8_gemm``); a pass without entries of its own is
+priced from those, so such tables (the shipped ``h100.json`` and ``h200.json``) still load and
+price every pass, and ``--explain`` notes it.
+
 Memory-bound rates and the calibration's harness. ``mt-plan calibrate`` times ``rmsnorm``,
 ``swiglu``, ``rope`` and ``cross_entropy`` as ``op(...).sum().backward()`` on leaf tensors whose
 ``.grad`` it never clears (:func:`mt_plan.measure._membound`), so each timed call also reads the
@@ -33,17 +62,17 @@ entry's rate times it, and the cost model charges the bytes a training step's ke
 (:meth:`CalibrationTable.membound_time`).
 
 Lookup (:meth:`CalibrationTable.compute_time`, :meth:`membound_time`). For an op and dtype with
-entries, the achieved rate is interpolated multilinearly in the log shape between the measured
-shapes that bracket the asked one in every dimension (clamped at the measured range's ends), or,
-where those corners were not all measured, the rate of the nearest measured shape (Euclidean
-distance of the log shape); never faster than the roofline:
-``t = max(flops / rate, flops / peak, bytes / bw)``. NOTE: with the nearest shape alone, a shape
-halfway between two measured ones in log (2048 between 1024 and 4096) took whichever the table
-listed first, the smaller and mostly slower one.
-An FP8 recipe without entries takes ``fp8_tensorwise``'s rate, any other dtype without entries
-the bf16 rate scaled by the ratio of the peaks (``source = "derived"``). With nothing to
-derive from, the roofline alone (``flops / peak`` and ``bytes / bw``,
-an optimistic bound) is used and the lookup says so (``source = "roofline"``), so ``--explain``
+entries (for a GEMM pass without entries, its layout-free op's, above), the achieved rate is
+interpolated multilinearly in the log shape between the measured shapes that bracket the asked one
+in every dimension (clamped at the measured range's ends), or, where those corners were not all
+measured, the rate of the nearest measured shape (Euclidean distance of the log shape); never
+faster than the roofline: ``t = max(flops / rate, flops / peak, bytes / bw)``. NOTE: with the
+nearest shape alone, a shape halfway between two measured ones in log (2048 between 1024 and 4096)
+took whichever the table listed first, the smaller and mostly slower one. An FP8 recipe without
+entries takes ``fp8_tensorwise``'s rate (again the pass's own entries first, then the layout-free
+op's), any other dtype without entries the bf16 rate scaled by the ratio of the peaks
+(``source = "derived"``). With nothing to derive from, the roofline alone (``flops / peak`` and
+``bytes / bw``, an optimistic bound) is used and the lookup says so (``source = "roofline"``), so ``--explain``
 shows which parts of a prediction are measured. ``mt-plan calibrate`` (:mod:`mt_plan.measure`)
 writes tables; ``mt_plan/data/calibration/h200.json`` ships the H200's.
 """
@@ -68,7 +97,23 @@ MEMBOUND_OPS = (
     "permute",
     "copy",
 )
+GEMM_PASSES = ("fwd", "dgrad", "wgrad")
+"""A linear's three GEMMs (module docstring, "GEMM passes")."""
+
+
+def gemm_pass_shapes(M: int, N: int, K: int) -> dict[str, tuple[int, int, int]]:
+    """The GEMM shape ``[rows, cols, contraction]`` of each pass of a linear of ``M`` tokens,
+    ``N`` outputs and ``K`` inputs (module docstring, "GEMM passes")."""
+    return {"fwd": (M, N, K), "dgrad": (M, K, N), "wgrad": (N, K, M)}
+
+
+LAYOUT_FREE = {
+    f"{gemm}_{gemm_pass}": gemm for gemm in ("gemm", "grouped_gemm") for gemm_pass in GEMM_PASSES
+}
+"""Each GEMM pass op and the op of tables measured before the passes, whose rates price it when
+the table has no entries of the pass (module docstring)."""
 COMPUTE_OPS = (
+    *LAYOUT_FREE,
     "gemm",
     "grouped_gemm",
     "grouped_linear_fwd",
@@ -138,6 +183,23 @@ class CalibrationTable:
         )
         return best[1]
 
+    def _pass_rate(self, op: str, dtype: str, shape: tuple[int, ...]) -> float | None:
+        """``op``'s rate, or for a GEMM pass without entries its layout-free op's (module
+        docstring, "GEMM passes")."""
+        rate = self._rate(op, dtype, shape)
+        if rate is None and op in LAYOUT_FREE:
+            rate = self._rate(LAYOUT_FREE[op], dtype, shape)
+        return rate
+
+    def has_gemm(self, dtype: str) -> bool:
+        """Whether the table measured dense GEMMs at ``dtype`` (any pass, or layout-free)."""
+        return any(self.has(op, dtype) for op in ("gemm", *(f"gemm_{p}" for p in GEMM_PASSES)))
+
+    def layout_free(self, op: str, dtype: str) -> bool:
+        """Whether GEMM pass ``op`` at ``dtype`` is priced from a layout-free op's entries
+        (a table measured before the passes; module docstring)."""
+        return op in LAYOUT_FREE and not self.has(op, dtype) and self.has(LAYOUT_FREE[op], dtype)
+
     def compute_time(
         self,
         op: str,
@@ -157,11 +219,11 @@ class CalibrationTable:
         if hit is not None:
             return hit
         roof = max(flops / peak_flops, bytes_moved / bandwidth)
-        rate, source = self._rate(op, dtype, shape), "measured"
+        rate, source = self._pass_rate(op, dtype, shape), "measured"
         if rate is None and dtype.startswith("fp8_"):
-            rate, source = self._rate(op, FP8_REFERENCE, shape), "derived"
+            rate, source = self._pass_rate(op, FP8_REFERENCE, shape), "derived"
         if rate is None and dtype != "bf16":
-            bf16 = self._rate(op, "bf16", shape)
+            bf16 = self._pass_rate(op, "bf16", shape)
             if bf16 is not None:
                 rate, source = bf16 * peak_flops / bf16_peak, "derived"
         result = (roof, "roofline") if rate is None else (max(flops / rate, roof), source)

@@ -5,23 +5,25 @@ micro-batch (sequence parallel all-gathers them back to ``T``), ``T_n = T/tp`` w
 parallel else ``T`` (the norm/residual region), ``A`` bytes per activation element (2 under bf16
 autocast, 4 in fp32), ``m`` micro-batches per step per rank, ``W = dp·cp`` the gradient group.
 
-Compute, per decoder layer and micro-batch, in three parts (the pipeline simulator's ``F``,
-``I``, ``W``): every linear as a GEMM (forward ``M×N×K``, input gradient ``M×K×N``, weight
-gradient ``K×N×M``; FP8 recipes run the block linears' GEMMs in ``fp8_<recipe>`` and add the
-quantization of inputs and output gradients as memory-bound ops, below; the output head and the
-fp32 router stay high precision; every bf16 linear under autocast also pays its fp32 weight's
-cast to bf16 each forward and its bf16 weight gradient's cast back to fp32, ``(4+A)·N·K`` bytes
-each as copies: ``weight_cast``), the attention core (causal: ``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)``
-forward FLOPs, a FlashAttention backward of 2.5× that), and memory-bound ops by the bytes they
-must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE permutation, cross-entropy) at the bandwidth
-their calibration achieved (:data:`~mt_plan.calibration.HARNESS_TRAFFIC`). SwiGLU's kernels read
-gate and up and write the product (``3A`` per element) forward and read those three and write
-two gradients (``5A``) backward; cross-entropy reads the logits forward (``A``) and reads them and
-writes their gradient (``2A``) backward. Times come
-from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds to ``I``: ``full`` the whole
-block forward again (``full_keep`` without the attention core), ``selective`` the attention
-core, ``selective_mlp`` the core and SwiGLU (under FP8 only the core: the FP8 down projection
-quantizes SwiGLU's product from gate and up, so there is no SwiGLU module to recompute).
+Compute, per decoder layer and micro-batch, in three parts (the pipeline simulator's ``F``, ``I``,
+``W``): every linear as a GEMM (forward ``M×N×K``, input gradient ``M×K×N``, weight gradient
+``N×K×M``, each priced from the table's entries of that pass, timed with the operand layouts
+training gives it: :mod:`mt_plan.calibration`, "GEMM passes"; FP8 recipes run the block linears'
+GEMMs in ``fp8_<recipe>`` and add the quantization of inputs and output gradients as memory-bound
+ops, below; the output head and the fp32 router stay high precision; every bf16 linear under
+autocast also pays its fp32 weight's cast to bf16 each forward and its bf16 weight gradient's cast
+back to fp32, ``(4+A)·N·K`` bytes each as copies: ``weight_cast``), the attention core (causal:
+``b·(H/tp)·(s²/2cp)·2·(d_qk + d_v)`` forward FLOPs, a FlashAttention backward of 2.5× that), and
+memory-bound ops by the bytes they must move (RMSNorm, residual adds, RoPE, SwiGLU, MoE
+permutation, cross-entropy) at the bandwidth their calibration achieved
+(:data:`~mt_plan.calibration.HARNESS_TRAFFIC`). SwiGLU's kernels read gate and up and write the
+product (``3A`` per element) forward and read those three and write two gradients (``5A``)
+backward; cross-entropy reads the logits forward (``A``) and reads them and writes their gradient
+(``2A``) backward. Times come from :class:`~mt_plan.calibration.CalibrationTable`. Recompute adds
+to ``I``: ``full`` the whole block forward again (``full_keep`` without the attention core),
+``selective`` the attention core, ``selective_mlp`` the core and SwiGLU (under FP8 only the core:
+the FP8 down projection quantizes SwiGLU's product from gate and up, so there is no SwiGLU module
+to recompute).
 
 FP8 quantization, as mt-fp8 runs it (:mod:`mt_fp8.linear_plan`). Each quantized activation or
 output gradient becomes an FP8 GEMM operand and its transpose (2 bytes written per element)
@@ -37,7 +39,9 @@ q/k/v, gate/up, MLA's kv_a and q_a or q under current scaling); the down project
 quantized, under the other recipes. The FP8 weight and its transpose are quantized once per step
 from the fp32 weight (the weight cache), :data:`WEIGHT_READS` reads (rowwise adds an FP8 byte
 transpose, its fp32 column cast stores untransposed), charged with the optimizer. Rowwise
-GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per weight).
+GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per weight), charged
+as a copy unless the table has ``fp8_rowwise`` ``gemm_wgrad`` entries, which time the
+conversion inside the GEMM call.
 
 Routed experts, per projection of ``rows = T_n·k`` rows over the rank's ``E/ep`` experts
 (mt-parallel's ``GroupedLinear`` and, under FP8, mt-fp8's ``FP8GroupedLinear``). Where the table
@@ -121,7 +125,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from mt_plan.calibration import FP8_REFERENCE, CalibrationTable
+from mt_plan.calibration import FP8_REFERENCE, GEMM_PASSES, CalibrationTable, gemm_pass_shapes
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
 from mt_plan.layout import Layout
@@ -239,14 +243,24 @@ class CostModel:
 
     # -- compute primitives -------------------------------------------------------------------
 
-    def _gemm(self, dtype: str, M: int, N: int, K: int, groups: int = 0) -> tuple[float, bool]:
+    def _gemm(
+        self, dtype: str, M: int, N: int, K: int, groups: int = 0, gemm_pass: str = "fwd"
+    ) -> tuple[float, bool]:
+        """One GEMM of a linear, ``M×N`` out over ``K``, priced from the table's entries of
+        its pass (:mod:`mt_plan.calibration`, "GEMM passes"); ``groups``: a grouped GEMM, whose
+        weight-sized operand (the output in wgrad) is per group."""
         gpu = self.cluster.gpu
         fp8 = dtype.startswith("fp8")
         peak = gpu.peak_fp8_flops if fp8 else gpu.peak_bf16_flops
         in_bytes = 1 if fp8 else 2
         flops = 2.0 * M * N * K
-        moved = (M * K + K * N * max(groups, 1)) * in_bytes + M * N * 2
-        op, shape = ("grouped_gemm", (M, N, K, groups)) if groups else ("gemm", (M, N, K))
+        per_group = max(groups, 1)
+        if gemm_pass == "wgrad":  # FP8 writes the weight gradient in fp32
+            moved = (M * K + K * N) * in_bytes + M * N * per_group * (4 if fp8 else 2)
+        else:
+            moved = (M * K + K * N * per_group) * in_bytes + M * N * 2
+        op = f"grouped_gemm_{gemm_pass}" if groups else f"gemm_{gemm_pass}"
+        shape = (M, N, K, groups) if groups else (M, N, K)
         seconds, source = self.table.compute_time(
             op, dtype, shape, flops, moved, peak, gpu.memory_bandwidth, gpu.peak_bf16_flops
         )
@@ -293,9 +307,8 @@ class CostModel:
         are reused, module docstring), and, for a high-precision linear under autocast
         (``autocast=False``: the fp32 router), its weight's casts."""
         dtype = self._gemm_dtype(fp8)
-        f, r1 = self._gemm(dtype, M, N, K, groups)
-        i, r2 = self._gemm(dtype, M, K, N, groups)
-        w, r3 = self._gemm(dtype, K, N, M, groups)
+        shapes = gemm_pass_shapes(M, N, K)
+        (f, r1), (i, r2), (w, r3) = (self._gemm(dtype, *shapes[p], groups, p) for p in GEMM_PASSES)
         ph.add(cls, f, i, w, r1 or r2 or r3)
         A = self.work.act_bytes
         if fp8 == "none" and not groups and autocast and A < 4:
@@ -309,7 +322,8 @@ class CostModel:
             qf, rf = self._quantize(fp8, M * K, (M, K), A) if quantize_input else (0.0, False)
             qb, rb = self._quantize(fp8, M * N, (M, N), A)
             ph.add("fp8_quantize", qf, qb, 0.0, rf or rb)
-            if fp8 == "rowwise" and not groups:  # the bf16 weight gradient converted to fp32
+            if fp8 == "rowwise" and not groups and not self.table.has("gemm_wgrad", dtype):
+                # the bf16 weight gradient converted to fp32 (its own wgrad entries include it)
                 cv, rc = self._membound("copy", (2 + 4) * N * K, (N, K))
                 ph.add("fp8_wgrad_convert", 0.0, 0.0, cv, rc)
 
@@ -775,8 +789,23 @@ class CostModel:
             peak_memory=peak_mem, fits=fits, memory=worst, compute=classes, comm=comm,
             bubble_fraction=bubble, optimizer_time=optimizer,
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
-            notes=self._expert_notes(L),
+            notes=self._gemm_notes(L) + self._expert_notes(L),
         )  # fmt: skip
+
+    def _gemm_notes(self, L: Layout) -> list[str]:
+        """Which GEMM dtypes are priced from a table's layout-free entries, for ``--explain``."""
+        dtypes = sorted({"bf16", self._gemm_dtype(L.fp8)})
+        old = [
+            d for d in dtypes
+            if any(self.table.layout_free(f"gemm_{p}", d) for p in GEMM_PASSES)
+        ]  # fmt: skip
+        if not old:
+            return []
+        return [
+            f"GEMMs ({', '.join(old)}): this table predates per-pass gemm entries, so forward, "
+            "dgrad and wgrad take its layout-free gemm rates (not timed with the operand "
+            "layouts training uses; mt-plan calibrate times each pass)"
+        ]
 
     def _expert_notes(self, L: Layout) -> list[str]:
         """Where the routed experts' linears are priced from, for ``--explain``."""

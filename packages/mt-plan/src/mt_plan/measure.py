@@ -1,15 +1,23 @@
 """``mt-plan calibrate``: measure the calibration table on this device (imports torch).
 
-What is timed is what the trainer runs: ``torch.matmul`` in bf16 (fp32 on the CPU, which has
-no fast bf16 GEMM) for the dense GEMMs, ``mt_fp8.fp8_gemm`` on operands quantized by each FP8
-recipe's own layouts (the GEMM only: quantization is its own memory-bound op), the grouped
-GEMM ``torch._grouped_mm`` the MoE experts use where it runs, the expert linears as mt runs
-them (below), SDPA's causal attention forward and forward + backward (the backward's time is
-the difference), and mt-fp8's fused ops
-(RMSNorm, SwiGLU, RoPE, cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the
-tensorwise quantizer and a device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a
-GEMM, the causal attention FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes
-:mod:`mt_plan.cost` charges them, so a measured rate plugs straight into the model.
+What is timed is what the trainer runs. GEMMs: each of a linear's three passes (forward, dgrad,
+wgrad) through the call and with the operand layouts training gives it
+(:mod:`mt_plan.calibration`, "GEMM passes"), on the GEMM's own shape: in bf16 (fp32 on the CPU,
+which has no fast bf16 GEMM) ``F.linear(x, w)``, ``dy @ w`` and ``dyᵀ @ x`` (:func:`linear_gemms`:
+the calls autograd makes for ``F.linear``, ``w`` stored [out, in]); under each FP8 recipe
+``mt_fp8.fp8_gemm`` on the operands ``mt_fp8.functional`` builds for them through an
+``FP8Linear``'s own plan (:func:`fp8_linear_gemms`: the GEMM only, quantization is its own
+memory-bound op); the grouped GEMM ``torch._grouped_mm`` the bf16 MoE experts use where it
+runs, again per pass as autograd runs it for ``GroupedLinear`` (:func:`grouped_gemms`; the FP8
+experts' grouped GEMMs are inside their ``grouped_linear`` entries, below). Then the expert
+linears as mt runs them (below), SDPA's causal attention forward and forward + backward (the
+backward's time is the difference), and mt-fp8's fused ops (RMSNorm, SwiGLU, RoPE,
+cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the tensorwise quantizer and a
+device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a GEMM, the causal attention
+FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes :mod:`mt_plan.cost` charges
+them, so a measured rate plugs straight into the model. NOTE: the table once timed ``a @ b`` on
+row-major random matrices for every GEMM; training never runs that layout, and the profiled
+training GEMMs ran faster than those rates (docs/plan.md, "GEMM layouts in the calibration").
 
 Expert linears (``grouped_linear_fwd`` / ``grouped_linear_bwd``, dtype ``bf16`` and
 ``fp8_<recipe>``, shape ``[rows, N, K, groups]``): one projection of the routed experts through
@@ -43,11 +51,16 @@ import statistics
 import time
 from collections.abc import Callable
 
-from mt_plan.calibration import CalibrationTable, Entry
+from mt_plan.calibration import CalibrationTable, Entry, gemm_pass_shapes
 
 FULL_GEMMS = [(m, n, k) for m in (2048, 8192, 16384) for n in (1024, 4096, 8192, 14336, 28672)
               for k in (1024, 4096, 8192, 14336)]  # fmt: skip
-TINY_GEMMS = [(64, 64, 64), (128, 128, 128)]
+"""(tokens, out, in) of the linears whose three GEMMs are timed."""
+TINY_GEMMS = [(128, 256, 384), (384, 128, 256)]
+FULL_GROUPED = [(rows, n, k, g) for rows in (8192, 32768) for (n, k) in ((14336, 4096), (2048, 7168))
+                for g in (8, 32)]  # fmt: skip
+"""(rows, out, in, groups) of the grouped linears whose three grouped GEMMs are timed."""
+TINY_GROUPED = [(256, 96, 64, 4)]
 FULL_ATTENTION = [(bh, s, d) for bh in (8, 32, 64) for s in (2048, 4096, 8192) for d in (128, 192)]
 TINY_ATTENTION = [(4, 64, 32)]
 FULL_ROWS = [(8192, 4096), (16384, 8192), (8192, 14336), (8192, 28672)]
@@ -56,7 +69,7 @@ EXPERT_PROJECTIONS = [(14336, 4096, 8), (4096, 14336, 8), (1408, 2048, 64), (204
                       (2048, 7168, 32), (7168, 2048, 32)]  # fmt: skip
 """(N, K, experts) of Mixtral-8x7B's, DeepSeek-V2-Lite's and DeepSeek-V3's (ep = 8) projections."""
 FULL_EXPERT_LINEARS = [(rows, n, k, g) for rows in (8192, 32768) for n, k, g in EXPERT_PROJECTIONS]
-TINY_EXPERT_LINEARS = [(256, 64, 64, 4)]
+TINY_EXPERT_LINEARS = [(256, 128, 128, 4)]  # 128-wide: the block recipes need it
 RECIPE_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block",
              "delayed": "delayed", "mxfp8": "mxfp8"}  # fmt: skip
 
@@ -107,14 +120,15 @@ def calibrate(device_name: str = "auto", tiny: bool = False, fp8_recipes=None) -
     entries: list[Entry] = []
     gemms = TINY_GEMMS if tiny else FULL_GEMMS
     for M, N, K in gemms:
-        a = torch.randn(M, K, device=device, dtype=dtype)
-        b = torch.randn(K, N, device=device, dtype=dtype)
-        seconds = timeit(lambda a=a, b=b: a @ b)
-        entries.append(Entry("gemm", label, (M, N, K), 2.0 * M * N * K / seconds))
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype)
+        dy = torch.randn(M, N, device=device, dtype=dtype)
+        for gemm_pass, fn in linear_gemms(x, w, dy).items():
+            entries.append(_gemm_entry("gemm", gemm_pass, label, (M, N, K), timeit(fn)))
     # NOTE: off the GPU the block and MX recipes run an exact emulation that takes seconds per
     # GEMM; --tiny measures tensorwise only unless recipes are named
     recipes = fp8_recipes or (["tensorwise"] if tiny else list(RECIPE_OF))
-    entries += _fp8_gemms(device, gemms, timeit, recipes)
+    entries += _fp8_gemms(device, dtype, gemms, timeit, recipes)
     entries += _grouped(device, dtype, label, tiny, timeit)
     entries += _expert_linears(device, tiny, timeit, recipes)
     entries += _attention(device, dtype, label, tiny, timeit)
@@ -124,10 +138,74 @@ def calibrate(device_name: str = "auto", tiny: bool = False, fp8_recipes=None) -
     return CalibrationTable(name, entries, source)
 
 
-def _fp8_gemms(device, gemms, timeit, recipes) -> list[Entry]:
+def _gemm_entry(
+    op: str, gemm_pass: str, dtype: str, linear: tuple[int, ...], seconds: float
+) -> Entry:
+    """The entry of one pass of the linear ``(M, N, K[, groups])`` timed at ``seconds``."""
+    M, N, K, *groups = linear
+    flops = 2.0 * M * N * K
+    return Entry(f"{op}_{gemm_pass}", dtype, (*gemm_pass_shapes(M, N, K)[gemm_pass], *groups),
+                 flops / seconds)  # fmt: skip
+
+
+def linear_gemms(x_MK, w_NK, dy_MN) -> dict[str, Callable[[], object]]:
+    """The three GEMMs autograd runs for ``F.linear(x, w)``: forward on ``w``'s transposed
+    view, dgrad ``dy @ w`` on both row-major, wgrad ``dyᵀ @ x`` on ``dy``'s transposed view."""
+    import torch
+    import torch.nn.functional as F
+
+    return {
+        "fwd": lambda: F.linear(x_MK, w_NK),
+        "dgrad": lambda: torch.mm(dy_MN, w_NK),
+        "wgrad": lambda: torch.mm(dy_MN.t(), x_MK),
+    }
+
+
+def fp8_linear_gemms(recipe, x_MK, dy_MN) -> dict[str, Callable[[], object]]:
+    """The three FP8 GEMMs of an ``mt_fp8.FP8Linear`` (fp32 weight) reading ``x`` and ``dy``:
+    ``mt_fp8.fp8_gemm`` on the operands ``mt_fp8.functional`` passes it, quantized by the
+    layer's own plan (its quantizer dispatch, formats per role, transposes and padding), with
+    its output dtypes: the plan's in forward, ``x``'s in dgrad, the weight's (fp32) in wgrad."""
+    import mt_fp8
+    from mt_fp8 import FP8Linear, TensorRole
+
+    layer = FP8Linear(x_MK.shape[1], dy_MN.shape[1], bias=False, device=x_MK.device,
+                      recipe=recipe)  # fmt: skip
+    weight_NK = layer.weight.detach()
+    plan = layer.linear_plan(x_MK, None)
+    x_q = plan.quantize(x_MK, TensorRole.INPUT, record=True, transposed=True)
+    w_q, w_t_q = plan.weight_operands(weight_NK, need_transpose=True)
+    dy_q = plan.quantize(dy_MN, TensorRole.GRAD_OUTPUT, record=True, transposed=True)
+    x_t_q = plan.quantize_transposed(x_MK, x_q, TensorRole.INPUT)
+    dy_t_q = plan.quantize_transposed(dy_MN, dy_q, TensorRole.GRAD_OUTPUT)
+
+    def gemm(a, b, out_dtype):
+        return mt_fp8.fp8_gemm(a, b, out_dtype, None, plan.backend)
+
+    return {
+        "fwd": lambda: gemm(x_q, w_q, plan.out_dtype),
+        "dgrad": lambda: gemm(dy_q, w_t_q, x_MK.dtype),
+        "wgrad": lambda: gemm(dy_t_q, x_t_q, weight_NK.dtype),
+    }
+
+
+def grouped_gemms(x_MK, w_LNK, dy_MN, offs) -> dict[str, Callable[[], object]]:
+    """The three grouped GEMMs autograd runs for ``torch._grouped_mm(x, wᵀ, offs)``, as
+    ``GroupedLinear`` calls it on its [experts, out, in] weight: forward on the weights'
+    transposed view, dgrad on the weights, wgrad ``dyᵀ·x`` per group (2d × 2d)."""
     import torch
 
-    from mt_fp8 import TensorRole, fp8_gemm, quantize, recipe_from_name
+    return {
+        "fwd": lambda: torch._grouped_mm(x_MK, w_LNK.transpose(-2, -1), offs=offs),
+        "dgrad": lambda: torch._grouped_mm(dy_MN, w_LNK, offs=offs),
+        "wgrad": lambda: torch._grouped_mm(dy_MN.t(), x_MK, offs=offs),
+    }
+
+
+def _fp8_gemms(device, dtype, gemms, timeit, recipes) -> list[Entry]:
+    import torch
+
+    from mt_fp8 import recipe_from_name
 
     out = []
     for recipe_name in recipes:
@@ -135,16 +213,11 @@ def _fp8_gemms(device, gemms, timeit, recipes) -> list[Entry]:
         for M, N, K in gemms:
             if K % 128 or M % 128 or N % 128:
                 continue  # block recipes need 128-multiples; skip odd shapes for all recipes
-            x = torch.randn(M, K, device=device)
-            w = torch.randn(N, K, device=device)
-            qa = quantize(
-                x, recipe.formats.for_role(TensorRole.INPUT), recipe.layout(TensorRole.INPUT)
-            )
-            qb = quantize(
-                w, recipe.formats.for_role(TensorRole.WEIGHT), recipe.layout(TensorRole.WEIGHT)
-            )
-            seconds = timeit(lambda qa=qa, qb=qb: fp8_gemm(qa, qb, torch.bfloat16))
-            out.append(Entry("gemm", f"fp8_{recipe_name}", (M, N, K), 2.0 * M * N * K / seconds))
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            dy = torch.randn(M, N, device=device, dtype=dtype)
+            for gemm_pass, fn in fp8_linear_gemms(recipe, x, dy).items():
+                seconds = timeit(fn)
+                out.append(_gemm_entry("gemm", gemm_pass, f"fp8_{recipe_name}", (M, N, K), seconds))
     return out
 
 
@@ -152,20 +225,19 @@ def _grouped(device, dtype, label, tiny, timeit) -> list[Entry]:
     import torch
 
     out = []
-    shapes = [(256, 64, 64, 4)] if tiny else [
-        (rows, n, k, g) for rows in (8192, 32768) for (n, k) in ((14336, 4096), (2048, 7168))
-        for g in (8, 32)
-    ]  # fmt: skip
-    for rows, N, K, groups in shapes:
+    for rows, N, K, groups in TINY_GROUPED if tiny else FULL_GROUPED:
         x = torch.randn(rows, K, device=device, dtype=dtype)
-        w = torch.randn(groups, K, N, device=device, dtype=dtype)
+        w = torch.randn(groups, N, K, device=device, dtype=dtype)
+        dy = torch.randn(rows, N, device=device, dtype=dtype)
         offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+        gemms = grouped_gemms(x, w, dy, offs)
         try:
-            torch._grouped_mm(x, w, offs=offs)
+            gemms["fwd"]()
         except (RuntimeError, NotImplementedError):
             return out  # this torch/device has no grouped GEMM: the model falls back
-        seconds = timeit(lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w, offs=offs))
-        out.append(Entry("grouped_gemm", label, (rows, N, K, groups), 2.0 * rows * N * K / seconds))
+        for gemm_pass, fn in gemms.items():
+            out.append(_gemm_entry("grouped_gemm", gemm_pass, label, (rows, N, K, groups),
+                                   timeit(fn)))  # fmt: skip
     return out
 
 

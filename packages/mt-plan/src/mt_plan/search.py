@@ -124,7 +124,7 @@ def search(cost: CostModel, world: int, space: SearchSpace | None = None) -> Sea
     space = space or SearchSpace()
     md, w = cost.model, cost.work
     if space.fp8 is None:
-        measured = [r for r in FP8_RECIPES[1:] if cost.table.has("gemm", f"fp8_{r}")]
+        measured = [r for r in FP8_RECIPES[1:] if cost.table.has_gemm(f"fp8_{r}")]
         space = replace(space, fp8=["none", *measured])
     counts = {"enumerated": 0, "rule": 0, "memory": 0, "fits": 0}
     fits: list[Estimate] = []
