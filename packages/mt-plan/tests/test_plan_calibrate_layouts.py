@@ -5,9 +5,9 @@ Training's GEMM calls are recorded from the trainer's own layers, forward and ba
 ``GroupedLinear``. Every one must be among the calls ``calibrate(tiny=True)`` timed. A call is
 identified by what its kernel is chosen by: the op and each operand's shape, strides and dtype;
 for an FP8 GEMM (``mt_fp8.fp8_gemm``) each operand's shape, strides, format and scale layout and
-the output dtype. The calibration once timed ``a @ b`` on row-major matrices and only the
-forward FP8 GEMM: none of training's dense or grouped calls and none of its FP8 backward GEMMs
-were among its calls.
+the output dtype. The calibration once timed ``a @ b`` on row-major matrices (dgrad's layout
+alone) and only the forward FP8 GEMM: training's forward and wgrad calls (dense and grouped)
+and its FP8 backward GEMMs were not among its calls.
 
 The recording timer runs each timed function once and the recorded ``fp8_gemm`` returns zeros
 of the product's shape without multiplying (only the call is compared), so the test takes

@@ -38,9 +38,10 @@ gradient written in fp32, which under rowwise scaling is cuBLAS's bf16 result co
 the call). ``grouped_gemm_*`` are the same three passes of ``torch._grouped_mm`` as autograd
 runs them for ``GroupedLinear`` (forward on the weights' transposed view, dgrad on the weights,
 wgrad ``dYᵀ·x`` per group). Why per pass: the GEMM libraries pick their kernels by the
-operands' memory order (and, in FP8, by their formats and the output dtype), so a product of
-row-major random matrices ``a @ b``, which is none of the three, is not timed at a rate any
-training GEMM runs at (docs/plan.md, "GEMM layouts in the calibration").
+operands' memory order (and, in FP8, by their formats and the output dtype), and a linear's
+three GEMMs have three different orders; a product of row-major random matrices ``a @ b`` has
+dgrad's alone, so timing it for every pass prices the forward and the wgrad at another kernel's
+rate (docs/plan.md, "GEMM layouts in the calibration").
 
 Tables written before the passes were measured hold ``gemm`` and ``grouped_gemm`` entries
 without one (the layout-free ops of :data:`LAYOUT_FREE`: bf16 timed as ``a @ b`` with both

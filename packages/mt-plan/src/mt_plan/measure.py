@@ -16,7 +16,7 @@ cross-entropy) forward + backward, ``mt_fp8.FusedAdamW``'s step, the tensorwise 
 device copy. Rates are per the minimum work: ``2·M·N·K`` FLOPs for a GEMM, the causal attention
 FLOPs of :mod:`mt_plan.cost`, and for memory-bound ops the bytes :mod:`mt_plan.cost` charges
 them, so a measured rate plugs straight into the model. NOTE: the table once timed ``a @ b`` on
-row-major random matrices for every GEMM; training never runs that layout, and the profiled
+row-major random matrices for every GEMM, which is dgrad's layout alone, and the profiled
 training GEMMs ran faster than those rates (docs/plan.md, "GEMM layouts in the calibration").
 
 Expert linears (``grouped_linear_fwd`` / ``grouped_linear_bwd``, dtype ``bf16`` and
