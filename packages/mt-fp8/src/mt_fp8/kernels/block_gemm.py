@@ -8,6 +8,11 @@ promoted into the fp32 accumulator with the step's scales,
 ``acc += dot(a_tile, b_tileᵀ) · s_a[:, k] · s_b[:, k]`` — the promotion DeepSeek-V3 uses to keep
 FP8 accumulation error from growing with Z. Mixed E5M2 × E4M3 operands go through bf16 (exact:
 every FP8 value is a bf16 value).
+
+That walk is :func:`block_scaled_steps`, shared with the grouped kernels
+(:mod:`~mt_fp8.kernels.grouped_block_gemm`): each kernel maps its program to a tile, sets up
+its pointers and writes its epilogue. Triton inlines the jit function into each kernel before
+optimizing, so the kernels' IR and PTX instructions are those of the loop written in place.
 """
 
 from __future__ import annotations
@@ -17,6 +22,45 @@ import triton
 import triton.language as tl
 
 from mt_fp8.quantized import QuantizedTensor
+
+
+@triton.jit
+def block_scaled_steps(
+    a_ptrs,
+    b_ptrs,
+    sa_ptrs,
+    sb_ptrs,
+    row_mask,
+    col_mask,
+    steps,
+    MIXED: tl.constexpr,
+    MIXED_DTYPE: tl.constexpr,
+    BLOCK_Z: tl.constexpr,
+):
+    """The fp32 (BLOCK_X, BLOCK_Y) tile ``Σ_k dot(a_k, b_kᵀ) · s_a[:, k] · s_b[:, k]`` over
+    ``steps`` steps k of g = ``BLOCK_Z`` along the contraction.
+
+    ``a_ptrs`` (BLOCK_X, g) and ``b_ptrs`` (BLOCK_Y, g) point at the first step's FP8 tiles,
+    contiguous along the contraction (each step moves them g on); ``sa_ptrs`` (BLOCK_X,) and
+    ``sb_ptrs`` (BLOCK_Y,) at the first step's scales, each step's one further on. The masks
+    (BLOCK_X,) and (BLOCK_Y,) give the tile's shape; masked rows and columns load zeros and
+    scales of zero, so they add nothing. With ``MIXED`` (E4M3 × E5M2) both tiles are cast to
+    ``MIXED_DTYPE`` (bf16 or fp16, each holding every FP8 value exactly) before the dot.
+    """
+    acc = tl.zeros((row_mask.shape[0], col_mask.shape[0]), dtype=tl.float32)
+    for step in range(0, steps):
+        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
+        if MIXED:
+            partial = tl.dot(a.to(MIXED_DTYPE), tl.trans(b.to(MIXED_DTYPE)))
+        else:
+            partial = tl.dot(a, tl.trans(b))
+        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
+        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
+        acc += partial * scale_a[:, None] * scale_b[None, :]
+        a_ptrs += BLOCK_Z
+        b_ptrs += BLOCK_Z
+    return acc
 
 
 @triton.jit
@@ -56,19 +100,9 @@ def _block_scaled_mm(
     steps = Z // BLOCK_Z
     sa_ptrs = sa_ptr + rows * steps
     sb_ptrs = sb_ptr + (cols // sb_row_div) * steps
-    acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
-    for step in range(0, steps):
-        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
-        if MIXED:
-            partial = tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
-        else:
-            partial = tl.dot(a, tl.trans(b))
-        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
-        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
-        acc += partial * scale_a[:, None] * scale_b[None, :]
-        a_ptrs += BLOCK_Z
-        b_ptrs += BLOCK_Z
+    acc = block_scaled_steps(
+        a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, row_mask, col_mask, steps, MIXED, tl.bfloat16, BLOCK_Z
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * Y + cols[None, :]

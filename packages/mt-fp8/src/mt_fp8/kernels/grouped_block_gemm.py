@@ -3,8 +3,8 @@
 PyTorch has no grouped block-scaled GEMM (``torch._scaled_grouped_mm`` takes rowwise scales), and
 one :mod:`mt_fp8.kernels.block_gemm` launch per expert is bound by the host's launches at
 fine-grained MoE shapes (docs/architecture.md, ``grouped.py``). These two kernels run every
-expert's GEMM in one launch each, with the promotion of :mod:`~mt_fp8.kernels.block_gemm`:
-every g-deep step of the contraction is one FP8 tensor-core product, added to the fp32
+expert's GEMM in one launch each, with the promotion of :mod:`~mt_fp8.kernels.block_gemm`
+(its step loop, :func:`~mt_fp8.kernels.block_gemm.block_scaled_steps`): every g-deep step of the contraction is one FP8 tensor-core product, added to the fp32
 accumulator with its two scales, ``acc += dot(a_k, b_kᵀ) · s_a[:, k] · s_b[:, k]``.
 
 Shape suffixes: T tokens sorted by expert, E experts, Y rows of ``b`` (output columns), Z the
@@ -56,6 +56,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+
+from mt_fp8.kernels.block_gemm import block_scaled_steps
 
 GROUP = 128
 """Block scaling's group length (1×128 groups) and weight-block side: the default step."""
@@ -115,19 +117,9 @@ def _rows_by_experts(
         sb_ptrs = sb_ptr + (expert * Y + cols) * steps
     else:  # one per BLOCK_Z × BLOCK_Z block of b: expert e's block row of output column c
         sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * steps
-    acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
-    for step in range(0, steps):
-        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
-        if MIXED:
-            partial = tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
-        else:
-            partial = tl.dot(a, tl.trans(b))
-        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
-        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
-        acc += partial * scale_a[:, None] * scale_b[None, :]
-        a_ptrs += BLOCK_Z
-        b_ptrs += BLOCK_Z
+    acc = block_scaled_steps(
+        a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, row_mask, col_mask, steps, MIXED, tl.float16, BLOCK_Z
+    )
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * Y + cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -161,24 +153,14 @@ def _k_grouped(
     cols = tile_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
     ks = start + tl.arange(0, BLOCK_Z)
     row_mask, col_mask = rows < X, cols < Y
-    groups = P // BLOCK_Z
+    groups, steps = P // BLOCK_Z, (end - start) // BLOCK_Z
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * P + ks[None, :]
     b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * P + ks[None, :]
     sa_ptrs = sa_ptr + rows.to(tl.int64) * groups + start // BLOCK_Z
     sb_ptrs = sb_ptr + cols.to(tl.int64) * groups + start // BLOCK_Z
-    acc = tl.zeros((BLOCK_X, BLOCK_Y), dtype=tl.float32)
-    for step in range(0, (end - start) // BLOCK_Z):
-        a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=col_mask[:, None], other=0.0)
-        if MIXED:
-            partial = tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
-        else:
-            partial = tl.dot(a, tl.trans(b))
-        scale_a = tl.load(sa_ptrs + step, mask=row_mask, other=0.0)
-        scale_b = tl.load(sb_ptrs + step, mask=col_mask, other=0.0)
-        acc += partial * scale_a[:, None] * scale_b[None, :]
-        a_ptrs += BLOCK_Z
-        b_ptrs += BLOCK_Z
+    acc = block_scaled_steps(
+        a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, row_mask, col_mask, steps, MIXED, tl.float16, BLOCK_Z
+    )
     out_ptrs = out_ptr + expert * X * Y + rows.to(tl.int64)[:, None] * Y + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
