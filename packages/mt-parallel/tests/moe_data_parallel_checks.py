@@ -7,16 +7,21 @@ dense projections and the routed experts are replicated over TP, their gradients
 Each rank builds the same model (same seeds), splits its experts over ``ep``, and trains on its
 own tokens; the reference runs every rank's tokens in turn with the loss averaged over the
 dp×cp ranks and micro-batches (what the modes' gradient reductions must reproduce), clipped by
-torch's ``clip_grad_norm_``. Returns the relative errors of every parameter after the last step
-and of every step's gradient norm, this rank's final parameters (the local experts and the
-rest, whole) for comparing the modes with each other, and how the mode sharded the experts.
+torch's ``clip_grad_norm_``. Returns the relative errors of every parameter after the last step,
+of every step's gradient norm and of every step's reduced expert gradients (before clipping),
+this rank's final parameters (the local experts and the rest, whole) for comparing the modes
+with each other, how the mode sharded the experts, and the sizes of the all-reduces over TP
+that carried expert gradients in each step (the TP sum under sequence parallel: one per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from parallel_checks import rel_err
 from torch import nn
@@ -73,6 +78,49 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
+@contextlib.contextmanager
+def _all_reduce_sizes(group: object) -> Iterator[list[int]]:
+    """Record the element count of every all-reduce over ``group`` while inside (torch's
+    collective, which mt_comm and the autograd mappings call, is wrapped and put back)."""
+    sizes: list[int] = []
+    original = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if kwargs.get("group") is group:
+            sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = original
+
+
+def _expert_grad_error(
+    model: nn.Module, reference: nn.Module, optimizer: object, mode: str, expert: int, local: int
+) -> float:
+    """The largest relative error of this rank's reduced expert gradients (ZeRO-1: its shard of
+    them) against the reference's gradients of the same experts; 0 at ep = 1, where the experts
+    are ordinary parameters (checked with the others through the parameters after the steps)."""
+    expected = dict(reference.named_parameters())
+
+    def want(name: str) -> torch.Tensor:
+        return expected[name].grad[expert * local : (expert + 1) * local]
+
+    names = {id(p): n for n, p in model.named_parameters() if mp.is_expert_parameter(p)}
+    if mode != "zero1":
+        experts = [(n, p) for n, p in model.named_parameters() if id(p) in names]
+        return max((rel_err(p.grad, want(n)) for n, p in experts), default=0.0)
+    grad = optimizer._reduced[0]  # the reduced shard, before apply_update clips it
+    errors = []
+    for param, start, where in optimizer.shard_slices():
+        if id(param) in names:
+            ref = want(names[id(param)]).reshape(-1)[start : start + where.stop - where.start]
+            errors.append(rel_err(grad[where], ref))
+    return max(errors, default=0.0)
+
+
 def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> dict:
     state = mt_comm.init_parallel_state(tp=tp, ep=ep)
     cfg = MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_dim=16)
@@ -103,32 +151,54 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
     def mine(full: torch.Tensor) -> torch.Tensor:  # this TP rank's tokens of each sequence
         return full.chunk(tp, dim=1)[tp_rank]
 
-    norms, clipped = [], []
-    for step in range(STEPS):
-        for micro in range(MICRO):
-            x, g = mine(xs[step, micro, rank]), mine(gs[step, micro, rank])
-            with mp.accumulate(wrapped, is_last=micro == MICRO - 1):
-                (_loss(wrapped, x, g) / MICRO).backward()
-        if mode == "zero1":
-            norm = optimizer.step(MAX_NORM)
-        else:
-            norm = mp.clip_grad_norm_(list(model.parameters()), MAX_NORM, tp_group, None, dp_cp)
-            optimizer.step()
-        optimizer.zero_grad()
+    # Under SP an all-reduce over TP at least as large as this rank's smallest expert gradient
+    # (a shard under FSDP2) carries expert gradients: every other parameter is smaller (checked;
+    # it holds for the SP configurations run, not for FSDP2's small dim-1 shards, run at tp = 1).
+    # At tp = 1 nothing is summed over TP and nothing is recorded.
+    recording, threshold = contextlib.nullcontext([]), 0
+    if tp > 1:
+        threshold = min(
+            getattr(p, "to_local", lambda p=p: p)().numel()
+            for p in model.parameters()
+            if mp.is_expert_parameter(p)
+        )
+        dense = max(p.numel() for p in model.parameters() if not mp.is_expert_parameter(p))
+        assert dense < threshold, (dense, threshold)
+        recording = _all_reduce_sizes(tp_group)
+    local = cfg.num_experts // ep
+    norms, clipped, expert_grads, expert_tp_all_reduces = [], [], [], []
+    with recording as tp_sizes:
+        for step in range(STEPS):
+            tp_sizes.clear()
+            for micro in range(MICRO):
+                x, g = mine(xs[step, micro, rank]), mine(gs[step, micro, rank])
+                with mp.accumulate(wrapped, is_last=micro == MICRO - 1):
+                    (_loss(wrapped, x, g) / MICRO).backward()
+            for micro in range(MICRO):
+                for r in range(ranks):
+                    (
+                        _loss(reference, xs[step, micro, r], gs[step, micro, r]) / (MICRO * ranks)
+                    ).backward()
+            if mode == "zero1":
+                optimizer.reduce_gradients()
+            expert_grads.append(
+                _expert_grad_error(model, reference, optimizer, mode, state.rank("ep"), local)
+            )
+            if mode == "zero1":
+                norm = optimizer.apply_update(MAX_NORM)
+            else:
+                norm = mp.clip_grad_norm_(list(model.parameters()), MAX_NORM, tp_group, None, dp_cp)
+                optimizer.step()
+            optimizer.zero_grad()
+            expert_tp_all_reduces.append([n for n in tp_sizes if n >= threshold])
 
-        for micro in range(MICRO):
-            for r in range(ranks):
-                (
-                    _loss(reference, xs[step, micro, r], gs[step, micro, r]) / (MICRO * ranks)
-                ).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        norms.append(rel_err(norm, ref_norm))
-        clipped.append(bool(ref_norm > MAX_NORM))
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            norms.append(rel_err(norm, ref_norm))
+            clipped.append(bool(ref_norm > MAX_NORM))
 
     expected = dict(reference.named_parameters())
-    local = cfg.num_experts // ep
     errors, final = {}, {}
     for name, param in model.named_parameters():
         want = expected[name]
@@ -145,7 +215,15 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
         if mode == "zero1"
         else [],
     }
-    return {"params": errors, "norms": norms, "clipped": clipped, "final": final, **sharding}
+    tp_sums = {
+        "expert_tp_all_reduces": expert_tp_all_reduces,
+        "expert_numel": sum(p.numel() for p in model.parameters() if mp.is_expert_parameter(p)),
+        "edp": state.size("edp"),
+    }
+    return {
+        "params": errors, "norms": norms, "clipped": clipped, "final": final,
+        "expert_grads": expert_grads, **sharding, **tp_sums,
+    }  # fmt: skip
 
 
 def ddp_reduced_expert_names(fp8: bool) -> list[str]:

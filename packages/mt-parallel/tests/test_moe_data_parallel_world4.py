@@ -5,8 +5,9 @@ experts' optimizer state sharded over edp) reach the same parameters and gradien
 clipped AdamW steps with gradient accumulation, also when FSDP2 shards the experts along dim 1
 (fewer local experts than edp ranks, at ep=2 and at ep=1), when it cannot split them evenly
 along dim 0, or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
-(dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode). A pool
-shared across modules."""
+(dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode, once
+per step, not once per micro-batch). The reduced expert gradients of every step are checked
+too. A pool shared across modules."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ FP64_BOUND = 1e-12
 # master dtype): one rounding, relative error ≤ 2⁻²⁴ ≈ 6e-8, on top of the fp64 ulps.
 NORM_BOUND = 2**-23
 MODES = ("ddp", "fsdp", "zero1")
+
+
+def assert_one_expert_tp_sum_per_step(result: dict, mode: str) -> None:
+    """Under sequence parallel exactly one all-reduce over TP carries expert gradients in each
+    step (the micro-batches' backwards none): the local experts' whole gradients under ``ddp``
+    (and ``fsdp`` with a one-rank edp group, which leaves them to the same path), this rank's
+    1/edp shard of them under ``fsdp`` and ``zero1``, summed after the edp reduce-scatter."""
+    share = result["expert_numel"] // (1 if mode == "ddp" else result["edp"])
+    steps = moe_data_parallel_checks.STEPS
+    assert result["expert_tp_all_reduces"] == [[share]] * steps, result["expert_tp_all_reduces"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +78,15 @@ def test_each_mode_equals_one_process(runs: dict, mode: str) -> None:
         assert any(result["clipped"]), result["clipped"]  # clipping is part of the check
         assert max(result["norms"]) < NORM_BOUND, result["norms"]
         assert max(result["params"].values()) < FP64_BOUND, result["params"]
+        assert max(result["expert_grads"]) < FP64_BOUND, result["expert_grads"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequence_parallel_sums_expert_gradients_over_tp_once_per_step(
+    runs: dict, mode: str
+) -> None:
+    for result in runs[f"{mode}-sp"]:
+        assert_one_expert_tp_sum_per_step(result, mode)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "zero1", "fsdp-sp", "zero1-sp"])

@@ -1,8 +1,8 @@
 """MoE training on 4 gloo ranks: ep=4 (dp=4, also under fsdp: one rank per edp group), ep2 ×
-tp2 and ep2 × tp2 with sequence parallel (dp=2; also under fsdp and zero1, where the experts'
-TP sum runs in the backward) match one process step by step (slow: the default tier covers
-the same code with ep=2 and tp=2 with SP in the trainer and ep×tp (with SP) at the layer level,
-mt-parallel's test_moe_world4.py and test_moe_data_parallel_world4.py)."""
+tp2 and ep2 × tp2 with sequence parallel (dp=2; also under fsdp and zero1, which sum the
+experts' gradients over TP once per step too) match one process step by step (slow: the
+default tier covers the same code with ep=2 and tp=2 with SP in the trainer and ep×tp (with
+SP) at the layer level, mt-parallel's test_moe_world4.py and test_moe_data_parallel_world4.py)."""
 
 from __future__ import annotations
 

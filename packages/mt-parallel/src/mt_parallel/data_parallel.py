@@ -58,9 +58,18 @@ it changes which elements a rank holds, never the gradients' arithmetic: FSDP2 r
 ``Shard(1)`` parameters by chunking each gradient along dim 1, so every element is still the
 sum over the ``W`` ranks, divided as below.
 
-Under sequence parallel the experts' gradients are also summed over TP: by
-:func:`~mt_parallel.moe.reduce_expert_gradients` under ``ddp`` and ``none``, in each
-micro-batch's backward under ``fsdp`` and ``zero1`` (:mod:`mt_parallel.moe.experts`).
+Under sequence parallel the split experts' gradients are also summed over TP (each TP rank
+routed its own tokens to them; the weight's ``expert_sequence_group`` mark), once per step on
+the gradients accumulated over the micro-batches (:mod:`mt_parallel.moe.experts`): by
+:func:`~mt_parallel.moe.reduce_expert_gradients` with the edp sum under ``ddp`` and ``none``,
+by the same function on this rank's shard after FSDP2's reduce-scatter under ``fsdp`` (as
+under ``ddp`` with a one-rank edp group, whose experts FSDP2 leaves out), and by
+:meth:`~mt_parallel.DistributedOptimizer.reduce_gradients` on its shard after its
+reduce-scatter under ``zero1``. A shard's elements are the same experts' on every TP rank
+(the TP ranks of one edp rank hold the same experts and shard them alike), so the sum of the
+shards is the shard of the sum. Every path adds the same terms (one per micro-batch, TP rank
+and edp rank) and divides by dp×cp; only the order of the additions (and, under FSDP2, the
+division before the TP sum) differs between them.
 
 Gradient accumulation: run every micro-batch but the last inside :func:`accumulate`'s
 ``is_last=False`` context (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``), so
@@ -144,9 +153,6 @@ def apply_data_parallel(
             if group_size(param.expert_data_group) == 1:  # module docstring: left to DDP's path
                 ignored.update(experts.parameters())
                 continue
-            for module in experts.modules():  # no reduce_expert_gradients: TP sum in backward
-                if isinstance(module, GroupedLinear):
-                    module.reduced_by_data_parallel = True
             edp_mesh = DeviceMesh.from_group(param.expert_data_group, device_type)
             fully_shard(
                 experts,
@@ -180,6 +186,7 @@ PARAMETER_MARKS = (
     "expert_rank",
     "expert_data_group",
     "expert_grad_divisor",
+    "expert_sequence_group",
 )
 """Attributes that earlier transforms set on parameters (TP sharding, expert parallelism) and
 that FSDP2's DTensor parameters must keep."""
@@ -221,7 +228,7 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 @contextlib.contextmanager
 def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
     """Context for one micro-batch's forward+backward: reduce gradients only if ``is_last``
-    (expert-parallel ones too, after the backward, unless FSDP2 or ZeRO-1 reduce them: module
+    (expert-parallel ones too, after the backward, as far as FSDP2 or ZeRO-1 do not: module
     docstring).
 
     The last micro-batch also runs inside :func:`mt_fp8.final_micro_batch`: FP8 layers free
@@ -238,7 +245,7 @@ def accumulate(model: nn.Module, is_last: bool) -> Iterator[None]:
                 yield
         else:
             yield
-    # It skips the experts that FSDP2 reduce-scatters itself and those ZeRO-1 reduces at its step.
+    # Experts FSDP2 reduce-scatters get only their TP sum there; ZeRO-1's are left to its step.
     if is_last:
         from mt_parallel.moe.layer import reduce_expert_gradients
 

@@ -30,7 +30,11 @@ first (a trainer's anomaly detectors) calls the two itself and may skip the seco
 1. reduce-scatter each partition's flat gradient: the dense one averaged over dp×cp, the
    expert one summed over edp and divided by dp×cp (``param.expert_grad_divisor``; the
    gradient of the global mean loss, :mod:`mt_parallel.data_parallel`); each rank gets only
-   its shards;
+   its shards. Under sequence parallel the expert shard is also summed over TP
+   (``param.expert_sequence_group``: each TP rank routed its own tokens to the experts),
+   before the division: the TP ranks of one edp rank build the same partition and own the
+   same elements of it, so this is the TP sum of the gradient at 1/edp of its bytes, once per
+   step (:mod:`mt_parallel.moe.experts`);
 2. global norm from the shards (above): each element of either partition lies in exactly one
    rank's shard of dp×cp, so the squared sums are added over dp×cp, then over tp×pp;
 3. clipping, and with a ``decay`` filter the decoupled weight decay ``θ ← θ·(1 - lr·λ)`` of the
@@ -165,13 +169,21 @@ class _Partition:
     """Where this rank's shard starts in the master shard."""
     divisor: int | None
     """None: the gradient is averaged over ``group``; else summed, then divided by it."""
+    sum_group: Any = None
+    """A group the reduced shard is also summed over before the division (the TP group, for
+    experts under sequence parallel), or None."""
 
     @classmethod
     def of(
-        cls, params: list[nn.Parameter], group: Any, offset: int, divisor: int | None
+        cls,
+        params: list[nn.Parameter],
+        group: Any,
+        offset: int,
+        divisor: int | None,
+        sum_group: Any = None,
     ) -> _Partition:
         shard = math.ceil(sum(p.numel() for p in params) / group_size(group))
-        return cls(params, group, shard, group_rank(group) * shard, offset, divisor)
+        return cls(params, group, shard, group_rank(group) * shard, offset, divisor, sum_group)
 
 
 class DistributedOptimizer:
@@ -211,8 +223,9 @@ class DistributedOptimizer:
             self.partitions.append(_Partition.of(dense, group, 0, None))
         if experts:
             edp_group, divisor = experts[0].expert_data_group, experts[0].expert_grad_divisor
+            tp_sum = getattr(experts[0], "expert_sequence_group", None)
             offset = sum(part.shard for part in self.partitions)
-            self.partitions.append(_Partition.of(experts, edp_group, offset, divisor))
+            self.partitions.append(_Partition.of(experts, edp_group, offset, divisor, tp_sum))
             for param in experts:
                 setattr(param, REDUCED_BY_OPTIMIZER, True)
         self.shard = sum(part.shard for part in self.partitions)
@@ -277,7 +290,8 @@ class DistributedOptimizer:
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
         """Steps 1–2: reduce-scatter the gradients to this rank's shards (averaged; experts
-        summed over edp and divided by dp×cp); returns the global gradient norm.
+        summed over edp, and over TP under sequence parallel, and divided by dp×cp); returns
+        the global gradient norm.
         :meth:`apply_update` then uses the reduced shard."""
         shards = []
         for part in self.partitions:
@@ -285,6 +299,8 @@ class DistributedOptimizer:
             op = "avg" if part.divisor is None else "sum"
             if group_size(part.group) > 1:
                 flat = mt_comm.reduce_scatter(flat, op=op, group=part.group)
+            if group_size(part.sum_group) > 1:
+                mt_comm.all_reduce(flat, group=part.sum_group)
             shards.append(flat if part.divisor is None else flat.div_(part.divisor))
         grad = torch.cat(shards)
         sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)

@@ -27,23 +27,24 @@ as the bf16 path's :class:`PaddedLayout`) and hands the same list to its three p
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
 them on the rows of its own S/tp tokens, so every projection's weight gradient is summed over
-TP. The rule: the TP sum happens once per step in
-:func:`mt_parallel.moe.reduce_expert_gradients` exactly when that function reduces the
-experts' gradients, i.e. split over ep (ep > 1) under ``ddp`` or ``none``: it sums them over
-their expert-data-parallel group and over TP in one pass (Megatron-Core's expert-data-parallel
-group spans TP when the expert-tensor-parallel size is 1), one all-reduce per step. Everywhere
-else it happens in the backward: with ep = 1 (the experts are ordinary parameters under DDP,
-FSDP2 or ZeRO-1) and split over ep under ``fsdp`` (the experts' own FSDP2 unit
-reduce-scatters over edp, :attr:`GroupedLinear.reduced_by_data_parallel`) or ``zero1`` (the
-optimizer reduce-scatters over edp at its step, the parameter marked
-:data:`~mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`): neither reduces over TP, and their
-sharded gradient has no TP-replicated whole left to sum at the step. The backward sum is
+TP. Split over ep (ep > 1) the sum happens once per step, on the gradients accumulated over
+the micro-batches, in every data-parallel mode: the weight carries the TP group as
+``expert_sequence_group`` and whoever reduces the experts over their expert-data-parallel
+(edp) group adds the TP sum (Megatron-Core's expert-data-parallel group spans TP when the
+expert-tensor-parallel size is 1): :func:`mt_parallel.moe.reduce_expert_gradients` under
+``ddp`` and ``none`` (edp and TP in one pass) and under ``fsdp`` (FSDP2 has reduce-scattered
+over edp; the TP sum runs on this rank's shard), ZeRO-1's
+:meth:`~mt_parallel.DistributedOptimizer.reduce_gradients` under ``zero1`` (on its shard,
+after the edp reduce-scatter). The TP ranks of one edp rank hold the same experts and shard
+them alike, so summing shards element by element is summing the whole gradients, at 1/edp of
+the bytes. At ep = 1 the experts are ordinary parameters of DDP, FSDP2 or ZeRO-1 and the sum
+happens in the backward instead (:attr:`GroupedLinear.sums_gradient_in_backward`):
 ``copy_to_group`` on the weight, as the SP norms do (under FP8 the view is what
-``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter): an
-all-reduce of every expert weight's gradient in each micro-batch's backward. No path sums
-twice (:attr:`GroupedLinear.sums_gradient_in_backward` and
-:func:`~mt_parallel.moe.expert_sequence_group` exclude each other), and after either sum the
-gradient is the same on every TP rank, so the clipping norm counts it once. FP8: the
+``FP8GroupedLinear`` multiplies by, and its FP8 weight cache keys on the parameter), an
+all-reduce of every expert weight's gradient in each micro-batch's backward. Exactly one of
+the two paths runs for a layer, so no gradient is summed twice, and after either sum the
+gradient is the same on every TP rank, so the clipping norm counts it once. Both give the
+same sum of the same per-rank, per-micro-batch terms, in a different order. FP8: the
 delayed-scaling amaxes of the experts are MAX-reduced over TP at the scale update
 (``fp8_meta.amax_group``), so every TP rank uses the scales the one-process layer would;
 current scaling keeps each rank's own per-expert scales (equal to one process up to FP8
@@ -66,7 +67,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
-from mt_parallel.data_parallel import REDUCED_BY_OPTIMIZER
 from mt_parallel.mappings import copy_to_group, group_rank, group_size
 
 CUDA_GROUP_ALIGN = 16
@@ -166,29 +166,20 @@ class GroupedLinear(nn.Module):
         self.ep_group: Any = None
         self.sequence_group: Any = None
         """The TP group under sequence parallel (each rank's rows are its own tokens), else None."""
-        self.reduced_by_data_parallel = False
-        """Set by :func:`mt_parallel.apply_data_parallel` when FSDP2 reduce-scatters the split
-        experts' gradients itself (not :func:`~mt_parallel.moe.reduce_expert_gradients`): then
-        the TP sum happens in the backward (module docstring). A flag on the module, not the
-        parameter: FSDP2 swaps in other parameter objects around the forward."""
         self._fp8: Any = None
         self.reset_parameters()
 
     def set_tensor_parallel(self, tp_group: Any, sequence_parallel: bool) -> None:
         """Under SP the weight's gradient is summed over TP (module docstring)."""
         self.sequence_group = tp_group if sequence_parallel else None
+        if self.ep_size > 1:
+            self.weight.expert_sequence_group = self.sequence_group  # type: ignore[attr-defined]
 
     @property
     def sums_gradient_in_backward(self) -> bool:
-        """Whether the forward sums the weight's gradient over TP: under SP, unless the experts
-        are split over ep and :func:`~mt_parallel.moe.reduce_expert_gradients` reduces them
-        (``ddp``, ``none``), which sums over TP itself once per step (module docstring)."""
-        if group_size(self.sequence_group) == 1:
-            return False
-        reduced_elsewhere = self.reduced_by_data_parallel or getattr(
-            self.weight, REDUCED_BY_OPTIMIZER, False
-        )
-        return self.ep_size == 1 or reduced_elsewhere
+        """Whether the forward sums the weight's gradient over TP: under SP at ep = 1; split
+        over ep, the expert reduction sums over TP once per step (module docstring)."""
+        return group_size(self.sequence_group) > 1 and self.ep_size == 1
 
     @property
     def ep_size(self) -> int:
@@ -209,7 +200,8 @@ class GroupedLinear(nn.Module):
     def shard_experts_(self, ep_group: Any, edp_group: Any, dp_cp_size: int) -> None:
         """Keep this ep rank's experts (module docstring) and mark the weight as expert-parallel:
         ``expert_group`` (its norm is summed there), ``expert_data_group`` and
-        ``expert_grad_divisor`` (its gradient is summed over edp and divided by dp×cp)."""
+        ``expert_grad_divisor`` (its gradient is summed over edp and divided by dp×cp), and
+        ``expert_sequence_group`` (the TP group under SP, else None: summed there too)."""
         ranks, rank = group_size(ep_group), group_rank(ep_group)
         if self.num_experts % ranks:
             raise ValueError(
@@ -224,6 +216,7 @@ class GroupedLinear(nn.Module):
         self.weight.expert_rank = (rank, ranks, group_rank(edp_group))  # type: ignore[attr-defined]
         self.weight.expert_data_group = edp_group  # type: ignore[attr-defined]
         self.weight.expert_grad_divisor = dp_cp_size  # type: ignore[attr-defined]
+        self.weight.expert_sequence_group = self.sequence_group  # type: ignore[attr-defined]
         self.ep_group = ep_group
 
     def enable_fp8(self, recipe: Any = None, fp8_gemms: Any = None, **fp8_kwargs: Any) -> None:

@@ -18,9 +18,9 @@ Sequence parallel (Megatron-Core's layout with expert-tensor-parallel size 1): `
 TP rank's S/tp tokens of each sequence. The router and the routed experts (replicated over
 TP) act on those tokens only, with no gather, and the routed output stays sequence-sharded;
 their weights' gradients are summed over TP (:mod:`~mt_parallel.moe.router`,
-:mod:`~mt_parallel.moe.experts`: once per step with the expert-data-parallel sum when the
-experts are split over ep under ``ddp`` or ``none``, else in each micro-batch's backward,
-including split experts under ``fsdp`` and ``zero1``, whose edp reduce-scatter has no TP sum).
+:mod:`~mt_parallel.moe.experts`: for experts split over ep once per step with their
+expert-data-parallel reduction, in every data-parallel mode; at ep = 1 in each micro-batch's
+backward).
 The shared experts are an SP MLP
 (all-gather of ``m`` along the sequence, column/row parallel, reduce-scatter back). The
 load-balancing statistics are those of the whole TP region, as without SP: expert counts (aux
@@ -58,7 +58,7 @@ from mt_parallel.mappings import group_size
 from mt_parallel.mlp import MLP
 from mt_parallel.moe.config import MoEConfig
 from mt_parallel.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, dispatch_and_combine
-from mt_parallel.moe.experts import GroupedExperts, GroupedLinear
+from mt_parallel.moe.experts import GroupedExperts
 from mt_parallel.moe.router import Router
 from mt_parallel.moe.stats import LoadStats, summarize
 
@@ -161,49 +161,45 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if is_expert_parameter(p)]
 
 
-def reduced_elsewhere(param: nn.Parameter) -> bool:
-    """Whether FSDP2 (a DTensor parameter: the experts' own unit over edp) or ZeRO-1 (marked
-    :data:`~mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`) reduces this expert gradient."""
-    return isinstance(param, DTensor) or getattr(param, REDUCED_BY_OPTIMIZER, False)
-
-
-def expert_sequence_group(model: nn.Module) -> Any:
-    """The TP group over which expert-parallel experts under sequence parallel still need their
-    gradients summed (each TP rank routed other tokens to them) at the step, or None: None when
-    their backward sums them already (:attr:`GroupedLinear.sums_gradient_in_backward`, under
-    FSDP2 and ZeRO-1), so no gradient is summed twice."""
-    for module in model.modules():
-        split = isinstance(module, GroupedLinear) and module.ep_size > 1
-        if split and group_size(module.sequence_group) > 1:
-            return None if module.sums_gradient_in_backward else module.sequence_group
-    return None
-
-
 @torch.no_grad()
 def reduce_expert_gradients(model: nn.Module) -> None:
     """Sum expert gradients over their expert-data-parallel group (and, under sequence
-    parallel, over TP) and divide by dp×cp.
+    parallel, over TP) and divide by dp×cp; every data-parallel mode calls this once, after
+    the last micro-batch's backward.
 
     Each expert's gradient on an ep rank already sums the contributions of every token the ep
     group routed to it (the all-to-all's backward brings them back); the gradient of the global
     mean loss sums that over the edp replicas and divides by the dp×cp ranks whose mean losses
     are averaged (module docstring of :mod:`mt_parallel.data_parallel`). Under sequence
     parallel each TP rank's ep group routed other tokens, so the TP ranks' sums are added too
-    (:mod:`mt_parallel.moe.experts`: once per step here instead of in every backward). Experts
-    that FSDP2 or ZeRO-1 reduce themselves are left alone (:func:`reduced_elsewhere`), so
-    every data-parallel mode may call this after its last micro-batch.
+    (the weight's ``expert_sequence_group``; :mod:`mt_parallel.moe.experts`). Experts FSDP2
+    shards (DTensor parameters) arrive reduce-scattered over edp and divided: only the TP sum
+    is left, done on this rank's shard. Experts ZeRO-1 reduces (marked
+    :data:`~mt_parallel.data_parallel.REDUCED_BY_OPTIMIZER`) are left to its step, which sums
+    over TP too.
     """
     params = [p for p in expert_parameters(model) if p.grad is not None]
-    params = [p for p in params if not reduced_elsewhere(p)]
-    if not params:
+    params = [p for p in params if not getattr(p, REDUCED_BY_OPTIMIZER, False)]
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    if whole:
+        groups = (whole[0].expert_data_group, whole[0].expert_sequence_group)
+        _sum_in_place([p.grad for p in whole], groups, whole[0].expert_grad_divisor)
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if sharded:
+        _sum_in_place([p.grad.to_local() for p in sharded], (sharded[0].expert_sequence_group,))
+
+
+def _sum_in_place(grads: list[torch.Tensor], groups: tuple[Any, ...], divisor: int = 1) -> None:
+    """Sum ``grads`` over each of ``groups`` (one flat all-reduce per group of more than one
+    rank), divide by ``divisor`` and write the results back into them."""
+    groups = tuple(g for g in groups if group_size(g) > 1)
+    if not groups and divisor == 1:
         return
-    group, divisor = params[0].expert_data_group, params[0].expert_grad_divisor
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    for sum_group in (group, expert_sequence_group(model)):
-        if group_size(sum_group) > 1:
-            mt_comm.all_reduce(flat, group=sum_group)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for group in groups:
+        mt_comm.all_reduce(flat, group=group)
     flat.div_(divisor)
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
