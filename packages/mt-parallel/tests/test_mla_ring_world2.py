@@ -2,15 +2,19 @@
 ranks against one process: the ring passes the compressed latent ``[c ; RoPE(k_rot)]`` (C + R
 values per token, counted at the p2p) and every rank expands each block it holds with ``kv_b``;
 float64, with and without q-lora, on packed documents, with the core recomputed; FP8 in the
-expansion. cp=2 × tp=2 (every TP rank expands its heads from the same latent) is in the slow
+expansion: current scaling in the forward, the dgrad and wgrad GEMMs within the FP8 error model,
+delayed scaling with ``kv_b``'s input amax agreed over cp (also in a decoder LM under FSDP2 as
+the trainer runs it); the expansions in the caller's autocast and ``fp8_autocast`` regions in
+both passes. cp=2 × tp=2 (every TP rank expands its heads from the same latent) is in the slow
 tier."""
 
 from __future__ import annotations
 
 import mla_ring_checks
 import pytest
+import torch
 from mla_checks import FP8_SHAPES, SHAPES
-from parallel_tolerances import FP64_VS_FP64, assert_close
+from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool, PoolCache
 from mt_parallel.ring_attention import GRAD_TAG, KV_TAG
@@ -80,3 +84,82 @@ def test_mla_ring_fp8_expansion(pool: DistributedPool) -> None:
         # entry, and the output and gradients (averages over keys) stay below it (observed
         # <= 0.04). A scale applied twice or a block quantized with no scale is O(1).
         assert_close(result, 2.0**-4)
+
+
+def check_agreed_scales(ring: dict, one: dict) -> None:
+    """The ring rank's delayed-scaling history and scales of ``kv_b``'s input and weight are
+    the one process's (fp32 rounding apart: the same tensors' amaxes). Its output gradient's are
+    its own partial share's (the mla module docstring), so they are not compared."""
+    for key in ("history", "scale"):
+        mine, theirs = ring[key][..., :2], one[key][..., :2]
+        assert torch.allclose(mine, theirs, rtol=FP32_VS_FP64, atol=0), (key, mine, theirs)
+
+
+@pytest.mark.parametrize(
+    "recipe,gemms",
+    [
+        ("delayed", ("forward",)),
+        ("delayed", ("forward", "dgrad", "wgrad")),
+        ("tensorwise", ("dgrad", "wgrad")),
+    ],
+    ids=["delayed-forward", "delayed-all-gemms", "tensorwise-backward-gemms"],
+)
+def test_mla_ring_fp8_within_the_error_model(pool: DistributedPool, recipe, gemms) -> None:
+    for result in pool.run(mla_ring_checks.ring_fp8_bounds, recipe, gemms):
+        assert not result["saturated"]
+        assert result["spike_holds_the_amax"]  # which only rank 0 expands whole
+        # The compared forwards quantize alike: delayed scaling with one agreed scale (the
+        # sequence's latent peaks at a token only rank 0 expands whole; without the agreement
+        # rank 1's scale comes from a smaller amax and its K/V differ by E4M3 roundings), current
+        # scaling with no FP8 forward GEMM. Both sides then run the same fp32 arithmetic in
+        # another order: each is within fp32 rounding of exact (FP32_VS_FP64's reasoning), and
+        # so is their difference.
+        assert result["y"] < FP32_VS_FP64
+        fp8_grads = {"kv_b_proj.weight"} if "wgrad" in gemms else set()
+        if "dgrad" in gemms:
+            fp8_grads |= {"kv_a_proj.weight", "kv_a_norm.weight"}
+        else:
+            assert result["x_grad"] < FP32_VS_FP64
+        assert_close({k: v for k, v in result["grads"].items() if k not in fp8_grads}, FP32_VS_FP64)
+        # The latent's and kv_b's weight gradients: every FP8 GEMM's error on both sides, summed
+        # (parallel_checks.fp8_gemm_bound, from the formats' rounding and subnormal floor at
+        # the scales used, in float64), bounds their difference; without FP8 backward GEMMs the
+        # bound is fp32 rounding (1e-5 of the largest entry) alone.
+        assert result["latent_grad_in_bound"] <= 1.0
+        assert result["kv_b_grad_in_bound"] <= 1.0
+        if recipe == "delayed":
+            check_agreed_scales(result["metas"]["ring"], result["metas"]["one"])
+
+
+@pytest.mark.parametrize(
+    "region,fp8",
+    [("autocast", False), ("autocast", True), ("fp8_off", True)],
+    ids=["bf16-autocast", "bf16-autocast-fp8", "fp8-autocast-off"],
+)
+def test_mla_ring_expands_in_the_callers_regions(pool: DistributedPool, region, fp8) -> None:
+    for result in pool.run(mla_ring_checks.ring_regions, region, fp8):
+        # The forward runs inside the region, the backward outside (the trainer's order). The
+        # backward expands each block again as its forward did: same dtype and the same bits
+        # (not FP8 under fp8_autocast(enabled=False); before, a bf16 block met kv_b's fp32
+        # weight outside autocast and raised).
+        assert result["expansions"] == 4  # cp=2 blocks in the forward, again in the backward
+        dtype = torch.bfloat16 if region == "autocast" else torch.float32
+        assert result["dtypes"] == [(dtype, dtype)] * 2
+        assert result["same_bits"] == [True, True]
+        # The block attention itself runs with autocast off: bf16 inputs give the same bits
+        # under bf16 autocast as without.
+        assert result["plain_ring_ignores_autocast"]
+
+
+def test_mla_ring_fsdp_lm_delayed_fp8_equals_one_process(pool: DistributedPool) -> None:
+    for result in pool.run(mla_ring_checks.ring_fsdp_lm):
+        assert result.pop("fsdp")
+        metas = result.pop("metas")
+        for ring, one in zip(metas["ring"], metas["one"], strict=True):
+            check_agreed_scales(ring, one)
+        # The trainer's path (parallelize, FSDP2, scales updated over TP only): with kv_b's
+        # input amax agreed over cp, both forwards quantize alike and everything else is fp32
+        # in another order (FP32_VS_FP64's reasoning); the first block's latent peaks at a token
+        # only rank 0 expands whole, so without the agreement rank 1's K/V differ by E4M3
+        # roundings.
+        assert_close(result, FP32_VS_FP64)

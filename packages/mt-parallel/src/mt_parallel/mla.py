@@ -90,8 +90,16 @@ would be the whole sequence's K/V). ``kv_b`` thus costs ``4·2·T_seq·C·H·(N 
 rank and training step, a third more than under all-gather CP, for one expanded block in memory
 at a time instead of the whole sequence's. FP8: each block is quantized with its own
 current-scaling amax (one process and all-gather CP use the whole sequence's), so ring FP8 is
-about one E4M3 rounding away from the one process's; delayed scaling records ``2·cp`` amaxes of
-``kv_b``'s input per step.
+about one E4M3 rounding away from the one process's. Delayed scaling quantizes every block
+with the step's one scale, from the history of ``kv_b``'s input amax, which must then be the
+whole sequence's on every cp rank (one process's, and equal across cp, or a key would be
+quantized differently by the ranks that attend to it). A rank expands only the early chunk of
+the blocks of ranks before it, so its own record can miss their late chunks; after the ring
+forward the layer MAX-reduces the recorded input amax over cp (one all-reduce of one value per
+layer and micro-batch, delayed scaling only): every token is in some rank's own, wholly
+expanded block, so the MAX is the whole sequence's. The weight's amax is the same on every
+rank; the output gradient's is each rank's own, for the partial ``dK, dV`` of its queries that
+only it quantizes (as under all-gather CP).
 """
 
 from __future__ import annotations
@@ -101,7 +109,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from mt_fp8 import fp8_linear
+import mt_comm
+from mt_fp8 import TensorRole, fp8_linear
 from mt_fp8.ops import apply_rotary
 from mt_parallel.attention import CoreAttention
 from mt_parallel.context_parallel import gather_sequence
@@ -277,6 +286,7 @@ class MultiLatentAttention(torch.nn.Module):
             o_BHSV = self.core(
                 q_BHSE, block_B1SX, None, document_ids_BS, kv_expander=_LatentExpansion(self)
             )
+            self._agree_on_latent_amax()
             return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
         # All-gather CP: the rank's [c ; RoPE(k_rot)] travel, not the expanded K/V (docstring).
         gathered = self.core.gathers_kv()
@@ -295,6 +305,20 @@ class MultiLatentAttention(torch.nn.Module):
             kv_gathered=gathered,
         )
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, heads * V))
+
+    @torch.compiler.disable  # a collective on FP8 state, outside any compiled graph
+    def _agree_on_latent_amax(self) -> None:
+        """Ring CP under delayed scaling: MAX-reduce ``kv_b``'s recorded input amax of this
+        step over cp, making it the whole sequence's on every rank (module docstring)."""
+        if not self.kv_b_proj.fp8_enabled:
+            return
+        meta = self.kv_b_proj.fp8_meta.input_meta
+        if not meta.has_delayed_state:
+            return
+        current = meta.amax_history[0, int(TensorRole.INPUT)]
+        # NaN travels as +inf, as in mt_fp8.update_fp8_scales (both are skipped there).
+        amax = torch.where(torch.isnan(current), float("inf"), current).reshape(1)
+        current.copy_(mt_comm.all_reduce(amax, "max", group=self.core.cp_group)[0])
 
     def expand_latent(
         self, c_BTC: torch.Tensor, k_rot_BTR: torch.Tensor

@@ -47,22 +47,36 @@ take ``K·(d + e)``; the price is the expansion of ``cp`` blocks per rank in the
 in the backward (the module docstring of :mod:`mt_parallel.mla` counts both for MLA). Plain
 :func:`ring_attention` passes ``K|V`` and splits it, with no expansion and no extra autograd.
 
+Precision regions. The block attention above runs in fp32 (fp64 for fp64 inputs) with
+``torch.autocast`` off, in the forward as in the backward, whatever region the caller runs the
+forward in (an autocast region turned the forward's score and output GEMMs into bf16 while
+the backward recomputed the probabilities in fp32 against the forward's ``lse``). An expander
+instead runs in the caller's regions, and the backward enters them again: ``torch.autocast``
+and :func:`mt_fp8.fp8_autocast` as they were at the forward, captured there, so every block is
+expanded to the very K/V its forward attended to (the trainer runs the forward under bf16
+autocast and the backward outside it: before, the backward expanded a bf16 block with an fp32
+``kv_b`` and failed on the dtype mismatch).
+
 Document masks (packed sequences): the mask is also ``same document``; the ids of all tokens
 are all-gathered once (``B·T`` integers). Attention dropout is not supported here (use the
-all-gather variant). Blocks are computed with plain PyTorch in fp32 (fp64 for fp64 inputs);
+all-gather variant). Blocks are computed with plain PyTorch;
 :func:`_block_forward` / :func:`_block_backward` are where fused flash kernels that return
 ``lse`` slot in on GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 import mt_comm
+import mt_fp8
 from mt_parallel.context_parallel import check_document_ids, load_balanced_positions
 from mt_parallel.mappings import group_rank, group_size
 
@@ -198,23 +212,61 @@ def _rows(block: torch.Tensor, keys: slice) -> torch.Tensor:
     return block[:, :, keys]
 
 
+def _callers_regions(device_type: str) -> Callable[[], contextlib.ExitStack]:
+    """A context entering the caller's ``torch.autocast`` (for ``device_type``) and
+    :func:`mt_fp8.fp8_autocast` settings as they are now, for the expansions (module docstring,
+    "Precision regions")."""
+    autocast = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    fp8 = mt_fp8.current_fp8_state()
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device_type, autocast[1], enabled=autocast[0]))
+        if fp8 is not None:
+            stack.enter_context(mt_fp8.fp8_autocast(fp8.enabled, fp8.recipe, fp8.amax_group))
+        return stack
+
+    return enter
+
+
 def _held_kv(
-    block: torch.Tensor, expander: KVExpander | None, d: int, work: torch.dtype
+    block: torch.Tensor,
+    expander: KVExpander | None,
+    d: int,
+    work: torch.dtype,
+    regions: Callable[[], contextlib.ExitStack] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V (in ``work``) of a message block: split at ``d``, or expanded."""
+    """The K and V (in ``work``) of a message block: split at ``d``, or expanded inside the
+    caller's ``regions`` (given with an expander)."""
     if expander is None:
         return block[..., :d].to(work), block[..., d:].to(work)
-    k, v = expander(block)
+    assert regions is not None
+    with regions():
+        k, v = expander(block)
     return k.to(work), v.to(work)
+
+
+def _autocast_off(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method(ctx, x, ...)`` run with ``torch.autocast`` off on ``x``'s device (module
+    docstring, "Precision regions")."""
+
+    @functools.wraps(method)
+    def run(ctx: Any, x: torch.Tensor, *args: Any) -> Any:
+        with torch.autocast(x.device.type, enabled=False):
+            return method(ctx, x, *args)
+
+    return run
 
 
 class _RingAttention(torch.autograd.Function):
     """The ring loop over messages ``msg_B·t·`` (module docstring): ``expander`` None for K|V
     concatenated along the last dim (split at q's head dim ``d``), else the block expander,
-    whose ``params`` follow as the last inputs and receive its weight gradients."""
+    whose ``params`` follow as the last inputs and receive its weight gradients. Both passes
+    run with autocast off, the expansions in the caller's ``regions`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, q_BHtd, msg, expander, group, doc_q, doc_all, *params):  # type: ignore[override]
+    @_autocast_off
+    def forward(ctx: Any, q_BHtd, msg, expander, regions, group, doc_q, doc_all, *params):  # type: ignore[override]
         B, H, t, d = q_BHtd.shape
         work = torch.float64 if q_BHtd.dtype == torch.float64 else torch.float32
         scale = 1.0 / math.sqrt(d)
@@ -225,7 +277,7 @@ class _RingAttention(torch.autograd.Function):
             if s + 1 < plan.cp:
                 next_kv, works = ring.start(kv, KV_TAG)
             rows, keys, _, _ = plan.step(s)
-            k, v = _held_kv(_rows(kv, keys), expander, d, work)
+            k, v = _held_kv(_rows(kv, keys), expander, d, work, regions)
             if out is None:  # the K/V heads and value dim are known once a block is expanded
                 K, e = k.shape[1], v.shape[-1]
                 if H % K:
@@ -245,13 +297,15 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = next_kv
         ctx.save_for_backward(q_BHtd, msg, out, lse, doc_q, doc_all)
-        ctx.group, ctx.scale, ctx.expander, ctx.params = group, scale, expander, params
+        ctx.group, ctx.scale, ctx.params = group, scale, params
+        ctx.expander, ctx.regions = expander, regions
         return out.view(B, H, t, -1).to(q_BHtd.dtype)
 
     @staticmethod
+    @_autocast_off
     def backward(ctx: Any, dout_BHtd):  # type: ignore[override]
         q_BHtd, msg, out, lse, doc_q, doc_all = ctx.saved_tensors
-        expander, params = ctx.expander, ctx.params
+        expander, regions, params = ctx.expander, ctx.regions, ctx.params
         B, H, t, d = q_BHtd.shape
         K, work = out.shape[1], out.dtype
         ring = _Ring(ctx.group)
@@ -273,10 +327,10 @@ class _RingAttention(torch.autograd.Function):
                 # this time, so the block's dK, dV go back through the expansion below.
                 block = block.detach().requires_grad_()
                 with torch.enable_grad():
-                    k_graph, v_graph = _held_kv(block, expander, d, work)
+                    k_graph, v_graph = _held_kv(block, expander, d, work, regions)
                 k, v = k_graph.detach(), v_graph.detach()
             else:
-                k, v = _held_kv(block, None, d, work)
+                k, v = _held_kv(block, None, d, work, regions)
             dq_b, dk_b, dv_b = _block_backward(
                 q[:, :, :, rows],
                 k,
@@ -315,6 +369,7 @@ class _RingAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *(
                 None if g is None else g.to(p.dtype)
                 for g, p in zip(param_grads, params, strict=True)
@@ -347,7 +402,7 @@ def ring_attention(
     over the whole sequence, exchanging K/V around the cp ring (module docstring)."""
     doc_all = _check(q_BHtd, cp_group, document_ids_Bt)
     kv_BKtf = torch.cat([k_BKtd, v_BKtd], dim=-1)
-    return _RingAttention.apply(q_BHtd, kv_BKtf, None, cp_group, document_ids_Bt, doc_all)
+    return _RingAttention.apply(q_BHtd, kv_BKtf, None, None, cp_group, document_ids_Bt, doc_all)
 
 
 def expanded_ring_attention(
@@ -367,6 +422,7 @@ def expanded_ring_attention(
         )
     doc_all = _check(q_BHtd, cp_group, document_ids_Bt)
     params = tuple(expander.params)
+    regions = _callers_regions(q_BHtd.device.type)
     return _RingAttention.apply(
-        q_BHtd, block_B1tX, expander, cp_group, document_ids_Bt, doc_all, *params
+        q_BHtd, block_B1tX, expander, regions, cp_group, document_ids_Bt, doc_all, *params
     )
