@@ -12,12 +12,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
 import mt_fp8
 import mt_parallel as mp
 from mt_parallel.pipeline import StageShapes, chunks_per_rank
+from mt_parallel.pipeline import runtime as pipeline_runtime
 
 BATCH, SEQ = 2, 16
 
@@ -176,22 +179,64 @@ def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
     }
 
 
+def _whole(tensor: torch.Tensor, group: object) -> torch.Tensor:
+    """An FSDP2 parameter's or gradient's whole value (dim-0 shards over ``group``), else the
+    tensor. Not ``full_tensor()``: after an in-place DTensor op, a tensor can carry the cached
+    mesh of an earlier check's destroyed group (DTensor's sharding cache compares meshes by
+    ranks), which the pool's processes run before this one."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local, world = tensor.to_local(), dist.get_world_size(group)
+    rows = -(-tensor.shape[0] // world)  # torch.chunk's shard size; the last may be shorter
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat(pieces)[: tensor.shape[0]]
+
+
+def _count_shared_unit_work(unit: torch.nn.Module, counts: dict[str, int]) -> None:
+    """Count the all-gathers and the gradient reductions of the FSDP2 unit ``unit`` (its
+    parameter group's ``unshard`` finding it sharded, ``post_backward`` told to reduce)."""
+    (group,) = fully_shard.state(unit)._fsdp_param_groups
+    unshard, post_backward = group.unshard, group.post_backward
+
+    def counted_unshard(*args, **kwargs):
+        counts["gathers"] += not group.is_unsharded and group._all_gather_result is None
+        return unshard(*args, **kwargs)
+
+    def counted_post_backward(*args, **kwargs):
+        counts["reductions"] += group.reduce_grads
+        return post_backward(*args, **kwargs)
+
+    group.unshard, group.post_backward = counted_unshard, counted_post_backward
+
+
 def shared_embedding_step(
-    schedule: str, steps: int, exchange: bool = True, seed: int = 0, data_parallel: str = "none"
+    schedule: str,
+    steps: int,
+    exchange: bool = True,
+    seed: int = 0,
+    data_parallel: str = "none",
+    dp: int = 1,
 ) -> dict[str, object]:
-    """``steps`` AdamW steps of :class:`toy_lm.NextTokenLM` at pp=2, whose last stage embeds
-    the next tokens with its copy of the first stage's embedding, against one process in
-    float64: the first step's loss, gradients (the embedding's summed over both stages) and
-    clipped norm, and at the end whether both stages' embeddings are equal bit for bit and
-    equal to the reference's. The copy is perturbed before the split: the pipeline must
-    start it from the first stage's. ``exchange=False`` skips the gradient sum."""
-    pp, layers = dist.get_world_size(), 4
+    """``steps`` AdamW steps of :class:`toy_lm.NextTokenLM` at pp = world/dp, whose last stage
+    embeds the next tokens with the first stage's embedding (a copy on another rank), against
+    one process in float64 running the dp·M micro-batches: the first step's losses, gradients
+    (the embedding's summed over both stages, averaged over dp) and clipped norm, and at the
+    end whether both stages' embeddings are equal bit for bit and equal to the reference's.
+    The copy is perturbed before the split: the pipeline must start it from the first
+    stage's. ``exchange=False`` skips the gradient sum. Under ``fsdp`` with the first and
+    last chunks on one rank, each step's all-gathers and reductions of the embedding's own
+    FSDP2 unit are counted."""
+    pp, layers = dist.get_world_size() // dp, 4
     microbatches = 2 * pp if schedule == "dualpipev" else 2  # DualPipeV's minimum: 2·pp
     config = mp.ParallelConfig(
-        pp=pp, pp_schedule=schedule, data_parallel=data_parallel, pp_microbatches=microbatches,
+        pp=pp, dp=dp, pp_schedule=schedule, data_parallel=data_parallel,
+        pp_microbatches=microbatches,
         pp_chunks=chunks_per_rank(schedule, 2 if schedule == "interleaved_1f1b" else 1),
     )  # fmt: skip
-    state = mt_comm.init_parallel_state(pp=pp)
+    state = mt_comm.init_parallel_state(dp=dp, pp=pp)
 
     def build() -> NextTokenLM:
         lm = NextTokenLM(VOCAB, DIM, layers, HEADS, KV_HEADS, FFN)
@@ -210,38 +255,56 @@ def shared_embedding_step(
                     ((BATCH, SEQ, VOCAB), torch.float64)),
         torch.device("cpu"), state.group("pp"), module.local_loss,
     )  # fmt: skip
+    counts = {"gathers": 0, "reductions": 0}
+    shared_unit = runner.shared_units.holders
+    for unit in shared_unit:
+        _count_shared_unit_work(unit, counts)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, module)]
     first: dict[str, object] = {}
+    per_step = []
     for step in range(steps):
-        tokens, targets = _batch(seed + 1 + step, microbatches * BATCH, SEQ)
-        rows = [slice(m * BATCH, (m + 1) * BATCH) for m in range(microbatches)]
+        tokens, targets = _batch(seed + 1 + step, dp * microbatches * BATCH, SEQ)
+        rows = [slice(m * BATCH, (m + 1) * BATCH) for m in range(dp * microbatches)]
         nexts = [tokens[r].roll(-1, dims=1) for r in rows]
         ref_losses = []
         for row, next_tokens in zip(rows, nexts, strict=True):
             loss = reference.loss(reference(tokens[row], next_tokens_BT=next_tokens), targets[row])
-            (loss / microbatches).backward()
+            (loss / len(rows)).backward()
             ref_losses.append(loss.detach())
-        kwargs = [{"next_tokens_BT": n} if holds_last else {} for n in nexts]
-        result = runner.step([tokens[r] for r in rows], [targets[r] for r in rows], kwargs)
+        mine = range(state.rank("dp") * microbatches, (state.rank("dp") + 1) * microbatches)
+        kwargs = [{"next_tokens_BT": nexts[m]} if holds_last else {} for m in mine]
+        counts.update(gathers=0, reductions=0)
+        result = runner.step(
+            [tokens[rows[m]] for m in mine], [targets[rows[m]] for m in mine], kwargs
+        )
+        per_step.append(dict(counts))
         if exchange:
             module.reduce_shared_gradients()
         # A clip below the norm: the coefficient depends on the norm counting each parameter once.
         ref_norm = mp.clip_grad_norm_(reference.parameters(), 0.5)
-        norm = mp.clip_grad_norm_(list(module.parameters()), 0.5, mp_group=state.group("pp"))
+        norm = mp.clip_grad_norm_(
+            list(module.parameters()), 0.5, mp_group=state.group("pp"),
+            dp_cp_group=state.group("dp_cp"),
+        )  # fmt: skip
         if step == 0:
             expected = dict(reference.named_parameters())
             first = {
                 "grads": {
-                    n: rel_err(p.grad, expected[n].grad) for n, p in module.named_parameters()
+                    n: rel_err(_whole(p.grad, state.group("dp_cp")), expected[n].grad)
+                    for n, p in module.named_parameters()
                 },
-                "losses": [rel_err(a, b) for a, b in zip(result.losses, ref_losses, strict=False)],
+                "losses": [
+                    rel_err(a, ref_losses[m]) for a, m in zip(result.losses, mine, strict=False)
+                ],
                 "norm": rel_err(norm, ref_norm),
             }
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     # Under the V schedules the first and last chunks (and the one embedding) share rank 0.
-    embedding = module.embed.weight.detach() if hasattr(module, "embed") else None
+    embedding = None
+    if hasattr(module, "embed"):
+        embedding = _whole(module.embed.weight.detach(), state.group("dp_cp"))
     peer = embedding
     if module.shared_peer is not None:
         peer = module._exchange(embedding.contiguous())
@@ -252,4 +315,17 @@ def shared_embedding_step(
         "copy_marked": [n for n, p in module.named_parameters() if getattr(p, "pipeline_copy", 0)],
         "copies_equal": embedding is None or bool(torch.equal(embedding, peer)),
         "embedding": 0.0 if embedding is None else rel_err(embedding, reference.embed.weight),
+        "shared_units": [type(u).__name__ for u in shared_unit],
+        "shared_unit_work": per_step if shared_unit else [],
     }
+
+
+def shared_fsdp_without_custom_reduce_grad(schedule: str) -> dict[str, object]:
+    """:func:`shared_embedding_step`'s setup (no step) under ``fsdp`` on a torch whose runtime
+    takes no custom ``REDUCE_GRAD`` function (``_registers_reduce_grad`` answers False)."""
+    registers = pipeline_runtime._registers_reduce_grad
+    pipeline_runtime._registers_reduce_grad = lambda runtime, function: False
+    try:
+        return shared_embedding_step(schedule, steps=0, data_parallel="fsdp")
+    finally:
+        pipeline_runtime._registers_reduce_grad = registers

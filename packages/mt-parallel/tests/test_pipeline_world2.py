@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pipeline_checks as checks
 import pytest
+import torch
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool, PoolCache
 from mt_parallel.pipeline import SCHEDULES, check_microbatches
+from mt_parallel.pipeline.split import detached
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +146,42 @@ def test_shared_embedding_without_the_gradient_sum_diverges(pool: DistributedPoo
     assert all(r["grads"]["embed.weight"] > 1e-3 for r in results)
 
 
-def test_shared_modules_on_the_first_and_last_chunks_rank_refuse_fsdp(
+def test_shared_embedding_under_fsdp2_at_dp1(pool: DistributedPool) -> None:
+    """ZBV under FSDP2 at dp=1 (FSDP2 over one rank): the first and last chunks on rank 0 hold
+    the one embedding, an FSDP2 unit of its own. Two float64 AdamW steps equal one process
+    (the first step's gradients, losses and clipped norm; the final embedding), and each step
+    gathers it once and reduces its gradient, summed over both chunks, once."""
+    results = pool.run(checks.shared_embedding_step, schedule="zbv", steps=2, data_parallel="fsdp")
+    for result in results:
+        assert_close({"grads": result["grads"]}, FP64_VS_FP64)
+        assert result["norm"] < FP64_VS_FP64 and result["embedding"] < FP64_VS_FP64
+    assert [r["holds_embedding"] for r in results] == [True, False]
+    assert results[0]["holds_last"] and max(results[0]["losses"]) < FP64_VS_FP64
+    assert results[0]["shared_units"] == ["FSDPVocabParallelEmbedding"]
+    assert results[0]["shared_unit_work"] == [{"gathers": 1, "reductions": 1}] * 2
+    assert results[1]["shared_units"] == []
+
+
+def test_shared_fsdp_unit_needs_a_runtime_taking_a_custom_reduce_grad(
     pool: DistributedPool,
 ) -> None:
-    """The one shared embedding would belong to two chunks' FSDP2 units."""
-    with pytest.raises(Exception, match="puts the first and last pipeline chunks on one rank"):
-        pool.run(checks.shared_embedding_step, schedule="zbv", steps=1, data_parallel="fsdp")
+    """Without a custom REDUCE_GRAD function torch's would reduce the embedding with each
+    chunk's: the schedule refuses to be built, naming what is missing."""
+    message = "need a torch whose pipeline runtime takes a custom REDUCE_GRAD function"
+    with pytest.raises(Exception, match=message):
+        pool.run(checks.shared_fsdp_without_custom_reduce_grad, schedule="zbv")
+
+
+def test_detached_puts_the_module_back_among_the_current_children() -> None:
+    """A module detached while a transform replaces a sibling (FP8's linears) comes back at
+    its own position, and the replacement stays."""
+    root = torch.nn.Module()
+    root.inner = torch.nn.Module()
+    root.inner.a, root.inner.embed = torch.nn.Linear(2, 2), torch.nn.Embedding(4, 2)
+    root.inner.b = torch.nn.Linear(2, 2)
+    embed, replacement = root.inner.embed, torch.nn.Linear(2, 2)
+    with detached(root, ["inner.embed"]):
+        assert list(root.inner._modules) == ["a", "b"]
+        root.inner.a = replacement
+    assert list(root.inner._modules) == ["a", "embed", "b"]
+    assert root.inner.a is replacement and root.inner.embed is embed

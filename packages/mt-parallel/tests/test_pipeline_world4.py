@@ -1,13 +1,15 @@
 """Pipeline parallelism on 4 gloo ranks (a pool shared across modules): every schedule at pp=4, and
 pp=2 composed with data parallelism (dp=2) and with tensor + sequence parallelism (tp=2),
 each against one process running the whole model (float64); at pp=4 the micro-batch chunks
-whose activations a rank holds at once peak exactly where the simulator says."""
+whose activations a rank holds at once peak exactly where the simulator says; under FSDP2 at
+pp=2 × dp=2 an embedding the first and last chunks share on one rank (ZBV, DualPipeV) is
+gathered and reduced once per step and trains as one process."""
 
 from __future__ import annotations
 
 import pipeline_checks as checks
 import pytest
-from parallel_tolerances import FP32_VS_FP64
+from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 from test_pipeline_world2 import check, chunks_of
 
 from mt_comm.testing import DistributedPool, PoolCache
@@ -60,3 +62,28 @@ def test_pp2_with_tp2_and_sequence_parallel(pool: DistributedPool, schedule: str
         chunks=chunks_of(schedule),
     )  # fmt: skip
     check(results, 4, replicas=2)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_shared_embedding_under_fsdp2_on_the_first_and_last_chunks_rank(
+    pool: DistributedPool, schedule: str
+) -> None:
+    """pp=2 × dp=2 under FSDP2, the first and last chunks (both running the embedding) on pp
+    rank 0: the embedding is an FSDP2 unit of its own. Three float64 AdamW steps equal one
+    process running all the micro-batches (first step's losses, gradients averaged over dp
+    and clipped norm; the final embedding), and in every step the unit is all-gathered once
+    and its gradient, summed over both chunks, reduce-scattered once."""
+    results = pool.run(
+        checks.shared_embedding_step, schedule=schedule, steps=3, data_parallel="fsdp", dp=2
+    )
+    for result in results:
+        assert_close({"grads": result["grads"]}, FP64_VS_FP64)
+        assert result["norm"] < FP64_VS_FP64 and result["embedding"] < FP64_VS_FP64
+    last = [r for r in results if r["holds_last"]]
+    assert len(last) == 2 and all(r["losses"] and max(r["losses"]) < FP64_VS_FP64 for r in last)
+    holders = [r for r in results if r["holds_embedding"]]
+    assert holders == last and all(r["copy_marked"] == [] for r in results)
+    for result in holders:
+        assert result["shared_units"] == ["FSDPVocabParallelEmbedding"]
+        assert result["shared_unit_work"] == [{"gathers": 1, "reductions": 1}] * 3
+    assert all(r["shared_units"] == [] for r in results if not r["holds_embedding"])

@@ -12,7 +12,9 @@ gradient.
 
 :func:`mtp_pp_step` does the same at pp=2 through mt-train's
 :class:`~mt_train.pipeline_step.PipelineStep`: the MTP modules and a copy of the embedding on
-the last stage, two micro-batches with unequal loss factors, then AdamW steps.
+the last stage (under the V schedules, the one embedding of the rank holding the first and
+last chunks), micro-batches with unequal loss factors, then AdamW steps; with dp > 1 (under
+FSDP2, say) against one process running every dp rank's micro-batches.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import mt_comm
 import mt_parallel as mp
@@ -158,19 +162,44 @@ CP_MEANS = ("loss", "ce_loss")
 """Values each cp rank computes over its own tokens: their mean over cp is one process's."""
 
 
+def whole(tensor: torch.Tensor, group: object) -> torch.Tensor:
+    """An FSDP2 parameter's or gradient's whole value (dim-0 shards over ``group``), else the
+    tensor. Not ``full_tensor()``: after an in-place DTensor op (AdamW's), a tensor can carry
+    the cached mesh of an earlier run's destroyed group (DTensor's sharding cache compares
+    meshes by ranks), which the pool's processes may have run before this one."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local, world = tensor.to_local(), dist.get_world_size(group)
+    rows = -(-tensor.shape[0] // world)  # torch.chunk's shard size; the last may be shorter
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat(pieces)[: tensor.shape[0]]
+
+
 def mtp_pp_step(
-    depth: int, schedule: str = "1f1b", steps: int = 2, cp: int = 1, seed: int = 0
+    depth: int,
+    schedule: str = "1f1b",
+    steps: int = 2,
+    cp: int = 1,
+    seed: int = 0,
+    dp: int = 1,
+    data_parallel: str | None = None,
 ) -> dict[str, object]:
     """``steps`` float64 AdamW steps at pp=2 (``deepseek_plan``: block 0 on stage 0, block 1,
     the MTP modules, the head and an embedding copy on stage 1) against the one-process
-    accumulation loop, each of two micro-batches of packed documents with loss factors 1 and
-    0.5: the first step's errors of the total loss, every logged extra this rank reports (the
-    MTP losses included) and every gradient this rank holds (the embedding's on both ranks);
+    accumulation loop, each dp rank's micro-batches of packed documents with loss factors 1
+    and 0.5 in turn (two, four under DualPipeV, whose minimum is 2·pp): the first step's
+    errors of the total loss, every logged extra this rank reports (the MTP losses included)
+    and every gradient this rank holds (the embedding's on both ranks; whole under FSDP2);
     after the last step, whether the two embeddings are equal bit for bit. With ``cp = 2``
     each rank runs its load-balanced chunks (the runner's cut, the MTP inputs shifted on the
     whole sequence) and its loss and cross-entropy are averaged over cp before comparing; the
-    MoE statistics, which are per rank's tokens, are not compared then."""
-    state = mt_comm.init_parallel_state(pp=2, cp=cp)
+    MoE statistics, which are per rank's tokens, are not compared then. With ``dp > 1`` the
+    reference runs every dp rank's micro-batches and its loss and extras are compared over
+    this rank's. ``data_parallel`` defaults to ``ddp`` at cp > 1, else ``none``."""
+    state = mt_comm.init_parallel_state(pp=2, cp=cp, dp=dp)
     cfg = tiny_config(depth)
     if chunks_per_rank(schedule, 1) > 1:  # V schedules: four chunks, a block each
         cfg = dataclasses.replace(cfg, n_layers=4)
@@ -178,30 +207,37 @@ def mtp_pp_step(
     for m in (reference, model):
         mp.init_weights(m, seed)
     reference = reference.double().train()
+    microbatches = 4 if schedule == "dualpipev" else 2
     parallel = mp.ParallelConfig(
-        pp=2, cp=cp, pp_schedule=schedule, data_parallel="ddp" if cp > 1 else "none",
-        pp_microbatches=2,
+        pp=2, cp=cp, dp=dp, pp_schedule=schedule, pp_microbatches=microbatches,
+        data_parallel=data_parallel or ("ddp" if cp > 1 else "none"),
     )  # fmt: skip
     module = mp.pipeline_module(model.double(), parallel, state, deepseek_plan(cfg)).train()
-    cp_group = state.group("cp")
+    cp_group, dp_cp_group = state.group("cp"), state.group("dp_cp")
     runner = BatchRunner(module, module, torch.device("cpu"), cp_group, cp, state.rank("cp"), None)
     step = PipelineStep(
-        runner, parallel, state, 2, 2, SEQ, cfg.dim, VOCAB, True, model.sequence_inputs
-    )
+        runner, parallel, state, microbatches, 2, SEQ, cfg.dim, VOCAB, True,
+        model.sequence_inputs,
+    )  # fmt: skip
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, module)]
-    factors = [1.0, 0.5]
+    factors = [1.0, 0.5] * (microbatches // 2)
+    mine = range(state.rank("dp") * microbatches, (state.rank("dp") + 1) * microbatches)
     first: dict[str, object] = {}
     for k in range(steps):
-        batches = [Batch(*packed_batch(seed + 1 + 2 * k + m)) for m in range(2)]
+        count = dp * microbatches
+        batches = [Batch(*packed_batch(seed + 1 + count * k + m)) for m in range(count)]
         total, extras = torch.zeros((), dtype=torch.float64), {}
-        for batch, factor in zip(batches, factors, strict=True):
+        for m, batch in enumerate(batches):
+            factor = factors[m % microbatches]
             out = reference(batch.inputs, None, batch.document_ids)
             loss, logged = reference.loss(out, batch.targets)
-            (loss * factor / len(batches)).backward()
+            (loss * factor / count).backward()
+            if m not in mine:
+                continue
             total += loss.detach() * factor
             for name, value in logged.items():  # in fp32, as the pp=1 step sums them
                 extras[name] = extras.get(name, 0) + value.detach().float()
-        result = step.run(batches, factors)
+        result = step.run([batches[m] for m in mine], factors)
         if k == 0:
             expected = dict(reference.named_parameters())
             got = dict(result.extras, loss=result.total)
@@ -214,7 +250,8 @@ def mtp_pp_step(
                 "extras": {n: rel_err(v, extras[n], 1e-12) for n, v in got.items()},
                 "reference_extras": sorted(extras),
                 "grads": {
-                    n: rel_err(p.grad, expected[n].grad) for n, p in module.named_parameters()
+                    n: rel_err(whole(p.grad, dp_cp_group), expected[n].grad)
+                    for n, p in module.named_parameters()
                 },
             }
         for optimizer in optimizers:
@@ -224,7 +261,9 @@ def mtp_pp_step(
     layout = StateLayout.of(module, optimizers[1])
     written = shard_tensors(local, layout, TPLayout({}, 0, 1), state.rank("pp"), 0)
     # Under the V schedules the first and last chunks, and the one embedding, share rank 0.
-    embedding = module.embed.weight.detach().contiguous() if hasattr(module, "embed") else None
+    embedding = None
+    if hasattr(module, "embed"):
+        embedding = whole(module.embed.weight.detach(), dp_cp_group).contiguous()
     peer = embedding
     if module.shared_peer is not None:
         peer = module._exchange(embedding)

@@ -87,8 +87,6 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
         "model.yarn.factor=0.5": "yarn.factor=0.5 must be >= 1",
         "parallel.tp=3": "tp=3 does not divide",
         "parallel.ep=3": "parallel.ep=3 does not divide moe.num_experts=16",
-        "parallel=pp2 parallel.pp_schedule=zbv parallel.data_parallel=fsdp": "model.mtp_depth=1 "
-        "with parallel.data_parallel=fsdp is not supported with parallel.pp_schedule=zbv",
         "model.mtp_depth=-1": "model.mtp_depth=-1 must be an integer >= 0",
         "model.mtp_loss_weight_switch_step=-5": "model.mtp_loss_weight_switch_step=-5 must be",
         "model.mtp_loss_weight_final=-1": "model.mtp_loss_weight_final=-1.0 must be >= 0",
@@ -96,9 +94,12 @@ def test_deepseek_config_composes_and_rejects_bad_values() -> None:
     for override, message in bad.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             to_train_config(compose_config(["model=deepseek_v3_tiny", *override.split()]))
-    # MTP under pp with the first and last chunks on different ranks (the embedding copy).
-    pipelined = ["model=deepseek_v3_tiny", "parallel=pp2", "parallel.pp_schedule=zero_bubble"]
-    assert to_train_config(compose_config(pipelined)).model.mtp_depth == 1
+    # MTP under pp under FSDP2, the first and last chunks on different ranks (the embedding
+    # copy) or on one (the embedding its own FSDP2 unit).
+    for schedule in ("zero_bubble", "zbv", "dualpipev"):
+        pipelined = ["model=deepseek_v3_tiny", "parallel=pp2", f"parallel.pp_schedule={schedule}"]
+        fsdp = to_train_config(compose_config([*pipelined, "parallel.data_parallel=fsdp"]))
+        assert fsdp.model.mtp_depth == 1 and fsdp.parallel.pp_schedule == schedule
 
 
 def test_deepseek_v3_tiny_learns(kjv_data: Path, tmp_path: Path) -> None:

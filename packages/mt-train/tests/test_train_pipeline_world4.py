@@ -4,8 +4,11 @@ match one process; a single-process
 checkpoint resumes at pp=4, FSDP2 and ZeRO-1 ones at pp=2 resume exactly and load in one
 process;
 DeepSeek-V3 with MTP (the embedding shared by the first and last stages) trains at pp=2 × dp=2
-under FSDP2 and, with the first and last chunks on one rank, under DualPipeV as one process. A pool shared across modules; the single-process references run in this
-process."""
+under FSDP2 and, with the first and last chunks on one rank, under DualPipeV as one process;
+with them on one rank under FSDP2 (the embedding its own FSDP2 unit) it trains under ZBV as
+one process and resumes exactly, and its gradients under ZBV and DualPipeV equal one
+process's in float64. A pool shared across modules; the single-process references run in
+this process."""
 
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import train_checks
+from mtp_checks import FP64_BOUND, mtp_pp_step
 from test_train_deepseek_v3_world2 import overrides as deepseek_overrides
 from test_train_pipeline import CONSTANT, PIPELINE
 from train_checks import tiny_overrides
 
 from mt_comm.testing import DistributedPool, PoolCache
+from mt_train.checkpoint.state import MOMENTS
 
 # fp32 on CPU. TP splits the attention/MLP dot products and the vocabulary, DP averages the
 # gradients with an all-reduce: both reorder sums (a few ulps per step, as the pp=1 layouts of
@@ -121,16 +126,21 @@ def test_sharded_pp2_trains_resumes_exactly_and_loads_in_one_process(
     assert loaded == pytest.approx(full[0][4:], rel=RTOL)
 
 
+# fsdp-dualpipev in the full tier: the default tier runs it in float64 through the pipeline
+# step below, and the trainer under FSDP2 with ZBV's shared embedding in the resume test.
 @pytest.mark.parametrize(
-    ("data_parallel", "schedule"), [("fsdp", "1f1b"), ("ddp", "dualpipev")],
-    ids=["fsdp-1f1b", "ddp-dualpipev"],
+    ("data_parallel", "schedule"),
+    [("fsdp", "1f1b"), ("ddp", "dualpipev"),
+     pytest.param("fsdp", "dualpipev", marks=pytest.mark.slow)],
+    ids=["fsdp-1f1b", "ddp-dualpipev", "fsdp-dualpipev"],
 )  # fmt: skip
 def test_deepseek_mtp_at_pp2_dp2_matches_one_process(
     data_parallel: str, schedule: str, pool, kjv_data: Path, tmp_path: Path
 ) -> None:
     """Under 1F1B the two copies of the embedding are FSDP2 shards alike on both stages, their
     gradients summed shard by shard after the schedule; under DualPipeV the first and last
-    chunks share rank 0 and its one embedding (four chunks of one block, four micro-batches)."""
+    chunks share rank 0 and its one embedding (four chunks of one block, four micro-batches),
+    under FSDP2 an FSDP2 unit of its own, reduced once after both chunks' backwards."""
     shape = {"trainer.micro_batch_size": 2}
     if schedule == "dualpipev":
         shape = {"trainer.micro_batch_size": 1, "model.n_layers": 4}
@@ -143,3 +153,58 @@ def test_deepseek_mtp_at_pp2_dp2_matches_one_process(
     per_rank = pool.run(train_checks.run_losses, job + layout, tmp_path / "run")
     assert all(r == per_rank[0] for r in per_rank)
     assert per_rank[0] == pytest.approx(single, rel=RTOL)
+
+
+def test_deepseek_mtp_under_fsdp2_and_zbv_resumes_exactly_and_loads_in_one_process(
+    pool, kjv_data: Path, tmp_path: Path
+) -> None:
+    """ZBV puts the first and last chunks, and the embedding both run (its own FSDP2 unit), on
+    pp rank 0: four steps match one process; from the step-2 checkpoint (the embedding's
+    FSDP2 shards written like any FSDP2 parameter's) a resumed run repeats steps 3-4 exactly
+    at the same layout, and one process loads it."""
+    job = deepseek_overrides(
+        kjv_data, **{"model.n_layers": 4, "trainer.micro_batch_size": 2,
+                     "trainer.max_steps": 4, "trainer.checkpoint_interval": 2},
+    )  # fmt: skip
+    layout = ["parallel=pp2", "parallel.data_parallel=fsdp", "parallel.pp_schedule=zbv"]
+    single = train_checks.run_losses(job, tmp_path / "single")
+    full = pool.run(train_checks.run_losses, job + layout, tmp_path / "full")
+    assert all(r == full[0] for r in full)
+    assert full[0] == pytest.approx(single, rel=RTOL)
+    saved = [f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step-00000002'}"]
+    resumed = pool.run(train_checks.run_losses, job + layout + saved, tmp_path / "resumed")
+    assert resumed[0] == full[0][2:]  # exact, step by step
+    loaded = train_checks.run_losses(job + saved, tmp_path / "one")
+    assert loaded == pytest.approx(full[0][2:], rel=RTOL)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_deepseek_mtp_under_fsdp2_with_first_and_last_chunks_on_one_rank_in_float64(
+    schedule: str, pool
+) -> None:
+    """pp=2 × dp=2 under FSDP2, the first and last chunks (both embedding tokens) on pp rank 0,
+    whose embedding is an FSDP2 unit of its own: two float64 AdamW steps through the trainer's
+    pipeline step against one process running both dp ranks' micro-batches. The loss and
+    every logged extra of each rank's micro-batches, every gradient (the embedding's summed
+    over both chunks' backwards and averaged over dp, once) and the final embedding within
+    FP64_BOUND (float64, the same operations in another summation order); the checkpoint
+    writes the embedding and its AdamW state from the rank holding it."""
+    per_rank = pool.run(mtp_pp_step, 1, schedule, dp=2, data_parallel="fsdp")
+    holders = [r for r in per_rank if r["holds_mtp"]]
+    assert len(holders) == 2 and all("embed.weight" in r["grads"] for r in holders)
+    # Each holder writes its FSDP2 half of the embedding and of its AdamW moments, as for
+    # any FSDP2 parameter (the checkpoint format is unchanged); the other ranks none.
+    assert [r["written_embedding"] for r in per_rank if not r["holds_mtp"]] == [[], []]
+    for half, result in zip(("0-1536", "1536-3072"), holders, strict=True):
+        pieces = [f"model/embed.weight@elems{half}of3072", "optim/embed.weight/step"]
+        pieces += [f"optim/embed.weight/{k}@elems{half}of3072" for k in MOMENTS]
+        assert result["written_embedding"] == sorted(pieces)
+    for result in per_rank:
+        assert result["loss"] < FP64_BOUND
+        assert set(result["extras"]) == set(result["reference_extras"])
+        # The extras are summed in fp32 on both sides (logging precision), in the same order.
+        worst = max(result["extras"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-6, worst
+        worst = max(result["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < FP64_BOUND, worst
+        assert result["copies_equal"] and result["embedding"] < FP64_BOUND

@@ -145,11 +145,6 @@ def layout_problem(
         return f"the {model.family} family (model {model.name}) does not run pp > 1"
     if L.schedule not in SCHEDULES:
         return f"pp_schedule={L.schedule!r}; valid: {', '.join(SCHEDULES)}"
-    if L.schedule in V_SCHEDULES and L.dp_mode == "fsdp" and model.shares_first_and_last:
-        return (
-            f"{L.schedule} puts the first and last chunks, which share modules, on one rank: "
-            f"not under fsdp (model {model.name})"
-        )
     if L.schedule == "interleaved_1f1b" and L.vpp < 2:
         return "interleaved_1f1b needs pp_chunks >= 2"
     if L.schedule in ("gpipe", "1f1b", *V_SCHEDULES) and L.vpp != 1:

@@ -74,7 +74,6 @@ def shape_of(cfg: Any) -> ModelShape:
             v_head_dim=cfg.v_head_dim, num_experts=m.num_experts, top_k=m.top_k,
             expert_ffn_dim=m.expert_ffn_dim, shared_ffn_dim=m.shared_hidden_dim,
             first_k_dense=cfg.first_k_dense, mtp_depth=cfg.mtp_depth, tp_divides=tuple(tp),
-            shares_first_and_last=bool(cfg.mtp_depth),
         )  # fmt: skip
     if family == "vlm":
         from mt_train.models.vlm.vision import vision_flops_per_image

@@ -60,10 +60,6 @@ class ModelShape:
     tp_divides: tuple[tuple[str, int], ...] = ()
     """(name, value) pairs tensor parallelism must divide (the family's check_parallel)."""
     supports_pp: bool = True
-    shares_first_and_last: bool = False
-    """Whether the first and last pipeline chunks share modules (multi-token prediction's
-    input embedding): the V schedules (zbv, dualpipev) then put both on one rank, which
-    FSDP2 does not support."""
     supports_cp: bool = True
 
     # -- per-layer parameter counts -----------------------------------------------------------

@@ -30,7 +30,11 @@ checkpoint code is the same at every ``pp``. A run:
    has one rank). Then the gradients of modules both the first and last chunks run
    (DeepSeek-V3's input embedding under MTP) are summed over the two copies
    (:meth:`mt_parallel.PipelineModule.reduce_shared_gradients`; both averages are linear, so
-   averaging each copy over dp×cp first gives their dp×cp average of the sum);
+   averaging each copy over dp×cp first gives their dp×cp average of the sum). Where one rank
+   holds both chunks (``zbv``, ``dualpipev``) there is one module and no copy: ``ddp``
+   averages it after the schedule, once, below; under ``fsdp`` it is an FSDP2 unit of its own
+   that the schedule reduces once, after both chunks' backwards
+   (:mod:`mt_parallel.pipeline.shared_fsdp`);
 4. makes the loss known on every pipeline rank: the rank holding the head sums its
    micro-batch losses, the others contribute 0, and a SUM all-reduce over the pp group gives
    every rank the step's total; the model's extra values (a VLM's token counts) are summed
@@ -115,7 +119,8 @@ class PipelineStep:
         seen: set[int] = set()
         self._in_several_chunks: set[int] = set()
         """Parameters of more than one local chunk (the V schedules' embedding, which the
-        first and last chunks share under MTP): averaged after the schedule, once."""
+        first and last chunks share under MTP): averaged after the schedule, once (``ddp``;
+        FSDP2 reduces its own unit of them once in the schedule)."""
         for chunk in module.pipeline_chunks:
             for param in chunk.parameters():
                 if id(param) in seen:

@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules as torch action lists, their simulator, model splitting, the
-runtime that executes them (``torch.distributed.pipelining``) and DualPipeV's overlapped
-forward/backward pairs (:mod:`.overlap`)."""
+runtime that executes them (``torch.distributed.pipelining``), DualPipeV's overlapped
+forward/backward pairs (:mod:`.overlap`) and FSDP2 for a module two chunks of a rank share
+(:mod:`.shared_fsdp`)."""
 
 from mt_parallel.pipeline.module import PipelineModule
 from mt_parallel.pipeline.parallelize import pipeline_chunks, pipeline_module

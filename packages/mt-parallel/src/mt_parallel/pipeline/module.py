@@ -26,7 +26,9 @@ cover the same elements at the same dp×cp rank): each rank adds the same two te
 IEEE addition is commutative, so the two copies receive equal gradients bit for bit and an
 optimizer keeps them equal. A gradient norm counts the copy once (on the first chunk's rank:
 :func:`mt_parallel.clip_grad_norm_` skips ``pipeline_copy`` parameters) and checkpoints store
-it once.
+it once. When one rank holds both chunks (``zbv``, ``dualpipev``) there is no copy: both hold
+the one module, registered here once, whose gradient accumulates from both backwards (under
+FSDP2 it is its own unit, reduced once per step: :mod:`mt_parallel.pipeline.shared_fsdp`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,11 @@ each chunk is its own FSDP2 root (blocks, expert units and the chunk, as at ``pp
 runtime drives it: it all-gathers a chunk's parameters before its first action of the step
 (``UNSHARD``), accumulates the micro-batches' gradients unreduced, and reduce-scatters them
 after the chunk's last backward (``REDUCE_GRAD``; a torch without that action is refused in one
-line). The output head is named in the plan only on the last chunk.
+line). A module two chunks of this rank hold (the V schedules put the first and last chunks
+on one rank, and a layout's ``last_shared`` modules are in both) is transformed once, with the
+first of them, and under ``fsdp`` is an FSDP2 unit of its own, reduced once per step after
+both chunks' backwards (:mod:`mt_parallel.pipeline.shared_fsdp`). The output head is named in
+the plan only on the last chunk.
 :func:`pipeline_module` wraps the chunks in a :class:`PipelineModule` (the whole model's
 parameter names; a forward-only pipelined ``forward`` for evaluation and sampling).
 """
@@ -32,7 +36,8 @@ from mt_parallel.config import ParallelConfig
 from mt_parallel.parallelize import FP8Options, ParallelizePlan, parallelize
 from mt_parallel.pipeline.module import PipelineModule
 from mt_parallel.pipeline.schedules import chunks_per_rank, rank_stages, stage_to_rank
-from mt_parallel.pipeline.split import PipelineChunk, split_model
+from mt_parallel.pipeline.shared_fsdp import shard_chunks
+from mt_parallel.pipeline.split import PipelineChunk, detached, split_model
 
 
 def pipeline_chunks(
@@ -50,16 +55,6 @@ def pipeline_chunks(
         )
     v = chunks_per_rank(config.pp_schedule, config.pp_chunks)
     stage_ids = rank_stages(config.pp_schedule, config.pp, v, state.rank("pp"))
-    placement = stage_to_rank(config.pp_schedule, config.pp, v)
-    last = config.pp * v - 1
-    one_rank = last > 0 and placement[0] == placement[last]
-    if plan.pipeline.last_shared and one_rank and config.data_parallel == "fsdp":
-        raise ValueError(
-            f"parallel.pp_schedule={config.pp_schedule} puts the first and last pipeline chunks "
-            f"on one rank, where {type(model).__name__}'s shared modules "
-            f"{list(plan.pipeline.last_shared)} would belong to both chunks' FSDP2 units: use "
-            "data_parallel ddp, zero1 or none, or gpipe, 1f1b, interleaved_1f1b or zero_bubble"
-        )
     if config.data_parallel == "fsdp" and not hasattr(_ComputationType, "REDUCE_GRAD"):
         raise ValueError(
             f"parallel.data_parallel=fsdp with pp > 1 needs a torch whose pipeline runtime "
@@ -67,12 +62,17 @@ def pipeline_chunks(
             f"has none: use ddp, zero1 or none, or a newer torch"
         )
     chunks = split_model(model, plan.pipeline, stage_ids, config.pp * v, config.pp_layers or None)
-    data_parallel = "fsdp" if config.data_parallel == "fsdp" else "none"
+    transformed: set[int] = set()
     for chunk in chunks:
         chunk_plan = plan if chunk.last else dataclasses.replace(plan, output_head=None)
-        parallelize(
-            chunk, config, state, chunk_plan, fp8, data_parallel, reshard_after_forward=False
-        )
+        # A module an earlier chunk of this rank holds too is already parallel (TP would cut
+        # its shard again).
+        again = [p for p in chunk.held_paths if id(chunk.get_submodule(p)) in transformed]
+        with detached(chunk, again):
+            parallelize(chunk, config, state, chunk_plan, fp8, data_parallel="none")
+        transformed.update(id(chunk.get_submodule(p)) for p in chunk.held_paths)
+    if config.data_parallel == "fsdp":
+        shard_chunks(chunks, state.group("dp_cp"), state.device_type, plan.block_types)
     return chunks
 
 

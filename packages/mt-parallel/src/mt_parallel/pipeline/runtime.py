@@ -38,6 +38,10 @@ What this module adds around it:
   schedule (the other chunks' backwards on this rank), and waits for it after
   :meth:`PipelineSchedule.step`. A torch without ``REDUCE_GRAD`` never calls the hook, and the
   caller reduces everything after the step.
+* FSDP2 units in more than one of the rank's chunks (the V schedules' first and last chunks
+  sharing a module): registered ``REDUCE_GRAD`` and ``RESHARD`` functions reduce each once per
+  step, after the last of its chunks' backwards, and keep it gathered while another chunk
+  holding it is (:mod:`mt_parallel.pipeline.shared_fsdp`).
 * DualPipeV's ``OVERLAP_F_B`` pairs: with MoE layers split over ep > 1 (all-to-all
   dispatcher) the pair's forward and backward run interleaved at the MoE all-to-alls, each
   half's exchanges in flight while the other computes (:mod:`mt_parallel.pipeline.overlap`,
@@ -71,6 +75,7 @@ from mt_parallel.pipeline.schedules import (
     schedule_actions,
     stage_to_rank,
 )
+from mt_parallel.pipeline.shared_fsdp import SharedUnits
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,19 @@ class PipelineSchedule:
         self.reports_chunks = _registers_reduce_grad(self.runtime, self._chunk_done)
         """Whether :attr:`on_chunk_gradients` is called (a torch whose runtime has a
         ``REDUCE_GRAD`` action that takes a custom function)."""
+        self.shared_units = SharedUnits(chunks, self.stage_ids)
+        """FSDP2 units in more than one of this rank's chunks, reduced once per step
+        (:mod:`mt_parallel.pipeline.shared_fsdp`)."""
+        if self.shared_units:
+            if not self.reports_chunks:
+                raise ValueError(
+                    f"FSDP2 modules shared by two chunks of a rank need a torch whose pipeline "
+                    f"runtime takes a custom REDUCE_GRAD function; torch {torch.__version__} "
+                    "does not: use data_parallel ddp, zero1 or none, or a newer torch"
+                )
+            self.runtime.register_custom_function(
+                _ComputationType.RESHARD, self.shared_units.reshard
+            )
         pairs = any(a.computation_type == OVERLAP for a in self.actions[pp_rank])
         self.overlaps = overlap and pairs and overlaps_all_to_all(chunks)
         """Whether the ``OVERLAP_F_B`` pairs run their halves interleaved at the MoE
@@ -181,6 +199,7 @@ class PipelineSchedule:
         scaling is off), then :attr:`on_chunk_gradients`."""
         stage = self._stage_of[action.stage_index]
         stage.perform_reduce_grad(1)
+        self.shared_units.chunk_reduced(action.stage_index)
         if self.on_chunk_gradients is not None:
             self.on_chunk_gradients(stage.submod)
 
@@ -237,12 +256,14 @@ class PipelineSchedule:
             chunk_kwargs = chunk_kwargs or [{} for _ in range(self.microbatches)]
             for m, k in enumerate(chunk_kwargs):
                 k["aux_loss_scale"] = AuxLossScale(m, factors[m] / self.microbatches)
+        self.shared_units.start_step()
         self.runtime._step_microbatches(
             [(t,) for t in tokens],
             chunk_kwargs,
             [(y, f) for y, f in zip(targets, factors, strict=True)],
             return_outputs=False,
         )
+        self.shared_units.finish_step()
         if any(len(sink) for sink in self.sinks):
             raise RuntimeError("weight gradients were queued but never run (a W is missing)")
         return self._result

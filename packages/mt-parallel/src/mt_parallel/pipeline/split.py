@@ -28,7 +28,10 @@ holds the first chunk, the last chunk's rank keeps its own copy (Megatron's embe
 :class:`~mt_parallel.PipelineModule` starts it equal to the first chunk's and sums the two
 gradients after each step (both ranks add the same two tensors, so the copies stay equal
 bit for bit under any optimizer), and the copy's parameters are marked
-``pipeline_copy`` so that norms and checkpoints count each parameter once.
+``pipeline_copy`` so that norms and checkpoints count each parameter once. When one rank
+holds the first and last chunks (the V schedules), both chunks hold the one module
+(:func:`detached` keeps it out of the later chunk while that one is transformed or, under
+FSDP2, initialised: :mod:`mt_parallel.pipeline.shared_fsdp`).
 
 :func:`split_layers` cuts ``L`` blocks into ``C`` consecutive chunks (``C = pp·v``): a user list
 (``parallel.pp_layers``), or automatically ``⌊L/C⌋`` blocks each with the remainder given to
@@ -48,7 +51,8 @@ micro-batch's record of them in :attr:`PipelineChunk.aux_records` for the step's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +107,26 @@ def place_module(root: nn.Module, path: str, module: nn.Module) -> None:
             node.add_module(name, child)
         node = child
     node.add_module(leaf, module)
+
+
+@contextlib.contextmanager
+def detached(root: nn.Module, paths: Sequence[str]) -> Iterator[None]:
+    """``root`` without the modules at the dotted ``paths`` while the context lasts; each comes
+    back at its own position, so parameter and state-dict order are unchanged. The other
+    children are kept as they are then: a transform may have replaced one (FP8's linears)."""
+    saved = []
+    for path in paths:
+        *parents, leaf = path.split(".")
+        parent = root.get_submodule(".".join(parents))
+        saved.append((parent, list(parent._modules), leaf, parent._modules.pop(leaf)))
+    try:
+        yield
+    finally:
+        for parent, order, leaf, module in reversed(saved):
+            children = {**parent._modules, leaf: module}
+            parent._modules.clear()
+            parent._modules.update({name: children.pop(name) for name in order if name in children})
+            parent._modules.update(children)  # children the context added, after the others
 
 
 def split_layers(

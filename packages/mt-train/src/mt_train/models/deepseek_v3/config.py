@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from mt_parallel import ParallelConfig, YarnConfig
 from mt_parallel.moe import MoEConfig
-from mt_parallel.pipeline import chunks_per_rank, stage_to_rank
 from mt_train.config.schema import ModelConfig, positive
 
 
@@ -105,8 +104,7 @@ class DeepSeekV3Config(ModelConfig):
         return self.mtp_loss_weight
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
-        """Vocabulary, heads and MLP widths divisible by tp; experts by ep; MTP under pp with
-        FSDP2 only with the first and last pipeline chunks on different ranks."""
+        """Vocabulary, heads and MLP widths divisible by tp; experts by ep."""
         super().check_parallel(parallel, seq_len)
         widths = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim}
         if self.moe.n_shared_experts:
@@ -117,17 +115,6 @@ class DeepSeekV3Config(ModelConfig):
                     f"tensor parallel size tp={parallel.tp} does not divide {name}={value}"
                 )
         self.moe.check_expert_parallel(parallel.ep)
-        if self.mtp_depth and parallel.pp > 1 and parallel.data_parallel == "fsdp":
-            v = chunks_per_rank(parallel.pp_schedule, parallel.pp_chunks)
-            placement = stage_to_rank(parallel.pp_schedule, parallel.pp, v)
-            if placement[0] == placement[parallel.pp * v - 1]:
-                raise ValueError(
-                    f"model.mtp_depth={self.mtp_depth} with parallel.data_parallel=fsdp is not "
-                    f"supported with parallel.pp_schedule={parallel.pp_schedule}, which puts the "
-                    "first and last pipeline chunks (both using the input embedding) on one rank; "
-                    "use data_parallel ddp, zero1 or none, or gpipe, 1f1b, interleaved_1f1b or "
-                    "zero_bubble"
-                )
 
     def summary(self) -> str:
         m = self.moe

@@ -58,7 +58,8 @@ it once. The cp group of the MTP losses lives on a parameter-free module of the 
 (:mod:`mt_parallel.moe.carry`), and each ``mtp_loss_{k}`` reaches every pipeline rank's
 metrics (:mod:`mt_train.pipeline_step`). Schedules that put the first and last chunks on one
 rank (``zbv``, ``dualpipev``) need no copy: both chunks use the one embedding, whose gradient
-accumulates from both (FSDP2 is refused there: the embedding would belong to two units).
+accumulates from both (under FSDP2 an FSDP2 unit of its own, reduced once per step after both
+chunks' backwards: ``mt_parallel.pipeline.shared_fsdp``).
 
 Counts. ``total`` is every parameter (the aux-loss-free biases are buffers, not counted);
 ``active`` (:func:`active_parameters`) is what one token uses: all but the ``num_experts -
