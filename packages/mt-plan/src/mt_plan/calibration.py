@@ -46,8 +46,8 @@ rate (docs/plan.md, "GEMM layouts in the calibration").
 Tables written before the passes were measured hold ``gemm`` and ``grouped_gemm`` entries
 without one (the layout-free ops of :data:`LAYOUT_FREE`: bf16 timed as ``a @ b`` with both
 operands row-major, FP8 as the forward's ``fp8_gemm``); a pass without entries of its own is
-priced from those, so such tables (the shipped ``h100.json`` and ``h200.json``) still load and
-price every pass, and ``--explain`` notes it.
+priced from those, so such tables (the shipped ``h200.json``; the shipped ``h100.json`` times
+every pass) still load and price every pass, and ``--explain`` notes it.
 
 Memory-bound rates and the calibration's harness. ``mt-plan calibrate`` times ``rmsnorm``,
 ``swiglu``, ``rope`` and ``cross_entropy`` as ``op(...).sum().backward()`` on leaf tensors whose
@@ -75,7 +75,8 @@ op's), any other dtype without entries the bf16 rate scaled by the ratio of the 
 (``source = "derived"``). With nothing to derive from, the roofline alone (``flops / peak`` and
 ``bytes / bw``, an optimistic bound) is used and the lookup says so (``source = "roofline"``), so ``--explain``
 shows which parts of a prediction are measured. ``mt-plan calibrate`` (:mod:`mt_plan.measure`)
-writes tables; ``mt_plan/data/calibration/h200.json`` ships the H200's.
+writes tables; ``mt_plan/data/calibration/h100.json`` and ``h200.json`` ship the H100's and the
+H200's.
 """
 
 from __future__ import annotations
