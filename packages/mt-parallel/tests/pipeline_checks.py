@@ -9,6 +9,8 @@ micro-batches (the accumulation loop of a pp=1 step), in float64 unless FP8 is o
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
@@ -21,6 +23,7 @@ import mt_fp8
 import mt_parallel as mp
 from mt_parallel.pipeline import StageShapes, chunks_per_rank
 from mt_parallel.pipeline import runtime as pipeline_runtime
+from mt_parallel.pipeline.shared_fsdp import fsdp_param_groups
 
 BATCH, SEQ = 2, 16
 
@@ -71,11 +74,13 @@ def pipeline_lm(
     recompute: str = "none",
     seed: int = 0,
     moe: bool = False,
+    whole_backward_at_i: bool = False,
 ) -> dict[str, object]:
     """One pipelined step against the whole model on one process (module docstring); with
     ``moe`` MoE layers whose auxiliary losses the chunks carry, and the step's total loss
     (cross-entropy on the last rank plus every stage's carried losses) compared instead of
-    each micro-batch's."""
+    each micro-batch's; with ``whole_backward_at_i`` the schedule built as on a torch whose
+    split backward is wrong (``mt_parallel.pipeline.runtime.TORCH_SPLITS_BACKWARD`` false)."""
     world = dist.get_world_size()
     pp = world // (tp * dp)
     config = mp.ParallelConfig(
@@ -108,10 +113,12 @@ def pipeline_lm(
         hidden=((BATCH, hidden_seq, reference.embed.weight.shape[1]), dtype),
         logits=((BATCH, SEQ, vocab_local), dtype),
     )
-    runner = mp.PipelineSchedule(
-        chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
-        torch.device("cpu"), state.group("pp"), model.loss,
-    )  # fmt: skip
+    splits = pipeline_runtime.TORCH_SPLITS_BACKWARD and not whole_backward_at_i
+    with mock.patch.object(pipeline_runtime, "TORCH_SPLITS_BACKWARD", splits):
+        runner = mp.PipelineSchedule(
+            chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
+            torch.device("cpu"), state.group("pp"), model.loss,
+        )  # fmt: skip
     in_flight = _count_in_flight(runner, v)
     mine = rows[state.rank("dp") * microbatches : (state.rank("dp") + 1) * microbatches]
     result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
@@ -149,6 +156,7 @@ def pipeline_lm(
         "loss_count": len(result.losses),
         "stages": runner.stage_ids,
         "weight_grad_sinks": len(runner.sinks),
+        "dw_builders": sum(stage.dw_builder is not None for stage in runner.runtime._stages),
         "peak_in_flight": max(in_flight),
         "pp_rank": state.rank("pp"),
         "names": sorted(grads),
@@ -198,7 +206,7 @@ def _whole(tensor: torch.Tensor, group: object) -> torch.Tensor:
 def _count_shared_unit_work(unit: torch.nn.Module, counts: dict[str, int]) -> None:
     """Count the all-gathers and the gradient reductions of the FSDP2 unit ``unit`` (its
     parameter group's ``unshard`` finding it sharded, ``post_backward`` told to reduce)."""
-    (group,) = fully_shard.state(unit)._fsdp_param_groups
+    (group,) = fsdp_param_groups(fully_shard.state(unit))
     unshard, post_backward = group.unshard, group.post_backward
 
     def counted_unshard(*args, **kwargs):

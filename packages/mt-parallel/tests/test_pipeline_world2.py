@@ -65,6 +65,19 @@ def test_schedule_matches_one_process(
     )
 
 
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
+def test_whole_backward_at_i_on_older_torch(pool: DistributedPool, schedule: str) -> None:
+    """Where torch's split backward is wrong (before 2.13), every chunk of a split-backward
+    schedule runs its whole backward at I, through a no-op weight pass: still one process's
+    gradients."""
+    results = pool.run(
+        checks.pipeline_lm, schedule=schedule, microbatches=4, chunks=chunks_of(schedule),
+        whole_backward_at_i=True,
+    )  # fmt: skip
+    check(results, 4)
+    assert all(r["dw_builders"] == len(r["stages"]) for r in results), results
+
+
 @pytest.mark.parametrize(
     ("schedule", "layers"),
     [("1f1b", [3, 0]), ("zbv", [1, 2, 2, 0]), ("interleaved_1f1b", [0, 2, 1, 1])],

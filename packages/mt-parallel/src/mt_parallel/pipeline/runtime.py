@@ -24,6 +24,16 @@ What this module adds around it:
   without such layers use torch's own split
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
   is run from the saved intermediate gradients).
+* Older torch (before 2.13), where the runtime is wrong or refuses our use; each fix is
+  harmless on newer torch. Its ``stage_backward_weight`` counts an intermediate's gradient again
+  through descendant intermediates (torch 2.13 clamps the saved gradients), so with
+  :data:`TORCH_SPLITS_BACKWARD` false every chunk of a split-backward schedule gets a
+  ``dw_builder`` (a no-op one where no layer defers): ``I`` runs the chunk's whole backward and
+  ``W`` only the deferred FP8 weight gradients, correct but without the zero-bubble gain for
+  the other weights (a warning says so once). Its stage checks each received or given input's
+  strides, so the micro-batch tokens (views of a longer row) are passed contiguous. Its p2p
+  warm-up sends to the neighbour stage even when that stage is on the same rank (the V
+  schedules), which gloo cannot pair; :class:`_Stage` drops those ops.
 * MoE auxiliary losses: chunks that hold MoE layers (``carries_aux_losses``) get each
   micro-batch's :class:`~mt_parallel.moe.AuxLossScale` (``f_m / M``) as the keyword
   ``aux_loss_scale`` and attach their layers' losses to their output
@@ -55,6 +65,7 @@ What this module adds around it:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +130,24 @@ def _registers_reduce_grad(runtime: _PipelineScheduleRuntime, function: Callable
     return True
 
 
+TORCH_SPLITS_BACKWARD = torch.__version__ >= (2, 13)
+"""Whether torch's own split backward (``stage_backward_weight``) gives each weight its
+gradient once (module docstring, "Older torch")."""
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    """A ``dw_builder`` for a chunk whose ``I`` ran the whole backward: its ``W`` does nothing."""
+    return lambda: None
+
+
+class _Stage(PipelineStage):
+    """torch's stage without p2p warm-up ops to itself (module docstring, "Older torch")."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
+
 class PipelineSchedule:
     """One rank's chunks and a schedule, run by torch's action runtime (module docstring)."""
 
@@ -146,12 +175,20 @@ class PipelineSchedule:
             )
         self.schedule, self.microbatches, self.num_stages = schedule, microbatches, pp * v
         self.actions = schedule_actions(schedule, pp, microbatches, v)
+        if SCHEDULES[schedule].split_backward and not TORCH_SPLITS_BACKWARD:
+            warnings.warn(
+                f"torch {torch.__version__}'s split backward counts some weight gradients "
+                f"twice, so pp_schedule={schedule} runs each chunk's whole backward at its I "
+                "step (correct, without the zero-bubble gain except for FP8 weight gradients); "
+                "torch >= 2.13 splits it",
+                stacklevel=2,
+            )
         self.sinks: list[mt_fp8.WeightGradSink] = []
         stages = []
         for chunk, s in zip(chunks, self.stage_ids, strict=True):
             first, last = s == 0, s == self.num_stages - 1
             stages.append(
-                PipelineStage(
+                _Stage(
                     chunk, s, self.num_stages, device,
                     input_args=shapes.example("tokens", False) if first
                     else shapes.example("hidden", True),
@@ -204,10 +241,11 @@ class PipelineSchedule:
             self.on_chunk_gradients(stage.submod)
 
     def _weight_grad_sink(self, chunk: nn.Module) -> Callable[[], Callable[[], None]] | None:
-        """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; None without."""
+        """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; without any,
+        None (torch splits the backward) or, on a torch whose split is wrong, a no-op."""
         deferring = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
         if not deferring:
-            return None
+            return None if TORCH_SPLITS_BACKWARD else _no_weight_pass
         sink = mt_fp8.WeightGradSink()
         for layer in deferring:
             layer.wgrad_sink = sink
@@ -258,7 +296,7 @@ class PipelineSchedule:
                 k["aux_loss_scale"] = AuxLossScale(m, factors[m] / self.microbatches)
         self.shared_units.start_step()
         self.runtime._step_microbatches(
-            [(t,) for t in tokens],
+            [(t.contiguous(),) for t in tokens],
             chunk_kwargs,
             [(y, f) for y, f in zip(targets, factors, strict=True)],
             return_outputs=False,

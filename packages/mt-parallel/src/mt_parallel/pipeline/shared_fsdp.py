@@ -169,6 +169,13 @@ def _reduce(unit: FSDPModule) -> None:
     unit.set_reshard_after_backward(True, recurse=False)
     unit.set_requires_gradient_sync(True, recurse=False)
     state = fully_shard.state(unit)
-    for group in state._fsdp_param_groups:
+    for group in fsdp_param_groups(state):
         group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The FSDP2 state's parameter groups: a list since torch 2.13, one or None before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
