@@ -188,7 +188,8 @@ class PipelineStep:
             rest = [p for p in self._dense_gradients(self.module) if id(p) not in done]
             mt_parallel.all_reduce_gradients(rest, self.dp_cp_group)
         self.module.reduce_shared_gradients()
-        # It leaves the experts FSDP2 or ZeRO-1 reduce themselves alone.
+        # FSDP2's expert shards arrive reduced over edp (only their TP sum is left); ZeRO-1's
+        # are left to its optimizer step.
         mt_parallel.moe.reduce_expert_gradients(self.module)
         device = self.runner.device
         total = (
