@@ -9,7 +9,8 @@
 * each linear's forward, dgrad and wgrad GEMMs are priced from their own pass's entries at the
   pass's own GEMM shape;
 * the routed experts' TP gradient sum under sequence parallel is priced where mt-parallel runs
-  it: per micro-batch at ep > 1 under zero1 and fsdp, once per step under ddp;
+  it: per micro-batch at ep = 1; at ep > 1 once per step, of the local experts' gradients under
+  ddp and of this rank's 1/edp shard of them under zero1 and fsdp;
 * the routed experts' linears are priced from ``grouped_linear`` entries where the table has
   them (the price follows the entry, never below the roofline) and as before where it has none,
   plus bf16's weight casts and group padding, and ``--explain``'s notes say which.
@@ -148,26 +149,41 @@ def test_first_calibration_points_are_within_reach(fp8, tokens_per_s, peak_gib) 
     assert allocated / 2**30 == pytest.approx(peak_gib, rel=0.05)
 
 
-def test_expert_tp_sum_is_priced_per_micro_batch_under_zero1_and_fsdp() -> None:
-    # tp payload = a·m + b: ddp sums the split experts over TP once per step (in b), zero1 and
-    # fsdp (edp = dp/ep = 2) in every backward (in a), so their excess over ddp is (m - 1)·E;
-    # fsdp with a one-rank edp group (dp = ep) leaves the experts to the per-step path.
+def test_expert_tp_sum_runs_once_per_step_at_ep_above_one_on_the_edp_shard() -> None:
+    # tp payload per step = a·m + b over m micro-batches. mixtral_tiny: 4 MoE layers of 8
+    # experts, each 3·128·192 parameters. At ep = 2 the experts' TP sum is per step (in b), of
+    # fp32 gradients: the 4 local experts' whole ones under ddp (4 B · 4 layers · 4 experts ·
+    # 73,728 = 4,718,592 bytes), this rank's 1/edp shard under zero1 and fsdp (edp = dp/ep: half
+    # at dp = 4, whole at dp = 2). At ep = 1 it runs in every micro-batch's backward (in a), all
+    # 8 experts: 9,437,184 bytes more per micro-batch than at ep = 2, none per step.
     shape = shape_of(resolve(["model=mixtral_tiny", "model.vocab_size=320"]).model)
-    cluster = load_cluster("h200_nodes").with_gpus(8)
+    cluster = load_cluster("h200_nodes")
 
-    def tp_bytes(mode: str, m: int, dp: int = 4) -> float:
+    def tp_bytes(mode: str, m: int, dp: int, ep: int) -> float:
         work = Workload(seq_len=256, global_batch=dp * m)
-        layout = Layout(tp=2, sp=True, dp=dp, ep=2, dp_mode=mode)
+        layout = Layout(tp=2, sp=True, dp=dp, ep=ep, dp_mode=mode)
         cost = CostModel(shape, cluster.with_gpus(2 * dp), load_table("h200"), work)
         return cost.estimate(layout).comm["tp"].payload_bytes
 
-    per_step = tp_bytes("zero1", 2) - tp_bytes("ddp", 2)
-    assert per_step > 0
-    for mode in ("zero1", "fsdp"):
-        assert tp_bytes(mode, 1) == pytest.approx(tp_bytes("ddp", 1), rel=1e-12)
-        assert tp_bytes(mode, 4) - tp_bytes("ddp", 4) == pytest.approx(3 * per_step, rel=1e-9)
-    for m in (1, 4):
-        assert tp_bytes("fsdp", m, dp=2) == pytest.approx(tp_bytes("ddp", m, dp=2), rel=1e-12)
+    def per_micro_batch_and_per_step(mode: str, dp: int, ep: int) -> tuple[float, float]:
+        one, two = tp_bytes(mode, 1, dp, ep), tp_bytes(mode, 2, dp, ep)
+        a, b = two - one, 2 * one - two
+        assert tp_bytes(mode, 3, dp, ep) == pytest.approx(3 * a + b, rel=1e-12)
+        return a, b
+
+    local = 4 * 4 * 4 * 3 * 128 * 192
+    assert local == 4_718_592
+    a_ddp, b_ddp = per_micro_batch_and_per_step("ddp", 4, 2)
+    assert b_ddp == local
+    for dp, edp in ((4, 2), (2, 1)):
+        for mode in ("ddp", "zero1", "fsdp"):
+            a, b = per_micro_batch_and_per_step(mode, dp, 2)
+            assert a == pytest.approx(a_ddp, rel=1e-12)
+            assert b == pytest.approx(local if mode == "ddp" else local / edp, rel=1e-12)
+    for mode in ("ddp", "zero1", "fsdp"):
+        a, b = per_micro_batch_and_per_step(mode, 4, 1)
+        assert b == 0
+        assert a - a_ddp == pytest.approx(9_437_184, rel=1e-12)
 
 
 MIXTRAL_2L = ModelShape(

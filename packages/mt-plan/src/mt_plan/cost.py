@@ -69,9 +69,12 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   layers exchange only their shared experts' (routed experts are not TP-split); with sequence
   parallel the router and routed experts run on the rank's ``T/tp`` tokens and their fp32
   weight gradients are all-reduced over tp: the router's in every micro-batch's backward, the
-  experts' there too at ep = 1 and at ep > 1 under zero1 and fsdp (whose expert-data
-  reduce-scatter has no TP sum), and once per step, exposed, at ep > 1 under ddp (with the
-  expert-data sum) and under fsdp with one rank per expert-data group; the router's E-sized
+  experts' there too at ep = 1 (the data-parallel engine reduces them as dense parameters) and
+  at ep > 1 once per step, exposed, with their expert-data reduction, on the gradients
+  accumulated over the micro-batches: the local experts' whole gradients under ddp (the
+  expert-data and TP sums in one pass), this rank's ``1/edp`` shard of them after the
+  expert-data reduce-scatter under zero1 and fsdp (``edp = dp·cp/ep``; the TP ranks of one edp
+  rank shard the same experts alike); the router's E-sized
   statistics sums are latency-bound scalars, not counted. MLA with
   sequence parallel gathers its latents (``T·(Q+C+R)``, plus ``T·D`` without q-lora) instead
   of ``T·D`` and sums its replicated compressions' and latent norms' gradients. Embedding
@@ -865,12 +868,9 @@ class CostModel:
     @staticmethod
     def _expert_tp_sum_in_backward(L: Layout) -> bool:
         """Whether the routed experts' TP gradient sum (sequence parallel) runs in every
-        micro-batch's backward rather than once per step in ``reduce_expert_gradients``: at
-        ep = 1, and at ep > 1 when zero1 or fsdp reduce the experts over their expert-data group
-        themselves (fsdp leaves a one-rank group to the per-step path)."""
-        if L.ep == 1 or L.dp_mode == "zero1":
-            return True
-        return L.dp_mode == "fsdp" and L.dp * L.cp // L.ep > 1
+        micro-batch's backward (ep = 1) rather than once per step with their expert-data
+        reduction (ep > 1, every data-parallel mode; :meth:`_data_parallel`)."""
+        return L.ep == 1
 
     def _data_parallel(self, L, params, m, last_backward, compute, account, comm) -> float:
         """Exposed seconds of the gradient (and parameter) collectives of one step."""
@@ -910,7 +910,9 @@ class CostModel:
             else:
                 exposed = gathers + scatter
         if experts and L.sp and not self._expert_tp_sum_in_backward(L):  # after the backward
-            exposed += account("tp", "all_reduce", 4 * experts, 1)
+            # zero1 and fsdp sum the shard their expert-data reduce-scatter left on this rank
+            shards = 1 if L.dp_mode == "ddp" else W // L.ep
+            exposed += account("tp", "all_reduce", 4 * experts / shards, 1)
         for g in ("dp", "edp"):
             if g in comm:
                 comm[g].exposed = exposed if g == "dp" else 0.0
