@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
 import mt_fp8
 import mt_parallel as mp
+from mt_comm.testing import whole_tensor
 from mt_parallel.pipeline import StageShapes, chunks_per_rank
 from mt_parallel.pipeline import runtime as pipeline_runtime
 from mt_parallel.pipeline.shared_fsdp import fsdp_param_groups
@@ -187,22 +187,6 @@ def pipeline_module_forward(schedule: str, seed: int = 0) -> dict[str, object]:
     }
 
 
-def _whole(tensor: torch.Tensor, group: object) -> torch.Tensor:
-    """An FSDP2 parameter's or gradient's whole value (dim-0 shards over ``group``), else the
-    tensor. Not ``full_tensor()``: after an in-place DTensor op, a tensor can carry the cached
-    mesh of an earlier check's destroyed group (DTensor's sharding cache compares meshes by
-    ranks), which the pool's processes run before this one."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    local, world = tensor.to_local(), dist.get_world_size(group)
-    rows = -(-tensor.shape[0] // world)  # torch.chunk's shard size; the last may be shorter
-    padded = local.new_zeros((rows, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(pieces, padded, group=group)
-    return torch.cat(pieces)[: tensor.shape[0]]
-
-
 def _count_shared_unit_work(unit: torch.nn.Module, counts: dict[str, int]) -> None:
     """Count the all-gathers and the gradient reductions of the FSDP2 unit ``unit`` (its
     parameter group's ``unshard`` finding it sharded, ``post_backward`` told to reduce)."""
@@ -298,7 +282,7 @@ def shared_embedding_step(
             expected = dict(reference.named_parameters())
             first = {
                 "grads": {
-                    n: rel_err(_whole(p.grad, state.group("dp_cp")), expected[n].grad)
+                    n: rel_err(whole_tensor(p.grad, state.group("dp_cp")), expected[n].grad)
                     for n, p in module.named_parameters()
                 },
                 "losses": [
@@ -312,7 +296,7 @@ def shared_embedding_step(
     # Under the V schedules the first and last chunks (and the one embedding) share rank 0.
     embedding = None
     if hasattr(module, "embed"):
-        embedding = _whole(module.embed.weight.detach(), state.group("dp_cp"))
+        embedding = whole_tensor(module.embed.weight.detach(), state.group("dp_cp"))
     peer = embedding
     if module.shared_peer is not None:
         peer = module._exchange(embedding.contiguous())

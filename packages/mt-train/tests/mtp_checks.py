@@ -22,11 +22,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import mt_comm
 import mt_parallel as mp
+from mt_comm.testing import whole_tensor
 from mt_parallel.pipeline import chunks_per_rank
 from mt_train.checkpoint.checkpointer import TPLayout, shard_tensors
 from mt_train.checkpoint.state import StateLayout, live_state
@@ -162,22 +161,6 @@ CP_MEANS = ("loss", "ce_loss")
 """Values each cp rank computes over its own tokens: their mean over cp is one process's."""
 
 
-def whole(tensor: torch.Tensor, group: object) -> torch.Tensor:
-    """An FSDP2 parameter's or gradient's whole value (dim-0 shards over ``group``), else the
-    tensor. Not ``full_tensor()``: after an in-place DTensor op (AdamW's), a tensor can carry
-    the cached mesh of an earlier run's destroyed group (DTensor's sharding cache compares
-    meshes by ranks), which the pool's processes may have run before this one."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    local, world = tensor.to_local(), dist.get_world_size(group)
-    rows = -(-tensor.shape[0] // world)  # torch.chunk's shard size; the last may be shorter
-    padded = local.new_zeros((rows, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(pieces, padded, group=group)
-    return torch.cat(pieces)[: tensor.shape[0]]
-
-
 def mtp_pp_step(
     depth: int,
     schedule: str = "1f1b",
@@ -250,7 +233,7 @@ def mtp_pp_step(
                 "extras": {n: rel_err(v, extras[n], 1e-12) for n, v in got.items()},
                 "reference_extras": sorted(extras),
                 "grads": {
-                    n: rel_err(whole(p.grad, dp_cp_group), expected[n].grad)
+                    n: rel_err(whole_tensor(p.grad, dp_cp_group), expected[n].grad)
                     for n, p in module.named_parameters()
                 },
             }
@@ -263,7 +246,7 @@ def mtp_pp_step(
     # Under the V schedules the first and last chunks, and the one embedding, share rank 0.
     embedding = None
     if hasattr(module, "embed"):
-        embedding = whole(module.embed.weight.detach(), dp_cp_group).contiguous()
+        embedding = whole_tensor(module.embed.weight.detach(), dp_cp_group).contiguous()
     peer = embedding
     if module.shared_peer is not None:
         peer = module._exchange(embedding)

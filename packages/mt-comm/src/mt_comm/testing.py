@@ -89,6 +89,26 @@ def preload_in_ranks(*modules: str) -> None:
     PRELOAD = (*PRELOAD, *(m for m in modules if m not in PRELOAD))
 
 
+def whole_tensor(tensor: Any, group: Any) -> Any:
+    """An FSDP2 parameter's or gradient's whole value (dim-0 shards over ``group``), else the
+    tensor. Not ``full_tensor()``: after an in-place DTensor op (AdamW's), a tensor can carry
+    the cached mesh of an earlier check's destroyed group (DTensor's sharding cache compares
+    meshes by ranks), which a pool's processes may have run before this one."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local, world = tensor.to_local(), dist.get_world_size(group)
+    rows = -(-tensor.shape[0] // world)  # torch.chunk's shard size; the last may be shorter
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded, group=group)
+    return torch.cat(pieces)[: tensor.shape[0]]
+
+
 def free_port() -> int:
     """A TCP port on localhost that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
