@@ -260,10 +260,12 @@ def graphed_forward_backward(
     from mt_train.data.dataset import Batch
     from mt_train.step import StepResult
 
-    def forward_backward(batches: list[Batch]) -> StepResult:
+    def forward_backward(batches: list[Batch], factors: torch.Tensor | None = None) -> StepResult:
         (b,) = batches
         with autocast:
             loss = loss_fn({"tokens": b.inputs, "targets": b.targets, "images": b.images})
+        if factors is not None:  # the captured step's loss factor, as the trainer's reads it
+            loss = loss * factors[0]
         loss.backward()
         return StepResult(loss.detach())
 

@@ -8,9 +8,11 @@ quantizers and fused ops around them) the device waits for the host (docs/perfor
 What is captured, for the ``A`` micro-batches of one optimizer step::
 
     total = 0
-    for m < A:  loss_m = micro_loss(batch_m);  backward(loss_m / A);  total += loss_m
+    for m < A:  loss_m = micro_loss(batch_m) · f[m];  backward(loss_m / A);  total += loss_m
 
-i.e. everything from the batches being on the device to the gradients being complete, and,
+with ``f`` a device tensor of the step's ``A`` loss factors (:mod:`mt_train.step`: the
+masked-target weights of :mod:`mt_train.loss_weights` times a fault drill's loss factor):
+everything from the batches being on the device to the gradients being complete, and,
 when nothing has to happen between the backward and the norm (one data-parallel rank, no
 ZeRO-1), the global gradient norm (``mt_parallel.clip_grad_norm_``, as the eager step calls it):
 its multi-tensor kernels then replay with the rest. What follows (the gradient all-reduce of ``data_parallel=none`` or
@@ -21,8 +23,10 @@ injected gradient fault computes the norm eagerly after the fault.
 
 Invariants a replay relies on:
 
-* Fixed addresses. Each micro-batch (tokens, targets, document ids, images) is copied into an
-  input buffer allocated at capture;
+* Fixed addresses. Each micro-batch (tokens, targets, document ids, images) and the step's
+  loss factors are copied into input buffers allocated at capture (the factors as float32,
+  the number an eager step's ``loss * f_m`` multiplies the fp32 loss by, so a replay and an
+  eager step compute the same products);
   parameters are updated in place and never replaced (the trainer drops the graph whenever it
   loads or restores state, and recaptures at the next step); the gradients are the tensors the
   capture allocated, re-attached to ``p.grad`` after every replay (the step's
@@ -45,8 +49,14 @@ The first step of a run (or after a resume) runs eagerly: it compiles the Triton
 initialises cuBLAS, none of which may happen during capture. The capture then happens at the
 next step, after ``torch.cuda.empty_cache()`` so that the eager step's cached blocks do not sit
 beside the graph's private memory pool. A capture records without computing, so the capturing
-step replays the graph once to do its work. A step with an injected fault (``fault.*``: a loss
-or input factor that changes the kernels) runs eagerly.
+step replays the graph once to do its work. Loss factors are inputs, so data with masked
+targets (unequal weights every step) and the loss faults (``fault.nan_at_step``,
+``spike_at_step``, ``bad_batch_at_step``) replay the graph; only a step whose kernels differ
+runs eagerly: ``fault.fp8_overflow_at_step``'s hooks scale the FP8 layers' inputs on a host
+decision, extra kernels the graph did not record (``GraphedStep.run(eager=True)``).
+:attr:`GraphedStep.replays` counts replays, and a run whose steps all ran eagerly says so
+(:meth:`GraphedStep.never_replayed`), so a run that asked for the graph cannot lose it
+silently.
 """
 
 from __future__ import annotations
@@ -62,19 +72,27 @@ import mt_parallel
 from mt_train.data.dataset import Batch
 from mt_train.step import BatchRunner, GradNorm, StepResult
 
+StepFunction = Callable[[list[Batch], torch.Tensor], StepResult]
+"""``micro_batches(batches, factors)``: a step's forward and backward with each micro-batch's
+loss times its factor (``BatchRunner.forward_backward``)."""
+
 
 class StepGraph:
     """A captured forward + backward of one step's micro-batches (module docstring)."""
 
     def __init__(
         self,
-        graph: torch.cuda.CUDAGraph,
+        graph: Any,
         inputs: list[Batch],
+        factors: torch.Tensor,
         result: StepResult,
         grads: list[tuple[nn.Parameter, torch.Tensor]],
     ) -> None:
         self.graph = graph
+        """What ``run`` replays (a ``torch.cuda.CUDAGraph``: anything with ``replay()``)."""
         self.inputs = inputs
+        self.factors = factors
+        """The loss factors the graph reads, one per micro-batch (float32, on the device)."""
         self.result = result
         """The captured loss, extras and norm (tensors each replay overwrites)."""
         self.grads = grads
@@ -84,18 +102,12 @@ class StepGraph:
         """The captured gradient norm, or None when it is computed after the replay."""
         return self.result.norm
 
-    @classmethod
-    def capture(
-        cls,
-        micro_batches: Callable[[list[Batch]], StepResult],
-        batches: list[Batch],
-        params: list[nn.Parameter],
-        grad_norm: GradNorm | None = None,
-    ) -> StepGraph:
-        """Record ``micro_batches(inputs)`` (forward and backward of every micro-batch, returning
-        the summed loss and extras) on input buffers shaped like ``batches``, then
-        ``grad_norm(parameters with a gradient)`` if given (module docstring); computes
-        nothing."""
+    @staticmethod
+    def input_buffers(
+        batches: list[Batch], loss_factors: list[float] | None = None
+    ) -> tuple[list[Batch], torch.Tensor]:
+        """Buffers for a replay's inputs: copies of ``batches`` and a float32 tensor of the
+        loss factors (ones when None) on the batches' device."""
         inputs = [
             Batch(
                 b.inputs.clone(),
@@ -105,6 +117,21 @@ class StepGraph:
             )
             for b in batches
         ]
+        return inputs, factor_tensor(loss_factors, len(batches), batches[0].inputs.device)
+
+    @classmethod
+    def capture(
+        cls,
+        micro_batches: StepFunction,
+        batches: list[Batch],
+        params: list[nn.Parameter],
+        grad_norm: GradNorm | None = None,
+    ) -> StepGraph:
+        """Record ``micro_batches(inputs, factors)`` (forward and backward of every micro-batch,
+        each loss times its factor, returning the summed loss and extras) on input buffers
+        shaped like ``batches``, then ``grad_norm(parameters with a gradient)`` if given
+        (module docstring); computes nothing."""
+        inputs, factors = cls.input_buffers(batches)
         for p in params:
             p.grad = None  # the capture allocates the gradients in the graph's pool
         torch.cuda.synchronize()
@@ -113,7 +140,7 @@ class StepGraph:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                result = micro_batches(inputs)
+                result = micro_batches(inputs, factors)
                 if grad_norm is not None:
                     result.norm = grad_norm([p for p in params if p.grad is not None])
         except torch.cuda.OutOfMemoryError as err:
@@ -132,16 +159,20 @@ class StepGraph:
                 "host or varies between steps; set trainer.cuda_graph=false"
             ) from err
         grads = [(p, p.grad) for p in params if p.grad is not None]
-        return cls(graph, inputs, result, grads)
+        return cls(graph, inputs, factors, result, grads)
 
-    def run(self, batches: list[Batch]) -> StepResult:
-        """Copy ``batches`` into the input buffers, replay, re-attach the gradients; returns
-        the captured result (tensors the next replay overwrites)."""
+    def run(self, batches: list[Batch], loss_factors: list[float] | None = None) -> StepResult:
+        """Copy ``batches`` and ``loss_factors`` (ones when None) into the input buffers,
+        replay, re-attach the gradients; returns the captured result (tensors the next replay
+        overwrites)."""
         if len(batches) != len(self.inputs):
             raise ValueError(
                 f"the step graph was captured for {len(self.inputs)} micro-batches, "
                 f"got {len(batches)}"
             )
+        # Pinned, so the copy does not wait for the device; the allocator keeps the block
+        # until the copy has read it.
+        factors = factor_tensor(loss_factors, len(batches), pin_memory=self.factors.is_cuda)
         for static, batch in zip(self.inputs, batches, strict=True):
             if (batch.document_ids is None) != (static.document_ids is None):
                 raise ValueError("document ids present in some steps and not in others")
@@ -160,6 +191,7 @@ class StepGraph:
                 static.document_ids.copy_(batch.document_ids, non_blocking=True)
             if batch.images is not None:
                 static.images.copy_(batch.images, non_blocking=True)
+        self.factors.copy_(factors, non_blocking=True)
         self.graph.replay()
         for p, grad in self.grads:
             p.grad = grad
@@ -168,13 +200,17 @@ class StepGraph:
 
 class GraphedStep:
     """The step by CUDA-graph replay (module docstring): eager the first time (warm-up) and
-    for fault steps, captured the next, replayed after; :meth:`reset` drops the graph (after
-    a load or a rewind) so the next step captures again."""
+    when ``eager`` is asked, captured the next, replayed after; :meth:`reset` drops the graph
+    (after a load or a rewind) so the next step captures again."""
 
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
         self.graph: StepGraph | None = None
         self._warm = False
+        self.replays = 0
+        """Steps that replayed the graph (the capturing one included)."""
+        self.eager_steps = 0
+        """Steps that ran eagerly (the warm-up included)."""
 
     @classmethod
     def for_run(
@@ -202,19 +238,53 @@ class GraphedStep:
         grad_norm: GradNorm | None = None,
         eager: bool = False,
     ) -> StepResult:
-        """Forward and backward (and ``grad_norm``, captured with them when given)."""
-        if eager:
-            return self.runner.forward_backward(batches, loss_factors)
+        """Forward and backward (and ``grad_norm``, captured with them when given); ``eager``:
+        a step whose kernels the graph did not record (module docstring)."""
         if not self._warm:
             self._warm = True
-            return self.runner.forward_backward(batches)
+            self.eager_steps += 1
+            # The kernels the capture will record, the multiply by a device factor included.
+            factors = factor_tensor(loss_factors, len(batches), self.runner.device)
+            return self.runner.forward_backward(batches, factors)
+        if eager:
+            self.eager_steps += 1
+            return self.runner.forward_backward(batches, loss_factors)
         if self.graph is None:
             params = [p for p in self.runner.module.parameters() if p.requires_grad]
             self.graph = StepGraph.capture(self.runner.forward_backward, batches, params, grad_norm)
-        return self.graph.run(batches)
+        self.replays += 1
+        return self.graph.run(batches, loss_factors)
 
     def reset(self) -> None:
         self.graph = None
+
+    def never_replayed(self) -> str | None:
+        """A warning when more than the warm-up step ran and none replayed the graph (every
+        step ran eagerly, so ``trainer.cuda_graph`` bought nothing); None otherwise."""
+        if self.replays > 0 or self.eager_steps < 2:
+            return None
+        return (
+            f"trainer.cuda_graph=true, but all {self.eager_steps} steps of this run ran eagerly "
+            "and none replayed the captured step graph (mt_train.cuda_graph lists what runs "
+            "eagerly)"
+        )
+
+
+def factor_tensor(
+    loss_factors: list[float] | None,
+    count: int,
+    device: torch.device | None = None,
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """The step's ``count`` loss factors (ones when None) as a float32 tensor: the number an
+    eager step's ``loss * f_m`` multiplies the fp32 loss by (module docstring)."""
+    if loss_factors is not None and len(loss_factors) != count:
+        raise ValueError(
+            f"got {len(loss_factors)} loss factors for {count} micro-batches; "
+            "give one per micro-batch"
+        )
+    values = [1.0] * count if loss_factors is None else loss_factors
+    return torch.tensor(values, dtype=torch.float32, device=device, pin_memory=pin_memory)
 
 
 def cuda_graph_blockers(

@@ -183,16 +183,20 @@ class BatchRunner:
         return loss if isinstance(loss, tuple) else (loss, {})
 
     def forward_backward(
-        self, batches: list[Batch], loss_factors: list[float] | None = None
+        self, batches: list[Batch], loss_factors: list[float] | torch.Tensor | None = None
     ) -> StepResult:
-        """Forward and backward of one step's micro-batches (module docstring)."""
+        """Forward and backward of one step's micro-batches (module docstring); the factors
+        ``f_m`` as host numbers, or as a device tensor of ``A`` values that every micro-batch's
+        loss is multiplied by (a captured step's input, :mod:`mt_train.cuda_graph`)."""
         total = torch.zeros((), device=self.device)
         extras: dict[str, torch.Tensor] = {}
         for m, batch in enumerate(batches):
             with mt_parallel.accumulate(self.model, is_last=m == len(batches) - 1):
                 loss, values = self.micro_loss(batch)
-                if loss_factors is not None and loss_factors[m] != 1.0:
-                    loss = loss * loss_factors[m]
+                factor = None if loss_factors is None else loss_factors[m]
+                # A device factor is always applied: comparing it on the host would synchronise.
+                if isinstance(factor, torch.Tensor) or (factor is not None and factor != 1.0):
+                    loss = loss * factor
                 (loss / len(batches)).backward()
             total += loss.detach()
             for name, value in values.items():
