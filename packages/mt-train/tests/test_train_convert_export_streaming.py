@@ -38,6 +38,7 @@ from mt_train.checkpoint.files import (
     write_shard,
 )
 from mt_train.hf_checkpoints import (
+    _load_tensor,
     export_dtypes,
     export_hf,
     full_model_tensors,
@@ -338,3 +339,13 @@ def test_load_model_reads_one_tensor_at_a_time(checkpoints, monkeypatch) -> None
     state = model.state_dict()
     assert state.keys() == want.keys()
     assert all(torch.equal(state[k], want[k].float()) for k in state)
+
+
+def test_a_tensor_its_module_does_not_take_is_refused() -> None:
+    """Tensor-by-tensor loading goes through the owning module's ``load_state_dict`` with
+    ``strict=False``; a name that module does not take raises instead of being dropped."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"module '0' takes no 'scale'"):
+        _load_tensor(model, "0.scale", torch.ones(2), torch.Size([2]))
+    _load_tensor(model, "0.bias", torch.ones(2), torch.Size([2]))
+    assert torch.equal(model[0].bias.detach(), torch.ones(2))

@@ -268,7 +268,14 @@ def _load_tensor(model: nn.Module, key: str, tensor: torch.Tensor, shape: torch.
     # Through the owning module's load_state_dict (its load hooks run, mt_fp8's too), not
     # the whole model's, which would visit every module once per tensor.
     owner, _, leaf = key.rpartition(".")
-    model.get_submodule(owner).load_state_dict({leaf: tensor}, strict=False)
+    result = model.get_submodule(owner).load_state_dict({leaf: tensor}, strict=False)
+    # strict=False because the owner's other tensors come in their own calls; a name the owner
+    # does not take (a state dict not laid out as the module tree) must not pass silently.
+    if result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint tensor {key}: module {owner or '<root>'!r} takes no {leaf!r} in "
+            f"load_state_dict, so it cannot be loaded tensor by tensor"
+        )
 
 
 class HeaderReader(CheckpointReader):
