@@ -12,12 +12,20 @@ of every step's gradient norm and of every step's reduced expert gradients (befo
 this rank's final parameters (the local experts and the rest, whole) for comparing the modes
 with each other, how the mode sharded the experts, and the sizes of the all-reduces over TP
 that carried expert gradients in each step (the TP sum under sequence parallel: one per step).
+
+With ``fp8`` (one recipe name per block) both models run their experts through
+``mt_fp8.FP8GroupedLinear`` (the dense projections stay float64), and every FP8 weight operand
+each side hands a GEMM is recorded: the shape of the weight it was quantized from, whether it
+went through a weight cache, and the scales of ``w`` and ``wᵀ``; this rank's forwards are
+compared call by call with the reference's forwards of the same tokens. ``steps`` (at most
+``STEPS``) shortens a run: FP8 layers on the CPU cost several times the float64 ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 
 import torch
@@ -27,7 +35,9 @@ from parallel_checks import rel_err
 from torch import nn
 
 import mt_comm
+import mt_fp8
 import mt_parallel as mp
+from mt_fp8.linear_plan import LinearPlan
 from mt_parallel.mappings import copy_to_group, group_size
 from mt_parallel.moe import MoE, MoEConfig, apply_expert_parallel, collect_aux_losses
 
@@ -97,6 +107,44 @@ def _all_reduce_sizes(group: object) -> Iterator[list[int]]:
         dist.all_reduce = original
 
 
+@contextlib.contextmanager
+def _fp8_weights_seen(into: list[tuple]) -> Iterator[None]:
+    """Append (the weight's shape, whether a weight cache is in use, the scales of its FP8
+    ``w`` and ``wᵀ``) for every FP8 weight operand a GEMM gets while inside, quantized or from
+    the cache (mt_fp8's ``LinearPlan.weight_operands``, wrapped and put back)."""
+    original = LinearPlan.weight_operands
+
+    def recording(plan: LinearPlan, weight_NK: torch.Tensor, need_transpose: bool) -> tuple:
+        weight_q, weight_t_q = original(plan, weight_NK, need_transpose)
+        scales = [q.scale.clone() for q in (weight_q, weight_t_q) if q is not None]
+        into.append((tuple(weight_NK.shape), plan.weight_cache is not None, *scales))
+        return weight_q, weight_t_q
+
+    LinearPlan.weight_operands = recording
+    try:
+        yield
+    finally:
+        LinearPlan.weight_operands = original
+
+
+def _fp8_weight_differences(ours: list[tuple], theirs: list[tuple]) -> dict:
+    """The weight shapes this rank's FP8 GEMMs were quantized from, whether they used weight
+    caches, and the largest relative error of their scales against the reference's, call by
+    call (same tokens and routing: the same experts in the same order); a scale of another
+    shape counts as an infinite error."""
+    assert len(ours) == len(theirs) > 0, (len(ours), len(theirs))
+    errors = [
+        rel_err(mine, want) if mine.shape == want.shape else math.inf
+        for seen, expected in zip(ours, theirs, strict=True)
+        for mine, want in zip(seen[2:], expected[2:], strict=True)
+    ]
+    return {
+        "fp8_weight_shapes": sorted({seen[0] for seen in ours}),
+        "fp8_weight_cached": sorted({seen[1] for seen in ours}),
+        "fp8_scales": max(errors),
+    }
+
+
 def _expert_grad_error(
     model: nn.Module, reference: nn.Module, optimizer: object, mode: str, expert: int, local: int
 ) -> float:
@@ -121,7 +169,14 @@ def _expert_grad_error(
     return max(errors, default=0.0)
 
 
-def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> dict:
+def train_steps(
+    mode: str,
+    ep: int = 2,
+    num_experts: int = 8,
+    tp: int = 1,
+    fp8: tuple[str, ...] | None = None,
+    steps: int = STEPS,
+) -> dict:
     state = mt_comm.init_parallel_state(tp=tp, ep=ep)
     cfg = MoEConfig(num_experts=num_experts, top_k=2, expert_ffn_dim=16)
     torch.manual_seed(0)
@@ -135,6 +190,10 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
     if tp > 1:
         mp.apply_tensor_parallel(model, tp_group, sequence_parallel=True)
     apply_expert_parallel(model, state.group("ep"), state.group("edp"), dp_cp)
+    if fp8 is not None:  # FP8 before data parallel, as parallelize orders them
+        for net in (model, reference):
+            for block, recipe in zip(net.blocks, fp8, strict=True):
+                mp.apply_fp8(block, mt_fp8.recipe_from_name(recipe))
     wrapped = mp.apply_data_parallel(model, mode, dp_cp, "cpu", (Block,))
     if mode == "zero1":
         optimizer = mp.DistributedOptimizer(model.parameters(), dp_cp, tp_group, lr=LR)
@@ -167,18 +226,23 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
         recording = _all_reduce_sizes(tp_group)
     local = cfg.num_experts // ep
     norms, clipped, expert_grads, expert_tp_all_reduces = [], [], [], []
+    fp8_ours: list[tuple] = []
+    fp8_theirs: list[tuple] = []
     with recording as tp_sizes:
-        for step in range(STEPS):
+        for step in range(steps):
             tp_sizes.clear()
             for micro in range(MICRO):
                 x, g = mine(xs[step, micro, rank]), mine(gs[step, micro, rank])
-                with mp.accumulate(wrapped, is_last=micro == MICRO - 1):
+                with (
+                    mp.accumulate(wrapped, is_last=micro == MICRO - 1),
+                    _fp8_weights_seen(fp8_ours),
+                ):
                     (_loss(wrapped, x, g) / MICRO).backward()
             for micro in range(MICRO):
                 for r in range(ranks):
-                    (
-                        _loss(reference, xs[step, micro, r], gs[step, micro, r]) / (MICRO * ranks)
-                    ).backward()
+                    with _fp8_weights_seen(fp8_theirs if r == rank else []):
+                        loss = _loss(reference, xs[step, micro, r], gs[step, micro, r])
+                    (loss / (MICRO * ranks)).backward()
             if mode == "zero1":
                 optimizer.reduce_gradients()
             expert_grads.append(
@@ -220,9 +284,10 @@ def train_steps(mode: str, ep: int = 2, num_experts: int = 8, tp: int = 1) -> di
         "expert_numel": sum(p.numel() for p in model.parameters() if mp.is_expert_parameter(p)),
         "edp": state.size("edp"),
     }
+    fp8_weights = _fp8_weight_differences(fp8_ours, fp8_theirs) if fp8 is not None else {}
     return {
         "params": errors, "norms": norms, "clipped": clipped, "final": final,
-        "expert_grads": expert_grads, **sharding, **tp_sums,
+        "expert_grads": expert_grads, **sharding, **tp_sums, **fp8_weights,
     }  # fmt: skip
 
 

@@ -7,7 +7,9 @@ clipped AdamW steps with gradient accumulation, also when FSDP2 shards the exper
 along dim 0, or the edp group has one rank (ep = dp), and at tp=2 with sequence parallel
 (dp=2, ep=2, edp=1: the experts' gradients must also be summed over TP under every mode, once
 per step, not once per micro-batch). The reduced expert gradients of every step are checked
-too. A pool shared across modules."""
+too. FP8 experts (``mt_fp8.FP8GroupedLinear``, tensorwise and rowwise) sharded along dim 1
+train as the same FP8 model on one process, their FP8 weights quantized from whole experts.
+A pool shared across modules."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ FP64_BOUND = 1e-12
 # master dtype): one rounding, relative error ≤ 2⁻²⁴ ≈ 6e-8, on top of the fp64 ulps.
 NORM_BOUND = 2**-23
 MODES = ("ddp", "fsdp", "zero1")
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""The FP8 experts' recipe in each of the two blocks: both run on the CPU (emulated GEMMs)."""
 
 
 def assert_one_expert_tp_sum_per_step(result: dict, mode: str) -> None:
@@ -55,6 +59,12 @@ def runs(distributed_pools: PoolCache) -> dict:
     )
     # 6 experts over ep=2: 3 local experts over 2 edp ranks, dim 0 unevenly (2 rows and 1)
     out["fsdp-uneven"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", num_experts=6)
+    # FP8 experts at ep=1 sharded along dim 1: tensorwise scales in one block, rowwise in the
+    # other; two steps, so the second quantizes weights the first AdamW step updated
+    out["fsdp-dim1-ep1-fp8"] = pool.run(
+        moe_data_parallel_checks.train_steps,
+        mode="fsdp", ep=1, num_experts=2, fp8=FP8_RECIPES, steps=2,
+    )  # fmt: skip
     # ep = dp = 4: edp groups of one rank (FSDP2 leaves the experts to DDP's reduction)
     out["fsdp-edp1"] = pool.run(moe_data_parallel_checks.train_steps, mode="fsdp", ep=4)
     for mode in MODES:
@@ -110,10 +120,35 @@ def test_experts_are_sharded_over_the_expert_data_parallel_group(runs: dict) -> 
     # holding the expert and the other an empty shard padded to a whole one).
     assert _shards(runs["fsdp-dim1"]) == [((1,), (1, 8, 16))] * 4
     assert _shards(runs["fsdp-dim1-ep1"]) == [((1,), (2, 4, 16))] * 4
+    assert _shards(runs["fsdp-dim1-ep1-fp8"]) == [((1,), (2, 4, 16))] * 4
     assert _shards(runs["fsdp-uneven"]) == [((0,), (1, 16, 16))] * 2 + [((0,), (2, 16, 16))] * 2
     assert _shards(runs["fsdp-edp1"]) == [((), (2, 16, 16))] * 4  # 8 over ep=4, unsharded
     # ZeRO-1: the dense partition over dp×cp (4 ranks), the expert one over edp (2).
     assert {tuple(r["partition_groups"]) for r in runs["zero1"]} == {(4, 2)}
+
+
+def test_fp8_experts_sharded_along_dim_1_equal_fp8_on_one_process(runs: dict) -> None:
+    # ep=1: experts [2, 16, 16] over the 4 dp ranks, shards [2, 4, 16]. Each rank's FP8 GEMMs
+    # quantize the rows the reference's call on that rank's tokens quantizes (at ep=2 the
+    # all-to-all would put two ranks' tokens under one expert's tensorwise and column scales),
+    # and the weight FSDP2 all-gathers is the reference's to fp64 ulps. Quantizing is a step
+    # function: inputs that agree to fp64 ulps give the same FP8 bytes and fp32 scales unless
+    # a value lies within ~1e-16 (relative) of a rounding boundary, a chance of order 1e-15 per
+    # element; the rank's dy is the reference's times ranks = 4, a power of two, which scales
+    # the scales exactly and leaves the bytes. Equal operands give equal (emulated, fp32)
+    # GEMMs, so all that differs is the float64 rest: FP64_BOUND, as without FP8. The scales
+    # are fp32 roundings of amaxes that agree to fp64 ulps: equal, or one fp32 ulp apart. A
+    # scale taken from a dim-1 shard (a quarter of an expert's rows) misses the other rows'
+    # maxima (tensorwise, rowwise wᵀ) or has another shape (rowwise w): far beyond that ulp.
+    for result in runs["fsdp-dim1-ep1-fp8"]:
+        assert result["fp8_weight_shapes"] == [(16, 16)]  # whole experts, never [4, 16] shards
+        # FSDP2 re-materialises the unsharded weight with its version counter preserved, which
+        # the weight cache keys on: every forward quantizes it afresh.
+        assert result["fp8_weight_cached"] == [False]
+        assert result["fp8_scales"] < 2**-23, result["fp8_scales"]  # one fp32 ulp
+        assert any(result["clipped"]), result["clipped"]
+        assert max(result["norms"]) < NORM_BOUND, result["norms"]
+        assert max(result["params"].values()) < FP64_BOUND, result["params"]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
