@@ -438,3 +438,25 @@ def test_biased_fp8_linears_split_a_compiled_module_into_no_more_graphs() -> Non
             assert torch.equal(ours.grad, 2 * theirs.grad)
     torch._dynamo.reset()
     assert graphs == {False: 1, True: 1}
+
+
+def test_fp8_layers_keep_the_state_dict_of_the_model_without_fp8() -> None:
+    """The FP8 layer running a parallel linear's or the experts' GEMM shares their weight and
+    ``fp8_meta``: the state dict holds each tensor once, under the names of the model without
+    FP8 (plus the delayed-scaling state), and loads strictly both ways."""
+    from mt_fp8 import DelayedScaling
+    from mt_parallel.moe.experts import GroupedLinear
+
+    plain, fp8 = _tiny_lm(), _tiny_lm()
+    mp.apply_fp8(fp8, DelayedScaling(amax_history_len=4), skip=("lm_head",))
+    experts = GroupedLinear(2, 16, 16, 0.02)
+    experts.enable_fp8(DelayedScaling(amax_history_len=4))
+    for model, bare in ((fp8, plain), (experts, GroupedLinear(2, 16, 16, 0.02))):
+        state = model.state_dict()
+        assert not [k for k in state if "_fp8." in k]
+        assert [k for k in state if "fp8_meta" not in k] == list(bare.state_dict())
+        bare.load_state_dict({k: v for k, v in state.items() if "fp8_meta" not in k})
+        model.load_state_dict(state)  # strict: the FP8 layer's entries filled in
+        for module in model.modules():
+            if getattr(module, "_fp8", None) is not None:
+                assert module._fp8.weight is module.weight

@@ -229,9 +229,10 @@ class _ParallelLinear(TensorParallelModule):
         """Run the local GEMM through ``mt_fp8.FP8Linear`` with ``recipe``.
 
         The FP8Linear shares this layer's weight (no copy; the bias is added outside the FP8
-        GEMM) and is deliberately not a registered submodule, so the state dict keeps its
-        tp=1 names; its ``fp8_meta`` (delayed-scaling state, amax group) is registered here
-        instead. Its amax reduction covers ``fp8_sharded_roles`` (module docstring).
+        GEMM) and its ``fp8_meta`` (delayed-scaling state, amax group), both registered here
+        too; the state dict keeps this layer's tp=1 names only
+        (:func:`keep_fp8_layer_out_of_state_dict`). Its amax reduction covers
+        ``fp8_sharded_roles`` (module docstring).
         """
         from mt_fp8 import FP8Linear
 
@@ -240,6 +241,7 @@ class _ParallelLinear(TensorParallelModule):
         fp8_kwargs.setdefault("amax_reduction_roles", self.fp8_sharded_roles)
         self._fp8 = FP8Linear.from_linear(view, recipe=recipe, **fp8_kwargs)  # type: ignore[arg-type]
         self.fp8_meta = self._fp8.fp8_meta
+        keep_fp8_layer_out_of_state_dict(self)
 
     @property
     def fp8_enabled(self) -> bool:
@@ -256,6 +258,33 @@ class _ParallelLinear(TensorParallelModule):
             f"bias={self.has_bias}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
             + (", fp8" if self._fp8 is not None else "")
         )
+
+
+def keep_fp8_layer_out_of_state_dict(module: nn.Module) -> None:
+    """``module._fp8``, the FP8 layer running ``module``'s GEMM, is a registered submodule (so
+    module walks find it: FP8 health, weight caches, weight-gradient sinks) that shares
+    ``module``'s weight and ``fp8_meta``. Its state-dict entries would repeat those tensors
+    under ``_fp8.`` names, which a model without FP8 does not have: they are left out of the
+    state dict, and a load fills them from ``module``'s own entries."""
+    if getattr(module, "_fp8_state_hooks", False):
+        return
+    module.register_state_dict_post_hook(_drop_fp8_entries)
+    module.register_load_state_dict_pre_hook(_fill_fp8_entries)
+    module._fp8_state_hooks = True
+
+
+def _drop_fp8_entries(module: nn.Module, state_dict: Any, prefix: str, metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "_fp8.")]:
+        del state_dict[key]
+
+
+def _fill_fp8_entries(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+    fp8 = module._modules.get("_fp8")
+    if fp8 is None:
+        return
+    for name in fp8.state_dict(keep_vars=True):
+        if prefix + name in state_dict:
+            state_dict[f"{prefix}_fp8.{name}"] = state_dict[prefix + name]
 
 
 class _LinearView:

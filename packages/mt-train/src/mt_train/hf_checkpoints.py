@@ -226,7 +226,10 @@ def model_config_of(reader: CheckpointReader) -> ModelConfig:
 def model_keys(reader: CheckpointReader) -> list[str]:
     """The checkpoint's model state-dict keys (tp=1 names: no ``model/`` prefix, no TP-slice
     or FSDP2-piece suffix), sorted."""
-    return sorted({n.removeprefix("model/").split("@")[0] for n in reader.names("model/")})
+    names = {n.removeprefix("model/").split("@")[0] for n in reader.names("model/")}
+    # Checkpoints of FP8 runs written before 2026-12-07 also saved each FP8 layer's shared
+    # weight again under ``<layer>._fp8.``; the layer's own entry holds the same tensor.
+    return sorted(n for n in names if "._fp8." not in n)
 
 
 def model_tensors(reader: CheckpointReader, keys: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
+from mt_parallel.layers import keep_fp8_layer_out_of_state_dict
 from mt_parallel.mappings import copy_to_group, group_rank, group_size
 
 CUDA_GROUP_ALIGN = 16
@@ -220,8 +221,9 @@ class GroupedLinear(nn.Module):
         self.ep_group = ep_group
 
     def enable_fp8(self, recipe: Any = None, fp8_gemms: Any = None, **fp8_kwargs: Any) -> None:
-        """Run the grouped GEMMs through ``mt_fp8.FP8GroupedLinear`` sharing this weight (not a
-        registered submodule, so the state dict keeps its names; its ``fp8_meta`` is)."""
+        """Run the grouped GEMMs through ``mt_fp8.FP8GroupedLinear`` sharing this weight and
+        ``fp8_meta``; the state dict keeps this layer's names only
+        (:func:`mt_parallel.layers.keep_fp8_layer_out_of_state_dict`)."""
         from mt_fp8 import FP8_GEMMS, FP8GroupedLinear
 
         if fp8_gemms is not None and tuple(fp8_gemms) != tuple(FP8_GEMMS):
@@ -240,6 +242,7 @@ class GroupedLinear(nn.Module):
             fp8.fp8_meta.amax_group = self.sequence_group
         self._fp8 = fp8
         self.fp8_meta = fp8.fp8_meta
+        keep_fp8_layer_out_of_state_dict(self)
 
     @property
     def fp8_enabled(self) -> bool:
