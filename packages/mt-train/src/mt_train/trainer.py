@@ -451,9 +451,11 @@ class Trainer:
                 if self.verdict.stop:
                     self._preempt(self._stop.signal_name)
                     break
-        unused = isinstance(self.step_runner, GraphedStep) and self.step_runner.never_replayed()
-        if unused and is_main:
-            print(f"mt-train: warning: {unused}", file=sys.stderr, flush=True)
+        graph_warning = (
+            self.step_runner.never_replayed() if isinstance(self.step_runner, GraphedStep) else None
+        )
+        if graph_warning and is_main:
+            print(f"mt-train: warning: {graph_warning}", file=sys.stderr, flush=True)
         self.checkpointer.wait()
         self.observer.end_run()
         wall = time.perf_counter() - start
