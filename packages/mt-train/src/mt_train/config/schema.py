@@ -31,6 +31,7 @@ from mt_parallel import (
 from mt_parallel.pipeline import chunks_per_rank, split_layers
 from mt_train.config.observability import CommConfig, ProfilingConfig
 from mt_train.config.rewind import FaultConfig, RewindConfig
+from mt_train.data.image_text import PACK_ORDERS
 
 SCHEDULES = ("cosine", "wsd", "constant")
 BUNDLED_DATA = ("kjv", "digits")
@@ -261,7 +262,7 @@ class DataConfig:
     mask handed to SDPA (every device, ring attention and dropout; the reference); ``auto``,
     ``flex`` on CUDA where it applies and ``explicit`` elsewhere."""
     pack_samples: bool = False
-    """Image-text data: pack several samples (in file order, greedily) into each
+    """Image-text data: pack several samples (grouped as ``pack_order`` says) into each
     ``trainer.seq_len`` sequence instead of one sample per sequence padded to it, as
     Megatron-Core's and LLaVA's packed sequences (:mod:`mt_train.data.image_text`). Each
     sample's images fill its own ``<image>`` placeholders, attention stays inside each sample
@@ -272,6 +273,15 @@ class DataConfig:
     ``trainer.cuda_graph`` every batch is padded to the most images a row of the split holds
     times the rows (zero images no placeholder takes: the encoder's compute grows, the loss
     and gradients do not change)."""
+    pack_order: str = "consecutive"
+    """With ``pack_samples``, how samples are grouped into packs
+    (:mod:`mt_train.data.image_text`): ``consecutive``, in file order, greedily (each pack a
+    run of neighbouring samples); ``shuffled``, the same greedy cut over the split's samples
+    permuted with ``trainer.seed``, so packs mix samples from across the file;
+    ``best_fit``, Best-Fit-Decreasing bin packing (longest sample first, each into the fullest
+    pack that still fits it), usually the least padding. Packs depend only on the data and
+    these settings, so a resumed run draws the same ones; the banner prints the padding
+    share. Anything but ``consecutive`` needs ``pack_samples=true``."""
     blend: Any = None
     """Train on a weighted blend of prepared folders instead of ``path``: a list of
     ``{path, weight}`` or Megatron's flat string ``"w1 path1 w2 path2"``; weights are normalised
@@ -295,6 +305,15 @@ class DataConfig:
             raise ValueError(
                 f"data.document_masking_kernel={self.document_masking_kernel!r} is unknown; "
                 f"valid: {', '.join(DOCUMENT_MASK_KERNELS)}"
+            )
+        if self.pack_order not in PACK_ORDERS:
+            raise ValueError(
+                f"data.pack_order={self.pack_order!r} is unknown; valid: {', '.join(PACK_ORDERS)}"
+            )
+        if self.pack_order != "consecutive" and not self.pack_samples:
+            raise ValueError(
+                f"data.pack_order={self.pack_order} orders packed image-text samples, but "
+                "data.pack_samples=false; set data.pack_samples=true (or drop data.pack_order)"
             )
         if self.sampling not in SAMPLINGS:
             raise ValueError(

@@ -240,8 +240,9 @@ class DataModule:
     """The train and validation datasets of a prepared folder, plus its tokenizer: packed
     text windows, or image-text samples (:mod:`mt_train.data.image_text`) when ``meta.json``
     says ``"kind": "image_text"``, packed several to a sequence with ``pack_samples``
-    (``data.pack_samples``); ``pad_images`` gives every image-text batch a fixed image count
-    (:mod:`mt_train.data.image_text`, for a captured step)."""
+    (``data.pack_samples``) in ``pack_order`` (``data.pack_order``; ``shuffled`` seeded by
+    ``pack_seed``, the run's ``trainer.seed``); ``pad_images`` gives every image-text batch a
+    fixed image count (:mod:`mt_train.data.image_text`, for a captured step)."""
 
     def __init__(
         self,
@@ -250,6 +251,8 @@ class DataModule:
         train_stride: int | None = None,
         pack_samples: bool = False,
         pad_images: bool = False,
+        pack_order: str = "consecutive",
+        pack_seed: int = 0,
     ) -> None:
         from mt_train.data.image_text import KIND, ImageTextDataset
 
@@ -259,8 +262,9 @@ class DataModule:
         self.train: PackedDataset | ImageTextDataset
         self.val: PackedDataset | ImageTextDataset
         if kind == KIND:
-            self.train = ImageTextDataset(folder, "train", seq_len, pack_samples, pad_images)
-            self.val = ImageTextDataset(folder, "val", seq_len, pack_samples, pad_images)
+            packing = (pack_samples, pad_images, pack_order, pack_seed)
+            self.train = ImageTextDataset(folder, "train", seq_len, *packing)
+            self.val = ImageTextDataset(folder, "val", seq_len, *packing)
         elif pack_samples:
             raise ValueError(
                 f"data.pack_samples=true packs image-text samples, but {str(folder)!r} holds "

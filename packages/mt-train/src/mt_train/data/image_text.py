@@ -31,15 +31,37 @@ batch's ``images`` in sample order, normalised per channel as CLIP's processor d
 data's statistics: ``(x/255 − pixel_mean) / pixel_std`` (float32). Sample indices come from the
 same :class:`~mt_train.data.dataset.ResumableSampler` as text windows.
 
-Packing (``data.pack_samples``, ``pack=True``). The split's samples are cut, in file order,
-into packs of consecutive samples whose inputs fit one sequence: greedily, sample ``i`` (``n_i
-= |ids_i| − 1`` inputs) joins the open pack while its inputs total at most ``T``, else opens the
-next. The sampler then draws packs, not samples. A pack's row holds its samples' inputs and
+Packing (``data.pack_samples``, ``pack=True``). The split's samples are cut into packs whose
+inputs fit one sequence, and the sampler draws packs, not samples. A pack is a list of sample
+ids (CSR: pack ``p`` holds ``pack_members[pack_offsets[p] : pack_offsets[p+1]]``); with
+``n_i = |ids_i| − 1`` the inputs of sample ``i``, every sample is in exactly one pack and
+every pack's ``Σ n_i ≤ T``. ``data.pack_order`` (``order``) says how packs are formed:
+
+- ``consecutive`` (default): in file order, greedily, sample ``i`` joins the open pack while
+  the inputs total at most ``T``, else opens the next (each pack a run of consecutive samples).
+- ``shuffled``: the same greedy cut over the split's samples permuted by
+  ``numpy.random.default_rng([seed, PACK_SHUFFLE_STREAM]).permutation(N)`` with ``seed`` the
+  run's data seed (``trainer.seed``, the sampler's); a pack keeps the permuted order, so
+  packs mix samples from across the file. The sampler's epoch streams are ``[seed, e]``; no
+  epoch reaches :data:`PACK_SHUFFLE_STREAM`, so the two never share a stream.
+- ``best_fit``: Best-Fit-Decreasing bin packing. Samples are taken longest first (equal
+  lengths by sample id); each joins the open pack with the least room ``T − Σ n`` that still
+  fits it (equal rooms: the pack opened first), else opens a new pack. Packs are numbered in
+  the order they open and hold their samples in file order. The rows' inputs total ``Σ n_i``
+  however samples are packed, so fewer packs mean less padding: consecutive packing is
+  next-fit in file order, which can need nearly twice the fewest possible packs (inputs
+  ``T/2, 1, T/2, 1, …``: every row half empty), while best-fit-decreasing needs at most 11/9
+  of the fewest possible packs plus 4 (Johnson, 1973).
+
+Packing reads only the samples' lengths (and the seed), so it is the same in every run and on
+every rank and a resumed run draws the same packs. :attr:`ImageTextDataset.padding_fraction`
+is the share of the rows' ``rows · T`` input tokens that are padding (the trainer's banner
+prints it). A pack's row holds its samples' inputs and
 targets one after another (each as above), then EOS padding with ``IGNORE_INDEX`` targets; its
 document ids are ``k`` on the ``k``-th sample's tokens and the sample count on the padding, so
 attention stays inside each sample (:mod:`mt_parallel.document_attention`) and the VLM restarts
 RoPE positions at each sample (:meth:`~mt_train.models.vlm.VisionLanguageModel.sequence_inputs`).
-The images follow in row order and, within a row, in sample order: the order of the
+The images follow in row order and, within a row, in the pack's sample order: the order of the
 placeholders, which is what :class:`~mt_train.models.vlm.model.ImagePlacement` fills, however
 many images each row has. :meth:`ImageTextDataset.target_counts` sums the pack's samples, so the
 token-weighted loss (:mod:`mt_train.loss_weights`) counts every trained target once.
@@ -58,6 +80,8 @@ matching images, a sample longer than the sequence) raises one line naming the f
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -76,6 +100,10 @@ MIN_PIXEL_STD = 1e-3
 """Floor of a channel's normalising std (a constant channel would divide by zero)."""
 IGNORE_INDEX = -100
 """Targets that carry no loss (matches :data:`mt_train.models.vlm.IGNORE_INDEX`)."""
+PACK_ORDERS = ("consecutive", "shuffled", "best_fit")
+"""How packs are formed (``data.pack_order``; module docstring)."""
+PACK_SHUFFLE_STREAM = 0x7061636B
+"""Second seed word of the ``shuffled`` order's permutation (ASCII ``pack``; module docstring)."""
 
 
 class ImageTextError(ValueError):
@@ -249,7 +277,17 @@ class ImageTextDataset:
         seq_len: int,
         pack: bool = False,
         pad_images: bool = False,
+        pack_order: str = "consecutive",
+        pack_seed: int = 0,
     ) -> None:
+        if pack_order not in PACK_ORDERS:
+            raise ValueError(
+                f"data.pack_order={pack_order!r} is unknown; valid: {', '.join(PACK_ORDERS)}"
+            )
+        if pack_order != "consecutive" and not pack:
+            raise ValueError(
+                f"data.pack_order={pack_order} orders packed samples; set data.pack_samples=true"
+            )
         folder = Path(folder)
         self.meta = json.loads((folder / "meta.json").read_text())
         if split not in self.meta["splits"]:
@@ -282,24 +320,39 @@ class ImageTextDataset:
                 f"tokens, more than trainer.seq_len + 1 = {seq_len + 1} "
                 f"({too_long.size} samples are too long)"
             )
-        self.pack_starts = pack_boundaries(lengths - 1, seq_len) if pack else None
-        """The first sample of each pack, then the sample count (module docstring)."""
-        row_starts = self.pack_starts if pack else np.arange(len(lengths) + 1)
-        self.row_images = int(np.diff(self.image_starts[row_starts]).max(initial=0))
+        self.pack_order = pack_order if pack else None
+        """``data.pack_order`` of a packed split, None unpacked."""
+        self.pack_offsets: np.ndarray | None = None
+        """Pack ``p`` holds samples ``pack_members[pack_offsets[p] : pack_offsets[p+1]]``."""
+        self.pack_members = np.arange(len(lengths), dtype=np.int64)
+        """Sample ids, pack after pack (module docstring); every sample once."""
+        if pack:
+            self.pack_offsets, self.pack_members = build_packs(
+                lengths - 1, seq_len, pack_order, pack_seed
+            )
+        rows = len(self)
+        row_offsets = self.pack_offsets if pack else np.arange(rows + 1)
+        row_image_counts = np.add.reduceat(
+            np.diff(self.image_starts)[self.pack_members], row_offsets[:-1]
+        )
+        self.row_images = int(row_image_counts.max(initial=0))
         """The most images a row (pack or sample) of this split holds."""
+        self.padding_fraction = 1.0 - float((lengths - 1).sum()) / (rows * seq_len)
+        """The share of the rows' input tokens that are padding (module docstring)."""
         self.pad_images = pad_images
         """Pad every batch to ``rows · row_images`` images (module docstring)."""
 
     def __len__(self) -> int:
-        if self.pack_starts is not None:
-            return len(self.pack_starts) - 1
+        if self.pack_offsets is not None:
+            return len(self.pack_offsets) - 1
         return len(self.starts) - 1
 
-    def row_samples(self, index: int) -> range:
-        """The samples of sampler item ``index``: its pack's samples, or the sample itself."""
-        if self.pack_starts is None:
-            return range(index, index + 1)
-        return range(int(self.pack_starts[index]), int(self.pack_starts[index + 1]))
+    def row_samples(self, index: int) -> np.ndarray:
+        """The samples of sampler item ``index``, in row order: its pack's samples, or the
+        sample itself."""
+        if self.pack_offsets is None:
+            return np.arange(index, index + 1)
+        return self.pack_members[self.pack_offsets[index] : self.pack_offsets[index + 1]]
 
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sample ``i``'s token ids, trained-target mask and uint8 images."""
@@ -314,7 +367,7 @@ class ImageTextDataset:
             [
                 sum(
                     int(np.count_nonzero(self.mask[self.starts[j] + 1 : self.starts[j + 1]]))
-                    for j in self.row_samples(int(i))
+                    for j in self.row_samples(int(i)).tolist()
                 )
                 for i in indices
             ],
@@ -332,7 +385,7 @@ class ImageTextDataset:
         images = []
         for row, index in enumerate(indices):
             offset = 0
-            samples = self.row_samples(int(index))
+            samples = self.row_samples(int(index)).tolist()
             for k, i in enumerate(samples):
                 ids, mask, imgs = self.sample(i)
                 end = offset + len(ids) - 1
@@ -346,7 +399,7 @@ class ImageTextDataset:
         if self.pad_images:
             padding = len(indices) * self.row_images - pixels.shape[0]
             pixels = torch.cat([pixels, pixels.new_zeros(padding, *pixels.shape[1:])])
-        document_ids = None if self.pack_starts is None else torch.from_numpy(docs)
+        document_ids = None if self.pack_offsets is None else torch.from_numpy(docs)
         return Batch(torch.from_numpy(inputs), torch.from_numpy(targets), document_ids, pixels)
 
     def normalize(self, images_NCHW: np.ndarray) -> torch.Tensor:
@@ -355,9 +408,31 @@ class ImageTextDataset:
         return (pixels - self.pixel_mean) / self.pixel_std
 
 
+def build_packs(
+    input_lengths: np.ndarray, seq_len: int, order: str = "consecutive", seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, samples)``: pack ``p`` holds samples ``samples[offsets[p] : offsets[p+1]]``,
+    packed in ``order`` (:data:`PACK_ORDERS`; ``seed`` for ``shuffled``) so that each pack's
+    ``input_lengths`` total at most ``seq_len`` (module docstring)."""
+    if order not in PACK_ORDERS:
+        raise ValueError(f"pack order {order!r} is unknown; valid: {', '.join(PACK_ORDERS)}")
+    lengths = np.asarray(input_lengths, dtype=np.int64)
+    too_long = np.flatnonzero(lengths > seq_len)
+    if too_long.size:
+        i = int(too_long[0])
+        raise ValueError(f"sample {i} has {lengths[i]} inputs, more than a pack's {seq_len}")
+    if order == "best_fit":
+        return best_fit_packs(lengths, seq_len)
+    if order == "shuffled":
+        samples = np.random.default_rng([seed, PACK_SHUFFLE_STREAM]).permutation(len(lengths))
+    else:
+        samples = np.arange(len(lengths), dtype=np.int64)
+    return pack_boundaries(lengths[samples], seq_len), samples.astype(np.int64)
+
+
 def pack_boundaries(input_lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """The first sample of each greedy pack of consecutive samples whose ``input_lengths``
-    total at most ``seq_len``, then the sample count (module docstring)."""
+    """The first position of each greedy pack of consecutive ``input_lengths`` totalling at
+    most ``seq_len``, then the count: the ``consecutive`` packs' offsets (module docstring)."""
     starts = [0]
     filled = 0
     for i, length in enumerate(input_lengths.tolist()):
@@ -367,3 +442,35 @@ def pack_boundaries(input_lengths: np.ndarray, seq_len: int) -> np.ndarray:
         filled += length
     starts.append(len(input_lengths))
     return np.asarray(starts, np.int64)
+
+
+def best_fit_packs(input_lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-Fit-Decreasing packs of ``input_lengths`` (each at most ``seq_len``) as
+    :func:`build_packs` returns them (module docstring)."""
+    lengths = input_lengths.tolist()
+    members: list[list[int]] = []
+    # Open packs by room: the sorted distinct rooms, and each room's packs as a min-heap of
+    # pack numbers, so the best fit is one bisection and ties go to the pack opened first.
+    rooms: list[int] = []
+    packs_with_room: dict[int, list[int]] = {}
+    for i in np.argsort(-np.asarray(lengths, np.int64), kind="stable").tolist():
+        length = lengths[i]
+        k = bisect.bisect_left(rooms, length)
+        if k < len(rooms):
+            room = rooms[k]
+            pack = heapq.heappop(packs_with_room[room])
+            if not packs_with_room[room]:
+                del packs_with_room[room]
+                rooms.pop(k)
+            room -= length
+        else:
+            pack, room = len(members), seq_len - length
+            members.append([])
+        members[pack].append(i)
+        if room not in packs_with_room:
+            packs_with_room[room] = []
+            bisect.insort(rooms, room)
+        heapq.heappush(packs_with_room[room], pack)
+    offsets = np.cumsum([0] + [len(m) for m in members], dtype=np.int64)
+    samples = np.asarray([i for m in members for i in sorted(m)], np.int64)
+    return offsets, samples

@@ -17,6 +17,7 @@ from mt_train.config.schema import TrainConfig
 from mt_train.data.blend import BlendedDataModule, check_same_tokenizer
 from mt_train.data.checks import check_prepared, check_vocab
 from mt_train.data.dataset import DataModule, ResumableSampler
+from mt_train.data.image_text import ImageTextDataset
 from mt_train.data.prepare import prepare_bundled
 from mt_train.errors import DataError
 
@@ -69,6 +70,8 @@ def open_training_data(
         cfg.data.train_stride,
         pack_samples=cfg.data.pack_samples,
         pad_images=tr.cuda_graph,
+        pack_order=cfg.data.pack_order,
+        pack_seed=tr.seed,
     )
     sampler = ResumableSampler(
         len(data.train), tr.seed, tr.global_batch_size, tr.micro_batch_size, dp_rank, dp_size,
@@ -78,8 +81,13 @@ def open_training_data(
 
 
 def data_label(data: DataModule | BlendedDataModule) -> str:
-    """The data folder, or the blend as ``weight·folder`` terms."""
+    """The data folder, or the blend as ``weight·folder`` terms; for image-text data also how
+    rows are filled and the train rows' padding share."""
     if isinstance(data, BlendedDataModule):
         terms = zip(data.weights, data.folders, strict=True)
         return "blend " + " + ".join(f"{w:.3g}·{f}" for w, f in terms)
+    if isinstance(data.train, ImageTextDataset):
+        train = data.train
+        rows = f"{train.pack_order} packs" if train.pack_order else "one sample a row"
+        return f"{data.folder}, {rows}, {train.padding_fraction:.1%} padding"
     return str(data.folder)
