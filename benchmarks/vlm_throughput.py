@@ -203,7 +203,7 @@ def model_config(args: argparse.Namespace) -> VLMConfig:
 def make_batch(cfg: VLMConfig, args: argparse.Namespace, device: torch.device) -> dict:
     """Random text with ``--images`` runs of image placeholders per sample; loss on text."""
     g = torch.Generator().manual_seed(0)
-    L = cfg.vision.tokens_per_image
+    L = cfg.image_tokens
     if args.images * L >= args.seq:
         raise SystemExit(f"--images {args.images} x {L} tokens do not fit --seq {args.seq}")
     tokens = torch.randint(0, cfg.image_token_id, (args.batch, args.seq + 1), generator=g)

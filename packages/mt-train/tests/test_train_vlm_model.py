@@ -50,7 +50,7 @@ def test_llava_1_5_7b_has_the_published_parameter_count() -> None:
             p.numel() for p in transformers.LlavaForConditionalGeneration(hf_config).parameters()
         )
     assert ours == published == 7_063_427_072  # LLaVA-1.5-7B: "7.06B params"
-    assert cfg.vision.tokens_per_image == 576
+    assert cfg.image_tokens == 576
 
 
 def tiny(**overrides: object) -> VLMConfig:
@@ -62,7 +62,7 @@ def test_images_fill_their_placeholders_and_counts_are_checked() -> None:
     torch.manual_seed(0)
     cfg = tiny()
     model = build_model(cfg, "cpu", seed=1).double().eval()  # eval: no dropout masks
-    L = cfg.vision.tokens_per_image
+    L = cfg.image_tokens
     tokens = torch.randint(0, 256, (2, 3 * L + 4))
     tokens[0, 1 : 1 + L] = cfg.image_token_id  # sample 0: one image, sample 1: two
     tokens[1, 2 : 2 + 2 * L] = cfg.image_token_id

@@ -53,7 +53,7 @@ def vlm_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens with image placeholders, targets masked on images and prompts, the images."""
     cfg = model_sizes()["vlm_tiny"]
-    per_image, v = cfg.vision.tokens_per_image, cfg.vision
+    per_image, v = cfg.image_tokens, cfg.vision
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (len(image_starts), SEQ), generator=g)
     targets = torch.randint(0, 256, tokens.shape, generator=g)
@@ -83,14 +83,24 @@ def packed_documents(rows: int) -> torch.Tensor:
 
 
 def vlm_parallel_step(
-    tp: int, cp: int, sp: bool, seed: int = 0, steps: int = STEPS, packed: bool = False
+    tp: int,
+    cp: int,
+    sp: bool,
+    seed: int = 0,
+    steps: int = STEPS,
+    packed: bool = False,
+    reduction: str = "none",
 ) -> dict[str, object]:
     """The worst error of the loss, logits and every gradient over ``steps`` SGD steps (each
     on a new micro-batch) against the one-process reference; ``packed``: rows of several
     samples (document ids and the RoPE positions restarting per sample, which each rank
-    receives cut like the tokens, as the trainer passes them)."""
+    receives cut like the tokens, as the trainer passes them); ``reduction``: the projector's
+    token reduction at r=2 on a 4×4 grid of 2-pixel patches (4 tokens per image, as without)."""
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
+    if reduction != "none":
+        vision = dataclasses.replace(cfg.vision, patch_size=2)
+        cfg = dataclasses.replace(cfg, vision=vision, projector_reduction=reduction)
     reference = VisionLanguageModel(cfg)
     mp.init_weights(reference, seed)
     reference = reference.double()

@@ -76,7 +76,7 @@ def shape_of(cfg: Any) -> ModelShape:
             first_k_dense=cfg.first_k_dense, mtp_depth=cfg.mtp_depth, tp_divides=tuple(tp),
         )  # fmt: skip
     if family == "vlm":
-        from mt_train.models.vlm.vision import vision_flops_per_image
+        from mt_train.models.vlm.model import image_flops_per_token
 
         f = _llama_fields(cfg)
         v = cfg.vision
@@ -84,10 +84,9 @@ def shape_of(cfg: Any) -> ModelShape:
         tower = v.n_layers * (per_block + 4 * v.dim)  # + two LayerNorms (gain, bias) per block
         tower += v.channels * v.patch_size**2 * v.dim + (v.num_patches + int(v.cls_token)) * v.dim
         tower += int(v.cls_token) * v.dim + 2 * v.dim * (int(v.pre_norm) + int(v.post_norm))
-        projector = v.dim * cfg.dim + cfg.dim * cfg.dim + 2 * cfg.dim * int(cfg.projector_bias)
-        extra_flops = vision_flops_per_image(v) / v.tokens_per_image + 6.0 * (
-            v.dim * cfg.dim + cfg.dim * cfg.dim
-        )
+        projector = cfg.projector_in_dim * cfg.dim + cfg.dim * cfg.dim
+        projector += 2 * cfg.dim * int(cfg.projector_bias)
+        extra_flops = image_flops_per_token(cfg)
         tp = (("num_heads", f["n_heads"]), ("num_kv_heads", f["n_kv_heads"]),
               ("ffn_dim", f["ffn_dim"]), ("vocab_size", f["vocab_size"]),
               ("model.vision.n_heads", v.n_heads), ("model.vision.ffn_dim", v.ffn_dim))  # fmt: skip

@@ -3,8 +3,17 @@
 
 The decoder is the Llama family's, so :class:`VLMConfig` extends
 :class:`~mt_train.models.llama.LlamaConfig` (``model.dim``, ``model.n_layers`` ... are the
-language model's) and adds ``model.vision.*``, ``model.image_token_id``, ``model.freeze`` and
-``model.fp8_vision``. Fields are validated eagerly with messages that name the values.
+language model's) and adds ``model.vision.*``, ``model.image_token_id``, the projector's
+``model.projector_*``, ``model.freeze`` and ``model.fp8_vision``. Fields are validated eagerly
+with messages that name the values.
+
+Image tokens: the encoder yields :attr:`VisionConfig.feature_tokens` rows per image (its
+``(H/p)·(W/p)`` patch grid, plus the class token with ``feature_select=all``); the projector's
+optional reduction (``model.projector_reduction``,
+:func:`~mt_train.models.vlm.model.reduce_patch_grid`) cuts an ``s×s`` grid to ``(s/r)²``
+tokens, and :attr:`VLMConfig.image_tokens` is what the decoder's sequence holds per image (the
+placeholders the data writes, the placement's count, the HF config's ``image_seq_length``, the
+FLOPs).
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ FREEZE_OPTIONS = ("none", "encoder", "encoder_and_decoder")
 train); the encoder and the decoder (LLaVA's stage 1, only the projector trains)."""
 ACTIVATIONS = ("quick_gelu", "gelu")
 FEATURE_SELECT = ("patch", "all")
+PROJECTOR_REDUCTIONS = ("none", "pixel_shuffle", "avg_pool")
+"""``model.projector_reduction``: keep every patch token (LLaVA); concatenate each ``r×r``
+neighbourhood's features (InternVL, Idefics3); average them."""
 
 
 @dataclass
@@ -92,8 +104,13 @@ class VisionConfig:
             )
 
     @property
+    def grid_side(self) -> int:
+        """Patches along each side of the image: ``image_size / patch_size``."""
+        return self.image_size // self.patch_size
+
+    @property
     def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.grid_side**2
 
     @property
     def feature_blocks(self) -> int:
@@ -102,10 +119,14 @@ class VisionConfig:
         return layer if layer > 0 else self.n_layers + 1 + layer
 
     @property
-    def tokens_per_image(self) -> int:
-        """Image tokens each image becomes in the language model's sequence."""
-        keep_cls = self.cls_token and self.feature_select == "all"
-        return self.num_patches + int(keep_cls)
+    def keeps_cls(self) -> bool:
+        """Whether the features include the class token (``feature_select=all``)."""
+        return self.cls_token and self.feature_select == "all"
+
+    @property
+    def feature_tokens(self) -> int:
+        """Feature rows the encoder yields per image (before the projector's reduction)."""
+        return self.num_patches + int(self.keeps_cls)
 
 
 @dataclass
@@ -120,6 +141,16 @@ class VLMConfig(LlamaConfig):
     first id after the byte tokenizer's (``mt-prepare-data``'s image-text format uses it)."""
     projector_bias: bool = True
     """Biases on both projector linears (LLaVA-1.5 has them)."""
+    projector_reduction: str = "none"
+    """Fewer image tokens, before the projector's first linear: ``none`` (LLaVA, one token per
+    patch); ``pixel_shuffle`` (InternVL, Idefics3: each ``r×r`` neighbourhood of the patch grid
+    becomes one token of its ``r²`` patches' features concatenated, so ``linear_1`` takes
+    ``r²·model.vision.dim`` inputs); ``avg_pool`` (their mean, width unchanged). Either gives
+    ``(grid/r)²`` tokens per image; Hugging Face's Llava has neither, so such a model does not
+    export."""
+    projector_reduction_factor: int = 2
+    """``r``, the neighbourhood's side (with a reduction; the patch grid's side must be a
+    multiple of it)."""
     freeze: str = "none"
     """``none``, ``encoder`` (LLaVA stage 2) or ``encoder_and_decoder`` (stage 1: projector only)."""
     fp8_vision: bool = False
@@ -138,12 +169,45 @@ class VLMConfig(LlamaConfig):
                 f"model.image_token_id={self.image_token_id} is outside the vocabulary "
                 f"(model.vocab_size={self.vocab_size})"
             )
+        self._check_reduction()
+
+    def _check_reduction(self) -> None:
+        reduction, r, v = self.projector_reduction, self.projector_reduction_factor, self.vision
+        if reduction not in PROJECTOR_REDUCTIONS:
+            raise ValueError(
+                f"model.projector_reduction={reduction!r}; valid: {', '.join(PROJECTOR_REDUCTIONS)}"
+            )
+        positive("model", projector_reduction_factor=r)
+        if reduction == "none":
+            return
+        if v.keeps_cls:
+            # The class token is no patch of the grid: a neighbourhood has no place for it.
+            raise ValueError(
+                f"model.projector_reduction={reduction} reduces the patch grid, but "
+                "model.vision.feature_select=all keeps the class token among the features; "
+                "use feature_select=patch (or cls_token=false) with a reduction"
+            )
+        if v.grid_side % r:
+            raise ValueError(
+                f"model.projector_reduction_factor={r} does not divide the patch grid's side "
+                f"{v.grid_side} (model.vision.image_size={v.image_size} / "
+                f"patch_size={v.patch_size})"
+            )
 
     @property
     def image_tokens(self) -> int:
         """Image tokens per image in the decoder's sequence (what image-text data expands each
-        ``<image>`` to)."""
-        return self.vision.tokens_per_image
+        ``<image>`` to): the encoder's feature rows, ``(grid/r)²`` after a reduction."""
+        if self.projector_reduction == "none":
+            return self.vision.feature_tokens
+        return (self.vision.grid_side // self.projector_reduction_factor) ** 2
+
+    @property
+    def projector_in_dim(self) -> int:
+        """Input width of the projector's first linear: ``r²·model.vision.dim`` after a pixel
+        shuffle, ``model.vision.dim`` otherwise."""
+        r = self.projector_reduction_factor
+        return self.vision.dim * (r * r if self.projector_reduction == "pixel_shuffle" else 1)
 
     def check_parallel(self, parallel: ParallelConfig, seq_len: int | None = None) -> None:
         """The decoder's rules plus the encoder's heads and FFN over tp."""
@@ -158,7 +222,10 @@ class VLMConfig(LlamaConfig):
 
     def summary(self) -> str:
         v = self.vision
+        reduced = ""
+        if self.projector_reduction != "none":
+            reduced = f"{self.projector_reduction} r={self.projector_reduction_factor} to "
         return (
             f"vision {v.n_layers} layers width {v.dim} on {v.image_size}px/{v.patch_size}, "
-            f"{v.tokens_per_image} tokens per image; language {super().summary()}"
+            f"{reduced}{self.image_tokens} tokens per image; language {super().summary()}"
         )

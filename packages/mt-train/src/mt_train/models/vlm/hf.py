@@ -21,7 +21,9 @@ names (``i`` a block)::
 
 Refused with one line: a list ``vision_feature_layer`` (several layers concatenated), a
 projector activation other than GELU, a vision activation other than quick GELU or GELU,
-non-square images, and (on export) an encoder without CLIP's class token and both norms.
+non-square images, and (on export, before anything is written) a projector token reduction
+(``model.projector_reduction``: transformers' Llava projects every patch) and an encoder
+without CLIP's class token and both norms. Import always gives ``projector_reduction=none``.
 """
 
 from __future__ import annotations
@@ -176,6 +178,13 @@ class LlavaHF(HFAdapter):
         )
 
     def config_to_hf(self, cfg: VLMConfig, dtype: torch.dtype) -> dict[str, Any]:
+        if cfg.projector_reduction != "none":
+            raise ValueError(
+                f"model.projector_reduction={cfg.projector_reduction} (r="
+                f"{cfg.projector_reduction_factor}) has no LlavaForConditionalGeneration "
+                "equivalent: transformers' Llava projects every patch token; only "
+                "projector_reduction=none exports"
+            )
         v = cfg.vision
         if not (v.cls_token and v.pre_norm and v.post_norm):
             raise ValueError(
@@ -191,7 +200,7 @@ class LlavaHF(HFAdapter):
             "architectures": list(self.architectures),
             "model_type": "llava",
             "image_token_index": cfg.image_token_id,
-            "image_seq_length": v.tokens_per_image,
+            "image_seq_length": cfg.image_tokens,
             "projector_hidden_act": "gelu",
             "multimodal_projector_bias": cfg.projector_bias,
             "vision_feature_layer": v.feature_layer,

@@ -1,14 +1,37 @@
 """The LLaVA-style vision-language model: ViT encoder → projector → Llama decoder.
 
-Shape suffixes: B batch, T sequence, N images in the micro-batch, L tokens per image, E
-encoder width, D decoder width, V vocabulary (``V_l`` the local slice under TP).
+Shape suffixes: B batch, T sequence, N images in the micro-batch, P the encoder's feature
+rows per image, L image tokens per image in the decoder (``P``, or ``(s/r)²`` after a
+reduction), E encoder width, K the projector's input width (``E``, or ``r²·E`` after a pixel
+shuffle), D decoder width, V vocabulary (``V_l`` the local slice under TP).
 
 Math::
 
-    f_NLE = vision(images_NCHW)                                  (:mod:`.vision`)
-    g_NLD = linear_2(gelu(linear_1(f_NLE)))                      projector (LLaVA-1.5)
+    f_NPE = vision(images_NCHW)                                  (:mod:`.vision`)
+    t_NLK = reduce(f_NPE)                                        optional, below
+    g_NLD = linear_2(gelu(linear_1(t_NLK)))                      projector (LLaVA-1.5)
     x_BTD = embed(tokens_BT);  x[tokens == image_token_id] = g   (row-major order)
     logits = output(norm(blocks(x)))                             the Llama decoder
+
+Token reduction (``model.projector_reduction``, :func:`reduce_patch_grid`). The features are
+the ``s×s`` patch grid in row-major order (``f[n, i·s + j]`` the patch at row ``i``, column
+``j``; ``s = image_size / patch_size``, a multiple of ``r``); output token ``I·(s/r) + J``
+covers the patches ``(I·r + a, J·r + b)`` for ``a, b < r``::
+
+    pixel_shuffle:  t[n, I·(s/r) + J, (a·r + b)·E + e] = f[n, (I·r + a)·s + J·r + b, e]
+    avg_pool:       t[n, I·(s/r) + J, e] = mean over a, b < r of f[n, (I·r + a)·s + J·r + b, e]
+
+so the neighbourhood's patches enter the shuffled token in row-major order, each its ``E``
+features: the order of Idefics3's and InternVL's ``pixel_shuffle`` (transformers' modules;
+InternVL also normalises the shuffled features before its projector, ours is LLaVA's two
+linears). ``r = 1`` changes nothing. The class token is no cell of the grid, so the config
+refuses a reduction with ``feature_select=all``. The reduction is parameter-free and runs in
+:class:`Projector`, on every image's whole features: they are replicated over tp (the
+encoder's row-parallel outputs are all-reduced), so under TP, SP and CP it runs on every
+rank as on one process, and ``linear_1`` stays column-parallel with its input dim ``K``
+whole (the FP8 rule, both dims divisible by 16 or the recipe's block, holds for ``r²·E``
+whenever it holds for ``E``; a layer that misses it stays high precision, with mt-parallel's
+warning). A micro-batch's ``R = N·L`` feature rows are the reduced tokens.
 
 Images are placed at their placeholders: the input ids hold ``L`` copies of
 ``image_token_id`` per image (``mt-prepare-data``'s image-text format, or the Hugging Face
@@ -40,8 +63,8 @@ of a packed row are its samples' in order, so the row-major placement fills each
 placeholders with its own images, whatever the number per row.
 
 Sequence and context parallelism (the decoder's; the image tower stays replicated). Image
-features go to rows ``r`` of ``g_RD`` (``R = N·L``, the flattened features) by
-:meth:`ImagePlacement.image_slots`: ``r`` is the placeholder's row-major ordinal in the
+features go to rows ``q`` of ``g_RD`` (``R = N·L``, the flattened features) by
+:meth:`ImagePlacement.image_slots`: ``q`` is the placeholder's row-major ordinal in the
 whole micro-batch, -1 for text. Under CP (``parallel.cp > 1``) a rank holds its load-balanced
 chunks (at ``positions_S``), so it all-gathers the cp ranks' placeholder masks (``B×T``
 integers) to number its own placeholders; every rank runs the encoder and projector on *all*
@@ -72,6 +95,7 @@ the gradient norm skip.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -88,16 +112,50 @@ IGNORE_INDEX = -100
 """Targets that carry no loss (image tokens, prompts, padding)."""
 
 
-class Projector(nn.Module):
-    """LLaVA-1.5's projector: ``linear_2(gelu(linear_1(f)))``, column- then row-parallel."""
+def reduce_patch_grid(f_NPE: torch.Tensor, reduction: str, r: int) -> torch.Tensor:
+    """The token reduction of the module docstring: features ``(N, s², E)`` of a row-major
+    ``s×s`` patch grid become ``(N, (s/r)², r²·E)`` (``pixel_shuffle``) or ``(N, (s/r)², E)``
+    (``avg_pool``); ``none`` returns them as they are."""
+    if reduction == "none":
+        return f_NPE
+    if reduction not in ("pixel_shuffle", "avg_pool"):
+        raise ValueError(f"reduction={reduction!r}; valid: none, pixel_shuffle, avg_pool")
+    N, P, E = f_NPE.shape
+    s = math.isqrt(P)
+    if s * s != P or s % r:
+        raise ValueError(
+            f"{reduction} with r={r} needs a square patch grid whose side r divides, got {P} "
+            "feature rows per image"
+        )
+    # Split rows and columns into (cell, offset): f_NIaJbE[n, I, a, J, b] is patch (I·r+a, J·r+b).
+    f_NIaJbE = f_NPE.reshape(N, s // r, r, s // r, r, E)
+    if reduction == "avg_pool":
+        return f_NIaJbE.mean(dim=(2, 4)).reshape(N, (s // r) ** 2, E)
+    return f_NIaJbE.permute(0, 1, 3, 2, 4, 5).reshape(N, (s // r) ** 2, r * r * E)
 
-    def __init__(self, vision_dim: int, dim: int, bias: bool, init_std: float) -> None:
+
+class Projector(nn.Module):
+    """LLaVA-1.5's projector: ``linear_2(gelu(linear_1(t)))``, column- then row-parallel, on the
+    features ``t`` after the optional token reduction (module docstring)."""
+
+    def __init__(
+        self,
+        vision_dim: int,
+        dim: int,
+        bias: bool,
+        init_std: float,
+        reduction: str = "none",
+        factor: int = 1,
+    ) -> None:
         super().__init__()
-        self.linear_1 = mt_parallel.ColumnParallelLinear(vision_dim, dim, bias, init_std=init_std)
+        self.reduction, self.factor = reduction, factor
+        in_dim = vision_dim * (factor * factor if reduction == "pixel_shuffle" else 1)
+        self.linear_1 = mt_parallel.ColumnParallelLinear(in_dim, dim, bias, init_std=init_std)
         self.linear_2 = mt_parallel.RowParallelLinear(dim, dim, bias, init_std=init_std)
 
-    def forward(self, f_NLE: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(torch.nn.functional.gelu(self.linear_1(f_NLE)))
+    def forward(self, f_NPE: torch.Tensor) -> torch.Tensor:
+        t_NLK = reduce_patch_grid(f_NPE, self.reduction, self.factor)
+        return self.linear_2(torch.nn.functional.gelu(self.linear_1(t_NLK)))
 
 
 def _placeholders_fit(found: int, n_images: int, per_image: int, padded: bool) -> bool:
@@ -167,8 +225,9 @@ class ImagePlacement(nn.Module):
             images = f"at most {n_images}" if padding else str(n_images)
             raise ValueError(
                 f"the batch has {found} image placeholder tokens (id {self.image_token_id}) "
-                f"for {images} images of {per_image} tokens each (model.vision gives "
-                f"{per_image} per image; prepare the data with that many)"
+                f"for {images} images of {per_image} tokens each (model.vision and "
+                f"model.projector_reduction give {per_image} per image; prepare the data with "
+                "that many)"
             )
         rows_BT = full_BT.flatten().cumsum(0).view_as(full_BT) - 1
         if cp > 1:
@@ -242,9 +301,16 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vision = VisionTransformer(cfg.vision, cfg.init_std)
-        self.projector = Projector(cfg.vision.dim, cfg.dim, cfg.projector_bias, cfg.init_std)
+        self.projector = Projector(
+            cfg.vision.dim,
+            cfg.dim,
+            cfg.projector_bias,
+            cfg.init_std,
+            cfg.projector_reduction,
+            cfg.projector_reduction_factor,
+        )
         self.language = Llama(cfg)
-        self.image_placement = ImagePlacement(cfg.image_token_id, cfg.vision.tokens_per_image)
+        self.image_placement = ImagePlacement(cfg.image_token_id, cfg.image_tokens)
         self.caption_loss = CaptionLoss()
         if cfg.freeze != "none":
             self.vision.requires_grad_(False)
@@ -319,9 +385,16 @@ def embedding_parameters(model: nn.Module) -> int:
     return model.language.embed.weight.numel() if isinstance(model, VisionLanguageModel) else 0
 
 
+def image_flops_per_token(cfg: VLMConfig) -> float:
+    """Training FLOPs of the image path per image token of the decoder: the encoder's per
+    image spread over the image's ``L`` tokens, plus the projector's ``6·(K·D + D·D)`` (``K``
+    the first linear's input width, ``r²·E`` after a pixel shuffle; the reduction itself is
+    no GEMM and not counted)."""
+    projector = 6.0 * (cfg.projector_in_dim * cfg.dim + cfg.dim * cfg.dim)
+    return vision_flops_per_image(cfg.vision) / cfg.image_tokens + projector
+
+
 def flops_per_token(cfg: VLMConfig, seq_len: int) -> float:
     """The decoder's FLOPs per token (:func:`mt_train.models.llama.flops_per_token`) plus the
-    encoder's and projector's per image token (each image's FLOPs spread over its tokens)."""
-    v = cfg.vision
-    projector = 6.0 * (v.dim * cfg.dim + cfg.dim * cfg.dim)
-    return llama_flops(cfg, seq_len) + vision_flops_per_image(v) / v.tokens_per_image + projector
+    image path's per image token (:func:`image_flops_per_token`)."""
+    return llama_flops(cfg, seq_len) + image_flops_per_token(cfg)
