@@ -52,8 +52,9 @@ gives every name, shape and dtype export writes, so the dtype (above), the ``con
 before a tensor is read or a file written. The second pass reads each group (``safe_open``
 reads single tensors), converts it with ``tensors_to_hf`` and hands it to a
 :class:`~mt_train.hf_shards.HFWriter`, which writes each file as soon as its last tensor
-arrives and publishes the folder at the end (a failed or killed export never leaves a
-loadable mix of files). Host memory holds one group as read and converted plus the file
+arrives and publishes the folder at the end (a failed or killed export leaves the previous
+export or the new one once the next export or import has restored it, never a mix of files
+and never a folder without either). Host memory holds one group as read and converted plus the file
 being filled: for V3 in bf16 a 7.5 GB expert projection and 5 GB (a projection's stack stays
 alive while any of its experts waits for its file; three times the projection when a
 checkpoint of mixed dtypes is upcast to float32), where the whole model is 1.3 TB. Below
@@ -107,6 +108,7 @@ from mt_train.hf_shards import (  # noqa: F401 (re-exported: the FP8 layout's na
     dequantize_fp8,
     fp8_weights,
     plan_files,
+    restore_interrupted_export,
 )
 from mt_train.models.build import build_model
 from mt_train.models.family import HFAdapter, ModelFamily
@@ -183,6 +185,8 @@ def import_hf(
     ``max_file_bytes``: the size at which the checkpoint is split into files (None: one
     file, the whole model in memory; module docstring)."""
     hf_dir, out_root = Path(hf_dir), Path(out_root)
+    if hf_dir.is_dir():  # a folder a killed mt-convert export left: one whole export again
+        restore_interrupted_export(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(hf_dir)!r} has no config.json")

@@ -55,7 +55,8 @@ tensor larger than that in a file of its own) and ``model.safetensors.index.json
 tensors' bytes. :func:`plan_files` cuts the tensors (known ahead, with their sizes, from a
 conversion of meta tensors) into files; :class:`HFWriter` holds a file's tensors until its
 last one arrives, writes it into a temporary folder and publishes the folder at the end
-(its docstring: a kill never leaves a loadable mix of two exports).
+(its docstring: a kill leaves the previous export or the new one, once
+:func:`restore_interrupted_export` has run, never a mix and never a folder without them).
 """
 
 from __future__ import annotations
@@ -341,8 +342,15 @@ SINGLE_FILE = "model.safetensors"
 """The weights of a folder written as one file (transformers' name; no index then)."""
 INDEX_FILE = "model.safetensors.index.json"
 """The index of a folder written in several files: ``weight_map`` and ``total_size``."""
+MARKERS = (INDEX_FILE, SINGLE_FILE)
+"""The files that make a folder loadable, the last of an export to be published."""
+EXPORT_FILES = (*MARKERS, "config.json")
+"""An export's files besides its ``model-*-of-*`` parts (:class:`HFWriter`)."""
 _PART_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _TMP_PREFIX = ".tmp-export-"
+_BACKUP_PREFIX = ".prev-export-"
+_FILLING = ".filling"
+"""Suffix of a backup folder still being filled (:class:`HFWriter`'s docstring)."""
 
 
 def file_names(count: int) -> list[str]:
@@ -378,14 +386,28 @@ class HFWriter:
     :meth:`add` buffers tensors and writes a file as soon as it holds every tensor the plan
     gives it (tensors arriving in the plan's order, the buffer is at most one file plus the
     last :meth:`add`). Everything goes into ``<out_dir>/.tmp-export-<hex>/`` first;
-    :meth:`close` writes the index and ``config.json`` there, then publishes: it deletes the
-    folder's previous weights (``model.safetensors``, the index, ``model-*-of-*`` files; the
-    other files, a tokenizer, stay), moves the new files in, the file that makes the folder
-    loadable (the index, or the single ``model.safetensors``) last, and fsyncs the folder.
-    A failure or a kill therefore leaves the previous export, a folder without weights, or
-    the new export, never a loadable mix; :meth:`discard` (on failure) removes the temporary
-    folder, and ``out_dir`` itself if this writer created it. A ``.tmp-export-*`` folder left
-    by a killed export is removed by the next one."""
+    :meth:`close` writes the index and ``config.json`` there, then publishes. An export's
+    files are ``config.json``, ``model.safetensors``, the index and ``model-*-of-*`` files
+    (the other files, a tokenizer, stay); a *marker* (the index, or ``model.safetensors``)
+    is what makes a folder loadable. Publishing moves files with ``os.replace`` inside
+    ``out_dir`` (one filesystem) and fsyncs each phase before the next:
+
+    1. move the previous export's files into a backup ``.prev-export-<hex>.filling``, its
+       markers first (so a reader never finds a marker whose files are gone), then rename it
+       ``.prev-export-<hex>`` (the folder now holds no export files);
+    2. move the new files in, the marker last;
+    3. delete the backup and the temporary folder.
+
+    A kill (or a failure) leaves a state :func:`restore_interrupted_export` resolves to one
+    whole export: a ``.filling`` backup (step 1) holds the previous files not yet in
+    ``out_dir``, so they go back; a complete backup with no marker in ``out_dir`` (step 2)
+    means the new files are partial, so they are deleted and the previous ones go back; a
+    complete backup beside a marker (step 3) means the new export is whole, so the backup
+    goes. The next :class:`HFWriter` on the folder, :meth:`discard` and ``mt-convert
+    import`` run it first. Only one export may publish into a folder at a time (a second
+    would take the first's backup for an interrupted one). A ``.tmp-export-*`` folder left
+    by a killed export is removed by the next one; :meth:`discard` (on failure) also removes
+    the temporary folder, and ``out_dir`` itself if this writer created it."""
 
     def __init__(self, out_dir: Path, plan: list[list[str]]) -> None:
         self.out_dir, self.plan = out_dir, plan
@@ -393,6 +415,7 @@ class HFWriter:
         """The weight files' names, in plan order."""
         self._created = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
+        restore_interrupted_export(out_dir)
         for stale in out_dir.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
         self.tmp = out_dir / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
@@ -432,18 +455,59 @@ class HFWriter:
             _write_text(self.tmp / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
         _write_text(self.tmp / "config.json", json.dumps(config, indent=2) + "\n")
         fsync_dir(self.tmp)
-        for old in self.out_dir.iterdir():
-            if old.name in (SINGLE_FILE, INDEX_FILE) or _PART_FILE.match(old.name):
-                old.unlink()
+        backup = self.out_dir / f"{_BACKUP_PREFIX}{uuid.uuid4().hex}"
+        filling = backup.with_name(backup.name + _FILLING)
+        filling.mkdir()
+        for old in _export_files(self.out_dir):
+            os.replace(old, filling / old.name)
+        fsync_dir(filling)
+        os.replace(filling, backup)
+        fsync_dir(self.out_dir)
         marker = INDEX_FILE if len(self.files) > 1 else SINGLE_FILE
-        for name in [n for n in self.files if n != marker] + ["config.json", marker]:
+        for name in [n for n in self.files if n != marker] + ["config.json"]:
             os.replace(self.tmp / name, self.out_dir / name)
         fsync_dir(self.out_dir)
+        os.replace(self.tmp / marker, self.out_dir / marker)
+        fsync_dir(self.out_dir)
+        shutil.rmtree(backup)
         self.tmp.rmdir()
 
     def discard(self) -> None:
         """Remove what this writer wrote (after a failure; class docstring)."""
-        shutil.rmtree(self.out_dir if self._created else self.tmp, ignore_errors=True)
+        if self._created:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+            return
+        restore_interrupted_export(self.out_dir)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _export_files(folder: Path) -> list[Path]:
+    """The export's files in ``folder`` (:class:`HFWriter`'s docstring), markers first."""
+    names = {p.name for p in folder.iterdir() if p.is_file()}
+    exported = [n for n in names if n in EXPORT_FILES or _PART_FILE.match(n)]
+    return [folder / n for n in sorted(exported, key=lambda n: (n not in MARKERS, n))]
+
+
+def restore_interrupted_export(folder: Path) -> None:
+    """Resolve what a killed :meth:`HFWriter.close` left in ``folder`` to the previous export
+    or the new one (:class:`HFWriter`'s docstring); nothing to do without a backup. Each
+    step is an ``os.replace`` or a deletion that a rerun after a kill here finishes."""
+    for backup in sorted(folder.glob(f"{_BACKUP_PREFIX}*")):
+        if not backup.name.endswith(_FILLING):
+            if any((folder / name).is_file() for name in MARKERS):
+                shutil.rmtree(backup)
+                continue
+            for new in _export_files(folder):
+                new.unlink()
+            fsync_dir(folder)
+            # As a backup still filling: whatever the folder holds now is previous files.
+            filling = backup.with_name(backup.name + _FILLING)
+            os.replace(backup, filling)
+            backup = filling
+        for old in sorted(backup.iterdir()):
+            os.replace(old, folder / old.name)
+        fsync_dir(folder)
+        backup.rmdir()
 
 
 def _write_text(path: Path, text: str) -> None:
