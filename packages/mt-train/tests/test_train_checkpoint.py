@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import Forked
 from train_checks import tiny_overrides
 
 from mt_train import Trainer, compose_config, to_train_config
@@ -102,38 +100,28 @@ def test_keep_last_and_corruption_detected(kjv_data: Path, tmp_path: Path) -> No
         CheckpointReader(kept[-1]).read(["model/norm.weight"])
 
 
-KILL_SCRIPT = textwrap.dedent(
-    """
-    import os, sys
-    sys.path.insert(0, {tests!r})
-    from train_checks import tiny_overrides
-    from mt_train import Trainer, compose_config, to_train_config
+def train_and_die_before_the_step8_manifest(data: Path, out: Path) -> None:
+    """Train the tiny job to step 8 and end the process once step 8's shard is written and its
+    manifest is not, as a SIGKILL would (in a process of its own: it exits with status 9)."""
+    import mt_train.checkpoint.checkpointer as ck
     import mt_train.checkpoint.files as files
 
-    cfg = to_train_config(compose_config(tiny_overrides({data!r}, **{{"trainer.max_steps": 8}})))
-    trainer = Trainer(cfg, output_dir={out!r})
+    trainer = _trainer(data, out, **{"trainer.max_steps": 8})
     real_publish = files.publish
-    calls = []
 
     def publish_then_die(root, step, *args, **kwargs):
-        calls.append(step)
-        if step == 8:  # the shard is written, the manifest is not: die like a SIGKILL would
+        if step == 8:
             os._exit(9)
         return real_publish(root, step, *args, **kwargs)
 
-    import mt_train.checkpoint.checkpointer as ck
     ck.publish = publish_then_die
     trainer.fit()
-    """
-)
 
 
 def test_save_killed_midway_leaves_previous_checkpoint(kjv_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), data=str(kjv_data), out=str(out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=300)
-    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    proc = Forked(train_and_die_before_the_step8_manifest, kjv_data, out).wait()
+    assert proc.returncode == 9, proc.stderr[-2000:]
     root = out / "checkpoints"
     assert (root / ".tmp-step-00000008" / "rank-00000.safetensors").is_file()
     assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]

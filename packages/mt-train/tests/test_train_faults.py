@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_checks import assert_one_error_line, run_cli, run_overrides, run_subprocess, small_data
+from cli_checks import assert_one_error_line, run_cli, run_forked, run_overrides, small_data
 from train_checks import fit, tiny_overrides
 
 from mt_train.checkpoint import CheckpointReader, list_checkpoints, verify_checkpoint
@@ -70,7 +70,7 @@ def test_kill_between_save_phases_resumes_from_the_newest_complete(
         **{"trainer.max_steps": 12, "checkpoint.keep_last": 1, "fault.kill_in_save": phase,
            "fault.save_step": 8},
     )  # fmt: skip
-    killed = run_subprocess(args)
+    killed = run_forked(args)
     assert killed.returncode == -9, killed.stderr[-3000:]
     root = out / "checkpoints"
     # Every step-* folder is complete: the kill left at most a .tmp-* or .del-* folder.

@@ -1,8 +1,9 @@
 """Observability: profiler windows, memory snapshots, the step-time breakdown, hang diagnostics.
 
 The profiler and breakdown tests train the tiny job in-process; the watchdog and the collective
-timeout need processes that die, so they run ``python -m mt_train`` (one rank) and ``torchrun``
-(two gloo ranks) as subprocesses with a ``fault.hang_at_step`` drill.
+timeout need processes that die, so they run ``mt-train`` in processes of their own (one rank,
+and two gloo ranks given torchrun's variables) with a ``fault.hang_at_step`` drill, forked with
+torch and mt_train already imported (``cli_checks.Forked``).
 """
 
 from __future__ import annotations
@@ -11,24 +12,24 @@ import json
 import os
 import pickle
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import Forked, mt_train_main, run_forked, torchrun_env
 from torch.distributed.flight_recorder.components.loader import read_dump
 from train_checks import fit, tiny_overrides
 
+from mt_comm.testing import free_port
 from mt_train import compose_config, to_train_config
 from mt_train.cli import validate_overrides
 from mt_train.config.observability import ProfilingConfig
 from mt_train.profiling import Profiler
 from mt_train.step_timer import PHASES
-from mt_train.watchdog import EXIT_HANG, flight_recorder_env
+from mt_train.watchdog import EXIT_COLLECTIVE_TIMEOUT, EXIT_HANG, flight_recorder_env
 
-SUBPROCESS_TIMEOUT_S = 240
-"""Per launch; a tiny run takes about 10 s on two loaded CPU cores."""
+PROCESS_TIMEOUT_S = 240
+"""Per process; a tiny run's process takes seconds on two loaded CPU cores."""
 
 
 def _records(run: Path, kind: str = "train") -> list[dict]:
@@ -148,24 +149,16 @@ def test_flight_recorder_env_respects_what_is_set(monkeypatch: pytest.MonkeyPatc
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"  # the user's choice stands
 
 
-def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
-    )
-
-
 def test_watchdog_dumps_stacks_of_a_hung_step(kjv_data: Path, tmp_path: Path) -> None:
     overrides = tiny_overrides(
         kjv_data,
-        **{"fault.hang_at_step": 3, "trainer.step_timeout_s": 5, "trainer.output_dir": tmp_path},
+        # Steps 1 and 2 of the tiny model take milliseconds: 3 s is a wide margin under load.
+        **{"fault.hang_at_step": 3, "trainer.step_timeout_s": 3, "trainer.output_dir": tmp_path},
     )
-    done = _run(
-        [sys.executable, "-m", "mt_train", *overrides, f"hydra.run.dir={tmp_path}"], tmp_path
-    )
+    done = run_forked([*overrides, f"hydra.run.dir={tmp_path}"], PROCESS_TIMEOUT_S, cwd=tmp_path)
     assert done.returncode == EXIT_HANG, done.stderr[-2000:]
     dump = (tmp_path / "hang" / "rank0.txt").read_text()
-    assert "step 3 ran longer than trainer.step_timeout_s=5 s" in dump
+    assert "step 3 ran longer than trainer.step_timeout_s=3 s" in dump
     assert 'File "' in dump and "faults.py" in dump and "begin_step" in dump  # where it hangs
     assert f"every thread's Python stack is in {tmp_path / 'hang' / 'rank0.txt'}" in done.stderr
 
@@ -184,23 +177,24 @@ def test_collective_timeout_names_the_rank_and_the_collective(
             "fault.rank": 1,
             "fault.hang_s": 60,
             "trainer.log_interval": 2,
-            # Margins for two loaded cores: start-up skew between the ranks stays well below
-            # the collective timeout, which stays below the watchdog's.
-            "comm.timeout_s": 6,
+            # Margins for two loaded cores: the ranks start together (forked with their imports
+            # done), so the skew between them stays well below the collective timeout, which
+            # stays below the watchdog's.
+            "comm.timeout_s": 4,
             "comm.trace_buffer_size": 100,
-            "trainer.step_timeout_s": 10,
+            "trainer.step_timeout_s": 7,
             "trainer.output_dir": tmp_path,
         },
     )
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--max-restarts", "0", "--standalone", "-m", "mt_train", *overrides,
-        f"hydra.run.dir={tmp_path}",
-    ]  # fmt: skip
-    done = _run(command, tmp_path)
-    out = done.stdout + done.stderr
-    assert done.returncode != 0
-    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=6 s" in line]
+    args, port = [*overrides, f"hydra.run.dir={tmp_path}"], free_port()
+    ranks = [
+        Forked(mt_train_main, args, cwd=tmp_path, env=torchrun_env(rank, 2, port))
+        for rank in (0, 1)
+    ]
+    done = [rank.wait(PROCESS_TIMEOUT_S) for rank in ranks]
+    out = "".join(d.stdout + d.stderr for d in done)
+    assert [d.returncode for d in done] == [EXIT_COLLECTIVE_TIMEOUT, EXIT_HANG], out[-3000:]
+    lines = [line for line in out.splitlines() if "timed out after comm.timeout_s=4 s" in line]
     assert lines, out[-3000:]
     assert "mt-train: rank 0: collective gloo:all_reduce #" in lines[0], lines[0]
     assert "called from" in lines[0] and "flight_recorder/rank_0" in lines[0], lines[0]

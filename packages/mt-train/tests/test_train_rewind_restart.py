@@ -5,13 +5,11 @@ passed over — on resume and on a rewind from disk."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import run_forked
 from safetensors.torch import load_file
 from train_checks import rewind_overrides, run_losses, run_rewind
 
@@ -19,18 +17,6 @@ from mt_train import Trainer, compose_config, to_train_config
 from mt_train.checkpoint import list_checkpoints
 from mt_train.cli import main
 from mt_train.rewind import read_events
-
-
-def _cli(overrides: list[str], out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [*overrides, f"trainer.output_dir={out}", f"hydra.run.dir={out}"]
-    return subprocess.run(
-        [sys.executable, "-m", "mt_train", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def _main(capsys: pytest.CaptureFixture, overrides: list[str], out: Path) -> tuple[int, str, str]:
@@ -63,7 +49,7 @@ def test_kill_and_restart_equals_an_uninterrupted_run(
 
     out = tmp_path / "killed"
     overrides = rewind_overrides(kjv_data, **common, **{"fault.kill_at_step": 13})
-    killed = _cli(overrides, out)
+    killed = run_forked([*overrides, f"trainer.output_dir={out}", f"hydra.run.dir={out}"])
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [e["fault"] for e in read_events(out) if e["event"] == "fault"] == ["kill"]
     # The same command with resume=auto: the kill fault is disarmed (it already fired here).
