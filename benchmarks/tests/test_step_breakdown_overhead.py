@@ -1,8 +1,14 @@
-"""``benchmarks/step_breakdown_overhead.py``: its arithmetic, and a CPU smoke run of two launches."""
+"""``benchmarks/step_breakdown_overhead.py``: its arithmetic, and a CPU smoke run of two launches.
+
+The smoke run's launches run ``mt_train.cli.main`` (what ``python -m mt_train`` runs) in this
+process instead of a subprocess each, which would import torch and mt_train again."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import step_breakdown_overhead as bench
@@ -23,7 +29,16 @@ def test_throughput_and_overhead_arithmetic() -> None:
         bench.launch_throughput(records, skip=40)
 
 
-def test_tiny_cpu_run(tmp_path: Path) -> None:
+def _launch_here(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for ``python -m mt_train ARGS``: ``mt_train.cli.main(ARGS)`` here."""
+    from mt_train.cli import main
+
+    assert command[:3] == [sys.executable, "-m", "mt_train"], command
+    return subprocess.CompletedProcess(command, main(command[3:]), "", "")
+
+
+def test_tiny_cpu_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "subprocess", SimpleNamespace(run=_launch_here))
     row = bench.main(
         ["--tiny", "--steps", "4", "--log-interval", "2", "--skip", "0", "--rounds", "1",
          "--workdir", str(tmp_path)]
