@@ -493,3 +493,31 @@ def test_progress_redraws_one_line_on_a_terminal() -> None:
     text = stream.getvalue()
     assert text.count("\r") == 2 and text.endswith("\n") and text.count("\n") == 1
     assert "50.0%" in text and "100.0% | 20 documents | 400 tokens" in text
+
+
+class _RecordingTokenizer(ByteTokenizer):
+    """Records the characters of every ``encode_batch`` call."""
+
+    def __init__(self) -> None:
+        self.batch_chars: list[int] = []
+
+    def encode_batch(self, texts):
+        self.batch_chars.append(sum(len(t) for t in texts))
+        return super().encode_batch(texts)
+
+
+def test_a_chunk_is_tokenized_in_slices_with_the_ids_of_one_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prepare, "ENCODE_CHARS", 100)
+    texts = ("a" * 30, "bb" * 20, "c" * 250, "", "d" * 99, "e" * 1, "f" * 60)
+    tokenizer = _RecordingTokenizer()
+    flat, lengths, bad = prepare._encode(readers.Chunk(None, texts=texts), tokenizer, "text")
+    # Each call stays within the slice size unless it holds one longer document alone.
+    assert tokenizer.batch_chars == [70, 250, 100, 60]
+    whole = ByteTokenizer().encode_batch(list(texts))
+    assert lengths.tolist() == [len(ids) + 1 for ids in whole]
+    expected = [i for ids in whole for i in (*ids, ByteTokenizer().eos_id)]
+    assert flat.tolist() == expected and bad == []
+    empty, no_lengths, _ = prepare._encode(readers.Chunk(None, texts=()), tokenizer, "text")
+    assert empty.size == 0 and no_lengths.size == 0

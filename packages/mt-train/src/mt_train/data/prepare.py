@@ -22,7 +22,11 @@ neither decodes nor parses; ``.txt`` documents and Parquet rows as strings. Each
 parsed (UTF-8, JSON, ``text_key``: :func:`mt_train.data.readers.parse_chunk`) and tokenized
 by one call of :func:`_encode`, in a pool of ``workers`` processes (at most ``2·workers``
 chunks in flight, results taken in submission order) or, with one worker, in this process.
-A result is the chunk's ids as one array in the token file's dtype, the documents' lengths
+The tokenizer runs on slices of at most ``ENCODE_CHARS`` characters of the chunk, whose ids
+are copied out before the next slice: its per-document ``Encoding`` objects (tokens as strings,
+offsets, masks) are many times the size of the ids, so each worker holds them for one slice,
+not for its whole chunk. A result is the chunk's ids as one array in the
+token file's dtype, the documents' lengths
 and the ``(line, reason)`` of its bad records, which :class:`mt_train.data.readers.Tally`
 judges in input order (the first bad record of the input stops the run, whichever worker
 finished first). Results are appended to the token and offset files as they come back, so
@@ -72,6 +76,9 @@ FORMAT_VERSION = 1
 KJV_CHAPTER = r"^(?:[1-3] )?[A-Z][A-Za-z ]+ [0-9]+$"
 BATCH_CHARS = 1 << 20
 """Bytes of raw JSONL (characters of decoded text) per chunk, the unit of work of one pool task."""
+ENCODE_CHARS = 1 << 16
+"""Characters per ``encode_batch`` call inside a chunk (module docstring: bounds each worker's
+memory; one document longer than this is encoded alone)."""
 
 
 def read_documents(
@@ -122,14 +129,35 @@ def _encode(
     tok = tokenizer or _worker_tokenizer
     assert tok is not None, "the pool initializer sets the tokenizer"
     texts, bad = parse_chunk(chunk, _worker_text_key if text_key is None else text_key)
-    encoded = tok.encode_batch(texts) if texts else []
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    flat = np.empty(int(lengths.sum()), dtype=token_dtype(tok))
-    ends = np.cumsum(lengths)
-    for ids, end, length in zip(encoded, ends, lengths, strict=True):
-        flat[end - length : end - 1] = ids
-        flat[end - 1] = tok.eos_id
-    return flat, lengths, bad
+    dtype = token_dtype(tok)
+    pieces: list[np.ndarray] = []
+    piece_lengths: list[np.ndarray] = []
+    for start, stop in _slices(texts, ENCODE_CHARS):
+        encoded = tok.encode_batch(texts[start:stop])
+        lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+        flat = np.empty(int(lengths.sum()), dtype=dtype)
+        ends = np.cumsum(lengths)
+        for ids, end, length in zip(encoded, ends, lengths, strict=True):
+            flat[end - length : end - 1] = ids
+            flat[end - 1] = tok.eos_id
+        pieces.append(flat)
+        piece_lengths.append(lengths)
+    if not pieces:
+        return np.empty(0, dtype=dtype), np.empty(0, dtype=np.int64), bad
+    return np.concatenate(pieces), np.concatenate(piece_lengths), bad
+
+
+def _slices(texts: Sequence[str], max_chars: int) -> Iterator[tuple[int, int]]:
+    """Consecutive ``[start, stop)`` ranges of ``texts`` of at most ``max_chars`` characters each
+    (a longer text alone), covering every text once."""
+    start, size = 0, 0
+    for index, text in enumerate(texts):
+        if size and size + len(text) > max_chars:
+            yield start, index
+            start, size = index, 0
+        size += len(text)
+    if start < len(texts):
+        yield start, len(texts)
 
 
 def _encoded(
