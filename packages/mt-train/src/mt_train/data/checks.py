@@ -18,7 +18,10 @@ model is built, :func:`check_prepared` verifies:
 
 :func:`check_vocab` then holds the model to the data: ``model.vocab_size`` must cover the
 tokenizer's ids (``≥ vocab_size``), and therefore every token id (``> m``): no id can reach
-past the embedding.
+past the embedding. For an image-text folder (``"kind": "image_text"``) :func:`check_image_text`
+holds a vision-language model to its ``image_token_id``, ``image_tokens`` and ``image_shape``
+(``[model.vision.channels, model.vision.image_size, model.vision.image_size]``), which would
+otherwise fail at the first batch or, for the token id, train with images never placed.
 """
 
 from __future__ import annotations
@@ -140,3 +143,32 @@ def check_vocab(meta: dict[str, Any], vocab_size: int, folder: str | Path) -> No
             f"model.vocab_size={vocab_size} is smaller than the tokenizer of {folder} "
             f"({meta['vocab_size']} ids); use model.vocab_size >= {meta['vocab_size']} or null"
         )
+
+
+def check_image_text(meta: dict[str, Any], model: Any, folder: str | Path) -> None:
+    """Raise unless ``model`` (the model config) reads the image-text folder ``folder``
+    (module docstring); a text folder passes."""
+    if meta.get("kind") != "image_text":
+        return
+    if not hasattr(model, "image_token_id"):
+        raise DataError(
+            f"{folder} holds image-text samples; train it with a vision-language model "
+            "(model=vlm_tiny or model=llava_1_5_7b)"
+        )
+    vision = model.vision
+    wanted = {
+        "image_token_id": (meta["image_token_id"], model.image_token_id, "model.image_token_id"),
+        "image_tokens": (meta["image_tokens"], model.image_tokens, "the model's image tokens"),
+        "image_shape": (
+            list(meta["image_shape"]),
+            [vision.channels, vision.image_size, vision.image_size],
+            "[model.vision.channels, model.vision.image_size, model.vision.image_size]",
+        ),
+    }
+    for key, (data_value, model_value, name) in wanted.items():
+        if data_value != model_value:
+            raise DataError(
+                f"{folder} was prepared with {key}={data_value}, but {name} is {model_value}; "
+                f"set the model to match or prepare the folder again with `mt-prepare-data "
+                f"--image-text`"
+            )

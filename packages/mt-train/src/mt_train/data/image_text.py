@@ -7,12 +7,24 @@ the JSONL file) or a nested list; arrays are ``H×W`` (grey) or ``C×H×W``, int
 match one to one. ``prompt`` (optional) carries no loss; ``text`` (the caption or answer) and
 the closing EOS do.
 
-Output folder (byte tokens; one extra id, ``image_token_id = 257``, for image tokens)::
+Tokens. Byte tokens by default, with one extra id for image tokens, ``image_token_id = 257``
+(``vocab_size`` 258). With a Hugging Face ``tokenizer.json`` (``--tokenizer``, a Llama
+tokenizer for ``llava_1_5_7b``), a vocabulary that already holds ``<image>`` as a token (as
+llava-hf's adds it, id 32000) keeps that id and its size; otherwise the image id is appended
+(``image_token_id`` = the tokenizer's vocabulary size, ``vocab_size`` one more). Text around
+each ``<image>`` is tokenized piece by piece without special tokens, so a placeholder never
+merges with its neighbours; the ids the tokenizer's post-processor puts before a text (Llama's
+BOS) open the sample once, untrained. ``model.image_token_id`` must equal the folder's (checked when training starts).
 
-    meta.json              {"format": 1, "kind": "image_text", "tokenizer": "byte", "eos_id",
-                            "vocab_size": 258, "image_token_id", "image_tokens" (L),
+Output folder, written into ``.<name>.partial-<pid>`` and renamed into place when complete
+(:func:`mt_train.data.publish.building`)::
+
+    meta.json              {"format": 1, "kind": "image_text", "tokenizer": "byte" |
+                            "tokenizer.json", "eos_token", "eos_id", "vocab_size",
+                            "image_token_id", "image_tokens" (L),
                             "image_shape": [C, H, W], "pixel_mean", "pixel_std" (per
-                            channel, of the train split's pixels / 255), "dtype": "uint16",
+                            channel, of the train split's pixels / 255), "dtype": "uint16"
+                            (or "uint32" past 65,536 ids),
                             "max_token_id", "splits": {"train": {"samples", "images",
                             "tokens", "documents" (= samples)}, "val": ...}}
     <split>.bin / .idx     every sample's ids (each ``<image>`` expanded to L image tokens,
@@ -21,6 +33,7 @@ Output folder (byte tokens; one extra id, ``image_token_id = 257``, for image to
     <split>.images         uint8 images ``(N, C, H, W)`` (memory-mapped)
     <split>.image_idx      int64 image offsets per sample (samples + 1)
     <split>.source         int64 JSONL line of each sample (for error messages)
+    tokenizer.json         the Hugging Face tokenizer (absent for byte tokens)
 
 Record ``r`` goes to validation when ``r % val_every == val_every - 1``.
 
@@ -91,7 +104,8 @@ import numpy as np
 import torch
 
 from mt_train.data.dataset import Batch
-from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer
+from mt_train.data.publish import building, write_meta
+from mt_train.data.tokenizer import EOS_TOKEN, ByteTokenizer, Tokenizer
 
 FORMAT_VERSION = 1
 KIND = "image_text"
@@ -146,7 +160,8 @@ def load_image(value: Any, where: str, base: Path, shape: Sequence[int]) -> np.n
 
 def encode_sample(
     record: dict[str, Any], where: str, base: Path, shape: Sequence[int], image_tokens: int,
-    tokenizer: ByteTokenizer, image_token_id: int, max_tokens: int | None,
+    tokenizer: Tokenizer, image_token_id: int, max_tokens: int | None,
+    dtype: type = np.uint16,
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
     """``(ids, mask, images)`` of one JSONL record (module docstring)."""
     if "text" not in record:
@@ -155,8 +170,8 @@ def encode_sample(
     if not isinstance(values, list):
         raise ImageTextError(f"{where}: 'images' must be a list")
     images = [load_image(v, f"{where} image {k}", base, shape) for k, v in enumerate(values)]
-    ids: list[int] = []
-    mask: list[int] = []
+    ids: list[int] = tokenizer.sample_prefix()
+    mask: list[int] = [0] * len(ids)
     placeholders = 0
     for part, trained in ((str(record.get("prompt", "")), 0), (str(record["text"]), 1)):
         for k, piece in enumerate(part.split(IMAGE_PLACEHOLDER)):
@@ -164,7 +179,7 @@ def encode_sample(
                 placeholders += 1
                 ids += [image_token_id] * image_tokens
                 mask += [0] * image_tokens
-            encoded = tokenizer.encode(piece)
+            encoded = tokenizer.encode_piece(piece)
             ids += encoded
             mask += [trained] * len(encoded)
     if placeholders != len(images):
@@ -179,7 +194,16 @@ def encode_sample(
             f"{where}: {len(ids)} tokens after expanding {len(images)} images to "
             f"{image_tokens} tokens each, more than the {max_tokens} allowed"
         )
-    return np.asarray(ids, np.uint16), np.asarray(mask, np.uint8), images
+    return np.asarray(ids, dtype), np.asarray(mask, np.uint8), images
+
+
+def image_token_of(tokenizer: Tokenizer) -> tuple[int, int]:
+    """``(image_token_id, vocab_size)`` for ``tokenizer`` (module docstring, Tokens)."""
+    existing = getattr(tokenizer, "tokenizer", None)
+    found = existing.token_to_id(IMAGE_PLACEHOLDER) if existing is not None else None
+    if found is not None:
+        return int(found), tokenizer.vocab_size
+    return tokenizer.vocab_size, tokenizer.vocab_size + 1
 
 
 def write_image_text(
@@ -189,28 +213,31 @@ def write_image_text(
     image_tokens: int,
     val_every: int,
     max_tokens: int | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
     """Write the folder of the module docstring from ``(where, base folder, record)``
-    triples; ``where`` names the record in errors (``file:line``)."""
+    triples; ``where`` names the record in errors (``file:line``); byte tokens unless a
+    ``tokenizer`` is given. ``out`` is replaced only when complete (module docstring)."""
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2, got {val_every}")
-    tokenizer = ByteTokenizer()
-    image_token_id = tokenizer.vocab_size
+    tokenizer = tokenizer or ByteTokenizer()
+    image_token_id, vocab_size = image_token_of(tokenizer)
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     splits: dict[str, dict[str, list]] = {
         s: {"ids": [], "mask": [], "images": [], "counts": [], "source": []}
         for s in ("train", "val")
     }
     for r, (where, base, record) in enumerate(records):
         ids, mask, images = encode_sample(
-            record, where, base, image_shape, image_tokens, tokenizer, image_token_id, max_tokens
-        )
+            record, where, base, image_shape, image_tokens, tokenizer, image_token_id, max_tokens,
+            dtype,
+        )  # fmt: skip
         split = splits["val" if r % val_every == val_every - 1 else "train"]
         split["ids"].append(ids)
         split["mask"].append(mask)
         split["images"] += images
         split["counts"].append(len(images))
         split["source"].append(int(where.rsplit(":", 1)[-1]) if ":" in where else r)
-    out.mkdir(parents=True, exist_ok=True)
     train_pixels = np.stack(splits["train"]["images"]).astype(np.float64) / 255.0
     channel_axes = (0, 2, 3)
     pixel_std = np.maximum(train_pixels.std(axis=channel_axes), MIN_PIXEL_STD)
@@ -218,35 +245,42 @@ def write_image_text(
         "format": FORMAT_VERSION,
         "kind": KIND,
         "tokenizer": "byte",
-        "eos_token": EOS_TOKEN,
+        "eos_token": getattr(tokenizer, "eos_token", EOS_TOKEN),
         "eos_id": tokenizer.eos_id,
-        "vocab_size": tokenizer.vocab_size + 1,
+        "vocab_size": vocab_size,
         "image_token_id": image_token_id,
         "image_tokens": image_tokens,
         "image_shape": list(image_shape),
         "pixel_mean": train_pixels.mean(axis=channel_axes).tolist(),
         "pixel_std": pixel_std.tolist(),
-        "dtype": "uint16",
+        "dtype": np.dtype(dtype).name,
         "splits": {},
     }
     for name, split in splits.items():
         if not split["ids"]:
             raise ValueError(f"the {name} split is empty (val_every={val_every})")
-        lengths = [len(a) for a in split["ids"]]
-        np.concatenate(split["ids"]).tofile(out / f"{name}.bin")
-        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tofile(out / f"{name}.idx")
-        np.concatenate(split["mask"]).tofile(out / f"{name}.mask")
-        images = np.stack(split["images"]) if split["images"] else np.zeros((0, *image_shape))
-        images.astype(np.uint8).tofile(out / f"{name}.images")
-        starts = np.concatenate([[0], np.cumsum(split["counts"])]).astype(np.int64)
-        starts.tofile(out / f"{name}.image_idx")
-        np.asarray(split["source"], np.int64).tofile(out / f"{name}.source")
-        meta["splits"][name] = {
-            "samples": len(lengths), "images": len(split["images"]), "tokens": int(sum(lengths)),
-            "documents": len(lengths),
-        }  # fmt: skip
-    meta["max_token_id"] = image_token_id
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    with building(out) as folder:
+        meta["tokenizer"] = tokenizer.save(folder)
+        max_id = 0
+        for name, split in splits.items():
+            lengths = [len(a) for a in split["ids"]]
+            ids = np.concatenate(split["ids"])
+            max_id = max(max_id, int(ids.max()))
+            ids.tofile(folder / f"{name}.bin")
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            offsets.tofile(folder / f"{name}.idx")
+            np.concatenate(split["mask"]).tofile(folder / f"{name}.mask")
+            images = np.stack(split["images"]) if split["images"] else np.zeros((0, *image_shape))
+            images.astype(np.uint8).tofile(folder / f"{name}.images")
+            starts = np.concatenate([[0], np.cumsum(split["counts"])]).astype(np.int64)
+            starts.tofile(folder / f"{name}.image_idx")
+            np.asarray(split["source"], np.int64).tofile(folder / f"{name}.source")
+            meta["splits"][name] = {
+                "samples": len(lengths), "images": len(split["images"]),
+                "tokens": int(sum(lengths)), "documents": len(lengths),
+            }  # fmt: skip
+        meta["max_token_id"] = max_id
+        write_meta(folder, meta)
     return meta
 
 
@@ -294,7 +328,7 @@ class ImageTextDataset:
             raise ValueError(
                 f"split {split!r} not in {folder}; splits: {list(self.meta['splits'])}"
             )
-        self.tokens = np.memmap(folder / f"{split}.bin", dtype=np.uint16, mode="r")
+        self.tokens = np.memmap(folder / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
         self.mask = np.memmap(folder / f"{split}.mask", dtype=np.uint8, mode="r")
         self.starts = np.fromfile(folder / f"{split}.idx", dtype=np.int64)
         self.image_starts = np.fromfile(folder / f"{split}.image_idx", dtype=np.int64)

@@ -335,16 +335,19 @@ def prepare_bundled(
     out: Path, val_every: int = 50, name: str = "kjv", image_tokens: int | None = None
 ) -> dict[str, object]:
     """A bundled set: ``kjv``, the default run's corpus (one document per chapter, byte
-    tokens), or ``digits`` (:mod:`mt_train.data.digits`; ``image_tokens`` per image, the
-    model's)."""
-    if name == "digits":
+    tokens), ``digits`` (:mod:`mt_train.data.digits`) or ``shapes``
+    (:mod:`mt_train.data.shapes`); the image sets take ``image_tokens`` per image, the
+    model's."""
+    if name in ("digits", "shapes"):
         from mt_train.data.digits import prepare_digits
+        from mt_train.data.shapes import prepare_shapes
 
         if image_tokens is None:
             raise ValueError(
-                "data.bundled=digits (image captions) needs a vision-language model: model=vlm_tiny"
+                f"data.bundled={name} (image captions) needs a vision-language model: model=vlm_tiny"
             )
-        return prepare_digits(out, val_every, image_tokens)
+        prepare = prepare_digits if name == "digits" else prepare_shapes
+        return prepare(out, val_every, image_tokens)
     meta_path = out / "meta.json"
     if meta_path.is_file():
         return json.loads(meta_path.read_text())
@@ -394,8 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument(
         "--tokenizer",
-        default="bpe",
-        help="'bpe' (train a byte-level BPE), 'byte' (raw bytes) or a path to a tokenizer.json",
+        default=None,
+        help="'bpe' (train a byte-level BPE; the default for text), 'byte' (raw bytes; the "
+        "default for --image-text) or a path to a tokenizer.json",
     )
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     parser.add_argument(
@@ -430,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--image-text",
         action="store_true",
-        help="JSONL of {image(s), prompt, text} samples (mt_train.data.image_text); byte tokens",
+        help="JSONL of {image(s), prompt, text} samples (mt_train.data.image_text); byte tokens "
+        "or --tokenizer tokenizer.json",
     )
     parser.add_argument("--image-shape", type=int, nargs=3, metavar=("C", "H", "W"))
     parser.add_argument(
@@ -440,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.image_text:
         return _main_image_text(args)
+    args.tokenizer = args.tokenizer or "bpe"
     stats = ReadStats()
     try:
         files = input_files(args.inputs)
@@ -483,16 +489,25 @@ def _main_image_text(args: argparse.Namespace) -> int:
         return report(
             "mt-prepare-data", "--image-text needs --image-shape C H W and --image-tokens N"
         )
+    if args.tokenizer == "bpe":
+        return report(
+            "mt-prepare-data",
+            "--image-text takes --tokenizer byte (the default) or a tokenizer.json, not 'bpe' "
+            "(train one on the text first: mt-prepare-data --tokenizer bpe writes tokenizer.json)",
+        )
     try:
+        tokenizer = None
+        if args.tokenizer not in (None, "byte"):
+            tokenizer = HFTokenizer.from_file(args.tokenizer, args.eos_token)
         meta = write_image_text(
             args.out, read_jsonl_records(args.inputs), args.image_shape, args.image_tokens,
-            args.val_every, args.max_tokens,
+            args.val_every, args.max_tokens, tokenizer,
         )  # fmt: skip
     except (OSError, ValueError, UserError) as err:
         return report("mt-prepare-data", err)
     splits = meta["splits"]
     print(
-        f"wrote {args.out}: "
+        f"wrote {args.out}: vocab {meta['vocab_size']}, image token {meta['image_token_id']}, "
         + ", ".join(f"{k} {v['samples']} samples / {v['images']} images" for k, v in splits.items())
     )
     return 0

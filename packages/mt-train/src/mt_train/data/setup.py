@@ -15,7 +15,7 @@ from typing import Any
 from mt_train import ranks
 from mt_train.config.schema import TrainConfig
 from mt_train.data.blend import BlendedDataModule, check_same_tokenizer
-from mt_train.data.checks import check_prepared, check_vocab
+from mt_train.data.checks import check_image_text, check_prepared, check_vocab
 from mt_train.data.dataset import DataModule, ResumableSampler
 from mt_train.data.image_text import ImageTextDataset
 from mt_train.data.prepare import prepare_bundled
@@ -64,6 +64,7 @@ def open_training_data(
         ) from None
     if cfg.model.vocab_size is not None:
         check_vocab(data_meta, cfg.model.vocab_size, data_dir)
+    check_image_text(data_meta, cfg.model, data_dir)
     data = DataModule(
         data_dir,
         tr.seq_len,

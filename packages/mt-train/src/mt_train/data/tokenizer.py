@@ -27,6 +27,14 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_piece(self, text: str) -> list[int]:
+        """Ids of a piece of a sample (no special tokens: bytes have none)."""
+        return self.encode(text)
+
+    def sample_prefix(self) -> list[int]:
+        """Special ids that open a sample: none."""
+        return []
+
     def decode(self, ids: Iterable[int]) -> str:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
@@ -77,6 +85,22 @@ class HFTokenizer:
         faster than ``encode_batch``: docs/performance.md, data preparation)."""
         encoded = self.tokenizer.encode_batch_fast(list(texts))  # type: ignore[attr-defined]
         return [e.ids for e in encoded]
+
+    def encode_piece(self, text: str) -> list[int]:
+        """Ids of a piece of a sample (the text between two ``<image>``), without the special
+        tokens the tokenizer's post-processor adds to a whole text (a BOS would otherwise
+        open every piece)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)  # type: ignore[attr-defined]
+
+    def sample_prefix(self) -> list[int]:
+        """The special ids the post-processor puts before a text (Llama's BOS), which open an
+        image-text sample once."""
+        plain = self.encode_piece("a")
+        full = self.encode("a")
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))  # type: ignore[attr-defined]
