@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from train_checks import export_round_trip
+from vlm_checks import fp8_tensorwise_model
 
 from mt_train.hf_checkpoints import load_model, main
 from mt_train.models import build_model, family_of, model_sizes
@@ -188,19 +189,8 @@ def test_hub_layout_names_import() -> None:
 
 @pytest.mark.parametrize("fp8_vision", [True, False])
 def test_fp8_covers_both_towers_unless_fp8_vision_is_off(fp8_vision: bool) -> None:
-    import mt_comm
-    import mt_parallel
-    from mt_train.config.schema import FP8Config
-    from mt_train.models import parallelize
-
     cfg = tiny(fp8_vision=fp8_vision)
-    mt_comm.init_distributed(device="cpu")
-    state = mt_comm.init_parallel_state(dp=1)
-    try:
-        model = build_model(cfg, "cpu", seed=1)
-        parallelize(model, cfg, mt_parallel.ParallelConfig(), state, FP8Config(recipe="tensorwise"))
-    finally:
-        mt_comm.destroy_parallel_state()
+    model = fp8_tensorwise_model(cfg)
     fp8 = {n.split(".")[0] for n, m in model.named_modules() if getattr(m, "fp8_enabled", False)}
     assert fp8 == ({"vision", "projector", "language"} if fp8_vision else {"language"})
     assert not model.language.output.fp8_enabled  # the head stays high precision by default

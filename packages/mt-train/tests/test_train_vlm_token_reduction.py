@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import train_checks
 from test_train_vlm_parallel import NO_DROPOUT, vlm_overrides
-from vlm_checks import FP64_BOUND, vlm_parallel_step
+from vlm_checks import FP64_BOUND, fp8_tensorwise_model, vlm_parallel_step
 
 from mt_comm.testing import DistributedPool, PoolCache
 from mt_train.hf_checkpoints import main
@@ -176,19 +176,8 @@ def test_a_class_token_the_features_drop_allows_a_reduction() -> None:
 
 
 def test_fp8_runs_the_wider_first_linear() -> None:
-    import mt_comm
-    import mt_parallel
-    from mt_train.config.schema import FP8Config
-    from mt_train.models import parallelize
-
     cfg = dataclasses.replace(tiny("pixel_shuffle"), fp8_vision=True)
-    mt_comm.init_distributed(device="cpu")
-    state = mt_comm.init_parallel_state(dp=1)
-    try:
-        model = build_model(cfg, "cpu", seed=1)
-        parallelize(model, cfg, mt_parallel.ParallelConfig(), state, FP8Config(recipe="tensorwise"))
-    finally:
-        mt_comm.destroy_parallel_state()
+    model = fp8_tensorwise_model(cfg)
     # 256 = 4·64 inputs: a multiple of 16 whenever the encoder's width is.
     assert model.projector.linear_1.fp8_enabled and model.projector.linear_1.weight.shape[1] == 256
     tokens = torch.full((2, 12), 65)

@@ -287,3 +287,18 @@ def vlm_pipeline_step(
             if getattr(m, "fp8_enabled", False)
         ),
     }
+
+
+def fp8_tensorwise_model(cfg) -> torch.nn.Module:
+    """``cfg``'s model built on the CPU (seed 1) and parallelized alone with tensorwise FP8."""
+    from mt_train.config.schema import FP8Config
+    from mt_train.models import build_model, parallelize
+
+    mt_comm.init_distributed(device="cpu")
+    state = mt_comm.init_parallel_state(dp=1)
+    try:
+        model = build_model(cfg, "cpu", seed=1)
+        parallelize(model, cfg, mp.ParallelConfig(), state, FP8Config(recipe="tensorwise"))
+    finally:
+        mt_comm.destroy_parallel_state()
+    return model
