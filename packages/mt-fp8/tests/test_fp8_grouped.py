@@ -223,9 +223,11 @@ def test_grouped_operands_are_the_loops(recipe):
     starts = [0, 48, 48, 80]
     ends = [48, 48, 80, 160]
     assert fwd[4] == ends and dgrad[4] == ends
-    present = [e for e in range(E) if ALIGNED[e]]
-    assert wgrad[4] == [ends[e] for e in present]  # the empty group is left out
-    wgrad_col = 0
+    # wgrad: the empty group is 16 zero columns with scale 1, so the GEMM writes its zero dW.
+    wgrad_starts = [0, 48, 64, 96]
+    assert wgrad[4] == [48, 64, 96, 176]
+    assert not as_bytes(wgrad[0][:, 48:64]).any() and not as_bytes(wgrad[1][48:64]).any()
+    assert (wgrad[2][N : 2 * N] == 1).all() and (wgrad[3][K : 2 * K] == 1).all()
     for e in range(E):
         s, t = starts[e], ends[e]
         w_q, wt_q = q(layer.weight[e].detach()), q(layer.weight[e].detach().t())
@@ -243,12 +245,11 @@ def test_grouped_operands_are_the_loops(recipe):
         assert torch.equal(dgrad[2][s:t], dy_q.scale.expand(t - s, 1).reshape(-1))
         # wgrad: dyᵀ (N, T) and xᵀ as (T, K), scales over this expert's tokens only.
         dyt_q, xt_q = q(dy[s:t].t()), q(x.detach()[s:t].t())
-        assert torch.equal(as_bytes(wgrad[0][:, s:t]), as_bytes(dyt_q.data))
-        assert torch.equal(as_bytes(wgrad[1][s:t].t()), as_bytes(xt_q.data))
-        g = wgrad_col
-        wgrad_col += 1
-        assert torch.equal(wgrad[2][g * N : (g + 1) * N], dyt_q.scale.expand(N, 1).reshape(N))
-        assert torch.equal(wgrad[3][g * K : (g + 1) * K], xt_q.scale.expand(K, 1).reshape(K))
+        ws, wt = wgrad_starts[e], wgrad_starts[e] + t - s
+        assert torch.equal(as_bytes(wgrad[0][:, ws:wt]), as_bytes(dyt_q.data))
+        assert torch.equal(as_bytes(wgrad[1][ws:wt].t()), as_bytes(xt_q.data))
+        assert torch.equal(wgrad[2][e * N : (e + 1) * N], dyt_q.scale.expand(N, 1).reshape(N))
+        assert torch.equal(wgrad[3][e * K : (e + 1) * K], xt_q.scale.expand(K, 1).reshape(K))
 
 
 @pytest.mark.parametrize("sizes", [ALIGNED, UNEVEN, FULL], ids=["aligned", "uneven", "full"])
@@ -476,6 +477,38 @@ def test_loop_backward_builds_the_weight_gradient_once(recipe_name):
         y.backward(torch.ones_like(y))
     assert layer.weight.grad is not None
     assert counter.count <= 2, counter.count
+
+
+class StackSizedBytes(TorchDispatchMode):
+    """Bytes written into tensors of at least ``numel`` elements (the whole [E, N, K] stack)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.bytes = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel and not func.is_view:
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+@pytest.mark.parametrize("sizes", [UNEVEN, [37, 16, 50, 73]], ids=["idle expert", "all busy"])
+def test_grouped_weight_gradient_is_written_once_with_an_idle_expert(sizes):
+    # The grouped wgrad GEMM writes every expert's bf16 gradient (an idle expert's from zero
+    # columns: zeros) and one conversion makes the fp32 .grad: 2 + 4 bytes per weight element.
+    # Idle experts were once left out of the GEMM and the gradient assembled in a zeroed fp32
+    # stack by an index copy, 8 bytes per element more (the values: test_empty_groups_...).
+    layer = FP8GroupedLinear(E, K, N, recipe=RowwiseScaling(formats=E4M3), bias=False)
+    x = torch.randn(sum(sizes), K, requires_grad=True)
+    plan = layer.linear_plan(x, None)
+    y = fp8_grouped_linear(x, layer.weight, None, sizes, plan, one_op_grouped_mm)
+    counter = StackSizedBytes(layer.weight.numel())
+    with counter:
+        y.backward(torch.ones_like(y))
+    assert layer.weight.grad.dtype == torch.float32
+    assert counter.bytes == (2 + 4) * layer.weight.numel()
 
 
 # ---------------------------------------------------------------------------------------------

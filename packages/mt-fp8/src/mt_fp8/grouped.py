@@ -40,8 +40,9 @@ Scales. The kernel takes rowwise fp32 *dequantization* scales (``s`` with ``x �
 
 * 2d × 3d: ``scale_a`` ``(T,)``, one per token row; ``scale_b`` ``(E, C)``, one per output
   column of each group (C = N forward, K dgrad).
-* 2d × 2d: ``scale_a`` ``(E'·N,)`` and ``scale_b`` ``(E'·K,)``, group-major: group ``g``'s
-  rows of ``dyᵀ`` (columns of ``xᵀ``) use entries ``[g·N, (g+1)·N)`` (``[g·K, (g+1)·K)``).
+* 2d × 2d: ``scale_a`` ``(E·N,)`` and ``scale_b`` ``(E·K,)``, group-major: group ``g``'s
+  rows of ``dyᵀ`` (columns of ``xᵀ``) use entries ``[g·N, (g+1)·N)`` (``[g·K, (g+1)·K)``);
+  an empty group's are 1 (empty groups, below).
 
 Both recipes give exactly the loop path's FP8 bytes and scale values:
 
@@ -92,14 +93,18 @@ tensorwise GEMM with a non-bf16 output stays per expert. Bias is added after the
 (the kernel has none): one more bf16 rounding than cuBLAS's fused bias epilogue.
 
 Empty groups: in 2d × 3d a group of 0 tokens is a 0-row problem (offsets repeat); the wgrad's
-2d × 2d mode cannot take one (PyTorch asserts ``delta > 0``), so empty groups are left out of
-its offsets and scales and their ``dW_e`` are zeros. Its groups must start at multiples of
-:data:`WGRAD_ALIGN` tokens (16-byte TMA alignment): where a non-empty group's count is not a
-multiple, both wgrad operands get zero FP8 columns after each group up to the next multiple
-(one scatter per operand; ``dW_e`` gains ``0 · 0`` products only, the operands' bytes and
-scales stay the loop's). Routed MoE groups are almost never multiples of 16: without this the
-wgrad ran per expert (a quantize pair and a GEMM per expert and projection, a cost that grows
-with E and with skew).
+2d × 2d mode cannot take one (PyTorch asserts ``delta > 0``), so an empty group gets
+:data:`WGRAD_ALIGN` zero FP8 columns in both wgrad operands and scale 1 in both scale vectors:
+its ``dW_e`` is a sum of ``0 · 0`` products, zeros written by the GEMM itself. NOTE: before, empty
+groups were left out of the GEMM and the gradient was assembled in a zeroed fp32 [E, N, K]
+tensor by an index copy of the others: 12 more bytes per weight element in every projection
+with an idle expert, which skewed routing (early in training) gives most layers. Its groups must
+start at multiples of :data:`WGRAD_ALIGN` tokens (16-byte TMA alignment): where a non-empty
+group's count is not a multiple, both wgrad operands get zero FP8 columns after each group up to
+the next multiple (one scatter per operand; ``dW_e`` gains ``0 · 0`` products only, the
+operands' bytes and scales stay the loop's). Routed MoE groups are almost never multiples of 16:
+without this the wgrad ran per expert (a quantize pair and a GEMM per expert and projection, a
+cost that grows with E and with skew).
 
 Host syncs: the host reads nothing from the device. The group sizes arrive as host ints (the
 caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and the small
@@ -408,28 +413,32 @@ def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
 @dataclass
 class _WgradPadding:
     """Where each token's column goes when every non-empty group of the wgrad operands is
-    padded to a multiple of :data:`WGRAD_ALIGN` tokens (module docstring)."""
+    padded to a multiple of :data:`WGRAD_ALIGN` tokens and, with ``empty_groups``, every empty
+    group is :data:`WGRAD_ALIGN` zero columns (module docstring)."""
 
     dest_T: torch.Tensor
     """The padded column of each token (int64, on the device)."""
     counts: list[int]
-    """The padded token counts of the non-empty groups."""
+    """The padded token counts of the groups kept: all of them with ``empty_groups``, else the
+    non-empty ones."""
 
     @classmethod
-    def of(cls, sizes: Sequence[int], device: torch.device) -> _WgradPadding | None:
-        """None when every non-empty group is aligned already."""
-        present = [size for size in sizes if size]
-        if all(size % WGRAD_ALIGN == 0 for size in present):
+    def of(
+        cls, sizes: Sequence[int], device: torch.device, empty_groups: bool = False
+    ) -> _WgradPadding | None:
+        """None when nothing moves: every kept group is aligned already (and not empty)."""
+        kept = list(sizes) if empty_groups else [size for size in sizes if size]
+        if all(size and size % WGRAD_ALIGN == 0 for size in kept):
             return None
         counts, shifts, shift = [], [], 0
-        for size in present:
+        for size in kept:
             shifts.append(shift)
-            pad = -size % WGRAD_ALIGN
+            pad = -size % WGRAD_ALIGN if size else WGRAD_ALIGN
             counts.append(size + pad)
             shift += pad
-        tokens = sum(present)
-        present_G, shift_G = _host_ints([present, shifts], torch.int64, device)
-        shift_T = shift_G.repeat_interleave(present_G, output_size=tokens)
+        tokens = sum(kept)
+        kept_G, shift_G = _host_ints([kept, shifts], torch.int64, device)
+        shift_T = shift_G.repeat_interleave(kept_G, output_size=tokens)
         return cls(torch.arange(tokens, device=device) + shift_T, counts)
 
     def pad(self, data_CT: torch.Tensor) -> torch.Tensor:
@@ -439,6 +448,18 @@ class _WgradPadding:
         )
         padded.index_copy_(1, self.dest_T, data_CT.view(torch.uint8))
         return padded.view(data_CT.dtype)
+
+
+def _every_group_scales(scales: torch.Tensor, sizes: Sequence[int], columns: int) -> torch.Tensor:
+    """The wgrad scale vector (group-major, ``columns`` per group) of the non-empty groups
+    widened to every group: an empty group's columns are zero bytes, so its scale only has to be
+    finite (1; module docstring, empty groups)."""
+    present = [e for e, size in enumerate(sizes) if size]
+    if len(present) == len(sizes):
+        return scales
+    every = scales.new_ones(len(sizes), columns)
+    every.index_copy_(0, _host_ints(present, torch.int64, scales.device), scales.view(-1, columns))
+    return every.reshape(-1)
 
 
 def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tensor) -> torch.Tensor:
@@ -765,8 +786,11 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         if need_dw:
             if "wgrad" in plan.grouped:
                 x_t_data, x_t_scales = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
-                padding = _WgradPadding.of(sizes, x_TK.device)
-                saved += [x_t_data if padding is None else padding.pad(x_t_data), x_t_scales]
+                padding = _WgradPadding.of(sizes, x_TK.device, empty_groups=True)
+                saved += [
+                    x_t_data if padding is None else padding.pad(x_t_data),
+                    _every_group_scales(x_t_scales, sizes, x_TK.shape[1]),
+                ]
             else:
                 for q in _group_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT):
                     saved += [None, None] if q is None else [q.data, q.scale]
@@ -790,7 +814,6 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         _, out_features, in_features = ctx.shapes
         saved = list(ctx.saved_tensors)
         offs = saved.pop(0)
-        bounds = _bounds(sizes)
         dx = dw = db = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
@@ -802,24 +825,18 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                     dy_t_data, dy_t_scales = _quantize_columns(
                         lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT
                     )
-                    present = [e for e, (s, t) in enumerate(bounds) if t > s]
-                    counts = [sizes[e] for e in present]
-                    padding = _WgradPadding.of(sizes, dy_TN.device)
+                    counts = list(sizes)
+                    padding = _WgradPadding.of(sizes, dy_TN.device, empty_groups=True)
                     if padding is not None:
                         dy_t_data, counts = padding.pad(dy_t_data), padding.counts
-                    dw_GNK = plan.gemm(
+                    dw_ENK = plan.gemm(
                         dy_t_data,
                         x_t_data.t(),
-                        dy_t_scales,
+                        _every_group_scales(dy_t_scales, sizes, out_features),
                         x_t_scales,
                         _offsets(counts, dy_TN.device),
                     )
-                    if len(present) == len(sizes):
-                        dw = dw_GNK.to(w_dtype)
-                    else:  # the experts with no tokens get zeros
-                        dw = dw_GNK.new_zeros(ctx.shapes, dtype=w_dtype)
-                        index = _host_ints(present, torch.int64, dw.device)
-                        dw.index_copy_(0, index, dw_GNK.to(w_dtype))
+                    dw = dw_ENK.to(w_dtype)  # experts without tokens: zeros from the GEMM
                 else:
                     parts = []
                     dy_t = _group_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
