@@ -511,6 +511,43 @@ def test_grouped_weight_gradient_is_written_once_with_an_idle_expert(sizes):
     assert counter.bytes == (2 + 4) * layer.weight.numel()
 
 
+class OpsOn(TorchDispatchMode):
+    """The aten ops given ``tensor`` itself as their first argument."""
+
+    def __init__(self, tensor):
+        super().__init__()
+        self.tensor, self.ops = tensor, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if args and args[0] is self.tensor:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_tensorwise_stacked_weight_amax_reads_the_weight_once():
+    # The stacked expert weights are quantized again after every optimizer step; their
+    # per-expert amaxes are one ∞-norm reduction of the fp32 stack (abs() once wrote an fp32
+    # copy of all of it first). Bytes and scales stay quantize()'s per expert, NaN and inf too.
+    recipe = TensorwiseScaling(formats=E4M3)
+    layer = make_layer(recipe)
+    with torch.no_grad():
+        layer.weight[1, 2, 3] = float("nan")
+        layer.weight[2, 0, 0] = float("inf")
+    plan = layer.linear_plan(torch.zeros(1, K), None)
+    counter = OpsOn(layer.weight)
+    with counter, torch.no_grad():
+        weight, _ = grouped_module._weight_operands(plan, layer.weight, need_transpose=True)
+    assert "aten.abs.default" not in counter.ops, counter.ops
+    layout = recipe.layout(TensorRole.WEIGHT)
+    for e in range(E):
+        expected = quantize(layer.weight[e].detach(), FP8Format.E4M3, layout)
+        assert torch.equal(as_bytes(weight.data[e]), as_bytes(expected.data))
+        scale, expected_scale = weight.scale[e].reshape(()), expected.scale.reshape(())
+        torch.testing.assert_close(scale, expected_scale, rtol=0, atol=0, equal_nan=True)
+    assert weight.scale[1].isnan().all() and weight.scale[2].isnan().all()
+    assert weight.scale[[0, 3]].isfinite().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the real kernel
 

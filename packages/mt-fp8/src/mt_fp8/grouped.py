@@ -71,7 +71,7 @@ both elementwise, so a value and its scale give the same bits whatever tensor ho
   loop's ``quantize_columns_transposed``, the scale looked up by the row's group), else
   ``cast_to_fp8`` with the scales repeated to (T, C) and one FP8 transpose copy.
 * Tensorwise: per-group amaxes by the same segmented reduction (then a max over C), or one
-  ``amax`` over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
+  ∞-norm reduction over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
   (the loop: one per group); one cast with each row's group scale. The transposes are exact:
   one FP8 transpose copy each.
 
@@ -653,7 +653,9 @@ def _quantize_weights(
             return weight, None
         data_t, scale_EK = _quantize_weight_columns(plan, weight_ENK, fmt, layout)
         return weight, _Stacked(data_t, scale_EK[:, :, None], layout, fmt)
-    amax_E = weight_ENK.abs().amax(dim=(1, 2)).float()
+    # NOTE: the ∞-norm reads the stack once; abs().amax() wrote an fp32 |w| copy of it first,
+    # every optimizer step (NaN gives NaN either way: a NaN scale, as the quantizers give it).
+    amax_E = torch.linalg.vector_norm(weight_ENK, ord=math.inf, dim=(1, 2)).float()
     scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
     scale_rows = scale_E.repeat_interleave(out_features)[:, None]
     data = cast_to_fp8(
