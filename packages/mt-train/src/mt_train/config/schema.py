@@ -34,7 +34,7 @@ from mt_train.config.rewind import FaultConfig, RewindConfig
 from mt_train.data.image_text import PACK_ORDERS
 
 SCHEDULES = ("cosine", "wsd", "constant")
-BUNDLED_DATA = ("kjv", "digits")
+BUNDLED_DATA = ("kjv", "digits", "shapes")
 SAMPLINGS = ("permutation", "random")
 PRECISIONS = ("auto", "bf16", "fp32")
 RESUME_MODES = ("none", "auto", "must")
@@ -245,8 +245,9 @@ class DataConfig:
     """Prepared data folder; null prepares the bundled set named by ``bundled``."""
     bundled: str = "kjv"
     """The bundled set prepared when ``path`` is null: ``kjv`` (the King James corpus, byte
-    tokens) or ``digits`` (scikit-learn's handwritten digits as image captions, for a
-    vision-language model; needs ``mt-train[vision]``)."""
+    tokens), ``digits`` (scikit-learn's handwritten digits as image captions, for a
+    vision-language model; needs ``mt-train[vision]``) or ``shapes`` (generated scenes of two
+    coloured shapes captioned with their relation, :mod:`mt_train.data.shapes`)."""
     val_every: int = 50
     """When preparing a bundled set: every n-th document (image) goes to the validation split."""
     document_masking: bool = False
