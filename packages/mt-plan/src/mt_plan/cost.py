@@ -38,7 +38,10 @@ q/k/v, gate/up, MLA's kv_a and q_a or q under current scaling); the down project
 (SwiGLU's forward does not run; the quantizer reads ``2A`` bytes per element), and computed, then
 quantized, under the other recipes. The FP8 weight and its transpose are quantized once per step
 from the fp32 weight (the weight cache), :data:`WEIGHT_READS` reads (rowwise adds an FP8 byte
-transpose, its fp32 column cast stores untransposed), charged with the optimizer. Rowwise
+transpose, its fp32 column cast stores untransposed), charged with the optimizer; the routed
+experts' stacked weights under tensorwise and delayed scaling are requantized by eager ops
+(per-expert ∞-norm, cast with health counts, transpose copy), :data:`EXPERT_REQUANT_BYTES` per
+element at the ``copy`` rate. Rowwise
 GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per weight), charged
 as a copy unless the table has ``fp8_rowwise`` ``gemm_wgrad`` entries, which time the
 conversion inside the GEMM call.
@@ -141,6 +144,10 @@ QUANTIZE_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 2, "
 and transpose, per recipe (module docstring, "FP8 quantization")."""
 WEIGHT_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 1, "mxfp8": 2}
 """The same for the fp32 weight (blockwise: 128×128 blocks, transposed in the same pass)."""
+EXPERT_REQUANT_BYTES = 55
+"""Bytes moved per expert weight element by ``FP8GroupedLinear``'s eager tensorwise/delayed
+requantization after each optimizer step, counted from its aten ops' operands on the CPU
+(docs/plan.md, "Measured again")."""
 SWIGLU_FWD, SWIGLU_BWD = 3, 5
 """Activation-sized tensors SwiGLU's kernels move per element of ``gate``: forward reads gate and
 up and writes the product; backward reads the product's gradient, gate and up and writes their
@@ -760,7 +767,11 @@ class CostModel:
         norm, _ = self._membound("copy", 4 * updated, (int(updated),))
         requant = 0.0
         if L.fp8 != "none":  # once per step, from the fp32 weights (module docstring)
-            requant, _ = self._quantize(L.fp8, fp8_params, (int(fp8_params),), 4, weight=True)
+            eager = experts if L.fp8 in ("tensorwise", "delayed") else 0.0
+            fused = fp8_params - eager
+            requant, _ = self._quantize(L.fp8, fused, (int(fused),), 4, weight=True)
+            if eager:
+                requant += self._membound("copy", EXPERT_REQUANT_BYTES * eager, (int(eager),))[0]
         optimizer = adam + norm + requant
         classes["optimizer"] = optimizer
 
