@@ -1,26 +1,49 @@
 """The planner's benchmark scripts on the CPU: the search-speed script runs and reports a
 search that ranked layouts (the speed itself is a measurement for docs/benchmarks-log.md, not
-asserted here: a shared machine's load would make it flaky)."""
+asserted here: a shared machine's load would make it flaky); the validation harness measures
+its tiny configurations (its ``--measure`` subprocess run in this process) and reports."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import plan_search_speed
 
 
 def test_search_speed_smoke(tmp_path, capsys) -> None:
     out = tmp_path / "speed.jsonl"
-    assert plan_search_speed.main(["--tiny", "--out", str(out)]) == 0
+    # --tiny's model and sequence on its 4 GPUs with a global batch of 1 (one micro-batch
+    # size): every tp, cp, pp, vpp and schedule, 2,130 layouts instead of --tiny's 8,820.
+    small = ["--model", "llama3_1b", "--gpus", "4", "--seq", "2048", "--global-batch", "1"]
+    assert plan_search_speed.main([*small, "--out", str(out)]) == 0
     row = json.loads(out.read_text())
     assert row["fits"] > 0 and row["enumerated"] >= row["fits"] + row["rule"] + row["memory"]
     assert row["layouts_per_minute"] > 0
     assert "layouts/min" in capsys.readouterr().out
 
 
-def test_validation_harness_smoke(tmp_path, capsys) -> None:
+def _measure_here(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for the harness's ``python plan_validation.py --measure ...``: its
+    ``main`` here, with what it prints."""
     import plan_validation
 
+    assert command[:3] == [sys.executable, plan_validation.__file__, "--measure"], command
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = plan_validation.main(command[2:])
+    return subprocess.CompletedProcess(command, status, printed.getvalue(), "")
+
+
+def test_validation_harness_smoke(tmp_path, capsys, monkeypatch) -> None:
+    import plan_validation
+
+    replaced = SimpleNamespace(run=_measure_here, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(plan_validation, "subprocess", replaced)
     out = tmp_path / "validation.jsonl"
     args = ["--tiny", "--out", str(out), "--warmup", "1", "--steps", "2"]
     assert plan_validation.main(args) == 0
