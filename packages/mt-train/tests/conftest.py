@@ -1,5 +1,6 @@
 """Shared test setup: GPU-marked tests skip cleanly without CUDA; the corpus is prepared once; gloo
-process pools are shared across test modules."""
+process pools are shared across test modules; the longest few-test modules are handed to
+pytest-xdist's workers first."""
 
 from __future__ import annotations
 
@@ -54,3 +55,30 @@ def distributed_pools() -> Iterator[PoolCache]:
     module's ``pool`` fixture returns ``distributed_pools.get(world_size=4)``."""
     with PoolCache() as pools:
         yield pools
+
+
+LONG_MODULES = (
+    "test_train_multinode.py",
+    "test_train_vlm_learning.py",
+    "test_train_blend_dist.py",
+    "test_train_moe_pipeline_world4.py",
+)
+"""Modules of one to three tests that run long (two torchrun agents; a learning run; pool runs),
+longest first. pytest-xdist hands modules out by their number of tests, which would leave these
+for last: one worker would run them alone while the other has finished."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``--dist loadfile`` (nox), xdist's scheduler handing out LONG_MODULES first."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongModulesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node: object) -> None:
+            for name in reversed(LONG_MODULES):
+                for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongModulesFirst(config, log)
