@@ -23,8 +23,12 @@ if sys.dont_write_bytecode:
 
 import pytest
 
-from mt_comm.testing import PoolCache
+from mt_comm.testing import PoolCache, preload_in_ranks
 from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
+
+# torch.use_deterministic_algorithms imports torch._inductor's config, seconds of imports: the
+# fork server does it once instead of every rank of the process-state check (test_comm_world4).
+preload_in_ranks("torch._inductor.config")
 
 
 @pytest.fixture(scope="session")
