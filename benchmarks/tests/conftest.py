@@ -41,6 +41,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):  # the private method overridden
+        return None
+
     class LongModulesFirst(LoadFileScheduling):
         def _assign_work_unit(self, node: object) -> None:
             for name in reversed(LONG_MODULES):
