@@ -113,6 +113,16 @@ def _install_package(session: nox.Session, package: str, *extra: str) -> None:
     )
 
 
+def _test_env(session: nox.Session) -> dict[str, str]:
+    """The environment of a test run: one thread per process, and one bytecode cache in the
+    session's virtual environment that every interpreter of the run (pytest-xdist's workers,
+    the pools' fork servers, torchrun ranks, subprocesses) writes and reads, so each compiles
+    torch and the mt packages at most once, even where ``PYTHONDONTWRITEBYTECODE`` is set (CI's
+    environment sets it, and uv installs no ``.pyc``); nothing is written beside the sources."""
+    cache = os.path.join(session.virtualenv.location, "pycache")
+    return {"OMP_NUM_THREADS": "1", "PYTHONPYCACHEPREFIX": cache, "PYTHONDONTWRITEBYTECODE": ""}
+
+
 def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     session.run(
         "pytest",
@@ -121,7 +131,7 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
         *args,
         *session.posargs,
         # The test fixtures are installed: a test that needs one must not skip.
-        env={"OMP_NUM_THREADS": "1", "MT_REQUIRE_TEST_FIXTURES": "1", **(env or {})},
+        env={**_test_env(session), "MT_REQUIRE_TEST_FIXTURES": "1", **(env or {})},
     )
 
 
@@ -157,8 +167,7 @@ def tests_benchmarks(session: nox.Session) -> None:
         *(f"./packages/{name}" for name in PACKAGES),
     )
     session.run(
-        "pytest", "benchmarks/tests", *PARALLEL_ARGS, *session.posargs,
-        env={"OMP_NUM_THREADS": "1"},
+        "pytest", "benchmarks/tests", *PARALLEL_ARGS, *session.posargs, env=_test_env(session),
     )  # fmt: skip
 
 
