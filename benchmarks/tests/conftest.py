@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mt_core.testing import long_modules_first
+
 BENCHMARKS = Path(__file__).resolve().parent.parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
@@ -22,18 +24,4 @@ one worker would run them alone while the other has finished."""
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Under ``--dist loadfile`` (nox), xdist's scheduler handing out LONG_MODULES first."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    if not hasattr(LoadFileScheduling, "_assign_work_unit"):  # the private method overridden
-        return None
-
-    class LongModulesFirst(LoadFileScheduling):
-        def _assign_work_unit(self, node: object) -> None:
-            for name in reversed(LONG_MODULES):
-                for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
-                    self.workqueue.move_to_end(scope, last=False)
-            super()._assign_work_unit(node)
-
-    return LongModulesFirst(config, log)
+    return long_modules_first(config, log, LONG_MODULES)

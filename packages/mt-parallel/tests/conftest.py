@@ -9,7 +9,10 @@ from collections.abc import Iterator
 import pytest
 
 from mt_comm.testing import PoolCache, preload_in_ranks
-from mt_core.testing import pytest_collection_modifyitems  # noqa: F401
+from mt_core.testing import (
+    long_modules_first,
+    pytest_collection_modifyitems,  # noqa: F401
+)
 
 # Every rank of this package's pools imports these; the fork server does it once.
 preload_in_ranks("mt_parallel")
@@ -31,18 +34,4 @@ modules for last: one worker would run them alone while the other has finished."
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Under ``--dist loadfile`` (nox), xdist's scheduler handing out LONG_MODULES first."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    if not hasattr(LoadFileScheduling, "_assign_work_unit"):  # the private method overridden
-        return None
-
-    class LongModulesFirst(LoadFileScheduling):
-        def _assign_work_unit(self, node: object) -> None:
-            for name in reversed(LONG_MODULES):
-                for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
-                    self.workqueue.move_to_end(scope, last=False)
-            super()._assign_work_unit(node)
-
-    return LongModulesFirst(config, log)
+    return long_modules_first(config, log, LONG_MODULES)

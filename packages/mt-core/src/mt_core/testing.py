@@ -49,3 +49,26 @@ def require_test_fixture(installed: bool, what: str, how: str) -> None:
     if os.environ.get(REQUIRE_FIXTURES_ENV) == "1":
         pytest.fail(f"{message} ({REQUIRE_FIXTURES_ENV}=1)")
     pytest.skip(message)
+
+
+def long_modules_first(config: Any, log: object, long_modules: tuple[str, ...]) -> object | None:
+    """For a conftest's ``pytest_xdist_make_scheduler``: under ``--dist loadfile`` (nox),
+    pytest-xdist's scheduler handing out ``long_modules`` (file names, longest first) before the
+    rest. xdist hands modules out by their number of tests, which would leave long modules of a
+    few tests for last, run alone on one worker while the others have finished. None (xdist's
+    own order) under another mode, or if the private method this overrides is gone."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):
+        return None
+
+    class LongModulesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node: object) -> None:
+            for name in reversed(long_modules):
+                for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongModulesFirst(config, log)
