@@ -37,6 +37,11 @@ shared, first layer dense, Llama attention), and of the ``deepseek_v2_lite`` siz
 1, seq 4096, bf16 autocast, ``mt_bf16`` and ``mt_fp8`` (``--recipe block`` cannot run on MLA
 yet: ``kv_a_proj``'s 576 outputs are not a multiple of 128).
 Peak memory (``torch.cuda.max_memory_allocated``) is in every row.
+
+``--profile`` adds to each layer row two consecutive profiled steps of that stack
+(``train_throughput.profile_step``: device ms by kernel category, the top kernels, device idle
+time and the kernels the device waited for) and prints them: where mt's layer spends the time
+the compiled reference does not.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from typing import Any
 import harness
 import torch
 import torch.nn.functional as F
+import train_throughput
 from torch import nn
 
 import mt_comm
@@ -196,12 +202,31 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
                     if isinstance(module, MoE):
                         module(x)
                         max_vio = float(max_violation(module.load_stats.counts_E))
+                    profiled = None
+                    if args.profile:
+                        profiled = train_throughput.profile_step(
+                            step, torch.device(device), steps=2, top=25
+                        )
                 rows.append({
                     "kind": "layer", "shape": shape, "stack": stack, "routing": routing,
                     "tokens": seq, "ms": ms, "tokens_per_s": seq / ms * 1e3,
                     "max_vio": max_vio, "peak_gib": _peak(device),
                 })  # fmt: skip
+                if profiled is not None:
+                    rows[-1]["profile"] = profiled
+                    print_profile(f"{shape} {routing} {stack}", profiled)
     return rows
+
+
+def print_profile(title: str, prof: dict[str, Any]) -> None:
+    """The per-step breakdown of :func:`train_throughput.profile_step`, as text."""
+    parts = ", ".join(f"{c} {ms:.2f}" for c, ms in prof["device_ms_by_category"].items())
+    print(
+        f"{title}: wall {prof['wall_ms']:.2f} ms, kernels {prof['device_ms']:.2f} ms ({parts}), "
+        f"device idle {prof['device_idle_ms']:.2f} ms"
+    )
+    for kernel, count, ms in prof["top_kernels_ms"]:
+        print(f"    {ms:8.3f} ms  x{count:<5g} {kernel}")
 
 
 def model_configs(smoke: bool, layers: int) -> dict[str, Any]:
@@ -284,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--skip-models", action="store_true", help="layer rows only")
+    parser.add_argument("--profile", action="store_true", help="profile each layer stack")
     parser.add_argument("--out", default=None, help="append result rows (JSON lines) here")
     args = parser.parse_args(argv)
     if args.smoke:
