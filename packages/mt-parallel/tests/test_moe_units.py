@@ -262,6 +262,40 @@ def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
     assert layout.ends_L.tolist() == [16, 16, 32, 48] and layout.rows == 48
 
 
+def test_experts_padded_once_match_the_unpadded_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's single padding of the whole expert MLP (forced here on the CPU, whose
+    grouped GEMM takes aligned offsets too) gives the unpadded experts' outputs and gradients."""
+    from mt_parallel.moe import experts as experts_module
+    from mt_parallel.moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    module = GroupedExperts(4, 32, 48, 0.05, 0.05)
+    sizes_L = torch.tensor([5, 0, 11, 17])
+    x = torch.randn(int(sizes_L.sum()), 32, requires_grad=True)
+    dy = torch.randn(x.shape)
+
+    def run(padded: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(experts_module, "pads_groups", lambda device: padded)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        pads = []
+        monkeypatch.setattr(
+            experts_module.PaddedLayout, "pad", lambda self, t, f=experts_module.PaddedLayout.pad:
+            pads.append(t.shape) or f(self, t),
+        )  # fmt: skip
+        y = module(x, sizes_L)
+        y.backward(dy)
+        assert len(pads) == (1 if padded else 0), pads  # one padding for the three projections
+        return [y, x.grad, *(p.grad for p in module.parameters())]
+
+    padded, unpadded = run(True), run(False)
+    # Same fp32 products and SwiGLU per real row; the zero rows add exact zeros to the weight
+    # gradients. Only the kernels' blocking over the longer padded groups may reorder the fp32
+    # sums: a few ulps of the largest entry.
+    for a, b in zip(padded, unpadded, strict=True):
+        assert rel(a, b) < 1e-6
+
+
 def test_fp32_layer_takes_the_grouped_path_and_matches_fp64() -> None:
     layer = make_layer()
     x = torch.randn(2, 5, DIM, dtype=torch.float64)

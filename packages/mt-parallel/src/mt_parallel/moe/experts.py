@@ -14,6 +14,12 @@ fp16 / fp32, rows 16-byte aligned), else a loop of one ``F.linear`` per non-empt
 other devices): both compute the same products. On CUDA each group is padded to a multiple of
 :data:`CUDA_GROUP_ALIGN` rows first (zero rows, dropped after): the CUDA kernels want aligned
 group starts (torchtitan pads the same way); the CPU kernel takes any offsets.
+:class:`GroupedExperts` pads its input once and runs the whole MLP on the padded rows, dropping
+the padding once at the end: a zero row stays zero through each projection and SwiGLU
+(``silu(0)·0 = 0``) and gets a zero gradient, and every real row meets the same kernel on the
+same padded groups as when each projection pads on its own, so the values are those of three
+separately padded projections, without their four extra pad/unpad copies forward and backward.
+The input is cast to the autocast dtype once for the three projections too.
 
 With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
 ``mt_fp8.FP8GroupedLinear`` sharing the same weight (every mt-fp8 recipe): tensorwise and
@@ -77,22 +83,37 @@ GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def grouped_mm_reason(x_MK: torch.Tensor, weight_LNK: torch.Tensor) -> str | None:
     """Why ``torch._grouped_mm`` cannot run this GEMM here, or None when it can."""
+    if weight_LNK.dtype != x_MK.dtype:
+        return f"dtypes {x_MK.dtype}/{weight_LNK.dtype} (grouped GEMM takes one dtype)"
+    return grouped_mm_reason_for(x_MK.dtype, x_MK.device, tuple(weight_LNK.shape[1:]))
+
+
+def grouped_mm_reason_for(
+    dtype: torch.dtype, device: torch.device, weight_dims: tuple[int, ...]
+) -> str | None:
+    """:func:`grouped_mm_reason` of operands of ``dtype`` on ``device`` and a weight stack of
+    per-expert ``weight_dims`` (out, in)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
-    if x_MK.dtype not in GROUPED_MM_DTYPES or weight_LNK.dtype != x_MK.dtype:
-        return f"dtypes {x_MK.dtype}/{weight_LNK.dtype} (grouped GEMM takes bf16, fp16, fp32)"
-    if torch.compiler.is_compiling() and x_MK.dtype != torch.bfloat16:
+    if dtype not in GROUPED_MM_DTYPES:
+        return f"dtype {dtype} (grouped GEMM takes bf16, fp16, fp32)"
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         # The traced (fake-tensor) kernel takes bf16 only, though the CPU one runs fp32 eagerly.
-        return f"torch.compile traces grouped GEMMs in bf16 only, got {x_MK.dtype}"
-    if x_MK.device.type == "cuda":
-        if torch.cuda.get_device_capability(x_MK.device) < (9, 0):
+        return f"torch.compile traces grouped GEMMs in bf16 only, got {dtype}"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (9, 0):
             return "CUDA grouped GEMM needs compute capability >= 9.0"
-    elif x_MK.device.type != "cpu":
-        return f"no grouped GEMM on {x_MK.device.type}"
-    align = 16 // x_MK.element_size()
-    if any(d % align for d in weight_LNK.shape[1:]):
-        return f"weight dims {tuple(weight_LNK.shape[1:])} not multiples of {align} (16-byte rows)"
+    elif device.type != "cpu":
+        return f"no grouped GEMM on {device.type}"
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    if any(d % align for d in weight_dims):
+        return f"weight dims {weight_dims} not multiples of {align} (16-byte rows)"
     return None
+
+
+def pads_groups(device: torch.device) -> bool:
+    """Whether the grouped GEMM on ``device`` wants groups padded to :data:`CUDA_GROUP_ALIGN`."""
+    return device.type == "cuda"
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,14 @@ class PaddedLayout:
         total = int(ends_L[-1]) if ends_L.numel() else 0
         return cls(dest_M, ends_L.to(torch.int32), total)
 
+    def pad(self, x_MK: torch.Tensor) -> torch.Tensor:
+        """``x_MK``'s rows at their padded places, zero rows between the groups."""
+        return x_MK.new_zeros(self.rows, x_MK.shape[1]).index_copy(0, self.dest_M, x_MK)
+
+    def unpad(self, y_PN: torch.Tensor) -> torch.Tensor:
+        """The rows of the input rows back from padded ``y_PN`` (the padding dropped)."""
+        return y_PN.index_select(0, self.dest_M)
+
 
 def grouped_mm(
     x_MK: torch.Tensor,
@@ -130,13 +159,18 @@ def grouped_mm(
 
     On CUDA the groups are padded by ``layout`` (computed here when not given: the projections
     of one expert MLP share one, so the host reads its size once)."""
-    if x_MK.device.type != "cuda":
+    if not pads_groups(x_MK.device):
         offs = torch.cumsum(sizes_L, 0).to(torch.int32)
         return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
     layout = layout or PaddedLayout.of(sizes_L, x_MK.shape[0])
-    padded = x_MK.new_zeros(layout.rows, x_MK.shape[1]).index_copy(0, layout.dest_M, x_MK)
-    out = torch._grouped_mm(padded, weight_LNK.transpose(-2, -1), offs=layout.ends_L)
-    return out.index_select(0, layout.dest_M)
+    return layout.unpad(padded_grouped_mm(layout.pad(x_MK), weight_LNK, layout))
+
+
+def padded_grouped_mm(
+    x_PK: torch.Tensor, weight_LNK: torch.Tensor, layout: PaddedLayout
+) -> torch.Tensor:
+    """:func:`grouped_mm` on rows already padded by ``layout``; the output stays padded."""
+    return torch._grouped_mm(x_PK, weight_LNK.transpose(-2, -1), offs=layout.ends_L)
 
 
 def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -255,8 +289,9 @@ class GroupedLinear(nn.Module):
         layout: PaddedLayout | None = None,
         host_sizes: list[int] | None = None,
     ) -> torch.Tensor:
-        """``layout``: the CUDA grouped GEMM's padding, shared by the projections of one MLP;
-        ``host_sizes``: ``sizes_L`` read to the host once for the projections of one MLP (FP8)."""
+        """``layout``: ``x_MK`` is already padded by it (the CUDA grouped GEMM's padding, shared
+        by the projections of one MLP) and the output stays padded; ``host_sizes``: ``sizes_L``
+        read to the host once for the projections of one MLP (FP8)."""
         weight = self.weight
         if self.sums_gradient_in_backward:
             weight = copy_to_group(weight, self.sequence_group)
@@ -269,8 +304,10 @@ class GroupedLinear(nn.Module):
             x_MK, weight = x_MK.to(dtype), weight.to(dtype)
         else:
             weight = weight.to(x_MK.dtype)
+        if layout is not None:
+            return padded_grouped_mm(x_MK, weight, layout)
         if grouped_mm_reason(x_MK, weight) is None:
-            return grouped_mm(x_MK, weight, sizes_L, layout)
+            return grouped_mm(x_MK, weight, sizes_L)
         return looped_mm(x_MK, weight, sizes_L.tolist())
 
     def extra_repr(self) -> str:
@@ -292,11 +329,22 @@ class GroupedExperts(nn.Module):
         self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
 
     def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
-        layout, host_sizes = None, None
         if self.gate_proj.fp8_enabled:
             host_sizes = sizes_L.tolist()  # the one device-to-host read of this MLP
-        elif x_MD.is_cuda:
-            layout = PaddedLayout.of(sizes_L, x_MD.shape[0])
-        gate_MF = self.gate_proj(x_MD, sizes_L, layout, host_sizes)
-        up_MF = self.up_proj(x_MD, sizes_L, layout, host_sizes)
-        return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, layout, host_sizes)
+            gate_MF = self.gate_proj(x_MD, sizes_L, None, host_sizes)
+            up_MF = self.up_proj(x_MD, sizes_L, None, host_sizes)
+            return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, None, host_sizes)
+        if torch.is_autocast_enabled(x_MD.device.type):
+            x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))  # once for three
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if not pads_groups(x_MD.device) or any(
+            grouped_mm_reason_for(x_MD.dtype, x_MD.device, tuple(p.weight.shape[1:]))
+            for p in projections
+        ):
+            gate_MF = self.gate_proj(x_MD, sizes_L)
+            return self.down_proj(swiglu(gate_MF, self.up_proj(x_MD, sizes_L)), sizes_L)
+        layout = PaddedLayout.of(sizes_L, x_MD.shape[0])  # module docstring: one padding
+        x_PD = layout.pad(x_MD)
+        gate_PF = self.gate_proj(x_PD, sizes_L, layout)
+        up_PF = self.up_proj(x_PD, sizes_L, layout)
+        return layout.unpad(self.down_proj(swiglu(gate_PF, up_PF), sizes_L, layout))
