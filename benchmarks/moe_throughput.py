@@ -41,7 +41,7 @@ Peak memory (``torch.cuda.max_memory_allocated``) is in every row.
 ``--profile`` adds to each layer row two consecutive profiled steps of that stack
 (``train_throughput.profile_step``: device ms by kernel category, the top kernels, device idle
 time and the kernels the device waited for) and prints them: where mt's layer spends the time
-the compiled reference does not.
+the compiled reference does not. ``--stacks`` and ``--shapes`` run a subset of the layer rows.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ LAYER_SHAPES = {
         MoEConfig(num_experts=64, top_k=6, expert_ffn_dim=1408, n_shared_experts=2),
     ),
 }
+LAYER_STACKS = ("reference", "mt_bf16", "mt_fp8")
 SMOKE_LAYER_SHAPES = {"tiny": (32, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32))}
 SEQ, SMOKE_SEQ = 4096, 32
 ALIGN = 16
@@ -183,6 +184,7 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
         x = torch.randn(1, seq, dim, device=device, requires_grad=True)
         dy = torch.randn(1, seq, dim, device=device)
         stacks = {"reference": reference, "mt_bf16": layer, "mt_fp8": fp8_layer}
+        stacks = {name: stacks[name] for name in args.stacks}
         for routing in ("natural", "balanced"):
             for stack, module in stacks.items():
 
@@ -310,14 +312,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--skip-models", action="store_true", help="layer rows only")
     parser.add_argument("--profile", action="store_true", help="profile each layer stack")
+    parser.add_argument(
+        "--stacks", type=lambda text: text.split(","), default=list(LAYER_STACKS),
+        help=f"comma-separated layer stacks (default all: {','.join(LAYER_STACKS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shapes", type=lambda text: text.split(","), default=list(LAYER_SHAPES),
+        help=f"comma-separated layer shapes (default all: {','.join(LAYER_SHAPES)})",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="append result rows (JSON lines) here")
     args = parser.parse_args(argv)
+    for name in args.stacks:
+        if name not in LAYER_STACKS:
+            parser.error(f"--stacks: unknown stack {name!r}; valid: {', '.join(LAYER_STACKS)}")
+    for name in args.shapes:
+        if name not in LAYER_SHAPES:
+            parser.error(f"--shapes: unknown shape {name!r}; valid: {', '.join(LAYER_SHAPES)}")
     if args.smoke:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         shapes, seq, iters = SMOKE_LAYER_SHAPES, SMOKE_SEQ, 1
     else:
         harness.require_cuda()
-        device, shapes, seq, iters = "cuda", LAYER_SHAPES, SEQ, args.iters
+        shapes = {name: LAYER_SHAPES[name] for name in args.shapes}
+        device, seq, iters = "cuda", SEQ, args.iters
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(
         f"device: {name}, torch {torch.__version__}, recipe {args.recipe}, "
