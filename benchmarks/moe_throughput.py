@@ -17,6 +17,9 @@ like: width 2048, 64 experts of FFN 1408, top-6, 2 shared experts). Stacks:
   ``[E, out, in]`` tensors with groups padded to 16 rows, index-add combine), compiled with
   ``torch.compile`` on CUDA (``--no-compile`` turns it off);
 * ``mt_bf16``: ``mt_parallel.moe.MoE`` (fp32 router with autocast off, grouped experts);
+* ``mt_bf16_compiled`` (only when named in ``--stacks``): ``mt_bf16`` with ``module.compile()``
+  on CUDA, as ``parallel.compile=true`` compiles each block (graph breaks at the host reads of
+  the group sizes);
 * ``mt_fp8``: the same with its experts (and shared experts) in FP8 (``--recipe``, default
   ``rowwise``; mt-fp8's ``FP8GroupedLinear``). ``--expert-formats`` is the trainer's
   ``fp8.expert_formats`` (``mt_parallel.expert_recipe``): ``auto`` (default; E4M3 for every
@@ -72,6 +75,7 @@ LAYER_SHAPES = {
     ),
 }
 LAYER_STACKS = ("reference", "mt_bf16", "mt_fp8")
+OPTIONAL_STACKS = ("mt_bf16_compiled",)
 SMOKE_LAYER_SHAPES = {"tiny": (32, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32))}
 SEQ, SMOKE_SEQ = 4096, 32
 ALIGN = 16
@@ -184,6 +188,12 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
         x = torch.randn(1, seq, dim, device=device, requires_grad=True)
         dy = torch.randn(1, seq, dim, device=device)
         stacks = {"reference": reference, "mt_bf16": layer, "mt_fp8": fp8_layer}
+        if "mt_bf16_compiled" in args.stacks:
+            compiled = MoE(dim, dataclasses.replace(cfg, balancing="none")).to(device)
+            compiled.load_state_dict(layer.state_dict())
+            if device == "cuda" and args.compile:
+                compiled.compile()
+            stacks["mt_bf16_compiled"] = compiled
         stacks = {name: stacks[name] for name in args.stacks}
         for routing in ("natural", "balanced"):
             for stack, module in stacks.items():
@@ -314,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="profile each layer stack")
     parser.add_argument(
         "--stacks", type=lambda text: text.split(","), default=list(LAYER_STACKS),
-        help=f"comma-separated layer stacks (default all: {','.join(LAYER_STACKS)})",
+        help=f"comma-separated layer stacks (default {','.join(LAYER_STACKS)}; also "
+        f"{','.join(OPTIONAL_STACKS)})",
     )  # fmt: skip
     parser.add_argument(
         "--shapes", type=lambda text: text.split(","), default=list(LAYER_SHAPES),
@@ -323,8 +334,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="append result rows (JSON lines) here")
     args = parser.parse_args(argv)
     for name in args.stacks:
-        if name not in LAYER_STACKS:
-            parser.error(f"--stacks: unknown stack {name!r}; valid: {', '.join(LAYER_STACKS)}")
+        if name not in LAYER_STACKS + OPTIONAL_STACKS:
+            valid = ", ".join(LAYER_STACKS + OPTIONAL_STACKS)
+            parser.error(f"--stacks: unknown stack {name!r}; valid: {valid}")
     for name in args.shapes:
         if name not in LAYER_SHAPES:
             parser.error(f"--shapes: unknown shape {name!r}; valid: {', '.join(LAYER_SHAPES)}")

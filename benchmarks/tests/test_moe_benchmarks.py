@@ -34,11 +34,11 @@ def test_moe_throughput_smoke_layers_with_the_recipes_expert_formats(tmp_path: P
     out = tmp_path / "rows.jsonl"
     moe_throughput.main(
         ["--smoke", "--skip-models", "--expert-formats", "recipe", "--profile", "--out", str(out),
-         "--stacks", "mt_bf16,mt_fp8"]
+         "--stacks", "mt_bf16,mt_bf16_compiled,mt_fp8"]
     )  # fmt: skip
     rows = _rows(out)
     assert rows and all(r["kind"] == "layer" and r["expert_formats"] == "recipe" for r in rows)
-    assert {r["stack"] for r in rows} == {"mt_bf16", "mt_fp8"}  # --stacks
+    assert {r["stack"] for r in rows} == {"mt_bf16", "mt_bf16_compiled", "mt_fp8"}  # --stacks
     # --profile: every layer row carries its profiled steps (no kernels on a CPU, a wall time)
     assert all(r["profile"]["steps"] == 2 and r["profile"]["wall_ms"] > 0 for r in rows)
 
