@@ -10,7 +10,12 @@ the largest relative errors of the output, the auxiliary loss and every gradient
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+from collections.abc import Iterator
+from functools import partial
+from unittest import mock
 
 import torch
 from parallel_checks import device_of, rel_err
@@ -25,6 +30,7 @@ from mt_parallel.moe import (
     collect_aux_losses,
     reduce_expert_gradients,
 )
+from mt_parallel.moe.dispatch import all_to_all_in_flight
 
 DIM, BATCH, SEQ = 16, 2, 6
 
@@ -95,6 +101,69 @@ def ep_parity(ep: int, tp: int = 1, fp8: str | None = None, **moe: object) -> di
     grads = grad_errors(layer, reference, state, tp, cfg.num_experts // ep)
     return {"y": rel_err(y, expected_y), "loss": rel_err(loss, ref_losses[rank]), "grads": grads,
             "dropped": float(layer.load_stats.dropped_fraction)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _dispatch_trace(layer: MoE, ep: int) -> Iterator[list[str]]:
+    """The order of the blocking all-to-alls (``counts sent``, ``rows sent``), the host read of
+    the dispatcher's ``[2, ep, L]`` count tables (``counts read``) and the shared experts'
+    forward."""
+    events: list[str] = []
+    all_to_all, tolist = mt_comm.all_to_all, torch.Tensor.tolist
+    count_tables = (2, ep, layer.cfg.num_experts // ep)
+
+    def traced_all_to_all(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        events.append("rows sent" if tensor.is_floating_point() else "counts sent")
+        return all_to_all(tensor, *args, **kwargs)
+
+    def traced_tolist(tensor: torch.Tensor) -> object:
+        if tuple(tensor.shape) == count_tables:
+            events.append("counts read")
+        return tolist(tensor)
+
+    hook = layer.shared_experts.register_forward_pre_hook(
+        lambda *_: events.append("shared experts")
+    )
+    try:
+        with (
+            mock.patch.object(mt_comm, "all_to_all", traced_all_to_all),
+            mock.patch.object(torch.Tensor, "tolist", traced_tolist),
+        ):
+            yield events
+    finally:
+        hook.remove()
+
+
+def shared_expert_overlap(ep: int, tp: int = 1) -> dict:
+    """The layer with shared experts split over ``ep`` (and ``tp`` with sequence parallel), run
+    from the same weights and tokens with ``shared_expert_overlap`` ``off``, ``on``, and on
+    inside :func:`~mt_parallel.moe.dispatch.all_to_all_in_flight` (``on, rows in flight``: the
+    row all-to-alls started async, each wait preceded by a ``rows in flight`` event). Returns,
+    per setting, the output, the input gradient and every parameter gradient, and the order of
+    events (:func:`_dispatch_trace`; the in-flight events of the backward too)."""
+    state = mt_comm.init_parallel_state(tp=tp, ep=ep)
+    base = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, n_shared_experts=2)
+    gen = torch.Generator().manual_seed(13 + state.rank("dp_cp"))
+    x = torch.randn(BATCH, SEQ // tp, DIM, generator=gen, dtype=torch.float64)
+    g = torch.randn(BATCH, SEQ // tp, DIM, generator=gen, dtype=torch.float64)
+    results = {}
+    for setting in ("off", "on", "on, rows in flight"):
+        cfg = dataclasses.replace(base, shared_expert_overlap=setting != "off")
+        layer = MoE(DIM, cfg).double()
+        mp.init_weights(layer, seed=3)
+        mp.apply_tensor_parallel(layer, state.group("tp"), sequence_parallel=tp > 1)
+        apply_expert_parallel(layer, state.group("ep"), state.group("edp"), state.group("dp_cp"))
+        x_in = x.clone().requires_grad_()
+        with contextlib.ExitStack() as stack:
+            events = stack.enter_context(_dispatch_trace(layer, ep))
+            if setting == "on, rows in flight":
+                stack.enter_context(all_to_all_in_flight(partial(events.append, "rows in flight")))
+            loss, y = _loss(layer, x_in, g)
+            loss.backward()
+        values = {"y": y.detach(), "x_grad": x_in.grad}
+        values.update((name, p.grad) for name, p in layer.named_parameters())
+        results[setting] = {"values": values, "events": events}
+    return results
 
 
 def bias_update_is_global(ep: int) -> dict:

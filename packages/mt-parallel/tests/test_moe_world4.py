@@ -1,7 +1,7 @@
 """Expert parallelism on 4 gloo ranks against one process in float64 (a pool shared across modules):
 ep=2 and ep=4, all-to-all and all-gather dispatch, dropless and capacity dropping (the same
-assignments dropped), shared experts, ep×tp, ep×tp with sequence parallel, ep×dp, FP8, and the
-global aux-loss-free bias."""
+assignments dropped), shared experts, ep×tp, ep×tp with sequence parallel, ep×dp, FP8, the
+global aux-loss-free bias, and the shared experts overlapped with the count exchange."""
 
 from __future__ import annotations
 
@@ -89,3 +89,24 @@ def test_aux_free_bias_moves_from_the_global_counts(pool: DistributedPool) -> No
         assert torch.equal(result["counts"], result["summed"])
         assert torch.equal(result["bias"], results[0]["bias"])
     assert results[0]["bias"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2-dp2", "ep2-tp2-sp"])
+def test_shared_experts_overlap_the_count_exchange(pool: DistributedPool, tp: int) -> None:
+    # On: the shared experts run after the counts are sent and before the host reads them
+    # (on an accelerator: while they travel), also with the row all-to-alls in flight (DualPipeV);
+    # off: after the routed part. Each part computes the same values: the same bits.
+    forward = ["counts sent", "shared experts", "counts read"]
+    expected = {
+        "off": ["counts sent", "counts read", "rows sent", "rows sent", "shared experts",
+                "rows sent", "rows sent"],
+        "on": [*forward, "rows sent", "rows sent", "rows sent", "rows sent"],
+        "on, rows in flight": [*forward, *["rows in flight"] * 4],
+    }  # fmt: skip
+    for result in pool.run(moe_checks.shared_expert_overlap, ep=2, tp=tp):
+        assert {setting: run["events"] for setting, run in result.items()} == expected
+        off = result.pop("off")["values"]
+        for run in result.values():
+            assert run["values"].keys() == off.keys()
+            for name, value in off.items():
+                assert torch.equal(run["values"][name], value), name

@@ -57,6 +57,10 @@ class MoEConfig:
     dispatcher: str = "all_to_all"
     """How tokens reach their experts over the ep group: ``all_to_all`` (uneven splits) or
     ``all_gather`` (every rank sees every token; for small groups)."""
+    shared_expert_overlap: bool = True
+    """Run the shared experts while the all-to-all dispatcher's expert counts travel to the
+    host (ep > 1), not after the routed experts (Megatron-Core's ``moe_shared_expert_overlap``).
+    Changes no value, only when the host waits."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_ffn_dim", "n_group", "topk_group"):

@@ -29,8 +29,22 @@ Overlap (:func:`all_to_all_in_flight`): inside that context the row all-to-alls 
 context's ``while_in_flight()`` runs before each is waited on, so another piece of work (the
 other half of a DualPipeV ``OVERLAP_F_B`` pair, :mod:`mt_parallel.pipeline.overlap`) computes
 while the rows travel. The values are the blocking all-to-all's, bit for bit: only the moment
-the caller blocks moves. The small exchange of the ``P×L`` counts stays blocking (its result
-sizes the row exchange); :class:`AllGatherDispatcher` is not affected.
+the caller blocks moves. The small exchange of the ``P×L`` counts is not handed to
+``while_in_flight`` (its result sizes the row exchange); :class:`AllGatherDispatcher` is not
+affected.
+
+Work while the counts travel (``while_counts_travel``, the MoE layer's shared experts,
+Megatron-Core's ``moe_shared_expert_overlap``): the host must read the counts before it can
+start the rows, and on an accelerator that read would leave the device idle from the moment
+the counts arrive until the host has queued the next kernels. So the order on the current
+stream is: count all-to-all, copy of both count tables to pinned host memory
+(``non_blocking``), an event, then ``while_counts_travel()``'s kernels; the host waits for the
+event only, and queues the row all-to-all while the device runs that work. On the CPU (gloo)
+the same order runs with a plain read: the count exchange blocks, nothing overlaps. The work
+computes what it computes afterwards, so every value is unchanged; it is called exactly once
+when counts are exchanged (:class:`AllToAllDispatcher` over several ranks) and never
+otherwise, inside :func:`all_to_all_in_flight` too (it runs on the calling half, which keeps
+the turn).
 """
 
 from __future__ import annotations
@@ -101,6 +115,21 @@ def all_to_all(
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+def _counts_to_host(counts: torch.Tensor, while_copying: Callable[[], None] | None) -> list:
+    """``counts.tolist()``, with ``while_copying()`` queued between the device-to-host copy and
+    the host's wait for it (module docstring)."""
+    host = counts.to("cpu", non_blocking=True)  # from an accelerator: pinned, copied async
+    copied = None
+    if counts.device.type != "cpu":
+        copied = torch.Event(counts.device)
+        copied.record()  # on the current stream, after the copy and before while_copying's work
+    if while_copying is not None:
+        while_copying()
+    if copied is not None:
+        copied.synchronize()
+    return host.tolist()
+
+
 def _regroup(x: torch.Tensor, sizes: list[int], rows: int, cols: int) -> torch.Tensor:
     """Chunks laid out (row, col) in ``x`` (``sizes`` in that order) re-laid out (col, row)."""
     chunks = x.split(sizes)
@@ -114,7 +143,11 @@ class AllToAllDispatcher:
         self.num_experts, self.group = num_experts, group
 
     def __call__(
-        self, x_ND: torch.Tensor, sizes_E: torch.Tensor, compute: ExpertCompute
+        self,
+        x_ND: torch.Tensor,
+        sizes_E: torch.Tensor,
+        compute: ExpertCompute,
+        while_counts_travel: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         ranks = group_size(self.group)
         if ranks == 1:
@@ -122,7 +155,8 @@ class AllToAllDispatcher:
         local = self.num_experts // ranks
         send_PL = sizes_E.view(ranks, local)
         recv_PL = mt_comm.all_to_all(send_PL.contiguous(), group=self.group)
-        send_host, recv_host = torch.stack([send_PL, recv_PL]).tolist()  # one host read
+        counts = torch.stack([send_PL, recv_PL])
+        send_host, recv_host = _counts_to_host(counts, while_counts_travel)  # one host read
         in_splits = [sum(row) for row in send_host]
         out_splits = [sum(row) for row in recv_host]
         x_MD = all_to_all(x_ND, out_splits, in_splits, self.group)
@@ -141,9 +175,14 @@ class AllGatherDispatcher:
         self.num_experts, self.group = num_experts, group
 
     def __call__(
-        self, x_ND: torch.Tensor, sizes_E: torch.Tensor, compute: ExpertCompute
+        self,
+        x_ND: torch.Tensor,
+        sizes_E: torch.Tensor,
+        compute: ExpertCompute,
+        while_counts_travel: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """A group of one rank: every expert is local, nothing moves."""
+        """A group of one rank: every expert is local, nothing moves (no counts travel, so
+        ``while_counts_travel`` is not called)."""
         if group_size(self.group) > 1:
             raise RuntimeError("AllGatherDispatcher over several ranks: use dispatch_combine")
         return compute(x_ND, sizes_E)
@@ -183,8 +222,11 @@ def dispatch_and_combine(
     compute: ExpertCompute,
     capacity_factor: float | None,
     pad_to_capacity: bool,
+    while_counts_travel: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, int | torch.Tensor]:
-    """The routed experts' weighted output ``y_TD`` and the number of dropped assignments."""
+    """The routed experts' weighted output ``y_TD`` and the number of dropped assignments.
+    ``while_counts_travel()`` runs once while the ``P×L`` counts travel, where they do
+    (:class:`AllToAllDispatcher` over several ranks), and is not called otherwise."""
     plan = permute_plan(indices_TK, dispatcher.num_experts, capacity_factor, pad_to_capacity)
     if isinstance(dispatcher, AllGatherDispatcher) and group_size(dispatcher.group) > 1:
         y_AD = dispatcher.dispatch_combine(x_TD, indices_TK, plan, compute)
@@ -193,5 +235,5 @@ def dispatch_and_combine(
         weighted = y_AD.view(tokens, top_k, -1).to(wide) * weights_TK[..., None]
         return weighted.sum(1).to(y_AD.dtype), plan.dropped
     x_ND = permute(x_TD, plan, indices_TK.shape[1])
-    y_ND = dispatcher(x_ND, plan.group_sizes_E, compute)
+    y_ND = dispatcher(x_ND, plan.group_sizes_E, compute, while_counts_travel)
     return unpermute(y_ND, plan, weights_TK), plan.dropped

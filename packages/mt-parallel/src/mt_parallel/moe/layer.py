@@ -8,6 +8,17 @@ Math::
     y_t = Σ_j w_tj · Expert_{idx_tj}(m_t)   over kept assignments (capacity)
         + SharedMLP(m_t)                    when n_shared_experts > 0
 
+Order. With ``shared_expert_overlap`` (the default) and the all-to-all dispatcher over
+``ep > 1`` ranks, ``SharedMLP(m)`` runs inside the dispatch, after the ``P×L`` expert counts
+are exchanged and their copy to the host is queued, and before the host reads them
+(:mod:`~mt_parallel.moe.dispatch`): on an accelerator the device computes the shared experts
+while the host waits for the counts and then queues the row all-to-all (Megatron-Core's
+``moe_shared_expert_overlap``). Otherwise (switched off, ``ep = 1``, the all-gather dispatcher)
+they run after the routed part. Each part computes the same values in either order, and the
+backward adds the three terms of ``m``'s gradient (shared, routed, router) in the same order
+(the shared experts' backward still runs before the permutation's): output and every gradient
+are bit-identical.
+
 ``SharedMLP`` is one :class:`~mt_parallel.MLP` of width ``n_shared·shared_ffn_dim`` (the sum of
 the shared experts, exactly: SwiGLU experts side by side are one wider SwiGLU), TP-sharded like
 any MLP. The routed experts are not TP-sharded: under ``tp > 1`` without sequence parallel
@@ -99,9 +110,17 @@ class MoE(nn.Module):
         batch, seq, dim = m_BSD.shape
         routing = self.router(m_BSD)
         x_TD = m_BSD.reshape(batch * seq, dim)
+        shared_BSD: torch.Tensor | None = None
+
+        def run_shared_experts() -> None:
+            nonlocal shared_BSD
+            shared_BSD = self.shared_experts(m_BSD)
+
+        overlap = self.shared_experts is not None and self.cfg.shared_expert_overlap
         y_TD, dropped = dispatch_and_combine(
             self._dispatcher(), x_TD, routing.indices_TK, routing.weights_TK,
             self.experts, self.cfg.capacity_factor, self.cfg.pad_to_capacity,
+            while_counts_travel=run_shared_experts if overlap else None,
         )  # fmt: skip
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.aux_losses = {"moe_aux_loss": routing.aux_loss, "moe_z_loss": routing.z_loss}
@@ -113,7 +132,9 @@ class MoE(nn.Module):
             self.load_stats = LoadStats(routing.counts_E.detach(), fraction.detach())
         y_BSD = y_TD.view(batch, seq, dim)
         if self.shared_experts is not None:
-            y_BSD = y_BSD + self.shared_experts(m_BSD)
+            if shared_BSD is None:  # no count exchange to hide them behind (or overlap off)
+                run_shared_experts()
+            y_BSD = y_BSD + shared_BSD
         return y_BSD
 
 
