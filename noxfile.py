@@ -63,12 +63,21 @@ USES_FAKE_PLUGIN = {"mt-core", "mt-comm"}
 # cross-entropy (test_fp8_ops); the 1x128, MXFP8 1x32 and 128x128 block quantizers and the block
 # GEMM (test_fp8_block_fast); the rowwise quantizer (test_fp8_rowwise_fast); AdamW
 # (test_fp8_optim); MoE permute/unpermute (test_fp8_moe_permute); the grouped block-scaled
-# GEMMs of FP8GroupedLinear's block recipe (test_fp8_grouped_block). The other mt-fp8 tests reach
+# GEMMs of FP8GroupedLinear's block recipe (test_fp8_grouped_block); its tensorwise weight stack
+# (test_fp8_grouped_stack). The other mt-fp8 tests reach
 # the same kernels through the layers and run under the interpreter too (pass them as
 # arguments), in several times the time.
 KERNEL_TESTS = tuple(
     f"packages/mt-fp8/tests/test_fp8_{name}.py"
-    for name in ("ops", "block_fast", "rowwise_fast", "optim", "moe_permute", "grouped_block")
+    for name in (
+        "ops",
+        "block_fast",
+        "rowwise_fast",
+        "optim",
+        "moe_permute",
+        "grouped_block",
+        "grouped_stack",
+    )
 )
 
 

@@ -73,15 +73,22 @@ both elementwise, so a value and its scale give the same bits whatever tensor ho
 * Tensorwise: per-group amaxes by the same segmented reduction (then a max over C), or one
   ∞-norm reduction over each expert's weight; with an amax group, one all-reduce of the (E',) amaxes
   (the loop: one per group); one cast with each row's group scale. The transposes are exact:
-  one FP8 transpose copy each.
+  one FP8 transpose copy each of ``x`` and ``dy``. The weights, where the loop's quantizers are
+  Triton kernels (and the stack is bf16, fp16 or fp32), take one launch of
+  :func:`~mt_fp8.kernels.quantize.quantize_transpose_stack_triton` after the ∞-norm: it reads
+  the stack once and writes ``W`` (E, N, K) and ``Wᵀ`` (E, K, N) with each expert's scale,
+  folding the health counts in the launch (two reads of the high-precision stack and 1 + 1
+  bytes written per element, no eager pass over it); else ``cast_to_fp8`` with the scales
+  repeated over the rows and one FP8 transpose copy.
 
 On CUDA the loop quantizes some of these with its Triton kernels, which are bit-identical to
 :func:`~mt_fp8.quantized.quantize` (tested in test_fp8_rowwise_fast.py and test_fp8_ops.py);
 test_fp8_grouped.py checks the byte and scale identity of every operand against the loop's
-quantizers on CPU and (marked ``gpu``) on CUDA. Health counts (``track_health``) are the
-loop's: the casts of ``x``, ``dy`` and ``W`` count them, transposed operands count nothing.
-The bias adds in one op; its gradient stays one fp32 sum per group (the loop's summation
-order, so the loop's bits).
+quantizers on CPU and (marked ``gpu``) on CUDA, test_fp8_grouped_stack.py that of the stack
+kernel's weights against the eager cast (in Triton's interpreter and on CUDA). Health counts
+(``track_health``) are the loop's: the casts of ``x``, ``dy`` and ``W`` count them, transposed
+operands count nothing. The bias adds in one op; its gradient stays one fp32 sum per group (the
+loop's summation order, so the loop's bits).
 
 Where the kernel cannot take a GEMM, that GEMM runs per group through
 :func:`~mt_fp8.gemm.fp8_gemm` on the same operands (see :func:`gemm_reason`): it accepts
@@ -170,6 +177,9 @@ were measured faster than the grouped kernels (docs/performance.md, "Grouped blo
 MXFP8 expert layers against their per-expert loops"); ``"fast"`` groups them all the same."""
 MAX_GROUPS = 1023
 """PyTorch's grouped kernel refuses 1024 groups or more ("Can't process more than 1024 groups")."""
+_STACK_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Weight dtypes the tensorwise stack kernel takes (fp64 stays eager: ``cast_to_fp8`` divides
+fp64 in fp64, the kernel would round to fp32 first)."""
 
 
 def scaled_grouped_mm(
@@ -657,14 +667,22 @@ def _quantize_weights(
     # every optimizer step (NaN gives NaN either way: a NaN scale, as the quantizers give it).
     amax_E = torch.linalg.vector_norm(weight_ENK, ord=math.inf, dim=(1, 2)).float()
     scale_E = scale_from_amax(_amax_group_reduced(plan, amax_E, role), fmt)
-    scale_rows = scale_E.repeat_interleave(out_features)[:, None]
-    data = cast_to_fp8(
-        weight_ENK.reshape(-1, in_features), scale_rows, fmt, plan.health_stats(role)
-    )
-    weight = _Stacked(data.view(weight_ENK.shape), scale_E.view(experts, 1, 1), layout, fmt)
-    if not need_transpose:
+    stats = plan.health_stats(role)
+    if plan._fused_tensorwise(weight_ENK, layout) and weight_ENK.dtype in _STACK_KERNEL_DTYPES:
+        from mt_fp8.kernels.quantize import quantize_transpose_stack_triton
+
+        data, data_t = quantize_transpose_stack_triton(
+            weight_ENK, scale_E, fmt, stats, need_transpose
+        )
+    else:
+        scale_rows = scale_E.repeat_interleave(out_features)[:, None]
+        data = cast_to_fp8(weight_ENK.reshape(-1, in_features), scale_rows, fmt, stats)
+        data = data.view(weight_ENK.shape)
+        data_t = data.transpose(1, 2).contiguous() if need_transpose else None
+    weight = _Stacked(data, scale_E.view(experts, 1, 1), layout, fmt)
+    if data_t is None:
         return weight, None
-    return weight, _Stacked(weight.data.transpose(1, 2).contiguous(), weight.scale, layout, fmt)
+    return weight, _Stacked(data_t, weight.scale, layout, fmt)
 
 
 def _quantize_mx_weights(
