@@ -26,7 +26,7 @@ import pytest
 
 from mt_plan.calibration import CalibrationTable, Entry, load_table
 from mt_plan.cluster import load_cluster
-from mt_plan.cost import EXPERT_REQUANT_BYTES, CostModel, Workload
+from mt_plan.cost import CostModel, Workload
 from mt_plan.layout import Layout
 from mt_plan.models import resolve, shape_of
 from mt_plan.shape import ModelShape
@@ -259,27 +259,26 @@ def test_fp8_experts_fall_back_without_grouped_linear_entries() -> None:
     assert shipped.expert_entries("none") == "bf16"
 
 
-def test_tensorwise_and_delayed_experts_requantize_their_stack_eagerly() -> None:
-    # After each optimizer step FP8GroupedLinear requantizes the expert stack with eager ops
-    # under tensorwise and delayed scaling: EXPERT_REQUANT_BYTES per expert weight at the copy
-    # rate, where the dense layers' fused quantizer is charged its WEIGHT_READS. The optimizer
-    # time with the fused price for the experts plus that difference is what is charged.
+def test_expert_weights_are_requantized_at_the_dense_weights_price() -> None:
+    # After each optimizer step every FP8 weight, the routed experts' included, is quantized by
+    # mt-fp8's fused quantizers: tensorwise experts by one ∞-norm read and one stack launch
+    # (4 + 4 + 1 + 1 bytes a weight, the dense weights' two reads), delayed ones by the loop's
+    # per-expert fused quantizer (4 + 1 + 1), rowwise ones as the dense rowwise weights (three
+    # reads, two writes and the FP8 byte transpose, 3·4 + 2 + 2). With one quantize rate the optimizer time is the
+    # bf16 run's (AdamW, the norm) plus those bytes over every block linear weight, scaled to
+    # the rate's A + 2 of the 2A + 2 bytes its entry moves (A = 2, bf16 autocast).
     copy_rate, quantize_rate = 2e12, 1e12
     table = [Entry("copy", "bf16", (8192, 4096), copy_rate),
              Entry("quantize", "bf16", (8192, 4096), quantize_rate)]  # fmt: skip
     experts = 2 * 8 * 3 * 14336 * 4096  # two layers of 8 experts, three [14336, 4096] weights
-    for fp8, moved in (("tensorwise", 2 * 4 + 2), ("delayed", 4 + 2)):
-        est = _moe_estimate(table, fp8=fp8)[1]
-        fused = _moe_estimate(table, fp8="rowwise")[1]  # rowwise keeps the fused quantizer
-        rowwise_weight = 3 * 4 + 2 + 2
-        fused_price = experts * moved * (2 + 2) / (2 * 2 + 2) / quantize_rate
-        eager_price = experts * EXPERT_REQUANT_BYTES / copy_rate
-        rowwise_price = experts * rowwise_weight * (2 + 2) / (2 * 2 + 2) / quantize_rate
-        dense = fused.optimizer_time - rowwise_price  # AdamW, the norm, the dense weights (rowwise)
-        dense_fp8 = (dense - _moe_estimate(table)[1].optimizer_time) * moved / rowwise_weight
-        expected = _moe_estimate(table)[1].optimizer_time + dense_fp8 + eager_price
-        assert est.optimizer_time == pytest.approx(expected, rel=1e-9), fp8
-        assert eager_price > fused_price
+    base = _moe_estimate(table)[1].optimizer_time
+    for fp8, moved in (("tensorwise", 2 * 4 + 2), ("delayed", 4 + 2), ("rowwise", 3 * 4 + 4)):
+        cost, est = _moe_estimate(table, fp8=fp8)
+        layout = Layout(fp8=fp8)
+        _, expert_params, linear = cost.rank_params(layout, [0], cost.chunk_layers(layout))
+        assert expert_params == experts and linear > experts
+        requant = linear * moved * (2 + 2) / (2 * 2 + 2) / quantize_rate
+        assert est.optimizer_time == pytest.approx(base + requant, rel=1e-9), fp8
 
 
 def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:

@@ -38,10 +38,15 @@ q/k/v, gate/up, MLA's kv_a and q_a or q under current scaling); the down project
 (SwiGLU's forward does not run; the quantizer reads ``2A`` bytes per element), and computed, then
 quantized, under the other recipes. The FP8 weight and its transpose are quantized once per step
 from the fp32 weight (the weight cache), :data:`WEIGHT_READS` reads (rowwise adds an FP8 byte
-transpose, its fp32 column cast stores untransposed), charged with the optimizer; the routed
-experts' stacked weights under tensorwise and delayed scaling are requantized by eager ops
-(per-expert ∞-norm, cast with health counts, transpose copy), :data:`EXPERT_REQUANT_BYTES` per
-element at the ``copy`` rate. Rowwise
+transpose, its fp32 column cast stores untransposed), charged with the optimizer. The routed
+experts' weights are priced as the dense ones, because on CUDA they move the same bytes:
+under tensorwise scaling mt-fp8's grouped path reads the fp32 stack once for the per-expert
+∞-norm (4 bytes per weight) and once more in the one Triton launch that writes ``W`` and
+``Wᵀ`` (4 read, 1 + 1 written): 10 bytes, the dense weight's two reads plus two FP8 writes;
+under delayed scaling the experts run the per-expert loop, whose weights take the dense fused
+quantizer (4 read, 1 + 1 written). (The grouped path's eager requantization, a cast with health
+counts and an FP8 transpose copy, runs only where Triton does not, which a CUDA calibration
+does not price; docs/plan.md, "Measured again", counted its bytes.) Rowwise
 GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per weight), charged
 as a copy unless the table has ``fp8_rowwise`` ``gemm_wgrad`` entries, which time the
 conversion inside the GEMM call.
@@ -143,11 +148,8 @@ QUANTIZE_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 2, "
 """Reads of a high-precision activation or gradient by mt-fp8's quantizer for its FP8 operand
 and transpose, per recipe (module docstring, "FP8 quantization")."""
 WEIGHT_READS = {"tensorwise": 2, "delayed": 1, "rowwise": 3, "blockwise": 1, "mxfp8": 2}
-"""The same for the fp32 weight (blockwise: 128×128 blocks, transposed in the same pass)."""
-EXPERT_REQUANT_BYTES = 55
-"""Bytes moved per expert weight element by ``FP8GroupedLinear``'s eager tensorwise/delayed
-requantization after each optimizer step, counted from its aten ops' operands on the CPU
-(docs/plan.md, "Measured again")."""
+"""The same for the fp32 weight (blockwise: 128×128 blocks, transposed in the same pass), dense
+and routed experts alike (module docstring, "FP8 quantization")."""
 SWIGLU_FWD, SWIGLU_BWD = 3, 5
 """Activation-sized tensors SwiGLU's kernels move per element of ``gate``: forward reads gate and
 up and writes the product; backward reads the product's gradient, gate and up and writes their
@@ -767,11 +769,7 @@ class CostModel:
         norm, _ = self._membound("copy", 4 * updated, (int(updated),))
         requant = 0.0
         if L.fp8 != "none":  # once per step, from the fp32 weights (module docstring)
-            eager = experts if L.fp8 in ("tensorwise", "delayed") else 0.0
-            fused = fp8_params - eager
-            requant, _ = self._quantize(L.fp8, fused, (int(fused),), 4, weight=True)
-            if eager:
-                requant += self._membound("copy", EXPERT_REQUANT_BYTES * eager, (int(eager),))[0]
+            requant, _ = self._quantize(L.fp8, fp8_params, (int(fp8_params),), 4, weight=True)
         optimizer = adam + norm + requant
         classes["optimizer"] = optimizer
 
