@@ -28,12 +28,20 @@ steps; its loop is backend ``"auto"``'s per-expert path (on Hopper, which has no
 cores, the exact bf16 GEMM of the dequantized operands, ``mt_fp8.gemm``). Times are medians of CUDA-event timings (wall clock on
 CPU), in ms (``harness.median_ms``); after the table, each recipe's grouped path against its
 loop and against bf16 ``grouped_mm``.
+
+``--tensorwise-requant`` times only the per-step requantization of an fp32 expert stack into
+FP8 ``W`` and ``Wᵀ`` under current tensorwise scaling (``mt_fp8.grouped._quantize_weights``,
+what each optimizer step costs the grouped path), at the same shapes: the fused path (∞-norm,
+then one stack launch; 4 + 4 + 1 + 1 bytes per weight) against the eager one
+(``MT_FP8_DISABLE_TRITON=1``: cast, health counts, FP8 transpose copy), with the fused path's
+rate in GB/s of those 10 bytes (without Triton both columns are the eager path).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import harness
@@ -49,7 +57,7 @@ from mt_fp8 import (
     RowwiseScaling,
     TensorwiseScaling,
 )
-from mt_fp8.grouped import GEMMS, gemm_reason, grouped_gemm_reason
+from mt_fp8.grouped import GEMMS, _quantize_weights, gemm_reason, grouped_gemm_reason
 
 TOKENS = 16384
 SHAPES = [(8, 4096, 14336), (8, 14336, 4096), (64, 2048, 1408)]  # (E, K, N)
@@ -153,6 +161,39 @@ def bench_shape(experts: int, k: int, n: int, tokens: int, device: str, iters: i
     return row
 
 
+@contextlib.contextmanager
+def triton_disabled(disabled: bool) -> Iterator[None]:
+    """``MT_FP8_DISABLE_TRITON`` set to ``disabled`` inside, restored after."""
+    original = os.environ.get("MT_FP8_DISABLE_TRITON")
+    os.environ["MT_FP8_DISABLE_TRITON"] = "1" if disabled else "0"
+    try:
+        yield
+    finally:
+        if original is None:
+            del os.environ["MT_FP8_DISABLE_TRITON"]
+        else:
+            os.environ["MT_FP8_DISABLE_TRITON"] = original
+
+
+def bench_requant(experts: int, k: int, n: int, device: str, iters: int) -> dict:
+    """ms of one tensorwise requantization of an fp32 [E, N, K] stack into ``W`` and ``Wᵀ``,
+    fused and eager (module docstring)."""
+    layer = FP8GroupedLinear(experts, k, n, bias=False, recipe=TensorwiseScaling(), device=device)
+    plan = layer.linear_plan(torch.empty(0, k, device=device), None)
+    weight = layer.weight.detach()
+    row = {}
+    for path in ("fused", "eager"):
+        with triton_disabled(path == "eager"):
+            row[path] = time_ms(
+                lambda: _quantize_weights(plan, weight, need_transpose=True),
+                lambda: None,
+                device,
+                iters,
+            )
+    row["fused GB/s"] = 10 * weight.numel() / (row["fused"] * 1e-3) / 1e9
+    return row
+
+
 def speedups(shape: str, row: dict) -> list[str]:
     """Each recipe's grouped path against its loop and against bf16 grouped_mm (time ratios)."""
     lines = []
@@ -172,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--tensorwise-requant",
+        action="store_true",
+        help="time only the fp32 expert stack's tensorwise requantization, fused and eager",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (use --smoke for a CPU check)")
         device, shapes, tokens, iters = "cuda", SHAPES, TOKENS, args.iters
+    if args.tensorwise_requant:
+        return requant_table(shapes, device, iters)
     columns = ["bf16 loop", "bf16 grouped_mm"] + [
         f"{name} {path}" for name, _ in RECIPES for path in ("loop", "grouped")
     ]
@@ -208,6 +256,26 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print()
     for note in notes:
         print(f"- {note}")
+    return rows
+
+
+def requant_table(shapes: list[tuple[int, int, int]], device: str, iters: int) -> dict[str, dict]:
+    """Print and return :func:`bench_requant`'s row per shape."""
+    print(
+        f"device: {torch.cuda.get_device_name() if device == 'cuda' else device}, "
+        f"torch {torch.__version__}, fp32 [E, N, K] stack -> FP8 W and Wᵀ, tensorwise, "
+        f"ms (median of {iters})\n"
+    )
+    print("| E, K, N | fused | eager | eager / fused | fused GB/s (10 B/weight) |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = {}
+    for experts, k, n in shapes:
+        row = bench_requant(experts, k, n, device, iters)
+        rows[f"{experts}, {k}, {n}"] = row
+        print(
+            f"| {experts}, {k}, {n} | {row['fused']:.3f} | {row['eager']:.3f} | "
+            f"{row['eager'] / row['fused']:.2f} | {row['fused GB/s']:.0f} |"
+        )
     return rows
 
 
