@@ -90,34 +90,38 @@ def test_zero1_under_pp_matches_single_process(
 def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(
     pool, kjv_data: Path, tmp_path: Path
 ) -> None:
-    common = {**CONSTANT, "model.dropout": 0.1}
+    # The uninterrupted run's own step-8 checkpoint is the one resumed: under the constant
+    # schedule a run stopped at step 8 would have written the same one.
+    common = {**CONSTANT, "model.dropout": 0.1, "trainer.max_steps": 12}
     full = pool.run(
         train_checks.run_losses,
-        tiny_overrides(kjv_data, **pp2("zbv", **common, **{"trainer.max_steps": 12})),
+        tiny_overrides(kjv_data, **pp2("zbv", **common)),
         tmp_path / "full",
     )[0]
-    pool.run(
-        train_checks.run_losses,
-        tiny_overrides(kjv_data, **pp2("zbv", **common, **{"trainer.max_steps": 8})),
-        tmp_path / "split",
-    )
-    manifest = (tmp_path / "split" / "checkpoints" / "step-00000008" / "manifest.json").read_text()
+    step = tmp_path / "full" / "checkpoints" / "step-00000008"
+    manifest = (step / "manifest.json").read_text()
     assert "model/layers.3.attention.q_proj.weight" in manifest and "model/embed.weight" in manifest
-    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     resumed = pool.run(
         train_checks.run_losses,
-        tiny_overrides(kjv_data, **pp2("zbv", **common, **resume)),
-        tmp_path / "split",
+        tiny_overrides(kjv_data, **pp2("zbv", **common, **{"checkpoint.resume": step})),
+        tmp_path / "resumed",
     )
     assert resumed[0] == resumed[1] == full[8:]  # exact float equality, step by step
 
 
-def test_pp2_checkpoint_loads_at_pp1(pool, kjv_data: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
+    """One process, 12 steps under the constant schedule: its losses and its checkpoints'
+    folder (steps 4, 8 and 12; the step-8 one equals that of a run stopped at step 8)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    overrides = tiny_overrides(kjv_data, **PIPELINE, **CONSTANT, **{"trainer.max_steps": 12})
+    return train_checks.run_losses(overrides, out), out / "checkpoints"
+
+
+def test_pp2_checkpoint_loads_at_pp1(
+    pool, kjv_data: Path, uninterrupted: tuple[list, Path], tmp_path: Path
+) -> None:
     """Stage checkpoints are joined by name in one process, which continues the curve."""
-    uninterrupted = train_checks.run_losses(
-        tiny_overrides(kjv_data, **PIPELINE, **CONSTANT, **{"trainer.max_steps": 12}),
-        tmp_path / "full",
-    )
     pool.run(
         train_checks.run_losses,
         tiny_overrides(kjv_data, **pp2("dualpipev", **CONSTANT, **{"trainer.max_steps": 8})),
@@ -130,24 +134,20 @@ def test_pp2_checkpoint_loads_at_pp1(pool, kjv_data: Path, tmp_path: Path) -> No
     at_pp1 = train_checks.run_losses(
         tiny_overrides(kjv_data, **PIPELINE, **CONSTANT, **resume), tmp_path / "split"
     )
-    assert at_pp1 == pytest.approx(uninterrupted[8:], rel=RTOL)
+    assert at_pp1 == pytest.approx(uninterrupted[0][8:], rel=RTOL)
 
 
-def test_pp1_checkpoint_loads_at_pp2(pool, kjv_data: Path, tmp_path: Path) -> None:
-    single = {**PIPELINE, **CONSTANT}
-    uninterrupted = train_checks.run_losses(
-        tiny_overrides(kjv_data, **single, **{"trainer.max_steps": 12}), tmp_path / "full"
-    )
-    train_checks.run_losses(
-        tiny_overrides(kjv_data, **single, **{"trainer.max_steps": 8}), tmp_path / "split"
-    )
-    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+def test_pp1_checkpoint_loads_at_pp2(
+    pool, kjv_data: Path, uninterrupted: tuple[list, Path], tmp_path: Path
+) -> None:
+    losses, checkpoints = uninterrupted
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": checkpoints / "step-00000008"}
     resumed = pool.run(
         train_checks.run_losses,
         tiny_overrides(kjv_data, **pp2("1f1b", **CONSTANT, **resume)),
-        tmp_path / "split",
+        tmp_path,
     )
-    assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
+    assert resumed[0] == pytest.approx(losses[8:], rel=RTOL)
 
 
 # FP8 emulation makes a CPU step of the tiny model take seconds: three steps, no checkpoints.
