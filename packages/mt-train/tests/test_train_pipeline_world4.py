@@ -85,16 +85,14 @@ def test_ddp_averages_a_chunk_while_the_rank_runs_its_other_chunk(
 
 
 def test_single_process_checkpoint_resumes_at_pp4(pool, kjv_data: Path, tmp_path: Path) -> None:
-    single = {**PIPELINE, **CONSTANT}
-    uninterrupted = train_checks.run_losses(
-        tiny_overrides(kjv_data, **single, **{"trainer.max_steps": 12}), tmp_path / "full"
-    )
-    train_checks.run_losses(
-        tiny_overrides(kjv_data, **single, **{"trainer.max_steps": 8}), tmp_path / "split"
-    )
-    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto", "parallel.pp": 4}
+    # The uninterrupted run's step-8 checkpoint is resumed: under the constant schedule a run
+    # stopped at step 8 would have written the same one.
+    single = {**PIPELINE, **CONSTANT, "trainer.max_steps": 12}
+    uninterrupted = train_checks.run_losses(tiny_overrides(kjv_data, **single), tmp_path / "full")
+    step = tmp_path / "full" / "checkpoints" / "step-00000008"
+    resume = {"checkpoint.resume": step, "parallel.pp": 4}
     resumed = pool.run(
-        train_checks.run_losses, tiny_overrides(kjv_data, **single, **resume), tmp_path / "split"
+        train_checks.run_losses, tiny_overrides(kjv_data, **single, **resume), tmp_path / "pp4"
     )
     assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
 
