@@ -42,6 +42,23 @@ def pool(distributed_pools: PoolCache) -> DistributedPool:
     return distributed_pools.get(world_size=2)
 
 
+@pytest.fixture(scope="module")
+def one_process(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``one_process(**job)``: the one-process run of ``overrides(kjv_data, **job)`` (its
+    losses and logged rows, ``train_checks.run_logged``), trained once per job in this module:
+    the tp=2, ep=2 and sequence-parallel layouts all compare with the plain job's run."""
+    runs: dict[tuple, dict] = {}
+
+    def run(**job: object) -> dict:
+        key = tuple(sorted(job.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("single")
+            runs[key] = train_checks.run_logged(overrides(kjv_data, **job), out)
+        return runs[key]
+
+    return run
+
+
 LAYOUTS = {
     "tp2-mtp": {"parallel.tp": 2},
     "ep2-mtp": {"parallel": "ep2"},
@@ -53,22 +70,22 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layout_matches_one_process(
-    layout: dict, pool: DistributedPool, kjv_data: Path, tmp_path: Path
+    layout: dict, pool: DistributedPool, one_process, kjv_data: Path, tmp_path: Path
 ) -> None:
-    same_job = {k: v for k, v in layout.items() if not k.startswith("parallel")}
-    single = train_checks.run_losses(overrides(kjv_data, **same_job), tmp_path / "single")
+    single = one_process(**{k: v for k, v in layout.items() if not k.startswith("parallel")})
     per_rank = pool.run(train_checks.run_losses, overrides(kjv_data, **layout), tmp_path / "run")
     assert per_rank[0] == per_rank[1]
-    assert per_rank[0] == pytest.approx(single, rel=RTOL)
+    assert per_rank[0] == pytest.approx(single["losses"], rel=RTOL)
     if layout is LAYOUTS["cp2-mtp"]:
         # Logged extras are a dp rank's micro-batches'; at cp=2 (dp=1) the MTP loss is the
         # whole sequence's over the cp group, so the whole batch's as in one process.
-        logged, expected = (_logged(tmp_path / run, "mtp_loss_1") for run in ("run", "single"))
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        logged = _logged([json.loads(line) for line in lines], "mtp_loss_1")
+        expected = _logged(single["rows"], "mtp_loss_1")
         assert len(logged) >= 2 and logged == pytest.approx(expected, rel=RTOL)
 
 
-def _logged(run: Path, name: str) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _logged(rows: list[dict], name: str) -> list[float]:
     return [row[name] for row in rows if name in row]
 
 
@@ -98,14 +115,14 @@ def test_mtp_at_cp2_equals_one_process_in_float64(
 
 
 def test_sequence_parallel_matches_one_process(
-    pool: DistributedPool, kjv_data: Path, tmp_path: Path
+    pool: DistributedPool, one_process, kjv_data: Path, tmp_path: Path
 ) -> None:
     # tp=2 with SP (parallel=tp2), MTP on: MLA's latents all-gathered, the routers and routed
     # experts on each rank's half of every sequence. Besides the losses (RTOL, as above), the
     # logged CE, MTP losses and MaxVio (per batch, and of the global batch per router) equal
     # one process's: MaxVio comes from the expert counts, which are summed over TP; counted
     # per rank, they are those of half the sequences and MaxVio moves by O(0.1) (rank 0 logs).
-    single = train_checks.run_logged(overrides(kjv_data), tmp_path / "single")
+    single = one_process()
     per_rank = pool.run(
         train_checks.run_logged, overrides(kjv_data, parallel="tp2"), tmp_path / "run"
     )
