@@ -65,6 +65,7 @@ import mt_comm
 import mt_fp8
 import mt_parallel
 from mt_parallel.moe import MoE, MoEConfig, max_violation
+from mt_parallel.moe.capacity import expert_counts
 from mt_parallel.moe.router import Router, Routing
 
 LAYER_SHAPES = {
@@ -142,15 +143,25 @@ def forced_balance(enabled: bool):
     original = Router.forward
 
     def balanced(self: Router, x_BSD: torch.Tensor) -> Routing:
-        routing = original(self, x_BSD)
-        tokens = routing.indices_TK.shape[0]
+        # The router's own steps with the top-k choice replaced, not its forward and then these
+        # (the router would run twice in the mt rows, once in the reference's). Both losses are
+        # zero under "none" and "aux_free" balancing without z-loss (the aux-free bias only
+        # steers the top-k replaced here).
+        if self.cfg.balancing not in ("none", "aux_free") or self.cfg.z_loss_coeff:
+            raise ValueError(
+                f"forced balance drops the balancing and z-losses: got balancing="
+                f"{self.cfg.balancing!r}, z_loss_coeff={self.cfg.z_loss_coeff}; use "
+                "balancing none or aux_free and no z-loss"
+            )
+        tokens = x_BSD.shape[0] * x_BSD.shape[1]
         idx = balanced_indices(tokens, self.cfg.top_k, self.cfg.num_experts, x_BSD.device)
         with torch.autocast(x_BSD.device.type, enabled=False):
             logits = F.linear(x_BSD.reshape(tokens, -1).float(), self.weight.float())
         weights = self.scores(logits).gather(1, idx)
         weights = weights / weights.sum(-1, keepdim=True)
-        counts = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts)
-        return Routing(idx, weights, counts, routing.aux_loss, routing.z_loss)
+        counts = expert_counts(idx, self.cfg.num_experts)
+        zero = logits.new_zeros(())
+        return Routing(idx, weights, counts, zero, zero)
 
     Router.forward = balanced  # type: ignore[method-assign]
     try:

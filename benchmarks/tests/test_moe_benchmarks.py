@@ -3,11 +3,13 @@ the rows their documentation promises."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import grouped_gemm
 import moe_throughput
+import pytest
 
 
 def _rows(path: Path) -> list[dict]:
@@ -70,9 +72,9 @@ def test_reference_moe_computes_what_the_mt_layer_computes() -> None:
 
     torch.manual_seed(0)
     for cfg in (
-        MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32),
-        MoEConfig(num_experts=8, top_k=3, expert_ffn_dim=16, n_shared_experts=2),
-    ):
+        MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=32, balancing="none"),
+        MoEConfig(num_experts=8, top_k=3, expert_ffn_dim=16, n_shared_experts=2, balancing="none"),
+    ):  # the benchmark's layers balance with "none"; forced_balance refuses a balancing loss
         layer = MoE(32, cfg)
         x = torch.randn(1, 40, 32)
         reference = moe_throughput.ReferenceMoE(layer)
@@ -87,6 +89,8 @@ def test_reference_moe_computes_what_the_mt_layer_computes() -> None:
             reference(x), balanced, rtol=0, atol=1e-5 * float(balanced.abs().max())
         )
         assert (balanced - expected).abs().max() > 1e-3  # forcing changed the routing
+        with moe_throughput.forced_balance(True), pytest.raises(ValueError, match="aux_loss"):
+            MoE(32, dataclasses.replace(cfg, balancing="aux_loss"))(x)
 
 
 def test_moe_alltoall_rehearsal_on_gloo(tmp_path: Path) -> None:

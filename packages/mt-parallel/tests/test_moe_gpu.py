@@ -111,6 +111,37 @@ def test_moe_layer_fused_permute_matches_the_pytorch_permute(
             assert _rel(fused, plain) < 1e-2
 
 
+def test_bf16_layer_synchronizes_once_per_forward_and_backward() -> None:
+    """A dropless bf16 layer's forward + backward waits for the device once: the host read
+    of the padded row count (``PaddedLayout``). Counts by scatter-add (bincount reads its
+    largest index to the host) and no host-to-device copy of the dropped count; a new sync
+    point in the layer makes this fail and the warning names where."""
+    import warnings
+
+    layer = MoE(128, MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=256, n_shared_experts=1))
+    layer = layer.cuda()
+    mp.init_weights(layer, seed=1)
+    x = torch.randn(2, 64, 128, device="cuda", requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+
+    step()  # Triton kernels compile
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, syncs
+
+
 if __name__ == "__main__":
     test_grouped_mm_matches_the_loop_on_cuda()
     for recipe in (None, "rowwise"):

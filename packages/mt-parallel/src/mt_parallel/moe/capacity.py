@@ -26,6 +26,16 @@ import torch
 from mt_fp8.ops import permute_rows, unpermute_rows
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64, ``num_experts`` long) of the expert indices ``experts``.
+
+    ``torch.bincount``'s values, by a scatter-add: CUDA's bincount reads the largest index to
+    the host to size its output, a device synchronization in every MoE layer's forward."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """``ceil(factor · tokens·top_k / num_experts)`` (module docstring)."""
     return math.ceil(factor * tokens * top_k / num_experts)
@@ -59,7 +69,7 @@ def permute_plan(
     tokens, top_k = indices_TK.shape
     experts_A = indices_TK.reshape(-1)
     order_A = torch.argsort(experts_A, stable=True)
-    counts_E = torch.bincount(experts_A, minlength=num_experts)
+    counts_E = expert_counts(experts_A, num_experts)
     if capacity_factor is None:
         return PermutePlan(order_A, counts_E, None, 0)
     capacity = expert_capacity(tokens, top_k, num_experts, capacity_factor)

@@ -125,7 +125,8 @@ class MoE(nn.Module):
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.aux_losses = {"moe_aux_loss": routing.aux_loss, "moe_z_loss": routing.z_loss}
             assignments = routing.indices_TK.numel() * group_size(self.sequence_group)
-            dropped = torch.as_tensor(dropped, device=m_BSD.device)
+            if not isinstance(dropped, torch.Tensor):  # dropless: no host-to-device copy
+                dropped = m_BSD.new_zeros((), dtype=torch.int64)
             if self.cfg.capacity_factor is not None and group_size(self.sequence_group) > 1:
                 dropped = mt_comm.all_reduce(dropped.clone(), group=self.sequence_group)
             fraction = dropped.float() / assignments

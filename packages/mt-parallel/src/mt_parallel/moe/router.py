@@ -38,6 +38,7 @@ from torch import nn
 import mt_comm
 from mt_parallel.mappings import copy_to_group, group_size
 from mt_parallel.moe.balance import balancing_loss, token_mean
+from mt_parallel.moe.capacity import expert_counts
 from mt_parallel.moe.config import MoEConfig
 
 
@@ -125,7 +126,7 @@ class Router(nn.Module):
         if cfg.normalize_weights and cfg.top_k > 1:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.routed_scaling_factor
-        counts_E = torch.bincount(indices_TK.flatten(), minlength=cfg.num_experts)
+        counts_E = expert_counts(indices_TK, cfg.num_experts)
         if group_size(group) > 1:
             mt_comm.all_reduce(counts_E, group=group)
         if self.training and torch._C._current_graph_task_id() == -1:
