@@ -250,6 +250,9 @@ def print_profile(title: str, prof: dict[str, Any]) -> None:
     )
     for kernel, count, ms in prof["top_kernels_ms"]:
         print(f"    {ms:8.3f} ms  x{count:<5g} {kernel}")
+    print(f"  host self time {prof['host_ms']:.2f} ms, by operator:")
+    for op, count, ms in prof["top_host_ops_ms"]:
+        print(f"    {ms:8.3f} ms  x{count:<5g} {op}")
 
 
 def model_configs(smoke: bool, layers: int) -> dict[str, Any]:

@@ -324,7 +324,8 @@ def profile_step(
     step: Callable[[], Any], device: torch.device, steps: int = 2, top: int = 50
 ) -> dict[str, Any]:
     """``steps`` consecutive profiled steps, per step: device ms by kernel category, wall ms,
-    device idle, the ``top`` kernels and the largest single gaps. Consecutive steps in one window
+    device idle, the ``top`` kernels and the largest single gaps, and the host's self time by
+    operator (the profiler's CPU events: where a host-bound step spends its time). Consecutive steps in one window
     show the device idling between steps too (a step that blocks the host on the previous one's
     kernels leaves the device idle while the host prepares the next), which one profiled step
     starting from an idle device cannot show."""
@@ -344,8 +345,13 @@ def profile_step(
     # "Optimizer.step#AdamW.step"): the CPU-side aten ops and the annotations report the device
     # time of the kernels under them, which would count those kernels twice.
     per_kernel: dict[str, list[float]] = {}
+    per_host_op: dict[str, list[float]] = {}
     intervals: list[tuple[float, float, str]] = []
     for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU:
+            entry = per_host_op.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.self_cpu_time_total / 1e3
         if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
             continue
         entry = per_kernel.setdefault(event.name, [0, 0.0])
@@ -371,6 +377,11 @@ def profile_step(
             [name[:90], count / steps, ms / steps] for name, (count, ms) in kernels[:top]
         ],
         "idle_before_ms": [[name, n / steps, ms / steps] for name, n, ms in idle_before[:top]],
+        "host_ms": sum(ms for _, ms in per_host_op.values()) / steps,
+        "top_host_ops_ms": [
+            [name[:90], count / steps, ms / steps]
+            for name, (count, ms) in sorted(per_host_op.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
         "largest_gaps_ms": gaps[:12],
     }
 
