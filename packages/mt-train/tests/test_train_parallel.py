@@ -38,10 +38,12 @@ def reference(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """12 steps in one process, the curve resumed runs continue."""
+def uninterrupted(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, Path]:
+    """12 steps in one process: the curve resumed runs continue, and its checkpoints' folder
+    (steps 4, 8 and 12; the step-8 one equals that of a run stopped at step 8)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
     overrides = tiny_overrides(kjv_data, **CONSTANT, **{"trainer.max_steps": 12})
-    return train_checks.run_losses(overrides, tmp_path_factory.mktemp("uninterrupted"))
+    return train_checks.run_losses(overrides, out), out / "checkpoints"
 
 
 LAYOUTS = {
@@ -90,28 +92,21 @@ def test_sharded_run_with_dropout_resumes_exactly(
     parallel: str, pool, kjv_data: Path, tmp_path: Path
 ) -> None:
     # Dropout draws from torch's generators and mt_parallel's tracker (attention dropout);
-    # the checkpoint holds both, and each rank's pieces of the sharded optimizer state.
-    common = {"parallel": parallel, "model.dropout": 0.1, **CONSTANT}
-    full = pool.run(
-        train_checks.run_losses,
-        tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 12}),
-        tmp_path / "full",
-    )[0]
-    first = pool.run(
-        train_checks.run_losses,
-        tiny_overrides(kjv_data, **common, **{"trainer.max_steps": 8}),
-        tmp_path / "split",
-    )[0]
-    assert first == full[:8]
-    manifest = (tmp_path / "split" / "checkpoints" / "step-00000008" / "manifest.json").read_text()
+    # the checkpoint holds both, and each rank's pieces of the sharded optimizer state. The
+    # run's own step-8 checkpoint is resumed: under the constant schedule a run stopped at
+    # step 8 would have written the same one.
+    common = {"parallel": parallel, "model.dropout": 0.1, **CONSTANT, "trainer.max_steps": 12}
+    full = pool.run(train_checks.run_losses, tiny_overrides(kjv_data, **common), tmp_path / "full")[
+        0
+    ]
+    step = tmp_path / "full" / "checkpoints" / "step-00000008"
+    manifest = (step / "manifest.json").read_text()
     assert "rng/rank1/tracker/tensor-parallel/cpu" in manifest
     assert "optim/layers.0.attention.q_proj.weight/exp_avg@elems" in manifest  # sharded pieces
     resumed = pool.run(
         train_checks.run_losses,
-        tiny_overrides(
-            kjv_data, **common, **{"trainer.max_steps": 12, "checkpoint.resume": "auto"}
-        ),
-        tmp_path / "split",
+        tiny_overrides(kjv_data, **common, **{"checkpoint.resume": step}),
+        tmp_path / "resumed",
     )
     assert resumed[0] == resumed[1] == full[8:]  # exact float equality, step by step
 
@@ -128,7 +123,7 @@ def test_sharded_run_with_dropout_resumes_exactly(
     ],
 )
 def test_checkpoint_resumes_in_one_process(
-    saved: str, pool, kjv_data: Path, uninterrupted: list[float], tmp_path: Path
+    saved: str, pool, kjv_data: Path, uninterrupted: tuple[list, Path], tmp_path: Path
 ) -> None:
     # Saved by two ranks (``single`` is dp=2 DDP there): TP slices are re-joined, FSDP2 /
     # ZeRO-1 pieces concatenated, then everything is cut for one process.
@@ -151,20 +146,18 @@ def test_checkpoint_resumes_in_one_process(
         ),
         tmp_path,
     )
-    assert resumed == pytest.approx(uninterrupted[8:], rel=RTOL)
+    assert resumed == pytest.approx(uninterrupted[0][8:], rel=RTOL)
 
 
 def test_single_process_checkpoint_resumes_as_zero1(
-    pool, kjv_data: Path, uninterrupted: list[float], tmp_path: Path
+    pool, kjv_data: Path, uninterrupted: tuple[list, Path], tmp_path: Path
 ) -> None:
     # A whole-tensor checkpoint (one process) is cut into ZeRO-1's flat shards on load.
-    train_checks.run_losses(
-        tiny_overrides(kjv_data, **CONSTANT, **{"trainer.max_steps": 8}), tmp_path
-    )
-    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
+    losses, checkpoints = uninterrupted
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": checkpoints / "step-00000008"}
     overrides = tiny_overrides(kjv_data, parallel="zero1", **CONSTANT, **resume)
     resumed = pool.run(train_checks.run_losses, overrides, tmp_path)
-    assert resumed[0] == pytest.approx(uninterrupted[8:], rel=RTOL)
+    assert resumed[0] == pytest.approx(losses[8:], rel=RTOL)
 
 
 @pytest.mark.parametrize("parallel", ["zero1", "fsdp"])
