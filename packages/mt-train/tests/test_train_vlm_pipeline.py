@@ -112,20 +112,18 @@ def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(
 ) -> None:
     """Dropout on for the resume (each stage's RNG state is in its checkpoint); off for the
     pp=2 to pp=1 load, which continues one process's curve."""
-    pp2 = {"parallel": "pp2", **CONSTANT}
-    full = pool.run(
-        train_checks.run_losses,
-        vlm_overrides(digits, **pp2, **{"trainer.max_steps": 12}),
-        tmp_path / "full",
-    )[0]
-    pool.run(train_checks.run_losses, vlm_overrides(digits, **pp2), tmp_path / "split")
-    step = tmp_path / "split" / "checkpoints" / "step-00000008"
+    # The 12-step run's own step-8 checkpoint is resumed: under the constant schedule a run
+    # stopped at step 8 would have written the same one.
+    pp2 = {"parallel": "pp2", **CONSTANT, "trainer.max_steps": 12}
+    full = pool.run(train_checks.run_losses, vlm_overrides(digits, **pp2), tmp_path / "full")[0]
+    step = tmp_path / "full" / "checkpoints" / "step-00000008"
     manifest = (step / "manifest.json").read_text()
     assert "model/vision.embeddings.patch" in manifest
     assert "model/language.layers.1.attention.q_proj.weight" in manifest
-    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     resumed = pool.run(
-        train_checks.run_losses, vlm_overrides(digits, **pp2, **resume), tmp_path / "split"
+        train_checks.run_losses,
+        vlm_overrides(digits, **pp2, **{"checkpoint.resume": step}),
+        tmp_path / "resumed",
     )
     assert resumed[0] == resumed[1] == full[8:]  # exact float equality, step by step
 
@@ -142,6 +140,7 @@ def test_pp2_checkpoint_resumes_exactly_and_loads_at_pp1(
     exported = load_model(tmp_path / "pp2" / "checkpoints")
     tokens = torch.tensor([[1, 2, *[exported.cfg.image_token_id] * 4, 3]])
     assert torch.isfinite(exported(tokens, images=torch.zeros(1, 1, 8, 8))).all()
+    resume = {"trainer.max_steps": 12, "checkpoint.resume": "auto"}
     at_pp1 = train_checks.run_losses(vlm_overrides(digits, **plain, **resume), tmp_path / "pp2")
     assert at_pp1 == pytest.approx(single[8:], rel=RTOL)
 
