@@ -13,7 +13,8 @@
   ddp and of this rank's 1/edp shard of them under zero1 and fsdp;
 * the routed experts' linears are priced from ``grouped_linear`` entries where the table has
   them (the price follows the entry, never below the roofline) and as before where it has none,
-  plus bf16's weight casts and group padding, and ``--explain``'s notes say which.
+  plus bf16's weight casts, and ``--explain``'s notes say which; bf16's group padding is charged
+  once per expert MLP, and taken out of the entries, which time each projection padding itself.
 """
 
 from __future__ import annotations
@@ -283,25 +284,38 @@ def test_expert_weights_are_requantized_at_the_dense_weights_price() -> None:
 
 def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     # GroupedLinear casts the fp32 weight to bf16 and the gradient back ((4+2)·E·N·K bytes
-    # each) and pads groups on CUDA (2·(3·rows·K + 2·rows·N) forward, (2·rows·K + 3·rows·N)·2
-    # backward): with one copy rate below the bandwidth roof, the seconds are bytes / rate
-    copy_rate = 1e12
-    _, est = _moe_estimate([Entry("copy", "bf16", (8192, 4096), copy_rate)])
+    # each, per projection); GroupedExperts pads the MLP's rows once on CUDA (2·(3·rows·D +
+    # 2·rows·D) bytes forward, 2·(2·rows·D + 3·rows·D) backward): with one copy rate below the
+    # bandwidth roof, the seconds are bytes / rate, times two layers
+    copy = Entry("copy", "bf16", (8192, 4096), copy_rate := 1e12)
+    cost, est = _moe_estimate([copy])
     params = 8 * 14336 * 4096
     assert est.compute["expert_weight_cast"] == pytest.approx(2 * 3 * 2 * 6 * params / copy_rate)
     rows, wide, narrow = 8192, 14336, 4096
-    pad = sum(
+    mlp_pad = 2 * (5 * rows * narrow + 5 * rows * narrow)
+    assert est.compute["expert_padding"] == pytest.approx(2 * mlp_pad / copy_rate)
+    assert any("no grouped_linear entries" in note for note in est.notes), est.notes
+    # With bf16 grouped_linear entries the module's measured time replaces GEMMs and casts; each
+    # entry timed a lone GroupedLinear padding its own input (width K) and output (width N),
+    # 2·(5·rows·K + 5·rows·N) bytes forward and backward, which the MLP does not run: the
+    # experts cost the entries less the three projections' padding plus the MLP's one.
+    rate = 2e14  # far below the bf16 peak: the entries, less the padding, stay above the roofline
+    _, measured = _moe_estimate([copy, *_expert_entries("bf16", rate)])
+    lone_pad = sum(
         2 * (5 * rows * k + 5 * rows * n) for n, k in ((wide, narrow),) * 2 + ((narrow, wide),)
     )
-    assert est.compute["expert_padding"] == pytest.approx(2 * pad / copy_rate)
-    assert any("no grouped_linear entries" in note for note in est.notes), est.notes
-    # with bf16 grouped_linear entries the module's measured time replaces GEMMs, casts and pads
-    rate = 2e14
-    _, measured = _moe_estimate([Entry("copy", "bf16", (8192, 4096), copy_rate),
-                                 *_expert_entries("bf16", rate)])  # fmt: skip
-    assert measured.compute["experts"] == pytest.approx(_expert_seconds(rate), rel=1e-12)
+    experts = measured.compute["experts"] + measured.compute["expert_padding"]
+    assert experts - _expert_seconds(rate) == pytest.approx(
+        -2 * (lone_pad - mlp_pad) / copy_rate, rel=1e-9
+    )
+    assert measured.compute["expert_padding"] == pytest.approx(2 * mlp_pad / copy_rate)
     assert "expert_weight_cast" not in measured.compute
-    assert "expert_padding" not in measured.compute
+    assert any("less the group padding" in note for note in measured.notes), measured.notes
+    # entries at the roofline: taking the padding out never prices the GEMMs below it
+    roof = _moe_estimate([copy, *_expert_entries("bf16", 1e30)])[1]
+    flops = 2.0 * rows * wide * narrow
+    peak = cost.cluster.gpu.peak_bf16_flops
+    assert roof.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / peak, rel=1e-12)
 
 
 def test_fsdp_under_pp_gathers_once_per_step_and_holds_the_gathered_chunks() -> None:

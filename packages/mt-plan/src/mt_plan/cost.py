@@ -51,22 +51,33 @@ GEMMs write bf16 only, so each weight gradient is converted to fp32 (6 bytes per
 as a copy unless the table has ``fp8_rowwise`` ``gemm_wgrad`` entries, which time the
 conversion inside the GEMM call.
 
-Routed experts, per projection of ``rows = T_n·k`` rows over the rank's ``E/ep`` experts
-(mt-parallel's ``GroupedLinear`` and, under FP8, mt-fp8's ``FP8GroupedLinear``). Where the table
-has ``grouped_linear`` entries for the precision (bf16, the recipe, else ``fp8_tensorwise``)
-the projection's forward and backward are priced from them (nearest shape, never faster than the
-roofline), the backward split evenly between ``I`` and ``W``: they time the module whole, so
-quantization, padding, weight casts and per-expert GEMMs are inside. Without them (the shipped
-H200 table predates them; the H100 table has them): bf16 prices its three GEMMs at
-``grouped_gemm`` rates and adds as copies what ``GroupedLinear`` runs around them: the fp32 weight's cast to the autocast dtype in the
-forward and the gradient's cast back (``(4+A)·E·N·K`` bytes each, as the dense linears'
-``weight_cast``) and CUDA's
-group padding (``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)``
-backward); FP8 prices its GEMMs as a dense linear's (``grouped_gemm`` at ``fp8_<recipe>``,
-which no table measures, so the bf16 rate scaled to the FP8 peak) plus the quantization of
-input and output gradient, which misses the grouped FP8 path's per-group work; ``--explain``
-says which applies. The router's fp32 GEMM is priced as a bf16 one, and routing, top-k and the
-balancing losses are not charged (``T·E``-sized).
+Routed experts: the gate, up and down projections of ``rows = T_n·k`` rows over the rank's
+``E/ep`` experts (mt-parallel's ``GroupedLinear`` and, under FP8, mt-fp8's ``FP8GroupedLinear``).
+In bf16 on CUDA mt-parallel's ``GroupedExperts`` pads the MLP's rows once for its three
+projections: the input's rows copied into a zeroed buffer of aligned groups and the output's
+rows gathered back at the end, ``A·(3·rows·D + 2·rows·D)`` bytes forward, the gather's scatter
+into zeros and the copy's gather ``A·(2·rows·D + 3·rows·D)`` backward, charged as copies
+(``expert_padding``); FP8 does not pad. Where the table has ``grouped_linear`` entries for the
+precision (bf16, the recipe, else ``fp8_tensorwise``) each projection's forward and backward
+are priced from them (nearest shape, never faster than the roofline), the backward split evenly
+between ``I`` and ``W``: they time one ``GroupedLinear`` (``FP8GroupedLinear``) called alone, so
+quantization, weight casts and per-expert GEMMs are inside, and in bf16 also the padding a lone
+projection runs around itself (its input of width ``K`` padded, its output of width ``N``
+unpadded: ``A·(3·rows·K + 2·rows·N)`` bytes forward, ``A·(2·rows·K + 3·rows·N)`` backward). The
+MLP does not run that per-projection padding, so it is subtracted from each pass at the copy
+rate, never below the pass's GEMM roofline (the entry still pays for the GEMM), and the MLP's one
+padding is charged as above. ``experts`` then holds the projections' time without padding and
+``expert_padding`` the padding, in both paths: the same names for the same work, each a time the
+runtime spends (a negative "saved" class beside the entries' time would not say what runs).
+Without entries (the shipped H200 table predates them; the H100 table has them): bf16 prices
+its three GEMMs at ``grouped_gemm`` rates and adds as copies the fp32 weight's cast to the
+autocast dtype in each projection's forward and the gradient's cast back (``(4+A)·E·N·K``
+bytes each, as the dense linears' ``weight_cast``), plus the MLP's padding; FP8 prices its
+GEMMs as a dense linear's (``grouped_gemm`` at ``fp8_<recipe>``, which no table measures, so
+the bf16 rate scaled to the FP8 peak) plus the quantization of input and output gradient,
+which misses the grouped FP8 path's per-group work; ``--explain`` says which applies. The
+router's fp32 GEMM is priced as a bf16 one, and routing, top-k and the balancing losses are not
+charged (``T·E``-sized).
 
 Communication, by group and collective (payloads in :mod:`mt_plan.comm`'s sense), and what our
 runtime overlaps (read from the code, see docs/architecture.md "Planner"):
@@ -351,8 +362,30 @@ class CostModel:
                 return source
         return None
 
+    def _group_padding(self, M: int, K: int, N: int) -> tuple[float, float, bool]:
+        """(forward, backward, roofline) of CUDA's group padding around grouped GEMMs that read
+        ``M`` rows of width ``K`` and write ``M`` rows of width ``N``: the rows scattered into
+        a zeroed padded copy and the output's rows gathered back (forward), the gather's
+        scatter into zeros and the copy's gather (backward), as copies (module docstring,
+        "Routed experts")."""
+        A = self.work.act_bytes
+        f, r1 = self._membound("copy", A * (3 * M * K + 2 * M * N), (M, K + N))
+        b, r2 = self._membound("copy", A * (2 * M * K + 3 * M * N), (M, K + N))
+        return f, b, r1 or r2
+
+    def _expert_mlp(self, ph: _Phase, rows: int, D: int, F: int, fp8: str, groups: int) -> None:
+        """The routed experts' gate, up and down projections over ``groups`` local experts and,
+        in bf16, the one group padding of the MLP's ``D``-wide input and output (module
+        docstring, "Routed experts")."""
+        for N, K in ((F, D), (F, D), (D, F)):
+            self._expert_linear(ph, rows, N, K, fp8, groups)
+        if fp8 == "none":  # FP8GroupedLinear does not pad
+            pad_f, pad_b, roofline = self._group_padding(rows, D, D)
+            ph.add("expert_padding", pad_f, pad_b, 0.0, roofline)
+
     def _expert_linear(self, ph: _Phase, M: int, N: int, K: int, fp8: str, groups: int) -> None:
-        """One projection of the routed experts over ``groups`` local experts (module docstring,
+        """One projection of the routed experts over ``groups`` local experts, without the
+        bf16 group padding, which :meth:`_expert_mlp` charges once per MLP (module docstring,
         "Routed experts")."""
         gpu, A = self.cluster.gpu, self.work.act_bytes
         dtype = self._gemm_dtype(fp8)
@@ -371,20 +404,21 @@ class CostModel:
             b, src_b = self.table.compute_time(
                 "grouped_linear_bwd", dtype, shape, 2 * flops, 2 * moved, *peaks
             )
-            ph.add("experts", f, b / 2, b / 2, "roofline" in (src_f, src_b))
+            roofline = "roofline" in (src_f, src_b)
+            if fp8 == "none":
+                # the entries time a lone GroupedLinear, which pads itself; the MLP pads once
+                # instead, and a pass never gets cheaper than its GEMM's roofline
+                pad_f, pad_b, _ = self._group_padding(M, K, N)
+                roof = max(flops / peak, moved / gpu.memory_bandwidth)
+                roofline = roofline or f - pad_f < roof or b - pad_b < 2 * roof
+                f, b = max(f - pad_f, roof), max(b - pad_b, 2 * roof)
+            ph.add("experts", f, b / 2, b / 2, roofline)
             return
         self._linear(ph, "experts", M, N, K, fp8, groups)
-        if fp8 != "none":
-            return
-        # bf16: the fp32 weight is cast for the GEMM and its gradient cast back, every call
-        if A < 4:
-            cast, r1 = self._membound("copy", (4 + A) * params, (groups * N, K))
-            ph.add("expert_weight_cast", cast, cast, 0.0, r1)
-        # CUDA's grouped GEMM wants aligned groups: rows scattered into a zeroed padded copy and
-        # gathered back (forward), the gather's scatter-add and the copy's gather (backward)
-        pad_f, r2 = self._membound("copy", A * (3 * M * K + 2 * M * N), (M, K + N))
-        pad_b, r3 = self._membound("copy", A * (2 * M * K + 3 * M * N), (M, K + N))
-        ph.add("expert_padding", pad_f, pad_b, 0.0, r2 or r3)
+        if fp8 == "none" and A < 4:
+            # bf16: the fp32 weight is cast for the GEMM and its gradient cast back, every call
+            cast, rc = self._membound("copy", (4 + A) * params, (groups * N, K))
+            ph.add("expert_weight_cast", cast, cast, 0.0, rc)
 
     # -- one decoder layer --------------------------------------------------------------------
 
@@ -471,9 +505,7 @@ class CostModel:
             rows = Tn * k
             self._linear(ph, "router", Tn, md.num_experts, D, "none", autocast=False)
             Fe = md.expert_ffn_dim
-            self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
-            self._expert_linear(ph, rows, Fe, D, fp8, E_loc)
-            self._expert_linear(ph, rows, D, Fe, fp8, E_loc)
+            self._expert_mlp(ph, rows, D, Fe, fp8, E_loc)
             sw, r2 = self._membound("swiglu", SWIGLU_FWD * A * rows * Fe, (rows, Fe))
             ph.add("swiglu", sw, sw * SWIGLU_BWD / SWIGLU_FWD, 0.0, r2)
             pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
@@ -827,16 +859,23 @@ class CostModel:
         source = self.expert_entries(L.fp8)
         if source is not None:
             how = "measured" if source == dtype else f"derived from {source}"
+            timed = (
+                "a lone projection's forward and backward, less the group padding it runs "
+                "around itself: the expert MLP pads once, expert_padding"
+                if dtype == "bf16"
+                else "the expert module's forward and backward as mt runs it"
+            )
             return [
                 f"expert linears ({dtype}): priced from the table's grouped_linear entries "
-                f"({how}; the expert module's forward and backward as mt runs it)"
+                f"({how}; {timed})"
             ]
         if dtype == "bf16":
             if L.fp8 != "none":
                 return []
             return [
                 "expert linears (bf16): this table has no grouped_linear entries, so they are "
-                "priced at grouped_gemm rates plus their weight casts and group padding as copies"
+                "priced at grouped_gemm rates plus their weight casts and the MLP's one group "
+                "padding as copies"
             ]
         return [
             f"expert linears ({dtype}): this table has no FP8 grouped_linear entries, so they "
