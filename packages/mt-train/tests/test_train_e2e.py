@@ -15,14 +15,16 @@ from mt_train.rewind.manager import RewindLimitError
 
 
 def test_default_job_shortened_learns(tmp_path: Path) -> None:
-    # The default config, only shorter: the bundled corpus is prepared on first use.
+    # The default config, only shorter: the bundled corpus is prepared on first use. In 24
+    # steps the mean of the last 5 losses falls to about 0.56 of the first 5's (0.52 at 40
+    # steps); a run that does not learn stays near 1, far above the 0.75 bound.
     overrides = [
-        "trainer.max_steps=40",
+        "trainer.max_steps=24",
         "trainer.global_batch_size=8",
         "trainer.micro_batch_size=4",
         "trainer.seq_len=128",
-        "trainer.eval_interval=20",
-        "trainer.checkpoint_interval=20",
+        "trainer.eval_interval=12",
+        "trainer.checkpoint_interval=12",
         "trainer.eval_batches=4",
         "trainer.sample_tokens=24",
         "scheduler.warmup_steps=5",
@@ -34,16 +36,16 @@ def test_default_job_shortened_learns(tmp_path: Path) -> None:
     finally:
         trainer.close()
     losses = summary.losses
-    assert len(losses) == 40
+    assert len(losses) == 24
     assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5, losses
     assert summary.val_loss < losses[0] and math.isfinite(summary.val_loss)
     assert summary.sample.startswith("And God said") and len(summary.sample) > len("And God said")
     assert (tmp_path / "data" / "meta.json").is_file()
-    assert summary.checkpoint is not None and summary.checkpoint.endswith("step-00000040")
+    assert summary.checkpoint is not None and summary.checkpoint.endswith("step-00000024")
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert {"loss", "grad_norm", "lr", "tok/s", "mem_gib"} <= set(train[0])
-    assert [r["step"] for r in records if r["kind"] == "eval"] == [20, 40]
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [12, 24]
 
 
 def test_resume_is_bitwise_identical(kjv_data: Path, tmp_path: Path) -> None:
