@@ -1,4 +1,4 @@
-"""Rewind end to end by fault injection, in one process (the tiny debug model, 60 steps).
+"""Rewind end to end by fault injection, in one process (the tiny debug model, 40 steps).
 
 Each fault fires at step 30 after checkpoints every 4 steps with ``stable_after=4``: at the
 anomaly 29 steps are done, so step-28 is not yet stable (28 + 4 > 29) and step-24 is the
@@ -28,12 +28,20 @@ from mt_train.rewind import RewindLimitError, read_events
 FAULT_STEP = 30
 STABLE = 24  # the newest stable checkpoint when step 30 fails (see the module docstring)
 G = 8  # global batch
+STEPS = 40  # 10 past the fault, enough for the validation-loss comparison (module docstring)
+
+
+def _overrides(data: Path, **extra: object) -> list[str]:
+    """``rewind_overrides`` (windows sized for a 60-step run) trained for STEPS steps."""
+    return rewind_overrides(
+        data, **{"trainer.max_steps": STEPS, "trainer.eval_interval": STEPS, **extra}
+    )
 
 
 @pytest.fixture(scope="module")
 def clean(kjv_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("clean")
-    result = run_rewind(rewind_overrides(kjv_data), out)
+    result = run_rewind(_overrides(kjv_data), out)
     assert _kinds(out) == {"stable"} and result["rewinds"] == 0
     return result
 
@@ -71,8 +79,8 @@ FAULTS = {
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_fault_is_rewound(name: str, clean: dict, kjv_data: Path, tmp_path: Path) -> None:
     extra, detector, source = FAULTS[name]
-    result = run_rewind(rewind_overrides(kjv_data, **extra), tmp_path)
-    assert result["steps"] == 60 and result["rewinds"] == 1
+    result = run_rewind(_overrides(kjv_data, **extra), tmp_path)
+    assert result["steps"] == STEPS and result["rewinds"] == 1
     events = read_events(tmp_path)
     fault = [e for e in events if e["event"] == "fault"]
     assert [(e["fault"], e["at_step"]) for e in fault] == [
@@ -104,8 +112,8 @@ def test_fault_is_rewound(name: str, clean: dict, kjv_data: Path, tmp_path: Path
     assert rewind["discarded"] == [28]  # the abandoned timeline's checkpoint
     assert result["val_loss"] == pytest.approx(clean["val_loss"], rel=0.02)
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [
-        "step-00000056",
-        "step-00000060",
+        "step-00000036",
+        "step-00000040",
     ]
 
 
@@ -113,7 +121,7 @@ def test_bad_batch_needs_data_skipping(clean: dict, kjv_data: Path, tmp_path: Pa
     bad = {"fault.bad_batch_at_step": FAULT_STEP}
     # Replaying the data meets the bad batch again after every rewind: the bound stops it.
     with pytest.raises(RewindLimitError, match=r"3 rewind\(s\) within the last 500 steps"):
-        run_rewind(rewind_overrides(kjv_data, **bad, **{"rewind.skip": "none"}), tmp_path / "none")
+        run_rewind(_overrides(kjv_data, **bad, **{"rewind.skip": "none"}), tmp_path / "none")
     events = read_events(tmp_path / "none")
     assert [e["restored"]["step"] for e in events if e["event"] == "rewind"] == [STABLE] * 3
     (give_up,) = [e for e in events if e["event"] == "give_up"]
@@ -121,9 +129,9 @@ def test_bad_batch_needs_data_skipping(clean: dict, kjv_data: Path, tmp_path: Pa
 
     # Skipping only the batches that tripped the detector gets past it, once.
     result = run_rewind(
-        rewind_overrides(kjv_data, **bad, **{"rewind.skip": "batches"}), tmp_path / "batches"
+        _overrides(kjv_data, **bad, **{"rewind.skip": "batches"}), tmp_path / "batches"
     )
-    assert result["steps"] == 60 and result["rewinds"] == 1
+    assert result["steps"] == STEPS and result["rewinds"] == 1
     (rewind,) = _rewinds(tmp_path / "batches")
     assert rewind["detector"] == "loss_spike" and rewind["restored"]["step"] == STABLE
     assert rewind["skipped"] == {
