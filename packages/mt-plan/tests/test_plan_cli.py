@@ -7,8 +7,9 @@ import json
 import pytest
 
 from mt_plan.calibration import load_table
-from mt_plan.cli import main
+from mt_plan.cli import layout_of, main
 from mt_plan.cluster import ClusterError, cluster_from_dict, load_cluster
+from mt_plan.models import resolve
 
 SMALL = [
     "model=llama3_8b",
@@ -56,6 +57,26 @@ def test_explain_breaks_one_layout_down(capsys) -> None:
     assert code == 0, err
     assert "layout: tp2+sp cp1 dp2 ddp mb2 none none" in out
     assert "attention_core" in out and "tp " in out and "gradients" in out
+
+
+def test_explain_prices_recompute_every(capsys) -> None:
+    full = ["parallel.recompute=full", "trainer.micro_batch_size=2"]
+    code, out, err = run(capsys, "explain", *SMALL, *full, "parallel.recompute_every=2",
+                         "--gpus", "1")  # fmt: skip
+    assert code == 0, err
+    assert "layout: tp1 cp1 dp1 ddp mb2 full/every2 none" in out
+    assert "recompute" in out and "fits" in out
+    # the layout's overrides give the trainer the same run back
+    train = resolve([*SMALL, *full, "parallel.recompute_every=2"])
+    layout = layout_of(train, 1)
+    assert layout.recompute_every == 2
+    assert "parallel.recompute_every=2" in layout.overrides(8)
+    assert layout_of(resolve(["model=llama3_8b", "model.n_layers=4", "trainer.seq_len=4096",
+                              *layout.overrides(8)]), 1) == layout  # fmt: skip
+    code, out, err = run(capsys, "explain", *SMALL, *full, "parallel.recompute_every=0",
+                         "--gpus", "1")  # fmt: skip
+    assert code == 2 and out == ""
+    assert "parallel.recompute_every=0 must be a positive integer" in err
 
 
 @pytest.mark.parametrize(

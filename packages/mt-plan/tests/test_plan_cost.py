@@ -6,6 +6,9 @@
 * the pipeline timing the search uses equals a full run of mt-parallel's simulator (the
   steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
 * memory and time respond the way the model says they must (recompute, ZeRO-1, tp);
+* ``recompute_every = N`` checkpoints the blocks mt-parallel wraps (blocks 0, N, 2N, ... of the
+  whole model at pp = 1, of each chunk under pp): only they pay the second forward and keep
+  only their inputs;
 * each linear's forward, dgrad and wgrad GEMMs are priced from their own pass's entries at the
   pass's own GEMM shape;
 * the routed experts' TP gradient sum under sequence parallel is priced where mt-parallel runs
@@ -120,6 +123,85 @@ def test_recompute_trades_time_for_memory() -> None:
     assert full.memory["activations"] < plain.memory["activations"] / 4
     assert full.step_time > plain.step_time
     assert full.compute["recompute"] > 0
+
+
+def test_recompute_every_prices_only_the_blocks_it_checkpoints() -> None:
+    # 8 layers, micro-batch 2 of 8192 tokens: a checkpointed block saves only its fp32 input
+    # (4·T·D bytes) and runs its forward again; every other block is priced as without recompute
+    cost = _cost()
+    T, D, n = 2 * 8192, 4096, 8
+    plain = cost.estimate(Layout(micro_batch=2))
+    every = {
+        N: cost.estimate(Layout(micro_batch=2, recompute="full", recompute_every=N))
+        for N in (1, 2, 8, 9)
+    }
+    full = cost.estimate(Layout(micro_batch=2, recompute="full"))
+    assert every[1].step_time == full.step_time and every[1].memory == full.memory
+    kept, checkpointed = plain.memory["activations"] / n, 4 * T * D
+    assert full.memory["activations"] == n * checkpointed
+    for N, picked in ((2, {0, 2, 4, 6}), (8, {0}), (9, {0})):  # blocks 0, N, 2N, ... only
+        layout = every[N].layout
+        assert cost.recomputed_layers(layout) == picked
+        share = len(picked) / n
+        assert every[N].compute["recompute"] == pytest.approx(
+            share * full.compute["recompute"], rel=1e-12
+        )
+        assert every[N].memory["activations"] == pytest.approx(
+            len(picked) * checkpointed + (n - len(picked)) * kept, rel=1e-12
+        )
+    assert full.memory["activations"] < every[2].memory["activations"]
+    assert every[2].memory["activations"] < plain.memory["activations"]
+    assert plain.step_time < every[8].step_time < every[2].step_time < full.step_time
+    # pp = 2: mt-parallel numbers each chunk's blocks from 0 (chunks of layers 0-3 and 4-7),
+    # so N = 3 picks 0, 3, 4, 7 (not the global 0, 3, 6): half of each rank's blocks
+    pp_cost = _cost(2)
+    pp_full = pp_cost.estimate(Layout(pp=2, micro_batch=2, recompute="full"))
+    pp_three = Layout(pp=2, micro_batch=2, recompute="full", recompute_every=3)
+    assert pp_cost.recomputed_layers(pp_three) == {0, 3, 4, 7}
+    assert pp_cost.estimate(pp_three).compute["recompute"] == pytest.approx(
+        pp_full.compute["recompute"] / 2, rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides,picked",
+    [
+        (["model=debug", "model.n_layers=7"], {(1, 3): {0, 3, 6}, (2, 3): {0, 3, 4}}),
+        # the VLM's two vision blocks come first at pp = 1 (decoder blocks 1 and 4 are its 3rd
+        # and 6th), after the decoder's in the first pipeline chunk
+        (["model=vlm_tiny", "model.n_layers=6"], {(1, 3): {1, 4}, (2, 3): {0, 3}}),
+    ],
+)  # fmt: skip
+def test_recompute_every_picks_the_blocks_mt_parallel_wraps(overrides, picked) -> None:
+    torch = pytest.importorskip("torch")
+    from mt_parallel import apply_recompute, is_recomputed
+    from mt_parallel.pipeline.split import split_model
+    from mt_train.models.build import resolve_vocab
+    from mt_train.models.registry import family_of
+
+    cfg = resolve_vocab(resolve(overrides).model, 257)
+    family, shape = family_of(cfg), shape_of(cfg)
+    plan = family.plan(cfg)
+    cost = CostModel(shape, load_cluster("h200"), load_table("h200"),
+                     Workload(seq_len=64, global_batch=8))  # fmt: skip
+    for pp, schedule, vpp in ((1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved_1f1b", 2),
+                              (2, "zbv", 1)):  # fmt: skip
+        for every in (2, 3):
+            layout = Layout(pp=pp, schedule=schedule, vpp=vpp, recompute="full",
+                            recompute_every=every)  # fmt: skip
+            with torch.device("meta"):
+                model = family.build(cfg)
+            if pp == 1:  # mt-train parallelizes the whole model, or each chunk under pp
+                apply_recompute(model, "full", every, block_types=plan.block_types)
+            else:
+                n = pp * layout.chunks_per_rank()
+                for chunk in split_model(model, plan.pipeline, range(n), n):
+                    apply_recompute(chunk, "full", every, block_types=plan.block_types)
+            blocks = model.get_submodule(plan.pipeline.blocks)
+            wrapped = {i for i, block in enumerate(blocks) if is_recomputed(block)}
+            assert cost.recomputed_layers(layout) == wrapped, (layout.label(), wrapped)
+            if (pp, every) in picked and schedule == "1f1b":
+                assert wrapped == picked[(pp, every)]
 
 
 def test_zero1_shards_the_optimizer_and_tp_shards_the_weights() -> None:

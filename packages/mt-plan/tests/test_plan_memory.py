@@ -5,7 +5,8 @@
   holds only the first layer's largest projection's FP8 weights beside every gradient (under
   rowwise also that weight gradient's bf16 result);
 * under full recompute the checkpointed blocks keep no bf16 weight copy, and the largest of the
-  forward's end, the loss's backward and a block's recomputation counts, not their sum.
+  forward's end, the loss's backward and a block's recomputation counts, not their sum; with
+  ``recompute_every > 1`` the blocks it skips keep their activations and bf16 copies.
 """
 
 from __future__ import annotations
@@ -68,3 +69,25 @@ def test_full_recompute_counts_the_largest_moment() -> None:
     assert memory["autocast_weight_copies"] == 2 * (V * D + linears)
     assert memory["logits"] == 2 * 1024 * V
     assert memory["recompute_transient"] == 0
+
+
+def test_blocks_recompute_every_skips_keep_activations_and_bf16_copies() -> None:
+    # the 16k-sequence 4-layer slice again, every second block checkpointed (0 and 2): blocks 1
+    # and 3 save what they save without recompute and keep their bf16 copies past the forward
+    T, D, V = 16384, 4096, 128256
+    shape = _shape(4, D, 14336)
+    linears = D * (D + 2 * 1024 + D) + 3 * D * 14336  # one block's q, k, v, o and MLP
+    kept_acts = _memory(shape, T)["activations"] / 4
+    memory = _memory(shape, T, recompute="full", recompute_every=2)
+    assert memory["activations"] == 2 * 4 * T * D + 2 * kept_acts
+    # the loss's backward: the logits and their gradient, the head's and the kept blocks' copies
+    assert memory["logits"] == 2 * 2 * T * V
+    assert memory["autocast_weight_copies"] == 2 * (V * D + 2 * linears)
+    assert memory["recompute_transient"] == 0
+    # a small vocabulary: a checkpointed block's recomputation beside the kept blocks' copies
+    small = _shape(4, D, 14336, vocab=320)
+    every_block = _memory(small, T, recompute="full")
+    memory = _memory(small, T, recompute="full", recompute_every=2)
+    assert memory["recompute_transient"] == every_block["recompute_transient"] > 0
+    assert memory["autocast_weight_copies"] == 2 * 2 * linears
+    assert memory["logits"] == 0

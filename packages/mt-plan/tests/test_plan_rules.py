@@ -43,6 +43,7 @@ def trainer_verdict(base, layout: Layout, world: int) -> bool:
                 layout.recompute, layout.recompute),
             recompute_targets=targets,
             recompute_keep=["attention"] if layout.recompute == "full_keep" else [],
+            recompute_every=layout.recompute_every,
         )  # fmt: skip
         trainer = dataclasses.replace(
             base.trainer, seq_len=SEQ, global_batch_size=GLOBAL_BATCH,
@@ -93,3 +94,17 @@ def test_mirror_agrees_with_the_trainer(family: str) -> None:
     assert not disagreements, disagreements[:5]
     # the grid must exercise both verdicts, or the test proves nothing
     assert 0 < accepted < checked, (accepted, checked)
+
+
+def test_recompute_every_gets_the_trainers_verdict() -> None:
+    base = resolve([*MODELS["llama"], f"trainer.seq_len={SEQ}", "trainer.micro_batch_size=1",
+                    f"trainer.global_batch_size={GLOBAL_BATCH}"])  # fmt: skip
+    shape = shape_of(base.model)
+    verdicts = []
+    for recompute, every in itertools.product(("none", "selective", "full"), (0, 1, 2, 7)):
+        layout = Layout(recompute=recompute, recompute_every=every)
+        ours = layout_problem(layout, shape, 1, GLOBAL_BATCH, SEQ) is None
+        assert ours == trainer_verdict(base, layout, 1), layout
+        verdicts.append(ours)
+    # 0 is refused under every policy, positive values are accepted (used by full only)
+    assert verdicts.count(False) == 3

@@ -113,8 +113,6 @@ def _setup(args: argparse.Namespace) -> tuple[Any, CostModel, list[str]]:
 def layout_of(train: Any, world: int) -> Layout:
     """The :class:`Layout` an mt-train config runs at ``world`` GPUs."""
     par, tr = train.parallel, train.trainer
-    if par.recompute_every != 1:
-        raise PlanError("parallel.recompute_every > 1 is not modelled by mt-plan")
     if par.recompute == "selective":
         recompute = "selective_mlp" if "mlp" in par.recompute_targets else "selective"
     elif par.recompute == "full":
@@ -126,7 +124,10 @@ def layout_of(train: Any, world: int) -> Layout:
         tp=par.tp, cp=par.cp, pp=par.pp, dp=dp, ep=par.ep, sp=par.sequence_parallel,
         vpp=par.pp_chunks if par.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1,
         schedule=par.pp_schedule if par.pp > 1 else "1f1b", dp_mode=par.data_parallel,
-        micro_batch=tr.micro_batch_size, recompute=recompute, fp8=FP8_OPTION.get(train.fp8.recipe, train.fp8.recipe),
+        micro_batch=tr.micro_batch_size, recompute=recompute,
+        # the runtime reads recompute_every under full recompute only (ParallelConfig checked it)
+        recompute_every=par.recompute_every if par.recompute == "full" else 1,
+        fp8=FP8_OPTION.get(train.fp8.recipe, train.fp8.recipe),
     )  # fmt: skip
 
 

@@ -25,6 +25,16 @@ to ``I``: ``full`` the whole block forward again (``full_keep`` without the atte
 the FP8 down projection quantizes SwiGLU's product from gate and up, so there is no SwiGLU module
 to recompute).
 
+Full recompute every ``N`` blocks (``recompute_every``, :meth:`CostModel.recomputed_layers`), as
+mt-parallel's ``apply_recompute`` picks them: it numbers from 0 the blocks of the module it is
+given, which is the whole model at pp = 1 and each pipeline chunk under pp (mt-parallel
+parallelizes every chunk on its own), and checkpoints block ``j`` when ``j % N == 0``. At pp = 1
+the VLM's vision blocks come first in that numbering (``ModelShape.blocks_before``); in a chunk
+the decoder's blocks come first (the chunk registers the decoder's container with its
+embedding, before the vision tower). The blocks it skips are priced as ``recompute="none"``:
+all their activations saved, their bf16 weight copies kept, no second forward, no repeated
+collectives.
+
 FP8 quantization, as mt-fp8 runs it (:mod:`mt_fp8.linear_plan`). Each quantized activation or
 output gradient becomes an FP8 GEMM operand and its transpose (2 bytes written per element)
 after :data:`QUANTIZE_READS` reads of the high-precision tensor (tensorwise: an amax launch, then
@@ -133,7 +143,10 @@ stage the logits and their gradient. Under full recompute the checkpointed block
 weight copy (autocast's cache holds them until the forward's autocast region ends), and the
 largest of three moments counts: the forward's end (every bf16 copy, the logits), the loss's
 backward (the head's copy, the logits and their gradient) and a block's recomputation (its
-activations, built after the head's backward freed the logits).
+activations, built after the head's backward freed the logits; the largest checkpointed
+block's). Blocks that ``recompute_every`` skips keep their bf16 copies in the last two moments
+too (in the recomputation an upper bound: the skipped blocks after the first recomputed one
+in backward order have freed theirs).
 With ``m > 1`` (or pp) gradients live while the next micro-batch's forward tensors are built;
 with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two, plus, under
 FP8, what the layer backpropagated last holds beside every gradient: its largest projection's FP8
@@ -144,13 +157,13 @@ The allocator's overhead (fragmentation, reserved above allocated) is a fraction
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from mt_plan.calibration import FP8_REFERENCE, GEMM_PASSES, CalibrationTable, gemm_pass_shapes
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
-from mt_plan.layout import Layout
+from mt_plan.layout import FULL_RECOMPUTE, Layout
 from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
 
@@ -639,6 +652,20 @@ class CostModel:
             start += c
         return out
 
+    def recomputed_layers(self, L: Layout) -> frozenset[int]:
+        """The decoder layers whose blocks full recompute checkpoints (module docstring, "Full
+        recompute every ``N`` blocks"): all of them under ``recompute_every = 1``, none without
+        a :data:`~mt_plan.layout.FULL_RECOMPUTE` policy."""
+        if L.recompute not in FULL_RECOMPUTE:
+            return frozenset()
+        offset = self.model.blocks_before if L.pp == 1 else 0
+        return frozenset(
+            layer
+            for layers in self.chunk_layers(L)
+            for j, layer in enumerate(layers)
+            if (offset + j) % L.recompute_every == 0
+        )
+
     def rank_chunks(self, L: Layout) -> list[list[int]]:
         """The chunks each pipeline rank holds (loop placement, or a V for zbv/dualpipev)."""
         v = L.chunks_per_rank()
@@ -712,17 +739,23 @@ class CostModel:
         roofline = 0.0
         rank0 = set(placement[0])
         rank_of = {c: r for r, held in enumerate(placement) for c in held}
+        recomputed = self.recomputed_layers(L)
+        # a layer's own policy: recompute_every leaves some blocks out of full recompute
+        every_block = replace(L, recompute_every=1)
+        not_recomputed = replace(L, recompute="none", recompute_every=1)
         for c, layers in enumerate(chunks):
             f = i = wg = saved = biggest = 0.0
             count_comm = c in rank0
             for layer in layers:
                 dense = not md.moe or layer < md.first_k_dense
-                lc = self._layer(dense, L)
+                skipped = L.recompute in FULL_RECOMPUTE and layer not in recomputed
+                lc = self._layer(dense, not_recomputed if skipped else every_block)
                 f += lc.phase.fwd
                 i += lc.phase.igrad
                 wg += lc.phase.wgrad
                 saved += lc.saved
-                biggest = max(biggest, lc.full_acts)
+                if not skipped:  # a recomputed block's transient (full recompute only)
+                    biggest = max(biggest, lc.full_acts)
                 for group, kind, payload in lc.comm_fwd:
                     f += self._time(group, kind, payload, L)
                     if count_comm:
@@ -818,7 +851,17 @@ class CostModel:
             layers_r = [chunk_saved[c] for c in placement[r]]
             acts = inflight[r] * sum(layers_r)
             last = len(chunks) - 1 in placement[r]
-            mem = self._memory(L, local_r, experts_r, linear_r, acts, max(chunk_full), last, m)
+            kept_r = 0.0  # block linears whose bf16 copies outlive the forward (recompute_every)
+            if L.recompute in FULL_RECOMPUTE:
+                kept_r = sum(
+                    self._block_linear_params(L, layer)
+                    for c in placement[r]
+                    for layer in chunks[c]
+                    if layer not in recomputed
+                )
+            mem = self._memory(
+                L, local_r, experts_r, linear_r, acts, max(chunk_full), last, m, kept_r
+            )
             total = sum(mem.values())
             if total > worst_total:
                 worst, worst_total = mem, total
@@ -896,7 +939,7 @@ class CostModel:
                 m_split, m_rep, m_exp = md.mlp_params(layer)
                 dense += split / tp + rep + 2 * md.dim + m_split / tp + m_rep
                 experts += m_exp / L.ep
-                linear += split / tp + rep + m_split / tp + m_exp / L.ep
+                linear += self._block_linear_params(L, layer)
             if c == 0:
                 dense += md.embedding_params() / tp + md.extra_params
             if c == len(chunks) - 1:
@@ -905,6 +948,13 @@ class CostModel:
                 if md.mtp_depth and 0 not in rank_chunks:  # the MTP modules' embedding copy
                     dense += md.embedding_params() / tp
         return dense, experts, linear
+
+    def _block_linear_params(self, L: Layout, layer: int) -> float:
+        """Parameters of decoder layer ``layer``'s block linears on one rank (attention, MLP and
+        this rank's experts: the ones FP8 recipes convert; not the fp32 router)."""
+        split, rep = self.model.attention_params()
+        m_split, _, m_exp = self.model.mlp_params(layer)
+        return split / L.tp + rep + m_split / L.tp + m_exp / L.ep
 
     @staticmethod
     def _sharded(L: Layout, local: float, experts: float) -> float:
@@ -976,8 +1026,10 @@ class CostModel:
         block: float,
         last_stage: bool,
         m: int,
+        kept_linear: float = 0.0,
     ) -> dict[str, float]:
-        """Bytes by category on one rank (module docstring)."""  # fmt: skip
+        """Bytes by category on one rank (module docstring); ``kept_linear``: parameters of the
+        block linears that full recompute skips (``recompute_every > 1``)."""  # fmt: skip
         md, w = self.model, self.work
         W = L.dp * L.cp
         params = local + experts
@@ -1012,6 +1064,7 @@ class CostModel:
         # the backward (FP8 layers quantize from fp32 and keep their FP8 cache instead)
         copy_bytes = w.act_bytes if w.act_bytes < 4 else 0.0
         blocks_copy = (linear if L.fp8 == "none" else 0.0) * copy_bytes
+        kept_copy = (kept_linear if L.fp8 == "none" else 0.0) * copy_bytes
         logits = 2 * w.act_bytes * T * md.vocab_size / L.tp if last_stage else 0.0
         forward_phase = {"activations": acts}
         if L.fp8 != "none" and not (L.dp_mode == "fsdp" and W > 1):
@@ -1020,8 +1073,8 @@ class CostModel:
         if L.recompute in ("full", "full_keep"):  # the largest moment (module docstring)
             moments = (
                 {"autocast_weight_copies": head * copy_bytes + blocks_copy, "logits": logits / 2},
-                {"autocast_weight_copies": head * copy_bytes, "logits": logits},
-                {"recompute_transient": block},
+                {"autocast_weight_copies": head * copy_bytes + kept_copy, "logits": logits},
+                {"recompute_transient": block, "autocast_weight_copies": kept_copy},
             )
             moment = max(moments, key=lambda parts: sum(parts.values()))
         forward_phase.update(

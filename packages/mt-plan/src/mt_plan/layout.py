@@ -11,6 +11,7 @@ to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-b
   global_batch / (micro_batch·dp)``;
 * tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1
   (every family allows it); ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
+* ``recompute_every`` a positive integer (used by full recompute only, as in the trainer);
 * ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MTP
   refuses pp;
 * pp: the schedule's chunks per rank (interleaved ≥ 2, zbv/dualpipev exactly 2, others 1),
@@ -31,6 +32,8 @@ DP_MODES = ("ddp", "fsdp", "zero1")
 RECOMPUTE = ("none", "selective", "selective_mlp", "full", "full_keep")
 """``selective``: the attention core; ``selective_mlp``: attention core and SwiGLU;
 ``full_keep``: full with ``recompute_keep=[attention]``."""
+FULL_RECOMPUTE = ("full", "full_keep")
+"""The policies that checkpoint whole blocks, every ``recompute_every``-th one."""
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8")
 
 
@@ -50,6 +53,9 @@ class Layout:
     dp_mode: str = "ddp"
     micro_batch: int = 1
     recompute: str = "none"
+    recompute_every: int = 1
+    """With a :data:`FULL_RECOMPUTE` policy: ``parallel.recompute_every`` (the runtime ignores
+    it under the others, and so does the cost model)."""
     fp8: str = "none"
 
     @property
@@ -88,6 +94,8 @@ class Layout:
             out.append("parallel.recompute=full")
         elif self.recompute == "full_keep":
             out += ["parallel.recompute=full", "parallel.recompute_keep=[attention]"]
+        if self.recompute in FULL_RECOMPUTE and self.recompute_every != 1:
+            out.append(f"parallel.recompute_every={self.recompute_every}")
         if self.fp8 != "none":
             out.append(f"fp8={self.fp8}")
         return out
@@ -98,7 +106,10 @@ class Layout:
             parts.append(f"pp{self.pp}/{self.schedule}" + (f"/v{self.vpp}" if self.vpp > 1 else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        return " ".join([*parts, self.dp_mode, f"mb{self.micro_batch}", self.recompute, self.fp8])
+        recompute = self.recompute
+        if recompute in FULL_RECOMPUTE and self.recompute_every != 1:
+            recompute += f"/every{self.recompute_every}"
+        return " ".join([*parts, self.dp_mode, f"mb{self.micro_batch}", recompute, self.fp8])
 
 
 def minimum_microbatches(schedule: str, pp: int, v: int) -> int:
@@ -137,6 +148,9 @@ def layout_problem(
         return f"data_parallel={L.dp_mode!r}; valid: {', '.join(DP_MODES)}"
     if L.recompute not in RECOMPUTE or L.fp8 not in FP8_RECIPES:
         return f"recompute={L.recompute!r} / fp8={L.fp8!r} unknown"
+    every = L.recompute_every
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return f"recompute_every={every!r} must be a positive integer"
     if L.pp == 1:
         if L.vpp != 1:
             return "pp_chunks > 1 needs pp > 1"

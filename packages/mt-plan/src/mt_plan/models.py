@@ -5,7 +5,8 @@ takes (``model=llama3_70b model.n_layers=40 trainer.seq_len=8192``), so the plan
 the model, sequence length and batch a run would use. :func:`shape_of` reads a family config
 into shapes: Llama, the MoE family (Mixtral-style), DeepSeek-V3 (MLA + MoE + MTP) and the
 LLaVA-style VLM (its vision tower and projector become ``extra_params`` and
-``extra_flops_per_token``). A third-party family is refused with the families it knows.
+``extra_flops_per_token``, its vision blocks ``blocks_before``). A third-party family is
+refused with the families it knows.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def shape_of(cfg: Any) -> ModelShape:
               ("model.vision.n_heads", v.n_heads), ("model.vision.ffn_dim", v.ffn_dim))  # fmt: skip
         return ModelShape(
             family=family, extra_params=tower + projector, extra_flops_per_token=extra_flops,
-            tp_divides=tp, **f,
+            blocks_before=v.n_layers, tp_divides=tp, **f,
         )  # fmt: skip
     raise ValueError(
         f"mt-plan has no cost model for the model family {family!r} (model={cfg.name}); "

@@ -55,6 +55,10 @@ class ModelShape:
     """Hidden width of the one MLP holding every shared expert (0: none)."""
     first_k_dense: int = 0
     mtp_depth: int = 0
+    blocks_before: int = 0
+    """Blocks of the runtime's full-recompute types that come before the decoder's when the
+    whole model is parallelized at once (pp = 1): the VLM's vision blocks, which
+    ``recompute_every`` counts too (:meth:`mt_plan.cost.CostModel.recomputed_layers`)."""
     extra_params: int = 0
     extra_flops_per_token: float = 0.0
     tp_divides: tuple[tuple[str, int], ...] = ()
