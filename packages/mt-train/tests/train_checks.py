@@ -9,6 +9,12 @@ data; ``run_collated`` also returns the training rows this rank collated, step b
 ``blend_sources`` writes the two-source byte-token blend the ``data.blend`` tests train on.
 ``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
 (whatever the data-parallel mode shards).
+
+In a gloo pool's ranks every helper builds its trainer from one composed config: rank 0
+composes the overrides and sends the :class:`~mt_train.config.schema.TrainConfig` to the other
+ranks (``train_config``). Composing (Hydra's defaults tree and merges) costs a rank a large
+part of the CPU a tiny run takes, and the config does not depend on the rank or the world
+size (the layout is checked against the world when the trainer starts).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mt_train import Trainer, compose_config, to_train_config
 from mt_train.checkpoint.state import live_state
+from mt_train.config.schema import TrainConfig
 from mt_train.rewind import capture, restore
 
 
@@ -68,9 +76,26 @@ def rewind_overrides(data: str | Path, **extra: object) -> list[str]:
     return tiny_overrides(data, **base)
 
 
+def train_config(overrides: list[str]) -> TrainConfig:
+    """The validated config of ``overrides``; in a process group of several ranks composed by
+    rank 0 and sent to the others (module docstring), a composing error raised on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return to_train_config(compose_config(overrides))
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = to_train_config(compose_config(overrides))
+        except Exception as err:  # the other ranks wait for the config: send them the error
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def fit(overrides: list[str], output_dir: str | Path) -> tuple[Trainer, Any]:
     """Train with ``overrides`` to the end; the (closed) trainer and its summary."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    trainer = Trainer(train_config(overrides), output_dir=output_dir)
     try:
         return trainer, trainer.fit()
     finally:
@@ -92,7 +117,7 @@ def run_rewind(overrides: list[str], output_dir: str | Path) -> dict:
 def run_collated(overrides: list[str], output_dir: str | Path) -> dict:
     """``run_rewind``'s record plus ``collated``: for every training step this rank ran
     (undone ones included), the training-set rows it collated, in order."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    trainer = Trainer(train_config(overrides), output_dir=output_dir)
     collated: list[list[int]] = []
     next_step, collate = trainer.sampler.next_step, trainer.collate
 
@@ -165,7 +190,7 @@ def first_step_gradients(
 ) -> dict:
     """One step's forward and backward (no update): the reported loss and extras, and this
     rank's gradients by parameter name."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    trainer = Trainer(train_config(overrides), output_dir=output_dir)
     try:
         micro = trainer.sampler.next_step()
         batches = [trainer.collate(trainer.data.train, indices) for indices in micro]
@@ -191,7 +216,7 @@ def gradient_average_timeline(overrides: list[str], output_dir: str | Path) -> l
     """One pipelined step under ``data_parallel=ddp``: this rank's backward actions and the
     starts of its chunks' dp×cp gradient averages, in the order they ran (``("backward",
     stage)`` per ``B``/``I``/``W``, ``("average", stage)`` per start)."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    trainer = Trainer(train_config(overrides), output_dir=output_dir)
     try:
         schedule = trainer.step_runner.schedule
         events: list[tuple] = []
@@ -221,7 +246,7 @@ def gradient_average_timeline(overrides: list[str], output_dir: str | Path) -> l
 def snapshot_round_trip(overrides: list[str], output_dir: str | Path) -> dict:
     """Two steps, capture, two more steps, restore: which local entries differ from the
     capture (none should), how many there were, and whether training goes on."""
-    trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
+    trainer = Trainer(train_config(overrides), output_dir=output_dir)
     try:
         for _ in range(2):
             trainer.train_step()
