@@ -18,7 +18,7 @@ import train_checks
 from test_train_moe import RTOL, overrides
 
 from mt_comm.testing import DistributedPool, PoolCache
-from mt_train import Trainer, compose_config, to_train_config
+from mt_train import Trainer
 from mt_train.checkpoint.checkpointer import ELEMS, read_whole
 from mt_train.checkpoint.files import CheckpointReader
 
@@ -127,7 +127,7 @@ TWO_EXPERTS = {"model.moe.num_experts": 2, "trainer.max_steps": 6}
 
 def resave(run: list[str], output_dir: Path, folder: Path) -> None:
     """Load checkpoint ``folder`` into the trainer of ``run`` and save it again at once."""
-    trainer = Trainer(to_train_config(compose_config(run)), output_dir=output_dir)
+    trainer = Trainer(train_checks.train_config(run), output_dir=output_dir)
     try:
         trainer.load(folder)
         trainer.save()
