@@ -10,7 +10,7 @@ data; ``run_collated`` also returns the training rows this rank collated, step b
 ``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
 (whatever the data-parallel mode shards).
 
-In a gloo pool's ranks every helper builds its trainer from one composed config: rank 0
+In a gloo pool's ranks every function here builds its trainer from one composed config: rank 0
 composes the overrides and sends the :class:`~mt_train.config.schema.TrainConfig` to the other
 ranks (``train_config``). Composing (Hydra's defaults tree and merges) costs a rank a large
 part of the CPU a tiny run takes, and the config does not depend on the rank or the world
