@@ -58,7 +58,13 @@ import torch.distributed as dist
 
 import mt_comm
 from mt_parallel.mappings import all_gather_grad_rs, group_rank, group_size, reduce_scatter_grad_ag
-from mt_parallel.moe.capacity import PermutePlan, permute, permute_plan, unpermute
+from mt_parallel.moe.capacity import (
+    PermutePlan,
+    expert_counts,
+    permute,
+    permute_plan,
+    unpermute,
+)
 
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``compute(x_MD, local_sizes_L) -> y_MD``: the local experts on rows sorted by local expert."""
@@ -208,7 +214,7 @@ class AllGatherDispatcher:
         local_experts = kept_all[mine_A] - rank * local
         order = torch.argsort(local_experts, stable=True)
         rows = mine_A[order]
-        sizes_L = torch.bincount(local_experts, minlength=local)
+        sizes_L = expert_counts(local_experts, local)
         y_MD = compute(x_all.index_select(0, rows // top_k), sizes_L)
         y_all = y_MD.new_zeros(kept_all.numel(), x_TD.shape[1]).index_copy(0, rows, y_MD)
         return reduce_scatter_grad_ag(y_all, 0, self.group)

@@ -149,20 +149,13 @@ class PaddedLayout:
         return y_PN.index_select(0, self.dest_M)
 
 
-def grouped_mm(
-    x_MK: torch.Tensor,
-    weight_LNK: torch.Tensor,
-    sizes_L: torch.Tensor,
-    layout: PaddedLayout | None = None,
-) -> torch.Tensor:
-    """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring).
-
-    On CUDA the groups are padded by ``layout`` (computed here when not given: the projections
-    of one expert MLP share one, so the host reads its size once)."""
+def grouped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+    """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring); on
+    CUDA the groups are padded here and the padding dropped from the output."""
     if not pads_groups(x_MK.device):
         offs = torch.cumsum(sizes_L, 0).to(torch.int32)
         return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
-    layout = layout or PaddedLayout.of(sizes_L, x_MK.shape[0])
+    layout = PaddedLayout.of(sizes_L, x_MK.shape[0])
     return layout.unpad(padded_grouped_mm(layout.pad(x_MK), weight_LNK, layout))
 
 
@@ -329,11 +322,15 @@ class GroupedExperts(nn.Module):
         self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
 
     def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+        def mlp(
+            x: torch.Tensor, layout: PaddedLayout | None = None, host_sizes: list[int] | None = None
+        ) -> torch.Tensor:
+            gate = self.gate_proj(x, sizes_L, layout, host_sizes)
+            up = self.up_proj(x, sizes_L, layout, host_sizes)
+            return self.down_proj(swiglu(gate, up), sizes_L, layout, host_sizes)
+
         if self.gate_proj.fp8_enabled:
-            host_sizes = sizes_L.tolist()  # the one device-to-host read of this MLP
-            gate_MF = self.gate_proj(x_MD, sizes_L, None, host_sizes)
-            up_MF = self.up_proj(x_MD, sizes_L, None, host_sizes)
-            return self.down_proj(swiglu(gate_MF, up_MF), sizes_L, None, host_sizes)
+            return mlp(x_MD, host_sizes=sizes_L.tolist())  # the one device-to-host read
         if torch.is_autocast_enabled(x_MD.device.type):
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))  # once for three
         projections = (self.gate_proj, self.up_proj, self.down_proj)
@@ -341,10 +338,6 @@ class GroupedExperts(nn.Module):
             grouped_mm_reason_for(x_MD.dtype, x_MD.device, tuple(p.weight.shape[1:]))
             for p in projections
         ):
-            gate_MF = self.gate_proj(x_MD, sizes_L)
-            return self.down_proj(swiglu(gate_MF, self.up_proj(x_MD, sizes_L)), sizes_L)
+            return mlp(x_MD)
         layout = PaddedLayout.of(sizes_L, x_MD.shape[0])  # module docstring: one padding
-        x_PD = layout.pad(x_MD)
-        gate_PF = self.gate_proj(x_PD, sizes_L, layout)
-        up_PF = self.up_proj(x_PD, sizes_L, layout)
-        return layout.unpad(self.down_proj(swiglu(gate_PF, up_PF), sizes_L, layout))
+        return layout.unpad(mlp(layout.pad(x_MD), layout))
