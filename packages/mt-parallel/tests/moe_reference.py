@@ -49,3 +49,17 @@ def reference_moe(
         u = x_BSD.double() @ shared.up_proj.weight.double().T
         y_BSD = y_BSD + (F.silu(g) * u) @ shared.down_proj.weight.double().T
     return y_BSD
+
+
+def poison_rows_past_the_groups(padded_grouped_mm):
+    """``padded_grouped_mm`` whose output rows past the last group, and their gradient, are NaN:
+    the kernel leaves those rows uninitialized, so nothing may read them, forward or backward."""
+
+    def poisoned(x_PK, weight_LNK, layout):
+        y_PN = padded_grouped_mm(x_PK, weight_LNK, layout)
+        tail = torch.arange(int(layout.ends_L[-1]), y_PN.shape[0], device=y_PN.device)
+        if y_PN.requires_grad:
+            y_PN.register_hook(lambda grad: grad.index_fill(0, tail, float("nan")))
+        return y_PN.index_fill(0, tail, float("nan"))
+
+    return poisoned

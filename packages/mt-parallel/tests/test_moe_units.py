@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from moe_reference import reference_moe
+from moe_reference import poison_rows_past_the_groups, reference_moe
 from torch.utils.checkpoint import checkpoint
 
 from mt_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -259,12 +259,14 @@ def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
 
     layout = PaddedLayout.of(torch.tensor([5, 0, 11, 16]), rows=32, align=16)
     assert layout.dest_M.tolist() == [*range(5), *range(16, 27), *range(32, 48)]
-    assert layout.ends_L.tolist() == [16, 16, 32, 48] and layout.rows == 48
+    # The buffer holds any layout of 32 rows in 4 groups: 32 + 4·15 rows, known on the host.
+    assert layout.ends_L.tolist() == [16, 16, 32, 48] and layout.rows == 92
 
 
 def test_experts_padded_once_match_the_unpadded_experts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path's single padding of the whole expert MLP (forced here on the CPU, whose
-    grouped GEMM takes aligned offsets too) gives the unpadded experts' outputs and gradients."""
+    grouped GEMM takes aligned offsets too) gives the unpadded experts' outputs and gradients,
+    also when the rows past the groups hold NaN."""
     from mt_parallel.moe import experts as experts_module
     from mt_parallel.moe.experts import GroupedExperts
 
@@ -274,8 +276,11 @@ def test_experts_padded_once_match_the_unpadded_experts(monkeypatch: pytest.Monk
     x = torch.randn(int(sizes_L.sum()), 32, requires_grad=True)
     dy = torch.randn(x.shape)
 
+    poisoned = poison_rows_past_the_groups(experts_module.padded_grouped_mm)
+
     def run(padded: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(experts_module, "pads_groups", lambda device: padded)
+        monkeypatch.setattr(experts_module, "padded_grouped_mm", poisoned)
         module.zero_grad(set_to_none=True)
         x.grad = None
         pads = []
@@ -289,6 +294,7 @@ def test_experts_padded_once_match_the_unpadded_experts(monkeypatch: pytest.Monk
         return [y, x.grad, *(p.grad for p in module.parameters())]
 
     padded, unpadded = run(True), run(False)
+    assert all(t.isfinite().all() for t in padded)  # no NaN of the rows past the groups got in
     # Same fp32 products and SwiGLU per real row; the zero rows add exact zeros to the weight
     # gradients. Only the kernels' blocking over the longer padded groups may reorder the fp32
     # sums: a few ulps of the largest entry.

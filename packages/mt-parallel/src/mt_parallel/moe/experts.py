@@ -12,7 +12,8 @@ GEMM ``torch._grouped_mm(x_MK, Wᵀ_LKN, offs)`` where the installed torch runs 
 device and dtype (:func:`grouped_mm_reason`: CUDA compute capability ≥ 9.0 or the CPU, bf16 /
 fp16 / fp32, rows 16-byte aligned), else a loop of one ``F.linear`` per non-empty expert (fp64,
 other devices): both compute the same products. On CUDA each group is padded to a multiple of
-:data:`CUDA_GROUP_ALIGN` rows first (zero rows, dropped after): the CUDA kernels want aligned
+:data:`CUDA_GROUP_ALIGN` rows first (zero rows, dropped after; in a buffer whose size the host
+knows without reading the group sizes, :class:`PaddedLayout`): the CUDA kernels want aligned
 group starts (torchtitan pads the same way); the CPU kernel takes any offsets.
 :class:`GroupedExperts` pads its input once and runs the whole MLP on the padded rows, dropping
 the padding once at the end: a zero row stays zero through each projection and SwiGLU
@@ -27,8 +28,9 @@ rowwise scaling through ``torch._scaled_grouped_mm`` on Hopper, block and MXFP8 
 mt-fp8's grouped Triton kernels on CUDA (``mt_fp8.grouped_block``; under backend ``auto`` for
 layers of at least ``mt_fp8.grouped.BLOCK_GROUPED_MIN_EXPERTS`` experts), a per-expert FP8
 loop elsewhere. It takes the group sizes
-as host ints: :class:`GroupedExperts` reads ``sizes_L`` once per MLP (one device-to-host read,
-as the bf16 path's :class:`PaddedLayout`) and hands the same list to its three projections.
+as host ints: :class:`GroupedExperts` reads ``sizes_L`` once per MLP (one device-to-host read;
+the bf16 path's :class:`PaddedLayout` needs none) and hands the same list to its three
+projections.
 
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
@@ -118,14 +120,23 @@ def pads_groups(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class PaddedLayout:
-    """Where each row of a grouped GEMM's input goes when groups are padded to ``align`` rows."""
+    """Where each row of a grouped GEMM's input goes when groups are padded to ``align`` rows.
+
+    The padded buffer has a size known on the host without reading ``sizes_L``: each group
+    gains at most ``align - 1`` rows, so ``M + L·(align - 1)`` rows hold every layout
+    (torchtitan sizes its padded permutation the same way). The groups end at ``ends_L[-1]``;
+    the rows past it are in no group: the grouped GEMM neither reads them nor writes their
+    output (left uninitialized), and :meth:`unpad` never selects them, so no garbage reaches a
+    real row, forward or backward. No device-to-host read, so the host queues the whole layer
+    without waiting for the router's kernels.
+    """
 
     dest_M: torch.Tensor
     """The padded row of every input row."""
     ends_L: torch.Tensor
     """The padded groups' int32 end offsets (the kernel's ``offs``)."""
     rows: int
-    """Rows of the padded input (a host int: one device-to-host read)."""
+    """Rows of the padded buffer: the bound ``M + L·(align - 1)`` (class docstring)."""
 
     @classmethod
     def of(cls, sizes_L: torch.Tensor, rows: int, align: int = CUDA_GROUP_ALIGN) -> PaddedLayout:
@@ -137,11 +148,10 @@ class PaddedLayout:
         first_L = torch.cumsum(sizes_L, 0) - sizes_L
         index_M = torch.arange(rows, device=sizes_L.device)
         dest_M = (ends_L - padded_L)[expert_M] + index_M - first_L[expert_M]
-        total = int(ends_L[-1]) if ends_L.numel() else 0
-        return cls(dest_M, ends_L.to(torch.int32), total)
+        return cls(dest_M, ends_L.to(torch.int32), rows + sizes_L.numel() * (align - 1))
 
     def pad(self, x_MK: torch.Tensor) -> torch.Tensor:
-        """``x_MK``'s rows at their padded places, zero rows between the groups."""
+        """``x_MK``'s rows at their padded places, zero rows between the groups and after them."""
         return x_MK.new_zeros(self.rows, x_MK.shape[1]).index_copy(0, self.dest_M, x_MK)
 
     def unpad(self, y_PN: torch.Tensor) -> torch.Tensor:
