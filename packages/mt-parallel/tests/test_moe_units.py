@@ -302,6 +302,48 @@ def test_experts_padded_once_match_the_unpadded_experts(monkeypatch: pytest.Monk
         assert rel(a, b) < 1e-6
 
 
+@pytest.mark.parametrize(
+    ("capacity_factor", "pad", "folded"),
+    [(None, False, True), (1.0, False, True), (1.0, True, False)],
+    ids=["dropless", "dropping", "padded-to-capacity"],
+)
+def test_permutation_writes_the_experts_padded_groups(
+    monkeypatch: pytest.MonkeyPatch, capacity_factor: float | None, pad: bool, folded: bool
+) -> None:
+    """At ep = 1 the permutation lays the rows out in the experts' padded groups (forced here
+    on the CPU, whose grouped GEMM takes aligned offsets too) and the experts skip their own
+    pad/unpad: same output and gradients as the unpadded layer, also with NaN in the rows past
+    the groups. Padding to capacity keeps its own layout (the experts pad it)."""
+    from mt_parallel.moe import experts as experts_module
+
+    layer = make_layer(n_shared_experts=1, capacity_factor=capacity_factor, pad_to_capacity=pad)
+    layer = layer.float()
+    x = torch.randn(2, 9, DIM)
+    poisoned = poison_rows_past_the_groups(experts_module.padded_grouped_mm)
+    monkeypatch.setattr(experts_module, "padded_grouped_mm", poisoned)
+
+    def run(padded: bool) -> tuple[list[torch.Tensor], int]:
+        monkeypatch.setattr(experts_module, "pads_groups", lambda device: padded)
+        pads = []
+        monkeypatch.setattr(
+            experts_module.PaddedLayout, "pad", lambda self, t, f=experts_module.PaddedLayout.pad:
+            pads.append(t.shape) or f(self, t),
+        )  # fmt: skip
+        layer.zero_grad(set_to_none=True)
+        x_leaf = x.clone().requires_grad_()
+        y = layer(x_leaf)
+        y.backward(torch.ones_like(y))
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        return [y, x_leaf.grad, *grads], len(pads)
+
+    (padded, pads), (unpadded, _) = run(True), run(False)
+    assert pads == (0 if folded else 1)
+    for a, b in zip(padded, unpadded, strict=True):
+        assert a.isfinite().all()
+        # Same fp32 products per real row (see test_experts_padded_once_match_the_unpadded_experts).
+        assert rel(a, b) < 1e-6
+
+
 def test_fp32_layer_takes_the_grouped_path_and_matches_fp64() -> None:
     layer = make_layer()
     x = torch.randn(2, 5, DIM, dtype=torch.float64)

@@ -53,10 +53,9 @@ class PermutePlan:
     """With padding: the padded row of each kept assignment (None: rows are ``0..N-1``)."""
     dropped: int | torch.Tensor
     """Assignments dropped by capacity (0-d int64 tensor, or 0)."""
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.group_sizes_E.sum()) if self.rows_N is not None else self.order_N.numel()
+    num_rows: int
+    """Rows of the permuted input: ``N``, or with padding those of the padded buffer (a host
+    int, so permuting never reads the device)."""
 
 
 def permute_plan(
@@ -71,7 +70,7 @@ def permute_plan(
     order_A = torch.argsort(experts_A, stable=True)
     counts_E = expert_counts(experts_A, num_experts)
     if capacity_factor is None:
-        return PermutePlan(order_A, counts_E, None, 0)
+        return PermutePlan(order_A, counts_E, None, 0, order_A.numel())
     capacity = expert_capacity(tokens, top_k, num_experts, capacity_factor)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     sorted_experts_A = experts_A[order_A]
@@ -81,9 +80,10 @@ def permute_plan(
     kept_E = counts_E.clamp(max=capacity)
     dropped = (counts_E - kept_E).sum()
     if not pad_to_capacity:
-        return PermutePlan(order_N, kept_E, None, dropped)
+        return PermutePlan(order_N, kept_E, None, dropped, order_N.numel())
     rows_N = sorted_experts_A[keep_A] * capacity + position_A[keep_A]
-    return PermutePlan(order_N, torch.full_like(counts_E, capacity), rows_N, dropped)
+    sizes_E = torch.full_like(counts_E, capacity)
+    return PermutePlan(order_N, sizes_E, rows_N, dropped, num_experts * capacity)
 
 
 def permute(x_TD: torch.Tensor, plan: PermutePlan, top_k: int) -> torch.Tensor:

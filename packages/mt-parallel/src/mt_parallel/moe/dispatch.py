@@ -50,6 +50,7 @@ the turn).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,9 +66,14 @@ from mt_parallel.moe.capacity import (
     permute_plan,
     unpermute,
 )
+from mt_parallel.moe.experts import PaddedLayout
 
-ExpertCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``compute(x_MD, local_sizes_L) -> y_MD``: the local experts on rows sorted by local expert."""
+ExpertCompute = Callable[..., torch.Tensor]
+"""``compute(x_MD, local_sizes_L) -> y_MD``: the local experts on rows sorted by local expert;
+``compute(x_PD, sizes_L, layout)`` on rows already in the padded groups of ``layout``
+(:func:`dispatch_and_combine`)."""
+PaddedLayoutOf = Callable[[torch.Tensor, int, torch.dtype], PaddedLayout | None]
+"""``padded_layout(sizes_L, rows, dtype)``: the experts' padded groups for those rows, or None."""
 
 
 _while_in_flight: Callable[[], None] | None = None
@@ -229,11 +235,24 @@ def dispatch_and_combine(
     capacity_factor: float | None,
     pad_to_capacity: bool,
     while_counts_travel: Callable[[], None] | None = None,
+    padded_layout: PaddedLayoutOf | None = None,
 ) -> tuple[torch.Tensor, int | torch.Tensor]:
     """The routed experts' weighted output ``y_TD`` and the number of dropped assignments.
     ``while_counts_travel()`` runs once while the ``P×L`` counts travel, where they do
-    (:class:`AllToAllDispatcher` over several ranks), and is not called otherwise."""
+    (:class:`AllToAllDispatcher` over several ranks), and is not called otherwise.
+
+    ``padded_layout`` (the experts' :meth:`~mt_parallel.moe.experts.GroupedExperts.padded_layout`):
+    with every expert local (one ep rank) and no padding to capacity, the permutation writes
+    the rows straight into the experts' padded groups and the combine reads them from there,
+    and ``compute(x_PD, sizes_E, layout)`` runs on the padded rows: the same rows meet the same
+    kernels, without the experts' own pad and unpad copies."""
     plan = permute_plan(indices_TK, dispatcher.num_experts, capacity_factor, pad_to_capacity)
+    if padded_layout is not None and group_size(dispatcher.group) == 1 and plan.rows_N is None:
+        layout = padded_layout(plan.group_sizes_E, plan.num_rows, x_TD.dtype)
+        if layout is not None:
+            plan = dataclasses.replace(plan, rows_N=layout.dest_M, num_rows=layout.rows)
+            y_PD = compute(permute(x_TD, plan, indices_TK.shape[1]), plan.group_sizes_E, layout)
+            return unpermute(y_PD, plan, weights_TK), plan.dropped
     if isinstance(dispatcher, AllGatherDispatcher) and group_size(dispatcher.group) > 1:
         y_AD = dispatcher.dispatch_combine(x_TD, indices_TK, plan, compute)
         tokens, top_k = weights_TK.shape

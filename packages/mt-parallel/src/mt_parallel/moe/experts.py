@@ -331,7 +331,31 @@ class GroupedExperts(nn.Module):
         self.up_proj = GroupedLinear(num_experts, dim, ffn_dim, init_std)
         self.down_proj = GroupedLinear(num_experts, ffn_dim, dim, out_init_std)
 
-    def forward(self, x_MD: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+    def padded_layout(
+        self, sizes_L: torch.Tensor, rows: int, dtype: torch.dtype
+    ) -> PaddedLayout | None:
+        """The padded groups the grouped GEMMs want for ``rows`` input rows of ``dtype`` in
+        groups of ``sizes_L`` (on its device), or None where they take the rows as they are
+        (FP8, the CPU, the per-expert loop)."""
+        device = sizes_L.device
+        if self.gate_proj.fp8_enabled or not pads_groups(device):
+            return None
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if any(
+            grouped_mm_reason_for(dtype, device, tuple(p.weight.shape[1:])) for p in projections
+        ):
+            return None
+        return PaddedLayout.of(sizes_L, rows)
+
+    def forward(
+        self, x_MD: torch.Tensor, sizes_L: torch.Tensor, layout: PaddedLayout | None = None
+    ) -> torch.Tensor:
+        """``layout`` (from :meth:`padded_layout`): ``x_MD`` is already laid out in its padded
+        groups (the permutation wrote it so, :func:`~mt_parallel.moe.dispatch_and_combine`)
+        and the output stays so; else the rows are padded here and the padding dropped after."""
+
         def mlp(
             x: torch.Tensor, layout: PaddedLayout | None = None, host_sizes: list[int] | None = None
         ) -> torch.Tensor:
@@ -343,11 +367,9 @@ class GroupedExperts(nn.Module):
             return mlp(x_MD, host_sizes=sizes_L.tolist())  # the one device-to-host read
         if torch.is_autocast_enabled(x_MD.device.type):
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))  # once for three
-        projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if not pads_groups(x_MD.device) or any(
-            grouped_mm_reason_for(x_MD.dtype, x_MD.device, tuple(p.weight.shape[1:]))
-            for p in projections
-        ):
+        if layout is not None:
+            return mlp(x_MD, layout)
+        layout = self.padded_layout(sizes_L, x_MD.shape[0], x_MD.dtype)
+        if layout is None:
             return mlp(x_MD)
-        layout = PaddedLayout.of(sizes_L, x_MD.shape[0])  # module docstring: one padding
-        return layout.unpad(mlp(layout.pad(x_MD), layout))
+        return layout.unpad(mlp(layout.pad(x_MD), layout))  # module docstring: one padding

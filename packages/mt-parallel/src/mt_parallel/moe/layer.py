@@ -121,6 +121,7 @@ class MoE(nn.Module):
             self._dispatcher(), x_TD, routing.indices_TK, routing.weights_TK,
             self.experts, self.cfg.capacity_factor, self.cfg.pad_to_capacity,
             while_counts_travel=run_shared_experts if overlap else None,
+            padded_layout=self.experts.padded_layout,
         )  # fmt: skip
         if torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
             self.aux_losses = {"moe_aux_loss": routing.aux_loss, "moe_z_loss": routing.z_loss}
