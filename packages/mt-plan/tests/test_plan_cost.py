@@ -275,11 +275,12 @@ MIXTRAL_2L = ModelShape(
 )  # fmt: skip
 
 
-def _moe_estimate(entries: list[Entry], fp8: str = "none"):
-    """Mixtral's shape, two layers, sequence 4096, one H100, priced from ``entries`` alone."""
-    cost = CostModel(MIXTRAL_2L, load_cluster("h100_nodes").with_gpus(1),
-                     CalibrationTable("test", entries), Workload(seq_len=4096, global_batch=1))  # fmt: skip
-    return cost, cost.estimate(Layout(fp8=fp8))
+def _moe_estimate(entries: list[Entry], fp8: str = "none", ep: int = 1):
+    """Mixtral's shape, two layers, sequence 4096, one sequence on each of ``ep`` H100s (ep = dp
+    ranks), priced from ``entries`` alone."""
+    cost = CostModel(MIXTRAL_2L, load_cluster("h100_nodes").with_gpus(ep),
+                     CalibrationTable("test", entries), Workload(seq_len=4096, global_batch=ep))  # fmt: skip
+    return cost, cost.estimate(Layout(fp8=fp8, dp=ep, ep=ep))
 
 
 def _expert_entries(dtype: str, rate: float) -> list[Entry]:
@@ -366,12 +367,15 @@ def test_expert_weights_are_requantized_at_the_dense_weights_price() -> None:
 
 def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     # GroupedLinear casts the fp32 weight to bf16 and the gradient back ((4+2)·E·N·K bytes
-    # each, per projection); GroupedExperts pads the MLP's rows once on CUDA (2·(3·rows·D +
-    # 2·rows·D) bytes forward, 2·(2·rows·D + 3·rows·D) backward): with one copy rate below the
-    # bandwidth roof, the seconds are bytes / rate, times two layers
+    # each, per projection); over ep > 1 ranks GroupedExperts pads the MLP's rows once on CUDA
+    # (2·(3·rows·D + 2·rows·D) bytes forward, 2·(2·rows·D + 3·rows·D) backward), at ep = 1
+    # the permutation lays them out padded for free: with one copy rate below the bandwidth
+    # roof, the seconds are bytes / rate, times two layers. ep = 2 keeps each rank's rows
+    # (one sequence each, balanced routing assumed) and halves its experts.
     copy = Entry("copy", "bf16", (8192, 4096), copy_rate := 1e12)
-    cost, est = _moe_estimate([copy])
-    params = 8 * 14336 * 4096
+    assert "expert_padding" not in _moe_estimate([copy])[1].compute
+    cost, est = _moe_estimate([copy], ep=2)
+    params = 4 * 14336 * 4096
     assert est.compute["expert_weight_cast"] == pytest.approx(2 * 3 * 2 * 6 * params / copy_rate)
     rows, wide, narrow = 8192, 14336, 4096
     mlp_pad = 2 * (5 * rows * narrow + 5 * rows * narrow)
@@ -382,7 +386,7 @@ def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     # 2·(5·rows·K + 5·rows·N) bytes forward and backward, which the MLP does not run: the
     # experts cost the entries less the three projections' padding plus the MLP's one.
     rate = 2e14  # far below the bf16 peak: the entries, less the padding, stay above the roofline
-    _, measured = _moe_estimate([copy, *_expert_entries("bf16", rate)])
+    _, measured = _moe_estimate([copy, *_expert_entries("bf16", rate)], ep=2)
     lone_pad = sum(
         2 * (5 * rows * k + 5 * rows * n) for n, k in ((wide, narrow),) * 2 + ((narrow, wide),)
     )
@@ -394,7 +398,7 @@ def test_bf16_experts_charge_weight_casts_and_padding_without_entries() -> None:
     assert "expert_weight_cast" not in measured.compute
     assert any("less the group padding" in note for note in measured.notes), measured.notes
     # entries at the roofline: taking the padding out never prices the GEMMs below it
-    roof = _moe_estimate([copy, *_expert_entries("bf16", 1e30)])[1]
+    roof = _moe_estimate([copy, *_expert_entries("bf16", 1e30)], ep=2)[1]
     flops = 2.0 * rows * wide * narrow
     peak = cost.cluster.gpu.peak_bf16_flops
     assert roof.compute["experts"] == pytest.approx(2 * 3 * 3 * flops / peak, rel=1e-12)

@@ -67,7 +67,10 @@ In bf16 on CUDA mt-parallel's ``GroupedExperts`` pads the MLP's rows once for it
 projections: the input's rows copied into a zeroed buffer of aligned groups and the output's
 rows gathered back at the end, ``A·(3·rows·D + 2·rows·D)`` bytes forward, the gather's scatter
 into zeros and the copy's gather ``A·(2·rows·D + 3·rows·D)`` backward, charged as copies
-(``expert_padding``); FP8 does not pad. Where the table has ``grouped_linear`` entries for the
+(``expert_padding``), over ``ep > 1`` ranks only: with every expert local the permutation writes
+the rows into the padded groups itself and the combine reads them there (mt-parallel's
+``dispatch_and_combine``), so the padding costs nothing beyond the permute, whose zero rows
+between groups are not charged; FP8 does not pad. Where the table has ``grouped_linear`` entries for the
 precision (bf16, the recipe, else ``fp8_tensorwise``) each projection's forward and backward
 are priced from them (nearest shape, never faster than the roofline), the backward split evenly
 between ``I`` and ``W``: they time one ``GroupedLinear`` (``FP8GroupedLinear``) called alone, so
@@ -386,13 +389,15 @@ class CostModel:
         b, r2 = self._membound("copy", A * (2 * M * K + 3 * M * N), (M, K + N))
         return f, b, r1 or r2
 
-    def _expert_mlp(self, ph: _Phase, rows: int, D: int, F: int, fp8: str, groups: int) -> None:
+    def _expert_mlp(
+        self, ph: _Phase, rows: int, D: int, F: int, fp8: str, groups: int, ep: int
+    ) -> None:
         """The routed experts' gate, up and down projections over ``groups`` local experts and,
-        in bf16, the one group padding of the MLP's ``D``-wide input and output (module
-        docstring, "Routed experts")."""
+        in bf16 over ``ep > 1`` ranks, the one group padding of the MLP's ``D``-wide input and
+        output (module docstring, "Routed experts")."""
         for N, K in ((F, D), (F, D), (D, F)):
             self._expert_linear(ph, rows, N, K, fp8, groups)
-        if fp8 == "none":  # FP8GroupedLinear does not pad
+        if fp8 == "none" and ep > 1:  # FP8GroupedLinear does not pad; ep = 1: the permute does
             pad_f, pad_b, roofline = self._group_padding(rows, D, D)
             ph.add("expert_padding", pad_f, pad_b, 0.0, roofline)
 
@@ -518,7 +523,7 @@ class CostModel:
             rows = Tn * k
             self._linear(ph, "router", Tn, md.num_experts, D, "none", autocast=False)
             Fe = md.expert_ffn_dim
-            self._expert_mlp(ph, rows, D, Fe, fp8, E_loc)
+            self._expert_mlp(ph, rows, D, Fe, fp8, E_loc, L.ep)
             sw, r2 = self._membound("swiglu", SWIGLU_FWD * A * rows * Fe, (rows, Fe))
             ph.add("swiglu", sw, sw * SWIGLU_BWD / SWIGLU_FWD, 0.0, r2)
             pm, r3 = self._membound("permute", 4 * A * rows * D, (rows, D))
