@@ -154,6 +154,39 @@ def test_an_interrupted_prepare_leaves_nothing_accepted(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_killed_prepares_partial_folder_is_removed_by_the_next_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run SIGKILLed while building leaves its partial sibling; the next build of the same
+    ``out`` on this host removes it (and says so), but not a live process's nor another
+    host's."""
+    import socket
+
+    out = tmp_path / "out"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import os, signal, sys\n"
+            "from pathlib import Path\n"
+            "from mt_train.data.publish import building\n"
+            "with building(Path(sys.argv[1])) as partial:\n"
+            "    (partial / 'train.bin').write_bytes(b'half')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        ), str(out)],
+    )  # fmt: skip
+    assert killed.wait() == -9
+    host = socket.gethostname()
+    stale = tmp_path / f".out.partial-{host}-{killed.pid}"
+    assert (stale / "train.bin").read_bytes() == b"half"
+    live = tmp_path / f".out.partial-{host}-{os.getppid()}"  # pytest's parent: running
+    elsewhere = tmp_path / f".out.partial-otherhost-{killed.pid}"
+    for folder in (live, elsewhere):
+        folder.mkdir()
+    write_prepared(out, iter([f"document {i} " * 5 for i in range(6)]), ByteTokenizer(), 2)
+    check_prepared(out, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name, elsewhere.name])
+    assert f"removed {stale}" in capsys.readouterr().err
+
+
 def test_prepare_refuses_to_replace_a_folder_that_is_not_prepared_data(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -16,7 +16,7 @@ each ``<image>`` is tokenized piece by piece without special tokens, so a placeh
 merges with its neighbours; the ids the tokenizer's post-processor puts before a text (Llama's
 BOS) open the sample once, untrained. ``model.image_token_id`` must equal the folder's (checked when training starts).
 
-Output folder, written into ``.<name>.partial-<pid>`` and renamed into place when complete
+Output folder, written into ``.<name>.partial-<host>-<pid>`` and renamed into place when complete
 (:func:`mt_train.data.publish.building`)::
 
     meta.json              {"format": 1, "kind": "image_text", "tokenizer": "byte" |

@@ -35,7 +35,7 @@ memory is bounded by the chunks in flight, not by the corpus. Documents given as
 ``max_token_id`` (the largest id written) lets ``mt-train`` check the data against
 ``model.vocab_size`` without reading every token (:mod:`mt_train.data.checks`).
 
-Atomicity. Everything is written into a temporary sibling folder ``.<out>.partial-<pid>``
+Atomicity. Everything is written into a temporary sibling folder ``.<out>.partial-<host>-<pid>``
 and ``meta.json`` last; only then is the folder renamed to ``out`` (an existing prepared
 folder at ``out`` is moved aside first and deleted after). An interrupted run (a kill, a full
 disk, a bad record) leaves ``out`` as it was, and the partial folder is never read by

@@ -1,11 +1,18 @@
 """Atomic publication of a prepared data folder (``mt-prepare-data`` and its ``merge``).
 
-A folder is built inside a temporary sibling ``.<name>.partial-<pid>``, ``meta.json`` written
-last (fsynced, renamed into place), and then the sibling is renamed to ``out``. An existing
-``out`` is replaced only if it is empty or a prepared folder (it is renamed aside to
+A folder is built inside a temporary sibling ``.<name>.partial-<host>-<pid>``, ``meta.json``
+written last (fsynced, renamed into place), and then the sibling is renamed to ``out``. An
+existing ``out`` is replaced only if it is empty or a prepared folder (it is renamed aside to
 ``.<name>.old-<pid>`` first and deleted after); any other folder is refused, so a wrong
 ``--out`` never deletes a user's files. On any error, or an interrupt, the partial sibling is
 removed and ``out`` is left as it was.
+
+A run killed outright (SIGKILL, a lost node) cannot remove its partial sibling; the next build
+of the same ``out`` on the same host removes every ``.<name>.partial-<host>-<pid>`` whose
+process is gone (and says so on stderr). Partial folders of other hosts (a shared file system)
+and of live processes are left alone: the host in the name is what makes the pid meaningful.
+An ``.old-`` folder is never removed by a later run: if a kill fell between the two renames it
+holds the only copy of the previous data.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ import contextlib
 import json
 import os
 import shutil
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,11 +64,37 @@ def _publish(partial: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _process_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Remove the partial siblings of ``out`` left by killed runs on this host (module
+    docstring); returns them."""
+    prefix = f".{out.name}.partial-{socket.gethostname()}-"
+    removed = []
+    for sibling in out.parent.glob(f".{out.name}.partial-*"):
+        pid = sibling.name.removeprefix(prefix)
+        if sibling.name.startswith(prefix) and pid.isdigit() and _process_is_gone(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+            print(f"removed {sibling} (left by process {pid}, no longer running)", file=sys.stderr)
+            removed.append(sibling)
+    return removed
+
+
 @contextlib.contextmanager
 def building(out: Path) -> Iterator[Path]:
     """The partial folder to fill; published as ``out`` when the block ends without error."""
     check_replaceable(out)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if out.parent.is_dir():
+        remove_stale_partials(out)
+    partial = out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     try:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
