@@ -276,24 +276,38 @@ def compare(before: list[dict], after: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Predicted against measured step time, log-log: the diagonal and the ±5% and ±12%
+    bands of the targets; MoE rows (``moe`` or ``v2lite`` in the name) marked apart from the
+    dense ones, and every row outside ±12% labelled by name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ran = [r for r in rows if "measured_step_s" in r]
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for label, marker, moe in (("dense", "o", False), ("MoE", "s", True)):
+        part = [r for r in ran if any(k in r["name"] for k in ("mixtral", "v2lite")) == moe]
+        ax.loglog([r["measured_step_s"] for r in part], [r["predicted_step_s"] for r in part],
+                  marker, label=label, alpha=0.8)  # fmt: skip
     x = [r["measured_step_s"] for r in ran]
     y = [r["predicted_step_s"] for r in ran]
-    ax.loglog(x, y, "o")
     lo, hi = min(x + y) * 0.8, max(x + y) * 1.25
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
-    ax.plot([lo, hi], [lo * 1.05, hi * 1.05], "k:", lw=0.6)
-    ax.plot([lo, hi], [lo * 0.95, hi * 0.95], "k:", lw=0.6)
+    for band, style in ((0.05, ":"), (0.12, "--")):
+        for side in (1 + band, 1 - band):
+            ax.plot([lo, hi], [lo * side, hi * side], "k" + style, lw=0.6)
+    for r in ran:
+        if abs(r["predicted_step_s"] / r["measured_step_s"] - 1) > 0.12:
+            ax.annotate(r["name"], (r["measured_step_s"], r["predicted_step_s"]), fontsize=7,
+                        xytext=(4, -10), textcoords="offset points")  # fmt: skip
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s)")
-    ax.set_title("mt-plan on one H200")
+    ax.set_title(title + "\ndotted ±5%, dashed ±12%", fontsize=9)
+    ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -310,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--report", help="JSON lines to report on (no runs)")
-    parser.add_argument("--plot", help="with --report: write the figure here")
+    parser.add_argument("--plot", help="with --report or --repredict: write the figure here")
+    parser.add_argument("--title", default="mt-plan", help="the figure's title")
     parser.add_argument("--repredict", help="JSON lines whose predictions to recompute (no runs)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # JSON list of override lists
     args = parser.parse_args(argv)
@@ -323,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [json.loads(line) for line in Path(args.report).read_text().splitlines()]
         print(report(rows))
         if args.plot:
-            plot(rows, args.plot)
+            plot(rows, args.plot, args.title)
         return 0
     if args.repredict:
         rows = [json.loads(line) for line in Path(args.repredict).read_text().splitlines()]
@@ -331,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         print(compare(rows, new) + "\n\n" + report(new))
         if args.out:
             Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in new))
+        if args.plot:
+            plot(new, args.plot, args.title)
         return 0
     out = args.out or "plan_validation.jsonl"
     configs = TINY_CONFIGS if args.tiny else CONFIGS
