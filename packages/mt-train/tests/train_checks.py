@@ -3,10 +3,11 @@
 ``tiny_overrides`` shrinks the default job to a 2-layer, width-64 Llama on 64-token
 sequences so that a step takes milliseconds on a CPU; ``run_losses`` trains it and returns
 the per-step losses (module level so spawned ranks can run it by name), ``run_summary`` the
-losses and the greedy sample. ``rewind_overrides`` adds rewind with windows sized for a 60-step
-run; ``run_rewind`` trains and returns what a rank saw (losses, its in-memory events) as plain
-data; ``run_collated`` also returns the training rows this rank collated, step by step.
-``blend_sources`` writes the two-source byte-token blend the ``data.blend`` tests train on.
+losses and the greedy sample, ``run_weights`` the losses and the final weights a rank holds.
+``rewind_overrides`` adds rewind with windows sized for a 60-step run; ``run_rewind`` trains
+and returns what a rank saw (losses, its in-memory events) as plain data; ``run_collated``
+also returns the training rows this rank collated, step by step. ``blend_sources`` writes the
+two-source byte-token blend the ``data.blend`` tests train on.
 ``snapshot_round_trip`` checks that an in-memory snapshot restores this rank's state
 (whatever the data-parallel mode shards).
 
@@ -158,6 +159,13 @@ def blend_sources(folder: Path) -> str:
 def run_losses(overrides: list[str], output_dir: str | Path) -> list[float]:
     """Train with ``overrides`` and return the loss of every step."""
     return fit(overrides, output_dir)[1].losses
+
+
+def run_weights(overrides: list[str], output_dir: str | Path) -> dict:
+    """Train; the per-step losses and the final weights this rank holds, by parameter name."""
+    trainer, summary = fit(overrides, output_dir)
+    weights = {name: p.detach().clone() for name, p in trainer.module.named_parameters()}
+    return {"losses": summary.losses, "weights": weights}
 
 
 def run_logged(overrides: list[str], output_dir: str | Path) -> dict:

@@ -90,12 +90,15 @@ def vlm_parallel_step(
     steps: int = STEPS,
     packed: bool = False,
     reduction: str = "none",
+    cp_attention: str = "all_gather",
 ) -> dict[str, object]:
     """The worst error of the loss, logits and every gradient over ``steps`` SGD steps (each
     on a new micro-batch) against the one-process reference; ``packed``: rows of several
     samples (document ids and the RoPE positions restarting per sample, which each rank
     receives cut like the tokens, as the trainer passes them); ``reduction``: the projector's
-    token reduction at r=2 on a 4×4 grid of 2-pixel patches (4 tokens per image, as without)."""
+    token reduction at r=2 on a 4×4 grid of 2-pixel patches (4 tokens per image, as without);
+    ``cp_attention``: the decoder's attention over cp (K/V all-gathered or passed around the
+    ring)."""
     state = mt_comm.init_parallel_state(cp=cp, tp=tp)
     cfg = dataclasses.replace(model_sizes()["vlm_tiny"], vocab_size=VOCAB, dropout=0.0)
     if reduction != "none":
@@ -106,7 +109,7 @@ def vlm_parallel_step(
     reference = reference.double()
     model = VisionLanguageModel(cfg)
     mp.init_weights(model, seed)
-    config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp)
+    config = mp.ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp, cp_attention=cp_attention)
     model = mp.parallelize(model.double(), config, state, vlm_plan(cfg))
     inner = model.module if hasattr(model, "module") else model  # DDP over cp
     cp_group, tp_rank = state.group("cp"), state.rank("tp")
