@@ -20,7 +20,13 @@ synchronisations). Reported:
 * ``tokens_per_s_per_gpu`` = tokens per step / ``T`` / world size;
 * ``mfu`` = tokens/s/GPU · FLOPs per token (``6·N + 12·L·D·T``) / the device's dense bf16 peak;
 * ``bubble_measured`` = ``1 − Σ busy / (p · T)`` over the pipeline ranks, ``bubble_simulated``
-  the simulator's for the measured mean action times (the ratio of F, B, W taken from the run).
+  the simulator's for the measured mean action times (the ratio of F, B, W taken from the run);
+* ``saved_peak_bytes``: per rank (global rank order), the most bytes of autograd-saved
+  activations it held during one more, untimed step run under
+  :class:`mt_parallel.pipeline.ActivationMeter` (what it counts and what not: its docstring;
+  not the tensors an FP8 weight-gradient sink keeps for ``W``), next to
+  ``in_flight_simulated``, the simulator's peak micro-batch chunks from ``F`` to ``I`` per
+  pipeline rank.
 
 Runs (one JSON row per configuration on rank 0, appended to ``--out``)::
 
@@ -51,7 +57,13 @@ import harness  # noqa: E402
 import mt_comm  # noqa: E402
 import mt_fp8  # noqa: E402
 import mt_parallel  # noqa: E402
-from mt_parallel.pipeline import ChunkCosts, chunks_per_rank, schedule_actions, simulate  # noqa: E402
+from mt_parallel.pipeline import (  # noqa: E402
+    ActivationMeter,
+    ChunkCosts,
+    chunks_per_rank,
+    schedule_actions,
+    simulate,
+)
 
 TINY = {"dim": 64, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
         "vocab_size": 256}  # fmt: skip
@@ -249,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                          dtype=torch.float64)  # fmt: skip
     dist.all_reduce(means, op=dist.ReduceOp.AVG)
     forward, input_grad, weight_grad, full = means.tolist()
+    meter = ActivationMeter([t for c in chunks for t in (*c.parameters(), *c.buffers())])
+    with meter:
+        step()  # after the timed steps' action times were read
+    saved_peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(saved_peaks, torch.tensor([float(meter.peak)], dtype=torch.float64,
+                                              device=device))  # fmt: skip
     if input_grad == 0.0:  # no split backward in this schedule: B is the whole backward
         input_grad, weight_grad = full, 0.0
     order = schedule_actions(args.schedule, args.pp, args.microbatches, v)
@@ -265,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "bubble_measured": 1.0 - float(busy) / (world * step_s),
         "bubble_simulated": simulated.bubble_fraction,
         "action_ms": {"F": forward * 1e3, "I": input_grad * 1e3, "W": weight_grad * 1e3},
+        "saved_peak_bytes": [int(t.item()) for t in saved_peaks],
+        "in_flight_simulated": [simulated.peak_activations[r] for r in range(args.pp)],
         "device": ctx.device.name, "world": world,
     }  # fmt: skip
     if ctx.rank == 0:

@@ -78,6 +78,10 @@ def test_fixed_time_stages_measure_the_simulated_bubble(rows: dict[str, dict]) -
     assert row["bubble_simulated"] > 0.1
     gap = row["bubble_measured"] - row["bubble_simulated"]
     assert -BUBBLE_BELOW < gap < BUBBLE_ABOVE, row
+    # Each chunk saves one (1, 64) fp32 input; its I releases it (the sink's closure that keeps
+    # it for W is not counted), so each rank's peak is its F-to-I count times 256 bytes.
+    assert row["in_flight_simulated"] == [4, 3, 2, 1]
+    assert row["saved_peak_bytes"] == [256 * n for n in row["in_flight_simulated"]], row
 
 
 def test_llama_rehearsal_reports_throughput(rows: dict[str, dict]) -> None:
@@ -85,3 +89,5 @@ def test_llama_rehearsal_reports_throughput(rows: dict[str, dict]) -> None:
     assert (row["model"], row["pp"], row["dp"], row["schedule"]) == ("tiny", 2, 2, "1f1b")
     assert row["tokens_per_s_per_gpu"] > 0 and row["mfu"] is None  # no peak FLOP/s on a CPU
     assert 0 < row["bubble_simulated"] < 1 and row["bubble_measured"] < 1
+    assert row["in_flight_simulated"] == [2, 1] and len(row["saved_peak_bytes"]) == 4
+    assert min(row["saved_peak_bytes"]) > 0

@@ -9,19 +9,21 @@ micro-batches (the accumulation loop of a pp=1 step), in float64 unless FP8 is o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining._backward import stage_backward_input
 from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
 import mt_fp8
 import mt_parallel as mp
 from mt_comm.testing import whole_tensor
-from mt_parallel.pipeline import StageShapes, chunks_per_rank
+from mt_parallel.pipeline import SCHEDULES, ActivationMeter, StageShapes, chunks_per_rank
 from mt_parallel.pipeline import runtime as pipeline_runtime
 from mt_parallel.pipeline.shared_fsdp import fsdp_param_groups
 
@@ -321,3 +323,70 @@ def shared_fsdp_without_custom_reduce_grad(schedule: str) -> dict[str, object]:
         return shared_embedding_step(schedule, steps=0, data_parallel="fsdp")
     finally:
         pipeline_runtime._registers_reduce_grad = registers
+
+
+def _chunk_bytes(
+    chunk: torch.nn.Module, stage: int, num_stages: int, loss_fn: Callable, split: bool
+) -> tuple[int, int]:
+    """One micro-batch through ``chunk`` alone under a fresh meter: the bytes its forward saves
+    (with the loss, on the last chunk), and what torch's split backward keeps from ``I`` to
+    ``W`` (its ``stage_backward_input``, as the stage runs it; on the first chunk the stage
+    skips ``I``, so everything). Gradients it leaves are cleared."""
+    tokens, targets = _batch(99, BATCH, SEQ)
+    if stage == 0:
+        inp = tokens.contiguous()
+    else:
+        inp = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64, requires_grad=True)
+    meter = ActivationMeter([*chunk.parameters(), *chunk.buffers()])
+    with meter:
+        out = chunk(inp)
+        if stage == num_stages - 1:
+            out = loss_fn(out, targets.contiguous())
+    saved = kept = meter.bytes
+    if split and stage > 0:
+        grads = None if stage == num_stages - 1 else [torch.randn_like(out)]
+        _, param_groups = stage_backward_input([out], grads, [inp], chunk.parameters())
+        kept = meter.bytes  # the param groups hold the graph W runs
+        del param_groups
+    for param in chunk.parameters():
+        param.grad = None
+    return saved, kept
+
+
+def activation_bytes(schedule: str, microbatches: int, chunks: int = 1) -> dict[str, object]:
+    """One float64 step of ``schedule`` at pp = world under an :class:`ActivationMeter` (each
+    chunk one toy-LM block): the most autograd-saved bytes this rank held, the bytes still
+    held after the step, each of its chunks' bytes measured alone (:func:`_chunk_bytes`) and
+    the action list the runtime ran."""
+    pp = dist.get_world_size()
+    v = chunks_per_rank(schedule, chunks)
+    config = mp.ParallelConfig(
+        pp=pp, data_parallel="none", pp_schedule=schedule, pp_chunks=chunks,
+        pp_microbatches=microbatches,
+    )  # fmt: skip
+    state = mt_comm.init_parallel_state(pp=pp)
+    model = _reference(pp * v, 0, torch.float64, False)
+    chunk_modules = mp.pipeline_chunks(model, config, state, PLAN)
+    shapes = StageShapes(((BATCH, SEQ), torch.long), ((BATCH, SEQ, DIM), torch.float64),
+                         ((BATCH, SEQ, VOCAB), torch.float64))  # fmt: skip
+    runner = mp.PipelineSchedule(
+        chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
+        torch.device("cpu"), state.group("pp"), model.loss,
+    )  # fmt: skip
+    split = SCHEDULES[schedule].split_backward
+    per_chunk = {
+        s: _chunk_bytes(c, s, pp * v, lambda x, y: model.loss(x, y) / microbatches, split)
+        for s, c in zip(runner.stage_ids, chunk_modules, strict=True)
+    }
+    tokens, targets = _batch(1, microbatches * BATCH, SEQ)
+    rows = [slice(k * BATCH, (k + 1) * BATCH) for k in range(microbatches)]
+    meter = ActivationMeter([t for c in chunk_modules for t in (*c.parameters(), *c.buffers())])
+    with meter:
+        runner.step([tokens[r] for r in rows], [targets[r] for r in rows])
+    return {
+        "pp_rank": state.rank("pp"),
+        "measured_peak": meter.peak,
+        "left": meter.bytes,
+        "chunk_bytes": per_chunk,
+        "actions": [str(a) for a in runner.actions[state.rank("pp")]],
+    }

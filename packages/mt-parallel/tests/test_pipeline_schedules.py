@@ -1,6 +1,7 @@
 """Pipeline schedules: torch's action lists, their invariants, the simulated bubble against the
 published closed forms and the peak in-flight activations (no processes; exact arithmetic on
-small dyadic costs, so equalities are exact)."""
+small dyadic costs, so equalities are exact); the activation meter's byte counting and the
+bytes an action list predicts."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from mt_parallel.pipeline import (
     SCHEDULES,
     Action,
     ActionKind,
+    ActivationMeter,
     ChunkCosts,
     PipelineLayout,
     check_actions,
     chunks_per_rank,
     lower_with_comms,
     minimum_microbatches,
+    predicted_peak_bytes,
     schedule_actions,
     simulate,
     split_layers,
@@ -252,3 +255,47 @@ def test_every_chunk_gives_its_blocks_the_layouts_block_positions() -> None:
     plain = dataclasses.replace(layout, block_positions=None)
     with pytest.raises(TypeError, match=r"got keyword inputs \['sample_positions'\]"):
         split_model(model, plain, [0], 2)[0](x, rows, sample_positions=restarting)
+
+
+def test_activation_meter_counts_each_saved_storage_once_until_released() -> None:
+    """``relu(x·Wᵀ) · x`` in float64: the linear saves ``x`` (and its weight, excluded), relu its
+    output, the product both again (the same storages, ``x`` through a view): 2 × 4·8·8 bytes.
+    The backward releases them, and gradients equal a run without the meter."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 8).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        return (torch.relu(linear(x)) * x.view(2, 16).view(4, 8)).sum()
+
+    run().backward()
+    expected, x.grad = x.grad, None
+    meter = ActivationMeter([*linear.parameters(), *linear.buffers()])
+    with meter:
+        loss = run()
+    assert meter.bytes == meter.peak == 2 * 4 * 8 * 8
+    loss.backward()
+    assert meter.bytes == 0 and meter.peak == 2 * 4 * 8 * 8
+    assert torch.equal(x.grad, expected)
+    meter.reset_peak()
+    assert meter.peak == 0
+
+
+def test_predicted_peak_bytes_is_the_simulated_count_without_split_backward() -> None:
+    """With one byte count per chunk and nothing kept for ``W``, the predicted bytes are the
+    simulator's peak in-flight chunks times it. A split backward whose ``I`` keeps everything
+    for ``W`` (torch's, on the toy blocks: test_pipeline_world2.py) makes ZB-H1 hold ``p``
+    chunks on every rank, not the simulator's ``F``-to-``I`` count ``p − r``."""
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"):
+        v = chunks_per_rank(name, 2 if name == "interleaved_1f1b" else 1)
+        order = schedule_actions(name, 4, 8, v)
+        peaks = simulate(order, 4 * v, chunks_per_rank=v).peak_activations
+        ones = dict.fromkeys(range(4 * v), 1.0 / v)
+        zero = dict.fromkeys(range(4 * v), 0.0)
+        for rank, actions in order.items():
+            assert predicted_peak_bytes(actions, ones, zero) == peaks[rank], (name, rank)
+    order = schedule_actions("zero_bubble", 4, 8, 1)
+    ones = dict.fromkeys(range(4), 1.0)
+    in_flight = simulate(order, 4).peak_activations
+    assert [in_flight[r] for r in range(4)] == [4, 3, 2, 1]
+    assert [predicted_peak_bytes(order[r], ones, ones) for r in range(4)] == [4, 4, 4, 4]

@@ -3,7 +3,7 @@ gradients against one process running the whole model (float64), with even and u
 and micro-batch counts p, 2p and an odd count; FP8 through the deferred weight gradients; MoE
 layers' auxiliary losses carried across stages; an input embedding the last stage also runs
 (its copy there started from the first stage's, its gradient summed over both) trains as one
-process does."""
+process does; the autograd-saved bytes each rank holds peak where its action list says."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import torch
 from parallel_tolerances import FP32_VS_FP64, FP64_VS_FP64, assert_close
 
 from mt_comm.testing import DistributedPool, PoolCache
-from mt_parallel.pipeline import SCHEDULES, check_microbatches
+from mt_parallel.pipeline import (
+    SCHEDULES,
+    check_microbatches,
+    chunks_per_rank,
+    predicted_peak_bytes,
+    schedule_actions,
+    simulate,
+)
 from mt_parallel.pipeline.split import detached
 
 
@@ -183,6 +190,44 @@ def test_shared_fsdp_unit_needs_a_runtime_taking_a_custom_reduce_grad(
     message = "need a torch whose pipeline runtime takes a custom REDUCE_GRAD function"
     with pytest.raises(Exception, match=message):
         pool.run(checks.shared_fsdp_without_custom_reduce_grad, schedule="zbv")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "zbv"])
+def test_saved_activation_bytes_peak_where_the_schedule_says(
+    pool: DistributedPool, schedule: str
+) -> None:
+    """One step at pp=2, m=4 under an ``ActivationMeter``: each rank's peak of autograd-saved
+    bytes equals, byte for byte, the peak of its action list (``schedule_actions``, generated
+    here, not taken from the runtime) with each chunk's bytes measured by running that chunk
+    alone: ``F`` adds its forward's bytes, ``B`` frees them, ``I`` frees all but what torch's
+    split backward keeps for ``W``. Exact, not within a bound: both sides count the same
+    float64 tensors of the same shapes, and the meter counts each storage once. Everything is
+    released by the end of the step. A schedule holding one more micro-batch chunk than its
+    list (or a list predicting one fewer) is off by at least the smallest chunk's bytes."""
+    microbatches, v = 4, chunks_per_rank(schedule, 1)
+    order = schedule_actions(schedule, 2, microbatches, v)
+    in_flight = simulate(order, 2 * v, chunks_per_rank=v).peak_activations
+    results = pool.run(checks.activation_bytes, schedule=schedule, microbatches=microbatches)
+    for result in results:
+        rank, chunk_bytes = result["pp_rank"], result["chunk_bytes"]
+        assert result["actions"] == [str(a) for a in order[rank]]
+        saved = {s: a for s, (a, _) in chunk_bytes.items()}
+        kept = {s: k for s, (_, k) in chunk_bytes.items()}
+        assert result["measured_peak"] == predicted_peak_bytes(order[rank], saved, kept), result
+        assert result["left"] == 0
+        if v == 1:  # the simulator's count of chunks between F and I, times one chunk's bytes
+            (chunk,) = saved.values()
+            if SCHEDULES[schedule].split_backward:  # torch's I keeps more until W
+                assert result["measured_peak"] >= in_flight[rank] * chunk
+            else:
+                assert result["measured_peak"] == in_flight[rank] * chunk
+    # torch's split backward keeps the whole first chunk until W (its I does nothing there)
+    # and, on the others, what the weight gradients need: in these blocks every saved tensor
+    # (each feeds some weight's gradient) but the loss's, on the last chunk.
+    if SCHEDULES[schedule].split_backward:
+        for result in results:
+            for stage, (a, k) in result["chunk_bytes"].items():
+                assert (0 < k < a) if stage == 2 * v - 1 else k == a, (stage, a, k)
 
 
 def test_detached_puts_the_module_back_among_the_current_children() -> None:

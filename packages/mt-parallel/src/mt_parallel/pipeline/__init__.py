@@ -1,8 +1,10 @@
 """Pipeline parallelism: schedules as torch action lists, their simulator, model splitting, the
-runtime that executes them (``torch.distributed.pipelining``), DualPipeV's overlapped
+runtime that executes them (``torch.distributed.pipelining``), the activation memory a schedule
+holds, measured and predicted (:mod:`.memory`), DualPipeV's overlapped
 forward/backward pairs (:mod:`.overlap`) and FSDP2 for a module two chunks of a rank share
 (:mod:`.shared_fsdp`)."""
 
+from mt_parallel.pipeline.memory import ActivationMeter, predicted_peak_bytes
 from mt_parallel.pipeline.module import PipelineModule
 from mt_parallel.pipeline.parallelize import pipeline_chunks, pipeline_module
 from mt_parallel.pipeline.runtime import PipelineSchedule, PipelineStepResult, StageShapes
@@ -26,6 +28,7 @@ from mt_parallel.pipeline.split import PipelineChunk, PipelineLayout, split_laye
 __all__ = [
     "SCHEDULES",
     "Action",
+    "ActivationMeter",
     "ActionKind",
     "ChunkCosts",
     "PipelineChunk",
@@ -43,6 +46,7 @@ __all__ = [
     "minimum_microbatches",
     "pipeline_chunks",
     "pipeline_module",
+    "predicted_peak_bytes",
     "rank_stages",
     "schedule_actions",
     "simulate",

@@ -17,7 +17,9 @@ Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
 * ``peak_activations[r]``: the most micro-batch chunks on rank ``r`` whose forward has run and
   whose input-gradient backward (``B`` or ``I``) has not, in units of one whole stage's
   activations for one micro-batch (a chunk of ``v`` per rank counts ``1/v``). What ``W`` still
-  needs (the layer inputs of the weight GEMMs) is not counted.
+  needs (the layer inputs of the weight GEMMs) is not counted; under torch's split backward
+  that is nearly everything, and :func:`mt_parallel.pipeline.predicted_peak_bytes` counts it
+  (:mod:`.memory`).
 
 If no rank can start its next action the schedule deadlocks and :class:`ValueError` says where.
 """
