@@ -79,6 +79,33 @@ def test_explain_prices_recompute_every(capsys) -> None:
     assert "parallel.recompute_every=0 must be a positive integer" in err
 
 
+def test_explain_prices_an_explicit_pipeline_split(capsys) -> None:
+    split = ["trainer.micro_batch_size=1", "parallel.pp=2", "parallel.pp_layers=[3,1]"]
+    code, out, err = run(capsys, "explain", *SMALL, *split, "--gpus", "2")
+    assert code == 0, err
+    assert "layout: tp1 cp1 dp1 pp2/1f1b/layers3,1 ddp mb1 none none" in out
+    layout = layout_of(resolve([*SMALL, *split]), 2)
+    assert layout.pp_layers == (3, 1) and "parallel.pp_layers=[3,1]" in layout.overrides(8)
+    assert layout_of(resolve(["model=llama3_8b", "model.n_layers=4", "trainer.seq_len=4096",
+                              *layout.overrides(8)]), 2) == layout  # fmt: skip
+    # the trainer's own refusal, naming the value and what is valid
+    code, out, err = run(capsys, "explain", *SMALL, "parallel.pp=2", "parallel.pp_layers=[3,2]",
+                         "--gpus", "2")  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "parallel.pp_layers=[3, 2] sums to 5, the model has 4 layers" in err
+
+
+def test_search_picks_and_prints_recompute_every(capsys) -> None:
+    code, out, err = run(capsys, "search", *SMALL, "--gpus", "1", "--fp8", "none",
+                         "--recompute", "full", "--recompute-every", "1,2")  # fmt: skip
+    assert code == 0, err
+    first = next(line for line in out.splitlines() if line.startswith("| 1 |"))
+    assert "full/every2" in first  # half the blocks recomputed: faster, and it fits
+    assert out.strip().splitlines()[-1].endswith("parallel.recompute_every=2")
+    code, _, err = run(capsys, "search", *SMALL, "--recompute-every", "0,2")
+    assert code == 2 and "--recompute-every [0, 2]: positive integers" in err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

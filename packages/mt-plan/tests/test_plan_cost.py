@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -442,3 +443,95 @@ def test_each_linear_gemm_is_priced_from_its_own_pass_at_its_own_shape() -> None
     flops = 2.0 * T * D * F  # each of gate, up and down
     expected = 3 * flops * (1 / fwd + 1 / dgrad) + 2 * flops / wide_out + flops / wide_in
     assert cost.estimate(Layout()).compute["mlp"] == pytest.approx(expected, rel=1e-12)
+
+
+def _without_layout(estimate) -> str:
+    return repr(dataclasses.replace(estimate, layout=None))
+
+
+def test_explicit_pp_layers_equal_to_the_automatic_split_price_the_same() -> None:
+    # The trainer's automatic split of 10 layers: 3 chunks [3, 4, 3] (the middle chunk first),
+    # 4 chunks [2, 3, 3, 2]; of 8 layers over 2 chunks [4, 4].
+    ten = dataclasses.replace(LLAMA_8B_8L, n_layers=10)
+    cluster = load_cluster("h200_nodes")
+    for shape, world, layout, split in (
+        (LLAMA_8B_8L, 2, Layout(pp=2, micro_batch=1), (4, 4)),
+        (ten, 3, Layout(pp=3, schedule="gpipe"), (3, 4, 3)),
+        (ten, 2, Layout(pp=2, schedule="interleaved_1f1b", vpp=2), (2, 3, 3, 2)),
+        (ten, 2, Layout(pp=2, schedule="zbv", recompute="full", recompute_every=2), (2, 3, 3, 2)),
+    ):
+        cost = CostModel(shape, cluster.with_gpus(world), load_table("h200"),
+                         Workload(seq_len=8192, global_batch=8))  # fmt: skip
+        explicit = dataclasses.replace(layout, pp_layers=split)
+        assert [len(c) for c in cost.chunk_layers(layout)] == list(split)
+        assert _without_layout(cost.estimate(explicit)) == _without_layout(cost.estimate(layout))
+
+
+def test_an_uneven_split_moves_time_and_memory_to_the_heavier_stage() -> None:
+    # 8 Llama3-8B layers over pp = 2 (1F1B, 8 micro-batches of one 8192-token sequence, tp = dp
+    # = 1, so a layer has no collectives). The simulator prices every chunk at the slowest
+    # chunk's costs, and 1F1B with equal chunks takes (m + pp − 1)·(F + I + W): moving one
+    # layer onto the heavier first chunk (6 → 7) adds (8 + 1) layers' F + I + W to the pipeline.
+    cost = _cost(2)
+    m, n = 8, 8
+    est = {split: cost.estimate(Layout(pp=2, pp_layers=split)) for split in
+           ((4, 4), (6, 2), (7, 1), (2, 6), (1, 7))}  # fmt: skip
+    layer = cost._layer(True, Layout(pp=2)).phase
+    per_layer = layer.fwd + layer.igrad + layer.wgrad
+
+    def pipeline(e) -> float:  # dp = 1: no data-parallel collectives after the schedule
+        return e.step_time - e.optimizer_time
+
+    assert pipeline(est[(7, 1)]) - pipeline(est[(6, 2)]) == pytest.approx(
+        (m + 2 - 1) * per_layer, rel=1e-9
+    )
+    assert est[(6, 2)].step_time > est[(4, 4)].step_time
+    # the optimizer of the rank holding most parameters ends the step: 7 layers on rank 1 of
+    # [1, 7] as on rank 0 of [7, 1] (the head and final norm against the embedding: D apart)
+    assert est[(1, 7)].optimizer_time == pytest.approx(est[(7, 1)].optimizer_time, rel=1e-5)
+    assert est[(1, 7)].optimizer_time > est[(4, 4)].optimizer_time
+    # Memory of the fullest rank. A layer holds D·hd·(2H + 2H_kv) + 3·D·F + 2·D parameters, the
+    # embedding and the head V·D each; fp32 weights, gradients and two AdamW moments (16 bytes).
+    D, V = 4096, 128256
+    layer_params = D * 128 * (2 * 32 + 2 * 8) + 3 * D * 14336 + 2 * D
+    saved = cost.estimate(Layout()).memory["activations"] / n  # one micro-batch's, per layer
+    first, last = est[(6, 2)].memory, est[(2, 6)].memory
+    # [6, 2]: the first rank (6 layers and the embedding; 1F1B keeps 2 micro-batches in flight)
+    assert first["weights"] == 4 * (6 * layer_params + V * D)
+    assert first["activations"] == pytest.approx(2 * 6 * saved, rel=1e-12)
+    assert first["logits"] == 0
+    # [2, 6]: the last rank (6 layers, the head and the final norm; 1 micro-batch in flight)
+    assert last["weights"] == 4 * (6 * layer_params + V * D + D)
+    assert last["activations"] == pytest.approx(6 * saved, rel=1e-12)
+    assert last["logits"] > 0
+    assert est[(6, 2)].peak_memory > est[(4, 4)].peak_memory
+
+
+def test_the_search_tries_recompute_every_where_it_checkpoints_other_blocks() -> None:
+    from mt_plan.search import SearchSpace, distinct_recompute_every, enumerate_layouts, search
+
+    assert distinct_recompute_every([4, 2, 1], 2) == [1, 2]  # 4 checkpoints what 2 does
+    assert distinct_recompute_every([1, 2, 4], 1) == [1]
+    assert distinct_recompute_every([2, 4], 8) == [2, 4]
+    # 8 layers on 2 GPUs: a module of 8 blocks at pp = 1, chunks of 4 (1F1B) and of 2 (zbv)
+    space = SearchSpace(pp=[1, 2], schedules=["1f1b", "zbv"], recompute=["none", "full"],
+                        recompute_every=[1, 2, 4, 8], fp8=["none"], sp=[False])  # fmt: skip
+    cost = _cost(2)
+    layouts = list(enumerate_layouts(2, 8, 8, LLAMA_8B_8L, space))
+    tried: dict[tuple, set[int]] = {}
+    picked: dict[tuple, list[frozenset[int]]] = {}
+    for layout in layouts:
+        key = (layout.pp, layout.schedule, layout.recompute)
+        tried.setdefault(key, set()).add(layout.recompute_every)
+        other = dataclasses.replace(layout, recompute_every=1)
+        picked.setdefault((key, other), []).append(cost.recomputed_layers(layout))
+    assert tried == {
+        (1, "1f1b", "none"): {1}, (1, "1f1b", "full"): {1, 2, 4, 8},
+        (2, "1f1b", "none"): {1}, (2, "1f1b", "full"): {1, 2, 4},
+        (2, "zbv", "none"): {1}, (2, "zbv", "full"): {1, 2},
+    }  # fmt: skip
+    for sets in picked.values():  # no two layouts checkpoint the same blocks
+        assert len(set(sets)) == len(sets)
+    # with full recompute, checkpointing every other block is faster and is ranked first
+    best = search(_cost(), 1, SearchSpace(recompute=["full"], fp8=["none"])).ranked[0]
+    assert best.layout.recompute == "full" and best.layout.recompute_every > 1

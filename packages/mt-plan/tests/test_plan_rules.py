@@ -3,7 +3,9 @@
 For a grid of layouts on several families and world sizes, :func:`mt_plan.layout_problem`
 must say "runs" exactly when mt-train's own checks accept the layout: composing the
 ``TrainConfig`` (``ParallelConfig`` and the family's ``check_parallel``), ``check_world`` and
-mt-comm's ``ParallelDims`` (ep inside dp×cp).
+mt-comm's ``ParallelDims`` (ep inside dp×cp). Explicit pipeline splits (``pp_layers``) get the
+trainer's verdict and its very message, and the planner's torch-free ``split_layers`` gives
+mt-parallel's counts and messages on every case of a grid.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ SEQ, GLOBAL_BATCH = 24, 8
 
 def trainer_verdict(base, layout: Layout, world: int) -> bool:
     """Whether mt-train's own checks accept ``layout`` at ``world`` ranks."""
+    return trainer_problem(base, layout, world) is None
+
+
+def trainer_problem(base, layout: Layout, world: int) -> str | None:
+    """mt-train's message refusing ``layout`` at ``world`` ranks, or None when it runs it."""
     from mt_comm.parallel_state import ParallelDims
     from mt_parallel import ParallelConfig
     from mt_train.config import TrainConfig
@@ -43,7 +50,7 @@ def trainer_verdict(base, layout: Layout, world: int) -> bool:
                 layout.recompute, layout.recompute),
             recompute_targets=targets,
             recompute_keep=["attention"] if layout.recompute == "full_keep" else [],
-            recompute_every=layout.recompute_every,
+            recompute_every=layout.recompute_every, pp_layers=list(layout.pp_layers),
         )  # fmt: skip
         trainer = dataclasses.replace(
             base.trainer, seq_len=SEQ, global_batch_size=GLOBAL_BATCH,
@@ -57,9 +64,9 @@ def trainer_verdict(base, layout: Layout, world: int) -> bool:
         )  # fmt: skip
         dp = config.check_world(world)
         ParallelDims(world, dp=dp, cp=layout.cp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
-    except ValueError:
-        return False
-    return True
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def grid(world: int):
@@ -108,3 +115,54 @@ def test_recompute_every_gets_the_trainers_verdict() -> None:
         verdicts.append(ours)
     # 0 is refused under every policy, positive values are accepted (used by full only)
     assert verdicts.count(False) == 3
+
+
+@pytest.mark.parametrize(
+    "layout,accepted",
+    [
+        (Layout(pp=2, pp_layers=(4, 2)), True),
+        (Layout(pp=2, pp_layers=(0, 6)), True),  # an explicit chunk may be empty
+        (Layout(pp=2, pp_layers=(6, 0)), True),
+        # 8 chunks of 6 layers: only an explicit list splits them
+        (Layout(pp=4, schedule="interleaved_1f1b", vpp=2, pp_layers=(1, 1, 1, 1, 1, 1, 0, 0)),
+         True),
+        (Layout(pp=4, schedule="interleaved_1f1b", vpp=2), False),
+        (Layout(pp=2, schedule="zbv", pp_layers=(1, 2, 2, 1)), True),
+        (Layout(pp=2, schedule="zbv", pp_layers=(3, 3)), False),  # a V has 2 chunks per rank
+        (Layout(pp=2, pp_layers=(2, 2, 2)), False),
+        (Layout(pp=2, pp_layers=(2, 3)), False),  # sums to 5
+        (Layout(pp=2, pp_layers=(7, -1)), False),
+        (Layout(pp=1, pp_layers=(6,)), False),
+    ],
+)  # fmt: skip
+def test_pp_layers_get_the_trainers_verdict_and_message(layout: Layout, accepted: bool) -> None:
+    base = resolve([*MODELS["llama"], f"trainer.seq_len={SEQ}", "trainer.micro_batch_size=1",
+                    f"trainer.global_batch_size={GLOBAL_BATCH}"])  # fmt: skip
+    world = layout.pp  # dp = 1: 8 micro-batches, enough for every schedule here
+    ours = layout_problem(layout, shape_of(base.model), world, GLOBAL_BATCH, SEQ)
+    theirs = trainer_problem(base, layout, world)
+    assert (theirs is None) == accepted, theirs
+    assert ours == theirs  # the same verdict and, for a refusal, the same words
+
+
+def test_split_layers_equals_mt_parallels() -> None:
+    split = pytest.importorskip("mt_parallel.pipeline.split")
+    from mt_plan.layout import split_layers
+
+    cases = [(n, pp * v, ()) for n in range(0, 41) for pp in (1, 2, 3, 4, 8) for v in (1, 2, 4)]
+    cases += [(6, 2, (4, 2)), (6, 2, (0, 6)), (6, 3, (2, 2)), (6, 2, (2, 3)), (6, 2, (7, -1)),
+              (6, 2, (3.0, 3)), (6, 0, ()), (6, 4, (1, 1, 1, 3))]  # fmt: skip
+    refused = 0
+    for n, chunks, layers in cases:
+        try:
+            theirs: list[int] | str = [
+                len(r) for r in split.split_layers(n, chunks, list(layers) or None)
+            ]
+        except ValueError as error:
+            theirs, refused = str(error), refused + 1
+        try:
+            ours: list[int] | str = split_layers(n, chunks, layers)
+        except ValueError as error:
+            ours = str(error)
+        assert ours == theirs, (n, chunks, layers)
+    assert 0 < refused < len(cases)

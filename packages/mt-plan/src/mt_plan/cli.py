@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dp-modes", type=_words)
     s.add_argument("--recompute", type=_words)
     s.add_argument(
+        "--recompute-every", type=_ints, default=[1, 2, 4],
+        help="parallel.recompute_every values tried with full recompute (default 1,2,4)",
+    )  # fmt: skip
+    s.add_argument(
         "--fp8", type=_words, help="recipes to try (default none,tensorwise,rowwise,blockwise)"
     )
     s.add_argument("--sp", type=_words, help="true,false")
@@ -128,6 +132,7 @@ def layout_of(train: Any, world: int) -> Layout:
         # the runtime reads recompute_every under full recompute only (ParallelConfig checked it)
         recompute_every=par.recompute_every if par.recompute == "full" else 1,
         fp8=FP8_OPTION.get(train.fp8.recipe, train.fp8.recipe),
+        pp_layers=tuple(par.pp_layers),
     )  # fmt: skip
 
 
@@ -139,7 +144,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         micro_batches=args.micro_batch, max_micro_batch=args.max_micro_batch,
         schedules=args.schedules or defaults.schedules, sp=sp,
         dp_modes=args.dp_modes or defaults.dp_modes,
-        recompute=args.recompute or defaults.recompute, fp8=args.fp8,
+        recompute=args.recompute or defaults.recompute,
+        recompute_every=args.recompute_every, fp8=args.fp8,
     )  # fmt: skip
 
 

@@ -35,6 +35,18 @@ embedding, before the vision tower). The blocks it skips are priced as ``recompu
 all their activations saved, their bf16 weight copies kept, no second forward, no repeated
 collectives.
 
+Pipeline stages. The decoder layers of each chunk are ``Layout.pp_layers`` or the trainer's
+automatic split (:func:`~mt_plan.layout.split_layers`: the remainder to the middle chunks
+first); chunk 0 also runs the embedding, the last chunk the head and the loss. Each chunk's
+``F``, ``I``, ``W`` sum its own layers, ends and stage-boundary p2p. mt-parallel's simulator
+takes one cost triple for every chunk, so the pipeline is timed with the slowest chunk's ``F``,
+``I`` and ``W`` (each the maximum over chunks): exact for equal chunks, an upper bound for
+uneven ones (and the bubble it reports is the schedule's, not the imbalance's). After the
+schedule every pipeline rank reduces its own gradients and steps its own optimizer, so the step
+ends with the rank slowest at both (:meth:`CostModel._optimizer`); memory is the fullest rank's,
+each rank counting the parameters and saved activations of its own chunks. Compute classes and
+collective bytes in the breakdown are pipeline rank 0's.
+
 FP8 quantization, as mt-fp8 runs it (:mod:`mt_fp8.linear_plan`). Each quantized activation or
 output gradient becomes an FP8 GEMM operand and its transpose (2 bytes written per element)
 after :data:`QUANTIZE_READS` reads of the high-precision tensor (tensorwise: an amax launch, then
@@ -166,7 +178,7 @@ from functools import lru_cache
 from mt_plan.calibration import FP8_REFERENCE, GEMM_PASSES, CalibrationTable, gemm_pass_shapes
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
-from mt_plan.layout import FULL_RECOMPUTE, Layout
+from mt_plan.layout import FULL_RECOMPUTE, Layout, split_layers
 from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
 
@@ -644,13 +656,9 @@ class CostModel:
         return collective_time(collective, payload, size, tier_of(self.cluster, stride, size))
 
     def chunk_layers(self, L: Layout) -> list[list[int]]:
-        """The decoder layers of each pipeline chunk (``split_layers``'s even split)."""
-        n = L.pp * L.chunks_per_rank()
-        base, extra = divmod(self.model.n_layers, n)
-        counts = [base] * n
-        order = [*range(1, n - 1), 0, n - 1] if n > 2 else list(range(n))
-        for c in order[:extra]:
-            counts[c] += 1
+        """The decoder layers of each pipeline chunk: ``L.pp_layers``, else the trainer's
+        automatic split (:func:`~mt_plan.layout.split_layers`)."""
+        counts = split_layers(self.model.n_layers, L.pp * L.chunks_per_rank(), L.pp_layers)
         out, start = [], 0
         for c in counts:
             out.append(list(range(start, start + c)))
@@ -745,9 +753,10 @@ class CostModel:
         rank0 = set(placement[0])
         rank_of = {c: r for r, held in enumerate(placement) for c in held}
         recomputed = self.recomputed_layers(L)
-        # a layer's own policy: recompute_every leaves some blocks out of full recompute
-        every_block = replace(L, recompute_every=1)
-        not_recomputed = replace(L, recompute="none", recompute_every=1)
+        # a layer's own policy: recompute_every leaves some blocks out of full recompute (a
+        # layer's cost does not depend on the split, so the cache ignores pp_layers)
+        every_block = replace(L, recompute_every=1, pp_layers=())
+        not_recomputed = replace(L, recompute="none", recompute_every=1, pp_layers=())
         for c, layers in enumerate(chunks):
             f = i = wg = saved = biggest = 0.0
             count_comm = c in rank0
@@ -825,22 +834,25 @@ class CostModel:
             bubble, inflight = 0.0, (1.0,)
             last_backward = chunk_i[0] + chunk_w[0]
 
-        # parameters per pipeline rank
+        # parameters per pipeline rank; after the schedule each rank reduces its gradients and
+        # steps its optimizer on its own, so the rank slowest at both ends the step (uneven
+        # splits); the collectives' bytes are rank 0's, as everywhere in ``comm``
         params = [self.rank_params(L, placement[r], chunks) for r in range(L.pp)]
-        dp_exposed = self._data_parallel(L, params[0], m, last_backward, pipe_time, account, comm)
 
-        # optimizer: AdamW over the parameters this rank updates, the clip's norm
-        local, experts, linear_params = params[0]
-        fp8_params = linear_params if L.fp8 != "none" else 0.0
-        updated = local + experts
-        if L.dp_mode in ("zero1", "fsdp"):
-            updated = self._sharded(L, local, experts)
-        adam, _ = self._membound("adamw", 28 * updated, (int(updated),))
-        norm, _ = self._membound("copy", 4 * updated, (int(updated),))
-        requant = 0.0
-        if L.fp8 != "none":  # once per step, from the fp32 weights (module docstring)
-            requant, _ = self._quantize(L.fp8, fp8_params, (int(fp8_params),), 4, weight=True)
-        optimizer = adam + norm + requant
+        def timed_only(group: str, collective: str, payload: float, times: float) -> float:
+            return self._time(group, collective, payload, L) * times
+
+        after = []  # (data-parallel exposed, optimizer) seconds per pipeline rank
+        for r in range(L.pp):
+            dp_r = self._data_parallel(
+                L, params[r], m, last_backward, pipe_time,
+                *((account, comm) if r == 0 else (timed_only, {})),
+            )  # fmt: skip
+            after.append((dp_r, self._optimizer(L, params[r])))
+        dp_exposed, optimizer = max(after, key=sum)
+        for g in ("dp", "edp"):
+            if g in comm:
+                comm[g].exposed = dp_exposed if g == "dp" else 0.0
         classes["optimizer"] = optimizer
 
         step = pipe_time + dp_exposed + optimizer
@@ -883,6 +895,20 @@ class CostModel:
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
             notes=self._gemm_notes(L) + self._expert_notes(L),
         )  # fmt: skip
+
+    def _optimizer(self, L: Layout, params: tuple[float, float, float]) -> float:
+        """Seconds of one rank's optimizer step: AdamW over the parameters it updates, the
+        clip's norm, and under FP8 the weights' requantization (module docstring)."""
+        local, experts, linear_params = params
+        updated = local + experts
+        if L.dp_mode in ("zero1", "fsdp"):
+            updated = self._sharded(L, local, experts)
+        adam, _ = self._membound("adamw", 28 * updated, (int(updated),))
+        norm, _ = self._membound("copy", 4 * updated, (int(updated),))
+        requant = 0.0
+        if L.fp8 != "none":  # once per step, from the fp32 weights
+            requant, _ = self._quantize(L.fp8, linear_params, (int(linear_params),), 4, weight=True)
+        return adam + norm + requant
 
     def _gemm_notes(self, L: Layout) -> list[str]:
         """Which GEMM dtypes are priced from a table's layout-free entries, for ``--explain``."""

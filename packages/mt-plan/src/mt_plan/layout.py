@@ -15,8 +15,16 @@ to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-b
 * ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MTP
   refuses pp;
 * pp: the schedule's chunks per rank (interleaved ≥ 2, zbv/dualpipev exactly 2, others 1),
-  ``layers ≥ pp·v``, ``m ≥ pp`` (gpipe: any; dualpipev ``2·pp``), interleaved schedules at
-  v > 1 run micro-batches in rounds (``m`` a multiple of ``m // pp`` rounds), no FSDP.
+  ``m ≥ pp`` (gpipe: any; dualpipev ``2·pp``), interleaved schedules at v > 1 run
+  micro-batches in rounds (``m`` a multiple of ``m // pp`` rounds), no FSDP;
+* the blocks of each pipeline chunk (:func:`split_layers`, mt-parallel's function of the same
+  name mirrored): ``pp_layers`` (``parallel.pp_layers``) needs pp > 1 and ``pp·v`` entries,
+  non-negative integers summing to the model's layers (chunks may be empty); without it
+  ``layers ≥ pp·v`` and the automatic split.
+
+:func:`split_layers` is the trainer's ``mt_parallel.pipeline.split.split_layers`` rewritten
+without torch (that module imports it); ``test_plan_rules.py`` holds the two to the same counts
+and the same error messages on every case of a grid.
 """
 
 from __future__ import annotations
@@ -57,6 +65,13 @@ class Layout:
     """With a :data:`FULL_RECOMPUTE` policy: ``parallel.recompute_every`` (the runtime ignores
     it under the others, and so does the cost model)."""
     fp8: str = "none"
+    pp_layers: tuple[int, ...] = ()
+    """Blocks of each pipeline chunk in stage order (``parallel.pp_layers``, ``pp·v``
+    entries); empty: the trainer's automatic split (:func:`split_layers`)."""
+
+    def __post_init__(self) -> None:
+        # a list from a config becomes a tuple: layouts are hashed (the cost model's caches)
+        object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
 
     @property
     def world(self) -> int:
@@ -86,6 +101,8 @@ class Layout:
             out.append(f"parallel.pp_schedule={self.schedule}")
             if self.schedule in ("interleaved_1f1b", "zero_bubble") and self.vpp > 1:
                 out.append(f"parallel.pp_chunks={self.vpp}")
+            if self.pp_layers:
+                out.append(f"parallel.pp_layers=[{','.join(map(str, self.pp_layers))}]")
         if self.recompute == "selective":
             out.append("parallel.recompute=selective")
         elif self.recompute == "selective_mlp":
@@ -104,12 +121,53 @@ class Layout:
         parts = [f"tp{self.tp}{'+sp' if self.sp else ''}", f"cp{self.cp}", f"dp{self.dp}"]
         if self.pp > 1:
             parts.append(f"pp{self.pp}/{self.schedule}" + (f"/v{self.vpp}" if self.vpp > 1 else ""))
+            if self.pp_layers:
+                parts[-1] += f"/layers{','.join(map(str, self.pp_layers))}"
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         recompute = self.recompute
         if recompute in FULL_RECOMPUTE and self.recompute_every != 1:
             recompute += f"/every{self.recompute_every}"
         return " ".join([*parts, self.dp_mode, f"mb{self.micro_batch}", recompute, self.fp8])
+
+
+def split_layers(
+    num_layers: int, num_chunks: int, layers: tuple[int, ...] | list[int] = ()
+) -> list[int]:
+    """Blocks per pipeline chunk, as ``mt_parallel.pipeline.split.split_layers`` splits them
+    (its ranges' lengths, its ``ValueError`` messages): the user's ``layers`` when given (one
+    non-negative integer per chunk, summing to ``num_layers``), else ``⌊L/C⌋`` each with the
+    remainder given to the middle chunks first, then chunk 0, then the last (they also hold the
+    embedding and the head)."""
+    if num_chunks < 1:
+        raise ValueError(f"a pipeline needs at least one chunk, got {num_chunks}")
+    if layers:
+        counts = list(layers)
+        if len(counts) != num_chunks:
+            raise ValueError(
+                f"parallel.pp_layers={counts} has {len(counts)} entries; the pipeline has "
+                f"{num_chunks} chunks (pp·pp_chunks)"
+            )
+        if any(not isinstance(c, int) or c < 0 for c in counts):
+            raise ValueError(f"parallel.pp_layers={counts} must be non-negative integers")
+        if sum(counts) != num_layers:
+            raise ValueError(
+                f"parallel.pp_layers={counts} sums to {sum(counts)}, the model has "
+                f"{num_layers} layers"
+            )
+        return counts
+    if num_layers < num_chunks:
+        raise ValueError(
+            f"{num_layers} layers cannot be split into {num_chunks} pipeline chunks "
+            "(pp·pp_chunks) of at least one layer each; lower pp or pp_chunks, or give "
+            "parallel.pp_layers (chunks may be empty there)"
+        )
+    base, extra = divmod(num_layers, num_chunks)
+    counts = [base] * num_chunks
+    middle_first = [*range(1, num_chunks - 1), 0, num_chunks - 1]
+    for chunk in middle_first[:extra] if num_chunks > 2 else range(extra):
+        counts[chunk] += 1
+    return counts
 
 
 def minimum_microbatches(schedule: str, pp: int, v: int) -> int:
@@ -152,8 +210,11 @@ def layout_problem(
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         return f"recompute_every={every!r} must be a positive integer"
     if L.pp == 1:
-        if L.vpp != 1:
-            return "pp_chunks > 1 needs pp > 1"
+        if L.vpp != 1 or L.pp_layers:
+            return (
+                f"parallel.pp_chunks={L.vpp} / pp_layers={list(L.pp_layers)} need pipeline "
+                "parallelism (pp > 1)"
+            )
         return None
     if not model.supports_pp:
         return f"the {model.family} family (model {model.name}) does not run pp > 1"
@@ -164,8 +225,15 @@ def layout_problem(
     if L.schedule in ("gpipe", "1f1b", *V_SCHEDULES) and L.vpp != 1:
         return f"{L.schedule} takes pp_chunks=1 (the search's vpp)"
     v = L.chunks_per_rank()
-    if model.n_layers < L.pp * v:
-        return f"{model.n_layers} layers cannot fill pp·v = {L.pp}·{v} chunks"
+    if L.pp_layers and len(L.pp_layers) != L.pp * v:  # ParallelConfig's wording
+        return (
+            f"parallel.pp_layers={list(L.pp_layers)} needs pp·chunks = {L.pp}·{v} "
+            f"= {L.pp * v} entries ({L.schedule})"
+        )
+    try:
+        split_layers(model.n_layers, L.pp * v, L.pp_layers)
+    except ValueError as error:
+        return str(error)
     m = L.microbatches(global_batch)
     need = minimum_microbatches(L.schedule, L.pp, v)
     if m < need:

@@ -6,10 +6,18 @@ Dimensions (each restricted by :class:`SearchSpace`): tp, cp, pp over the diviso
 (tp and cp within a node: their collectives are per layer), dp the rest, sequence parallel on
 or off where tp > 1, the schedule and its chunks per rank when pp > 1, the data-parallel mode,
 ep over the divisors of dp·cp that divide the experts, the micro-batch over the divisors of
-``global_batch / dp``, the recompute policy and the FP8 recipe. Pruning order: the world and
-batch arithmetic while enumerating, then :func:`~mt_plan.layout.layout_problem` (the trainer's
-rules), then the cost model's memory check. ``SearchResult.counts`` reports how many layouts
-each stage removed.
+``global_batch / dp``, the recompute policy (with full recompute also ``recompute_every``,
+below) and the FP8 recipe. Pruning order: the world and batch arithmetic while enumerating,
+then :func:`~mt_plan.layout.layout_problem` (the trainer's rules), then the cost model's memory
+check. ``SearchResult.counts`` reports how many layouts each stage removed.
+
+``recompute_every = N`` checkpoints blocks ``j`` with ``j % N == 0`` of each module mt-parallel
+wraps (:meth:`~mt_plan.cost.CostModel.recomputed_layers`): of a module of ``n`` blocks, ``N`` and
+``N' > N`` checkpoint the same blocks exactly when ``N ≥ n`` (both only block 0). So the search
+tries the values of :attr:`SearchSpace.recompute_every` in increasing order and stops after the
+first that is at least the longest chunk's block count (:func:`distinct_recompute_every`): no two
+enumerated layouts recompute the same blocks. The pipeline split is the trainer's automatic one
+(``pp_layers`` is priced by ``explain``, not searched).
 """
 
 from __future__ import annotations
@@ -18,10 +26,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from mt_plan.cost import CostModel, Estimate
-from mt_plan.layout import DP_MODES, FP8_RECIPES, RECOMPUTE, SCHEDULES, Layout, layout_problem
+from mt_plan.layout import (
+    DP_MODES,
+    FP8_RECIPES,
+    FULL_RECOMPUTE,
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    layout_problem,
+)
+from mt_plan.shape import ModelShape
 
 DIMENSIONS = ("tp", "sp", "cp", "pp", "vpp", "schedule", "dp_mode", "ep", "micro_batch",
-              "recompute", "fp8")  # fmt: skip
+              "recompute", "recompute_every", "fp8")  # fmt: skip
 
 
 def divisors(n: int) -> list[int]:
@@ -42,6 +59,9 @@ class SearchSpace:
     ep: list[int] | None = None
     micro_batches: list[int] | None = None
     recompute: list[str] = field(default_factory=lambda: list(RECOMPUTE))
+    recompute_every: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """``parallel.recompute_every`` values tried with the full recompute policies (module
+    docstring); the others run every block's policy (1)."""
     fp8: list[str] | None = None
     """None: no FP8 and every recipe whose GEMMs the calibration table measured (recipes the
     table cannot tell apart would only tie)."""
@@ -57,6 +77,11 @@ class SearchSpace:
             unknown = [v for v in values if v not in valid]
             if unknown or not values:
                 raise ValueError(f"--{name} {unknown or values}: valid values {', '.join(valid)}")
+        every = self.recompute_every
+        if not every or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in every):
+            raise ValueError(
+                f"--recompute-every {every}: positive integers (blocks per checkpoint)"
+            )
 
 
 @dataclass
@@ -68,14 +93,19 @@ class SearchResult:
     counts: dict[str, int]
 
 
+def distinct_recompute_every(values: list[int], longest: int) -> list[int]:
+    """``values`` in increasing order, up to the first that is at least ``longest`` (the most
+    blocks a wrapped module has): the rest would checkpoint the same blocks (module docstring)."""
+    out: list[int] = []
+    for n in sorted(set(values)):
+        if out and out[-1] >= longest:
+            break
+        out.append(n)
+    return out
+
+
 def enumerate_layouts(
-    world: int,
-    gpus_per_node: int,
-    global_batch: int,
-    model_experts: int,
-    space: SearchSpace,
-    pp_allowed: bool = True,
-    cp_allowed: bool = True,
+    world: int, gpus_per_node: int, global_batch: int, model: ModelShape, space: SearchSpace
 ) -> Iterator[Layout]:
     """Every combination of the space's values whose world and batch arithmetic works (pp and
     cp above 1 only where the model family runs them)."""  # fmt: skip
@@ -85,11 +115,11 @@ def enumerate_layouts(
         if world % tp:
             continue
         for cp in space.cp or (
-            divisors(node // tp if node % tp == 0 else 1) if cp_allowed else [1]
+            divisors(node // tp if node % tp == 0 else 1) if model.supports_cp else [1]
         ):
             if world % (tp * cp):
                 continue
-            for pp in space.pp or (divisors(world // (tp * cp)) if pp_allowed else [1]):
+            for pp in space.pp or (divisors(world // (tp * cp)) if model.supports_pp else [1]):
                 if world % (tp * cp * pp):
                     continue
                 dp = world // (tp * cp * pp)
@@ -99,23 +129,35 @@ def enumerate_layouts(
                 mbs = space.micro_batches or [
                     d for d in divisors(per_dp) if d <= space.max_micro_batch
                 ]
-                eps = space.ep or ([1] if not model_experts else divisors(dp * cp))
+                eps = space.ep or ([1] if not model.num_experts else divisors(dp * cp))
                 pipes = [("1f1b", 1)] if pp == 1 else [
                     (s, v) for s in space.schedules for v in (space.vpp if s in
                     ("interleaved_1f1b", "zero_bubble") else [1])
                 ]  # fmt: skip
                 for sp in space.sp if tp > 1 else [False]:
                     for schedule, vpp in pipes:
+                        # the most blocks of a module apply_recompute numbers: the whole model
+                        # at pp = 1, else the longest chunk of the automatic split
+                        v = 2 if schedule in ("zbv", "dualpipev") else vpp
+                        longest = model.n_layers + model.blocks_before
+                        if pp > 1:
+                            longest = -(-model.n_layers // (pp * v))
+                        everies = distinct_recompute_every(space.recompute_every, longest)
+                        policies = [
+                            (rc, n) for rc in space.recompute
+                            for n in (everies if rc in FULL_RECOMPUTE else [1])
+                        ]  # fmt: skip
                         modes = space.dp_modes if dp * cp > 1 else space.dp_modes[:1]
                         for dp_mode in modes:
                             for ep in eps:
                                 for mb in mbs:
-                                    for rc in space.recompute:
+                                    for rc, every in policies:
                                         for fp8 in space.fp8 or ["none"]:
                                             yield Layout(
                                                 tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, sp=sp,
                                                 vpp=vpp, schedule=schedule, dp_mode=dp_mode,
-                                                micro_batch=mb, recompute=rc, fp8=fp8,
+                                                micro_batch=mb, recompute=rc,
+                                                recompute_every=every, fp8=fp8,
                                             )  # fmt: skip
 
 
@@ -129,10 +171,7 @@ def search(cost: CostModel, world: int, space: SearchSpace | None = None) -> Sea
     counts = {"enumerated": 0, "rule": 0, "memory": 0, "fits": 0}
     fits: list[Estimate] = []
     too_big: list[Estimate] = []
-    for layout in enumerate_layouts(
-        world, cost.cluster.gpus_per_node, w.global_batch, md.num_experts, space,
-        md.supports_pp, md.supports_cp,
-    ):  # fmt: skip
+    for layout in enumerate_layouts(world, cost.cluster.gpus_per_node, w.global_batch, md, space):
         counts["enumerated"] += 1
         if layout_problem(layout, md, world, w.global_batch, w.seq_len) is not None:
             counts["rule"] += 1
@@ -159,7 +198,7 @@ def smallest_world_that_fits(
     lean = SearchSpace(
         tp=None, cp=[1], pp=None, vpp=[1], schedules=["1f1b"], sp=[True, False],
         dp_modes=["fsdp", "zero1", "ddp"], micro_batches=[1], recompute=["full"],
-        fp8=(space.fp8 if space else ["none"]),
+        recompute_every=[1], fp8=(space.fp8 if space else ["none"]),
     )  # fmt: skip
     candidates, n = [], 1
     while n <= limit:
