@@ -9,6 +9,7 @@ micro-batches (the accumulation loop of a pp=1 step), in float64 unless FP8 is o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from unittest import mock
 
@@ -64,6 +65,34 @@ def _count_in_flight(runner: mp.PipelineSchedule, chunks: int) -> list[float]:
     return counts
 
 
+def _record_weight_passes(runner: mp.PipelineSchedule) -> dict[str, int]:
+    """Count the weight-gradient computations queued in the runner's sinks, the layers holding
+    a sink, and the weights of those layers that already had a gradient when their chunk's
+    first ``W`` started (none should: their gradients come from ``W``)."""
+    record = {"deferred": 0, "sink_layers": 0, "graded_before_w": 0}
+    for sink in runner.sinks:
+
+        def counted(compute, _defer=sink.defer):
+            record["deferred"] += 1
+            _defer(compute)
+
+        sink.defer = counted
+    for stage in runner.runtime._stages:
+        layers = [m for m in stage.submod.modules() if getattr(m, "wgrad_sink", None) is not None]
+        record["sink_layers"] += len(layers)
+        weights = {id(m.weight): m.weight for m in layers}.values()
+        backward_weight, started = stage.backward_weight_one_chunk, []
+
+        def checked(*args, _run=backward_weight, _started=started, _weights=weights, **kwargs):
+            if not _started:
+                _started.append(True)
+                record["graded_before_w"] += sum(w.grad is not None for w in _weights)
+            return _run(*args, **kwargs)
+
+        stage.backward_weight_one_chunk = checked
+    return record
+
+
 def pipeline_lm(
     schedule: str,
     microbatches: int,
@@ -116,12 +145,17 @@ def pipeline_lm(
         logits=((BATCH, SEQ, vocab_local), dtype),
     )
     splits = pipeline_runtime.TORCH_SPLITS_BACKWARD and not whole_backward_at_i
-    with mock.patch.object(pipeline_runtime, "TORCH_SPLITS_BACKWARD", splits):
+    with (
+        mock.patch.object(pipeline_runtime, "TORCH_SPLITS_BACKWARD", splits),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         runner = mp.PipelineSchedule(
             chunk_modules, schedule, pp, state.rank("pp"), microbatches, chunks, shapes,
             torch.device("cpu"), state.group("pp"), model.loss,
         )  # fmt: skip
     in_flight = _count_in_flight(runner, v)
+    weight_passes = _record_weight_passes(runner)
     mine = rows[state.rank("dp") * microbatches : (state.rank("dp") + 1) * microbatches]
     result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
     params = [p for c in chunk_modules for p in c.parameters()]
@@ -158,6 +192,8 @@ def pipeline_lm(
         "loss_count": len(result.losses),
         "stages": runner.stage_ids,
         "weight_grad_sinks": len(runner.sinks),
+        **weight_passes,
+        "warned_split": any("split backward" in str(w.message) for w in caught),
         "dw_builders": sum(stage.dw_builder is not None for stage in runner.runtime._stages),
         "peak_in_flight": max(in_flight),
         "pp_rank": state.rank("pp"),

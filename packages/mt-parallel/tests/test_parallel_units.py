@@ -399,6 +399,57 @@ def test_row_parallel_swiglu_forward_matches_swiglu_then_forward(fp8: bool) -> N
         mp.RowParallelLinear(64, 32, input_is_parallel=False).forward_swiglu(gate, up)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast", "bf16"])
+@pytest.mark.parametrize("kind", ["column", "column_2d", "row", "row_swiglu", "row_sliced"])
+def test_deferred_weight_gradients_equal_the_plain_linear_bit_for_bit(
+    kind: str, precision: str
+) -> None:
+    """With a ``wgrad_sink`` the high-precision GEMM's backward gives ``dx`` and queues
+    ``dW``/``db``; once the sink's work runs, every gradient (input, weight, the column-parallel
+    GEMM's bias) equals the plain ``F.linear`` path's bit for bit, accumulated over two
+    micro-batches, under fp32, bf16 autocast on fp32 parameters, and bf16 parameters; a
+    non-contiguous output gradient and a sliced (non-contiguous) input included."""
+    from mt_fp8 import WeightGradSink
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if kind.startswith("column"):
+        plain = mp.ColumnParallelLinear(64, 32, bias=True, dtype=dtype)
+    else:
+        plain = mp.RowParallelLinear(64, 32, bias=True, dtype=dtype)
+    layer = copy.deepcopy(plain)
+    sink = layer.wgrad_sink = WeightGradSink()
+    shape = (8, 64) if kind == "column_2d" else (2, 8, 96 if kind == "row_sliced" else 64)
+    inputs = [[torch.randn(shape, dtype=dtype) for _ in range(2)] for _ in range(2)]
+
+    def run(module: torch.nn.Module, x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16_autocast"):
+            if kind == "row_swiglu":
+                return module.forward_swiglu(x, up)
+            return module(x[..., 16:80] if kind == "row_sliced" else x)
+
+    grads = {}
+    for name, module in (("plain", plain), ("deferred", layer)):
+        leaves = [[t.clone().requires_grad_() for t in pair] for pair in inputs]
+        for m, (x, up) in enumerate(leaves):
+            y = run(module, x, up)
+            dy = torch.randn(
+                y.shape[::-1], dtype=y.dtype, generator=torch.Generator().manual_seed(m)
+            )
+            y.backward(dy.permute(*reversed(range(dy.dim()))))  # non-contiguous dy
+        if module is layer:
+            # The row-parallel bias is added after the reduction, outside the GEMM.
+            assert layer.weight.grad is None
+            assert (layer.bias.grad is None) == kind.startswith("column")
+            assert len(sink) == 2  # one closure per micro-batch
+            sink.take()()
+        grads[name] = [module.weight.grad, module.bias.grad] + [t.grad for p in leaves for t in p]
+    for ours, theirs in zip(grads["deferred"], grads["plain"], strict=True):
+        assert (ours is None) == (theirs is None)
+        assert ours is None or (ours.dtype == theirs.dtype and torch.equal(ours, theirs))
+    assert len(sink) == 0
+
+
 class _FP8MLP(torch.nn.Module):
     def __init__(self, bias: bool) -> None:
         super().__init__()

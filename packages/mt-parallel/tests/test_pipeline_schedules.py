@@ -299,3 +299,22 @@ def test_predicted_peak_bytes_is_the_simulated_count_without_split_backward() ->
     in_flight = simulate(order, 4).peak_activations
     assert [in_flight[r] for r in range(4)] == [4, 3, 2, 1]
     assert [predicted_peak_bytes(order[r], ones, ones) for r in range(4)] == [4, 4, 4, 4]
+
+
+def test_weights_left_at_i_on_older_torch_are_the_gemm_weights_outside_sinks() -> None:
+    """The weights the older-torch warning names (``runtime._gemm_weights_outside_sinks``):
+    none for a dense toy LM (its linears defer; embedding and norms are small), the MoE
+    layers' router and expert weights for an MoE one; a layer's own ``nn.Linear`` too."""
+    from toy_lm import DecoderLM
+
+    from mt_parallel.moe import MoEConfig
+    from mt_parallel.pipeline.runtime import _gemm_weights_outside_sinks
+
+    dense = DecoderLM(32, 16, 1, 2, 1, 32)
+    assert _gemm_weights_outside_sinks(dense) == []
+    dense.extra = nn.Linear(16, 16)
+    assert _gemm_weights_outside_sinks(dense) == ["extra.weight"]
+    moe = DecoderLM(32, 16, 1, 2, 1, 32, moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8))
+    left = _gemm_weights_outside_sinks(moe)
+    assert left and all(name.startswith("layers.0.mlp.") for name in left), left
+    assert any("router" in name for name in left) and any("expert" in name for name in left)

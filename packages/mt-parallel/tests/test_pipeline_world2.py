@@ -75,14 +75,22 @@ def test_schedule_matches_one_process(
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
 def test_whole_backward_at_i_on_older_torch(pool: DistributedPool, schedule: str) -> None:
     """Where torch's split backward is wrong (before 2.13), every chunk of a split-backward
-    schedule runs its whole backward at I, through a no-op weight pass: still one process's
-    gradients."""
+    schedule runs its backward at I except the parallel linears' weight gradients, which its
+    sink queues for W: still one process's gradients; every linear of the rank defers once per
+    micro-batch, none of their weights has a gradient when its chunk's first W starts (where
+    every backward is split: DualPipeV runs some whole, as B), and no warning (embedding and
+    norms, all that stays in I, are small)."""
     results = pool.run(
         checks.pipeline_lm, schedule=schedule, microbatches=4, chunks=chunks_of(schedule),
         whole_backward_at_i=True,
     )  # fmt: skip
     check(results, 4)
-    assert all(r["dw_builders"] == len(r["stages"]) for r in results), results
+    for r in results:
+        assert r["dw_builders"] == len(r["stages"]) == r["weight_grad_sinks"], r
+        assert r["sink_layers"] >= 7 * len(r["stages"]), r  # q, k, v, o, gate, up, down
+        assert r["deferred"] == 4 * r["sink_layers"], r
+        assert r["graded_before_w"] == 0 or schedule == "dualpipev", r
+        assert not r["warned_split"]
 
 
 @pytest.mark.parametrize(

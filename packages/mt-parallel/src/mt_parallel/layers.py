@@ -45,6 +45,23 @@ layer eagerly in one ``torch.compiler.disable`` region: the GEMM with the column
 FP8 linear then splits a compiled block into as many graphs as an unbiased one; with the bias
 add after the break, every biased linear of a CLIP encoder block had added a one-op graph (its
 forward and backward each a separate compiled call), and the encoder was launch-bound.
+
+Deferred weight gradients (``wgrad_sink``, an ``mt_fp8.WeightGradSink``; None by default): the
+zero-bubble pipeline schedules run a chunk's weight gradients as a separate ``W`` step
+(:mod:`mt_parallel.pipeline.runtime` sets the sink). In FP8 the sink is the FP8 layer's. Without
+FP8 the local GEMM ``y = x W_lᵀ (+ b_l)`` then runs through :class:`_DeferredWeightGradLinear`,
+whose backward returns ``dx = dy W_l`` and queues ``dW_l = dyᵀ x`` and ``db_l = Σ dy`` in the
+sink, accumulated into ``weight.grad``/``bias.grad`` when the sink's work runs. It replays what
+autograd does for ``F.linear`` under the ambient autocast: the same casts (floating operands other
+than float64 to the autocast dtype), the same forward call, the same backward GEMMs on the same
+operands (``x`` and ``dy`` flattened to 2-D, ``mm``), the gradients cast back to each parameter's
+dtype and added as autograd's accumulation does; so the gradients equal the plain path's bit for
+bit. From ``I`` to ``W`` the queue holds each GEMM's ``x`` (saved for the backward anyway)
+and ``dy``. The tensor-parallel communication wraps the GEMM's input and output (``prepare_input``,
+:meth:`RowParallelLinear._reduce`), never its operands, so it is the same on both paths.
+Exception: a weight read twice in one autocast forward gets its two bf16 gradients summed before
+the cast by autograd, in fp32 after it here (no layer here reads its weight twice). The deferred
+GEMM runs eagerly (``torch.compiler.disable``: its backward queues Python work).
 """
 
 from __future__ import annotations
@@ -57,6 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
+from mt_fp8.wgrad import WeightGradSink, accumulate_grad
 from mt_parallel.mappings import (
     all_gather_grad_rs,
     copy_to_group,
@@ -168,11 +186,81 @@ def _init_linear(layer: TensorParallelModule, name: str, full: torch.Tensor, gen
         full.zero_()
 
 
+def _autocast_operand(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` as autocast hands it to ``F.linear``: floating tensors other than float64 cast to
+    the autocast ``dtype`` (None: autocast off, unchanged)."""
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
+class _DeferredWeightGradLinear(torch.autograd.Function):
+    """``F.linear(x, W, b)`` whose backward queues ``dW``/``db`` in a sink (module docstring:
+    deferred weight gradients). ``dtype`` is the autocast dtype of the call (None: off); the
+    function runs with autocast off and applies it itself."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype | None,
+        sink: Any,
+    ) -> torch.Tensor:
+        x_c, weight_c = _autocast_operand(x, dtype), _autocast_operand(weight, dtype)
+        y = F.linear(x_c, weight_c, _autocast_operand(bias, dtype))  # type: ignore[arg-type]
+        ctx.save_for_backward(x_c, weight_c)
+        ctx.params, ctx.sink, ctx.x_dtype = (weight, bias), sink, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # autograd's formulas for F.linear: addmm / mm on x and dy flattened to 2-D.
+        x_c, weight_c = ctx.saved_tensors
+        weight, bias = ctx.params
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy_MN = dy.reshape(-1, dy.shape[-1])
+        dx = None
+        if need_dx:
+            dx = dy_MN.mm(weight_c).reshape(x_c.shape).to(ctx.x_dtype)
+        if need_dw or need_db:
+            x_MK = x_c.reshape(-1, x_c.shape[-1])
+
+            def weight_gradients() -> None:
+                if need_dw:
+                    accumulate_grad(weight, dy_MN.t().mm(x_MK).to(weight.dtype))
+                if need_db:
+                    accumulate_grad(bias, dy_MN.sum(0).to(bias.dtype))
+
+            ctx.sink.defer(weight_gradients)
+        return dx, None, None, None, None
+
+
+@torch.compiler.disable  # the backward queues Python work (module docstring)
+def _deferred_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sink: Any
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` under the ambient autocast, with ``dW``/``db`` queued in
+    ``sink`` (module docstring: deferred weight gradients)."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    with torch.autocast(device, enabled=False):
+        return _DeferredWeightGradLinear.apply(x, weight, bias, dtype, sink)
+
+
 class _ParallelLinear(TensorParallelModule):
     """Shared parts of the column- and row-parallel linears."""
 
     fp8_sharded_roles: ClassVar[tuple[str, ...]] = ()
     """FP8 tensor roles that are TP shards: their current-scaling amax is reduced over TP."""
+    wgrad_sink: WeightGradSink | None = None
+    """Set: the weight (and bias) gradient of the local GEMM is queued here (module docstring:
+    deferred weight gradients); in FP8 the FP8 layer's own sink does it."""
+    wgrad_sink_optional: ClassVar[bool] = True
+    """torch's own split backward separates this layer's high-precision weight gradient too:
+    the pipeline runtime sets the sink only where that split is wrong or the chunk has a sink
+    anyway (:mod:`mt_parallel.pipeline.runtime`)."""
 
     def __init__(
         self,
@@ -209,7 +297,13 @@ class _ParallelLinear(TensorParallelModule):
         """The local GEMM ``x W_lᵀ (+ b_l for column parallel)``, in FP8 when enabled."""
         if self._fp8 is not None:
             return self._fp8_gemm(x)
-        return F.linear(x, self.weight, self._gemm_bias())
+        return self._linear(x, self._gemm_bias())
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The high-precision local GEMM, its weight gradient deferred with a sink."""
+        if self.wgrad_sink is None:
+            return F.linear(x, self.weight, bias)
+        return _deferred_linear(x, self.weight, bias, self.wgrad_sink)
 
     @torch.compiler.disable  # one eager region with its bias (module docstring: compile)
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -396,7 +490,7 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             raise ValueError("RowParallelLinear.forward_swiglu needs input_is_parallel=True")
         if self._fp8 is None:
-            return self._reduce(F.linear(swiglu(gate_BTK_l, up_BTK_l), self.weight))
+            return self._reduce(self._linear(swiglu(gate_BTK_l, up_BTK_l), None))
         return self._fp8_forward_swiglu(gate_BTK_l, up_BTK_l)
 
     @torch.compiler.disable  # one eager region with its reduction and bias (module docstring)

@@ -16,24 +16,36 @@ What this module adds around it:
   step does, so the runtime's own gradient scaling is off (``scale_grads=False``);
   ``loss_m · f_m`` (what the pp=1 step reports) and the model's extra values are kept per
   micro-batch.
-* Split backward (``I``/``W``): chunks holding layers with a ``wgrad_sink`` attribute
-  (``mt_fp8.FP8Linear``; any layer may declare one) get one ``mt_fp8.WeightGradSink`` shared by
-  those layers and handed to torch as the stage's ``dw_builder``: ``I`` runs the chunk's
-  autograd backward with their weight-gradient GEMMs queued, ``W`` runs the queue. Other
-  parameters (norms, embedding, high-precision linears) get their gradients in ``I``. Chunks
-  without such layers use torch's own split
+* Split backward (``I``/``W``): layers with a ``wgrad_sink`` attribute can queue their
+  weight-gradient GEMMs in an ``mt_fp8.WeightGradSink`` instead of running them in autograd's
+  backward (``mt_fp8.FP8Linear``, and mt-parallel's column- and row-parallel linears also
+  without FP8; any layer may declare one). A chunk that uses a sink gets one, shared by all
+  such layers of the chunk and handed to torch as the stage's ``dw_builder``: ``I`` runs the
+  chunk's autograd backward with those GEMMs queued, ``W`` runs the queue. Other parameters
+  (norms, embedding, MoE experts) get their gradients in ``I``. A chunk uses a sink when it
+  holds a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out
+  of one autograd node), or on an older torch (next point). Otherwise, and in particular for
+  high-precision chunks on torch >= 2.13, torch's own split runs
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
-  is run from the saved intermediate gradients).
+  is run from the saved intermediate gradients), and the parallel linears' sinks
+  (``wgrad_sink_optional``) stay unset. Why keep torch's split there rather than a sink
+  everywhere: it moves every weight gradient to ``W`` (norms, embeddings and the MoE experts'
+  grouped GEMMs too, which no sink covers), and it is what the activation-memory model of
+  :mod:`mt_parallel.pipeline.memory` counts between ``I`` and ``W``.
 * Older torch (before 2.13), where the runtime is wrong or refuses our use; each fix is
   harmless on newer torch. Its ``stage_backward_weight`` counts an intermediate's gradient again
   through descendant intermediates (torch 2.13 clamps the saved gradients), so with
   :data:`TORCH_SPLITS_BACKWARD` false every chunk of a split-backward schedule gets a
-  ``dw_builder`` (a no-op one where no layer defers): ``I`` runs the chunk's whole backward and
-  ``W`` only the deferred FP8 weight gradients, correct but without the zero-bubble gain for
-  the other weights (a warning says so once). Its stage checks each received or given input's
-  strides, so the micro-batch tokens (views of a longer row) are passed contiguous. Its p2p
-  warm-up sends to the neighbour stage even when that stage is on the same rank (the V
-  schedules), which gloo cannot pair; :class:`_Stage` drops those ops.
+  ``dw_builder``: a sink shared by all its layers that have one (the parallel linears with or
+  without FP8), else a no-op. ``I`` runs the chunk's whole backward except the queued GEMMs and
+  ``W`` those: correct, and the zero-bubble gain kept for the linear layers, which hold nearly
+  all of a transformer block's weight-gradient FLOPs. Norm weights and biases (elementwise
+  gradients) and embedding tables (a scatter-add) are small and stay in ``I``; a warning names
+  the other weights that stay there (their gradient a GEMM outside any sink: MoE experts,
+  routers, a model's own ``nn.Linear``), once per schedule. Its stage checks each received or
+  given input's strides, so the micro-batch tokens (views of a longer row) are passed
+  contiguous. Its p2p warm-up sends to the neighbour stage even when that stage is on the same
+  rank (the V schedules), which gloo cannot pair; :class:`_Stage` drops those ops.
 * MoE auxiliary losses: chunks that hold MoE layers (``carries_aux_losses``) get each
   micro-batch's :class:`~mt_parallel.moe.AuxLossScale` (``f_m / M``) as the keyword
   ``aux_loss_scale`` and attach their layers' losses to their output
@@ -77,6 +89,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
 
 import mt_fp8
+from mt_parallel.layers import VocabParallelEmbedding
 from mt_parallel.moe.carry import AuxLossScale
 from mt_parallel.pipeline.overlap import overlap_forward_backward, overlaps_all_to_all
 from mt_parallel.pipeline.schedules import (
@@ -140,6 +153,23 @@ def _no_weight_pass() -> Callable[[], None]:
     return lambda: None
 
 
+def _gemm_weights_outside_sinks(chunk: nn.Module) -> list[str]:
+    """The chunk's trainable weights whose gradient is a GEMM and stays in ``I`` on a torch
+    whose split is wrong: at least 2-D, outside the layers with a sink and outside embedding
+    tables (module docstring, "Older torch")."""
+    covered = {
+        id(p)
+        for m in chunk.modules()
+        if hasattr(m, "wgrad_sink") or isinstance(m, (nn.Embedding, VocabParallelEmbedding))
+        for p in m.parameters()
+    }
+    return [
+        name
+        for name, p in chunk.named_parameters()
+        if p.requires_grad and p.dim() >= 2 and id(p) not in covered
+    ]
+
+
 class _Stage(PipelineStage):
     """torch's stage without p2p warm-up ops to itself (module docstring, "Older torch")."""
 
@@ -175,12 +205,18 @@ class PipelineSchedule:
             )
         self.schedule, self.microbatches, self.num_stages = schedule, microbatches, pp * v
         self.actions = schedule_actions(schedule, pp, microbatches, v)
-        if SCHEDULES[schedule].split_backward and not TORCH_SPLITS_BACKWARD:
+        split = SCHEDULES[schedule].split_backward
+        left_at_i = []
+        if split and not TORCH_SPLITS_BACKWARD:
+            left_at_i = [name for chunk in chunks for name in _gemm_weights_outside_sinks(chunk)]
+        if left_at_i:
             warnings.warn(
                 f"torch {torch.__version__}'s split backward counts some weight gradients "
-                f"twice, so pp_schedule={schedule} runs each chunk's whole backward at its I "
-                "step (correct, without the zero-bubble gain except for FP8 weight gradients); "
-                "torch >= 2.13 splits it",
+                f"twice, so pp_schedule={schedule} runs each chunk's backward at its I step "
+                "except the weight gradients of layers with a wgrad_sink (the parallel "
+                f"linears); {len(left_at_i)} weights whose gradient is a GEMM get it at I, "
+                f"without the zero-bubble gain ({', '.join(left_at_i[:4])}"
+                f"{', ...' if len(left_at_i) > 4 else ''}); torch >= 2.13 splits them",
                 stacklevel=2,
             )
         self.sinks: list[mt_fp8.WeightGradSink] = []
@@ -194,8 +230,7 @@ class PipelineSchedule:
                     else shapes.example("hidden", True),
                     output_args=shapes.example("logits" if last else "hidden", True),
                     group=pp_group,
-                    dw_builder=self._weight_grad_sink(chunk) if SCHEDULES[schedule].split_backward
-                    else None,
+                    dw_builder=self._weight_grad_sink(chunk, split),
                 )
             )  # fmt: skip
         self._loss_fn = loss_fn
@@ -240,12 +275,21 @@ class PipelineSchedule:
         if self.on_chunk_gradients is not None:
             self.on_chunk_gradients(stage.submod)
 
-    def _weight_grad_sink(self, chunk: nn.Module) -> Callable[[], Callable[[], None]] | None:
-        """A sink shared by the chunk's FP8 linears, as torch's ``dw_builder``; without any,
-        None (torch splits the backward) or, on a torch whose split is wrong, a no-op."""
+    def _weight_grad_sink(
+        self, chunk: nn.Module, split: bool
+    ) -> Callable[[], Callable[[], None]] | None:
+        """A sink shared by the chunk's layers that have one, as torch's ``dw_builder``; None
+        without a split backward, or where torch splits it and no layer needs a sink; a no-op
+        on a torch whose split is wrong and no layer has one (module docstring: split
+        backward). A sink left by an earlier schedule on the same layers is cleared first."""
         deferring = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
+        for layer in deferring:
+            layer.wgrad_sink = None
+        optional = all(getattr(m, "wgrad_sink_optional", False) for m in deferring)
+        if not split or (TORCH_SPLITS_BACKWARD and optional):
+            return None
         if not deferring:
-            return None if TORCH_SPLITS_BACKWARD else _no_weight_pass
+            return _no_weight_pass
         sink = mt_fp8.WeightGradSink()
         for layer in deferring:
             layer.wgrad_sink = sink
