@@ -55,8 +55,8 @@ def poison_rows_past_the_groups(padded_grouped_mm):
     """``padded_grouped_mm`` whose output rows past the last group, and their gradient, are NaN:
     the kernel leaves those rows uninitialized, so nothing may read them, forward or backward."""
 
-    def poisoned(x_PK, weight_LNK, layout):
-        y_PN = padded_grouped_mm(x_PK, weight_LNK, layout)
+    def poisoned(x_PK, weight_LNK, layout, *deferred):
+        y_PN = padded_grouped_mm(x_PK, weight_LNK, layout, *deferred)
         tail = torch.arange(int(layout.ends_L[-1]), y_PN.shape[0], device=y_PN.device)
         if y_PN.requires_grad:
             y_PN.register_hook(lambda grad: grad.index_fill(0, tail, float("nan")))

@@ -254,6 +254,59 @@ def test_looped_mm_builds_the_weight_gradient_once() -> None:
     assert w.grad is not None and len(whole_stack) <= 2, whole_stack
 
 
+DEFERRED_CASES = {
+    "fp32-grouped": (torch.float32, None, False),
+    "bf16-autocast-grouped": (torch.float32, torch.bfloat16, False),
+    "fp32-padded": (torch.float32, None, True),
+    "fp64-loop": (torch.float64, None, False),
+}
+
+
+@pytest.mark.parametrize("case", DEFERRED_CASES.values(), ids=DEFERRED_CASES.keys())
+def test_deferred_expert_weight_gradients_equal_the_plain_ones(
+    monkeypatch: pytest.MonkeyPatch, case: tuple[torch.dtype, torch.dtype | None, bool]
+) -> None:
+    """With a ``wgrad_sink`` (zero-bubble pipelines) the experts' backward leaves the weights
+    without gradient and queues them; run, they equal the plain backward's bit for bit, over
+    two micro-batches, an idle expert included: the grouped GEMM (fp32, bf16 autocast on fp32
+    weights, the CUDA padded layout forced on the CPU) and the per-expert loop (fp64)."""
+    from mt_fp8 import WeightGradSink
+    from mt_parallel.moe import experts as experts_module
+    from mt_parallel.moe.experts import GroupedExperts
+
+    dtype, autocast, padded = case
+    monkeypatch.setattr(experts_module, "pads_groups", lambda device: padded)
+    torch.manual_seed(0)
+    module = GroupedExperts(4, 32, 48, 0.05, 0.05).to(dtype)
+    sizes_L = torch.tensor([5, 0, 11, 17])
+    xs = [torch.randn(int(sizes_L.sum()), 32, dtype=dtype) for _ in range(2)]
+    dys = [torch.randn(int(sizes_L.sum()), 32, dtype=dtype) for _ in range(2)]
+
+    def run(sink: WeightGradSink | None) -> list[torch.Tensor]:
+        module.zero_grad(set_to_none=True)
+        for proj in (module.gate_proj, module.up_proj, module.down_proj):
+            proj.wgrad_sink = sink
+        dxs = []
+        for x, dy in zip(xs, dys, strict=True):
+            x = x.clone().requires_grad_()
+            with torch.autocast(
+                "cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None
+            ):
+                y = module(x, sizes_L)
+            y.backward(dy.to(y.dtype))
+            dxs.append(x.grad)
+        if sink is not None:
+            assert all(p.grad is None for p in module.parameters())  # nothing before W
+            assert len(sink) == 6  # three projections, two micro-batches
+            sink.take()()
+        return [*dxs, *(p.grad for p in module.parameters())]
+
+    plain, deferred = run(None), run(WeightGradSink())
+    for a, b in zip(plain, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(deferred[2][1], torch.zeros_like(deferred[2][1]))  # the idle expert
+
+
 def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
     from mt_parallel.moe.experts import PaddedLayout
 

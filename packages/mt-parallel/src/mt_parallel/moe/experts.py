@@ -60,6 +60,20 @@ rounding): its per-expert calls depend on which experts got rows on the rank (an
 is skipped, the grouped path needs tokens), so a per-call reduction could pair different
 collectives on different ranks.
 
+Deferred weight gradients (``GroupedLinear.wgrad_sink``, as the parallel linears'; set by the
+pipeline runtime for the zero-bubble schedules where torch's own split of the backward is wrong
+or a chunk uses a sink anyway, :mod:`mt_parallel.pipeline.runtime`): the bf16/fp32 grouped GEMM
+then runs through :class:`_DeferredWeightGradExperts`, whose backward returns
+``dx = grouped_mm(dy, W, offs)`` and queues ``dW = grouped_mm(dyᵀ, x, offs)`` (the 2d × 2d mode,
+groups along the rows) in the sink, cast to the parameter's dtype and accumulated as autograd
+would: the formulas autograd uses for ``torch._grouped_mm`` with a row-major ``x`` and a
+transposed (column-major) weight, on the same operands, so the gradients equal the plain path's
+bit for bit; the per-expert loop likewise (``F.linear``'s ``mm`` backward per expert, the
+gradients stacked as ``unbind``'s backward does, zeros for idle experts). Not deferred: the FP8
+experts (``FP8GroupedLinear`` has no sink; their weight gradients stay in ``I``), and a weight
+summed over TP in the backward (``copy_to_group`` wraps the operand itself). From ``I`` to
+``W`` the queue holds each GEMM's ``x`` (saved for the backward anyway) and ``dy``.
+
 Expert parallelism (:meth:`GroupedLinear.shard_experts_`) keeps experts ``[r·L, (r+1)·L)`` of
 the full ``E`` on ep rank ``r``; init draws the full ``[E, out, in]`` tensor from the layer's
 generator and keeps the local slice, so every ep degree starts from the same experts.
@@ -68,13 +82,14 @@ generator and keeps the local slice, so every ep degree starts from the same exp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mt_fp8.ops import swiglu
+from mt_fp8.wgrad import WeightGradSink, accumulate_grad
 from mt_parallel.layers import keep_fp8_layer_out_of_state_dict
 from mt_parallel.mappings import copy_to_group, group_rank, group_size
 
@@ -159,21 +174,96 @@ class PaddedLayout:
         return y_PN.index_select(0, self.dest_M)
 
 
-def grouped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes_L: torch.Tensor) -> torch.Tensor:
+class _DeferredWeightGradExperts(torch.autograd.Function):
+    """The experts' GEMMs ``y[group e] = x[group e]·W_eᵀ``, as one ``torch._grouped_mm`` over
+    ``groups`` (the int32 end offsets) or, where ``groups`` is a list of sizes, as
+    :func:`looped_mm`, with the backward of autograd for either, except that ``dW`` is queued
+    in ``sink`` (module docstring: deferred weight gradients). ``weight_LNK`` is ``param`` as
+    the GEMMs read it (cast to the compute dtype); the gradient goes to ``param`` directly."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_MK: torch.Tensor,
+        weight_LNK: torch.Tensor,
+        groups: torch.Tensor | list[int],
+        param: torch.Tensor,
+        sink: WeightGradSink,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x_MK, weight_LNK)
+        ctx.groups, ctx.param, ctx.sink = groups, param, sink
+        if isinstance(groups, list):
+            return looped_mm(x_MK, weight_LNK, groups)
+        return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=groups)
+
+    @staticmethod
+    def backward(ctx: Any, dy_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_MK, weight_LNK = ctx.saved_tensors
+        groups, param = ctx.groups, ctx.param
+        dx = None
+        if isinstance(groups, list):  # F.linear's mm backward per expert, unbind's stack
+            present = [e for e, size in enumerate(groups) if size > 0]
+            dy_e, x_e = dy_MN.split(groups), x_MK.split(groups)
+            if ctx.needs_input_grad[0]:
+                dx = x_MK.new_zeros(x_MK.shape)
+                if present:
+                    dx = torch.cat([dy_e[e].mm(weight_LNK[e]) for e in present])
+
+            def weight_gradient() -> torch.Tensor:
+                dw = [
+                    dy_e[e].t().mm(x_e[e]) if groups[e] > 0 else torch.zeros_like(weight_LNK[e])
+                    for e in range(len(groups))
+                ]
+                return torch.stack(dw)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = torch._grouped_mm(dy_MN, weight_LNK, offs=groups)
+
+            def weight_gradient() -> torch.Tensor:
+                return torch._grouped_mm(dy_MN.transpose(0, 1), x_MK, offs=groups)
+
+        if ctx.needs_input_grad[1]:
+            ctx.sink.defer(lambda: accumulate_grad(param, weight_gradient().to(param.dtype)))
+        return dx, None, None, None, None
+
+
+def _offs_mm(
+    x_MK: torch.Tensor,
+    weight_LNK: torch.Tensor,
+    offs: torch.Tensor,
+    deferred: tuple[torch.Tensor, WeightGradSink] | None,
+) -> torch.Tensor:
+    """``torch._grouped_mm(x, Wᵀ, offs)``; with ``deferred = (param, sink)`` its weight gradient
+    is queued in the sink (module docstring)."""
+    if deferred is None:
+        return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
+    return _DeferredWeightGradExperts.apply(x_MK, weight_LNK, offs, *deferred)
+
+
+def grouped_mm(
+    x_MK: torch.Tensor,
+    weight_LNK: torch.Tensor,
+    sizes_L: torch.Tensor,
+    deferred: tuple[torch.Tensor, WeightGradSink] | None = None,
+) -> torch.Tensor:
     """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring); on
-    CUDA the groups are padded here and the padding dropped from the output."""
+    CUDA the groups are padded here and the padding dropped from the output. ``deferred``: see
+    :func:`_offs_mm`."""
     if not pads_groups(x_MK.device):
         offs = torch.cumsum(sizes_L, 0).to(torch.int32)
-        return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
+        return _offs_mm(x_MK, weight_LNK, offs, deferred)
     layout = PaddedLayout.of(sizes_L, x_MK.shape[0])
-    return layout.unpad(padded_grouped_mm(layout.pad(x_MK), weight_LNK, layout))
+    return layout.unpad(padded_grouped_mm(layout.pad(x_MK), weight_LNK, layout, deferred))
 
 
 def padded_grouped_mm(
-    x_PK: torch.Tensor, weight_LNK: torch.Tensor, layout: PaddedLayout
+    x_PK: torch.Tensor,
+    weight_LNK: torch.Tensor,
+    layout: PaddedLayout,
+    deferred: tuple[torch.Tensor, WeightGradSink] | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_mm` on rows already padded by ``layout``; the output stays padded."""
-    return torch._grouped_mm(x_PK, weight_LNK.transpose(-2, -1), offs=layout.ends_L)
+    return _offs_mm(x_PK, weight_LNK, layout.ends_L, deferred)
 
 
 def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -189,6 +279,13 @@ def looped_mm(x_MK: torch.Tensor, weight_LNK: torch.Tensor, sizes: list[int]) ->
 
 class GroupedLinear(nn.Module):
     """``E`` bias-free linears applied to contiguous row groups (module docstring)."""
+
+    wgrad_sink: WeightGradSink | None = None
+    """Set: the grouped GEMM's weight gradient is queued here (module docstring: deferred
+    weight gradients)."""
+    wgrad_sink_optional: ClassVar[bool] = True
+    """torch's own split backward separates this weight's gradient too (where it is right):
+    the pipeline runtime sets the sink only where it is not, or the chunk has one anyway."""
 
     def __init__(
         self, num_experts: int, in_features: int, out_features: int, init_std: float
@@ -302,15 +399,20 @@ class GroupedLinear(nn.Module):
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight
             return self._fp8(x_MK, sizes_L if host_sizes is None else host_sizes, weight)
+        deferred = None
+        if self.wgrad_sink is not None and weight is self.weight:  # not summed over TP here
+            deferred = (self.weight, self.wgrad_sink)
         if torch.is_autocast_enabled(x_MK.device.type):
             dtype = torch.get_autocast_dtype(x_MK.device.type)
             x_MK, weight = x_MK.to(dtype), weight.to(dtype)
         else:
             weight = weight.to(x_MK.dtype)
         if layout is not None:
-            return padded_grouped_mm(x_MK, weight, layout)
+            return padded_grouped_mm(x_MK, weight, layout, deferred)
         if grouped_mm_reason(x_MK, weight) is None:
-            return grouped_mm(x_MK, weight, sizes_L)
+            return grouped_mm(x_MK, weight, sizes_L, deferred)
+        if deferred is not None:
+            return _DeferredWeightGradExperts.apply(x_MK, weight, sizes_L.tolist(), *deferred)
         return looped_mm(x_MK, weight, sizes_L.tolist())
 
     def extra_repr(self) -> str:

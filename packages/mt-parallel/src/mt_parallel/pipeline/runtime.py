@@ -18,31 +18,31 @@ What this module adds around it:
   micro-batch.
 * Split backward (``I``/``W``): layers with a ``wgrad_sink`` attribute can queue their
   weight-gradient GEMMs in an ``mt_fp8.WeightGradSink`` instead of running them in autograd's
-  backward (``mt_fp8.FP8Linear``, and mt-parallel's column- and row-parallel linears also
-  without FP8; any layer may declare one). A chunk that uses a sink gets one, shared by all
+  backward (``mt_fp8.FP8Linear``, and mt-parallel's column- and row-parallel linears and MoE
+  experts' ``GroupedLinear`` also without FP8; any layer may declare one). A chunk that uses a sink gets one, shared by all
   such layers of the chunk and handed to torch as the stage's ``dw_builder``: ``I`` runs the
   chunk's autograd backward with those GEMMs queued, ``W`` runs the queue. Other parameters
-  (norms, embedding, MoE experts) get their gradients in ``I``. A chunk uses a sink when it
+  (norms, embedding, MoE routers, FP8 experts) get their gradients in ``I``. A chunk uses a sink when it
   holds a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out
   of one autograd node), or on an older torch (next point). Otherwise, and in particular for
   high-precision chunks on torch >= 2.13, torch's own split runs
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
   is run from the saved intermediate gradients), and the parallel linears' sinks
   (``wgrad_sink_optional``) stay unset. Why keep torch's split there rather than a sink
-  everywhere: it moves every weight gradient to ``W`` (norms, embeddings and the MoE experts'
-  grouped GEMMs too, which no sink covers), and it is what the activation-memory model of
+  everywhere: it moves every weight gradient to ``W`` (norms, embeddings and routers too, which
+  no sink covers), and it is what the activation-memory model of
   :mod:`mt_parallel.pipeline.memory` counts between ``I`` and ``W``.
 * Older torch (before 2.13), where the runtime is wrong or refuses our use; each fix is
   harmless on newer torch. Its ``stage_backward_weight`` counts an intermediate's gradient again
   through descendant intermediates (torch 2.13 clamps the saved gradients), so with
   :data:`TORCH_SPLITS_BACKWARD` false every chunk of a split-backward schedule gets a
   ``dw_builder``: a sink shared by all its layers that have one (the parallel linears with or
-  without FP8), else a no-op. ``I`` runs the chunk's whole backward except the queued GEMMs and
+  without FP8, the bf16/fp32 MoE experts), else a no-op. ``I`` runs the chunk's whole backward except the queued GEMMs and
   ``W`` those: correct, and the zero-bubble gain kept for the linear layers, which hold nearly
   all of a transformer block's weight-gradient FLOPs. Norm weights and biases (elementwise
   gradients) and embedding tables (a scatter-add) are small and stay in ``I``; a warning names
-  the other weights that stay there (their gradient a GEMM outside any sink: MoE experts,
-  routers, a model's own ``nn.Linear``), once per schedule. Its stage checks each received or
+  the other weights that stay there (their gradient a GEMM outside any sink: MoE routers, FP8
+  experts, a model's own ``nn.Linear``), once per schedule. Its stage checks each received or
   given input's strides, so the micro-batch tokens (views of a longer row) are passed
   contiguous. Its p2p warm-up sends to the neighbour stage even when that stage is on the same
   rank (the V schedules), which gloo cannot pair; :class:`_Stage` drops those ops.
