@@ -178,7 +178,7 @@ from functools import lru_cache
 from mt_plan.calibration import FP8_REFERENCE, GEMM_PASSES, CalibrationTable, gemm_pass_shapes
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
-from mt_plan.layout import FULL_RECOMPUTE, Layout, split_layers
+from mt_plan.layout import FULL_RECOMPUTE, V_SCHEDULES, Layout, split_layers
 from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
 
@@ -682,7 +682,7 @@ class CostModel:
     def rank_chunks(self, L: Layout) -> list[list[int]]:
         """The chunks each pipeline rank holds (loop placement, or a V for zbv/dualpipev)."""
         v = L.chunks_per_rank()
-        if L.pp > 1 and L.schedule in ("zbv", "dualpipev"):
+        if L.pp > 1 and L.schedule in V_SCHEDULES:
             return [[r, 2 * L.pp - 1 - r] for r in range(L.pp)]
         return [[r + k * L.pp for k in range(v)] for r in range(L.pp)]
 

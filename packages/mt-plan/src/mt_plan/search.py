@@ -32,6 +32,7 @@ from mt_plan.layout import (
     FULL_RECOMPUTE,
     RECOMPUTE,
     SCHEDULES,
+    V_SCHEDULES,
     Layout,
     layout_problem,
 )
@@ -138,7 +139,7 @@ def enumerate_layouts(
                     for schedule, vpp in pipes:
                         # the most blocks of a module apply_recompute numbers: the whole model
                         # at pp = 1, else the longest chunk of the automatic split
-                        v = 2 if schedule in ("zbv", "dualpipev") else vpp
+                        v = 2 if schedule in V_SCHEDULES else vpp
                         longest = model.n_layers + model.blocks_before
                         if pp > 1:
                             longest = -(-model.n_layers // (pp * v))

@@ -400,7 +400,7 @@ class GroupedLinear(nn.Module):
                 self._fp8.weight = self.weight
             return self._fp8(x_MK, sizes_L if host_sizes is None else host_sizes, weight)
         deferred = None
-        if self.wgrad_sink is not None and weight is self.weight:  # not summed over TP here
+        if self.wgrad_sink is not None and not self.sums_gradient_in_backward:
             deferred = (self.weight, self.wgrad_sink)
         if torch.is_autocast_enabled(x_MK.device.type):
             dtype = torch.get_autocast_dtype(x_MK.device.type)

@@ -19,11 +19,11 @@ What this module adds around it:
 * Split backward (``I``/``W``): layers with a ``wgrad_sink`` attribute can queue their
   weight-gradient GEMMs in an ``mt_fp8.WeightGradSink`` instead of running them in autograd's
   backward (``mt_fp8.FP8Linear``, and mt-parallel's column- and row-parallel linears and MoE
-  experts' ``GroupedLinear`` also without FP8; any layer may declare one). A chunk that uses a sink gets one, shared by all
-  such layers of the chunk and handed to torch as the stage's ``dw_builder``: ``I`` runs the
-  chunk's autograd backward with those GEMMs queued, ``W`` runs the queue. Other parameters
-  (norms, embedding, MoE routers, FP8 experts) get their gradients in ``I``. A chunk uses a sink when it
-  holds a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out
+  experts' ``GroupedLinear`` also without FP8; any layer may declare one). A chunk that uses a
+  sink gets one, shared by all such layers of the chunk and handed to torch as the stage's
+  ``dw_builder``: ``I`` runs the chunk's autograd backward with those GEMMs queued, ``W`` runs
+  the queue. Other parameters (norms, embedding, MoE routers, FP8 experts) get their gradients
+  in ``I``. A chunk uses a sink when it holds a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out
   of one autograd node), or on an older torch (next point). Otherwise, and in particular for
   high-precision chunks on torch >= 2.13, torch's own split runs
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
@@ -37,8 +37,8 @@ What this module adds around it:
   through descendant intermediates (torch 2.13 clamps the saved gradients), so with
   :data:`TORCH_SPLITS_BACKWARD` false every chunk of a split-backward schedule gets a
   ``dw_builder``: a sink shared by all its layers that have one (the parallel linears with or
-  without FP8, the bf16/fp32 MoE experts), else a no-op. ``I`` runs the chunk's whole backward except the queued GEMMs and
-  ``W`` those: correct, and the zero-bubble gain kept for the linear layers, which hold nearly
+  without FP8, the bf16/fp32 MoE experts), else a no-op. ``I`` runs the chunk's whole backward
+  except the queued GEMMs and ``W`` those: correct, and the zero-bubble gain kept for the linear layers, which hold nearly
   all of a transformer block's weight-gradient FLOPs. Norm weights and biases (elementwise
   gradients) and embedding tables (a scatter-add) are small and stay in ``I``; a warning names
   the other weights that stay there (their gradient a GEMM outside any sink: MoE routers, FP8
@@ -214,7 +214,7 @@ class PipelineSchedule:
                 f"torch {torch.__version__}'s split backward counts some weight gradients "
                 f"twice, so pp_schedule={schedule} runs each chunk's backward at its I step "
                 "except the weight gradients of layers with a wgrad_sink (the parallel "
-                f"linears); {len(left_at_i)} weights whose gradient is a GEMM get it at I, "
+                f"linears, the bf16 experts); {len(left_at_i)} weights whose gradient is a GEMM get it at I, "
                 f"without the zero-bubble gain ({', '.join(left_at_i[:4])}"
                 f"{', ...' if len(left_at_i) > 4 else ''}); torch >= 2.13 splits them",
                 stacklevel=2,
