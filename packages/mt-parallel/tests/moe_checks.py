@@ -254,6 +254,51 @@ def sp_parity(
     }
 
 
+def deferred_router_sp(tp: int) -> dict:
+    """The router at ``tp`` with sequence parallel, its weight gradient deferred into a
+    ``wgrad_sink`` (zero-bubble pipelines): before the queue runs the weight has no gradient;
+    after, the gradient equals the plain backward's (``copy_to_group`` summing it over TP) bit
+    for bit, and the unsplit float64 router's on the whole sequences (summed once, not twice).
+    Returns the flags and the relative error against one process."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, z_loss_coeff=1e-2)
+    reference = MoE(DIM, cfg).double()
+    mp.init_weights(reference, seed=3)
+    with torch.no_grad():
+        reference.router.weight.mul_(25)  # spread the scores: ties must not decide the routing
+    router = copy.deepcopy(reference.router)
+    router.set_tensor_parallel(tp_group, sequence_parallel=True)
+    gen = torch.Generator().manual_seed(7)
+    x_BSD = torch.randn(BATCH, SEQ, DIM, generator=gen, dtype=torch.float64)
+    g_TK = torch.randn(BATCH, SEQ, cfg.top_k, generator=gen, dtype=torch.float64)
+
+    def backward(module: mp.moe.Router, sequences: slice) -> None:
+        routing = module(x_BSD[:, sequences])
+        weights_TK = routing.weights_TK.view(BATCH, -1, cfg.top_k)
+        ((weights_TK * g_TK[:, sequences]).sum() + routing.aux_loss + routing.z_loss).backward()
+
+    rows = SEQ // tp
+    mine = slice(tp_rank * rows, (tp_rank + 1) * rows)
+    backward(router, mine)
+    plain = router.weight.grad
+    router.weight.grad, router.wgrad_sink = None, mt_fp8.WeightGradSink()
+    backward(router, mine)
+    graded_before_w, queued = router.weight.grad is not None, len(router.wgrad_sink)
+    router.wgrad_sink.take()()
+    # Each rank's share of Σ w·g plus the losses of the whole sequences, whose gradients the
+    # TP ranks split between them (as in sp_parity).
+    routing = reference.router(x_BSD)
+    weights_TK = routing.weights_TK.view(BATCH, SEQ, cfg.top_k)
+    ((weights_TK * g_TK).sum() + routing.aux_loss + routing.z_loss).backward()
+    return {
+        "equal": torch.equal(router.weight.grad, plain),
+        "graded_before_w": graded_before_w,
+        "queued": queued,
+        "error": rel_err(router.weight.grad, reference.router.weight.grad),
+    }
+
+
 def fp8_delayed_sp_scales(tp: int) -> dict:
     """Delayed-scaling FP8 experts at ``tp`` with sequence parallel: one forward and backward on
     this rank's tokens, then ``update_fp8_scales`` with no group (each layer's own amax group).

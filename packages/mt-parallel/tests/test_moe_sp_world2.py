@@ -50,6 +50,15 @@ def test_sequence_parallel_moe_equals_one_process(pool: DistributedPool, case: d
         assert_close(result, FP64_BOUND)
 
 
+def test_deferred_router_gradient_is_summed_over_tp_once(pool: DistributedPool) -> None:
+    """Under sequence parallel a deferred router weight gradient (zero-bubble pipelines) is
+    summed over TP when the queue runs, not before: bit for bit the plain backward's, and one
+    process's on the whole sequences (a second TP sum would double it)."""
+    for result in pool.run(moe_checks.deferred_router_sp, tp=2):
+        assert result["equal"] and not result["graded_before_w"] and result["queued"] == 1
+        assert result["error"] < FP64_BOUND, result
+
+
 def test_sequence_parallel_fp8_expert_scales_agree_over_tp(pool: DistributedPool) -> None:
     # Each TP rank's experts quantize other tokens, so their recorded amaxes differ; the
     # delayed-scaling update MAX-reduces them over TP (the experts' amax group), so the scales

@@ -307,6 +307,55 @@ def test_deferred_expert_weight_gradients_equal_the_plain_ones(
     assert torch.equal(deferred[2][1], torch.zeros_like(deferred[2][1]))  # the idle expert
 
 
+ROUTER_CASES = {
+    "fp64": (torch.float64, torch.float64, False),
+    "fp32-weight-bf16-input": (torch.float32, torch.bfloat16, False),
+    "bf16-weight-fp32-input": (torch.bfloat16, torch.float32, False),
+    "fp64-recomputed": (torch.float64, torch.float64, True),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES.values(), ids=ROUTER_CASES.keys())
+def test_deferred_router_weight_gradient_equals_the_plain_one(
+    case: tuple[torch.dtype, torch.dtype, bool],
+) -> None:
+    """With a ``wgrad_sink`` (zero-bubble pipelines) the router's backward gives ``dx`` and
+    queues ``dW``: the weight has no gradient until the queue runs, and then the same as the
+    plain backward's bit for bit, over two micro-batches (accumulated), in float64, with a
+    low-precision input or weight (the casts to fp32 and back), and under recompute (the
+    forward runs twice, the closure is queued once)."""
+    from mt_fp8 import WeightGradSink
+
+    weight_dtype, x_dtype, recomputed = case
+    layer = make_layer(z_loss_coeff=1e-2)
+    router = layer.router.to(weight_dtype)
+    xs = [torch.randn(2, 6, DIM, dtype=torch.float64).to(x_dtype) for _ in range(2)]
+    gs = [torch.randn(12, 2, dtype=torch.float64) for _ in range(2)]
+
+    def loss_of(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        routing = router(x)
+        return (routing.weights_TK * g).sum() + routing.aux_loss + routing.z_loss
+
+    def run(sink: WeightGradSink | None) -> list[torch.Tensor]:
+        router.weight.grad, router.wgrad_sink = None, sink
+        dxs = []
+        for x, g in zip(xs, gs, strict=True):
+            x = x.clone().requires_grad_()
+            loss = checkpoint(loss_of, x, g, use_reentrant=False) if recomputed else loss_of(x, g)
+            loss.backward()
+            dxs.append(x.grad)
+        if sink is not None:
+            assert router.weight.grad is None and len(sink) == 2  # one closure a micro-batch
+            sink.take()()
+            assert len(sink) == 0
+        return [*dxs, router.weight.grad]
+
+    plain, deferred = run(None), run(WeightGradSink())
+    assert plain[-1].abs().max() > 0
+    for a, b in zip(plain, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_padded_layout_of_the_cuda_grouped_gemm() -> None:
     from mt_parallel.moe.experts import PaddedLayout
 

@@ -24,18 +24,32 @@ SP norms do).
 The router GEMM runs in fp32 (fp64 for fp64 inputs) with autocast disabled: under bf16 autocast ``F.linear`` on fp32
 inputs still runs in bf16, which flips about one expert choice in nine (design notes, measured
 on an H200). Balancing losses and the bias update live in :mod:`mt_parallel.moe.balance`.
+
+Deferred weight gradient (``Router.wgrad_sink``, as the parallel linears' and the experts'; set
+by the pipeline runtime for the zero-bubble schedules where torch's own split of the backward is
+wrong or the chunk uses a sink anyway, :mod:`mt_parallel.pipeline.runtime`): the router GEMM
+then runs through :class:`_DeferredRouterGEMM`, whose backward returns ``dx = dlogits · W`` and
+queues ``dW = dlogitsᵀ · x`` (in the GEMM's fp32, fp64 for fp64 inputs) in the sink: the
+formulas autograd uses for ``F.linear``'s ``mm`` on the same operands, cast to the parameter's
+dtype and, under sequence parallel, summed over TP in the queued work instead of by
+``copy_to_group`` (which the deferred path leaves out), then accumulated as autograd would; so
+the gradient equals the plain path's bit for bit and is summed over TP exactly once, at ``W``
+(every TP rank runs the same action list, so the all-reduces pair up). Under recompute the
+forward runs again in the backward but queues nothing: only the backward queues. From ``I`` to
+``W`` the queue holds ``x`` (saved for the backward anyway) and ``dlogits`` (``T × E``, small).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import mt_comm
+from mt_fp8.wgrad import WeightGradSink, accumulate_grad
 from mt_parallel.mappings import copy_to_group, group_size
 from mt_parallel.moe.balance import balancing_loss, token_mean
 from mt_parallel.moe.capacity import expert_counts
@@ -72,8 +86,58 @@ def group_limited_mask(select_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     return grouped_TGe.masked_fill(~mask_TG[..., None], float("-inf")).view(tokens, experts)
 
 
+class _DeferredRouterGEMM(torch.autograd.Function):
+    """``logits_TE = x_TD · W_EDᵀ`` with ``W`` = ``param`` cast to ``x``'s dtype, whose backward
+    queues ``dW`` in ``sink``, summed over ``group`` (module docstring: deferred weight
+    gradient). Runs with autocast off, as the plain router GEMM does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x_TD: torch.Tensor, param: torch.Tensor, sink: WeightGradSink, group: Any
+    ) -> torch.Tensor:
+        weight_ED = param.to(x_TD.dtype)
+        ctx.save_for_backward(x_TD, weight_ED)
+        ctx.param, ctx.sink, ctx.group = param, sink, group
+        return F.linear(x_TD, weight_ED)
+
+    @staticmethod
+    def backward(ctx: Any, dlogits_TE: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_TD, weight_ED = ctx.saved_tensors
+        param, group, device = ctx.param, ctx.group, dlogits_TE.device.type
+        dx = None
+        with torch.autocast(device, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = dlogits_TE.mm(weight_ED)
+        if ctx.needs_input_grad[1]:
+
+            def weight_gradient() -> None:
+                with torch.autocast(device, enabled=False):
+                    dw_ED = dlogits_TE.t().mm(x_TD).to(param.dtype)
+                if group_size(group) > 1:  # copy_to_group's backward, left out of the forward
+                    mt_comm.all_reduce(dw_ED, group=group)
+                accumulate_grad(param, dw_ED)
+
+            ctx.sink.defer(weight_gradient)
+        return dx, None, None, None
+
+
+@torch.compiler.disable  # the backward queues Python work
+def _deferred_router_gemm(
+    x_TD: torch.Tensor, param: torch.Tensor, sink: WeightGradSink, group: Any
+) -> torch.Tensor:
+    """The router GEMM with its weight gradient queued in ``sink`` (module docstring)."""
+    return _DeferredRouterGEMM.apply(x_TD, param, sink, group)
+
+
 class Router(nn.Module):
     """The router of one MoE layer (module docstring); ``forward(x_BSD) -> Routing``."""
+
+    wgrad_sink: WeightGradSink | None = None
+    """Set: the router GEMM's weight gradient is queued here (module docstring: deferred weight
+    gradient)."""
+    wgrad_sink_optional: ClassVar[bool] = True
+    """torch's own split backward separates this weight's gradient too (where it is right): the
+    pipeline runtime sets the sink only where it is not, or the chunk has one anyway."""
 
     def __init__(self, dim: int, cfg: MoEConfig, init_std: float = 0.02) -> None:
         super().__init__()
@@ -111,10 +175,13 @@ class Router(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> Routing:
         cfg, group = self.cfg, self.sequence_group
         batch, seq = x_BSD.shape[0], x_BSD.shape[1]
-        weight = copy_to_group(self.weight, group)
         with torch.autocast(x_BSD.device.type, enabled=False):
             wide = torch.promote_types(x_BSD.dtype, torch.float32)  # fp64 stays fp64 (tests)
-            logits_TE = F.linear(x_BSD.reshape(batch * seq, -1).to(wide), weight.to(wide))
+            x_TD = x_BSD.reshape(batch * seq, -1).to(wide)
+            if self.wgrad_sink is None:
+                logits_TE = F.linear(x_TD, copy_to_group(self.weight, group).to(wide))
+            else:
+                logits_TE = _deferred_router_gemm(x_TD, self.weight, self.wgrad_sink, group)
         scores_TE = self.scores(logits_TE)
         select_TE = scores_TE.detach()
         if cfg.balancing == "aux_free":
