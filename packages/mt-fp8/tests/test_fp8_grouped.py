@@ -305,6 +305,75 @@ def test_loop_with_a_weight_gradient_sink_computes_expert_gradients_in_backward(
         assert torch.equal(got[name], expected[name]), name
 
 
+# (recipe, sizes, parameter dtype, whether the wgrad GEMM runs grouped)
+DEFERRED_CASES = {
+    "tensorwise-e4m3-bf16-uneven-grouped": (TensorwiseScaling(formats=E4M3), UNEVEN, torch.bfloat16, True),
+    "rowwise-e4m3-fp32-aligned-grouped": (RowwiseScaling(formats=E4M3), ALIGNED, torch.float32, True),
+    "tensorwise-e4m3-fp32-per-group": (TensorwiseScaling(formats=E4M3), ALIGNED, torch.float32, False),
+    "rowwise-hybrid-bf16-uneven-per-group": (RowwiseScaling(), UNEVEN, torch.bfloat16, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DEFERRED_CASES.values(), ids=DEFERRED_CASES.keys())
+def test_grouped_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(case):
+    """With a ``wgrad_sink`` (zero-bubble pipelines) the grouped backward returns ``dx`` and
+    queues the wgrad GEMM and the bias gradient: the parameters have no gradient until the
+    queue runs, then the fused backward's bit for bit, accumulated over two micro-batches;
+    with the wgrad GEMM grouped (padded groups, an idle expert) and per group (fp32 tensorwise
+    output, E5M2 gradients)."""
+    recipe, sizes, dtype, grouped_wgrad = case
+    assert (gemm_reason("wgrad", recipe, sizes, dtype) is None) == grouped_wgrad
+
+    def step(sink):
+        layer = make_layer(recipe, dtype)
+        layer.wgrad_sink = sink
+        dxs = []
+        for seed in (1, 2):
+            x, dy = inputs(sizes, dtype, seed=seed)
+            plan = layer.linear_plan(x, layer.grouped_weight_cache)
+            y = fp8_grouped_linear(x, layer.weight, layer.bias, sizes, plan, emulated_grouped_mm)
+            y.backward(dy.to(y.dtype))
+            dxs.append(x.grad)
+        if sink is not None:
+            assert layer.weight.grad is None and layer.bias.grad is None and len(sink) == 2
+            sink.take()()
+            assert len(sink) == 0
+        return [*dxs, layer.weight.grad, layer.bias.grad]
+
+    fused, deferred = step(None), step(WeightGradSink())
+    assert fused[2].abs().max() > 0
+    for a, b in zip(fused, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_grouped_layer_defers_only_a_call_on_its_own_weight(monkeypatch):
+    """The layer's grouped path (forced on the CPU with the emulated kernel) queues the weight
+    gradient of a call on ``self.weight``; a call given a view of it (mt-parallel's
+    sequence-parallel experts, whose view sums the gradient over TP) gets its gradient through
+    autograd in the backward, as without a sink."""
+    from functools import partial
+
+    import mt_fp8.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "grouped_gemm_reason", lambda *args: None)
+    monkeypatch.setattr(
+        linear_module,
+        "fp8_grouped_linear",
+        partial(fp8_grouped_linear, grouped_gemm=emulated_grouped_mm),
+    )
+    layer = make_layer(RowwiseScaling(formats=E4M3))
+    layer.wgrad_sink = WeightGradSink()
+    x, dy = inputs(ALIGNED)
+    layer(x, ALIGNED).backward(dy)
+    assert layer.weight.grad is None and len(layer.wgrad_sink) == 1
+    layer.wgrad_sink.take()()
+    own = layer.weight.grad
+    layer.zero_grad()
+    x, dy = inputs(ALIGNED)
+    layer(x, ALIGNED, layer.weight.view_as(layer.weight)).backward(dy)
+    assert len(layer.wgrad_sink) == 0 and torch.equal(layer.weight.grad, own)
+
+
 def test_grouped_weight_cache():
     layer = make_layer(TensorwiseScaling(formats=E4M3), torch.bfloat16)
     x, dy = inputs(ALIGNED, torch.bfloat16)

@@ -52,6 +52,7 @@ from mt_fp8 import (
     MXFP8Scaling,
     TensorRole,
     TensorwiseScaling,
+    WeightGradSink,
     quantize,
 )
 from mt_fp8.grouped import (
@@ -536,6 +537,45 @@ def ops_per_call(experts, recipe):
 def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe, monkeypatch):
     monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
     assert ops_per_call(4, recipe) == ops_per_call(24, recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("formats", "dtype"),
+    [(E4M3, torch.float32), (HYBRID, torch.bfloat16)],
+    ids=["e4m3-fp32", "hybrid-bf16"],
+)
+def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
+    device, formats, dtype, recipe, monkeypatch
+):
+    """With a ``wgrad_sink`` (zero-bubble pipelines) the grouped block backward returns ``dx``
+    and queues the k-grouped wgrad GEMM and the bias gradient: nothing on the parameters until
+    the queue runs, then the fused backward's bit for bit (the same operands and kernel),
+    accumulated over two micro-batches, idle experts included."""
+    if device == "cpu":
+        monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
+    sizes, k, n = SHAPES[recipe]
+
+    def step(sink):
+        layer = make_layer(len(sizes), k, n, formats, dtype, device, recipe=recipe)
+        layer.wgrad_sink = sink
+        dxs = []
+        for scale in (1.0, -0.5):  # two micro-batches
+            x, dy = make_inputs(sizes, k, n, dtype, device)
+            x = (x * scale).requires_grad_()
+            plan = layer.linear_plan(x, layer.grouped_weight_cache)
+            fp8_block_grouped_linear(x, layer.weight, layer.bias, sizes, plan).backward(dy)
+            dxs.append(x.grad)
+        if sink is not None:
+            assert layer.weight.grad is None and layer.bias.grad is None and len(sink) == 2
+            sink.take()()
+        return [*dxs, layer.weight.grad, layer.bias.grad]
+
+    fused, deferred = step(None), step(WeightGradSink())
+    assert fused[2].abs().max() > 0
+    for a, b in zip(fused, deferred, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from mt_fp8.gemm import fp8_gemm
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.ops.swiglu import swiglu, swiglu_gradients
 from mt_fp8.quantized import QuantizedTensor
-from mt_fp8.wgrad import accumulate_grad
+from mt_fp8.wgrad import weight_gradients_or_deferred
 
 
 def _pack(q: QuantizedTensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -160,18 +160,8 @@ def _backward_gemms(
                     db = dy_MN.sum(0, dtype=torch.float32).to(b_dtype)
             return dw, db
 
-        if plan.wgrad_sink is not None and (need_dw or need_db):
-            weight, bias = ctx.params
-
-            def deferred() -> None:
-                dw, db = weight_gradients()
-                accumulate_grad(weight, dw)
-                if bias is not None:
-                    accumulate_grad(bias, db)
-
-            plan.wgrad_sink.defer(deferred)
-        else:
-            dw, db = weight_gradients()
+        sink = plan.wgrad_sink if need_dw or need_db else None
+        dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
     if plan.weight_cache is not None:
         plan.weight_cache.release_after_backward()
     return dx, dw, db

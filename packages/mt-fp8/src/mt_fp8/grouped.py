@@ -113,6 +113,13 @@ operands' bytes and scales stay the loop's). Routed MoE groups are almost never 
 without this the wgrad ran per expert (a quantize pair and a GEMM per expert and projection, a
 cost that grows with E and with skew).
 
+Deferred weight gradients (``plan.wgrad_sink``, :mod:`mt_fp8.wgrad`; zero-bubble pipelines):
+the backward quantizes ``dy``, ``dyᵀ`` (and pads the wgrad operands) and runs dgrad as always,
+but queues the wgrad GEMM (grouped, or per group) and the bias gradient in the sink instead of
+running them; run, they add into ``weight.grad``/``bias.grad``. Same operands, same GEMMs:
+the gradients equal the undeferred backward's bit for bit. From ``I`` to ``W`` the queue holds
+the FP8 ``xᵀ`` (saved anyway), the FP8 ``dyᵀ`` and, with a bias, ``dy``.
+
 Host syncs: the host reads nothing from the device. The group sizes arrive as host ints (the
 caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and the small
 index tensors built from them (offsets, counts) are copied to the device without waiting
@@ -150,6 +157,7 @@ from mt_fp8.quantized import (
 )
 from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe, RowwiseScaling, TensorwiseScaling
 from mt_fp8.weight_cache import weight_key
+from mt_fp8.wgrad import weight_gradients_or_deferred
 
 GroupedGemm = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -821,6 +829,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
             ctx.weight_t_format = (weight_t.layout, weight_t.fmt)
         ctx.save_for_backward(*saved)
         ctx.plan = plan
+        ctx.params = (weight_ENK, bias_EN) if lp.wgrad_sink is not None else None
         ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
         ctx.shapes = tuple(weight_ENK.shape)
         return y_TN
@@ -834,11 +843,11 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         _, out_features, in_features = ctx.shapes
         saved = list(ctx.saved_tensors)
         offs = saved.pop(0)
-        dx = dw = db = None
+        dx = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
             dy_rows = _quantize_rows(lp, dy_TN, sizes, TensorRole.GRAD_OUTPUT)
-            if need_dw:
+            if need_dw:  # the operands here, the GEMMs in weight_gradients (module docstring)
                 layout, fmt = ctx.x_t_format
                 if "wgrad" in plan.grouped:
                     x_t_data, x_t_scales = saved.pop(0), saved.pop(0)
@@ -849,32 +858,44 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                     padding = _WgradPadding.of(sizes, dy_TN.device, empty_groups=True)
                     if padding is not None:
                         dy_t_data, counts = padding.pad(dy_t_data), padding.counts
-                    dw_ENK = plan.gemm(
-                        dy_t_data,
-                        x_t_data.t(),
-                        _every_group_scales(dy_t_scales, sizes, out_features),
-                        x_t_scales,
-                        _offsets(counts, dy_TN.device),
-                    )
-                    dw = dw_ENK.to(w_dtype)  # experts without tokens: zeros from the GEMM
+                    dy_t_scales = _every_group_scales(dy_t_scales, sizes, out_features)
+                    wgrad_offs = _offsets(counts, dy_TN.device)
                 else:
-                    parts = []
+                    pairs = []
                     dy_t = _group_columns(lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT)
                     for q_dy in dy_t:
                         data, scale = saved.pop(0), saved.pop(0)
-                        if q_dy is None:
-                            parts.append(dy_TN.new_zeros(out_features, in_features, dtype=w_dtype))
-                        else:
-                            q_x = QuantizedTensor(data, scale, layout, fmt)
-                            parts.append(fp8_gemm(q_dy, q_x, w_dtype, None, lp.backend))
-                    dw = torch.stack(parts)
+                        q_x = None if q_dy is None else QuantizedTensor(data, scale, layout, fmt)
+                        pairs.append((q_dy, q_x))
+
+            def weight_gradients() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                dw = db = None
+                with torch.autocast(dy_TN.device.type, enabled=False):
+                    if need_dw and "wgrad" in plan.grouped:
+                        dw_ENK = plan.gemm(
+                            dy_t_data, x_t_data.t(), dy_t_scales, x_t_scales, wgrad_offs
+                        )
+                        dw = dw_ENK.to(w_dtype)  # experts without tokens: zeros from the GEMM
+                    elif need_dw:
+                        dw = torch.stack(
+                            [
+                                dy_TN.new_zeros(out_features, in_features, dtype=w_dtype)
+                                if q_dy is None
+                                else fp8_gemm(q_dy, q_x, w_dtype, None, lp.backend)
+                                for q_dy, q_x in pairs
+                            ]
+                        )
+                    if need_db:
+                        db = _bias_gradient(dy_TN, sizes, b_dtype)
+                return dw, db
+
+            sink = lp.wgrad_sink if need_dw or need_db else None
+            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
             if need_dx:
                 weight_t = _Stacked(saved.pop(0), saved.pop(0), *ctx.weight_t_format)
                 dx = _rows_by_experts(
                     plan, "dgrad", dy_rows, weight_t, offs, x_dtype, in_features, None
                 )
-            if need_db:
-                db = _bias_gradient(dy_TN, sizes, b_dtype)
         if lp.weight_cache is not None:
             lp.weight_cache.release_after_backward()
         return dx, dw, db, None

@@ -59,6 +59,10 @@ experts with tokens only). Output dtypes are the loop's: ``y`` in the plan's out
 added in the fp32 epilogue), ``dx`` in the input's dtype, ``dW`` in the weight's, each rounded
 once from the fp32 accumulator. The bias gradient is one fp32 sum per expert, as the loop's.
 
+Deferred weight gradients (``plan.wgrad_sink``): as in :mod:`mt_fp8.grouped`, the backward
+quantizes ``dy`` and ``dyᵀ`` and runs dgrad, but queues the k-grouped wgrad GEMM and the bias
+gradient in the sink instead of running them (the same operands and kernel: the same bits).
+
 The kernel module (and with it its host-side tables) is imported on first use: it imports
 Triton, which mt-fp8 does not require (as :mod:`mt_fp8.gemm` imports its Triton GEMM).
 """
@@ -76,6 +80,7 @@ from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe
+from mt_fp8.wgrad import weight_gradients_or_deferred
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,7 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
             saved += [weight_t.data, weight_t.scale]
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.sizes, ctx.steps = plan, sizes, steps
+        ctx.params = (weight_ENK, bias_EN) if plan.wgrad_sink is not None else None
         ctx.dtypes = (x_TK.dtype, weight_ENK.dtype, None if bias_EN is None else bias_EN.dtype)
         return y_TN
 
@@ -199,25 +205,36 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         saved = list(ctx.saved_tensors)
-        tiles = saved.pop(0)
-        dx = dw = db = None
+        tiles, sizes = saved.pop(0), ctx.sizes
+        dx = None
         with torch.autocast(dy_TN.device.type, enabled=False):
             dy_TN = dy_TN.contiguous()
             if need_dx or need_dw:  # as the loop: dy's rows quantized (and counted) for either
                 dy_q = plan.quantize(dy_TN, TensorRole.GRAD_OUTPUT, record=True)
-            if need_dw:
+            if need_dw:  # the operands here, the GEMM in weight_gradients
                 x_t_data, x_t_scale = saved.pop(0), saved.pop(0)
                 segments: _TokenSegments = ctx.segments
                 dy_t = segments.quantize(plan, dy_TN, TensorRole.GRAD_OUTPUT)
-                dw = k_grouped_block_mm(
-                    dy_t.data,
-                    dy_t.scale,
-                    x_t_data,
-                    x_t_scale,
-                    segments.starts,
-                    w_dtype,
-                    steps.group,
-                )
+
+            def weight_gradients() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                dw = db = None
+                with torch.autocast(dy_TN.device.type, enabled=False):
+                    if need_dw:
+                        dw = k_grouped_block_mm(
+                            dy_t.data,
+                            dy_t.scale,
+                            x_t_data,
+                            x_t_scale,
+                            segments.starts,
+                            w_dtype,
+                            steps.group,
+                        )
+                    if need_db:
+                        db = _bias_gradient(dy_TN, sizes, b_dtype)
+                return dw, db
+
+            sink = plan.wgrad_sink if need_dw or need_db else None
+            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
             if need_dx:
                 weight_t_data, weight_t_scale = saved.pop(0), saved.pop(0)
                 dx = grouped_block_mm(
@@ -231,8 +248,6 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
                     steps.group,
                     steps.weight_row_scales,
                 )
-            if need_db:
-                db = _bias_gradient(dy_TN, ctx.sizes, b_dtype)
         if plan.weight_cache is not None:
             plan.weight_cache.release_after_backward()
         return dx, dw, db, None, None

@@ -250,6 +250,11 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
     * Loop: one FP8 GEMM per non-empty group (every other recipe, device and backend), with one
       shared delayed-scaling state (amax = max over experts) and one cached FP8 weight per
       expert.
+
+    ``wgrad_sink`` (zero-bubble pipelines, :mod:`mt_fp8.wgrad`): the grouped path queues its
+    weight-gradient GEMMs (and the bias gradient) there, as ``FP8Linear`` does, where the call
+    multiplies by ``self.weight`` itself; the loop, and a call given a view of the weight (whose
+    gradient autograd must carry back, e.g. summed over TP), compute them in the backward.
     """
 
     def __init__(
@@ -319,6 +324,8 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
             )
         plan = self.linear_plan(x_TK, self._grouped_weight_cache)
         if plan is not None:
+            if weight is not self.weight:  # a view's gradient must pass through autograd
+                plan = dataclasses.replace(plan, wgrad_sink=None)
             reason = grouped_gemm_reason(
                 x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
             )

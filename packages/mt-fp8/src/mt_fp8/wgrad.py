@@ -4,11 +4,12 @@ Zero-bubble pipeline schedules (ZB-H1, ZBV, DualPipeV) split a chunk's backward 
 (input gradients, which the previous stage waits for) and ``W`` (weight gradients, which only
 the optimizer needs) and fill pipeline bubbles with ``W``. For an FP8 linear both come out of
 one autograd node, so autograd cannot run one without the other. A :class:`WeightGradSink`
-set on a layer (``FP8Linear.wgrad_sink``) separates them: the layer's backward computes
-``dx`` and hands the sink a closure for ``dw = dyᵀ·x`` (and ``db = Σ dy``) instead of
-returning them; :meth:`WeightGradSink.take` returns the closures queued since the last call
-as one function, which later adds ``dw``/``db`` into ``weight.grad``/``bias.grad`` as autograd
-would (assigned when None, added otherwise).
+set on a layer (``FP8Linear.wgrad_sink``, ``FP8GroupedLinear.wgrad_sink``) separates them: the
+layer's backward computes ``dx`` and hands the sink a closure for ``dw = dyᵀ·x`` (and
+``db = Σ dy``) instead of returning them (:func:`weight_gradients_or_deferred`);
+:meth:`WeightGradSink.take` returns the closures queued since the last call as one function,
+which later adds ``dw``/``db`` into ``weight.grad``/``bias.grad`` as autograd would (assigned
+when None, added otherwise).
 
 Invariant: the deferred closure runs the same quantized operands through the same GEMM as the
 fused backward (the quantization of ``dy`` and its transpose happen once, in the ``I`` part),
@@ -17,7 +18,7 @@ so a deferred weight gradient equals the fused one bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -54,3 +55,23 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
         param.grad = grad
     else:
         param.grad += grad
+
+
+def weight_gradients_or_deferred(
+    sink: WeightGradSink | None,
+    params: Sequence[torch.Tensor | None],
+    compute: Callable[[], Sequence[torch.Tensor | None]],
+) -> tuple[torch.Tensor | None, ...]:
+    """``compute()``, the gradients of ``params`` (weight, bias), for a backward to return; with
+    a ``sink``, ``compute`` is queued there instead, accumulating them into the parameters when
+    run, and the backward returns Nones (module docstring)."""
+    if sink is None:
+        return tuple(compute())
+
+    def deferred() -> None:
+        for param, grad in zip(params, compute(), strict=True):
+            if param is not None:
+                accumulate_grad(param, grad)
+
+    sink.defer(deferred)
+    return (None,) * len(params)
