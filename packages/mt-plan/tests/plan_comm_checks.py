@@ -3,7 +3,8 @@
 
 Every collective entry point of ``torch.distributed`` that mt's runtime reaches from Python is
 wrapped (and mt-comm's bound single-tensor all-gather / reduce-scatter, and the pipeline
-runtime's ``_batch_p2p``, through which every stage send goes); DDP's C++ reducer is
+runtime's ``_batch_p2p``, through which every stage send goes, and ring attention's sends);
+DDP's C++ reducer is
 routed through Python by registering torch's own default all-reduce comm hook, which performs
 the same averaging all-reduce per bucket. Payload convention as ``mt_plan.comm``: the reduced
 tensor, the gathered output, the scattered input, the sent buffer.
@@ -38,6 +39,7 @@ def count_one_step(overrides: list[str], output_dir: str | Path) -> dict[str, li
     from torch.nn.parallel import DistributedDataParallel
 
     import mt_comm.collectives as mtc
+    from mt_parallel.ring_attention import _Ring
 
     trainer = Trainer(to_train_config(compose_config(overrides)), output_dir=output_dir)
     if isinstance(trainer.model, DistributedDataParallel):
@@ -53,6 +55,8 @@ def count_one_step(overrides: list[str], output_dir: str | Path) -> dict[str, li
             group = kwargs.get("group")
             if name == "_batch_p2p":  # the pipeline runtime's p2p: its ops carry the group
                 group = args[0][0].group if args[0] else None
+            if name == "start":  # ring attention's send to the next cp rank
+                group = args[0].group
             seen[str(_ranks(group))].append((name, payload(*args, **kwargs)))
             return original(*args, **kwargs)
 
@@ -73,6 +77,7 @@ def count_one_step(overrides: list[str], output_dir: str | Path) -> dict[str, li
         "_batch_p2p",
         lambda ops, *a, **k: sum(_nbytes(o.tensor) for o in ops if o.op is dist.isend),
     )
+    wrap(_Ring, "start", second)
     wrap(mtc, "_all_gather_single", first)
     wrap(mtc, "_reduce_scatter_single", second)
     try:

@@ -67,6 +67,9 @@ CASES = [
     ({"parallel.tp": 2, "parallel.recompute": "full"},
      Layout(tp=2, micro_batch=4, recompute="full"), "tp"),
     ({"parallel.cp": 2}, Layout(cp=2, micro_batch=4), "cp+dp"),
+    # ring: one K|V message forward, again backward, and the two gradient hops home
+    ({"parallel.cp": 2, "parallel.cp_attention": "ring"},
+     Layout(cp=2, cp_attention="ring", micro_batch=4), "cp+dp"),
     ({"parallel.data_parallel": "ddp"}, Layout(dp=2, micro_batch=4), "dp"),
     ({"parallel.data_parallel": "zero1"}, Layout(dp=2, dp_mode="zero1", micro_batch=4), "dp"),
     ({"parallel.pp": 2}, Layout(pp=2, micro_batch=4), "pp"),
@@ -143,10 +146,12 @@ MLA_CASES = [
         Layout(tp=2, sp=True, micro_batch=4),
     ),
     ({"parallel.cp": 2}, Layout(cp=2, micro_batch=4)),
-]
+    ({"parallel.cp": 2, "parallel.cp_attention": "ring"},
+     Layout(cp=2, cp_attention="ring", micro_batch=4)),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("parallel,layout", MLA_CASES, ids=["tp2", "tp2-sp", "cp2"])
+@pytest.mark.parametrize("parallel,layout", MLA_CASES, ids=["tp2", "tp2-sp", "cp2", "cp2-ring"])
 def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, parallel, layout) -> None:
     """DeepSeek-V3 (MLA, MoE with a shared expert) at tp=2, and with sequence parallel: the
     latents' gather, the replicated compressions', norms', router's and experts' gradient sums.
@@ -154,7 +159,7 @@ def test_mla_moe_bytes_equal_the_runtime_bytes(pool, kjv_data, tmp_path, paralle
     kv_lora_rank 32: the latent norm's gain gradient (4·32 bytes) is not one. At cp=2 (the
     pair is also the dp×cp gradient group, one MoE layer): MLA's compressed latent
     ``[c ; k_rot]`` gathered per layer and micro-batch, not the expanded K/V, and DDP's
-    gradient all-reduce."""
+    gradient all-reduce; with the ring, the latent blocks and their gradients sent around."""
     trainer = {k: v for k, v in TINY.items() if not k.startswith("model")}
     extra = {**DEEPSEEK, **parallel}
     composed = {**trainer, **DEEPSEEK}

@@ -1,9 +1,10 @@
 """The planner's mirror of the trainer's layout rules gives the trainer's verdict.
 
 For a grid of layouts on several families and world sizes, :func:`mt_plan.layout_problem`
-must say "runs" exactly when mt-train's own checks accept the layout: composing the
-``TrainConfig`` (``ParallelConfig`` and the family's ``check_parallel``), ``check_world`` and
-mt-comm's ``ParallelDims`` (ep inside dp×cp). Explicit pipeline splits (``pp_layers``) get the
+must say "runs" exactly when mt-train's own checks accept the layout (both context-parallel
+attentions; the ring refuses dropout): composing the ``TrainConfig`` (``ParallelConfig`` and
+the family's ``check_parallel``), ``check_world`` and mt-comm's ``ParallelDims`` (ep inside
+dp×cp). Explicit pipeline splits (``pp_layers``) get the
 trainer's verdict and its very message, and the planner's torch-free ``split_layers`` gives
 mt-parallel's counts and messages on every case of a grid.
 """
@@ -43,7 +44,8 @@ def trainer_problem(base, layout: Layout, world: int) -> str | None:
     targets = ["attention", "mlp"] if layout.recompute == "selective_mlp" else ["attention"]
     try:
         parallel = ParallelConfig(
-            tp=layout.tp, cp=layout.cp, pp=layout.pp, ep=layout.ep,
+            tp=layout.tp, cp=layout.cp, cp_attention=layout.cp_attention, pp=layout.pp,
+            ep=layout.ep,
             sequence_parallel=layout.sp, pp_schedule=layout.schedule,
             pp_chunks=layout.vpp, data_parallel=layout.dp_mode,
             recompute={"selective_mlp": "selective", "full_keep": "full"}.get(
@@ -74,14 +76,16 @@ def grid(world: int):
         if world % (tp * cp * pp):
             continue
         dp = world // (tp * cp * pp)
-        for sp, ep, mb, (schedule, vpp), mode, rc in itertools.product(
-            (False, True), (1, 2, 4), (1, 2, 4),
+        for cp_attention, sp, ep, mb, (schedule, vpp), mode, rc in itertools.product(
+            ("all_gather", "ring") if cp > 1 else ("all_gather",), (False, True), (1, 2, 4),
+            (1, 2, 4),
             [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
              ("zero_bubble", 2), ("zbv", 1), ("dualpipev", 1)] if pp > 1 else [("1f1b", 1)],
             ("ddp", "fsdp", "zero1"), ("none", "full_keep"),
         ):  # fmt: skip
-            yield Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, sp=sp, vpp=vpp, schedule=schedule,
-                         dp_mode=mode, micro_batch=mb, recompute=rc)  # fmt: skip
+            yield Layout(tp=tp, cp=cp, cp_attention=cp_attention, pp=pp, dp=dp, ep=ep, sp=sp,
+                         vpp=vpp, schedule=schedule, dp_mode=mode, micro_batch=mb,
+                         recompute=rc)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -101,6 +105,22 @@ def test_mirror_agrees_with_the_trainer(family: str) -> None:
     assert not disagreements, disagreements[:5]
     # the grid must exercise both verdicts, or the test proves nothing
     assert 0 < accepted < checked, (accepted, checked)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("cp,cp_attention", [(1, "ring"), (2, "ring"), (2, "all_gather"),
+                                             (2, "p2p")])  # fmt: skip
+def test_cp_attention_gets_the_trainers_verdict(cp: int, cp_attention: str, dropout: float):
+    base = resolve([*MODELS["llama"], f"model.dropout={dropout}", f"trainer.seq_len={SEQ}",
+                    "trainer.micro_batch_size=1", f"trainer.global_batch_size={GLOBAL_BATCH}"])  # fmt: skip
+    layout = Layout(cp=cp, cp_attention=cp_attention)
+    ours = layout_problem(layout, shape_of(base.model), cp, GLOBAL_BATCH, SEQ)
+    theirs = trainer_problem(base, layout, cp)
+    assert (ours is None) == (theirs is None), (ours, theirs)
+    if cp_attention == "p2p":
+        assert ours == theirs  # ParallelConfig's words
+    elif cp > 1 and cp_attention == "ring" and dropout:
+        assert theirs is not None and ours is not None and theirs.startswith(ours)
 
 
 def test_recompute_every_gets_the_trainers_verdict() -> None:

@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
         "--fp8", type=_words, help="recipes to try (default none,tensorwise,rowwise,blockwise)"
     )
     s.add_argument("--sp", type=_words, help="true,false")
+    s.add_argument(
+        "--cp-attention", type=_words,
+        help="parallel.cp_attention values tried at cp > 1 (default all_gather,ring)",
+    )  # fmt: skip
     c = sub.add_parser("calibrate")
     c.add_argument("--out", required=True)
     c.add_argument("--device", default="auto")
@@ -125,8 +129,8 @@ def layout_of(train: Any, world: int) -> Layout:
         recompute = "none"
     dp = par.dp or world // (par.tp * par.cp * par.pp)
     return Layout(
-        tp=par.tp, cp=par.cp, pp=par.pp, dp=dp, ep=par.ep, sp=par.sequence_parallel,
-        vpp=par.pp_chunks if par.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1,
+        tp=par.tp, cp=par.cp, cp_attention=par.cp_attention, pp=par.pp, dp=dp, ep=par.ep,
+        sp=par.sequence_parallel, vpp=par.pp_chunks if par.pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1,
         schedule=par.pp_schedule if par.pp > 1 else "1f1b", dp_mode=par.data_parallel,
         micro_batch=tr.micro_batch_size, recompute=recompute,
         # the runtime reads recompute_every under full recompute only (ParallelConfig checked it)
@@ -146,6 +150,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         dp_modes=args.dp_modes or defaults.dp_modes,
         recompute=args.recompute or defaults.recompute,
         recompute_every=args.recompute_every, fp8=args.fp8,
+        cp_attention=args.cp_attention or defaults.cp_attention,
     )  # fmt: skip
 
 

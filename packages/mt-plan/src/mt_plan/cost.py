@@ -128,8 +128,9 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
 * cp (``all_gather``): K and V all-gathered per layer forward, their gradients reduce-scattered
   backward; not overlapped. MLA gathers its compressed latent ``[c ; k_rot]`` instead
   (``b·s·(C+R)``, the same on every tp rank) and expands it on every cp rank: its ``kv_b``
-  GEMMs are priced on ``b·s`` tokens, and the whole sequence's k and v are saved. ``ring`` is
-  not searched.
+  GEMMs are priced on ``b·s`` tokens, and the whole sequence's k and v are saved (GQA's too:
+  the core keeps the gathered k and v).
+* cp (``ring``): p2p sends to the next cp rank overlapped with the block attention, below.
 * ep: all-to-all of ``T·k·D`` at dispatch and combine, forward and backward; not overlapped.
 * pp: one p2p of the fp32 hidden state ``4·T·D`` (``/tp`` with sp) per micro-batch and stage
   boundary each way, charged to the chunk's ``F`` and ``I``.
@@ -143,6 +144,32 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
   parameters per step (kept through the schedule) and one reduce-scatter after its last
   backward, exposed as ddp's all-reduce is. Under zero1 and fsdp expert parameters take the
   same collectives over the expert-data group instead of dp×cp.
+
+Ring attention (``cp_attention=ring``, mt-parallel's :mod:`mt_parallel.ring_attention`), per
+layer and micro-batch on a rank of ``c = cp`` with ``t = s/c`` local tokens (the load-balanced
+chunks ``r`` and ``2c−1−r``, so every rank does the same work). The message is the rank's K|V
+(GQA, ``b·t·2·H_kv·hd`` values) or its latent ``[c ; k_rot]`` (MLA, ``b·t·(C+R)``), in the
+activation dtype; its gradient travels in fp32. Forward: steps ``0..c−1``; step ``j < c−1``
+sends the held block on while computing, so it takes ``max(p2p, block_j)``, the last step only
+its block. Backward: the ring again (``c−1`` block sends) plus ``c`` gradient sends, step ``j``
+overlapping its block backward with the block send and the previous step's gradient send
+(``max(p2p_kv + p2p_grad, block_j)``), the last gradient hop exposed. Only the seconds beyond
+the blocks count in ``F`` and ``I`` and as the cp group's exposed time; its payload counts
+every send. The blocks run as the runtime runs them, in plain PyTorch, fp32 with autocast
+off: step 0 scores all ``t×t`` pairs under the causal mask, every later step ``t×t/2`` (all
+queries × the early chunk, or the late queries × all keys); a block's GEMMs (forward ``QKᵀ``,
+``PV``; backward ``QKᵀ`` again, ``dV``, ``dP``, ``dQ``, ``dK``) at the GPU's fp32 peak
+(``peak_fp32_flops``: no TF32), and the fp32 score-sized tensors it writes and reads
+(:data:`RING_FWD_PASSES`, :data:`RING_BWD_PASSES`, two more under the mask) at the copy rate.
+MLA expands every block it holds with ``kv_b`` (``b·s`` tokens over the ring, as all-gather)
+and again in the backward (one more forward of ``kv_b``, charged to ``I``); the expansion's
+share of each step counts as compute the sends hide behind. Recompute that reruns the core
+(``selective``, ``full``) runs the ring forward again, sends and all. Saved: the rank's own
+message (no expanded or gathered K/V) and the fp32 output beside the core's; a block backward
+holds :data:`RING_SCORE_MATRICES` fp32 score matrices of step 0 (``t×t`` per head) at once,
+counted as ``ring_attention_scores`` on top of the peak. Not charged: the fp32 copies of q
+and the blocks, the output merges and the gradient buffers (``t``-sized). At cp = 1 the
+runtime runs no ring, and the price is that of no context parallelism.
 
 Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
@@ -194,6 +221,13 @@ SWIGLU_FWD, SWIGLU_BWD = 3, 5
 up and writes the product; backward reads the product's gradient, gate and up and writes their
 two gradients (the calibration's ``16A`` per element also counted its harness, module docstring
 of :mod:`mt_plan.calibration`)."""
+RING_FWD_PASSES, RING_BWD_PASSES = 9, 13
+"""fp32 score-sized tensors ring attention's plain-PyTorch block reads or writes beside its
+GEMMs, forward and backward; a masked block (step 0's causal one) two more (module docstring,
+"Ring attention")."""
+RING_SCORE_MATRICES = 4
+"""fp32 score matrices of step 0's block alive at once in the ring's block backward (``S``,
+``P``, ``dP − Δ``, ``dS``)."""
 SWIGLU_INTO_FP8 = ("tensorwise", "delayed")
 """Recipes whose down projection quantizes ``silu(gate)·up`` from gate and up (tensorwise INPUT
 scales: ``LinearPlan.quantize_swiglu_input``'s fused path)."""
@@ -269,6 +303,24 @@ class _Phase:
             self.roofline += total
 
 
+@dataclass(frozen=True)
+class _RingCost:
+    """Ring attention of one layer and micro-batch (module docstring, "Ring attention")."""
+
+    compute: tuple[float, float]
+    """Seconds of the block attention, forward and backward (the blocks' expansions are
+    ``attention_proj``'s)."""
+    exposed: tuple[float, float]
+    """Seconds of p2p not hidden behind the blocks, forward and backward."""
+    sends: tuple[tuple[float, int], ...]
+    """(bytes, count) of the messages one rank sends, both passes."""
+
+    def with_forward_repeated(self, forward_sends: int) -> _RingCost:
+        """The same with the forward run again in the backward (recompute)."""
+        f, b = self.exposed
+        return replace(self, exposed=(f, b + f), sends=(*self.sends, *self.sends[:forward_sends]))
+
+
 @dataclass
 class _LayerCost:
     phase: _Phase
@@ -280,6 +332,7 @@ class _LayerCost:
     """Activation bytes kept for backward by one micro-batch."""
     full_acts: float
     """What the layer saves without recompute (the transient of a recomputed block)."""
+    ring: _RingCost | None = None
 
 
 class CostModel:
@@ -461,6 +514,9 @@ class CostModel:
         D = md.dim
         H = md.n_heads // tp
         fp8 = L.fp8
+        ring = L.cp > 1 and L.cp_attention == "ring"
+        gathered = L.cp > 1 and not ring
+        expansion = 0.0  # MLA under the ring: kv_b's forward, which each step's block repeats
         ph = _Phase()
         comm_f: list[tuple[str, str, float]] = []
         comm_b: list[tuple[str, str, float]] = []
@@ -475,8 +531,11 @@ class CostModel:
             rope_bytes = 2 * A * T * (H + Hkv) * hd
             kv_heads, qk, vd = Hkv, hd, hd
             saved += (1 if fp8 != "none" else A) * T * D  # the q/k/v input (shared; FP8: 1 byte)
-            saved += A * T * (H + 2 * Hkv) * hd  # q, k, v after RoPE, kept by the core
+            # q, k, v after RoPE, kept by the core: all-gather CP's core keeps the whole
+            # sequence's k and v, the ring its own K|V message
+            saved += A * T * H * hd + A * (b * w.seq_len if gathered else T) * 2 * Hkv * hd
             cp_kv = (A * b * w.seq_len * Hkv * hd, A * b * w.seq_len * Hkv * hd)
+            ring_values = 2 * Hkv * hd
             tp_in_grad = T * D
             sp_gather, sp_replicated = T * D, []
         else:
@@ -489,19 +548,26 @@ class CostModel:
                 self._linear(ph, "attention_proj", T, H * qk, D, fp8)
             # CP (all-gather): the latent [c ; k_rot] of the whole sequence is gathered and
             # kv_b expands it on every cp rank, so kv_b runs on Tk = b·s tokens, and the core
-            # keeps the whole sequence's k and v (kv_b's saved input is the gathered c).
+            # keeps the whole sequence's k and v (kv_b's saved input is the gathered c). The
+            # ring expands every block it holds (Tk = b·s over the ring, module docstring) and
+            # keeps none: its saved latent is its own message.
             Tk = b * w.seq_len if L.cp > 1 else T
             # kv_a reads q_a's (or q's) input: shared under current scaling; delayed scaling
             # ties no MLA input scales, so each quantizes its own
             shared = fp8 != "delayed"
             self._linear(ph, "attention_proj", T, kvr + rope, D, fp8, quantize_input=not shared)
+            before = ph.fwd
             self._linear(ph, "attention_proj", Tk, H * (md.qk_nope_head_dim + vd), kvr, fp8)
+            if ring:  # the backward expands every block again before its gradients
+                expansion = ph.fwd - before
+                ph.add("attention_proj", 0.0, expansion, 0.0, False)
             self._linear(ph, "attention_proj", T, D, H * vd, fp8)
             rope_bytes = 2 * A * T * (H + 1) * rope
             kv_heads = H
-            saved += A * T * (D + qr + rope) + A * Tk * kvr + A * T * H * qk
-            saved += A * Tk * H * (qk + vd)
+            saved += A * T * (D + qr + rope) + A * (T if ring else Tk) * kvr + A * T * H * qk
+            saved += 0.0 if ring else A * Tk * H * (qk + vd)
             cp_kv = (A * b * w.seq_len * (kvr + rope),)
+            ring_values = kvr + rope
             tp_in_grad = T * ((qr or D) + kvr + rope)
             # SP: the latents are gathered, not n (plus n itself for q_proj without q-lora);
             # the replicated q_a/kv_a weights and latent norm gains get fp32 gradient sums.
@@ -513,13 +579,20 @@ class CostModel:
         peak = self.cluster.gpu.peak_bf16_flops
         bw = self.cluster.gpu.memory_bandwidth
         shape = (b * H, s_loc, qk)
-        cf, src_f = self.table.compute_time(
-            "attention_fwd", "bf16", shape, core_fwd_flops, core_bytes, peak, bw
-        )
-        cb, src_b = self.table.compute_time(
-            "attention_bwd", "bf16", shape, 2.5 * core_fwd_flops, 2 * core_bytes, peak, bw
-        )
-        ph.add("attention_core", cf, cb, 0.0, "roofline" in (src_f, src_b))
+        ring_cost = None
+        if ring:
+            ring_cost = self._ring(L, b * H, s_loc, qk, vd, b * s_loc * ring_values, expansion)
+            cf, cb = ring_cost.compute
+            ph.add("attention_core", cf, cb, 0.0, True)
+            saved += 4 * T * H * vd  # the ring keeps its fp32 output for the backward
+        else:
+            cf, src_f = self.table.compute_time(
+                "attention_fwd", "bf16", shape, core_fwd_flops, core_bytes, peak, bw
+            )
+            cb, src_b = self.table.compute_time(
+                "attention_bwd", "bf16", shape, 2.5 * core_fwd_flops, 2 * core_bytes, peak, bw
+            )
+            ph.add("attention_core", cf, cb, 0.0, "roofline" in (src_f, src_b))
         saved += A * T * H * vd + 4 * b * H * s_loc  # the core's output and log-sum-exp
         rf, r1 = self._membound("rope", rope_bytes, (T, (H + kv_heads) * qk))
         ph.add("rope", rf, rf, 0.0, r1)
@@ -560,7 +633,7 @@ class CostModel:
             comm_f.append(("tp", "all_gather", A * sp_gather))
             comm_b.append(("tp", "reduce_scatter", A * sp_gather))
             comm_b += [("tp", "all_reduce", payload) for payload in sp_replicated]
-        for payload in cp_kv if L.cp > 1 else ():
+        for payload in cp_kv if gathered else ():
             comm_f.append(("cp", "all_gather", payload))
             comm_b.append(("cp", "reduce_scatter", payload))
         if tp > 1:
@@ -609,7 +682,40 @@ class CostModel:
                 extra += swiglu
             ph.igrad += extra
             ph.classes["recompute"] = extra
-        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full)
+        if ring_cost is not None and L.recompute in ("full", "selective", "selective_mlp"):
+            ring_cost = ring_cost.with_forward_repeated(1)  # the core runs again, ring and all
+        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full, ring_cost)
+
+    def _ring(
+        self, L: Layout, heads: int, t: int, qk: int, vd: int, elements: int, expansion: float
+    ) -> _RingCost:
+        """Ring attention over ``L.cp`` ranks of ``heads`` (batch × heads) query rows of ``t``
+        local tokens, whose message holds ``elements`` values, and MLA's ``expansion`` (kv_b's
+        forward over the ring; module docstring, "Ring attention")."""
+        gpu, c = self.cluster.gpu, L.cp
+        fp32 = gpu.peak_fp32_flops or gpu.peak_bf16_flops / 15
+
+        def block(scores: float, masked: bool, widths: int, passes: int) -> float:
+            moved = 4.0 * heads * scores * (passes + 2 * masked)
+            touch, _ = self._membound("copy", moved, (heads, int(scores)))
+            return 2.0 * heads * scores * widths / fp32 + touch
+
+        diagonal, later = t * t, t * t / 2  # scores of step 0 and of every other step
+        fwd = [block(diagonal, True, qk + vd, RING_FWD_PASSES)]
+        fwd += [block(later, False, qk + vd, RING_FWD_PASSES)] * (c - 1)
+        bwd = [block(diagonal, True, 3 * qk + 2 * vd, RING_BWD_PASSES)]
+        bwd += [block(later, False, 3 * qk + 2 * vd, RING_BWD_PASSES)] * (c - 1)
+        message, gradient = self.work.act_bytes * elements, 4 * elements
+        kv, grad = self._time("cp", "p2p", message, L), self._time("cp", "p2p", gradient, L)
+        step_f, step_b = expansion / c, 3 * expansion / c
+        exposed_f = sum(max(0.0, kv - fwd[s] - step_f) for s in range(c - 1))
+        exposed_b = grad + sum(
+            max(0.0, kv * (s < c - 1) + grad * (s > 0) - bwd[s] - step_b) for s in range(c)
+        )
+        return _RingCost(
+            (sum(fwd), sum(bwd)), (exposed_f, exposed_b),
+            ((message, c - 1), (message, c - 1), (gradient, c)),
+        )  # fmt: skip
 
     def _mlp(self, ph: _Phase, T: int, D: int, F: int, fp8: str) -> None:
         """A SwiGLU MLP: gate and up share their input's quantization; under
@@ -753,6 +859,7 @@ class CostModel:
         rank0 = set(placement[0])
         rank_of = {c: r for r, held in enumerate(placement) for c in held}
         recomputed = self.recomputed_layers(L)
+        overlapped: dict[str, float] = {}  # seconds of a group's comm that compute hides (the ring)
         # a layer's own policy: recompute_every leaves some blocks out of full recompute (a
         # layer's cost does not depend on the split, so the cache ignores pp_layers)
         every_block = replace(L, recompute_every=1, pp_layers=())
@@ -778,6 +885,14 @@ class CostModel:
                     i += self._time(group, kind, payload, L)
                     if count_comm:
                         account(group, kind, payload, m)
+                if lc.ring is not None:  # the ring's p2p, as far as its blocks do not hide it
+                    f += lc.ring.exposed[0]
+                    i += lc.ring.exposed[1]
+                    if count_comm:
+                        sent = sum(account("cp", "p2p", p, n * m) for p, n in lc.ring.sends)
+                        overlapped["cp"] = (
+                            overlapped.get("cp", 0.0) + sent - m * sum(lc.ring.exposed)
+                        )
                 if L.sp:  # the two replicated norm gains: fp32 gradients, per micro-batch
                     i += 2 * self._time("tp", "all_reduce", 4 * md.dim, L)
                     if count_comm:
@@ -886,8 +1001,8 @@ class CostModel:
         fits = peak_mem <= cl.gpu.memory_bytes * (1.0 - w.headroom)
         compute_total = sum(t for k, t in classes.items() if k != "optimizer")
         for g in comm.values():
-            if g.group not in ("dp", "edp"):
-                g.exposed = g.seconds  # in-layer collectives are not overlapped
+            if g.group not in ("dp", "edp"):  # in-layer collectives: only the ring overlaps
+                g.exposed = g.seconds - overlapped.get(g.group, 0.0)
         return Estimate(
             layout=L, step_time=step, tokens_per_s_per_gpu=per_gpu, mfu=mfu,
             peak_memory=peak_mem, fits=fits, memory=worst, compute=classes, comm=comm,
@@ -1112,6 +1227,10 @@ class CostModel:
             {"autocast_weight_copies": 0.0, "logits": 0.0, "recompute_transient": 0.0, **moment}
         )
         mem.update(forward_phase)
+        if L.cp > 1 and L.cp_attention == "ring":  # a transient of the first block backward
+            t = w.seq_len // L.cp
+            heads = L.micro_batch * md.n_heads // L.tp
+            mem["ring_attention_scores"] = RING_SCORE_MATRICES * 4 * heads * t * t
         if m == 1 and L.pp == 1:
             # one micro-batch: the gradients grow while the forward's tensors are freed, so
             # only what they exceed them by adds to the peak; the FP8 weights of the first

@@ -11,6 +11,8 @@ to the same verdict on every layout of a grid. Rules (``w`` world, ``m`` micro-b
   global_batch / (micro_batch·dp)``;
 * tp divides heads, KV heads, vocabulary, FFN widths (the family's list); sp needs tp > 1
   (every family allows it); ``seq % 2cp == 0`` for cp > 1; ``(seq / cp) % tp == 0`` with sp;
+  ``cp_attention`` one of :data:`CP_ATTENTION` (any cp; the runtime uses it at cp > 1 only),
+  ``ring`` at cp > 1 refused with ``model.dropout > 0`` (the ring has no attention dropout);
 * ``recompute_every`` a positive integer (used by full recompute only, as in the trainer);
 * ep divides the experts (dense models ignore it) and dp·cp, needs ``data_parallel=ddp``; MTP
   refuses pp;
@@ -43,6 +45,8 @@ RECOMPUTE = ("none", "selective", "selective_mlp", "full", "full_keep")
 FULL_RECOMPUTE = ("full", "full_keep")
 """The policies that checkpoint whole blocks, every ``recompute_every``-th one."""
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise", "delayed", "mxfp8")
+CP_ATTENTION = ("all_gather", "ring")
+"""``parallel.cp_attention``: K/V all-gathered per layer, or passed around the cp ring."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class Layout:
 
     tp: int = 1
     cp: int = 1
+    cp_attention: str = "all_gather"
+    """How attention crosses the cp group (``parallel.cp_attention``, :data:`CP_ATTENTION`)."""
     pp: int = 1
     dp: int = 1
     ep: int = 1
@@ -95,6 +101,8 @@ class Layout:
         ]  # fmt: skip
         if self.sp:
             out.append("parallel.sequence_parallel=true")
+        if self.cp_attention != "all_gather":
+            out.append(f"parallel.cp_attention={self.cp_attention}")
         if self.ep > 1:
             out.append(f"parallel.ep={self.ep}")
         if self.pp > 1:
@@ -118,7 +126,8 @@ class Layout:
         return out
 
     def label(self) -> str:
-        parts = [f"tp{self.tp}{'+sp' if self.sp else ''}", f"cp{self.cp}", f"dp{self.dp}"]
+        ring = "/ring" if self.cp > 1 and self.cp_attention == "ring" else ""
+        parts = [f"tp{self.tp}{'+sp' if self.sp else ''}", f"cp{self.cp}{ring}", f"dp{self.dp}"]
         if self.pp > 1:
             parts.append(f"pp{self.pp}/{self.schedule}" + (f"/v{self.vpp}" if self.vpp > 1 else ""))
             if self.pp_layers:
@@ -195,6 +204,13 @@ def layout_problem(
         return "sequence parallel needs tp > 1"
     if L.cp > 1 and (not model.supports_cp or seq_len % (2 * L.cp)):
         return f"cp={L.cp} needs the family's support and seq_len % 2·cp == 0 (seq {seq_len})"
+    if L.cp_attention not in CP_ATTENTION:  # ParallelConfig's wording
+        return f"parallel.cp_attention={L.cp_attention!r}; valid: {', '.join(CP_ATTENTION)}"
+    if L.cp > 1 and L.cp_attention == "ring" and model.dropout > 0:
+        return (
+            f"parallel.cp_attention=ring with model.dropout={model.dropout}: ring attention "
+            "has no attention dropout"
+        )
     if L.sp and (seq_len // L.cp) % L.tp:
         return f"sequence parallel needs (seq/cp) % tp == 0, got {seq_len}/{L.cp} over {L.tp}"
     if L.ep > 1:

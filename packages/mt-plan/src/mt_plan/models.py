@@ -47,11 +47,12 @@ def shape_of(cfg: Any) -> ModelShape:
             f"model={cfg.name} has no vocab_size (the trainer takes it from the data's "
             "tokenizer): set model.vocab_size"
         )
+    common = {"dropout": cfg.dropout}
     if family == "llama":
         f = _llama_fields(cfg)
         tp = (("num_heads", f["n_heads"]), ("num_kv_heads", f["n_kv_heads"]),
               ("ffn_dim", f["ffn_dim"]), ("vocab_size", f["vocab_size"]))  # fmt: skip
-        return ModelShape(family=family, tp_divides=tp, **f)
+        return ModelShape(family=family, tp_divides=tp, **common, **f)
     if family == "moe":
         f = _llama_fields(cfg)
         m = cfg.moe
@@ -60,7 +61,7 @@ def shape_of(cfg: Any) -> ModelShape:
         return ModelShape(
             family=family, num_experts=m.num_experts, top_k=m.top_k,
             expert_ffn_dim=m.expert_ffn_dim, shared_ffn_dim=m.shared_hidden_dim,
-            first_k_dense=cfg.first_k_dense, tp_divides=tp, **f,
+            first_k_dense=cfg.first_k_dense, tp_divides=tp, **common, **f,
         )  # fmt: skip
     if family == "deepseek_v3":
         m = cfg.moe
@@ -75,6 +76,7 @@ def shape_of(cfg: Any) -> ModelShape:
             v_head_dim=cfg.v_head_dim, num_experts=m.num_experts, top_k=m.top_k,
             expert_ffn_dim=m.expert_ffn_dim, shared_ffn_dim=m.shared_hidden_dim,
             first_k_dense=cfg.first_k_dense, mtp_depth=cfg.mtp_depth, tp_divides=tuple(tp),
+            **common,
         )  # fmt: skip
     if family == "vlm":
         from mt_train.models.vlm.model import image_flops_per_token
@@ -93,7 +95,7 @@ def shape_of(cfg: Any) -> ModelShape:
               ("model.vision.n_heads", v.n_heads), ("model.vision.ffn_dim", v.ffn_dim))  # fmt: skip
         return ModelShape(
             family=family, extra_params=tower + projector, extra_flops_per_token=extra_flops,
-            blocks_before=v.n_layers, tp_divides=tp, **f,
+            blocks_before=v.n_layers, tp_divides=tp, **common, **f,
         )  # fmt: skip
     raise ValueError(
         f"mt-plan has no cost model for the model family {family!r} (model={cfg.name}); "

@@ -3,7 +3,8 @@ ranked by predicted tokens/s per GPU (pure Python; pipeline timings import torch
 :mod:`mt_plan.pipeline`).
 
 Dimensions (each restricted by :class:`SearchSpace`): tp, cp, pp over the divisors of the world
-(tp and cp within a node: their collectives are per layer), dp the rest, sequence parallel on
+(tp and cp within a node: their collectives are per layer), at cp > 1 the context-parallel
+attention (``all_gather`` or ``ring``; the trainer refuses the ring with dropout), dp the rest, sequence parallel on
 or off where tp > 1, the schedule and its chunks per rank when pp > 1, the data-parallel mode,
 ep over the divisors of dp·cp that divide the experts, the micro-batch over the divisors of
 ``global_batch / dp``, the recompute policy (with full recompute also ``recompute_every``,
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 from mt_plan.cost import CostModel, Estimate
 from mt_plan.layout import (
+    CP_ATTENTION,
     DP_MODES,
     FP8_RECIPES,
     FULL_RECOMPUTE,
@@ -38,8 +41,8 @@ from mt_plan.layout import (
 )
 from mt_plan.shape import ModelShape
 
-DIMENSIONS = ("tp", "sp", "cp", "pp", "vpp", "schedule", "dp_mode", "ep", "micro_batch",
-              "recompute", "recompute_every", "fp8")  # fmt: skip
+DIMENSIONS = ("tp", "sp", "cp", "cp_attention", "pp", "vpp", "schedule", "dp_mode", "ep",
+              "micro_batch", "recompute", "recompute_every", "fp8")  # fmt: skip
 
 
 def divisors(n: int) -> list[int]:
@@ -67,9 +70,12 @@ class SearchSpace:
     """None: no FP8 and every recipe whose GEMMs the calibration table measured (recipes the
     table cannot tell apart would only tie)."""
     max_micro_batch: int = 16
+    cp_attention: list[str] = field(default_factory=lambda: list(CP_ATTENTION))
+    """``parallel.cp_attention`` values tried at cp > 1 (cp = 1 runs neither)."""
 
     def __post_init__(self) -> None:
         for name, values, valid in (
+            ("cp-attention", self.cp_attention, CP_ATTENTION),
             ("schedule", self.schedules, SCHEDULES),
             ("dp_mode", self.dp_modes, DP_MODES),
             ("recompute", self.recompute, RECOMPUTE),
@@ -135,7 +141,8 @@ def enumerate_layouts(
                     (s, v) for s in space.schedules for v in (space.vpp if s in
                     ("interleaved_1f1b", "zero_bubble") else [1])
                 ]  # fmt: skip
-                for sp in space.sp if tp > 1 else [False]:
+                rings = space.cp_attention if cp > 1 else ["all_gather"]
+                for sp, cp_attention in product(space.sp if tp > 1 else [False], rings):
                     for schedule, vpp in pipes:
                         # the most blocks of a module apply_recompute numbers: the whole model
                         # at pp = 1, else the longest chunk of the automatic split
@@ -155,7 +162,8 @@ def enumerate_layouts(
                                     for rc, every in policies:
                                         for fp8 in space.fp8 or ["none"]:
                                             yield Layout(
-                                                tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, sp=sp,
+                                                tp=tp, cp=cp, cp_attention=cp_attention,
+                                                pp=pp, dp=dp, ep=ep, sp=sp,
                                                 vpp=vpp, schedule=schedule, dp_mode=dp_mode,
                                                 micro_batch=mb, recompute=rc,
                                                 recompute_every=every, fp8=fp8,

@@ -65,6 +65,8 @@ class ModelShape:
     """(name, value) pairs tensor parallelism must divide (the family's check_parallel)."""
     supports_pp: bool = True
     supports_cp: bool = True
+    dropout: float = 0.0
+    """``model.dropout``: ring context parallelism refuses it (no attention dropout there)."""
 
     # -- per-layer parameter counts -----------------------------------------------------------
 
