@@ -7,7 +7,11 @@ after ``B``/``I(s+1, m)``, or after ``F(S−1, m)`` on the last stage; ``W(s, m)
 per chunk: ``F``, ``I`` (input gradient), ``W`` (weight gradient); a full backward ``B`` costs
 ``I + W``; an overlapped pair costs ``overlap(F, B)``, by default ``F + I + W``: torch runs the
 halves one after the other, and :mod:`.overlap` (MoE with ep > 1) hides only all-to-all time,
-which these per-chunk compute costs do not separate.
+which these per-chunk compute costs do not separate. One :class:`ChunkCosts` prices every
+stage alike; a sequence (or mapping) of one per stage index prices uneven stages (an uneven
+layer split, the embedding on the first stage and the head on the last): an action takes its
+own stage's cost, and a pair ``overlap(F_s, B_t)`` of its forward stage ``s`` and backward
+stage ``t``, with stage ``s``'s ``overlap``.
 
 Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
 
@@ -26,7 +30,7 @@ If no rank can start its next action the schedule deadlocks and :class:`ValueErr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from mt_parallel.pipeline.schedules import B, F, I, Schedule, W, leaf_actions
@@ -50,10 +54,41 @@ class ChunkCosts:
         return {F: self.forward, B: self.full_backward, I: self.input_grad,
                 W: self.weight_grad}[kind]  # fmt: skip
 
-    def pair(self) -> float:
+    def pair(self, backward: ChunkCosts | None = None) -> float:
+        """An overlapped forward of this chunk and full backward of ``backward`` (None: this
+        chunk), with this chunk's ``overlap``."""
+        full_backward = (backward or self).full_backward
         if self.overlap is None:
-            return self.forward + self.full_backward
-        return self.overlap(self.forward, self.full_backward)
+            return self.forward + full_backward
+        return self.overlap(self.forward, full_backward)
+
+
+StageCosts = ChunkCosts | Sequence[ChunkCosts] | Mapping[int, ChunkCosts]
+"""One cost for every stage, or one per stage index (module docstring)."""
+
+
+def per_stage_costs(costs: StageCosts | None, num_stages: int) -> list[ChunkCosts]:
+    """``costs`` as one :class:`ChunkCosts` per stage ``0..num_stages−1``."""
+    if costs is None or isinstance(costs, ChunkCosts):
+        return [costs or ChunkCosts()] * num_stages
+    if isinstance(costs, Mapping):
+        if sorted(costs) != list(range(num_stages)):
+            raise ValueError(
+                f"per-stage costs are given for stages {sorted(costs)}; the schedule has "
+                f"stages 0..{num_stages - 1} (one ChunkCosts each)"
+            )
+        listed = [costs[s] for s in range(num_stages)]
+    else:
+        listed = list(costs)
+        if len(listed) != num_stages:
+            raise ValueError(
+                f"{len(listed)} per-stage costs for a schedule of {num_stages} stages "
+                "(one ChunkCosts each)"
+            )
+    wrong = [type(c).__name__ for c in listed if not isinstance(c, ChunkCosts)]
+    if wrong:
+        raise ValueError(f"per-stage costs must be ChunkCosts, got {', '.join(wrong)}")
+    return listed
 
 
 @dataclass
@@ -80,10 +115,11 @@ def _producers(action, num_stages: int) -> list[tuple[int, object, int]]:
 
 
 def simulate(
-    order: Schedule, num_stages: int, costs: ChunkCosts | None = None, chunks_per_rank: int = 1
+    order: Schedule, num_stages: int, costs: StageCosts | None = None, chunks_per_rank: int = 1
 ) -> Simulation:
-    """Time ``order`` (compute actions per rank, :mod:`.schedules`) under ``costs``."""
-    costs = costs or ChunkCosts()
+    """Time ``order`` (compute actions per rank, :mod:`.schedules`) under ``costs``: one
+    :class:`ChunkCosts` for every stage (None: unit costs) or one per stage index."""
+    stage_costs = per_stage_costs(costs, num_stages)
     finished: dict[tuple[int, object, int], float] = {}
     position = dict.fromkeys(order, 0)
     clock = dict.fromkeys(order, 0.0)
@@ -102,7 +138,11 @@ def simulate(
                 if any(n not in finished for n in needs):
                     break
                 start = max([clock[rank], *(finished[n] for n in needs)])
-                cost = costs.pair() if len(leaves) > 1 else costs.of(entry.computation_type)
+                if len(leaves) > 1:  # the forward half's stage, then the backward half's
+                    fwd, bwd = sorted(leaves, key=lambda a: a.computation_type != F)
+                    cost = stage_costs[fwd.stage_index].pair(stage_costs[bwd.stage_index])
+                else:
+                    cost = stage_costs[entry.stage_index].of(entry.computation_type)
                 end = start + cost
                 for a in leaves:
                     s, kind, k = a.stage_index, a.computation_type, a.microbatch_index

@@ -1,0 +1,64 @@
+"""The schedule simulator with one cost per stage: uneven stages (an uneven layer split, the
+embedding and head on the end stages) timed with their own ``F``, ``I``, ``W`` (no processes;
+small dyadic costs, so equalities are exact)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mt_parallel.pipeline import ChunkCosts, schedule_actions, simulate
+
+
+def test_uneven_1f1b_stages_take_their_own_costs() -> None:
+    # 1F1B, pp = 2, 3 micro-batches; stage 0: F = 1, B = I + W = 2; stage 1: F = 2, B = 4.
+    # Rank 1 is the bottleneck: it starts after stage 0's first forward (1), then alternates
+    # F and B for every micro-batch (3·6), and stage 0's last backward follows (2): 21.
+    order = schedule_actions("1f1b", 2, 3, 1)
+    light, heavy = ChunkCosts(1, 1, 1), ChunkCosts(2, 2, 2)
+    uneven = simulate(order, 2, [light, heavy])
+    assert uneven.makespan == 1 + 3 * (2 + 4) + 2
+    assert uneven.timeline[1] == [(1, 3, "1F0"), (3, 7, "1B0"), (7, 9, "1F1"), (9, 13, "1B1"),
+                                  (13, 15, "1F2"), (15, 19, "1B2")]  # fmt: skip
+    assert uneven.busy == {0: 3 * (1 + 2), 1: 3 * (2 + 4)}
+    # between the pipelines of two light and two heavy stages
+    assert simulate(order, 2, light).makespan < uneven.makespan
+    assert uneven.makespan < simulate(order, 2, heavy).makespan
+    # a mapping from stage index gives the same timing as the sequence
+    assert simulate(order, 2, {1: heavy, 0: light}).timeline == uneven.timeline
+
+
+@pytest.mark.parametrize(
+    "name,pp,v,m",
+    [("gpipe", 3, 1, 4), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 4),
+     ("zero_bubble", 3, 1, 5), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4)],
+)  # fmt: skip
+def test_equal_per_stage_costs_equal_one_cost(name: str, pp: int, v: int, m: int) -> None:
+    order = schedule_actions(name, pp, m, v)
+    cost = ChunkCosts(1, 1.5, 0.5)
+    one, each = simulate(order, pp * v, cost, v), simulate(order, pp * v, [cost] * (pp * v), v)
+    assert each.timeline == one.timeline and each.peak_activations == one.peak_activations
+
+
+def test_an_overlapped_pair_takes_its_forward_and_backward_stages_costs() -> None:
+    # DualPipeV's OVERLAP_F_B pairs a forward of one stage with a full backward of another:
+    # overlap(F of the forward's stage, I + W of the backward's stage), the forward stage's rule
+    order = schedule_actions("dualpipev", 2, 4, 2)
+    costs = [ChunkCosts(1 + s, 2 * (s + 1), 1, overlap=max) for s in range(4)]
+    sim = simulate(order, 4, costs, 2)
+    pairs = [(end - start, label) for r in sim.timeline for start, end, label in sim.timeline[r]
+             if "OVERLAP" in label]  # fmt: skip
+    assert pairs
+    for seconds, label in pairs:
+        fwd, bwd = label.strip("()").split(")")[0].split(";")
+        f_stage, b_stage = int(fwd.split("F")[0]), int(bwd.split("B")[0])
+        assert seconds == max(costs[f_stage].forward, costs[b_stage].full_backward)
+
+
+def test_per_stage_costs_must_cover_every_stage() -> None:
+    order = schedule_actions("1f1b", 2, 2, 1)
+    with pytest.raises(ValueError, match="1 per-stage costs for a schedule of 2 stages"):
+        simulate(order, 2, [ChunkCosts()])
+    with pytest.raises(ValueError, match=r"stages \[0, 2\]; the schedule has stages 0..1"):
+        simulate(order, 2, {0: ChunkCosts(), 2: ChunkCosts()})
+    with pytest.raises(ValueError, match="must be ChunkCosts, got tuple"):
+        simulate(order, 2, [ChunkCosts(), (1, 1, 1)])
