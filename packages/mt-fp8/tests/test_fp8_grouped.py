@@ -350,11 +350,13 @@ def test_grouped_layer_defers_only_a_call_on_its_own_weight(monkeypatch):
     """The layer's grouped path (forced on the CPU with the emulated kernel) queues the weight
     gradient of a call on ``self.weight``; a call given a view of it (mt-parallel's
     sequence-parallel experts, whose view sums the gradient over TP) gets its gradient through
-    autograd in the backward, as without a sink."""
+    autograd in the backward, as without a sink. ``defers_weight_gradient`` says whether the
+    layer's calls take the grouped path (not on the CPU unless forced)."""
     from functools import partial
 
     import mt_fp8.linear as linear_module
 
+    assert not make_layer(RowwiseScaling(formats=E4M3)).defers_weight_gradient  # CPU: the loop
     monkeypatch.setattr(linear_module, "grouped_gemm_reason", lambda *args: None)
     monkeypatch.setattr(
         linear_module,
@@ -362,6 +364,7 @@ def test_grouped_layer_defers_only_a_call_on_its_own_weight(monkeypatch):
         partial(fp8_grouped_linear, grouped_gemm=emulated_grouped_mm),
     )
     layer = make_layer(RowwiseScaling(formats=E4M3))
+    assert layer.defers_weight_gradient
     layer.wgrad_sink = WeightGradSink()
     x, dy = inputs(ALIGNED)
     layer(x, ALIGNED).backward(dy)
@@ -709,6 +712,32 @@ def test_grouped_matches_loop_on_cuda(recipe_cls, dtype, autocast, formats, size
     loop_layer.cpu()
     check_against_loop_and_float64(cpu, loop_cpu, loop_layer, x.cpu(), dy.cpu(), sizes, formats)
     check_health(grouped_layer, loop_layer, sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", [FormatConfig(), E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
+def test_deferred_weight_gradients_equal_the_fused_ones_on_cuda(recipe_cls, formats):
+    """The layer's grouped path on ``torch._scaled_grouped_mm`` (wgrad grouped with E4M3, per
+    group with E5M2 gradients), uneven groups and an idle expert: with a ``wgrad_sink`` the
+    queued weight and bias gradients equal the fused backward's bit for bit."""
+    recipe, sizes = recipe_cls(formats=formats), GPU_SIZES["uneven"]
+
+    def step(sink):
+        layer = make_layer(recipe, torch.bfloat16, "cuda")
+        layer.wgrad_sink = sink
+        x, dy = inputs(sizes, torch.bfloat16, "cuda")
+        assert grouped_gemm_reason(x, layer.weight, sizes, recipe, "auto", torch.bfloat16) is None
+        result = run(layer, x, dy, sizes)
+        if sink is not None:
+            assert result["dw"] is None and result["db"] is None and len(sink) == 1
+            sink.take()()
+            result.update(dw=layer.weight.grad, db=layer.bias.grad)
+        return result
+
+    fused, deferred = step(None), step(WeightGradSink())
+    for name in ("y", "dx", "dw", "db"):
+        assert torch.equal(fused[name], deferred[name]), name
 
 
 def test_block_recipe_loop_matches_float64():

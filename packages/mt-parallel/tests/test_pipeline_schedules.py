@@ -301,18 +301,31 @@ def test_predicted_peak_bytes_is_the_simulated_count_without_split_backward() ->
     assert [predicted_peak_bytes(order[r], ones, ones) for r in range(4)] == [4, 4, 4, 4]
 
 
-def test_weights_left_at_i_on_older_torch_are_the_gemm_weights_outside_sinks() -> None:
+def test_weights_left_at_i_on_older_torch_are_the_gemm_weights_outside_sinks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The weights the older-torch warning names (``runtime._gemm_weights_outside_sinks``):
     none for a dense toy LM (its linears defer; embedding and norms are small) nor for an MoE
-    one (its routers and experts defer too); a layer's own ``nn.Linear``."""
+    one (its routers and experts defer too); a layer's own ``nn.Linear``; the experts where
+    their layer does not defer: FP8 experts on the per-expert loop (the CPU), or experts whose
+    gradient the backward sums over TP (sequence parallel at ep = 1)."""
     from toy_lm import DecoderLM
 
     from mt_parallel.moe import MoEConfig
+    from mt_parallel.moe.experts import GroupedLinear
     from mt_parallel.pipeline.runtime import _gemm_weights_outside_sinks
 
     dense = DecoderLM(32, 16, 1, 2, 1, 32)
     assert _gemm_weights_outside_sinks(dense) == []
     dense.extra = nn.Linear(16, 16)
     assert _gemm_weights_outside_sinks(dense) == ["extra.weight"]
-    moe = DecoderLM(32, 16, 1, 2, 1, 32, moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8))
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16)
+    moe = DecoderLM(32, 16, 1, 2, 1, 32, moe=cfg)
     assert _gemm_weights_outside_sinks(moe) == []
+    experts = [f"layers.0.mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    fp8 = DecoderLM(32, 16, 1, 2, 1, 32, moe=cfg)
+    for projection in fp8.layers[0].mlp.experts.children():
+        projection.enable_fp8()
+    assert sorted(_gemm_weights_outside_sinks(fp8)) == sorted(experts)
+    monkeypatch.setattr(GroupedLinear, "sums_gradient_in_backward", property(lambda self: True))
+    assert sorted(_gemm_weights_outside_sinks(moe)) == sorted(experts)

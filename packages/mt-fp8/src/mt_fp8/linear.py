@@ -286,6 +286,18 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         self.reset_parameters()
 
     @property
+    def defers_weight_gradient(self) -> bool:
+        """Whether a ``wgrad_sink`` set here gets the gradient of calls on ``self.weight``:
+        whether they take the grouped path (class docstring), judged from the layer's recipe,
+        backend, device and shape for bf16 outputs and tokens on every expert (a call under
+        another recipe or output dtype may loop, and the loop computes it in the backward)."""
+        experts, weight = self.num_groups, self.weight
+        x_TK = weight.new_empty(experts + 1, self.in_features)
+        sizes = [2] + [1] * (experts - 1)
+        reason = grouped_gemm_reason(x_TK, weight, sizes, self.recipe, self.backend, torch.bfloat16)
+        return reason is None
+
+    @property
     def expert_weight_caches(self) -> tuple[WeightCache, ...]:
         """Each expert's cached FP8 weight, for the per-expert loop (class docstring)."""
         return self._weight_caches

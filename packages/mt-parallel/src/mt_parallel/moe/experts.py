@@ -69,10 +69,12 @@ groups along the rows) in the sink, cast to the parameter's dtype and accumulate
 would: the formulas autograd uses for ``torch._grouped_mm`` with a row-major ``x`` and a
 transposed (column-major) weight, on the same operands, so the gradients equal the plain path's
 bit for bit; the per-expert loop likewise (``F.linear``'s ``mm`` backward per expert, the
-gradients stacked as ``unbind``'s backward does, zeros for idle experts). Not deferred: the FP8
-experts (``FP8GroupedLinear`` has no sink; their weight gradients stay in ``I``), and a weight
-summed over TP in the backward (``copy_to_group`` wraps the operand itself). From ``I`` to
-``W`` the queue holds each GEMM's ``x`` (saved for the backward anyway) and ``dy``.
+gradients stacked as ``unbind``'s backward does, zeros for idle experts). The FP8 experts defer
+through ``FP8GroupedLinear``'s own sink (the runtime sets it with this layer's) on its grouped
+paths, not on its per-expert loop. Not deferred: a weight summed over TP in the backward
+(``copy_to_group`` wraps the operand itself, bf16 and FP8);
+:attr:`GroupedLinear.defers_weight_gradient` says which applies. From ``I`` to ``W`` the queue
+holds each GEMM's ``x`` (saved for the backward anyway) and ``dy``.
 
 Expert parallelism (:meth:`GroupedLinear.shard_experts_`) keeps experts ``[r·L, (r+1)·L)`` of
 the full ``E`` on ep rank ``r``; init draws the full ``[E, out, in]`` tensor from the layer's
@@ -315,6 +317,15 @@ class GroupedLinear(nn.Module):
         """Whether the forward sums the weight's gradient over TP: under SP at ep = 1; split
         over ep, the expert reduction sums over TP once per step (module docstring)."""
         return group_size(self.sequence_group) > 1 and self.ep_size == 1
+
+    @property
+    def defers_weight_gradient(self) -> bool:
+        """Whether a ``wgrad_sink`` set here gets the weight's gradient (module docstring:
+        deferred weight gradients): not where the backward sums it over TP, nor where the FP8
+        experts loop over experts (``mt_fp8.FP8GroupedLinear.defers_weight_gradient``)."""
+        if self.sums_gradient_in_backward:
+            return False
+        return self._fp8 is None or self._fp8.defers_weight_gradient
 
     @property
     def ep_size(self) -> int:

@@ -18,34 +18,38 @@ What this module adds around it:
   micro-batch.
 * Split backward (``I``/``W``): layers with a ``wgrad_sink`` attribute can queue their
   weight-gradient GEMMs in an ``mt_fp8.WeightGradSink`` instead of running them in autograd's
-  backward (``mt_fp8.FP8Linear``, and mt-parallel's column- and row-parallel linears and MoE
-  experts' ``GroupedLinear`` also without FP8; any layer may declare one). A chunk that uses a
-  sink gets one, shared by all such layers of the chunk and handed to torch as the stage's
-  ``dw_builder``: ``I`` runs the chunk's autograd backward with those GEMMs queued, ``W`` runs
-  the queue. Other parameters (norms, embedding, MoE routers, FP8 experts) get their gradients
-  in ``I``. A chunk uses a sink when it holds a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out
-  of one autograd node), or on an older torch (next point). Otherwise, and in particular for
+  backward (``mt_fp8.FP8Linear`` and ``mt_fp8.FP8GroupedLinear``'s grouped paths, and
+  mt-parallel's column- and row-parallel linears, MoE routers and experts' ``GroupedLinear``
+  also without FP8; any layer may declare one). A chunk that uses a sink gets one, shared by
+  all such layers of the chunk and handed to torch as the stage's ``dw_builder``: ``I`` runs
+  the chunk's autograd backward with those GEMMs queued, ``W`` runs the queue. Other
+  parameters (norms, embedding) get their gradients in ``I``. A chunk uses a sink when it holds
+  a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out of
+  one autograd node), or on an older torch (next point). Otherwise, and in particular for
   high-precision chunks on torch >= 2.13, torch's own split runs
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
-  is run from the saved intermediate gradients), and the parallel linears' sinks
-  (``wgrad_sink_optional``) stay unset. Why keep torch's split there rather than a sink
-  everywhere: it moves every weight gradient to ``W`` (norms, embeddings and routers too, which
-  no sink covers), and it is what the activation-memory model of
-  :mod:`mt_parallel.pipeline.memory` counts between ``I`` and ``W``.
+  is run from the saved intermediate gradients), and the sinks of the layers that declare
+  ``wgrad_sink_optional`` stay unset. Why keep torch's split there rather than a sink
+  everywhere: it moves every weight gradient to ``W`` (norms and embeddings too, which no sink
+  covers), and it is what the activation-memory model of :mod:`mt_parallel.pipeline.memory`
+  counts between ``I`` and ``W``.
 * Older torch (before 2.13), where the runtime is wrong or refuses our use; each fix is
   harmless on newer torch. Its ``stage_backward_weight`` counts an intermediate's gradient again
   through descendant intermediates (torch 2.13 clamps the saved gradients), so with
   :data:`TORCH_SPLITS_BACKWARD` false every chunk of a split-backward schedule gets a
   ``dw_builder``: a sink shared by all its layers that have one (the parallel linears with or
-  without FP8, the bf16/fp32 MoE experts), else a no-op. ``I`` runs the chunk's whole backward
-  except the queued GEMMs and ``W`` those: correct, and the zero-bubble gain kept for the linear layers, which hold nearly
-  all of a transformer block's weight-gradient FLOPs. Norm weights and biases (elementwise
-  gradients) and embedding tables (a scatter-add) are small and stay in ``I``; a warning names
-  the other weights that stay there (their gradient a GEMM outside any sink: MoE routers, FP8
-  experts, a model's own ``nn.Linear``), once per schedule. Its stage checks each received or
-  given input's strides, so the micro-batch tokens (views of a longer row) are passed
-  contiguous. Its p2p warm-up sends to the neighbour stage even when that stage is on the same
-  rank (the V schedules), which gloo cannot pair; :class:`_Stage` drops those ops.
+  without FP8, the MoE routers and experts), else a no-op. ``I`` runs the chunk's whole
+  backward except the queued GEMMs and ``W`` those: correct, and the zero-bubble gain kept for
+  the GEMM weights, which hold nearly all of a transformer block's weight-gradient FLOPs. Norm
+  weights and biases (elementwise gradients) and embedding tables (a scatter-add) are small and
+  stay in ``I``; a warning names the other weights that stay there, once per schedule: those
+  whose gradient is a GEMM and whose layer has no sink (a model's own ``nn.Linear``) or says it
+  does not use it (``defers_weight_gradient`` false: MoE experts whose gradient the backward
+  sums over TP, under sequence parallelism at ep = 1; FP8 experts on ``FP8GroupedLinear``'s
+  per-expert loop). Its stage checks each received or given input's strides, so the
+  micro-batch tokens (views of a longer row) are passed contiguous. Its p2p warm-up sends to
+  the neighbour stage even when that stage is on the same rank (the V schedules), which gloo
+  cannot pair; :class:`_Stage` drops those ops.
 * MoE auxiliary losses: chunks that hold MoE layers (``carries_aux_losses``) get each
   micro-batch's :class:`~mt_parallel.moe.AuxLossScale` (``f_m / M``) as the keyword
   ``aux_loss_scale`` and attach their layers' losses to their output
@@ -155,18 +159,22 @@ def _no_weight_pass() -> Callable[[], None]:
 
 def _gemm_weights_outside_sinks(chunk: nn.Module) -> list[str]:
     """The chunk's trainable weights whose gradient is a GEMM and stays in ``I`` on a torch
-    whose split is wrong: at least 2-D, outside the layers with a sink and outside embedding
-    tables (module docstring, "Older torch")."""
-    covered = {
+    whose split is wrong: at least 2-D, not embedding tables, and not held by a layer with a
+    sink, or held by one that does not defer it (``defers_weight_gradient`` false; module
+    docstring, "Older torch")."""
+    sink_layers = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
+    tables = [m for m in chunk.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))]
+    covered = {id(p) for m in [*sink_layers, *tables] for p in m.parameters()}
+    undeferred = {
         id(p)
-        for m in chunk.modules()
-        if hasattr(m, "wgrad_sink") or isinstance(m, (nn.Embedding, VocabParallelEmbedding))
+        for m in sink_layers
+        if not getattr(m, "defers_weight_gradient", True)
         for p in m.parameters()
     }
     return [
         name
         for name, p in chunk.named_parameters()
-        if p.requires_grad and p.dim() >= 2 and id(p) not in covered
+        if p.requires_grad and p.dim() >= 2 and (id(p) not in covered or id(p) in undeferred)
     ]
 
 
@@ -214,9 +222,12 @@ class PipelineSchedule:
                 f"torch {torch.__version__}'s split backward counts some weight gradients "
                 f"twice, so pp_schedule={schedule} runs each chunk's backward at its I step "
                 "except the weight gradients of layers with a wgrad_sink (the parallel "
-                f"linears, the bf16 experts); {len(left_at_i)} weights whose gradient is a GEMM get it at I, "
-                f"without the zero-bubble gain ({', '.join(left_at_i[:4])}"
-                f"{', ...' if len(left_at_i) > 4 else ''}); torch >= 2.13 splits them",
+                "linears, MoE routers and experts); "
+                f"{len(left_at_i)} weights whose gradient is a GEMM get it at I, without the "
+                f"zero-bubble gain ({', '.join(left_at_i[:4])}"
+                f"{', ...' if len(left_at_i) > 4 else ''}: layers without a sink, MoE experts "
+                "summed over TP in the backward, FP8 experts on the per-expert loop); "
+                "torch >= 2.13 splits them",
                 stacklevel=2,
             )
         self.sinks: list[mt_fp8.WeightGradSink] = []
