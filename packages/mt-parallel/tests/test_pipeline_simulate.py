@@ -4,6 +4,8 @@ small dyadic costs, so equalities are exact)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from mt_parallel.pipeline import ChunkCosts, schedule_actions, simulate
@@ -62,3 +64,38 @@ def test_per_stage_costs_must_cover_every_stage() -> None:
         simulate(order, 2, {0: ChunkCosts(), 2: ChunkCosts()})
     with pytest.raises(ValueError, match="must be ChunkCosts, got tuple"):
         simulate(order, 2, [ChunkCosts(), (1, 1, 1)])
+
+
+def _entry_cost(entry, costs: list[ChunkCosts]) -> float:
+    if entry.sub_actions is None:
+        return costs[entry.stage_index].of(entry.computation_type)
+    forward, backward = entry.sub_actions
+    return costs[forward.stage_index].pair(costs[backward.stage_index])
+
+
+@pytest.mark.parametrize(
+    "name,pp,v,m",
+    [("gpipe", 3, 1, 4), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 4),
+     ("zero_bubble", 3, 1, 5), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4)],
+)  # fmt: skip
+def test_the_critical_path_sums_to_the_makespan(name: str, pp: int, v: int, m: int) -> None:
+    order = schedule_actions(name, pp, m, v)
+    costs = [ChunkCosts(1 + s % 3, 1.5 + s % 2, 0.25 * (s + 1)) for s in range(pp * v)]
+    sim = simulate(order, pp * v, costs, v)
+    assert sum(_entry_cost(e, costs) for e in sim.critical_path) == sim.makespan
+    # each entry of the chain ends where the next one starts
+    ends = {label: (start, end) for r in sim.timeline for start, end, label in sim.timeline[r]}
+    spans = [ends[str(e)] for e in sim.critical_path]
+    assert spans[0][0] == 0 and spans[-1][1] == sim.makespan
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_a_prepared_schedule_times_as_its_action_lists() -> None:
+    from mt_parallel.pipeline.simulate import prepare
+
+    order = schedule_actions("dualpipev", 2, 4, 2)
+    costs = [ChunkCosts(1 + s, 2, 0.5) for s in range(4)]
+    prepared = prepare(order, 4)
+    assert simulate(prepared, 4, costs, 2) == simulate(order, 4, costs, 2)
+    with pytest.raises(ValueError, match="prepared for 4 stages, not 2"):
+        simulate(prepared, 2)

@@ -4,7 +4,8 @@
 * every named mt-train size: the planner's parameter count equals the meta-built model's and its
   FLOPs per token the family's ``flops_per_token`` (so its MFU is the trainer's MFU);
 * the pipeline timing the search uses equals a full run of mt-parallel's simulator (the
-  steady-state extension and the ratio buckets) and the closed-form 1F1B bubble;
+  steady-state extension and the ratio buckets, equal and uneven chunks) and the closed-form
+  1F1B bubble; an uneven split is timed with each stage's own costs;
 * memory and time respond the way the model says they must (recompute, ZeRO-1, tp);
 * ``recompute_every = N`` checkpoints the blocks mt-parallel wraps (blocks 0, N, 2N, ... of the
   whole model at pp = 1, of each chunk under pp): only they pay the second forward and keep
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 import textwrap
@@ -107,6 +109,21 @@ def test_pipeline_timing_equals_the_simulator(schedule: str, v: int) -> None:
     if schedule == "1f1b":
         _, bubble, _ = pipeline.pipeline_timing("1f1b", 4, 1, 64, 1.0, 1.0, 1.0)
         assert bubble == pytest.approx(3 / (64 + 3))
+    # uneven chunks at bucket centres (ratios exp(k/10) of the largest forward), so the chain
+    # priced is the simulator's own; three patterns of which chunk is heavier at which pass
+    for pp, m in ((2, 16 if schedule != "dualpipev" else 24), (3, 30), (4, 64)):
+        chunks = pp * v
+        for pattern in range(3):
+            f = [math.exp(0.1 * ((c * 7 + pattern) % 5) - 0.4) for c in range(chunks)]
+            i = [math.exp(0.1 * ((c * 3 + pattern) % 4)) for c in range(chunks)]
+            w = [math.exp(-0.1 * ((c * 5 + pattern) % 6)) for c in range(chunks)]
+            makespan, bubble, peaks = pipeline.pipeline_timing(schedule, pp, v, m, f, i, w)
+            stages = [ChunkCosts(*c) for c in zip(f, i, w, strict=True)]
+            sim = simulate(pipeline._actions(schedule, pp, v, m), chunks, stages, v)
+            # NOTE: 1e-9: the bucket centres are exact up to floating-point rounding
+            assert makespan == pytest.approx(sim.makespan, rel=1e-9), (pp, m, pattern)
+            assert bubble == pytest.approx(sim.bubble_fraction, abs=1e-9)
+            assert peaks == tuple(sim.peak_activations[r] for r in range(pp))
 
 
 def _cost(world: int = 1, **work) -> CostModel:
@@ -467,25 +484,50 @@ def test_explicit_pp_layers_equal_to_the_automatic_split_price_the_same() -> Non
         assert _without_layout(cost.estimate(explicit)) == _without_layout(cost.estimate(layout))
 
 
-def test_an_uneven_split_moves_time_and_memory_to_the_heavier_stage() -> None:
+def test_an_uneven_split_moves_time_and_memory_to_the_heavier_stage(monkeypatch) -> None:
     # 8 Llama3-8B layers over pp = 2 (1F1B, 8 micro-batches of one 8192-token sequence, tp = dp
-    # = 1, so a layer has no collectives). The simulator prices every chunk at the slowest
-    # chunk's costs, and 1F1B with equal chunks takes (m + pp − 1)·(F + I + W): moving one
-    # layer onto the heavier first chunk (6 → 7) adds (8 + 1) layers' F + I + W to the pipeline.
+    # = 1, so a layer has no collectives). Each stage is timed with its own F, I, W.
+    from mt_plan import cost as cost_module
+
+    timed = {}
+
+    def recording(schedule, pp, v, m, forward, input_grad, weight_grad):
+        timed[tuple(forward)] = (forward, input_grad, weight_grad)
+        return pipeline_timing(schedule, pp, v, m, forward, input_grad, weight_grad)
+
+    pipeline_timing = cost_module.pipeline_timing
+    monkeypatch.setattr(cost_module, "pipeline_timing", recording)
     cost = _cost(2)
     m, n = 8, 8
-    est = {split: cost.estimate(Layout(pp=2, pp_layers=split)) for split in
-           ((4, 4), (6, 2), (7, 1), (2, 6), (1, 7))}  # fmt: skip
-    layer = cost._layer(True, Layout(pp=2)).phase
-    per_layer = layer.fwd + layer.igrad + layer.wgrad
+    est, stages = {}, {}
+    for split in ((4, 4), (5, 3), (3, 5), (6, 2), (7, 1), (2, 6), (1, 7)):
+        timed.clear()
+        est[split] = cost.estimate(Layout(pp=2, pp_layers=split))
+        (stages[split],) = timed.values()
 
     def pipeline(e) -> float:  # dp = 1: no data-parallel collectives after the schedule
         return e.step_time - e.optimizer_time
 
-    assert pipeline(est[(7, 1)]) - pipeline(est[(6, 2)]) == pytest.approx(
-        (m + 2 - 1) * per_layer, rel=1e-9
-    )
-    assert est[(6, 2)].step_time > est[(4, 4)].step_time
+    # [1, 7]: the last stage (7 layers and the head) is the slower one at every micro-batch, so
+    # it runs back to back after the first stage's first forward, and the first stage's last
+    # backward follows: f0 + m·(f1 + b1) + b0, b = I + W
+    (f0, f1), (i0, i1), (w0, w1) = stages[(1, 7)]
+    assert f1 + i1 + w1 > f0 + i0 + w0
+    assert pipeline(est[(1, 7)]) == pytest.approx(f0 + m * (f1 + i1 + w1) + i0 + w0, rel=1e-9)
+    # timing both stages at the slower one's costs (the former bound) adds (f1 + b1) − (f0 + b0)
+    bound = (m + 1) * (f1 + i1 + w1)
+    assert bound - pipeline(est[(1, 7)]) == pytest.approx(f1 + i1 + w1 - f0 - i0 - w0, rel=1e-9)
+    # every split equals mt-parallel's simulator with per-stage costs
+    from mt_parallel.pipeline.simulate import ChunkCosts, simulate
+    from mt_plan.pipeline import _actions
+
+    for split, (f, i, w) in stages.items():
+        per_stage = [ChunkCosts(*c) for c in zip(f, i, w, strict=True)]
+        sim = simulate(_actions("1f1b", 2, 1, m), 2, per_stage)
+        assert pipeline(est[split]) == pytest.approx(sim.makespan, rel=1e-9), split
+    assert est[(7, 1)].step_time > est[(6, 2)].step_time
+    # the head (a 128,256-row GEMM) outweighs a layer: one layer off the last stage balances
+    assert est[(5, 3)].step_time < est[(4, 4)].step_time < est[(3, 5)].step_time
     # the optimizer of the rank holding most parameters ends the step: 7 layers on rank 1 of
     # [1, 7] as on rank 0 of [7, 1] (the head and final norm against the embedding: D apart)
     assert est[(1, 7)].optimizer_time == pytest.approx(est[(7, 1)].optimizer_time, rel=1e-5)

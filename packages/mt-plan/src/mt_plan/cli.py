@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--sp", type=_words, help="true,false")
     s.add_argument(
+        "--end-layers-off", type=_ints, default=[0],
+        help="also try pipeline splits with this many blocks moved off the last chunk (and "
+        "the first where it holds a vision tower), as parallel.pp_layers (default 0: off)",
+    )  # fmt: skip
+    s.add_argument(
         "--cp-attention", type=_words,
         help="parallel.cp_attention values tried at cp > 1 (default all_gather,ring)",
     )  # fmt: skip
@@ -151,6 +156,7 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         recompute=args.recompute or defaults.recompute,
         recompute_every=args.recompute_every, fp8=args.fp8,
         cp_attention=args.cp_attention or defaults.cp_attention,
+        end_layers_off=args.end_layers_off,
     )  # fmt: skip
 
 

@@ -37,11 +37,10 @@ collectives.
 
 Pipeline stages. The decoder layers of each chunk are ``Layout.pp_layers`` or the trainer's
 automatic split (:func:`~mt_plan.layout.split_layers`: the remainder to the middle chunks
-first); chunk 0 also runs the embedding, the last chunk the head and the loss. Each chunk's
-``F``, ``I``, ``W`` sum its own layers, ends and stage-boundary p2p. mt-parallel's simulator
-takes one cost triple for every chunk, so the pipeline is timed with the slowest chunk's ``F``,
-``I`` and ``W`` (each the maximum over chunks): exact for equal chunks, an upper bound for
-uneven ones (and the bubble it reports is the schedule's, not the imbalance's). After the
+first); chunk 0 also runs the embedding (and the VLM's vision encoder), the last chunk the
+head and the loss. Each chunk's ``F``, ``I``, ``W`` sum its own layers, ends and
+stage-boundary p2p, and mt-parallel's simulator times the schedule with each chunk's own
+(:mod:`mt_plan.pipeline`; the bubble then includes the idling that uneven chunks cause). After the
 schedule every pipeline rank reduces its own gradients and steps its own optimizer, so the step
 ends with the rank slowest at both (:meth:`CostModel._optimizer`); memory is the fullest rank's,
 each rank counting the parameters and saved activations of its own chunks. Compute classes and
@@ -941,7 +940,7 @@ class CostModel:
         if L.pp > 1:
             v = L.chunks_per_rank()
             pipe_time, bubble, inflight = pipeline_timing(
-                L.schedule, L.pp, v, m, max(chunk_f), max(chunk_i), max(chunk_w)
+                L.schedule, L.pp, v, m, chunk_f, chunk_i, chunk_w
             )
             last_backward = 0.0
         else:

@@ -17,8 +17,14 @@ wraps (:meth:`~mt_plan.cost.CostModel.recomputed_layers`): of a module of ``n`` 
 ``N' > N`` checkpoint the same blocks exactly when ``N ≥ n`` (both only block 0). So the search
 tries the values of :attr:`SearchSpace.recompute_every` in increasing order and stops after the
 first that is at least the longest chunk's block count (:func:`distinct_recompute_every`): no two
-enumerated layouts recompute the same blocks. The pipeline split is the trainer's automatic one
-(``pp_layers`` is priced by ``explain``, not searched).
+enumerated layouts recompute the same blocks.
+
+The pipeline split is the trainer's automatic one, and with :attr:`SearchSpace.end_layers_off`
+values ``k > 0`` also that split with ``k`` blocks moved off the last chunk (which carries the
+head and the loss), and, for models with work before the decoder on the first chunk (the VLM's
+vision tower), off the first chunk and off both (Megatron's ``decoder_first_pipeline_num_layers``
+and ``decoder_last_pipeline_num_layers``), as explicit ``pp_layers``
+(:func:`end_shifted_split`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from mt_plan.layout import (
     V_SCHEDULES,
     Layout,
     layout_problem,
+    split_layers,
 )
 from mt_plan.shape import ModelShape
 
@@ -70,6 +77,9 @@ class SearchSpace:
     """None: no FP8 and every recipe whose GEMMs the calibration table measured (recipes the
     table cannot tell apart would only tie)."""
     max_micro_batch: int = 16
+    end_layers_off: list[int] = field(default_factory=lambda: [0])
+    """Blocks moved off the end chunks of pipeline layouts (module docstring); 0: the automatic
+    split only."""
     cp_attention: list[str] = field(default_factory=lambda: list(CP_ATTENTION))
     """``parallel.cp_attention`` values tried at cp > 1 (cp = 1 runs neither)."""
 
@@ -84,6 +94,9 @@ class SearchSpace:
             unknown = [v for v in values if v not in valid]
             if unknown or not values:
                 raise ValueError(f"--{name} {unknown or values}: valid values {', '.join(valid)}")
+        off = self.end_layers_off
+        if not off or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in off):
+            raise ValueError(f"--end-layers-off {off}: non-negative integers (blocks moved)")
         every = self.recompute_every
         if not every or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in every):
             raise ValueError(
@@ -109,6 +122,39 @@ def distinct_recompute_every(values: list[int], longest: int) -> list[int]:
             break
         out.append(n)
     return out
+
+
+def end_shifted_split(
+    n_layers: int, chunks: int, off_first: int, off_last: int
+) -> tuple[int, ...] | None:
+    """The trainer's automatic split of ``n_layers`` blocks over ``chunks`` with ``off_first``
+    blocks moved off chunk 0 and ``off_last`` off the last chunk, one at a time onto the
+    chunk holding fewest among the middle ones (the other end where there are none); None
+    where an end would keep no block or nothing could take them."""
+    counts = split_layers(n_layers, chunks)
+    middle = list(range(1, chunks - 1))
+    takers = middle or [c for c, off in ((0, off_first), (chunks - 1, off_last)) if not off]
+    if chunks < 2 or not takers or counts[0] <= off_first or counts[-1] <= off_last:
+        return None
+    counts[0] -= off_first
+    counts[-1] -= off_last
+    for _ in range(off_first + off_last):
+        counts[min(takers, key=counts.__getitem__)] += 1
+    return tuple(counts)
+
+
+def pipeline_splits(model: ModelShape, chunks: int, space: SearchSpace) -> list[tuple[int, ...]]:
+    """``()`` (the automatic split) and the end-shifted splits the space asks for."""
+    splits: list[tuple[int, ...]] = [()]
+    if model.n_layers < chunks:  # the trainer refuses the layout anyway
+        return splits
+    for k in sorted({k for k in space.end_layers_off if k > 0}):
+        ends = [(0, k)] + ([(k, 0), (k, k)] if model.blocks_before else [])
+        for off_first, off_last in ends:
+            split = end_shifted_split(model.n_layers, chunks, off_first, off_last)
+            if split is not None and split not in splits:
+                splits.append(split)
+    return splits
 
 
 def enumerate_layouts(
@@ -145,11 +191,13 @@ def enumerate_layouts(
                 for sp, cp_attention in product(space.sp if tp > 1 else [False], rings):
                     for schedule, vpp in pipes:
                         # the most blocks of a module apply_recompute numbers: the whole model
-                        # at pp = 1, else the longest chunk of the automatic split
+                        # at pp = 1, else the longest chunk of the splits tried
                         v = 2 if schedule in V_SCHEDULES else vpp
                         longest = model.n_layers + model.blocks_before
+                        splits = pipeline_splits(model, pp * v, space) if pp > 1 else [()]
                         if pp > 1:
-                            longest = -(-model.n_layers // (pp * v))
+                            automatic = -(-model.n_layers // (pp * v))
+                            longest = max([automatic, *(max(s) for s in splits if s)])
                         everies = distinct_recompute_every(space.recompute_every, longest)
                         policies = [
                             (rc, n) for rc in space.recompute
@@ -160,13 +208,14 @@ def enumerate_layouts(
                             for ep in eps:
                                 for mb in mbs:
                                     for rc, every in policies:
-                                        for fp8 in space.fp8 or ["none"]:
+                                        for fp8, split in product(space.fp8 or ["none"], splits):
                                             yield Layout(
                                                 tp=tp, cp=cp, cp_attention=cp_attention,
                                                 pp=pp, dp=dp, ep=ep, sp=sp,
                                                 vpp=vpp, schedule=schedule, dp_mode=dp_mode,
                                                 micro_batch=mb, recompute=rc,
                                                 recompute_every=every, fp8=fp8,
+                                                pp_layers=split,
                                             )  # fmt: skip
 
 

@@ -18,6 +18,10 @@ Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
 * ``bubble_fraction = 1 − Σ_r busy_r / (p · T)``: the idle share of all ranks' time. For 1F1B
   with equal chunks it is ``(p−1)/(m+p−1)``; the idle time per rank is the published bubble
   (1F1B ``(p−1)(F+B)``, ZB-H1 ``(p−1)(F+B−2W)`` with ``B`` the full backward).
+* ``critical_path``: a chain of entries, each starting when the one before it ends (on its rank,
+  or as its producer), from one starting at 0 to the one ending at ``T``: their costs sum to
+  ``T``, so ``T`` is linear in the costs of the chain's actions for as long as this chain stays
+  the longest (where several tie, the rank's own previous entry is taken).
 * ``peak_activations[r]``: the most micro-batch chunks on rank ``r`` whose forward has run and
   whose input-gradient backward (``B`` or ``I``) has not, in units of one whole stage's
   activations for one micro-batch (a chunk of ``v`` per rank counts ``1/v``). What ``W`` still
@@ -33,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from mt_parallel.pipeline.schedules import B, F, I, Schedule, W, leaf_actions
+from mt_parallel.pipeline.schedules import Action, B, F, I, Schedule, W, leaf_actions
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class Simulation:
     peak_activations: dict[int, float]
     timeline: dict[int, list[tuple[float, float, str]]]
     """Per rank: (start, end, action) in execution order."""
+    critical_path: list[Action]
+    """Entries whose costs sum to the makespan, in execution order (module docstring)."""
 
 
 def _producers(action, num_stages: int) -> list[tuple[int, object, int]]:
@@ -114,60 +120,142 @@ def _producers(action, num_stages: int) -> list[tuple[int, object, int]]:
     return [(s, I, k)]
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One entry of a rank's list with what timing it needs, worked out once."""
+
+    entry: Action
+    label: str
+    needs: tuple[tuple[int, object, int], ...]
+    """The (stage, kind, micro-batch) results it waits for."""
+    done: tuple[tuple[int, object, int], ...]
+    """The results it produces (a backward also its input gradient, ``"grad"``)."""
+    live: int
+    """Change of the rank's in-flight micro-batch chunks."""
+    rise: int | None
+    """The most that change reaches right after one of its forwards (None: no forward)."""
+    price: tuple[int, object, int | None]
+    """``(stage, kind, None)``, or for a pair ``(forward stage, F, backward stage)``."""
+
+
+@dataclass(frozen=True)
+class PreparedSchedule:
+    """A schedule's action lists with each entry's producers, results and label worked out,
+    for timing the same lists under many costs (:func:`prepare`)."""
+
+    order: Schedule
+    num_stages: int
+    steps: dict[int, tuple[_Step, ...]]
+
+
+def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
+    """``order`` ready to be simulated repeatedly (:func:`simulate` accepts either)."""
+    steps: dict[int, tuple[_Step, ...]] = {}
+    for rank, actions in order.items():
+        prepared = []
+        for entry in actions:
+            leaves = leaf_actions(entry)
+            needs = tuple(p for a in leaves for p in _producers(a, num_stages))
+            done: list[tuple[int, object, int]] = []
+            live, rise = 0, None
+            for a in leaves:
+                s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
+                done.append((s, kind, k))
+                if kind in (B, I):
+                    done.append((s, "grad", k))
+                    live -= 1
+                elif kind == F:
+                    live += 1
+                    rise = live if rise is None else max(rise, live)
+            if len(leaves) > 1:  # the forward half's stage, then the backward half's
+                fwd, bwd = sorted(leaves, key=lambda a: a.computation_type != F)
+                price = (fwd.stage_index, F, bwd.stage_index)
+            else:
+                price = (entry.stage_index, entry.computation_type, None)
+            prepared.append(_Step(entry, str(entry), needs, tuple(done), live, rise, price))
+        steps[rank] = tuple(prepared)
+    return PreparedSchedule(order, num_stages, steps)
+
+
 def simulate(
-    order: Schedule, num_stages: int, costs: StageCosts | None = None, chunks_per_rank: int = 1
+    order: Schedule | PreparedSchedule,
+    num_stages: int,
+    costs: StageCosts | None = None,
+    chunks_per_rank: int = 1,
 ) -> Simulation:
-    """Time ``order`` (compute actions per rank, :mod:`.schedules`) under ``costs``: one
-    :class:`ChunkCosts` for every stage (None: unit costs) or one per stage index."""
+    """Time ``order`` (compute actions per rank, :mod:`.schedules`, or :func:`prepare`'s form
+    of them) under ``costs``: one :class:`ChunkCosts` for every stage (None: unit costs) or
+    one per stage index."""
     stage_costs = per_stage_costs(costs, num_stages)
+    if not isinstance(order, PreparedSchedule):
+        order = prepare(order, num_stages)
+    elif order.num_stages != num_stages:
+        raise ValueError(
+            f"the schedule was prepared for {order.num_stages} stages, not {num_stages}"
+        )
+    steps = order.steps
+    prices = [{kind: c.of(kind) for kind in (F, B, I, W)} for c in stage_costs]
     finished: dict[tuple[int, object, int], float] = {}
-    position = dict.fromkeys(order, 0)
-    clock = dict.fromkeys(order, 0.0)
-    busy = dict.fromkeys(order, 0.0)
-    live = dict.fromkeys(order, 0)
-    peak = dict.fromkeys(order, 0)
-    timeline: dict[int, list[tuple[float, float, str]]] = {r: [] for r in order}
-    remaining = sum(len(a) for a in order.values())
+    position = dict.fromkeys(steps, 0)
+    clock = dict.fromkeys(steps, 0.0)
+    busy = dict.fromkeys(steps, 0.0)
+    live = dict.fromkeys(steps, 0)
+    peak = dict.fromkeys(steps, 0)
+    timeline: dict[int, list[tuple[float, float, str]]] = {r: [] for r in steps}
+    made_by: dict[tuple[int, object, int], tuple[int, int]] = {}  # (rank, position) that ran it
+    after: dict[tuple[int, int], tuple[int, int] | None] = {}  # the entry an entry waited for
+    remaining = sum(len(a) for a in steps.values())
     while remaining:
         progressed = False
-        for rank, actions in order.items():
-            while position[rank] < len(actions):
-                entry = actions[position[rank]]
-                leaves = leaf_actions(entry)
-                needs = [p for a in leaves for p in _producers(a, num_stages)]
-                if any(n not in finished for n in needs):
+        for rank, ranks_steps in steps.items():
+            while position[rank] < len(ranks_steps):
+                step = ranks_steps[position[rank]]
+                if any(n not in finished for n in step.needs):
                     break
-                start = max([clock[rank], *(finished[n] for n in needs)])
-                if len(leaves) > 1:  # the forward half's stage, then the backward half's
-                    fwd, bwd = sorted(leaves, key=lambda a: a.computation_type != F)
-                    cost = stage_costs[fwd.stage_index].pair(stage_costs[bwd.stage_index])
+                here = (rank, position[rank])
+                start = clock[rank]
+                after[here] = (rank, here[1] - 1) if here[1] else None
+                for n in step.needs:  # the rank's own previous entry wins a tie
+                    if finished[n] > start:
+                        start, after[here] = finished[n], made_by[n]
+                stage, kind, backward = step.price
+                if backward is None:
+                    cost = prices[stage][kind]
                 else:
-                    cost = stage_costs[entry.stage_index].of(entry.computation_type)
+                    cost = stage_costs[stage].pair(stage_costs[backward])
                 end = start + cost
-                for a in leaves:
-                    s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
-                    finished[(s, kind, k)] = end
-                    if kind in (B, I):
-                        finished[(s, "grad", k)] = end
-                        live[rank] -= 1
-                    elif kind == F:
-                        live[rank] += 1
-                        peak[rank] = max(peak[rank], live[rank])
+                for key in step.done:
+                    finished[key] = end
+                    made_by[key] = here
+                if step.rise is not None:
+                    peak[rank] = max(peak[rank], live[rank] + step.rise)
+                live[rank] += step.live
                 clock[rank], busy[rank] = end, busy[rank] + cost
-                timeline[rank].append((start, end, str(entry)))
+                timeline[rank].append((start, end, step.label))
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(a[position[r]]) for r, a in order.items() if position[r] < len(a)}
+            stuck = {
+                r: ranks_steps[position[r]].label
+                for r, ranks_steps in steps.items()
+                if position[r] < len(ranks_steps)
+            }
             raise ValueError(f"schedule deadlocks: each rank waits at {stuck}")
     makespan = max(clock.values())
     total_busy = sum(busy.values())
+    last = max(steps, key=clock.__getitem__)
+    chain: list[Action] = []
+    link = (last, len(steps[last]) - 1) if steps[last] else None
+    while link is not None:
+        chain.append(steps[link[0]][link[1]].entry)
+        link = after[link]
     return Simulation(
         makespan=makespan,
         busy=busy,
-        bubble_fraction=1.0 - total_busy / (len(order) * makespan),
+        bubble_fraction=1.0 - total_busy / (len(steps) * makespan),
         idle={r: makespan - b for r, b in busy.items()},
         peak_activations={r: n / chunks_per_rank for r, n in peak.items()},
         timeline=timeline,
+        critical_path=chain[::-1],
     )
