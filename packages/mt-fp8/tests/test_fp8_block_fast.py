@@ -192,6 +192,28 @@ def test_square_blocks_match_quantize(device, dtype, fmt, transpose):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.value)
+def test_square_blocks_of_stacked_matrices_transpose_each_matrix(device, fmt):
+    # Three stacked 256x384 matrices (an MoE layer's expert weights): the rows are the
+    # unstacked quantization's, the transposed operand holds each matrix's own exact transpose
+    # side by side, and bad counts are refused.
+    x = torch.cat([awkward_input(256, 384, torch.float32, device).roll(i, 1) for i in range(3)])
+    q = block_kernels().quantize_square_blocks(x, fmt, transpose=True, matrices=3)
+    assert_same_quantization(q, quantize(x, fmt, BLOCKS_128X128))
+    parts = [
+        quantize(x[i * 256 : (i + 1) * 256], fmt, BLOCKS_128X128).transpose() for i in range(3)
+    ]
+    expected = QuantizedTensor(
+        torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), BLOCKS_128X128, fmt
+    )
+    assert q.transposed is not None
+    assert_same_quantization(q.transposed, expected)
+    for matrices in (0, 4, 5):  # none; 192 rows each; 768 rows not divisible by 5
+        with pytest.raises(ValueError, match="leaves each a multiple of 128 rows"):
+            block_kernels().quantize_square_blocks(x, fmt, transpose=True, matrices=matrices)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_block_quantizer_refuses_what_it_cannot_take(device):
     with pytest.raises(ValueError, match="needs blocks of 1x128 to divide"):
         block_kernels().quantize_groups_with_transpose(

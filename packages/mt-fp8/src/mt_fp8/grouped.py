@@ -653,14 +653,27 @@ def _quantize_weights(
     if isinstance(plan.recipe, MXFP8Scaling):
         return _quantize_mx_weights(plan, weight_ENK, need_transpose, fmt, layout)
     if isinstance(plan.recipe, BlockScaling):
-        # (E·N, K) in square blocks: with N % block == 0 no block straddles two experts.
-        q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)
+        # (E·N, K) in square blocks: with N % block == 0 no block straddles two experts. The
+        # Triton quantizer stores each expert's exact transpose in the same pass; elsewhere
+        # the transpose is a copy of the FP8 stack and its scales.
+        q = plan.quantize(
+            weight_ENK.reshape(-1, in_features),
+            role,
+            record=True,
+            transposed=need_transpose,
+            matrices=experts,
+        )
         block = layout.block[0]
         scale = q.scale.view(experts, out_features // block, in_features // block)
         weight = _Stacked(q.data.view(weight_ENK.shape), scale, layout, fmt)
         if not need_transpose:
             return weight, None
-        data_t, scale_t = (t.transpose(1, 2).contiguous() for t in (weight.data, scale))
+        if q.transposed is not None:
+            each_t = q.transposed
+            data_t = each_t.data.view(experts, in_features, out_features)
+            scale_t = each_t.scale.view(experts, in_features // block, out_features // block)
+        else:
+            data_t, scale_t = (t.transpose(1, 2).contiguous() for t in (weight.data, scale))
         return weight, _Stacked(data_t, scale_t, layout, fmt)
     if isinstance(plan.recipe, RowwiseScaling):
         q = plan.quantize(weight_ENK.reshape(-1, in_features), role, record=True)

@@ -170,12 +170,20 @@ class LinearPlan:
         return None
 
     def quantize(
-        self, x_RC: torch.Tensor, role: TensorRole, record: bool, transposed: bool = False
+        self,
+        x_RC: torch.Tensor,
+        role: TensorRole,
+        record: bool,
+        transposed: bool = False,
+        matrices: int = 1,
     ) -> QuantizedTensor:
         """Quantize along the last axis; ``record`` notes the amax and health counts.
 
         ``transposed`` says :meth:`quantize_transposed` will be asked for ``xᵀ`` too, so a fused
-        1×128 kernel writes it in the same pass (module docstring).
+        1×128 kernel writes it in the same pass (module docstring). For 128×128 blocks, where
+        that kernel stores the exact transpose in ``.transposed``, ``matrices`` > 1 reads ``x``
+        as that many stacked matrices and stores each one's transpose
+        (:func:`mt_fp8.kernels.block_quantize.quantize_square_blocks`); other layouts ignore it.
         """
         delayed = isinstance(self.recipe, DelayedScaling)
         scale = self.delayed_scale(role)
@@ -190,7 +198,7 @@ class LinearPlan:
             )
 
             if layout == BLOCKS_128X128:
-                return quantize_square_blocks(x_RC, fmt, stats, transposed)
+                return quantize_square_blocks(x_RC, fmt, stats, transposed, matrices)
             q_RC, q_CR = quantize_groups_with_transpose(x_RC, fmt, stats, transposed, layout)
             q_RC.transposed = q_CR
             return q_RC

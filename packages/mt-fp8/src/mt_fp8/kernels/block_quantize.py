@@ -29,7 +29,12 @@ wgrad operands, whose tokens are padded per expert first: :mod:`mt_fp8.grouped_b
 weight blocks); a square-block tensor's transpose is exact
 (:meth:`mt_fp8.quantized.QuantizedTensor.transpose`), so with ``transpose`` the pass also
 stores the tile's bytes transposed into ``q_CR`` and its scale at ``s_HG[c, r]`` (the bytes and
-scales ``transpose()`` would copy, without a second pass over the FP8 weight).
+scales ``transpose()`` would copy, without a second pass over the FP8 weight). A stack of
+``m`` matrices of ``R/m`` rows each (an MoE layer's ``(E·N, K)`` expert weights) gets each
+matrix's own transpose instead, side by side: ``q_CR`` is ``(m·C, R/m)`` with
+``q_CR[i·C + c, r] = q[i·R/m + r, c]`` and its scales ``(m·C/128, R/(128·m))`` likewise; with
+128 dividing ``R/m`` no tile straddles two matrices (a strided FP8 copy of the stack, the
+alternative, moves one byte per element at a fraction of copy bandwidth).
 
 Bit-exactness with :func:`mt_fp8.quantized.scale_from_amax` and :func:`~mt_fp8.quantized.quantize`,
 by the means of :mod:`mt_fp8.kernels.quantize` (whose ``_reciprocal``, ``_mul_rn`` and
@@ -262,6 +267,7 @@ def _square_block_quantize(
     stats_ptr,
     R,
     C,
+    rows_per_matrix,
     fmt_max,
     min_scale,
     saturation,
@@ -275,7 +281,7 @@ def _square_block_quantize(
     TILE: tl.constexpr,
 ):
     """One TILE×TILE block of ``q`` with one scale and, with TRANSPOSE, its exact transpose
-    (module docstring)."""
+    within its matrix of ``rows_per_matrix`` rows (module docstring)."""
     pid_r, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_r * TILE + tl.arange(0, TILE)
     cols = pid_c * TILE + tl.arange(0, TILE)
@@ -291,8 +297,15 @@ def _square_block_quantize(
     first = tl.arange(0, TILE) == 0
     scale_offs = pid_r * (C // TILE) + pid_c + tl.arange(0, TILE) * 0
     tl.store(scale_ptr + scale_offs, scale_rows, mask=first)
-    if TRANSPOSE != 0:  # the exact transpose's scale: s_HG[pid_c, pid_r]
-        scale_t_offs = pid_c * (R // TILE) + pid_r + tl.arange(0, TILE) * 0
+    # The tile's matrix and its first row there (a tile never straddles two matrices).
+    matrix = (pid_r * TILE) // rows_per_matrix
+    tiles_per_matrix = rows_per_matrix // TILE
+    if TRANSPOSE != 0:  # the exact transpose's scale: s_HG[matrix·C/T + pid_c, pid_r mod]
+        scale_t_offs = (
+            (matrix * (C // TILE) + pid_c) * tiles_per_matrix
+            + (pid_r - matrix * tiles_per_matrix)
+            + tl.arange(0, TILE) * 0
+        )
         tl.store(scale_t_ptr + scale_t_offs, scale_rows, mask=first)
     inverse_full = tl.broadcast_to(_reciprocal(scale_rows, EXACT_DIV)[:, None], (TILE, TILE))
     scaled = _mul_rn(x, inverse_full, EXACT_DIV)
@@ -301,8 +314,11 @@ def _square_block_quantize(
     clamped = tl.clamp(scaled, -fmt_max, fmt_max, propagate_nan=tl.PropagateNan.ALL)
     _store_fp8(q_ptr + offs, clamped, in_rows[:, None], MANTISSA, BIAS, SOFTWARE_CAST)
     if TRANSPOSE != 0:
-        # qᵀ[c, r] = q[r, c]: int32 codes transposed (module docstring NOTE), then narrowed.
-        offs_t = cols.to(tl.int64)[:, None] * R + rows[None, :]
+        # qᵀ[matrix·C + c, r'] = q[r, c] with r' = r − matrix·rows_per_matrix: int32 codes
+        # transposed (module docstring NOTE), then narrowed.
+        offs_t = (matrix.to(tl.int64) * C + cols.to(tl.int64))[:, None] * rows_per_matrix + (
+            rows - matrix * rows_per_matrix
+        )[None, :]
         codes_t = tl.trans(_fp8_codes(clamped, MANTISSA, BIAS))
         tl.store(
             qt_ptr + offs_t,
@@ -488,22 +504,36 @@ def _transposed(
 
 
 def quantize_square_blocks(
-    x_RC: torch.Tensor, fmt: FP8Format, stats: torch.Tensor | None = None, transpose: bool = False
+    x_RC: torch.Tensor,
+    fmt: FP8Format,
+    stats: torch.Tensor | None = None,
+    transpose: bool = False,
+    matrices: int = 1,
 ) -> QuantizedTensor:
     """``x`` in 128×128 blocks; bit-identical to ``quantize(x, fmt, ScaleLayout((128, 128)))``.
 
     With ``transpose`` the result's ``transposed`` holds ``q.transpose()`` (``xᵀ`` in 128×128
-    blocks, the same bytes and scales), written by the same pass.
+    blocks, the same bytes and scales), written by the same pass; for ``x`` a stack of
+    ``matrices`` matrices of ``R/matrices`` rows, each matrix's transpose side by side,
+    ``(matrices·C, R/matrices)`` (module docstring).
     """
     x_RC = _check(x_RC, BLOCKS_128X128)
     rows, cols = x_RC.shape
+    if matrices < 1 or rows % matrices or (rows // matrices) % TILE:
+        raise ValueError(
+            f"quantize_square_blocks splits the {rows} rows into {matrices} matrices: it takes "
+            f"a count of at least 1 that leaves each a multiple of {TILE} rows"
+        )
     device = x_RC.device
     q_RC = torch.empty(rows, cols, device=device, dtype=fmt.dtype)
     scale_GH = torch.empty(rows // TILE, cols // TILE, device=device, dtype=torch.float32)
     q_CR = scale_HG = None
     if transpose:
-        q_CR = torch.empty(cols, rows, device=device, dtype=fmt.dtype)
-        scale_HG = torch.empty(cols // TILE, rows // TILE, device=device, dtype=torch.float32)
+        per_matrix = rows // matrices
+        q_CR = torch.empty(matrices * cols, per_matrix, device=device, dtype=fmt.dtype)
+        scale_HG = torch.empty(
+            matrices * cols // TILE, per_matrix // TILE, device=device, dtype=torch.float32
+        )
     if rows:  # an empty launch grid is an error
         _square_block_quantize[(triton.cdiv(rows, TILE), cols // TILE)](
             x_RC,
@@ -514,6 +544,7 @@ def quantize_square_blocks(
             stats if stats is not None else scale_GH,
             rows,
             cols,
+            rows // matrices,
             min_scale=MIN_SCALE,
             TRANSPOSE=_FUSED_TRANSPOSE if transpose else _NO_TRANSPOSE,
             STATS=stats is not None,
