@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining._backward import stage_backward_input
+from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
 from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
@@ -72,9 +72,9 @@ def _record_weight_passes(runner: mp.PipelineSchedule) -> dict[str, int]:
     record = {"deferred": 0, "sink_layers": 0, "graded_before_w": 0}
     for sink in runner.sinks:
 
-        def counted(compute, _defer=sink.defer):
+        def counted(compute, holds=(), _defer=sink.defer):
             record["deferred"] += 1
-            _defer(compute)
+            _defer(compute, holds)
 
         sink.defer = counted
     for stage in runner.runtime._stages:
@@ -422,6 +422,101 @@ def activation_bytes(schedule: str, microbatches: int, chunks: int = 1) -> dict[
     return {
         "pp_rank": state.rank("pp"),
         "measured_peak": meter.peak,
+        "left": meter.bytes,
+        "chunk_bytes": per_chunk,
+        "actions": [str(a) for a in runner.actions[state.rank("pp")]],
+    }
+
+
+def _chunk_bytes_through_sink(
+    chunk: torch.nn.Module, stage: int, num_stages: int, loss_fn: Callable
+) -> tuple[int, int, int]:
+    """:func:`_chunk_bytes` where the chunk's layers queue their weight gradients in their
+    sink (the runtime's): the bytes the forward saves, what the sink's closures hold after the
+    chunk's whole backward (torch's ``stage_backward``, as ``I`` runs it then), and the most
+    that backward rose above its start. The closures are then run and freed, as ``W`` does."""
+    (sink,) = {id(m.wgrad_sink): m.wgrad_sink for m in chunk.modules()
+               if getattr(m, "wgrad_sink", None) is not None}.values()  # fmt: skip
+    tokens, targets = _batch(99, BATCH, SEQ)
+    if stage == 0:
+        inp = tokens.contiguous()
+    else:
+        inp = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64, requires_grad=True)
+    meter = ActivationMeter([*chunk.parameters(), *chunk.buffers()], [sink])
+    with meter:
+        out = chunk(inp)
+        if stage == num_stages - 1:
+            out = loss_fn(out, targets.contiguous())
+        saved = meter.bytes
+        meter.reset_peak()
+        grads = None if stage == num_stages - 1 else torch.randn_like(out)
+        stage_backward(out, grads, [inp] if stage > 0 else [])
+        del out, grads, inp
+        kept, rise = meter.bytes, meter.peak - saved
+        sink.take()()
+        assert meter.bytes == 0, meter.bytes
+    for param in chunk.parameters():
+        param.grad = None
+    return saved, kept, rise
+
+
+def activation_bytes_deferred(
+    schedule: str, microbatches: int, sinks: bool, overlap: bool
+) -> dict[str, object]:
+    """:func:`activation_bytes` for the split-backward schedules where the meter counts what
+    it did not before: with ``sinks`` the runtime built as on a torch whose split backward is
+    wrong (every linear queues its weight gradient in a sink, watched by the meter), with
+    ``overlap`` DualPipeV's overlap function registered (its forward half on a thread of its
+    own; no all-to-all to interleave at here, so the forward runs whole, then the backward).
+    Each chunk's bytes are measured alone (``saved``, ``kept``, ``rise``); a second step runs
+    under the meter as it was before (no sink watched, no hooks on the overlap thread)."""
+    pp = dist.get_world_size()
+    v = chunks_per_rank(schedule, 1)
+    config = mp.ParallelConfig(
+        pp=pp, data_parallel="none", pp_schedule=schedule, pp_microbatches=microbatches
+    )
+    state = mt_comm.init_parallel_state(pp=pp)
+    model = _reference(pp * v, 0, torch.float64, False)
+    chunk_modules = mp.pipeline_chunks(model, config, state, PLAN)
+    shapes = StageShapes(((BATCH, SEQ), torch.long), ((BATCH, SEQ, DIM), torch.float64),
+                         ((BATCH, SEQ, VOCAB), torch.float64))  # fmt: skip
+    with (
+        mock.patch.object(pipeline_runtime, "TORCH_SPLITS_BACKWARD", not sinks),
+        mock.patch.object(pipeline_runtime, "overlaps_all_to_all", lambda chunks: overlap),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")  # the older-torch warning: the embedding stays at I
+        runner = mp.PipelineSchedule(
+            chunk_modules, schedule, pp, state.rank("pp"), microbatches, 1, shapes,
+            torch.device("cpu"), state.group("pp"), model.loss,
+        )  # fmt: skip
+    assert runner.overlaps == overlap and (len(runner.sinks) == len(chunk_modules)) == sinks
+
+    def loss_fn(x, y):
+        return model.loss(x, y) / microbatches
+
+    per_chunk = {}
+    for s, chunk in zip(runner.stage_ids, chunk_modules, strict=True):
+        if sinks:
+            per_chunk[s] = _chunk_bytes_through_sink(chunk, s, pp * v, loss_fn)
+        else:
+            per_chunk[s] = (*_chunk_bytes(chunk, s, pp * v, loss_fn, True), 0)
+    tokens, targets = _batch(1, microbatches * BATCH, SEQ)
+    rows = [slice(k * BATCH, (k + 1) * BATCH) for k in range(microbatches)]
+    exclude = [t for c in chunk_modules for t in (*c.parameters(), *c.buffers())]
+    meter = ActivationMeter(exclude, runner.sinks)
+    with meter:
+        runner.step([tokens[r] for r in rows], [targets[r] for r in rows])
+    before = ActivationMeter(exclude)
+    no_hooks_on_other_threads = mock.patch.object(
+        torch._C._autograd, "_top_saved_tensors_default_hooks", lambda ignore_tracing: None
+    )
+    with before, no_hooks_on_other_threads:
+        runner.step([tokens[r] for r in rows], [targets[r] for r in rows])
+    return {
+        "pp_rank": state.rank("pp"),
+        "measured_peak": meter.peak,
+        "peak_before": before.peak,
         "left": meter.bytes,
         "chunk_bytes": per_chunk,
         "actions": [str(a) for a in runner.actions[state.rank("pp")]],

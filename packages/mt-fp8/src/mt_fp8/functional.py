@@ -161,7 +161,9 @@ def _backward_gemms(
             return dw, db
 
         sink = plan.wgrad_sink if need_dw or need_db else None
-        dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
+        quantized = (dy_t_q.data, dy_t_q.scale, x_t_q.data, x_t_q.scale) if fp8_dw else ()
+        holds = (dy_MN, x_MK, *quantized)
+        dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients, holds)
     if plan.weight_cache is not None:
         plan.weight_cache.release_after_backward()
     return dx, dw, db

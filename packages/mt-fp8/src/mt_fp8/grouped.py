@@ -903,7 +903,14 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                 return dw, db
 
             sink = lp.wgrad_sink if need_dw or need_db else None
-            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
+            holds: list[torch.Tensor | None] = [dy_TN]
+            if need_dw and "wgrad" in plan.grouped:
+                holds += [dy_t_data, x_t_data, dy_t_scales, x_t_scales, wgrad_offs]
+            elif need_dw:
+                for q_dy, q_x in pairs:
+                    if q_dy is not None:
+                        holds += [q_dy.data, q_dy.scale, q_x.data, q_x.scale]
+            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients, holds)
             if need_dx:
                 weight_t = _Stacked(saved.pop(0), saved.pop(0), *ctx.weight_t_format)
                 dx = _rows_by_experts(

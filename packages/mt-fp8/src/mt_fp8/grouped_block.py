@@ -234,7 +234,9 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
                 return dw, db
 
             sink = plan.wgrad_sink if need_dw or need_db else None
-            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients)
+            operands = (dy_t.data, dy_t.scale, x_t_data, x_t_scale, segments.starts)
+            holds = (dy_TN, *(operands if need_dw else ()))
+            dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients, holds)
             if need_dx:
                 weight_t_data, weight_t_scale = saved.pop(0), saved.pop(0)
                 dx = grouped_block_mm(

@@ -14,6 +14,15 @@ when None, added otherwise).
 Invariant: the deferred closure runs the same quantized operands through the same GEMM as the
 fused backward (the quantization of ``dy`` and its transpose happen once, in the ``I`` part),
 so a deferred weight gradient equals the fused one bit for bit.
+
+What a queued closure holds. Autograd releases a node's saved tensors once its backward has
+run, but a closure queued there keeps what it reads (the layer's input, ``dy``, their
+quantized forms) alive until it has run and been dropped. Each caller passes those tensors as
+``defer(compute, holds=...)``: every tensor ``compute`` reads other than the parameters
+(Nones are skipped). A sink stores no more than the closure itself; ``holds`` is what it
+reports to its :attr:`WeightGradSink.observers` (an activation meter,
+:class:`mt_parallel.pipeline.memory.ActivationMeter`, counts those bytes until the closure is
+freed).
 """
 
 from __future__ import annotations
@@ -22,19 +31,28 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+Holds = Sequence[torch.Tensor | None]
+"""The tensors a queued computation reads, besides the parameters (module docstring)."""
+
 
 class WeightGradSink:
     """A queue of deferred weight-gradient computations (module docstring)."""
 
     def __init__(self) -> None:
         self._pending: list[Callable[[], None]] = []
+        self.observers: list[Callable[[Callable[[], None], list[torch.Tensor]], None]] = []
+        """Called with each queued computation and the tensors it holds (module docstring)."""
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    def defer(self, compute: Callable[[], None]) -> None:
-        """Queue ``compute`` (it adds its gradients into the parameters when called)."""
+    def defer(self, compute: Callable[[], None], holds: Holds = ()) -> None:
+        """Queue ``compute`` (it adds its gradients into the parameters when called), which
+        reads ``holds`` (module docstring)."""
         self._pending.append(compute)
+        held = [t for t in holds if t is not None]
+        for observe in self.observers:
+            observe(compute, held)
 
     def take(self) -> Callable[[], None]:
         """One function running every computation queued since the last ``take``."""
@@ -61,10 +79,11 @@ def weight_gradients_or_deferred(
     sink: WeightGradSink | None,
     params: Sequence[torch.Tensor | None],
     compute: Callable[[], Sequence[torch.Tensor | None]],
+    holds: Holds = (),
 ) -> tuple[torch.Tensor | None, ...]:
     """``compute()``, the gradients of ``params`` (weight, bias), for a backward to return; with
-    a ``sink``, ``compute`` is queued there instead, accumulating them into the parameters when
-    run, and the backward returns Nones (module docstring)."""
+    a ``sink``, ``compute`` (reading ``holds``) is queued there instead, accumulating them into
+    the parameters when run, and the backward returns Nones (module docstring)."""
     if sink is None:
         return tuple(compute())
 
@@ -73,5 +92,5 @@ def weight_gradients_or_deferred(
             if param is not None:
                 accumulate_grad(param, grad)
 
-    sink.defer(deferred)
+    sink.defer(deferred, holds)
     return (None,) * len(params)

@@ -233,7 +233,7 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
                 if need_db:
                     accumulate_grad(bias, dy_MN.sum(0).to(bias.dtype))
 
-            ctx.sink.defer(weight_gradients)
+            ctx.sink.defer(weight_gradients, holds=(dy_MN, x_MK))
         return dx, None, None, None, None
 
 

@@ -225,7 +225,11 @@ class _DeferredWeightGradExperts(torch.autograd.Function):
                 return torch._grouped_mm(dy_MN.transpose(0, 1), x_MK, offs=groups)
 
         if ctx.needs_input_grad[1]:
-            ctx.sink.defer(lambda: accumulate_grad(param, weight_gradient().to(param.dtype)))
+            ctx.sink.defer(
+                lambda: accumulate_grad(param, weight_gradient().to(param.dtype)),
+                # the loop reads weight_LNK (idle experts' zeros), the grouped GEMM the offsets
+                holds=(dy_MN, x_MK, weight_LNK if isinstance(groups, list) else groups),
+            )
         return dx, None, None, None, None
 
 

@@ -117,7 +117,7 @@ class _DeferredRouterGEMM(torch.autograd.Function):
                     mt_comm.all_reduce(dw_ED, group=group)
                 accumulate_grad(param, dw_ED)
 
-            ctx.sink.defer(weight_gradient)
+            ctx.sink.defer(weight_gradient, holds=(dlogits_TE, x_TD))
         return dx, None, None, None
 
 

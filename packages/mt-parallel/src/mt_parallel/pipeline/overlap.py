@@ -12,7 +12,10 @@ sequential programs that take turns (DeepSeek's DualPipe interleaving):
   autograd engine runs it there on the CPU, on its device thread on an accelerator), and
   exactly one of the two runs at any moment: no tensor, module or autograd state is touched
   by both at once, and each keeps its own thread-local state (grad mode, autocast, saved-tensor
-  hooks, the graph task a recomputation checks);
+  hooks, the graph task a recomputation checks); the forward's starts as the caller's was
+  when the pair began (:func:`_callers_context`), the saved-tensor hooks included, so a hook
+  the caller entered (an activation meter, offloading) sees the forward's saved tensors as
+  it would in torch's back-to-back ``F``;
 * a half gives the turn away only right after it starts one of its MoE row all-to-alls
   (:func:`mt_parallel.moe.dispatch.all_to_all_in_flight`: dispatch and combine in the forward,
   their transposes in the backward) and takes it back to wait for it. The forward starts
@@ -90,8 +93,10 @@ def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor
 
 def _callers_context(device: torch.device) -> Callable[[], contextlib.ExitStack]:
     """A context that gives another thread the caller's thread-local settings a forward reads:
-    grad mode, ``device``'s autocast, the current accelerator stream, ``mt_fp8.fp8_autocast``."""
+    grad mode, ``device``'s autocast, the current accelerator stream, ``mt_fp8.fp8_autocast``,
+    the innermost saved-tensor hooks (the pair autograd applies)."""
     grad = torch.is_grad_enabled()
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     stream = torch.accelerator.current_stream(device) if device.type != "cpu" else None
     fp8 = mt_fp8.current_fp8_state()
@@ -104,6 +109,8 @@ def _callers_context(device: torch.device) -> Callable[[], contextlib.ExitStack]
             torch.accelerator.set_stream(stream)  # this thread's own; it ends with the forward
         if fp8 is not None:
             stack.enter_context(mt_fp8.fp8_autocast(fp8.enabled, fp8.recipe, fp8.amax_group))
+        if hooks is not None:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
         return stack
 
     return enter
