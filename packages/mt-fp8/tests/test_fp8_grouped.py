@@ -39,6 +39,7 @@ from mt_fp8.grouped import (
     scaled_grouped_mm,
 )
 from mt_fp8.recipes import DelayedScaling, recipe_from_name
+from mt_fp8.testing import watch_unheld
 
 E, K, N = 4, 64, 96
 ALIGNED = [48, 0, 32, 80]  # every size % 16: the wgrad GEMM is grouped too
@@ -327,6 +328,7 @@ def test_grouped_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(case):
     def step(sink):
         layer = make_layer(recipe, dtype)
         layer.wgrad_sink = sink
+        unheld = [] if sink is None else watch_unheld(sink, layer.parameters())
         dxs = []
         for seed in (1, 2):
             x, dy = inputs(sizes, dtype, seed=seed)
@@ -336,6 +338,7 @@ def test_grouped_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(case):
             dxs.append(x.grad)
         if sink is not None:
             assert layer.weight.grad is None and layer.bias.grad is None and len(sink) == 2
+            assert unheld == [0, 0]  # every tensor a closure reaches is named in its holds
             sink.take()()
             assert len(sink) == 0
         return [*dxs, layer.weight.grad, layer.bias.grad]

@@ -62,6 +62,7 @@ from mt_fp8.grouped import (
     grouped_gemm_reason,
 )
 from mt_fp8.grouped_block import _TokenSegments, fp8_block_grouped_linear
+from mt_fp8.testing import watch_unheld
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
@@ -560,6 +561,7 @@ def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
     def step(sink):
         layer = make_layer(len(sizes), k, n, formats, dtype, device, recipe=recipe)
         layer.wgrad_sink = sink
+        unheld = [] if sink is None else watch_unheld(sink, layer.parameters())
         dxs = []
         for scale in (1.0, -0.5):  # two micro-batches
             x, dy = make_inputs(sizes, k, n, dtype, device)
@@ -569,6 +571,7 @@ def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
             dxs.append(x.grad)
         if sink is not None:
             assert layer.weight.grad is None and layer.bias.grad is None and len(sink) == 2
+            assert unheld == [0, 0]  # every tensor a closure reaches is named in its holds
             sink.take()()
         return [*dxs, layer.weight.grad, layer.bias.grad]
 

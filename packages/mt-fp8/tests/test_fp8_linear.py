@@ -41,6 +41,7 @@ from mt_fp8 import (
     update_fp8_scales,
 )
 from mt_fp8.ops import swiglu
+from mt_fp8.testing import watch_unheld
 
 RECIPES = [DelayedScaling(), TensorwiseScaling(), RowwiseScaling(), BlockScaling(), MXFP8Scaling()]
 M, K, N = 200, 256, 384  # M is not a multiple of 128: exercises the wgrad padding
@@ -553,7 +554,8 @@ def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, d
     """With a ``wgrad_sink`` the backward returns ``dx`` only and queues ``dw``/``db``; running
     the queue gives the bits of the fused backward's ``dw``/``db`` (same operands, same GEMM),
     over three micro-batches accumulated into ``.grad`` (plain and SwiGLU-fused forwards),
-    and the delayed-scaling state ends the same."""
+    and the delayed-scaling state ends the same. Every tensor a queued closure reaches is
+    among the ones its ``holds`` names."""
     torch.manual_seed(0)
     m, k, n = 48, 128, 256  # smaller than the module's shapes: CPU tensorwise GEMMs are slow
     gemms = FP8_GEMMS if wgrad_fp8 else ("forward", "dgrad")
@@ -562,6 +564,7 @@ def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, d
     twin.load_state_dict(layer.state_dict())
     sink = WeightGradSink()
     layer.wgrad_sink = sink
+    unheld = watch_unheld(sink, layer.parameters())
     for micro_batch in range(3):
         x = (torch.randn(m, k) * (1 + micro_batch)).to(device)
         u = torch.randn(m, k).to(device)
@@ -584,3 +587,4 @@ def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, d
     assert torch.equal(layer.fp8_meta.health, twin.fp8_meta.health)
     if isinstance(recipe, DelayedScaling):
         assert torch.equal(layer.fp8_meta.amax_history, twin.fp8_meta.amax_history)
+    assert unheld == [0, 0, 0]

@@ -269,8 +269,10 @@ def test_deferred_expert_weight_gradients_equal_the_plain_ones(
     """With a ``wgrad_sink`` (zero-bubble pipelines) the experts' backward leaves the weights
     without gradient and queues them; run, they equal the plain backward's bit for bit, over
     two micro-batches, an idle expert included: the grouped GEMM (fp32, bf16 autocast on fp32
-    weights, the CUDA padded layout forced on the CPU) and the per-expert loop (fp64)."""
+    weights, the CUDA padded layout forced on the CPU) and the per-expert loop (fp64). Every
+    tensor a queued closure reaches is among the ones its ``holds`` names."""
     from mt_fp8 import WeightGradSink
+    from mt_fp8.testing import watch_unheld
     from mt_parallel.moe import experts as experts_module
     from mt_parallel.moe.experts import GroupedExperts
 
@@ -286,6 +288,7 @@ def test_deferred_expert_weight_gradients_equal_the_plain_ones(
         module.zero_grad(set_to_none=True)
         for proj in (module.gate_proj, module.up_proj, module.down_proj):
             proj.wgrad_sink = sink
+        unheld = [] if sink is None else watch_unheld(sink, module.parameters())
         dxs = []
         for x, dy in zip(xs, dys, strict=True):
             x = x.clone().requires_grad_()
@@ -297,7 +300,7 @@ def test_deferred_expert_weight_gradients_equal_the_plain_ones(
             dxs.append(x.grad)
         if sink is not None:
             assert all(p.grad is None for p in module.parameters())  # nothing before W
-            assert len(sink) == 6  # three projections, two micro-batches
+            assert len(sink) == 6 and unheld == [0] * 6  # three projections, two micro-batches
             sink.take()()
         return [*dxs, *(p.grad for p in module.parameters())]
 
@@ -323,8 +326,10 @@ def test_deferred_router_weight_gradient_equals_the_plain_one(
     queues ``dW``: the weight has no gradient until the queue runs, and then the same as the
     plain backward's bit for bit, over two micro-batches (accumulated), in float64, with a
     low-precision input or weight (the casts to fp32 and back), and under recompute (the
-    forward runs twice, the closure is queued once)."""
+    forward runs twice, the closure is queued once). Every tensor a queued closure reaches is
+    among the ones its ``holds`` names."""
     from mt_fp8 import WeightGradSink
+    from mt_fp8.testing import watch_unheld
 
     weight_dtype, x_dtype, recomputed = case
     layer = make_layer(z_loss_coeff=1e-2)
@@ -338,6 +343,7 @@ def test_deferred_router_weight_gradient_equals_the_plain_one(
 
     def run(sink: WeightGradSink | None) -> list[torch.Tensor]:
         router.weight.grad, router.wgrad_sink = None, sink
+        unheld = [] if sink is None else watch_unheld(sink, router.parameters())
         dxs = []
         for x, g in zip(xs, gs, strict=True):
             x = x.clone().requires_grad_()
@@ -346,6 +352,7 @@ def test_deferred_router_weight_gradient_equals_the_plain_one(
             dxs.append(x.grad)
         if sink is not None:
             assert router.weight.grad is None and len(sink) == 2  # one closure a micro-batch
+            assert unheld == [0, 0]
             sink.take()()
             assert len(sink) == 0
         return [*dxs, router.weight.grad]

@@ -408,8 +408,10 @@ def test_deferred_weight_gradients_equal_the_plain_linear_bit_for_bit(
     ``dW``/``db``; once the sink's work runs, every gradient (input, weight, the column-parallel
     GEMM's bias) equals the plain ``F.linear`` path's bit for bit, accumulated over two
     micro-batches, under fp32, bf16 autocast on fp32 parameters, and bf16 parameters; a
-    non-contiguous output gradient and a sliced (non-contiguous) input included."""
+    non-contiguous output gradient and a sliced (non-contiguous) input included. Every tensor
+    a queued closure reaches is among the ones its ``holds`` names (what a meter counts)."""
     from mt_fp8 import WeightGradSink
+    from mt_fp8.testing import watch_unheld
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -419,6 +421,7 @@ def test_deferred_weight_gradients_equal_the_plain_linear_bit_for_bit(
         plain = mp.RowParallelLinear(64, 32, bias=True, dtype=dtype)
     layer = copy.deepcopy(plain)
     sink = layer.wgrad_sink = WeightGradSink()
+    unheld = watch_unheld(sink, layer.parameters())
     shape = (8, 64) if kind == "column_2d" else (2, 8, 96 if kind == "row_sliced" else 64)
     inputs = [[torch.randn(shape, dtype=dtype) for _ in range(2)] for _ in range(2)]
 
@@ -447,7 +450,7 @@ def test_deferred_weight_gradients_equal_the_plain_linear_bit_for_bit(
     for ours, theirs in zip(grads["deferred"], grads["plain"], strict=True):
         assert (ours is None) == (theirs is None)
         assert ours is None or (ours.dtype == theirs.dtype and torch.equal(ours, theirs))
-    assert len(sink) == 0
+    assert len(sink) == 0 and unheld == [0, 0]
 
 
 class _FP8MLP(torch.nn.Module):
