@@ -6,6 +6,7 @@
   gradient hop when links are fast;
 * the ring keeps its own message where all-gather keeps the whole sequence's expanded K/V
   (MLA), and pays step 0's fp32 score matrices as a transient;
+* recompute that reruns the core reruns the ring forward (sends, blocks, MLA expansions);
 * the search tries both and returns the ring where only the ring fits.
 """
 
@@ -128,3 +129,21 @@ def test_the_ring_refuses_dropout_and_unknown_modes() -> None:
     )
     with pytest.raises(ValueError, match="--cp-attention"):
         SearchSpace(cp_attention=["p2p"])
+
+
+def test_recomputing_the_core_runs_the_ring_forward_again() -> None:
+    # selective recompute reruns the core: its block attention, the MLA ring's kv_b expansions
+    # and its forward sends, all charged to the backward
+    cp, seq = 8, 16384
+    cost = _cost(MLA_16L, cp, seq, 1)
+    plain = cost._layer(True, Layout(cp=cp, cp_attention="ring"))
+    again = cost._layer(True, Layout(cp=cp, cp_attention="ring", recompute="selective"))
+    forward_sends = plain.ring.sends[0]
+    assert again.ring.sends == (*plain.ring.sends, forward_sends)
+    assert again.ring.exposed == (plain.ring.exposed[0], sum(plain.ring.exposed))
+    # the ring's projections exceed all-gather's by one more kv_b forward over b·s tokens
+    gather = cost._layer(True, Layout(cp=cp)).phase
+    expansion = plain.phase.classes["attention_proj"] - gather.classes["attention_proj"]
+    assert expansion > 0
+    expected = plain.ring.compute[0] + expansion
+    assert again.phase.classes["recompute"] == pytest.approx(expected, rel=1e-12)

@@ -163,7 +163,7 @@ queries × the early chunk, or the late queries × all keys); a block's GEMMs (f
 MLA expands every block it holds with ``kv_b`` (``b·s`` tokens over the ring, as all-gather)
 and again in the backward (one more forward of ``kv_b``, charged to ``I``); the expansion's
 share of each step counts as compute the sends hide behind. Recompute that reruns the core
-(``selective``, ``full``) runs the ring forward again, sends and all. Saved: the rank's own
+(``selective``, ``full``) runs the ring forward again, sends and expansions and all. Saved: the rank's own
 message (no expanded or gathered K/V) and the fp32 output beside the core's; a block backward
 holds :data:`RING_SCORE_MATRICES` fp32 score matrices of step 0 (``t×t`` per head) at once,
 counted as ``ring_attention_scores`` on top of the peak. Not charged: the fp32 copies of q
@@ -674,7 +674,7 @@ class CostModel:
             # block's last collective (its output) is not run again
             comm_b += comm_f[:-1]
         elif L.recompute in ("selective", "selective_mlp"):
-            extra = core_f
+            extra = core_f + expansion  # the MLA ring expands its blocks inside the core
             saved -= 4 * b * H * s_loc
             if L.recompute == "selective_mlp" and fp8 == "none":  # FP8: no SwiGLU module
                 swiglu = ph.classes.get("swiglu", 0.0) * SWIGLU_FWD / (SWIGLU_FWD + SWIGLU_BWD)
