@@ -1,13 +1,15 @@
 """The turn-taking under DualPipeV's overlap function (:mod:`mt_parallel.pipeline.overlap`), in
 one process: the halves alternate at each switch, a half that ends lets the other run alone,
 a forward's error reaches the caller after the backward has ended, and the forward draws the
-random numbers it draws alone while the backward's generator state is its own."""
+random numbers it draws alone while the backward's generator state is its own; the forward's
+thread saves under the caller's saved-tensor hooks (an activation meter counts it)."""
 
 from __future__ import annotations
 
 import torch
 
-from mt_parallel.pipeline.overlap import _Turns
+from mt_parallel.pipeline import ActivationMeter
+from mt_parallel.pipeline.overlap import _callers_context, _Turns
 
 CPU = torch.device("cpu")
 
@@ -87,3 +89,25 @@ def test_each_half_keeps_its_generator_state() -> None:
     turns.finish()
     assert torch.equal(torch.cat(drawn), alone)
     assert torch.equal(torch.get_rng_state(), after_alone)
+
+
+def test_the_forward_thread_saves_under_the_callers_hooks() -> None:
+    """A forward on the overlap thread under an :class:`ActivationMeter` the caller entered:
+    the meter counts the bytes it saves (the matmul's input, for the weight's gradient, and the
+    tanh's output: two 8×8 float64 tensors) and their release once the graph is freed, as for
+    a forward on the caller's thread; without the caller's hooks it would count nothing."""
+    weight = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    outputs: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with enter():
+            outputs.append(torch.tanh(torch.ones(8, 8, dtype=torch.float64) @ weight))
+
+    with ActivationMeter([weight]) as meter:
+        enter = _callers_context(CPU)
+        turns = _Turns(forward, CPU)
+        turns.start()
+        turns.finish()
+        assert meter.bytes == 2 * 8 * 8 * 8
+        outputs.clear()
+    assert meter.bytes == 0 and meter.peak == 2 * 8 * 8 * 8
