@@ -24,7 +24,7 @@ synchronisations). Reported:
 * ``saved_peak_bytes``: per rank (global rank order), the most bytes of autograd-saved
   activations it held during one more, untimed step run under
   :class:`mt_parallel.pipeline.ActivationMeter` (what it counts and what not: its docstring;
-  not the tensors an FP8 weight-gradient sink keeps for ``W``), next to
+  with the tensors the runner's weight-gradient sinks keep for ``W``), next to
   ``in_flight_simulated``, the simulator's peak micro-batch chunks from ``F`` to ``I`` per
   pipeline rank.
 
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                          dtype=torch.float64)  # fmt: skip
     dist.all_reduce(means, op=dist.ReduceOp.AVG)
     forward, input_grad, weight_grad, full = means.tolist()
-    meter = ActivationMeter([t for c in chunks for t in (*c.parameters(), *c.buffers())])
+    exclude = [t for c in chunks for t in (*c.parameters(), *c.buffers())]
+    meter = ActivationMeter(exclude, runner.sinks)
     with meter:
         step()  # after the timed steps' action times were read
     saved_peaks = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
