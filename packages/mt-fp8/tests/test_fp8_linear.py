@@ -588,3 +588,4 @@ def test_deferred_weight_gradient_equals_the_fused_backward(recipe, wgrad_fp8, d
     if isinstance(recipe, DelayedScaling):
         assert torch.equal(layer.fp8_meta.amax_history, twin.fp8_meta.amax_history)
     assert unheld == [0, 0, 0]
+    assert not layer.weight.grad.requires_grad  # no graph, as autograd's (grad mode was on)

@@ -302,6 +302,7 @@ def test_deferred_expert_weight_gradients_equal_the_plain_ones(
             assert all(p.grad is None for p in module.parameters())  # nothing before W
             assert len(sink) == 6 and unheld == [0] * 6  # three projections, two micro-batches
             sink.take()()
+            assert not any(p.grad.requires_grad for p in module.parameters())  # no graph
         return [*dxs, *(p.grad for p in module.parameters())]
 
     plain, deferred = run(None), run(WeightGradSink())
@@ -354,6 +355,7 @@ def test_deferred_router_weight_gradient_equals_the_plain_one(
             assert router.weight.grad is None and len(sink) == 2  # one closure a micro-batch
             assert unheld == [0, 0]
             sink.take()()
+            assert not router.weight.grad.requires_grad  # no graph, as autograd's
             assert len(sink) == 0
         return [*dxs, router.weight.grad]
 

@@ -9,7 +9,9 @@ layer's backward computes ``dx`` and hands the sink a closure for ``dw = dyᵀ·
 ``db = Σ dy``) instead of returning them (:func:`weight_gradients_or_deferred`);
 :meth:`WeightGradSink.take` returns the closures queued since the last call as one function,
 which later adds ``dw``/``db`` into ``weight.grad``/``bias.grad`` as autograd would (assigned
-when None, added otherwise).
+when None, added otherwise), with grad mode off as in autograd's backward: the operands a
+closure reads (saved inputs, unpacked) may require grad, and a gradient built with grad mode
+on would carry a graph holding them.
 
 Invariant: the deferred closure runs the same quantized operands through the same GEMM as the
 fused backward (the quantization of ``dy`` and its transpose happen once, in the ``I`` part),
@@ -59,8 +61,9 @@ class WeightGradSink:
         pending, self._pending = self._pending, []
 
         def run() -> None:
-            for compute in pending:
-                compute()
+            with torch.no_grad():
+                for compute in pending:
+                    compute()
 
         return run
 
