@@ -429,12 +429,13 @@ def activation_bytes(schedule: str, microbatches: int, chunks: int = 1) -> dict[
 
 
 def _chunk_bytes_through_sink(
-    chunk: torch.nn.Module, stage: int, num_stages: int, loss_fn: Callable
+    chunk: torch.nn.Module, stage: int, num_stages: int, loss_fn: Callable, **kwargs: object
 ) -> tuple[int, int, int]:
     """:func:`_chunk_bytes` where the chunk's layers queue their weight gradients in their
     sink (the runtime's): the bytes the forward saves, what the sink's closures hold after the
     chunk's whole backward (torch's ``stage_backward``, as ``I`` runs it then), and the most
-    that backward rose above its start. The closures are then run and freed, as ``W`` does."""
+    that backward rose above its start. The closures are then run and freed, as ``W`` does.
+    ``kwargs`` go to the chunk's forward."""
     (sink,) = {id(m.wgrad_sink): m.wgrad_sink for m in chunk.modules()
                if getattr(m, "wgrad_sink", None) is not None}.values()  # fmt: skip
     tokens, targets = _batch(99, BATCH, SEQ)
@@ -444,7 +445,7 @@ def _chunk_bytes_through_sink(
         inp = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64, requires_grad=True)
     meter = ActivationMeter([*chunk.parameters(), *chunk.buffers()], [sink])
     with meter:
-        out = chunk(inp)
+        out = chunk(inp, **kwargs)
         if stage == num_stages - 1:
             out = loss_fn(out, targets.contiguous())
         saved = meter.bytes
@@ -461,22 +462,24 @@ def _chunk_bytes_through_sink(
 
 
 def activation_bytes_deferred(
-    schedule: str, microbatches: int, sinks: bool, overlap: bool
+    schedule: str, microbatches: int, sinks: bool, overlap: bool, moe: bool = False
 ) -> dict[str, object]:
     """:func:`activation_bytes` for the split-backward schedules where the meter counts what
     it did not before: with ``sinks`` the runtime built as on a torch whose split backward is
     wrong (every linear queues its weight gradient in a sink, watched by the meter), with
     ``overlap`` DualPipeV's overlap function registered (its forward half on a thread of its
     own; no all-to-all to interleave at here, so the forward runs whole, then the backward).
-    Each chunk's bytes are measured alone (``saved``, ``kept``, ``rise``); a second step runs
-    under the meter as it was before (no sink watched, no hooks on the overlap thread)."""
+    With ``moe`` (and ``sinks``) the blocks' MLPs are MoE layers, their routers and experts
+    deferring too, their auxiliary losses carried. Each chunk's bytes are measured alone
+    (``saved``, ``kept``, ``rise``); a second step runs under the meter as it was before (no
+    sink watched, no hooks on the overlap thread)."""
     pp = dist.get_world_size()
     v = chunks_per_rank(schedule, 1)
     config = mp.ParallelConfig(
         pp=pp, data_parallel="none", pp_schedule=schedule, pp_microbatches=microbatches
     )
     state = mt_comm.init_parallel_state(pp=pp)
-    model = _reference(pp * v, 0, torch.float64, False)
+    model = _reference(pp * v, 0, torch.float64, False, moe)
     chunk_modules = mp.pipeline_chunks(model, config, state, PLAN)
     shapes = StageShapes(((BATCH, SEQ), torch.long), ((BATCH, SEQ, DIM), torch.float64),
                          ((BATCH, SEQ, VOCAB), torch.float64))  # fmt: skip
@@ -498,7 +501,8 @@ def activation_bytes_deferred(
     per_chunk = {}
     for s, chunk in zip(runner.stage_ids, chunk_modules, strict=True):
         if sinks:
-            per_chunk[s] = _chunk_bytes_through_sink(chunk, s, pp * v, loss_fn)
+            aux = {"aux_loss_scale": mp.moe.AuxLossScale(0, 1 / microbatches)} if moe else {}
+            per_chunk[s] = _chunk_bytes_through_sink(chunk, s, pp * v, loss_fn, **aux)
         else:
             per_chunk[s] = (*_chunk_bytes(chunk, s, pp * v, loss_fn, True), 0)
     tokens, targets = _batch(1, microbatches * BATCH, SEQ)

@@ -268,17 +268,19 @@ def overlapped_forwards(actions: list) -> set[tuple[int, int]]:
             for a in (entry.sub_actions or ()) if a.computation_type == F}  # fmt: skip
 
 
-DEFERRED_CASES = [("zero_bubble", True, False), ("zbv", True, False), ("dualpipev", False, True),
-                  ("dualpipev", True, True)]  # fmt: skip
+DEFERRED_CASES = [("zero_bubble", True, False, False), ("zbv", True, False, False),
+                  ("dualpipev", False, True, False), ("dualpipev", True, True, False),
+                  ("dualpipev", True, True, True)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("schedule", "sinks", "overlap"),
+    ("schedule", "sinks", "overlap", "moe"),
     DEFERRED_CASES,
-    ids=[f"{s}{'-sinks' if k else ''}{'-overlap' if o else ''}" for s, k, o in DEFERRED_CASES],
-)
+    ids=[f"{s}{'-sinks' if k else ''}{'-overlap' if o else ''}{'-moe' if e else ''}"
+         for s, k, o, e in DEFERRED_CASES],
+)  # fmt: skip
 def test_saved_bytes_count_sinks_and_the_overlap_thread(
-    pool: DistributedPool, schedule: str, sinks: bool, overlap: bool
+    pool: DistributedPool, schedule: str, sinks: bool, overlap: bool, moe: bool
 ) -> None:
     """The check above where the meter now sees more: with every linear's weight gradient
     queued in a sink (torch < 2.13 emulated) the closures hold each linear's input and ``dy``
@@ -295,7 +297,7 @@ def test_saved_bytes_count_sinks_and_the_overlap_thread(
     order = schedule_actions(schedule, 2, microbatches, v)
     results = pool.run(
         checks.activation_bytes_deferred, schedule=schedule, microbatches=microbatches,
-        sinks=sinks, overlap=overlap,
+        sinks=sinks, overlap=overlap, moe=moe,
     )  # fmt: skip
     for result in results:
         rank, chunk_bytes = result["pp_rank"], result["chunk_bytes"]
