@@ -381,13 +381,17 @@ def assert_same(data, scale, expected_data, expected_scale):
     assert torch.equal(as_bytes(data)[~nan_data], as_bytes(expected_data)[~nan_data])
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
+# FP8 formats with the input dtype they run on: all E4M3 in fp32, and E4M3/E5M2 in bf16.
+FORMATS_AND_DTYPES = pytest.mark.parametrize(
     ("formats", "dtype"),
     [(E4M3, torch.float32), (HYBRID, torch.bfloat16)],
     ids=["e4m3-fp32", "hybrid-bf16"],
 )
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("device", DEVICES)
+@FORMATS_AND_DTYPES
 def test_grouped_operands_are_the_loops(device, formats, dtype, recipe):
     """The stacked W and Wᵀ and the padded wgrad segments of xᵀ and dyᵀ, expert by expert,
     against what the loop's quantizers (the Triton kernels here) give each expert."""
@@ -542,11 +546,7 @@ def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe, monkeypatch
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("formats", "dtype"),
-    [(E4M3, torch.float32), (HYBRID, torch.bfloat16)],
-    ids=["e4m3-fp32", "hybrid-bf16"],
-)
+@FORMATS_AND_DTYPES
 def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
     device, formats, dtype, recipe, monkeypatch
 ):
