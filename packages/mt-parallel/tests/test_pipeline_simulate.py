@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from mt_parallel.pipeline import ChunkCosts, schedule_actions, simulate
+from mt_parallel.pipeline import ChunkCosts, predicted_peak_bytes, schedule_actions, simulate
 
 
 def test_uneven_1f1b_stages_take_their_own_costs() -> None:
@@ -99,3 +99,42 @@ def test_a_prepared_schedule_times_as_its_action_lists() -> None:
     assert simulate(prepared, 4, costs, 2) == simulate(order, 4, costs, 2)
     with pytest.raises(ValueError, match="prepared for 4 stages, not 2"):
         simulate(prepared, 2)
+
+
+def test_chunks_held_until_w() -> None:
+    """ZB-H1 holds ``p`` chunks on every rank from ``F`` to ``W`` where the ``F``-to-``I`` count
+    is ``p − r`` (:mod:`mt_parallel.pipeline.memory`); schedules without a separate ``W`` hold
+    each chunk to its full backward, so both counts agree (GPipe ``m``, 1F1B ``p − r``,
+    interleaved 1F1B Megatron's ``p·(1 + (p−1)/(p·v)) − r`` with ``v = 2``)."""
+    for pp, m in [(2, 4), (4, 8), (8, 16)]:
+        zb = simulate(schedule_actions("zero_bubble", pp, m, 1), pp)
+        assert zb.peak_activations_until_w == dict.fromkeys(range(pp), pp)
+        assert zb.peak_activations == {r: pp - r for r in range(pp)}
+        closed = {
+            "gpipe": (1, {r: m for r in range(pp)}),
+            "1f1b": (1, {r: pp - r for r in range(pp)}),
+            "interleaved_1f1b": (2, {r: pp * (1 + (pp - 1) / (2 * pp)) - r for r in range(pp)}),
+        }
+        for name, (v, peaks) in closed.items():
+            sim = simulate(schedule_actions(name, pp, m, v), pp * v, chunks_per_rank=v)
+            assert sim.peak_activations_until_w == sim.peak_activations == peaks, name
+
+
+@pytest.mark.parametrize(
+    "name,pp,v,m",
+    [("zero_bubble", 4, 1, 8), ("zero_bubble", 2, 2, 4), ("zero_bubble", 4, 2, 8),
+     ("zbv", 4, 2, 8), ("dualpipev", 4, 2, 16)],
+)  # fmt: skip
+def test_held_until_w_is_the_predicted_bytes_when_i_keeps_everything(
+    name: str, pp: int, v: int, m: int
+) -> None:
+    # predicted_peak_bytes with k_s = a_s (torch's split backward without a sink) and a_s = 1/v
+    # (one stage's activations spread over its v chunks) is the F-to-W count; with k_s = 0 the
+    # F-to-I count. Sums of multiples of 1/2 or 1: exact.
+    order = schedule_actions(name, pp, m, v)
+    sim = simulate(order, pp * v, chunks_per_rank=v)
+    saved = dict.fromkeys(range(pp * v), 1.0 / v)
+    nothing = dict.fromkeys(range(pp * v), 0.0)
+    for rank, actions in order.items():
+        assert predicted_peak_bytes(actions, saved, saved) == sim.peak_activations_until_w[rank]
+        assert predicted_peak_bytes(actions, saved, nothing) == sim.peak_activations[rank]

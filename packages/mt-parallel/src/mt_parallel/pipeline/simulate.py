@@ -25,9 +25,14 @@ Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
 * ``peak_activations[r]``: the most micro-batch chunks on rank ``r`` whose forward has run and
   whose input-gradient backward (``B`` or ``I``) has not, in units of one whole stage's
   activations for one micro-batch (a chunk of ``v`` per rank counts ``1/v``). What ``W`` still
-  needs (the layer inputs of the weight GEMMs) is not counted; under torch's split backward
-  that is nearly everything, and :func:`mt_parallel.pipeline.predicted_peak_bytes` counts it
-  (:mod:`.memory`).
+  needs (the layer inputs of the weight GEMMs) is not counted.
+* ``peak_activations_until_w[r]``: the same count with each chunk held from its forward to its
+  weight gradient (``W``, or a full backward ``B``). Under torch's split backward a chunk
+  without a weight-gradient sink keeps nearly everything from ``I`` to ``W`` (:mod:`.memory`),
+  so this is what such a rank holds: ZB-H1 ``p`` chunks on every rank where the first count
+  is ``p − r``. Schedules without ``I``/``W`` (GPipe, 1F1B, interleaved 1F1B) give both counts
+  alike. :func:`mt_parallel.pipeline.predicted_peak_bytes` with ``k_s = a_s`` is ``a`` times
+  this count, with ``k_s = 0`` ``a`` times the first.
 
 If no rank can start its next action the schedule deadlocks and :class:`ValueError` says where.
 """
@@ -105,6 +110,9 @@ class Simulation:
     idle: dict[int, float]
     """``T − busy_r`` per rank."""
     peak_activations: dict[int, float]
+    """Per rank: the most chunks held from ``F`` to ``I`` or ``B`` (module docstring)."""
+    peak_activations_until_w: dict[int, float]
+    """Per rank: the most chunks held from ``F`` to ``W`` or ``B`` (module docstring)."""
     timeline: dict[int, list[tuple[float, float, str]]]
     """Per rank: (start, end, action) in execution order."""
     critical_path: list[Action]
@@ -130,10 +138,10 @@ class _Step:
     """The (stage, kind, micro-batch) results it waits for."""
     done: tuple[tuple[int, object, int], ...]
     """The results it produces (a backward also its input gradient, ``"grad"``)."""
-    live: int
-    """Change of the rank's in-flight micro-batch chunks."""
-    rise: int | None
-    """The most that change reaches right after one of its forwards (None: no forward)."""
+    live: tuple[int, int]
+    """Change of the rank's in-flight micro-batch chunks, counted to ``I`` and to ``W``."""
+    rise: tuple[int, int] | None
+    """The most those changes reach right after one of its forwards (None: no forward)."""
     price: tuple[int, object, int | None]
     """``(stage, kind, None)``, or for a pair ``(forward stage, F, backward stage)``."""
 
@@ -157,22 +165,26 @@ def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
             leaves = leaf_actions(entry)
             needs = tuple(p for a in leaves for p in _producers(a, num_stages))
             done: list[tuple[int, object, int]] = []
-            live, rise = 0, None
+            to_i = to_w = 0
+            rise: tuple[int, int] | None = None
             for a in leaves:
                 s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
                 done.append((s, kind, k))
                 if kind in (B, I):
                     done.append((s, "grad", k))
-                    live -= 1
+                    to_i -= 1
+                if kind in (B, W):
+                    to_w -= 1
                 elif kind == F:
-                    live += 1
-                    rise = live if rise is None else max(rise, live)
+                    to_i, to_w = to_i + 1, to_w + 1
+                    low_i, low_w = rise or (to_i, to_w)
+                    rise = (max(low_i, to_i), max(low_w, to_w))
             if len(leaves) > 1:  # the forward half's stage, then the backward half's
                 fwd, bwd = sorted(leaves, key=lambda a: a.computation_type != F)
                 price = (fwd.stage_index, F, bwd.stage_index)
             else:
                 price = (entry.stage_index, entry.computation_type, None)
-            prepared.append(_Step(entry, str(entry), needs, tuple(done), live, rise, price))
+            prepared.append(_Step(entry, str(entry), needs, tuple(done), (to_i, to_w), rise, price))
         steps[rank] = tuple(prepared)
     return PreparedSchedule(order, num_stages, steps)
 
@@ -201,6 +213,8 @@ def simulate(
     busy = dict.fromkeys(steps, 0.0)
     live = dict.fromkeys(steps, 0)
     peak = dict.fromkeys(steps, 0)
+    live_w = dict.fromkeys(steps, 0)  # chunks held to W
+    peak_w = dict.fromkeys(steps, 0)
     timeline: dict[int, list[tuple[float, float, str]]] = {r: [] for r in steps}
     made_by: dict[tuple[int, object, int], tuple[int, int]] = {}  # (rank, position) that ran it
     after: dict[tuple[int, int], tuple[int, int] | None] = {}  # the entry an entry waited for
@@ -228,8 +242,10 @@ def simulate(
                     finished[key] = end
                     made_by[key] = here
                 if step.rise is not None:
-                    peak[rank] = max(peak[rank], live[rank] + step.rise)
-                live[rank] += step.live
+                    peak[rank] = max(peak[rank], live[rank] + step.rise[0])
+                    peak_w[rank] = max(peak_w[rank], live_w[rank] + step.rise[1])
+                live[rank] += step.live[0]
+                live_w[rank] += step.live[1]
                 clock[rank], busy[rank] = end, busy[rank] + cost
                 timeline[rank].append((start, end, step.label))
                 position[rank] += 1
@@ -256,6 +272,7 @@ def simulate(
         bubble_fraction=1.0 - total_busy / (len(steps) * makespan),
         idle={r: makespan - b for r, b in busy.items()},
         peak_activations={r: n / chunks_per_rank for r, n in peak.items()},
+        peak_activations_until_w={r: n / chunks_per_rank for r, n in peak_w.items()},
         timeline=timeline,
         critical_path=chain[::-1],
     )
