@@ -299,6 +299,43 @@ def deferred_router_sp(tp: int) -> dict:
     }
 
 
+def deferred_experts_sp(tp: int) -> dict:
+    """A float64 MoE layer at ``tp`` with sequence parallel (ep = 1, so the experts' weight
+    gradients are summed over TP in the backward), run plainly and then with a
+    ``wgrad_sink`` on every layer that takes one (zero-bubble pipelines): before the queue runs
+    no expert weight has a gradient; after, each equals the plain backward's bit for bit (the
+    TP sum happens once, at ``W``). Returns the flags and how many closures were queued."""
+    state = mt_comm.init_parallel_state(tp=tp)
+    tp_group, tp_rank = state.group("tp"), state.rank("tp")
+    cfg = MoEConfig(num_experts=8, top_k=2, expert_ffn_dim=16, balancing="none")
+    layer = MoE(DIM, cfg).double()
+    mp.init_weights(layer, seed=3)
+    mp.apply_tensor_parallel(layer, tp_group, sequence_parallel=True)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(BATCH, SEQ, DIM, generator=gen, dtype=torch.float64).chunk(tp, dim=1)[tp_rank]
+    g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    experts = [m for m in layer.modules() if isinstance(m, mp.moe.GroupedLinear)]
+    (layer(x) * g).sum().backward()
+    plain = [m.weight.grad for m in experts]
+    sink = mt_fp8.WeightGradSink()
+    for m in layer.modules():
+        if hasattr(m, "wgrad_sink"):
+            m.wgrad_sink = sink
+    for m in experts:
+        m.weight.grad = None
+    (layer(x) * g).sum().backward()
+    graded_before_w = any(m.weight.grad is not None for m in experts)
+    queued = len(sink)
+    sink.take()()
+    return {
+        "equal": all(torch.equal(m.weight.grad, p) for m, p in zip(experts, plain, strict=True)),
+        "graded_before_w": graded_before_w,
+        "queued": queued,
+        "experts": len(experts),
+        "defers": all(m.defers_weight_gradient for m in experts),
+    }
+
+
 def fp8_delayed_sp_scales(tp: int) -> dict:
     """Delayed-scaling FP8 experts at ``tp`` with sequence parallel: one forward and backward on
     this rank's tokens, then ``update_fp8_scales`` with no group (each layer's own amax group).

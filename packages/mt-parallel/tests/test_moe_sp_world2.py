@@ -59,6 +59,16 @@ def test_deferred_router_gradient_is_summed_over_tp_once(pool: DistributedPool) 
         assert result["error"] < FP64_BOUND, result
 
 
+def test_deferred_expert_gradients_are_summed_over_tp_once(pool: DistributedPool) -> None:
+    """Under sequence parallel at ep = 1 the bf16/fp32 experts defer their weight gradients
+    too: nothing before the queue runs, then the plain backward's gradients bit for bit (the
+    queued work sums over TP in place of copy_to_group; a second or missing sum would differ)."""
+    for result in pool.run(moe_checks.deferred_experts_sp, tp=2):
+        assert result["defers"] and not result["graded_before_w"], result
+        assert result["queued"] == result["experts"] + 1, result  # and the router's
+        assert result["equal"], result
+
+
 def test_sequence_parallel_fp8_expert_scales_agree_over_tp(pool: DistributedPool) -> None:
     # Each TP rank's experts quantize other tokens, so their recorded amaxes differ; the
     # delayed-scaling update MAX-reduces them over TP (the experts' amax group), so the scales

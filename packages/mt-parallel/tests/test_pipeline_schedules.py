@@ -307,8 +307,9 @@ def test_weights_left_at_i_on_older_torch_are_the_gemm_weights_outside_sinks(
     """The weights the older-torch warning names (``runtime._gemm_weights_outside_sinks``):
     none for a dense toy LM (its linears defer; embedding and norms are small) nor for an MoE
     one (its routers and experts defer too); a layer's own ``nn.Linear``; the experts where
-    their layer does not defer: FP8 experts on the per-expert loop (the CPU), or experts whose
-    gradient the backward sums over TP (sequence parallel at ep = 1)."""
+    their layer does not defer: FP8 experts on the per-expert loop (the CPU), or FP8 experts
+    whose gradient the backward sums over TP (sequence parallel at ep = 1); bf16 experts summed
+    over TP defer (the queued work sums them)."""
     from toy_lm import DecoderLM
 
     from mt_parallel.moe import MoEConfig
@@ -328,4 +329,8 @@ def test_weights_left_at_i_on_older_torch_are_the_gemm_weights_outside_sinks(
         projection.enable_fp8()
     assert sorted(_gemm_weights_outside_sinks(fp8)) == sorted(experts)
     monkeypatch.setattr(GroupedLinear, "sums_gradient_in_backward", property(lambda self: True))
-    assert sorted(_gemm_weights_outside_sinks(moe)) == sorted(experts)
+    assert _gemm_weights_outside_sinks(moe) == []
+    monkeypatch.setattr(
+        type(fp8.layers[0].mlp.experts.gate_proj._fp8), "defers_weight_gradient", True
+    )
+    assert sorted(_gemm_weights_outside_sinks(fp8)) == sorted(experts)

@@ -71,9 +71,12 @@ transposed (column-major) weight, on the same operands, so the gradients equal t
 bit for bit; the per-expert loop likewise (``F.linear``'s ``mm`` backward per expert, the
 gradients stacked as ``unbind``'s backward does, zeros for idle experts). The FP8 experts defer
 through ``FP8GroupedLinear``'s own sink (the runtime sets it with this layer's) on its grouped
-paths, not on its per-expert loop. Not deferred: a weight summed over TP in the backward
-(``copy_to_group`` wraps the operand itself, bf16 and FP8);
-:attr:`GroupedLinear.defers_weight_gradient` says which applies. From ``I`` to ``W`` the queue
+paths, not on its per-expert loop. Under sequence parallelism at ep = 1 a deferring bf16/fp32
+layer leaves ``copy_to_group`` out of its forward and the queued work all-reduces ``dW`` over
+TP after the cast to the parameter's dtype, where ``copy_to_group``'s backward would have
+(the router does the same): the same sum once, at ``W``. Not deferred: the FP8 experts'
+weight summed over TP in the backward (``copy_to_group`` wraps the operand FP8GroupedLinear
+multiplies by); :attr:`GroupedLinear.defers_weight_gradient` says which applies. From ``I`` to ``W`` the queue
 holds each GEMM's ``x`` (saved for the backward anyway) and ``dy``.
 
 Expert parallelism (:meth:`GroupedLinear.shard_experts_`) keeps experts ``[r·L, (r+1)·L)`` of
@@ -90,6 +93,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import mt_comm
 from mt_fp8.ops import swiglu
 from mt_fp8.wgrad import WeightGradSink, accumulate_grad
 from mt_parallel.layers import keep_fp8_layer_out_of_state_dict
@@ -180,8 +184,9 @@ class _DeferredWeightGradExperts(torch.autograd.Function):
     """The experts' GEMMs ``y[group e] = x[group e]·W_eᵀ``, as one ``torch._grouped_mm`` over
     ``groups`` (the int32 end offsets) or, where ``groups`` is a list of sizes, as
     :func:`looped_mm`, with the backward of autograd for either, except that ``dW`` is queued
-    in ``sink`` (module docstring: deferred weight gradients). ``weight_LNK`` is ``param`` as
-    the GEMMs read it (cast to the compute dtype); the gradient goes to ``param`` directly."""
+    in ``sink`` (module docstring: deferred weight gradients) and summed over ``group`` (the TP
+    group under sequence parallelism at ep = 1, else None). ``weight_LNK`` is ``param`` as the
+    GEMMs read it (cast to the compute dtype); the gradient goes to ``param`` directly."""
 
     @staticmethod
     def forward(
@@ -191,9 +196,10 @@ class _DeferredWeightGradExperts(torch.autograd.Function):
         groups: torch.Tensor | list[int],
         param: torch.Tensor,
         sink: WeightGradSink,
+        group: Any = None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x_MK, weight_LNK)
-        ctx.groups, ctx.param, ctx.sink = groups, param, sink
+        ctx.groups, ctx.param, ctx.sink, ctx.group = groups, param, sink, group
         if isinstance(groups, list):
             return looped_mm(x_MK, weight_LNK, groups)
         return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=groups)
@@ -224,23 +230,31 @@ class _DeferredWeightGradExperts(torch.autograd.Function):
             def weight_gradient() -> torch.Tensor:
                 return torch._grouped_mm(dy_MN.transpose(0, 1), x_MK, offs=groups)
 
+        group = ctx.group
+
+        def summed_weight_gradient() -> None:
+            dw = weight_gradient().to(param.dtype)
+            if group_size(group) > 1:  # copy_to_group's backward, left out of the forward
+                mt_comm.all_reduce(dw, group=group)
+            accumulate_grad(param, dw)
+
         if ctx.needs_input_grad[1]:
             ctx.sink.defer(
-                lambda: accumulate_grad(param, weight_gradient().to(param.dtype)),
+                summed_weight_gradient,
                 # the loop reads weight_LNK (idle experts' zeros), the grouped GEMM the offsets
                 holds=(dy_MN, x_MK, weight_LNK if isinstance(groups, list) else groups),
             )
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 def _offs_mm(
     x_MK: torch.Tensor,
     weight_LNK: torch.Tensor,
     offs: torch.Tensor,
-    deferred: tuple[torch.Tensor, WeightGradSink] | None,
+    deferred: tuple[torch.Tensor, WeightGradSink, Any] | None,
 ) -> torch.Tensor:
-    """``torch._grouped_mm(x, Wᵀ, offs)``; with ``deferred = (param, sink)`` its weight gradient
-    is queued in the sink (module docstring)."""
+    """``torch._grouped_mm(x, Wᵀ, offs)``; with ``deferred = (param, sink, tp_group)`` its
+    weight gradient is queued in the sink (module docstring)."""
     if deferred is None:
         return torch._grouped_mm(x_MK, weight_LNK.transpose(-2, -1), offs=offs)
     return _DeferredWeightGradExperts.apply(x_MK, weight_LNK, offs, *deferred)
@@ -250,7 +264,7 @@ def grouped_mm(
     x_MK: torch.Tensor,
     weight_LNK: torch.Tensor,
     sizes_L: torch.Tensor,
-    deferred: tuple[torch.Tensor, WeightGradSink] | None = None,
+    deferred: tuple[torch.Tensor, WeightGradSink, Any] | None = None,
 ) -> torch.Tensor:
     """``y[group e] = x[group e] · W_eᵀ`` through ``torch._grouped_mm`` (module docstring); on
     CUDA the groups are padded here and the padding dropped from the output. ``deferred``: see
@@ -266,7 +280,7 @@ def padded_grouped_mm(
     x_PK: torch.Tensor,
     weight_LNK: torch.Tensor,
     layout: PaddedLayout,
-    deferred: tuple[torch.Tensor, WeightGradSink] | None = None,
+    deferred: tuple[torch.Tensor, WeightGradSink, Any] | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_mm` on rows already padded by ``layout``; the output stays padded."""
     return _offs_mm(x_PK, weight_LNK, layout.ends_L, deferred)
@@ -325,11 +339,11 @@ class GroupedLinear(nn.Module):
     @property
     def defers_weight_gradient(self) -> bool:
         """Whether a ``wgrad_sink`` set here gets the weight's gradient (module docstring:
-        deferred weight gradients): not where the backward sums it over TP, nor where the FP8
-        experts loop over experts (``mt_fp8.FP8GroupedLinear.defers_weight_gradient``)."""
-        if self.sums_gradient_in_backward:
-            return False
-        return self._fp8 is None or self._fp8.defers_weight_gradient
+        deferred weight gradients): not for FP8 experts whose backward sums it over TP, nor
+        where they loop over experts (``mt_fp8.FP8GroupedLinear.defers_weight_gradient``)."""
+        if self._fp8 is None:
+            return True
+        return not self.sums_gradient_in_backward and self._fp8.defers_weight_gradient
 
     @property
     def ep_size(self) -> int:
@@ -408,15 +422,17 @@ class GroupedLinear(nn.Module):
         by the projections of one MLP) and the output stays padded; ``host_sizes``: ``sizes_L``
         read to the host once for the projections of one MLP (FP8)."""
         weight = self.weight
-        if self.sums_gradient_in_backward:
+        deferred = None
+        if self.wgrad_sink is not None and self.defers_weight_gradient and self._fp8 is None:
+            # The queued work sums the gradient over TP instead of copy_to_group (module doc).
+            tp_sum = self.sequence_group if self.sums_gradient_in_backward else None
+            deferred = (self.weight, self.wgrad_sink, tp_sum)
+        elif self.sums_gradient_in_backward:
             weight = copy_to_group(weight, self.sequence_group)
         if self._fp8 is not None:
             if self._fp8.weight is not self.weight:
                 self._fp8.weight = self.weight
             return self._fp8(x_MK, sizes_L if host_sizes is None else host_sizes, weight)
-        deferred = None
-        if self.wgrad_sink is not None and not self.sums_gradient_in_backward:
-            deferred = (self.weight, self.wgrad_sink)
         if torch.is_autocast_enabled(x_MK.device.type):
             dtype = torch.get_autocast_dtype(x_MK.device.type)
             x_MK, weight = x_MK.to(dtype), weight.to(dtype)

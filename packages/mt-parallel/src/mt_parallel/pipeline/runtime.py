@@ -44,9 +44,9 @@ What this module adds around it:
   weights and biases (elementwise gradients) and embedding tables (a scatter-add) are small and
   stay in ``I``; a warning names the other weights that stay there, once per schedule: those
   whose gradient is a GEMM and whose layer has no sink (a model's own ``nn.Linear``) or says it
-  does not use it (``defers_weight_gradient`` false: MoE experts whose gradient the backward
-  sums over TP, under sequence parallelism at ep = 1; FP8 experts on ``FP8GroupedLinear``'s
-  per-expert loop). Its stage checks each received or given input's strides, so the
+  does not use it (``defers_weight_gradient`` false: FP8 MoE experts whose gradient the
+  backward sums over TP, under sequence parallelism at ep = 1, or on ``FP8GroupedLinear``'s
+  per-expert loop; bf16 experts there defer, the queued work summing over TP). Its stage checks each received or given input's strides, so the
   micro-batch tokens (views of a longer row) are passed contiguous. Its p2p warm-up sends to
   the neighbour stage even when that stage is on the same rank (the V schedules), which gloo
   cannot pair; :class:`_Stage` drops those ops.
@@ -225,8 +225,8 @@ class PipelineSchedule:
                 "linears, MoE routers and experts); "
                 f"{len(left_at_i)} weights whose gradient is a GEMM get it at I, without the "
                 f"zero-bubble gain ({', '.join(left_at_i[:4])}"
-                f"{', ...' if len(left_at_i) > 4 else ''}: layers without a sink, MoE experts "
-                "summed over TP in the backward, FP8 experts on the per-expert loop); "
+                f"{', ...' if len(left_at_i) > 4 else ''}: layers without a sink, FP8 MoE experts "
+                "summed over TP in the backward or on the per-expert loop); "
                 "torch >= 2.13 splits them",
                 stacklevel=2,
             )
