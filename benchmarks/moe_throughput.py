@@ -228,8 +228,9 @@ def bench_layers(shapes: dict, seq: int, device: str, iters: int, args: Any) -> 
                     profiled = None
                     if args.profile:
                         profiled = train_throughput.profile_step(
-                            step, torch.device(device), steps=2, top=25
-                        )
+                            step, torch.device(device), steps=2, top=25,
+                            sources=args.profile_sources,
+                        )  # fmt: skip
                 rows.append({
                     "kind": "layer", "shape": shape, "stack": stack, "routing": routing,
                     "tokens": seq, "ms": ms, "tokens_per_s": seq / ms * 1e3,
@@ -253,6 +254,7 @@ def print_profile(title: str, prof: dict[str, Any]) -> None:
     print(f"  host self time {prof['host_ms']:.2f} ms, by operator:")
     for op, count, ms in prof["top_host_ops_ms"]:
         print(f"    {ms:8.3f} ms  x{count:<5g} {op}")
+    train_throughput.print_sources(prof)
 
 
 def model_configs(smoke: bool, layers: int) -> dict[str, Any]:
@@ -336,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--skip-models", action="store_true", help="layer rows only")
     parser.add_argument("--profile", action="store_true", help="profile each layer stack")
+    parser.add_argument(
+        "--profile-sources",
+        action="store_true",
+        help="with --profile: attribute each operator's time to the repository's source lines",
+    )
     parser.add_argument(
         "--stacks", type=lambda text: text.split(","), default=list(LAYER_STACKS),
         help=f"comma-separated layer stacks (default {','.join(LAYER_STACKS)}; also "

@@ -52,7 +52,8 @@ and, one JSON object per stack, to ``--out``.
 after the timed ones): per step, the device time by kernel category (:data:`KERNEL_CATEGORIES`),
 the wall time, the device's idle time (between steps included), the top kernels and the largest
 gaps; this is where ``docs/benchmarks-log.md`` gets its breakdowns (current figures:
-``docs/performance.md``).
+``docs/performance.md``). ``--profile-sources`` adds the self time of each operator per call
+site in the repository (the profiler's Python stacks): the line of mt that launched a kernel.
 
 Run: ``python benchmarks/train_throughput.py --out results.jsonl`` (GPU), or
 ``python benchmarks/train_throughput.py --tiny`` for a CPU smoke test at toy sizes.
@@ -66,6 +67,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -321,20 +323,25 @@ def enable_fp8(
 
 # ---------------------------------------------------------------- profiling
 def profile_step(
-    step: Callable[[], Any], device: torch.device, steps: int = 2, top: int = 50
+    step: Callable[[], Any],
+    device: torch.device,
+    steps: int = 2,
+    top: int = 50,
+    sources: bool = False,
 ) -> dict[str, Any]:
     """``steps`` consecutive profiled steps, per step: device ms by kernel category, wall ms,
     device idle, the ``top`` kernels and the largest single gaps, and the host's self time by
     operator (the profiler's CPU events: where a host-bound step spends its time). Consecutive steps in one window
     show the device idling between steps too (a step that blocks the host on the previous one's
     kernels leaves the device idle while the host prepares the next), which one profiled step
-    starting from an idle device cannot show."""
+    starting from an idle device cannot show. ``sources`` records Python stacks and adds
+    ``top_sources_ms`` (:func:`top_sources`): which line of the repository launched the time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=sources) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             step()
@@ -383,7 +390,57 @@ def profile_step(
             for name, (count, ms) in sorted(per_host_op.items(), key=lambda kv: -kv[1][1])[:top]
         ],
         "largest_gaps_ms": gaps[:12],
+        **({"top_sources_ms": top_sources(prof, device, steps, top)} if sources else {}),
     }
+
+
+SOURCE_FRAMES = 3
+"""Frames of the repository kept per operator in :func:`top_sources` (innermost first)."""
+REPOSITORY_MODULES = ("mt_core/", "mt_comm/", "mt_fp8/", "mt_parallel/", "mt_train/", "mt_plan/")
+PYTHON_FRAME = re.compile(r"^(?P<path>[^<(][^(]*)\((?P<line>\d+)\): (?P<function>.+)$")
+
+
+def _repository_frames(event: Any) -> list[str]:
+    """The :data:`SOURCE_FRAMES` innermost Python frames of the repository above ``event``
+    (the profiler's Python-function events, its CPU parents under ``with_stack``)."""
+    frames, parent = [], event.cpu_parent
+    while parent is not None and len(frames) < SOURCE_FRAMES:
+        match = PYTHON_FRAME.match(parent.name)
+        if match and (
+            match["path"].startswith(REPOSITORY_MODULES) or "benchmarks/" in match["path"]
+        ):
+            frames.append(parent.name)
+        parent = parent.cpu_parent
+    return frames
+
+
+def top_sources(prof: Any, device: torch.device, steps: int, top: int) -> list[list[Any]]:
+    """Per step, the ``top`` (operator, call site) pairs by self time on the device (on a CPU,
+    the host's): ``[ms, count, operator, frames]``, the operator an ATen op or, for a kernel
+    launched from Python (Triton), the kernel's name, and ``frames`` the innermost
+    :data:`SOURCE_FRAMES` frames inside this repository (``path(line): function``): the line
+    of mt that launched the time."""
+    rows: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or PYTHON_FRAME.match(event.name):
+            continue
+        if device.type == "cuda":
+            us = event.self_device_time_total
+            name = (
+                event.kernels[0].name
+                if event.kernels and not event.name.startswith("aten::")
+                else event.name
+            )
+        else:
+            us, name = (0 if event.name.startswith("<") else event.self_cpu_time_total), event.name
+        frames = tuple(_repository_frames(event)) if us > 0 else ()
+        if not frames:
+            continue
+        entry = rows.setdefault((name[:60], frames), [0.0, 0.0])
+        entry[0] += us / 1e3 / steps
+        entry[1] += 1 / steps
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[ms, count, name, list(frames)] for (name, frames), (ms, count) in ranked]
 
 
 def device_idle(
@@ -515,7 +572,9 @@ def run_in_process(
                     # Allocations that had to free cached blocks first (cudaFree synchronises).
                     row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
                 if args.profile:
-                    row["profile"] = profile_step(step, device, args.profile_steps)
+                    row["profile"] = profile_step(
+                        step, device, args.profile_steps, sources=args.profile_sources
+                    )
             except Exception as err:  # report and go on: one broken stack must not hide the rest
                 # 600 characters: enough for an out-of-memory message's allocator figures.
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:600]}"
@@ -530,6 +589,15 @@ def run_in_process(
         with contextlib.suppress(Exception):
             trainer.close()
     return results
+
+
+def print_sources(prof: dict[str, Any]) -> None:
+    """The ``top_sources_ms`` of :func:`profile_step`, where present, as text."""
+    if "top_sources_ms" not in prof:
+        return
+    print("  self time by operator and call site (innermost repository frames):")
+    for ms, count, op, frames in prof["top_sources_ms"]:
+        print(f"    {ms:8.2f} ms  x{count:<6g} {op}  <- {' <- '.join(frames)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="add profiled steps per stack")
     parser.add_argument(
         "--profile-steps", type=int, default=2, help="consecutive steps in the profile window"
+    )
+    parser.add_argument(
+        "--profile-sources",
+        action="store_true",
+        help="with --profile: attribute device time to the repository's source lines",
     )
     parser.add_argument(
         "--optimizer-impl", default="auto", help="our trainer's optimizer.impl (auto, triton, ...)"
@@ -658,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             print("  largest single gaps (kernel before -> kernel after):")
             for ms, previous, following in prof["largest_gaps_ms"]:
                 print(f"    {ms:8.3f} ms  {previous} -> {following}")
+            print_sources(prof)
     return 0 if any("error" not in r for r in results) and not math.isnan(fpt) else 1
 
 

@@ -45,6 +45,20 @@ def test_moe_throughput_smoke_layers_with_the_recipes_expert_formats(tmp_path: P
     assert all(r["profile"]["steps"] == 2 and r["profile"]["wall_ms"] > 0 for r in rows)
 
 
+def test_profile_sources_trace_time_to_the_lines_of_mt(tmp_path: Path) -> None:
+    # --profile-sources: the FP8 layer's self time per operator and call site, each with the
+    # innermost frames of the repository (the FP8 GEMMs are traced to mt_fp8's GEMM code).
+    out = tmp_path / "rows.jsonl"
+    moe_throughput.main(
+        ["--smoke", "--skip-models", "--profile", "--profile-sources", "--out", str(out),
+         "--stacks", "mt_fp8"]
+    )  # fmt: skip
+    for row in _rows(out):
+        sources = row["profile"]["top_sources_ms"]
+        assert sources and all(ms > 0 and frames for ms, _, _, frames in sources)
+        assert any(f.startswith("mt_fp8/gemm.py") for *_, fs in sources for f in fs), sources
+
+
 def test_moe_throughput_smoke(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
     moe_throughput.main(["--smoke", "--out", str(out)])
