@@ -105,7 +105,7 @@ def test_pipeline_timing_equals_the_simulator(schedule: str, v: int) -> None:
             # NOTE: 1e-3: bucket centres are rounded to 4 digits in the third cost triple
             assert makespan == pytest.approx(sim.makespan, rel=1e-3)
             assert bubble == pytest.approx(sim.bubble_fraction, abs=1e-3)
-            assert peaks == tuple(sim.peak_activations[r] for r in range(pp))
+            assert peaks == tuple(sim.peak_activations_until_w[r] for r in range(pp))
     if schedule == "1f1b":
         _, bubble, _ = pipeline.pipeline_timing("1f1b", 4, 1, 64, 1.0, 1.0, 1.0)
         assert bubble == pytest.approx(3 / (64 + 3))
@@ -123,7 +123,7 @@ def test_pipeline_timing_equals_the_simulator(schedule: str, v: int) -> None:
             # NOTE: 1e-9: the bucket centres are exact up to floating-point rounding
             assert makespan == pytest.approx(sim.makespan, rel=1e-9), (pp, m, pattern)
             assert bubble == pytest.approx(sim.bubble_fraction, abs=1e-9)
-            assert peaks == tuple(sim.peak_activations[r] for r in range(pp))
+            assert peaks == tuple(sim.peak_activations_until_w[r] for r in range(pp))
 
 
 def _cost(world: int = 1, **work) -> CostModel:

@@ -6,13 +6,17 @@
   rowwise also that weight gradient's bf16 result);
 * under full recompute the checkpointed blocks keep no bf16 weight copy, and the largest of the
   forward's end, the loss's backward and a block's recomputation counts, not their sum; with
-  ``recompute_every > 1`` the blocks it skips keep their activations and bf16 copies.
+  ``recompute_every > 1`` the blocks it skips keep their activations and bf16 copies;
+* a zero-bubble schedule holds each chunk's activations from its forward to its weight
+  gradient ``W`` (torch's split backward keeps them from ``I`` for ``W``), so ZB-H1 charges
+  ``p`` stage activations on every pipeline rank where 1F1B charges ``p − r``.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from mt_plan import cost as cost_module
 from mt_plan.calibration import load_table
 from mt_plan.cluster import load_cluster
 from mt_plan.cost import CostModel, Workload
@@ -91,3 +95,59 @@ def test_blocks_recompute_every_skips_keep_activations_and_bf16_copies() -> None
     assert memory["recompute_transient"] == every_block["recompute_transient"] > 0
     assert memory["autocast_weight_copies"] == 2 * 2 * linears
     assert memory["logits"] == 0
+
+
+_MEMORY = CostModel._memory
+
+
+def _activations_per_rank(monkeypatch: pytest.MonkeyPatch, cost: CostModel, layout: Layout):
+    """(the estimate, the activation bytes charged to each pipeline rank in turn)."""
+    charged = []
+
+    def recording(self, L, local, experts, linear, acts, *rest):
+        charged.append(acts)
+        return _MEMORY(self, L, local, experts, linear, acts, *rest)
+
+    monkeypatch.setattr(cost_module.CostModel, "_memory", recording)
+    return cost.estimate(layout), charged
+
+
+def _llama3_8b_on_4_h100(seq: int) -> CostModel:
+    return CostModel(_shape(32, 4096, 14336), load_cluster("h100_nodes").with_gpus(4),
+                     load_table("h100"), Workload(seq_len=seq, global_batch=8))  # fmt: skip
+
+
+def test_zero_bubble_holds_every_chunk_until_its_weight_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pp = 4, 8 micro-batches, 8 equal layers a stage (a: one stage's saved bytes, the last
+    # 1F1B rank's one chunk): 1F1B rank r holds p − r micro-batches, ZB-H1 p on every rank,
+    # so ZB-H1 charges rank r r·a more
+    pp = 4
+    cost = _llama3_8b_on_4_h100(4096)
+    _, one_f_one_b = _activations_per_rank(monkeypatch, cost, Layout(pp=pp, schedule="1f1b"))
+    _, zero_bubble = _activations_per_rank(monkeypatch, cost, Layout(pp=pp, schedule="zero_bubble"))
+    a = one_f_one_b[-1]
+    assert a > 0
+    assert one_f_one_b == [(pp - r) * a for r in range(pp)]
+    assert zero_bubble == [pp * a] * pp
+    assert [z - o for z, o in zip(zero_bubble, one_f_one_b, strict=True)] == [
+        r * a for r in range(pp)
+    ]
+
+
+def test_the_activations_held_until_w_decide_whether_zero_bubble_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Llama3-8B at sequence 7168 on 4 H100s, pp = 4: 1F1B's fullest rank (rank 0, p chunks)
+    # fits; under ZB-H1 the last rank, which also holds the logits and the head, holds p chunks
+    # instead of one and does not fit, though it would at the F-to-I count (its rank's count
+    # under 1F1B, which fits)
+    pp = 4
+    cost = _llama3_8b_on_4_h100(7168)
+    one_f_one_b, charged = _activations_per_rank(monkeypatch, cost, Layout(pp=pp))
+    zero_bubble, _ = _activations_per_rank(monkeypatch, cost, Layout(pp=pp, schedule="zero_bubble"))
+    limit = cost.cluster.gpu.memory_bytes * (1.0 - cost.work.headroom)
+    assert one_f_one_b.fits and not zero_bubble.fits
+    held_to_w = (pp - 1) * charged[-1] * (1.0 + cost.work.allocator_overhead)
+    assert zero_bubble.peak_memory - held_to_w <= limit < zero_bubble.peak_memory

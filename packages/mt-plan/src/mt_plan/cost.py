@@ -179,15 +179,27 @@ chunks' gathered weights and unreduced gradients, held through the schedule; exp
 the layer's backward in the step's last micro-batch frees them; none under FSDP), autocast's
 bf16 copies of the high-precision linears' weights (the head, and every block linear without
 FP8), which the backward keeps, activations (each layer's saved tensors by recompute policy,
-times the in-flight micro-batches: 1 without pp, the simulator's peak with pp), and on the last
-stage the logits and their gradient. Under full recompute the checkpointed blocks keep no bf16
-weight copy (autocast's cache holds them until the forward's autocast region ends), and the
-largest of three moments counts: the forward's end (every bf16 copy, the logits), the loss's
-backward (the head's copy, the logits and their gradient) and a block's recomputation (its
-activations, built after the head's backward freed the logits; the largest checkpointed
-block's). Blocks that ``recompute_every`` skips keep their bf16 copies in the last two moments
-too (in the recomputation an upper bound: the skipped blocks after the first recomputed one
-in backward order have freed theirs).
+times the micro-batches held: 1 without pp, with pp the simulator's most chunks a rank holds
+from their forward to their weight gradient, :mod:`mt_plan.pipeline`), and on the last
+stage the logits and their gradient. Holding to the weight gradient is what torch's split
+backward does (torch >= 2.13, which the planner assumes): a zero-bubble schedule's ``I``
+keeps every tensor the weight gradients need, in a transformer block nearly all it saved,
+until ``W`` (:mod:`mt_parallel.pipeline.memory`), so ZB-H1 holds ``p`` stage activations on
+every rank where 1F1B holds ``p − r``; without a separate ``W`` (GPipe, 1F1B, interleaved) the
+count ends at the full backward. A chunk with a weight-gradient sink (FP8 layers, and every
+chunk of a split-backward schedule on torch < 2.13) frees its autograd graph at ``I`` and
+keeps only what the queued closures hold, the linears' inputs and output gradients, until
+``W``; the model has no per-layer split of those from the rest, so it charges such chunks
+their whole saved bytes to ``W`` too: an upper bound for them wherever the closures hold
+fewer bytes than the chunk saved (a Llama block's do: its norms' fp32 inputs, attention's
+q, k, v and SwiGLU's gate and up are saved but held by no closure). Under full recompute the
+checkpointed blocks keep no bf16 weight copy (autocast's cache holds them until the forward's
+autocast region ends), and the largest of three moments counts: the forward's end (every
+bf16 copy, the logits), the loss's backward (the head's copy, the logits and their gradient)
+and a block's recomputation (its activations, built after the head's backward freed the
+logits; the largest checkpointed block's). Blocks that ``recompute_every`` skips keep their
+bf16 copies in the last two moments too (in the recomputation an upper bound: the skipped
+blocks after the first recomputed one in backward order have freed theirs).
 With ``m > 1`` (or pp) gradients live while the next micro-batch's forward tensors are built;
 with ``m = 1`` they grow as those are freed, so the peak holds the larger of the two, plus, under
 FP8, what the layer backpropagated last holds beside every gradient: its largest projection's FP8
@@ -939,13 +951,13 @@ class CostModel:
         # pipeline or accumulation loop
         if L.pp > 1:
             v = L.chunks_per_rank()
-            pipe_time, bubble, inflight = pipeline_timing(
+            pipe_time, bubble, held = pipeline_timing(
                 L.schedule, L.pp, v, m, chunk_f, chunk_i, chunk_w
             )
             last_backward = 0.0
         else:
             pipe_time = m * (chunk_f[0] + chunk_i[0] + chunk_w[0])
-            bubble, inflight = 0.0, (1.0,)
+            bubble, held = 0.0, (1.0,)
             last_backward = chunk_i[0] + chunk_w[0]
 
         # parameters per pipeline rank; after the schedule each rank reduces its gradients and
@@ -980,7 +992,7 @@ class CostModel:
         for r in range(L.pp):
             local_r, experts_r, linear_r = params[r]
             layers_r = [chunk_saved[c] for c in placement[r]]
-            acts = inflight[r] * sum(layers_r)
+            acts = held[r] * sum(layers_r)
             last = len(chunks) - 1 in placement[r]
             kept_r = 0.0  # block linears whose bf16 copies outlive the forward (recompute_every)
             if L.recompute in FULL_RECOMPUTE:

@@ -18,7 +18,7 @@ underestimate where another chain takes over inside the bucket. Beyond ``4·pp``
 (``8·pp`` for DualPipeV; ``m`` a multiple of pp) a schedule reaches its steady state, where
 each further round of pp micro-batches adds the same to the longest chain (``pp·v·(F + I +
 W)`` for equal chunks; for uneven ones what the slowest rank or stage adds, which can take a
-few more rounds to settle) and nothing to the in-flight peak (GPipe's grows by one per
+few more rounds to settle) and nothing to the peaks held (GPipe's grows by one per
 micro-batch). So the simulation runs at ``4·pp`` and one round more at a time until two
 successive rounds add the same, and is extended from there; a test holds the extension to
 full simulations, equal and uneven chunks. The bubble is then ``1 − m·Σ_c (F_c +
@@ -26,9 +26,17 @@ I_c + W_c) / (pp·makespan)``, the idle share of all ranks' time (each rank runs
 actions), which with uneven chunks includes the idling imbalance causes. pp = 1 layouts never
 import torch, and a search imports it once.
 
-Outputs: the makespan, the bubble fraction, and the peak in-flight
-micro-batches of any rank in units of one stage's activations (the simulator's
-``peak_activations``), which the memory model multiplies by one stage's activation bytes.
+Outputs: the makespan, the bubble fraction, and per rank the most micro-batches it holds
+activations for, in units of one stage's activations, each chunk counted from its forward to
+its weight gradient (``W``, or a full backward ``B``): the simulator's
+``peak_activations_until_w``, which the memory model multiplies by one stage's activation
+bytes. Under torch's split backward (torch >= 2.13, a chunk without a weight-gradient sink)
+a chunk's ``I`` keeps nearly everything it saved for its ``W``
+(:mod:`mt_parallel.pipeline.memory`), so zero-bubble ranks hold their chunks to ``W``: ZB-H1
+``p`` on every rank, where the count to ``I`` is ``p − r``. Schedules without a separate
+``W`` (GPipe, 1F1B, interleaved 1F1B) give the same count as to ``I``. Chunks with a sink
+(:mod:`mt_plan.cost`, "Memory per rank") are charged the same way, an upper bound for them. A
+peak depends on the action lists only, not on the costs.
 """
 
 from __future__ import annotations
@@ -51,8 +59,9 @@ class PipelineTiming:
     coefficients: tuple[tuple[float, float, float], ...]
     """Per chunk ``(n_F, n_I, n_W)``: the makespan is ``Σ_c n_F·F_c + n_I·I_c + n_W·W_c`` on
     this linear piece."""
-    peak_inflight: tuple[float, ...]
-    """Per pipeline rank: the most micro-batch stage activations it holds."""
+    peak_held: tuple[float, ...]
+    """Per pipeline rank: the most micro-batch stage activations it holds, each chunk's from
+    ``F`` to ``W`` or ``B`` (module docstring)."""
 
 
 @lru_cache(maxsize=512)
@@ -85,7 +94,7 @@ def _critical_chain(schedule: str, pp: int, v: int, m: int, costs: tuple[float, 
             row[0] += kind == F
             row[1] += kind in (I, B)  # a full backward costs I + W
             row[2] += kind in (W, B)
-    return counts, tuple(sim.peak_activations[r] for r in range(pp))
+    return counts, tuple(sim.peak_activations_until_w[r] for r in range(pp))
 
 
 @lru_cache(maxsize=65536)
@@ -130,9 +139,9 @@ def pipeline_timing(
     input_grad: float | Sequence[float],
     weight_grad: float | Sequence[float],
 ) -> tuple[float, float, tuple[float, ...]]:
-    """(makespan seconds, bubble fraction, per-rank peak in-flight stage activations) for
-    chunk costs in seconds: one value for every chunk, or one per chunk in stage order
-    (``pp·v`` of them, ``v`` chunks per rank; the largest forward > 0)."""
+    """(makespan seconds, bubble fraction, per-rank peak stage activations held from ``F`` to
+    ``W``, module docstring) for chunk costs in seconds: one value for every chunk, or one per
+    chunk in stage order (``pp·v`` of them, ``v`` chunks per rank; the largest forward > 0)."""
     chunks = pp * v
     per_chunk = []
     for name, values in (("forward", forward), ("input_grad", input_grad),
@@ -150,4 +159,4 @@ def pipeline_timing(
         for n, x in zip(counts, costs[3 * c : 3 * c + 3], strict=True)
     )  # fmt: skip
     busy = m * sum(costs)
-    return makespan, max(0.0, 1.0 - busy / (pp * makespan)), t.peak_inflight
+    return makespan, max(0.0, 1.0 - busy / (pp * makespan)), t.peak_held
