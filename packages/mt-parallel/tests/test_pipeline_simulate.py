@@ -29,11 +29,15 @@ def test_uneven_1f1b_stages_take_their_own_costs() -> None:
     assert simulate(order, 2, {1: heavy, 0: light}).timeline == uneven.timeline
 
 
-@pytest.mark.parametrize(
+# One small case of every schedule: (name, pp, v, micro-batches).
+EVERY_SCHEDULE = pytest.mark.parametrize(
     "name,pp,v,m",
     [("gpipe", 3, 1, 4), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 4),
      ("zero_bubble", 3, 1, 5), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4)],
 )  # fmt: skip
+
+
+@EVERY_SCHEDULE
 def test_equal_per_stage_costs_equal_one_cost(name: str, pp: int, v: int, m: int) -> None:
     order = schedule_actions(name, pp, m, v)
     cost = ChunkCosts(1, 1.5, 0.5)
@@ -73,11 +77,7 @@ def _entry_cost(entry, costs: list[ChunkCosts]) -> float:
     return costs[forward.stage_index].pair(costs[backward.stage_index])
 
 
-@pytest.mark.parametrize(
-    "name,pp,v,m",
-    [("gpipe", 3, 1, 4), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 4),
-     ("zero_bubble", 3, 1, 5), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4)],
-)  # fmt: skip
+@EVERY_SCHEDULE
 def test_the_critical_path_sums_to_the_makespan(name: str, pp: int, v: int, m: int) -> None:
     order = schedule_actions(name, pp, m, v)
     costs = [ChunkCosts(1 + s % 3, 1.5 + s % 2, 0.25 * (s + 1)) for s in range(pp * v)]
