@@ -121,6 +121,14 @@ def copy_to_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _Copy.apply(x, group) if _active(group) else x
 
 
+def sum_gradient_over_group(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """``grad`` summed over ``group`` in place (returned): :func:`copy_to_group`'s backward, for
+    a deferred weight gradient whose forward left ``copy_to_group`` out (zero-bubble sinks)."""
+    if _active(group):
+        mt_comm.all_reduce(grad, group=group)
+    return grad
+
+
 def reduce_from_group(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum partial results over ``group``; identity backward (output of a row-parallel GEMM)."""
     return _Reduce.apply(x, group) if _active(group) else x

@@ -93,11 +93,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mt_comm
 from mt_fp8.ops import swiglu
 from mt_fp8.wgrad import WeightGradSink, accumulate_grad
 from mt_parallel.layers import keep_fp8_layer_out_of_state_dict
-from mt_parallel.mappings import copy_to_group, group_rank, group_size
+from mt_parallel.mappings import copy_to_group, group_rank, group_size, sum_gradient_over_group
 
 CUDA_GROUP_ALIGN = 16
 """Rows each group is padded to a multiple of for the CUDA grouped GEMM (bf16 needs 8, FP8 16)."""
@@ -233,10 +232,9 @@ class _DeferredWeightGradExperts(torch.autograd.Function):
         group = ctx.group
 
         def summed_weight_gradient() -> None:
-            dw = weight_gradient().to(param.dtype)
-            if group_size(group) > 1:  # copy_to_group's backward, left out of the forward
-                mt_comm.all_reduce(dw, group=group)
-            accumulate_grad(param, dw)
+            accumulate_grad(
+                param, sum_gradient_over_group(weight_gradient().to(param.dtype), group)
+            )
 
         if ctx.needs_input_grad[1]:
             ctx.sink.defer(

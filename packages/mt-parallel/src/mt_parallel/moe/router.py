@@ -50,7 +50,7 @@ from torch import nn
 
 import mt_comm
 from mt_fp8.wgrad import WeightGradSink, accumulate_grad
-from mt_parallel.mappings import copy_to_group, group_size
+from mt_parallel.mappings import copy_to_group, group_size, sum_gradient_over_group
 from mt_parallel.moe.balance import balancing_loss, token_mean
 from mt_parallel.moe.capacity import expert_counts
 from mt_parallel.moe.config import MoEConfig
@@ -113,9 +113,7 @@ class _DeferredRouterGEMM(torch.autograd.Function):
             def weight_gradient() -> None:
                 with torch.autocast(device, enabled=False):
                     dw_ED = dlogits_TE.t().mm(x_TD).to(param.dtype)
-                if group_size(group) > 1:  # copy_to_group's backward, left out of the forward
-                    mt_comm.all_reduce(dw_ED, group=group)
-                accumulate_grad(param, dw_ED)
+                accumulate_grad(param, sum_gradient_over_group(dw_ED, group))
 
             ctx.sink.defer(weight_gradient, holds=(dlogits_TE, x_TD))
         return dx, None, None, None
