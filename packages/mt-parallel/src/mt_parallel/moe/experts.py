@@ -421,8 +421,9 @@ class GroupedLinear(nn.Module):
         read to the host once for the projections of one MLP (FP8)."""
         weight = self.weight
         deferred = None
-        if self.wgrad_sink is not None and self.defers_weight_gradient and self._fp8 is None:
-            # The queued work sums the gradient over TP instead of copy_to_group (module doc).
+        if self.wgrad_sink is not None and self._fp8 is None:
+            # bf16/fp32 experts always defer; the queued work sums the gradient over TP instead
+            # of copy_to_group (module doc). FP8 experts defer through FP8GroupedLinear's sink.
             tp_sum = self.sequence_group if self.sums_gradient_in_backward else None
             deferred = (self.weight, self.wgrad_sink, tp_sum)
         elif self.sums_gradient_in_backward:
