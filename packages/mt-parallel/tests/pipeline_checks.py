@@ -9,6 +9,7 @@ micro-batches (the accumulation loop of a pp=1 step), in float64 unless FP8 is o
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from unittest import mock
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from parallel_checks import DIM, FFN, HEADS, KV_HEADS, VOCAB, _batch, _lm, rel_err
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining._backward import stage_backward, stage_backward_input
+from torch.utils._python_dispatch import TorchDispatchMode
 from toy_lm import PLAN, SHARED_PLAN, NextTokenLM
 
 import mt_comm
@@ -93,6 +95,21 @@ def _record_weight_passes(runner: mp.PipelineSchedule) -> dict[str, int]:
     return record
 
 
+class _GemmCount(TorchDispatchMode):
+    """Counts the matrix products (``aten.mm``, ``aten.addmm``) run under it, the autograd
+    engine's backward included (it carries the mode to the backward)."""
+
+    GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.GEMMS
+        return func(*args, **(kwargs or {}))
+
+
 def pipeline_lm(
     schedule: str,
     microbatches: int,
@@ -106,8 +123,10 @@ def pipeline_lm(
     seed: int = 0,
     moe: bool = False,
     whole_backward_at_i: bool = False,
+    count_gemms: bool = False,
 ) -> dict[str, object]:
     """One pipelined step against the whole model on one process (module docstring); with
+    ``count_gemms`` the matrix products the step ran on this rank (``gemms``, else None); with
     ``moe`` MoE layers whose auxiliary losses the chunks carry, and the step's total loss
     (cross-entropy on the last rank plus every stage's carried losses) compared instead of
     each micro-batch's; with ``whole_backward_at_i`` the schedule built as on a torch whose
@@ -157,7 +176,9 @@ def pipeline_lm(
     in_flight = _count_in_flight(runner, v)
     weight_passes = _record_weight_passes(runner)
     mine = rows[state.rank("dp") * microbatches : (state.rank("dp") + 1) * microbatches]
-    result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
+    gemms = _GemmCount()
+    with gemms if count_gemms else contextlib.nullcontext():
+        result = runner.step([tokens[r] for r in mine], [targets[r] for r in mine])
     params = [p for c in chunk_modules for p in c.parameters()]
     mp.all_reduce_gradients(params, state.group("dp"))
 
@@ -194,6 +215,7 @@ def pipeline_lm(
         "weight_grad_sinks": len(runner.sinks),
         **weight_passes,
         "warned_split": any("split backward" in str(w.message) for w in caught),
+        "gemms": gemms.count if count_gemms else None,
         "dw_builders": sum(stage.dw_builder is not None for stage in runner.runtime._stages),
         "peak_in_flight": max(in_flight),
         "pp_rank": state.rank("pp"),

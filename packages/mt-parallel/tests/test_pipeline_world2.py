@@ -161,6 +161,32 @@ def test_moe_experts_and_routers_defer_on_older_torch(
         assert not r["warned_split"], r
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_split_backward_recomputes_each_block_once(pool: DistributedPool, recompute: str) -> None:
+    """ZBV runs the same four blocks, head and embedding as interleaved 1F1B with two chunks
+    per rank, so over both ranks one step runs the same matrix products, also with every block
+    recomputed whole: each block's forward runs again once per micro-batch, in ``I``, and not
+    again for each weight group in ``W`` (torch's ``stage_backward_weight`` would, one autograd
+    call per group, each recomputing: about 2.5 times the step's count here). One GEMM more per block and
+    micro-batch: the recomputation of a block whose last linear queues its weight gradient
+    runs that linear's forward GEMM too (a custom autograd function's saved tensors are packed
+    after its forward, so the checkpoint's early stop comes after it; autograd's own linear
+    saves its input before the product). Gradients and losses are one process's, and no GEMM
+    weight of these blocks stays at ``I`` (no warning)."""
+    counts = {}
+    for schedule in ("zbv", "interleaved_1f1b"):
+        results = pool.run(
+            checks.pipeline_lm, schedule=schedule, microbatches=4, chunks=chunks_of(schedule),
+            recompute=recompute, count_gemms=True,
+        )  # fmt: skip
+        check(results, 4)
+        assert not any(r["warned_split"] for r in results)
+        counts[schedule] = sum(r["gemms"] for r in results)
+    blocks, microbatches = 4, 4
+    extra = blocks * microbatches if recompute == "full" else 0
+    assert counts["zbv"] == counts["interleaved_1f1b"] + extra > extra, counts
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_pipeline_module_forward_and_names(pool: DistributedPool, schedule: str) -> None:
     results = pool.run(checks.pipeline_module_forward, schedule=schedule)

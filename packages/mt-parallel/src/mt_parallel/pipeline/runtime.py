@@ -25,7 +25,8 @@ What this module adds around it:
   the chunk's autograd backward with those GEMMs queued, ``W`` runs the queue. Other
   parameters (norms, embedding) get their gradients in ``I``. A chunk uses a sink when it holds
   a layer whose weight gradient autograd cannot separate (FP8: ``dx`` and ``dW`` come out of
-  one autograd node), or on an older torch (next point). Otherwise, and in particular for
+  one autograd node), when it holds a block recomputed whole (``recompute="full"``; below), or
+  on an older torch (below). Otherwise, and in particular for
   high-precision chunks on torch >= 2.13, torch's own split runs
   (``stage_backward_input``/``stage_backward_weight``: the weight part of the autograd graph
   is run from the saved intermediate gradients), and the sinks of the layers that declare
@@ -33,6 +34,15 @@ What this module adds around it:
   everywhere: it moves every weight gradient to ``W`` (norms and embeddings too, which no sink
   covers), and it is what the activation-memory model of :mod:`mt_parallel.pipeline.memory`
   counts between ``I`` and ``W``.
+* Blocks recomputed whole (:func:`mt_parallel.recompute.is_recomputed`) under torch's split:
+  the non-reentrant checkpoint keeps a recomputation for one autograd call only, and torch's
+  ``stage_backward_weight`` makes one call per parameter group, so ``W`` would run the block's
+  forward again (up to the tensor it needs) for each group whose gradient reads a recomputed
+  tensor, on top of the recomputation ``I`` runs (``test_pipeline_world2.py`` counts GEMMs). Such chunks take a
+  sink: ``I`` runs the backward with its one recomputation and queues the GEMM weight
+  gradients, whose closures keep each linear's input and ``dy`` until ``W``; norms and
+  embeddings get theirs in ``I``, and the other GEMM weights left there are named in the
+  same warning as on an older torch.
 * Older torch (before 2.13), where the runtime is wrong or refuses our use; each fix is
   harmless on newer torch. Its ``stage_backward_weight`` counts an intermediate's gradient again
   through descendant intermediates (torch 2.13 clamps the saved gradients), so with
@@ -104,6 +114,7 @@ from mt_parallel.pipeline.schedules import (
     stage_to_rank,
 )
 from mt_parallel.pipeline.shared_fsdp import SharedUnits
+from mt_parallel.recompute import is_recomputed
 
 
 @dataclass(frozen=True)
@@ -157,9 +168,16 @@ def _no_weight_pass() -> Callable[[], None]:
     return lambda: None
 
 
+def _splits_through_sinks(chunk: nn.Module) -> bool:
+    """Whether a split-backward schedule runs ``chunk``'s weight gradients through a sink
+    whatever its layers need: on a torch whose split is wrong, or where it holds a block
+    recomputed whole (module docstring)."""
+    return not TORCH_SPLITS_BACKWARD or any(is_recomputed(m) for m in chunk.modules())
+
+
 def _gemm_weights_outside_sinks(chunk: nn.Module) -> list[str]:
-    """The chunk's trainable weights whose gradient is a GEMM and stays in ``I`` on a torch
-    whose split is wrong: at least 2-D, not embedding tables, and not held by a layer with a
+    """The chunk's trainable weights whose gradient is a GEMM and stays in ``I`` where the
+    chunk splits through sinks (:func:`_splits_through_sinks`): at least 2-D, not embedding tables, and not held by a layer with a
     sink, or held by one that does not defer it (``defers_weight_gradient`` false; module
     docstring, "Older torch")."""
     sink_layers = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
@@ -215,19 +233,28 @@ class PipelineSchedule:
         self.actions = schedule_actions(schedule, pp, microbatches, v)
         split = SCHEDULES[schedule].split_backward
         left_at_i = []
-        if split and not TORCH_SPLITS_BACKWARD:
-            left_at_i = [name for chunk in chunks for name in _gemm_weights_outside_sinks(chunk)]
+        if split:
+            left_at_i = [
+                name
+                for chunk in chunks
+                if _splits_through_sinks(chunk)
+                for name in _gemm_weights_outside_sinks(chunk)
+            ]
         if left_at_i:
+            why = (
+                f"torch {torch.__version__}'s split backward counts some weight gradients twice"
+                if not TORCH_SPLITS_BACKWARD
+                else "torch's split backward would recompute the blocks recomputed whole once "
+                "per weight group"
+            )
             warnings.warn(
-                f"torch {torch.__version__}'s split backward counts some weight gradients "
-                f"twice, so pp_schedule={schedule} runs each chunk's backward at its I step "
+                f"{why}, so pp_schedule={schedule} runs those chunks' backward at their I step "
                 "except the weight gradients of layers with a wgrad_sink (the parallel "
                 "linears, MoE routers and experts); "
                 f"{len(left_at_i)} weights whose gradient is a GEMM get it at I, without the "
                 f"zero-bubble gain ({', '.join(left_at_i[:4])}"
                 f"{', ...' if len(left_at_i) > 4 else ''}: layers without a sink, FP8 MoE experts "
-                "summed over TP in the backward or on the per-expert loop); "
-                "torch >= 2.13 splits them",
+                "summed over TP in the backward or on the per-expert loop)",
                 stacklevel=2,
             )
         self.sinks: list[mt_fp8.WeightGradSink] = []
@@ -291,13 +318,13 @@ class PipelineSchedule:
     ) -> Callable[[], Callable[[], None]] | None:
         """A sink shared by the chunk's layers that have one, as torch's ``dw_builder``; None
         without a split backward, or where torch splits it and no layer needs a sink; a no-op
-        on a torch whose split is wrong and no layer has one (module docstring: split
+        where the chunk splits through sinks and no layer has one (module docstring: split
         backward). A sink left by an earlier schedule on the same layers is cleared first."""
         deferring = [m for m in chunk.modules() if hasattr(m, "wgrad_sink")]
         for layer in deferring:
             layer.wgrad_sink = None
         optional = all(getattr(m, "wgrad_sink_optional", False) for m in deferring)
-        if not split or (TORCH_SPLITS_BACKWARD and optional):
+        if not split or (optional and not _splits_through_sinks(chunk)):
             return None
         if not deferring:
             return _no_weight_pass
