@@ -484,7 +484,12 @@ def _chunk_bytes_through_sink(
 
 
 def activation_bytes_deferred(
-    schedule: str, microbatches: int, sinks: bool, overlap: bool, moe: bool = False
+    schedule: str,
+    microbatches: int,
+    sinks: bool,
+    overlap: bool,
+    moe: bool = False,
+    recompute: str = "none",
 ) -> dict[str, object]:
     """:func:`activation_bytes` for the split-backward schedules where the meter counts what
     it did not before: with ``sinks`` the runtime built as on a torch whose split backward is
@@ -492,21 +497,28 @@ def activation_bytes_deferred(
     ``overlap`` DualPipeV's overlap function registered (its forward half on a thread of its
     own; no all-to-all to interleave at here, so the forward runs whole, then the backward).
     With ``moe`` (and ``sinks``) the blocks' MLPs are MoE layers, their routers and experts
-    deferring too, their auxiliary losses carried. Each chunk's bytes are measured alone
+    deferring too, their auxiliary losses carried. With ``recompute="full"`` (and ``sinks``)
+    the blocks are recomputed whole and the runtime's own reason for sinks is the one taken
+    (torch's split left as this torch has it). Each chunk's bytes are measured alone
     (``saved``, ``kept``, ``rise``); a second step runs under the meter as it was before (no
     sink watched, no hooks on the overlap thread)."""
     pp = dist.get_world_size()
     v = chunks_per_rank(schedule, 1)
     config = mp.ParallelConfig(
-        pp=pp, data_parallel="none", pp_schedule=schedule, pp_microbatches=microbatches
-    )
+        pp=pp, data_parallel="none", pp_schedule=schedule, pp_microbatches=microbatches,
+        recompute=recompute,
+    )  # fmt: skip
     state = mt_comm.init_parallel_state(pp=pp)
     model = _reference(pp * v, 0, torch.float64, False, moe)
     chunk_modules = mp.pipeline_chunks(model, config, state, PLAN)
     shapes = StageShapes(((BATCH, SEQ), torch.long), ((BATCH, SEQ, DIM), torch.float64),
                          ((BATCH, SEQ, VOCAB), torch.float64))  # fmt: skip
     with (
-        mock.patch.object(pipeline_runtime, "TORCH_SPLITS_BACKWARD", not sinks),
+        mock.patch.object(
+            pipeline_runtime,
+            "TORCH_SPLITS_BACKWARD",
+            pipeline_runtime.TORCH_SPLITS_BACKWARD if recompute == "full" else not sinks,
+        ),
         mock.patch.object(pipeline_runtime, "overlaps_all_to_all", lambda chunks: overlap),
         warnings.catch_warnings(),
     ):

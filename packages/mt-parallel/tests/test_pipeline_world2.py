@@ -346,6 +346,31 @@ def test_saved_bytes_count_sinks_and_the_overlap_thread(
     assert any(r["measured_peak"] > r["peak_before"] for r in results), results
 
 
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+def test_saved_bytes_under_full_recompute_peak_where_the_schedule_says(
+    pool: DistributedPool, schedule: str
+) -> None:
+    """Blocks recomputed whole under a split-backward schedule (their chunks take sinks,
+    whatever the torch): ``F`` saves each block's input only, ``I`` recomputes and runs the
+    backward once, the closures hold each linear's recomputed input and ``dy`` until ``W``.
+    Each rank's peak equals its action list's, byte for byte, with each chunk's bytes measured
+    alone; a chunk keeps more from ``I`` to ``W`` than its forward saved (the recomputed
+    inputs), which is what a memory model must charge there."""
+    microbatches, v = 4, chunks_per_rank(schedule, 1)
+    order = schedule_actions(schedule, 2, microbatches, v)
+    results = pool.run(
+        checks.activation_bytes_deferred, schedule=schedule, microbatches=microbatches,
+        sinks=True, overlap=False, recompute="full",
+    )  # fmt: skip
+    for result in results:
+        rank, chunk_bytes = result["pp_rank"], result["chunk_bytes"]
+        assert result["actions"] == [str(a) for a in order[rank]]
+        saved, kept, rise = ({s: b[i] for s, b in chunk_bytes.items()} for i in range(3))
+        assert result["measured_peak"] == predicted_peak_bytes(order[rank], saved, kept, rise)
+        assert result["left"] == 0
+        assert all(kept[s] > saved[s] for s in saved), chunk_bytes
+
+
 def test_detached_puts_the_module_back_among_the_current_children() -> None:
     """A module detached while a transform replaces a sibling (FP8's linears) comes back at
     its own position, and the replacement stays."""
