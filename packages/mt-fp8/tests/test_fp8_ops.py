@@ -91,6 +91,46 @@ def test_rms_norm(device, with_residual):
     close(y, y_ref, tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_runs_once_under_the_pipelines_split_backward(device, with_residual):
+    """torch's split backward (``stage_backward_input`` for ``I``, ``stage_backward_weight``
+    for ``W``, as the zero-bubble pipeline schedules run it) asks the norm node a second time,
+    with the gradients it kept, for the norm weight's: the norm computes once and hands back
+    the first call's ``dw``; every gradient equals one plain backward's (the same bound as
+    above). A second loss through a retained graph, with other gradients, computes afresh."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    dtype, tol = dtype_and_tol(device)
+    before, norm_w = leaf((3, 5, 32), device, dtype, 0), leaf((32,), device, dtype, 1)
+    w_in, w_out = leaf((32, 32), device, dtype, 2), leaf((32, 32), device, dtype, 3)
+    residual = leaf((3, 5, 32), device, dtype, 4).detach() if with_residual else None
+    params = [norm_w, w_in, w_out]
+
+    def block(x):
+        out = rms_norm(x @ w_in.t(), norm_w, eps=1e-5, residual=residual)
+        y, h = out if with_residual else (out, 0)
+        return h + y @ w_out.t()
+
+    out = block(before)
+    upstream = torch.randn_like(out)
+    expected = torch.autograd.grad(out, [before, *params], upstream)
+    unpacked = []  # the tensors the backward nodes read back, the norm weight among them
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append(t) or t):
+        out = block(before)
+        (dx,), param_groups = stage_backward_input([out], [upstream], [before], params)
+        stage_backward_weight(params, param_groups)
+    close(dx, expected[0], tol)
+    for param, want in zip(params, expected[1:], strict=True):
+        close(param.grad, want, tol)
+    # Only the norm saves its weight: read back by one computing call, not by two.
+    assert sum(t is norm_w for t in unpacked) == 1
+    out = block(before)
+    first = torch.autograd.grad(out, [norm_w], upstream, retain_graph=True)[0]
+    second = torch.autograd.grad(out, [norm_w], 2 * upstream)[0]
+    close(second, 2 * first, tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("width", "dtype", "with_residual", "stages"),

@@ -15,6 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from mt_fp8.ops.rmsnorm import (
+    incoming_gradients,
+    remember_weight_gradient,
+    repeated_weight_gradient,
+)
+
 
 @triton.jit
 def _rmsnorm_fwd(
@@ -177,6 +183,9 @@ class TritonRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_RD, dh_out_RD):  # type: ignore[override]
+        repeated = repeated_weight_gradient(ctx, incoming_gradients(ctx, dy_RD, dh_out_RD))
+        if repeated is not None:  # torch's split backward asking again (ops.rmsnorm docstring)
+            return None, repeated, None, None, None
         h_RD, weight_D, rstd_R = ctx.saved_tensors
         rows, dim = h_RD.shape
         has_dhout = ctx.has_residual and dh_out_RD is not None
@@ -207,4 +216,5 @@ class TritonRMSNormFunction(torch.autograd.Function):
             num_warps=_warps(BWD_ROWS * block),
         )
         dw = dw_part.sum(0).to(weight_D.dtype)
+        remember_weight_gradient(ctx, incoming_gradients(ctx, dy_RD, dh_out_RD), dw)
         return dh_RD, dw, dh_RD if ctx.has_residual else None, None, None

@@ -18,7 +18,15 @@ with ``ĥ = h · rstd`` and incoming ``dy`` (and ``dh_out`` for the returned ``h
     dh  = rstd · (dĥ - ĥ · mean_D(dĥ · ĥ)) + dh_out      (= dx = dresidual)
     dw  = Σ_R dy · ĥ
 
-Only ``rstd`` (R fp32 values) is saved besides ``h`` and ``w``. CUDA tensors run the Triton
+Only ``rstd`` (R fp32 values) is saved besides ``h`` and ``w``.
+
+A second call of the backward with the very same gradient tensors returns the first call's
+``dw`` (and no ``dh``) instead of running again: torch's split backward
+(``torch.distributed.pipelining``'s ``stage_backward_input`` then ``stage_backward_weight``,
+the zero-bubble schedules' ``I`` and ``W``) calls this node once for ``dh`` and once more, with
+the gradients it kept from the first, for ``w``'s gradient. The first call keeps ``dw`` (D
+values) and weak references to its gradients; a call with other gradients (a second loss
+backpropagated through a retained graph) computes afresh. CUDA tensors run the Triton
 kernels of :mod:`mt_fp8.kernels.rmsnorm` (one read and one write of each tensor per pass) when a
 row fits their shared memory (:func:`mt_fp8.kernels.rmsnorm.fits_device`), else this module's
 PyTorch path.
@@ -26,11 +34,42 @@ PyTorch path.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mt_fp8.ops.dispatch import compute_dtype, plain_apply, use_triton
+
+
+def repeated_weight_gradient(ctx: Any, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The ``dw`` an earlier backward of this node computed from these same gradient tensors
+    (module docstring: torch's split backward), or None."""
+    seen = getattr(ctx, "seen_grads", None)
+    if seen is None or len(seen) != len(grads):
+        return None
+    same = all(
+        (ref is None) == (g is None) and (ref is None or ref() is g)
+        for ref, g in zip(seen, grads, strict=True)
+    )
+    return ctx.weight_grad if same else None
+
+
+def incoming_gradients(
+    ctx: Any, dy_RD: torch.Tensor, dh_out_RD: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients that identify a backward call: ``dy``, and ``dh_out`` with a residual
+    (without one autograd hands the placeholder output a fresh zero tensor at every call)."""
+    return (dy_RD, dh_out_RD) if ctx.has_residual else (dy_RD,)
+
+
+def remember_weight_gradient(
+    ctx: Any, grads: Sequence[torch.Tensor | None], dw: torch.Tensor
+) -> None:
+    """Keep ``dw`` for a second call with the same ``grads`` (:func:`repeated_weight_gradient`)."""
+    ctx.seen_grads = tuple(None if g is None else weakref.ref(g) for g in grads)
+    ctx.weight_grad = dw
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -50,6 +89,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy_RD, dh_out_RD):  # type: ignore[override]
+        repeated = repeated_weight_gradient(ctx, incoming_gradients(ctx, dy_RD, dh_out_RD))
+        if repeated is not None:
+            return None, repeated, None, None, None
         h_RD, weight_D, rstd_R = ctx.saved_tensors
         work = compute_dtype(h_RD)
         xhat = h_RD.to(work) * rstd_R[:, None]
@@ -59,6 +101,7 @@ class RMSNormFunction(torch.autograd.Function):
             dh = dh + dh_out_RD.to(work)
         dw = (dy_RD.to(work) * xhat).sum(0).to(weight_D.dtype)
         dh = dh.to(h_RD.dtype)
+        remember_weight_gradient(ctx, incoming_gradients(ctx, dy_RD, dh_out_RD), dw)
         return dh, dw, dh if ctx.has_residual else None, None, None
 
 
