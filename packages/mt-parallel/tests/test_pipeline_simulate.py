@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from mt_parallel.pipeline import ChunkCosts, predicted_peak_bytes, schedule_actions, simulate
+from mt_parallel.pipeline.schedules import B, F, I, leaf_actions
 
 
 def test_uneven_1f1b_stages_take_their_own_costs() -> None:
@@ -138,3 +139,81 @@ def test_held_until_w_is_the_predicted_bytes_when_i_keeps_everything(
     for rank, actions in order.items():
         assert predicted_peak_bytes(actions, saved, saved) == sim.peak_activations_until_w[rank]
         assert predicted_peak_bytes(actions, saved, nothing) == sim.peak_activations[rank]
+
+
+def _event_loop(order, num_stages: int, costs: list[ChunkCosts]):
+    """The simulator's model run literally, as a reference: sweep the ranks in turn, each as far
+    as its producers have run, timing every entry as it runs; (makespan, per-rank timeline of
+    (start, end, entry), critical path, busy)."""
+
+    def producers(a):
+        s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
+        if kind == F:
+            return [] if s == 0 else [(s - 1, F, k)]
+        if kind in (B, I):
+            return [(s, F, k)] if s == num_stages - 1 else [(s + 1, "grad", k)]
+        return [(s, I, k)]
+
+    finished, made_by, after = {}, {}, {}
+    position, clock = dict.fromkeys(order, 0), dict.fromkeys(order, 0.0)
+    timeline = {r: [] for r in order}
+    busy = dict.fromkeys(order, 0.0)
+    while any(position[r] < len(order[r]) for r in order):
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                entry = actions[position[rank]]
+                leaves = leaf_actions(entry)
+                needs = [p for a in leaves for p in producers(a)]
+                if any(n not in finished for n in needs):
+                    break
+                here = (rank, position[rank])
+                start, after[here] = clock[rank], (rank, here[1] - 1) if here[1] else None
+                for n in needs:
+                    if finished[n] > start:
+                        start, after[here] = finished[n], made_by[n]
+                cost = _entry_cost(entry, costs)
+                end = start + cost
+                for a in leaves:
+                    s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
+                    for key in [(s, kind, k)] + ([(s, "grad", k)] if kind in (B, I) else []):
+                        finished[key], made_by[key] = end, here
+                clock[rank], busy[rank] = end, busy[rank] + cost
+                timeline[rank].append((start, end, entry))
+                position[rank] += 1
+    last = max(order, key=clock.__getitem__)
+    chain, link = [], (last, len(order[last]) - 1)
+    while link is not None:
+        chain.append(order[link[0]][link[1]])
+        link = after[link]
+    return max(clock.values()), timeline, chain[::-1], busy
+
+
+@pytest.mark.parametrize(
+    "name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+               ("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)],
+)  # fmt: skip
+def test_the_prepared_order_times_as_the_event_loop(name: str, v: int) -> None:
+    # simulate runs each entry once in prepare's order; the event loop above sweeps the ranks.
+    # Every time is a sum of the same costs in the same order, so they agree bit for bit:
+    # start and end of every entry, the critical path (ties included) and the makespan.
+    for pp, m, heavy_ends in itertools.product((2, 3, 4), (1, 2, 3, 4, 5), (False, True)):
+        m *= 2 * pp if name == "dualpipev" else pp
+        chunks = pp * v
+        costs = [ChunkCosts(1 + 0.1 * (c * 7 % 5), 0.9 + 0.07 * (c * 3 % 4), 0.3 + 0.11 * (c % 6))
+                 for c in range(chunks)]  # fmt: skip
+        if heavy_ends:  # the embedding on the first chunk, the head and loss on the last
+            costs[0] = ChunkCosts(1.3, 0.2, 0.1)
+            costs[-1] = ChunkCosts(2.7, 3.1, 1.9)
+        order = schedule_actions(name, pp, m, v)
+        sim = simulate(order, chunks, costs, v)
+        makespan, timeline, chain, busy = _event_loop(order, chunks, costs)
+        assert sim.makespan == makespan, (pp, m, heavy_ends)
+        assert sim.timeline == {
+            r: [(start, end, str(e)) for start, end, e in entries]
+            for r, entries in timeline.items()
+        }
+        assert sim.critical_path == chain
+        assert sim.busy == busy
+        by_rank = sim.schedule.by_rank
+        assert all(sim.ends[sim.waited_for[k]] == timeline[r][i][0]
+                   for r in by_rank for i, k in enumerate(by_rank[r]))  # fmt: skip

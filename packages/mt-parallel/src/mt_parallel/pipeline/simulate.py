@@ -35,12 +35,20 @@ Outputs, for a makespan ``T`` (the last action's end, all ranks starting at 0):
   this count, with ``k_s = 0`` ``a`` times the first.
 
 If no rank can start its next action the schedule deadlocks and :class:`ValueError` says where.
+
+Computation. Whether an action can run depends on which others have run, never on when, so
+:func:`prepare` orders the entries once (each after its rank's previous entry and its
+producers) and works out the peaks and the deadlock check, which do not depend on the costs;
+:func:`simulate` is then one pass over that order, each entry ending at its cost plus the
+latest end among its rank's previous entry and its producers. The timeline and the critical
+path are read back from the ends and from which entry each waited for.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mt_parallel.pipeline.schedules import Action, B, F, I, Schedule, W, leaf_actions
 
@@ -100,6 +108,123 @@ def per_stage_costs(costs: StageCosts | None, num_stages: int) -> list[ChunkCost
     return listed
 
 
+Result = tuple[int, object, int]
+"""A result an entry produces or waits for: (stage, kind or ``"grad"``, micro-batch)."""
+
+
+def _producers(action: Action, num_stages: int) -> tuple[Result, ...]:
+    s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
+    if kind == F:
+        return () if s == 0 else ((s - 1, F, k),)
+    if kind in (B, I):
+        return ((s, F, k),) if s == num_stages - 1 else ((s + 1, "grad", k),)
+    return ((s, I, k),)
+
+
+def _results(action: Action) -> tuple[Result, ...]:
+    """What ``action`` produces (a backward also its input gradient, ``"grad"``)."""
+    s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
+    return ((s, kind, k), (s, "grad", k)) if kind in (B, I) else ((s, kind, k),)
+
+
+def _price(entry: Action) -> tuple[int, object, int | None]:
+    """``(stage, kind, None)``, or for a pair ``(forward stage, F, backward stage)``."""
+    if entry.sub_actions is None:
+        return entry.stage_index, entry.computation_type, None
+    fwd, bwd = sorted(entry.sub_actions, key=lambda a: a.computation_type != F)
+    return fwd.stage_index, F, bwd.stage_index
+
+
+def _peaks(actions: Sequence[Action]) -> tuple[int, int]:
+    """The most micro-batch chunks a rank running ``actions`` holds from ``F`` to ``I`` or
+    ``B``, and from ``F`` to ``W`` or ``B`` (each count is highest right after a forward)."""
+    to_i = to_w = peak_i = peak_w = 0
+    for entry in actions:
+        for a in leaf_actions(entry):
+            kind = a.computation_type
+            if kind == F:
+                to_i, to_w = to_i + 1, to_w + 1
+                peak_i, peak_w = max(peak_i, to_i), max(peak_w, to_w)
+            else:
+                to_i -= kind in (B, I)
+                to_w -= kind in (B, W)
+    return peak_i, peak_w
+
+
+@dataclass(frozen=True)
+class PreparedSchedule:
+    """A schedule's action lists in an order where every entry comes after its rank's previous
+    entry and its producers, for timing the same lists under many costs (:func:`prepare`).
+    Entries are numbered ``1…n`` in that order; number 0 stands for the start (time 0)."""
+
+    order: Schedule
+    num_stages: int
+    entries: tuple[Action | None, ...]
+    """Entry ``k`` at index ``k`` (index 0: None, the start)."""
+    previous: tuple[int, ...]
+    """Per entry ``1…n`` (at index ``k − 1``): its rank's previous entry, 0 for a rank's first."""
+    producers: tuple[tuple[int, ...], ...]
+    """Per entry ``1…n``: the entries whose results it waits for, in its leaves' order."""
+    price_of: tuple[int, ...]
+    """Per entry ``1…n``: its index in :attr:`prices`."""
+    prices: tuple[tuple[int, object, int | None], ...]
+    """The distinct ``(stage, kind, None)`` or ``(forward stage, F, backward stage)`` priced."""
+    by_rank: dict[int, tuple[int, ...]]
+    """Per rank: its entries' numbers in execution order."""
+    peak: dict[int, int]
+    """Per rank: the most micro-batch chunks held from ``F`` to ``I`` or ``B``."""
+    peak_until_w: dict[int, int]
+    """Per rank: the most micro-batch chunks held from ``F`` to ``W`` or ``B``."""
+
+
+def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
+    """``order`` ready to be simulated repeatedly (:func:`simulate` accepts either). When an
+    entry starts depends on its rank's previous entry and its producers only, so any order that
+    runs each after those gives the same times: this one runs a rank until it waits for a
+    result not yet made, and resumes it when that result is made. Also works out the peaks
+    (each rank's list alone decides them) and whether the lists deadlock."""
+    needs = {r: [tuple(p for a in leaf_actions(e) for p in _producers(a, num_stages))
+                 for e in actions] for r, actions in order.items()}  # fmt: skip
+    made_by: dict[Result, int] = {}  # result → number of the entry that made it
+    waiting: dict[Result, int] = {}  # result → the rank stopped for it
+    entries: list[Action | None] = [None]
+    previous: list[int] = []
+    producers: list[tuple[int, ...]] = []
+    price_of: list[int] = []
+    price_ids: dict[tuple[int, object, int | None], int] = {}
+    by_rank: dict[int, list[int]] = {rank: [] for rank in order}
+    ready = deque(order)
+    while ready:
+        rank = ready.popleft()
+        actions, ran = order[rank], by_rank[rank]
+        for position in range(len(ran), len(actions)):
+            missing = next((n for n in needs[rank][position] if n not in made_by), None)
+            if missing is not None:
+                waiting[missing] = rank
+                break
+            entry, number = actions[position], len(entries)
+            entries.append(entry)
+            previous.append(ran[-1] if ran else 0)
+            producers.append(tuple(made_by[n] for n in needs[rank][position]))
+            price_of.append(price_ids.setdefault(_price(entry), len(price_ids)))
+            ran.append(number)
+            for a in leaf_actions(entry):
+                for result in _results(a):
+                    made_by[result] = number
+                    if result in waiting:
+                        ready.append(waiting.pop(result))
+    if len(entries) <= sum(len(a) for a in order.values()):
+        stuck = {r: str(order[r][len(by_rank[r])]) for r in order
+                 if len(by_rank[r]) < len(order[r])}  # fmt: skip
+        raise ValueError(f"schedule deadlocks: each rank waits at {stuck}")
+    peaks = {rank: _peaks(actions) for rank, actions in order.items()}
+    return PreparedSchedule(
+        order, num_stages, tuple(entries), tuple(previous), tuple(producers), tuple(price_of),
+        tuple(price_ids), {r: tuple(ran) for r, ran in by_rank.items()},
+        {r: p[0] for r, p in peaks.items()}, {r: p[1] for r, p in peaks.items()},
+    )  # fmt: skip
+
+
 @dataclass
 class Simulation:
     """The timed run of a schedule (module docstring)."""
@@ -113,80 +238,32 @@ class Simulation:
     """Per rank: the most chunks held from ``F`` to ``I`` or ``B`` (module docstring)."""
     peak_activations_until_w: dict[int, float]
     """Per rank: the most chunks held from ``F`` to ``W`` or ``B`` (module docstring)."""
-    timeline: dict[int, list[tuple[float, float, str]]]
-    """Per rank: (start, end, action) in execution order."""
-    critical_path: list[Action]
-    """Entries whose costs sum to the makespan, in execution order (module docstring)."""
+    schedule: PreparedSchedule = field(repr=False)
+    ends: list[float] = field(repr=False)
+    """Per entry number (:class:`PreparedSchedule`): when it ends; index 0 the start, 0."""
+    waited_for: list[int] = field(repr=False)
+    """Per entry number: the entry whose end it started at (0: it started at 0)."""
 
+    @property
+    def timeline(self) -> dict[int, list[tuple[float, float, str]]]:
+        """Per rank: (start, end, action) in execution order."""
+        ends, waited_for, entries = self.ends, self.waited_for, self.schedule.entries
+        return {
+            rank: [(ends[waited_for[k]], ends[k], str(entries[k])) for k in numbers]
+            for rank, numbers in self.schedule.by_rank.items()
+        }
 
-def _producers(action, num_stages: int) -> list[tuple[int, object, int]]:
-    s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
-    if kind == F:
-        return [] if s == 0 else [(s - 1, F, k)]
-    if kind in (B, I):
-        return [(s, F, k)] if s == num_stages - 1 else [(s + 1, "grad", k)]
-    return [(s, I, k)]
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One entry of a rank's list with what timing it needs, worked out once."""
-
-    entry: Action
-    label: str
-    needs: tuple[tuple[int, object, int], ...]
-    """The (stage, kind, micro-batch) results it waits for."""
-    done: tuple[tuple[int, object, int], ...]
-    """The results it produces (a backward also its input gradient, ``"grad"``)."""
-    live: tuple[int, int]
-    """Change of the rank's in-flight micro-batch chunks, counted to ``I`` and to ``W``."""
-    rise: tuple[int, int] | None
-    """The most those changes reach right after one of its forwards (None: no forward)."""
-    price: tuple[int, object, int | None]
-    """``(stage, kind, None)``, or for a pair ``(forward stage, F, backward stage)``."""
-
-
-@dataclass(frozen=True)
-class PreparedSchedule:
-    """A schedule's action lists with each entry's producers, results and label worked out,
-    for timing the same lists under many costs (:func:`prepare`)."""
-
-    order: Schedule
-    num_stages: int
-    steps: dict[int, tuple[_Step, ...]]
-
-
-def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
-    """``order`` ready to be simulated repeatedly (:func:`simulate` accepts either)."""
-    steps: dict[int, tuple[_Step, ...]] = {}
-    for rank, actions in order.items():
-        prepared = []
-        for entry in actions:
-            leaves = leaf_actions(entry)
-            needs = tuple(p for a in leaves for p in _producers(a, num_stages))
-            done: list[tuple[int, object, int]] = []
-            to_i = to_w = 0
-            rise: tuple[int, int] | None = None
-            for a in leaves:
-                s, kind, k = a.stage_index, a.computation_type, a.microbatch_index
-                done.append((s, kind, k))
-                if kind in (B, I):
-                    done.append((s, "grad", k))
-                    to_i -= 1
-                if kind in (B, W):
-                    to_w -= 1
-                elif kind == F:
-                    to_i, to_w = to_i + 1, to_w + 1
-                    low_i, low_w = rise or (to_i, to_w)
-                    rise = (max(low_i, to_i), max(low_w, to_w))
-            if len(leaves) > 1:  # the forward half's stage, then the backward half's
-                fwd, bwd = sorted(leaves, key=lambda a: a.computation_type != F)
-                price = (fwd.stage_index, F, bwd.stage_index)
-            else:
-                price = (entry.stage_index, entry.computation_type, None)
-            prepared.append(_Step(entry, str(entry), needs, tuple(done), (to_i, to_w), rise, price))
-        steps[rank] = tuple(prepared)
-    return PreparedSchedule(order, num_stages, steps)
+    @property
+    def critical_path(self) -> list[Action]:
+        """Entries whose costs sum to the makespan, in execution order (module docstring)."""
+        by_rank = self.schedule.by_rank
+        last = max(by_rank, key=lambda r: self.ends[by_rank[r][-1]] if by_rank[r] else 0.0)
+        chain: list[Action] = []
+        link = by_rank[last][-1] if by_rank[last] else 0
+        while link:
+            chain.append(self.schedule.entries[link])
+            link = self.waited_for[link]
+        return chain[::-1]
 
 
 def simulate(
@@ -205,74 +282,39 @@ def simulate(
         raise ValueError(
             f"the schedule was prepared for {order.num_stages} stages, not {num_stages}"
         )
-    steps = order.steps
-    prices = [{kind: c.of(kind) for kind in (F, B, I, W)} for c in stage_costs]
-    finished: dict[tuple[int, object, int], float] = {}
-    position = dict.fromkeys(steps, 0)
-    clock = dict.fromkeys(steps, 0.0)
-    busy = dict.fromkeys(steps, 0.0)
-    live = dict.fromkeys(steps, 0)
-    peak = dict.fromkeys(steps, 0)
-    live_w = dict.fromkeys(steps, 0)  # chunks held to W
-    peak_w = dict.fromkeys(steps, 0)
-    timeline: dict[int, list[tuple[float, float, str]]] = {r: [] for r in steps}
-    made_by: dict[tuple[int, object, int], tuple[int, int]] = {}  # (rank, position) that ran it
-    after: dict[tuple[int, int], tuple[int, int] | None] = {}  # the entry an entry waited for
-    remaining = sum(len(a) for a in steps.values())
-    while remaining:
-        progressed = False
-        for rank, ranks_steps in steps.items():
-            while position[rank] < len(ranks_steps):
-                step = ranks_steps[position[rank]]
-                if any(n not in finished for n in step.needs):
-                    break
-                here = (rank, position[rank])
-                start = clock[rank]
-                after[here] = (rank, here[1] - 1) if here[1] else None
-                for n in step.needs:  # the rank's own previous entry wins a tie
-                    if finished[n] > start:
-                        start, after[here] = finished[n], made_by[n]
-                stage, kind, backward = step.price
-                if backward is None:
-                    cost = prices[stage][kind]
-                else:
-                    cost = stage_costs[stage].pair(stage_costs[backward])
-                end = start + cost
-                for key in step.done:
-                    finished[key] = end
-                    made_by[key] = here
-                if step.rise is not None:
-                    peak[rank] = max(peak[rank], live[rank] + step.rise[0])
-                    peak_w[rank] = max(peak_w[rank], live_w[rank] + step.rise[1])
-                live[rank] += step.live[0]
-                live_w[rank] += step.live[1]
-                clock[rank], busy[rank] = end, busy[rank] + cost
-                timeline[rank].append((start, end, step.label))
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {
-                r: ranks_steps[position[r]].label
-                for r, ranks_steps in steps.items()
-                if position[r] < len(ranks_steps)
-            }
-            raise ValueError(f"schedule deadlocks: each rank waits at {stuck}")
+    priced = [
+        stage_costs[stage].of(kind) if backward is None
+        else stage_costs[stage].pair(stage_costs[backward])
+        for stage, kind, backward in order.prices
+    ]  # fmt: skip
+    entry_costs = [priced[i] for i in order.price_of]
+    ends = [0.0]
+    waited_for = [0]
+    # each entry starts at the latest end of its rank's previous entry and its producers; the
+    # rank's own previous entry wins a tie, so the critical path stays on a rank where it can
+    for previous, producers, cost in zip(order.previous, order.producers, entry_costs, strict=True):
+        start, after = ends[previous], previous
+        for p in producers:
+            if ends[p] > start:
+                start, after = ends[p], p
+        ends.append(start + cost)
+        waited_for.append(after)
+    busy = {}
+    clock = {}
+    for rank, numbers in order.by_rank.items():
+        total = 0.0
+        for k in numbers:
+            total += entry_costs[k - 1]
+        busy[rank], clock[rank] = total, ends[numbers[-1]] if numbers else 0.0
     makespan = max(clock.values())
-    total_busy = sum(busy.values())
-    last = max(steps, key=clock.__getitem__)
-    chain: list[Action] = []
-    link = (last, len(steps[last]) - 1) if steps[last] else None
-    while link is not None:
-        chain.append(steps[link[0]][link[1]].entry)
-        link = after[link]
     return Simulation(
         makespan=makespan,
         busy=busy,
-        bubble_fraction=1.0 - total_busy / (len(steps) * makespan),
+        bubble_fraction=1.0 - sum(busy.values()) / (len(busy) * makespan),
         idle={r: makespan - b for r, b in busy.items()},
-        peak_activations={r: n / chunks_per_rank for r, n in peak.items()},
-        peak_activations_until_w={r: n / chunks_per_rank for r, n in peak_w.items()},
-        timeline=timeline,
-        critical_path=chain[::-1],
+        peak_activations={r: n / chunks_per_rank for r, n in order.peak.items()},
+        peak_activations_until_w={r: n / chunks_per_rank for r, n in order.peak_until_w.items()},
+        schedule=order,
+        ends=ends,
+        waited_for=waited_for,
     )
