@@ -147,7 +147,8 @@ def run(layer, x, dy, sizes, through, autocast=False):
         else:
             y = layer(x, sizes)
     y.backward(dy.to(y.dtype))
-    return {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}
+    db = None if layer.bias is None else layer.bias.grad
+    return {"y": y, "dx": x.grad, "dw": layer.weight.grad, "db": db}
 
 
 def dequantized(x, fmt, layout):
@@ -276,6 +277,13 @@ def test_bad_calls_are_refused():
         fp8_grouped_linear(x, layer.weight, None, SIZES, plan)
     with pytest.raises(ValueError, match="must be 5 non-negative ints summing to the 305 tokens"):
         fp8_block_grouped_linear(x, layer.weight, None, SIZES[:-1], plan)
+    for sizes, got in (
+        (torch.tensor(SIZES[:-1]), r"got shape \(4,\) torch.int64 on cpu"),
+        (torch.tensor(SIZES, dtype=torch.float32), r"got shape \(5,\) torch.float32 on cpu"),
+        (torch.tensor(SIZES, device="meta"), r"got shape \(5,\) torch.int64 on meta"),
+    ):
+        with pytest.raises(ValueError, match=r"must be 5 int32 or int64 counts on cpu .*" + got):
+            fp8_block_grouped_linear(x, layer.weight, None, sizes, plan)
     narrow = torch.empty(len(SIZES), 192, K)
     with pytest.raises(ValueError, match=r"K and N divisible by 128.*N=192"):
         fp8_block_grouped_linear(x, narrow, None, SIZES, plan)
@@ -298,6 +306,38 @@ def test_tables_from_the_host_sizes():
         *(3, 165, 293),
         *(3, 293, 305),
     ]
+
+
+# Edge cases of the device-built tables: the module's, one expert with every token, experts
+# one past a group (the padded-token bound is then reached exactly), all aligned, none at all.
+TABLE_SIZES = [SIZES, MX_SIZES, [0, 0, 300, 0], [129, 1, 257, 33], [128, 0, 256], [0, 0]]
+
+
+@pytest.mark.parametrize("sizes", TABLE_SIZES, ids=lambda sizes: "-".join(map(str, sizes)))
+@pytest.mark.parametrize("group", [128, 32])
+def test_tables_on_the_device_are_the_host_tables(sizes, group):
+    """The tile table, segment starts and token columns built from a tensor of sizes hold the
+    host-built ones, in buffers of the host-known bounds (grouped_block: device group sizes)."""
+    pytest.importorskip("triton")
+    k = kernels()
+    tokens, experts = sum(sizes), len(sizes)
+    sizes_E = torch.tensor(sizes)
+    tiles = k.device_row_tiles(sizes_E, tokens)
+    host_tiles = k.row_tiles(sizes)
+    assert tiles.dtype == torch.int32 and tiles.numel() == 3 * k.max_row_tiles(tokens, experts)
+    assert tiles[: len(host_tiles)].tolist() == host_tiles
+    assert not tiles[len(host_tiles) :].any()  # the closing entries own no rows
+    starts = k.device_padded_starts(sizes_E, group)
+    assert starts.dtype == torch.int32 and starts.tolist() == k.padded_starts(sizes, group)
+    bound = k.max_padded_tokens(tokens, experts, group)
+    assert bound % group == 0 and starts[-1] <= bound
+    if all(size % group == 1 for size in sizes):
+        assert starts[-1] == bound  # the bound is tight
+    host = _TokenSegments.of(sizes, torch.device("cpu"), group)
+    on_device = _TokenSegments.on_device(sizes_E, tokens, group)
+    assert torch.equal(on_device.starts, host.starts) and on_device.padded_tokens == bound
+    expected = torch.arange(tokens) if host.dest_T is None else host.dest_T
+    assert torch.equal(on_device.dest_T, expected)
     assert kernels().padded_starts([37, 0, 128, 140, 0]) == [0, 128, 128, 256, 512, 512]
     assert kernels().padded_starts(MX_SIZES, 32) == [0, 32, 32, 128, 256, 320, 320]
 
@@ -409,9 +449,21 @@ def test_grouped_operands_are_the_loops(device, formats, dtype, recipe):
     starts = kernels().padded_starts(sizes, group)
     assert segments.padded_tokens == starts[-1] and segments.dest_T is not None
     assert torch.equal(segments.starts.cpu(), torch.tensor(starts, dtype=torch.int32))
+    # Device group sizes: the same segments in the bound's columns, built on the device.
+    sizes_E = torch.tensor(sizes, device=device)
+    device_segments = _TokenSegments.on_device(sizes_E, sum(sizes), group)
+    bound = kernels().max_padded_tokens(sum(sizes), len(sizes), group)
     for role, values in ((TensorRole.INPUT, x), (TensorRole.GRAD_OUTPUT, dy)):
         columns = segments.quantize(plan, values, role)
         assert columns.data.shape == (values.shape[1], starts[-1])
+        device_columns = device_segments.quantize(plan, values, role)
+        assert device_columns.data.shape == (values.shape[1], bound) and bound > starts[-1]
+        assert_same(
+            device_columns.data[:, : starts[-1]],
+            device_columns.scale[:, : starts[-1] // group],
+            columns.data,
+            columns.scale,
+        )
         start = 0
         for e, size in enumerate(sizes):
             begin, end = starts[e], starts[e + 1]
@@ -492,6 +544,39 @@ def test_grouped_matches_loop_and_float64(case, monkeypatch):
             assert torch.equal(grouped["dw"][e], torch.zeros(n, k, dtype=dtype))
 
 
+class Unread(torch.Tensor):
+    """Group sizes whose values the host must not read (as reading a CUDA tensor's waits for
+    the device); every tensor computed from them is one too."""
+
+    def _read(self, *args, **kwargs):
+        raise AssertionError("the group sizes (or a tensor computed from them) were read")
+
+    tolist = item = __iter__ = __int__ = __index__ = __bool__ = __float__ = _read
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("device", DEVICES)
+@FORMATS_AND_DTYPES
+def test_device_group_sizes_give_the_host_sizes_bits(device, formats, dtype, recipe, monkeypatch):
+    """The grouped call given its group sizes as a tensor on the tokens' device (tables built
+    there, in buffers of host-known bounds) never reads them and returns the host-sizes call's
+    y, dx and dW bit for bit, the idle experts' zero dW included; with a bias too (whose
+    gradient reads the sizes: grouped_block, device group sizes)."""
+    if device == "cpu":
+        monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
+    sizes, k, n = SHAPES[recipe]
+    for bias in (False, True):
+        layer = make_layer(len(sizes), k, n, formats, dtype, device, bias=bias, recipe=recipe)
+        x, dy = make_inputs(sizes, k, n, dtype, device)
+        sizes_E = torch.tensor(sizes, device=device)
+        host = run(layer, x, dy, sizes, "function")
+        on_device = run(layer, x, dy, sizes_E if bias else sizes_E.as_subclass(Unread), "function")
+        assert host.keys() == on_device.keys()
+        for name, value in host.items():
+            assert value is None or torch.equal(value, on_device[name]), name
+        assert not host["dw"][1].any()
+
+
 @interpreted
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grouped_health_counts_are_the_loops(recipe, monkeypatch):
@@ -522,38 +607,43 @@ class AtenOpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_call(experts, recipe):
-    """Aten ops of one forward + backward (no bias: its gradient is one sum per expert)."""
+def ops_per_call(experts, recipe, device_sizes):
+    """Aten ops of one forward + backward (no bias: its gradient is one sum per expert), the
+    group sizes given as host ints or as a tensor."""
     sizes = [16 * (e % 3) + e % 5 for e in range(experts)]  # some empty, most partial groups
     layer = make_layer(experts, 128, 128, HYBRID, torch.bfloat16, "cpu", bias=False, recipe=recipe)
     x, dy = make_inputs(sizes, 128, 128, torch.bfloat16, "cpu")
     x.requires_grad_()
     plan = layer.linear_plan(x, None)
+    group_sizes = torch.tensor(sizes) if device_sizes else sizes
     counter = AtenOpCount()
     with counter:
-        y = fp8_block_grouped_linear(x, layer.weight, None, sizes, plan)
+        y = fp8_block_grouped_linear(x, layer.weight, None, group_sizes, plan)
         y.backward(dy)
     assert x.grad is not None and layer.weight.grad is not None
     return counter.count
 
 
 @interpreted
+@pytest.mark.parametrize("device_sizes", [False, True], ids=["host-sizes", "device-sizes"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe, monkeypatch):
+def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe, device_sizes, monkeypatch):
     monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
-    assert ops_per_call(4, recipe) == ops_per_call(24, recipe)
+    assert ops_per_call(4, recipe, device_sizes) == ops_per_call(24, recipe, device_sizes)
 
 
+@pytest.mark.parametrize("device_sizes", [False, True], ids=["host-sizes", "device-sizes"])
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("device", DEVICES)
 @FORMATS_AND_DTYPES
 def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
-    device, formats, dtype, recipe, monkeypatch
+    device, formats, dtype, recipe, device_sizes, monkeypatch
 ):
     """With a ``wgrad_sink`` (zero-bubble pipelines) the grouped block backward returns ``dx``
     and queues the k-grouped wgrad GEMM and the bias gradient: nothing on the parameters until
     the queue runs, then the fused backward's bit for bit (the same operands and kernel),
-    accumulated over two micro-batches, idle experts included."""
+    accumulated over two micro-batches, idle experts included; the group sizes as host ints or
+    as a tensor on the device (which the queued bias gradient then holds)."""
     if device == "cpu":
         monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # as above; the GEMMs stay Triton
     sizes, k, n = SHAPES[recipe]
@@ -567,7 +657,8 @@ def test_weight_gradients_deferred_to_a_sink_equal_the_fused_ones(
             x, dy = make_inputs(sizes, k, n, dtype, device)
             x = (x * scale).requires_grad_()
             plan = layer.linear_plan(x, layer.grouped_weight_cache)
-            fp8_block_grouped_linear(x, layer.weight, layer.bias, sizes, plan).backward(dy)
+            group_sizes = torch.tensor(sizes, device=device) if device_sizes else sizes
+            fp8_block_grouped_linear(x, layer.weight, layer.bias, group_sizes, plan).backward(dy)
             dxs.append(x.grad)
         if sink is not None:
             assert layer.weight.grad is None and layer.bias.grad is None and len(sink) == 2
@@ -626,17 +717,20 @@ def test_grouped_matches_loop_on_cuda(formats, dtype, autocast, recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("device_sizes", [False, True], ids=["host-sizes", "device-sizes"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_grouped_call_does_not_synchronize_on_cuda(recipe):
-    # Group sizes as host ints: a forward + backward waits for the device nowhere (CUDA's sync
-    # debug mode raises on a blocking copy, .item() or nonzero).
+def test_grouped_call_does_not_synchronize_on_cuda(recipe, device_sizes):
+    # Group sizes as host ints or as a CUDA tensor (read on the device): a forward + backward
+    # waits for the device nowhere (CUDA's sync debug mode raises on a blocking copy, .item(),
+    # .tolist() or nonzero).
     sizes = gpu_sizes()
     layer = make_layer(
         GPU_E, GPU_K, GPU_N, HYBRID, torch.bfloat16, "cuda", bias=False, recipe=recipe
     )
     x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
     x.requires_grad_()
-    step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
+    group_sizes = torch.tensor(sizes, device="cuda") if device_sizes else sizes
+    step = lambda: layer(x, group_sizes).backward(dy)  # noqa: E731
     step()  # the weight cache fills, Triton kernels compile
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
@@ -647,3 +741,19 @@ def test_grouped_call_does_not_synchronize_on_cuda(recipe):
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_device_group_sizes_give_the_host_sizes_bits_on_cuda(recipe):
+    """At DeepSeek-V2-Lite's expert shape, through the layer: a CUDA tensor of group sizes
+    gives the host ints' y, dx and dW bit for bit (the tables hold the same tiles and segments)."""
+    sizes = gpu_sizes()
+    layer = make_layer(
+        GPU_E, GPU_K, GPU_N, HYBRID, torch.bfloat16, "cuda", bias=False, recipe=recipe
+    )
+    x, dy = make_inputs(sizes, GPU_K, GPU_N, torch.bfloat16, "cuda")
+    host = run(layer, x, dy, sizes, "layer")
+    on_device = run(layer, x, dy, torch.tensor(sizes, device="cuda"), "layer")
+    for name in ("y", "dx", "dw"):
+        assert torch.equal(host[name], on_device[name]), name

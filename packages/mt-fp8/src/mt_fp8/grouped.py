@@ -257,6 +257,34 @@ def gemm_reason(
     return None
 
 
+def check_group_sizes(
+    group_sizes: Sequence[int] | torch.Tensor, groups: int, x_TK: torch.Tensor
+) -> list[int] | torch.Tensor:
+    """``group_sizes`` checked: host ints as ``groups`` non-negative ints summing to the tokens
+    (returned as a list), a tensor as ``groups`` int32 or int64 counts on the tokens' device
+    (returned as it is; its values stay unread, as reading them would wait for the device)."""
+    tokens = x_TK.shape[0]
+    if isinstance(group_sizes, torch.Tensor):
+        if (
+            tuple(group_sizes.shape) != (groups,)
+            or group_sizes.dtype not in (torch.int32, torch.int64)
+            or group_sizes.device != x_TK.device
+        ):
+            raise ValueError(
+                f"group_sizes as a tensor must be {groups} int32 or int64 counts on {x_TK.device} "
+                f"(the tokens' device), got shape {tuple(group_sizes.shape)} {group_sizes.dtype} "
+                f"on {group_sizes.device}"
+            )
+        return group_sizes
+    sizes = [int(s) for s in group_sizes]
+    if len(sizes) != groups or sum(sizes) != tokens or any(s < 0 for s in sizes):
+        raise ValueError(
+            f"group_sizes must be {groups} non-negative ints summing to the {tokens} tokens, "
+            f"got {sizes}"
+        )
+    return sizes
+
+
 def _device_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return (

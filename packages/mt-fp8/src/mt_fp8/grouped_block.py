@@ -42,18 +42,34 @@ quantize`: the Triton kernels of :mod:`mt_fp8.kernels.block_quantize` on CUDA):
 * ``xᵀ`` and ``dyᵀ`` (wgrad, quantized along the tokens): the loop quantizes each expert's
   ``x_eᵀ`` zero-padded to ``P_e = ceil(T_e / g) · g`` tokens, in 1×g groups from the expert's
   first token. Here one scatter puts every expert's tokens at the start of its own segment of
-  ``P_e`` columns of a zero ``(P, C)`` buffer (``P = Σ P_e``; skipped when every ``T_e`` is a
-  multiple of g), and one column quantization
-  (:meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`) cuts it into 1×g groups along
-  P. Every group lies inside one segment and holds the same values as the loop's group plus
+  ``P_e`` columns of a zero ``(P, C)`` buffer (``P = Σ P_e``, or its bound with device group
+  sizes, below; skipped when every host ``T_e`` is a multiple of g), and one column
+  quantization (:meth:`~mt_fp8.linear_plan.LinearPlan.quantize_transposed`) cuts it into 1×g
+  groups along P. Every group lies inside one segment and holds the same values as the loop's group plus
   zeros (the loop's padding is zeros too), and zeros change no amax, so scales and bytes are
   the loop's, the last partial group of each expert included; no group is all padding, as the
   kernel's step is the group. An expert with no tokens has an empty segment; its ``dW_e`` is
   written as zeros by the kernel.
 
-The kernels' tables come from the host's group sizes (``plan.sizes``: Python ints) and reach the
-device by non-blocking copies (:func:`mt_fp8.grouped._host_ints`): the host reads nothing from
-the device. Health counts (``track_health``): the row casts of ``x``, ``dy`` and the stacked
+Group sizes. The kernels' tables (the 2d × 3d tile table, the wgrad segment starts and each
+token's padded column) come from the group sizes in either form the call takes them:
+
+* Host ints: built on the host, exact (P = Σ P_e, no scatter when no expert needs padding),
+  and copied to the device without waiting (:func:`mt_fp8.grouped._host_ints`).
+* An integer tensor on the tokens' device (mt-parallel's MoE experts pass the router's
+  counts): built there, by a number of kernels that depends on neither E nor the counts, in
+  buffers whose sizes the host knows without reading the counts.
+  The tile table has ``ceil(T / 128) + E`` entries (``Σ ceil(T_e / 128) <= T / 128 + E``,
+  :func:`~mt_fp8.kernels.grouped_block_gemm.device_row_tiles`): the experts' tiles in the
+  host table's order, then ``(0, 0, 0)`` entries, whose programs run no steps and store
+  nothing. The wgrad operands have ``P = floor((T + E·(g - 1)) / g) · g`` padded tokens
+  (``Σ P_e <= T + E·(g - 1)``, a multiple of g), every token scattered to its segment and the
+  columns past the last segment zeros, which the k-grouped kernel never reads. The segments
+  and tiles hold what the host-built ones hold, so bytes, scales and outputs are the same bits.
+
+Either way the host reads nothing from the device, with one exception: a bias gradient with
+device sizes, which sums each expert's rows as the loop does (a slice per expert), reads the
+sizes to the host once in the backward (mt-parallel's experts have no bias). Health counts (``track_health``): the row casts of ``x``, ``dy`` and the stacked
 weight count them, transposed operands nothing, as in the loop (which counts the weights of
 experts with tokens only). Output dtypes are the loop's: ``y`` in the plan's output dtype (bias
 added in the fp32 epilogue), ``dx`` in the input's dtype, ``dW`` in the weight's, each rounded
@@ -76,7 +92,7 @@ from typing import Any
 import torch
 
 from mt_fp8.formats import TensorRole
-from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands
+from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands, check_group_sizes
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe
@@ -119,6 +135,8 @@ class _TokenSegments:
 
     @classmethod
     def of(cls, sizes: Sequence[int], device: torch.device, group: int) -> _TokenSegments:
+        """The segments of host sizes: P exact, no scatter where every size is a multiple of
+        g."""
         from mt_fp8.kernels.grouped_block_gemm import padded_starts
 
         starts = padded_starts(sizes, group)
@@ -133,6 +151,21 @@ class _TokenSegments:
             dest_T = torch.arange(sum(sizes), device=device) + shift_T
         return cls(_host_ints(starts, torch.int32, device), starts[-1], dest_T)
 
+    @classmethod
+    def on_device(cls, sizes_E: torch.Tensor, tokens: int, group: int) -> _TokenSegments:
+        """The segments of device sizes (summing to ``tokens``), computed there: P is the
+        bound :func:`~mt_fp8.kernels.grouped_block_gemm.max_padded_tokens` and every token is
+        scattered (module docstring: device group sizes)."""
+        from mt_fp8.kernels.grouped_block_gemm import device_padded_starts, max_padded_tokens
+
+        starts = device_padded_starts(sizes_E, group)
+        sizes = sizes_E.to(torch.int64)
+        # Each token moves by its expert's padding so far: segment start less first token.
+        shift_E = starts[:-1].to(torch.int64) - (torch.cumsum(sizes, 0) - sizes)
+        shift_T = shift_E.repeat_interleave(sizes, output_size=tokens)
+        dest_T = torch.arange(tokens, device=sizes.device) + shift_T
+        return cls(starts, max_padded_tokens(tokens, sizes.numel(), group), dest_T)
+
     def quantize(self, plan: LinearPlan, x_TC: torch.Tensor, role: TensorRole) -> QuantizedTensor:
         """``xᵀ`` (C, P) in 1×g groups along the padded tokens: every expert's ``x_eᵀ`` as
         the loop quantizes it, side by side (module docstring)."""
@@ -143,10 +176,25 @@ class _TokenSegments:
         return plan.quantize_transposed(padded, None, role)
 
 
-def _row_tiles(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    from mt_fp8.kernels.grouped_block_gemm import row_tiles
+GroupSizes = list[int] | torch.Tensor
+"""Tokens per expert: host ints, or an integer tensor on the tokens' device (module
+docstring: device group sizes)."""
 
+
+def _row_tiles(sizes: GroupSizes, tokens: int, device: torch.device) -> torch.Tensor:
+    from mt_fp8.kernels.grouped_block_gemm import device_row_tiles, row_tiles
+
+    if isinstance(sizes, torch.Tensor):
+        return device_row_tiles(sizes, tokens)
     return _host_ints(row_tiles(sizes), torch.int32, device)
+
+
+def _token_segments(
+    sizes: GroupSizes, tokens: int, device: torch.device, group: int
+) -> _TokenSegments:
+    if isinstance(sizes, torch.Tensor):
+        return _TokenSegments.on_device(sizes, tokens, group)
+    return _TokenSegments.of(sizes, device, group)
 
 
 class FP8BlockGroupedLinearFunction(torch.autograd.Function):
@@ -160,13 +208,14 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         weight_ENK: torch.Tensor,
         bias_EN: torch.Tensor | None,
         plan: LinearPlan,
-        sizes: list[int],
+        sizes: GroupSizes,
     ) -> torch.Tensor:
         from mt_fp8.kernels.grouped_block_gemm import grouped_block_mm
 
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         steps = _Steps.of(plan.recipe)
-        tiles = _row_tiles(sizes, x_TK.device)
+        tokens = x_TK.shape[0]
+        tiles = _row_tiles(sizes, tokens, x_TK.device)
         x_q = plan.quantize(x_TK, TensorRole.INPUT, record=True)
         weight, weight_t = _weight_operands(plan, weight_ENK, need_transpose=need_dx)
         bias = None if bias_EN is None else bias_EN.to(plan.out_dtype)
@@ -183,7 +232,7 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
         )
         saved = [tiles]
         if need_dw:
-            segments = _TokenSegments.of(sizes, x_TK.device, steps.group)
+            segments = _token_segments(sizes, tokens, x_TK.device, steps.group)
             x_t = segments.quantize(plan, x_TK, TensorRole.INPUT)
             saved += [x_t.data, x_t.scale]
             ctx.segments = segments
@@ -229,13 +278,15 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
                             w_dtype,
                             steps.group,
                         )
-                    if need_db:
-                        db = _bias_gradient(dy_TN, sizes, b_dtype)
+                    if need_db:  # host sizes: the loop's sum per expert (module docstring)
+                        host = sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+                        db = _bias_gradient(dy_TN, host, b_dtype)
                 return dw, db
 
             sink = plan.wgrad_sink if need_dw or need_db else None
             operands = (dy_t.data, dy_t.scale, x_t_data, x_t_scale, segments.starts)
-            holds = (dy_TN, *(operands if need_dw else ()))
+            device_sizes = sizes if need_db and isinstance(sizes, torch.Tensor) else None
+            holds = (dy_TN, device_sizes, *(operands if need_dw else ()))
             dw, db = weight_gradients_or_deferred(sink, ctx.params, weight_gradients, holds)
             if need_dx:
                 weight_t_data, weight_t_scale = saved.pop(0), saved.pop(0)
@@ -259,23 +310,21 @@ def fp8_block_grouped_linear(
     x_TK: torch.Tensor,
     weight_ENK: torch.Tensor,
     bias_EN: torch.Tensor | None,
-    group_sizes: Sequence[int],
+    group_sizes: Sequence[int] | torch.Tensor,
     plan: LinearPlan,
 ) -> torch.Tensor:
     """``y[group e] = x[group e] W_eᵀ + b_e`` with the grouped block-scaled FP8 GEMMs.
 
-    ``plan.recipe`` is a :class:`~mt_fp8.recipes.BlockScaling` with 128-long groups and blocks
-    or an :class:`~mt_fp8.recipes.MXFP8Scaling`, ``plan.weight_cache`` the layer's grouped
-    weight cache (or None); the caller checks the device with
+    ``group_sizes``: E host ints, or an integer tensor of E counts on ``x_TK``'s device, read
+    there (module docstring: device group sizes; that they are non-negative and sum to T is
+    then the caller's to ensure, as checking would read them). ``plan.recipe`` is a
+    :class:`~mt_fp8.recipes.BlockScaling` with 128-long groups and blocks or an
+    :class:`~mt_fp8.recipes.MXFP8Scaling`, ``plan.weight_cache`` the layer's grouped weight
+    cache (or None); the caller checks the device with
     :func:`~mt_fp8.grouped.grouped_gemm_reason`.
     """
-    sizes = [int(s) for s in group_sizes]
     experts, out_features, in_features = weight_ENK.shape
-    if len(sizes) != experts or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
-        raise ValueError(
-            f"group_sizes must be {experts} non-negative ints summing to the "
-            f"{x_TK.shape[0]} tokens, got {sizes}"
-        )
+    sizes = check_group_sizes(group_sizes, experts, x_TK)
     steps = _Steps.of(plan.recipe)
     if in_features % steps.group or out_features % steps.group:
         unit = "1x32 groups of W and Wᵀ" if steps.weight_row_scales else "weight blocks per expert"

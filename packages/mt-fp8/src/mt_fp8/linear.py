@@ -54,7 +54,7 @@ from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
 from mt_fp8.functional import fp8_linear, fp8_swiglu_linear
 from mt_fp8.gemm import BACKENDS
-from mt_fp8.grouped import fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.grouped import check_group_sizes, fp8_grouped_linear, grouped_gemm_reason
 from mt_fp8.grouped_block import fp8_block_grouped_linear
 from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
 from mt_fp8.ops.dispatch import compiler_disable
@@ -230,8 +230,13 @@ class FP8Linear(_FP8LayerMixin, nn.Linear):
 class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
     """``E`` weight matrices applied to ``E`` contiguous token groups in one call (MoE experts).
 
-    ``forward(x_TK, group_sizes)`` takes tokens sorted by group and ``group_sizes`` (E ints,
-    summing to T) and returns ``y_TN`` with ``y[group e] = x[group e] · weight[e]ᵀ + bias[e]``.
+    ``forward(x_TK, group_sizes)`` takes tokens sorted by group and ``group_sizes`` (E ints
+    summing to T, or an int32/int64 tensor of them) and returns ``y_TN`` with
+    ``y[group e] = x[group e] · weight[e]ᵀ + bias[e]``. A tensor on the tokens' device is read
+    there by the grouped block-scaled and MXFP8 path (no device-to-host read, so the host
+    queues the call without waiting for the kernels that computed the sizes); the other paths
+    (tensorwise and rowwise, the loop) need host ints and read it to the host first, which
+    waits for the device.
 
     Two implementations with the same FP8 operands (same bytes, same scales):
 
@@ -297,6 +302,20 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         reason = grouped_gemm_reason(x_TK, weight, sizes, self.recipe, self.backend, torch.bfloat16)
         return reason is None
 
+    def reads_sizes_on_device(self, x_TK: torch.Tensor) -> bool:
+        """Whether a call on ``x_TK`` reads a tensor of group sizes on the device (the grouped
+        block-scaled and MXFP8 path) rather than reading it to the host first (class
+        docstring), judged from the recipe in force (an ``fp8_autocast`` override included),
+        the backend, the device and the shapes."""
+        state = current_fp8_state()
+        if state is not None and not state.enabled:
+            return False
+        recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
+        if not isinstance(recipe, (BlockScaling, MXFP8Scaling)):
+            return False
+        reason = grouped_gemm_reason(x_TK, self.weight, (), recipe, self.backend, x_TK.dtype)
+        return reason is None
+
     @property
     def expert_weight_caches(self) -> tuple[WeightCache, ...]:
         """Each expert's cached FP8 weight, for the per-expert loop (class docstring)."""
@@ -326,25 +345,27 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         gradient is summed over the TP group); its FP8 copies are cached under the parameter
         the view belongs to (``weight_cache.weight_owner``)."""
         weight = self.weight if weight is None else weight
-        sizes = [
-            int(s) for s in (group_sizes.tolist() if torch.is_tensor(group_sizes) else group_sizes)
-        ]
-        if len(sizes) != self.num_groups or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
-            raise ValueError(
-                f"group_sizes must be {self.num_groups} non-negative ints summing to the "
-                f"{x_TK.shape[0]} tokens, got {sizes}"
-            )
+        if torch.is_tensor(group_sizes) and group_sizes.device.type == "cpu":
+            group_sizes = group_sizes.tolist()  # host memory: reading it waits for nothing
+        sizes = check_group_sizes(group_sizes, self.num_groups, x_TK)
         plan = self.linear_plan(x_TK, self._grouped_weight_cache)
         if plan is not None:
             if weight is not self.weight:  # a view's gradient must pass through autograd
                 plan = dataclasses.replace(plan, wgrad_sink=None)
-            reason = grouped_gemm_reason(
-                x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
-            )
-            if reason is None and isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):
-                return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
-            if reason is None:
-                return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
+            if isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):  # reads no sizes
+                reason = grouped_gemm_reason(
+                    x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
+                )
+                if reason is None:  # device sizes read on the device (mt_fp8.grouped_block)
+                    return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
+            else:
+                sizes = self._host_sizes(sizes, x_TK)
+                reason = grouped_gemm_reason(
+                    x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
+                )
+                if reason is None:
+                    return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
+        sizes = self._host_sizes(sizes, x_TK)
         outputs = []
         # NOTE: one unbind, not E indexings: each ``weight[e]``'s backward is a zero tensor of the
         # whole [E, N, K] shape plus an add, E² work; unbind's backward stacks the E gradients.
@@ -365,6 +386,13 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 plan = dataclasses.replace(plan, wgrad_sink=None)
                 outputs.append(fp8_linear(x_e, weights[expert], bias, plan))
         return torch.cat(outputs)
+
+    def _host_sizes(self, sizes: list[int] | torch.Tensor, x_TK: torch.Tensor) -> list[int]:
+        """``sizes`` as host ints: a device tensor is read, waiting for the device (the paths
+        that need host sizes, class docstring)."""
+        if isinstance(sizes, torch.Tensor):
+            return check_group_sizes(sizes.tolist(), self.num_groups, x_TK)  # type: ignore[return-value]
+        return sizes
 
     def extra_repr(self) -> str:
         return (

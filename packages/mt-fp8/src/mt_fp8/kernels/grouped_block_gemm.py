@@ -109,14 +109,16 @@ def _rows_by_experts(
     cols = tile_y * BLOCK_Y + tl.arange(0, BLOCK_Y)
     ks = tl.arange(0, BLOCK_Z)
     row_mask, col_mask = rows < row_end, cols < Y
-    steps = Z // BLOCK_Z
+    # The (0, 0, 0) entries that close a table built on the device own no rows: no steps.
+    groups = Z // BLOCK_Z
+    steps = tl.where(row_end > row_start, groups, 0)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * Z + ks[None, :]
     b_ptrs = b_ptr + expert * Y * Z + cols.to(tl.int64)[:, None] * Z + ks[None, :]
-    sa_ptrs = sa_ptr + rows.to(tl.int64) * steps
+    sa_ptrs = sa_ptr + rows.to(tl.int64) * groups
     if B_ROW_SCALES:  # one scale per 1 × BLOCK_Z group of b: expert e's row c
-        sb_ptrs = sb_ptr + (expert * Y + cols) * steps
+        sb_ptrs = sb_ptr + (expert * Y + cols) * groups
     else:  # one per BLOCK_Z × BLOCK_Z block of b: expert e's block row of output column c
-        sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * steps
+        sb_ptrs = sb_ptr + (expert * (Y // BLOCK_Z) + cols // BLOCK_Z) * groups
     acc = block_scaled_steps(
         a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, row_mask, col_mask, steps, MIXED, tl.float16, BLOCK_Z
     )
@@ -183,6 +185,48 @@ def padded_starts(sizes: Sequence[int], group: int = GROUP) -> list[int]:
     for size in sizes:
         starts.append(starts[-1] + -(-size // group) * group)
     return starts
+
+
+def max_row_tiles(tokens: int, experts: int) -> int:
+    """The most tiles :func:`row_tiles` gives ``tokens`` tokens over ``experts`` experts
+    (``Σ ceil(T_e / ROW_TILE) <= T / ROW_TILE + E``): the length of :func:`device_row_tiles`."""
+    return -(-tokens // ROW_TILE) + experts
+
+
+def device_row_tiles(sizes_E: torch.Tensor, tokens: int) -> torch.Tensor:
+    """:func:`row_tiles` computed on ``sizes_E``'s device from the E token counts there
+    (summing to ``tokens``), as an int32 tensor of :func:`max_row_tiles` entries: the table's
+    tiles in order, then ``(0, 0, 0)`` entries, which own no rows (module docstring)."""
+    experts = sizes_E.numel()
+    sizes = sizes_E.to(torch.int64)
+    tiles_E = (sizes + ROW_TILE - 1) // ROW_TILE
+    tile_ends_E = torch.cumsum(tiles_E, 0)
+    row_ends_E = torch.cumsum(sizes, 0)
+    tile = torch.arange(max_row_tiles(tokens, experts), device=sizes.device)
+    # The expert of each tile: the number of experts whose tiles all come before it (experts
+    # without tokens end where the one before them ends, so they own no tile); E past the last.
+    expert = torch.searchsorted(tile_ends_E, tile, right=True)
+    owned = expert < experts
+    expert = expert.clamp(max=experts - 1)
+    first_tile = tile_ends_E[expert] - tiles_E[expert]
+    row_start = row_ends_E[expert] - sizes[expert] + (tile - first_tile) * ROW_TILE
+    row_end = torch.minimum(row_start + ROW_TILE, row_ends_E[expert])
+    table = torch.stack([expert, row_start, row_end], dim=1) * owned[:, None]
+    return table.to(torch.int32).reshape(-1)
+
+
+def max_padded_tokens(tokens: int, experts: int, group: int = GROUP) -> int:
+    """The most padded tokens :func:`padded_starts` gives ``tokens`` tokens over ``experts``
+    experts: ``Σ ceil(T_e / g) · g <= T + E·(g - 1)``, a multiple of g, so at most that bound
+    rounded down to one."""
+    return (tokens + experts * (group - 1)) // group * group
+
+
+def device_padded_starts(sizes_E: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """:func:`padded_starts` computed on ``sizes_E``'s device, as E + 1 int32 offsets."""
+    padded_E = (sizes_E.to(torch.int64) + group - 1) // group * group
+    starts = torch.cumsum(padded_E, 0)
+    return torch.cat([starts.new_zeros(1), starts]).to(torch.int32)
 
 
 def _check_group(group: int) -> None:
