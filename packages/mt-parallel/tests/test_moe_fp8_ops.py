@@ -1,7 +1,8 @@
 """The FP8 MoE layer's work does not grow with the number of experts: aten ops and host reads
 of one forward + backward at E=4 and E=32, with the grouped FP8 path forced on the CPU (its
 device check passed, the grouped kernel replaced by a one-op stand-in: the operands around it
-are what count) and routed group sizes that are not multiples of 16."""
+are what count) and routed group sizes that are not multiples of 16. Under block scaling the
+grouped path reads the group sizes on the device: no host read beyond the bf16 layer's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import mt_fp8.linear as linear_module
 import mt_parallel as mp
 from mt_parallel.moe import MoE, MoEConfig
 
-DIM, FFN = 32, 32  # multiples of 16: the grouped kernel's K and N
+DIM = 32  # a multiple of 16: the grouped kernel's K and N
 HOST_READS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default")
 
 
@@ -55,14 +56,22 @@ def grouped_fp8_on_cpu(monkeypatch):
     return tolist_calls
 
 
-def layer_counts(experts: int, tolist_calls: list[int], fp8: bool = True) -> tuple[int, int]:
-    """(aten ops, host reads) of one forward + backward of an MoE layer with ``experts``."""
+def layer_counts(
+    experts: int,
+    tolist_calls: list[int],
+    fp8: bool = True,
+    recipe: mt_fp8.Recipe | None = None,
+    width: int = DIM,
+) -> tuple[int, int]:
+    """(aten ops, host reads) of one forward + backward of an MoE layer with ``experts``, in
+    FP8 with ``recipe`` (default: all-E4M3 rowwise) and of ``width`` (model and expert FFN)."""
     torch.manual_seed(0)
-    cfg = MoEConfig(num_experts=experts, top_k=2, expert_ffn_dim=FFN, balancing="none")
-    layer = MoE(DIM, cfg).to(torch.bfloat16)
+    cfg = MoEConfig(num_experts=experts, top_k=2, expert_ffn_dim=width, balancing="none")
+    layer = MoE(width, cfg).to(torch.bfloat16)
     if fp8:
-        mp.apply_fp8(layer, mt_fp8.RowwiseScaling(formats=mt_fp8.FormatConfig.all_e4m3()))
-    x = torch.randn(2, 40, DIM, dtype=torch.bfloat16, requires_grad=True)
+        rowwise = mt_fp8.RowwiseScaling(formats=mt_fp8.FormatConfig.all_e4m3())
+        mp.apply_fp8(layer, rowwise if recipe is None else recipe)
+    x = torch.randn(2, 40, width, dtype=torch.bfloat16, requires_grad=True)
     tolist_calls.clear()
     counter = OpCount()
     with counter:
@@ -82,3 +91,32 @@ def test_fp8_moe_layer_work_does_not_grow_with_the_number_of_experts(grouped_fp8
     # FP8 adds one host read of the group sizes per expert MLP (shared by its projections).
     _, bf16_reads = layer_counts(32, grouped_fp8_on_cpu, fp8=False)
     assert reads_32 <= bf16_reads + 1
+
+
+def one_op_block_mm(a, scale_a, b, scale_b, tiles, out_dtype, *args):
+    """A stand-in for the grouped block GEMM (2d × 3d) that dispatches one op."""
+    return a.new_zeros(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+def one_op_k_grouped_block_mm(a, scale_a, b, scale_b, starts, out_dtype, *args):
+    """A stand-in for the k-grouped block GEMM (wgrad) that dispatches one op."""
+    return a.new_zeros(starts.numel() - 1, a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def test_fp8_block_moe_layer_reads_the_group_sizes_on_the_device(grouped_fp8_on_cpu, monkeypatch):
+    """The grouped block path forced on the CPU (its device check passed, its two GEMMs one-op
+    stand-ins): GroupedExperts hands it the router's counts as a tensor, so the FP8 layer reads
+    no more from the device than the bf16 one (the per-MLP read of the counts is gone), and its
+    ops do not grow with E (16 and 32 experts: the block path's smallest under "auto")."""
+    pytest.importorskip("triton")
+    from mt_fp8.kernels import grouped_block_gemm
+
+    monkeypatch.setattr(grouped_module, "_block_reason", lambda x, weight, recipe: None)
+    monkeypatch.setattr(grouped_block_gemm, "grouped_block_mm", one_op_block_mm)
+    monkeypatch.setattr(grouped_block_gemm, "k_grouped_block_mm", one_op_k_grouped_block_mm)
+    recipe = mt_fp8.BlockScaling()
+    ops_16, reads_16 = layer_counts(16, grouped_fp8_on_cpu, recipe=recipe, width=128)
+    ops_32, reads_32 = layer_counts(32, grouped_fp8_on_cpu, recipe=recipe, width=128)
+    _, bf16_reads = layer_counts(32, grouped_fp8_on_cpu, fp8=False, width=128)
+    assert ops_16 == ops_32
+    assert reads_16 == reads_32 == bf16_reads

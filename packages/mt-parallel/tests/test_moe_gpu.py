@@ -202,6 +202,44 @@ def test_bf16_layer_never_synchronizes() -> None:
     assert not syncs, syncs
 
 
+@pytest.mark.parametrize("fp8", ["block", "mxfp8"])
+def test_fp8_block_expert_mlp_never_synchronizes(fp8: str) -> None:
+    """The FP8 experts under block scaling and MXFP8 (the grouped Triton path: 16 experts, K
+    and N multiples of 128) take the router's counts on the device (``reads_sizes_on_device``):
+    the expert MLP's forward + backward, and the dropless layer's around it, never wait for
+    the device (CUDA's sync debug mode raises on a blocking copy, ``.tolist()`` or
+    ``.item()``). Before, ``GroupedExperts`` read the counts to the host once per MLP."""
+    recipe = mt_fp8.recipe_from_name(fp8)
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 128, 256, 128**-0.5, 256**-0.5).cuda()
+    mp.apply_fp8(experts, recipe)
+    x = torch.randn(300, 128, device="cuda", requires_grad=True)
+    sizes = torch.tensor([40, 0, 3, 17, 0, 60, 1, 9, 30, 0, 45, 25, 20, 10, 30, 10], device="cuda")
+    layer = MoE(128, MoEConfig(num_experts=16, top_k=4, expert_ffn_dim=256)).cuda()
+    mp.init_weights(layer, seed=1)
+    mp.apply_fp8(layer, recipe)
+    x_layer = torch.randn(2, 64, 128, device="cuda", requires_grad=True)
+    assert all(p._fp8.reads_sizes_on_device(x) for p in (experts.gate_proj, experts.down_proj))
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = experts(x, sizes)
+            y_layer = layer(x_layer)
+        (y.float().sum() + y_layer.float().sum()).backward()
+
+    step()  # Triton kernels compile, the weight caches fill
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    grads = [x.grad, x_layer.grad, *(p.grad for p in experts.parameters())]
+    assert all(g is not None and g.isfinite().all() for g in grads)
+
+
 if __name__ == "__main__":
     test_grouped_mm_matches_the_loop_on_cuda()
     for recipe in (None, "rowwise"):

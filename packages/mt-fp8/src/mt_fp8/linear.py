@@ -345,8 +345,9 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         gradient is summed over the TP group); its FP8 copies are cached under the parameter
         the view belongs to (``weight_cache.weight_owner``)."""
         weight = self.weight if weight is None else weight
-        if torch.is_tensor(group_sizes) and group_sizes.device.type == "cpu":
-            group_sizes = group_sizes.tolist()  # host memory: reading it waits for nothing
+        on_host = torch.is_tensor(group_sizes) and group_sizes.device.type == "cpu"
+        if on_host and group_sizes.device != x_TK.device:  # reading it waits for nothing
+            group_sizes = group_sizes.tolist()
         sizes = check_group_sizes(group_sizes, self.num_groups, x_TK)
         plan = self.linear_plan(x_TK, self._grouped_weight_cache)
         if plan is not None:
