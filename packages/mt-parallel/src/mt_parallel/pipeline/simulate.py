@@ -108,23 +108,33 @@ def per_stage_costs(costs: StageCosts | None, num_stages: int) -> list[ChunkCost
     return listed
 
 
-Result = tuple[int, object, int]
-"""A result an entry produces or waits for: (stage, kind or ``"grad"``, micro-batch)."""
+_CODE = {F: 0, B: 1, I: 2, W: 3}
+_GRAD = 4
+"""Code of a backward's input gradient (what ``B``/``I`` of the stage before waits for)."""
 
 
-def _producers(action: Action, num_stages: int) -> tuple[Result, ...]:
+def _result(stage: int, code: int, micro_batch: int, num_stages: int) -> int:
+    """A result an entry makes or waits for, as one integer (cheaper to hash and to collect
+    than a tuple): ``(micro_batch·S + stage)·5 + code``."""
+    return (micro_batch * num_stages + stage) * 5 + code
+
+
+def _producers(action: Action, num_stages: int) -> tuple[int, ...]:
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
     if kind == F:
-        return () if s == 0 else ((s - 1, F, k),)
+        return () if s == 0 else (_result(s - 1, 0, k, num_stages),)
     if kind in (B, I):
-        return ((s, F, k),) if s == num_stages - 1 else ((s + 1, "grad", k),)
-    return ((s, I, k),)
+        if s == num_stages - 1:
+            return (_result(s, 0, k, num_stages),)
+        return (_result(s + 1, _GRAD, k, num_stages),)
+    return (_result(s, _CODE[I], k, num_stages),)
 
 
-def _results(action: Action) -> tuple[Result, ...]:
-    """What ``action`` produces (a backward also its input gradient, ``"grad"``)."""
+def _results(action: Action, num_stages: int) -> tuple[int, ...]:
+    """What ``action`` makes (a backward also its input gradient)."""
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
-    return ((s, kind, k), (s, "grad", k)) if kind in (B, I) else ((s, kind, k),)
+    made = _result(s, _CODE[kind], k, num_stages)
+    return (made, _result(s, _GRAD, k, num_stages)) if kind in (B, I) else (made,)
 
 
 def _price(entry: Action) -> tuple[int, object, int | None]:
@@ -183,10 +193,8 @@ def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
     runs each after those gives the same times: this one runs a rank until it waits for a
     result not yet made, and resumes it when that result is made. Also works out the peaks
     (each rank's list alone decides them) and whether the lists deadlock."""
-    needs = {r: [tuple(p for a in leaf_actions(e) for p in _producers(a, num_stages))
-                 for e in actions] for r, actions in order.items()}  # fmt: skip
-    made_by: dict[Result, int] = {}  # result → number of the entry that made it
-    waiting: dict[Result, int] = {}  # result → the rank stopped for it
+    made_by: dict[int, int] = {}  # result → number of the entry that made it
+    waiting: dict[int, int] = {}  # result → the rank stopped for it
     entries: list[Action | None] = [None]
     previous: list[int] = []
     producers: list[tuple[int, ...]] = []
@@ -198,18 +206,21 @@ def prepare(order: Schedule, num_stages: int) -> PreparedSchedule:
         rank = ready.popleft()
         actions, ran = order[rank], by_rank[rank]
         for position in range(len(ran), len(actions)):
-            missing = next((n for n in needs[rank][position] if n not in made_by), None)
-            if missing is not None:
-                waiting[missing] = rank
+            entry = actions[position]
+            leaves = leaf_actions(entry)
+            needs = [n for a in leaves for n in _producers(a, num_stages)]
+            missing = [n for n in needs if n not in made_by]
+            if missing:
+                waiting[missing[0]] = rank
                 break
-            entry, number = actions[position], len(entries)
+            number = len(entries)
             entries.append(entry)
             previous.append(ran[-1] if ran else 0)
-            producers.append(tuple(made_by[n] for n in needs[rank][position]))
+            producers.append(tuple([made_by[n] for n in needs]))
             price_of.append(price_ids.setdefault(_price(entry), len(price_ids)))
             ran.append(number)
-            for a in leaf_actions(entry):
-                for result in _results(a):
+            for a in leaves:
+                for result in _results(a, num_stages):
                     made_by[result] = number
                     if result in waiting:
                         ready.append(waiting.pop(result))
