@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import mt_fp8
 import mt_fp8.grouped as grouped_module
 import mt_fp8.linear as linear_module
 import mt_parallel as mp
-from mt_parallel.moe import MoE, MoEConfig
+from mt_parallel.moe import GroupedExperts, MoE, MoEConfig
 
 DIM = 32  # a multiple of 16: the grouped kernel's K and N
 HOST_READS = ("aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default")
@@ -120,3 +121,41 @@ def test_fp8_block_moe_layer_reads_the_group_sizes_on_the_device(grouped_fp8_on_
     _, bf16_reads = layer_counts(32, grouped_fp8_on_cpu, fp8=False, width=128)
     assert ops_16 == ops_32
     assert reads_16 == reads_32 == bf16_reads
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs TRITON_INTERPRET=1 (the grouped block GEMMs run in Triton's interpreter)",
+)
+def test_fp8_block_experts_on_device_sizes_give_the_host_sizes_bits(
+    grouped_fp8_on_cpu, monkeypatch
+):
+    """The expert MLP on the grouped block path (forced on the CPU, real kernels interpreted)
+    reads no counts to the host and gives what it gives when GroupedExperts reads them first:
+    output and every gradient bit for bit, an idle expert included."""
+    monkeypatch.setenv("MT_FP8_DISABLE_TRITON", "1")  # PyTorch quantizers (the same bits)
+    monkeypatch.setattr(grouped_module, "_block_reason", lambda x, weight, recipe: None)
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 128, 128, 128**-0.5, 128**-0.5)
+    mp.apply_fp8(experts, mt_fp8.BlockScaling())
+    sizes = [9, 0, 30, 1, 12, 0, 7, 20, 3, 0, 15, 5, 11, 2, 0, 4]
+    x = torch.randn(sum(sizes), 128)
+    dy = torch.randn(sum(sizes), 128, dtype=torch.bfloat16)
+
+    def run() -> list[torch.Tensor]:
+        experts.zero_grad(set_to_none=True)
+        x_leaf = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(x_leaf, torch.tensor(sizes))
+        y.backward(dy)
+        return [y, x_leaf.grad, *(p.grad for p in experts.parameters())]
+
+    grouped_fp8_on_cpu.clear()
+    on_device = run()
+    assert grouped_fp8_on_cpu == []  # no tolist: the counts stayed where they were
+    monkeypatch.setattr(mt_fp8.FP8GroupedLinear, "reads_sizes_on_device", lambda self, x_TK: False)
+    on_host = run()
+    assert grouped_fp8_on_cpu == [16]
+    for a, b in zip(on_device, on_host, strict=True):
+        assert torch.equal(a, b)
+    assert not on_device[2][1].any()  # the idle expert's gate weight gradient

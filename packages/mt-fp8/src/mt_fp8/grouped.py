@@ -123,7 +123,10 @@ the FP8 ``xᵀ`` (saved anyway), the FP8 ``dyᵀ`` and, with a bias, ``dy``.
 Host syncs: the host reads nothing from the device. The group sizes arrive as host ints (the
 caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and the small
 index tensors built from them (offsets, counts) are copied to the device without waiting
-(:func:`_host_ints`).
+(:func:`_host_ints`). This path needs them on the host: the wgrad's alignment padding, the
+segmented amaxes over the non-empty groups (E' of them) and the per-group fallback GEMMs are
+sized from them. The block-scaled path also takes them as a tensor on the device, read there
+(:mod:`mt_fp8.grouped_block`, device group sizes), so its callers need no read at all.
 
 Weight cache (both implementations): the grouped path keeps one entry per layer with the FP8
 weights of all experts stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the
