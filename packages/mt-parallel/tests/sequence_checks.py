@@ -163,6 +163,54 @@ def ring_attention(
     return errors
 
 
+def ring_flash_vs_plain(value_dim: int = 8) -> dict[str, object]:
+    """fp64 ring attention at cp = world with its blocks in PyTorch's flash attention (the
+    CPU kernel) and again in the plain formulas (``fused_blocks`` answering False): output
+    and q, k, v gradients as relative errors between the two, and how many blocks each run
+    sent through flash (forward, backward)."""
+    import importlib
+    from unittest import mock
+
+    ring = importlib.import_module(
+        "mt_parallel.ring_attention"
+    )  # the package's name is its function
+
+    state = mt_comm.init_parallel_state(cp=mt_comm.group_size())
+    cp_group = state.group("cp")
+    generator = torch.Generator().manual_seed(3)
+    B, T, d = 2, 8 * state.size("cp"), 8
+    q, k = (torch.randn(B, h, T, d, generator=generator, dtype=torch.float64)
+            for h in (HEADS, KV_HEADS))  # fmt: skip
+    v = torch.randn(B, KV_HEADS, T, value_dim, generator=generator, dtype=torch.float64)
+    dy = torch.randn(B, HEADS, T, value_dim, generator=generator, dtype=torch.float64)
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = ring._FlashBlock.forward, ring._FlashBlock.backward
+
+    def counted(name, method):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+
+        return run
+
+    runs = {}
+    for fused in (True, False):
+        local = [mp.shard_sequence(t, 2, cp_group).requires_grad_() for t in (q, k, v)]
+        with (
+            mock.patch.object(ring, "fused_blocks", lambda q, documents, on=fused: on),
+            mock.patch.object(ring._FlashBlock, "forward", counted("forward", forward)),
+            mock.patch.object(ring._FlashBlock, "backward", counted("backward", backward)),
+        ):
+            out = mp.ring_attention(*local, cp_group)
+            out.backward(mp.shard_sequence(dy, 2, cp_group))
+        runs[fused] = (out.detach(), *(t.grad for t in local))
+    errors = {
+        key: rel_err(a, b)
+        for key, a, b in zip(("out", "dq", "dk", "dv"), runs[True], runs[False], strict=True)
+    }
+    return {"errors": errors, "calls": calls}
+
+
 def lm_by_document(
     reference: DecoderLM, tokens_BT: torch.Tensor, ids_BT: torch.Tensor
 ) -> torch.Tensor:

@@ -145,10 +145,21 @@ def test_fsdp2_gradients_and_clipping_dp2(pool: DistributedPool) -> None:
         assert_close(result)
 
 
+@pytest.mark.parametrize("value_dim", [8, 6], ids=["v8", "v6"])
+def test_ring_flash_blocks_equal_the_plain_formulas(pool: DistributedPool, value_dim: int) -> None:
+    """The ring's flash blocks (PyTorch's CPU flash kernel here; CUDA's on a GPU) against its
+    plain fp64 formulas, GQA folded into the rows or expanded on the causal step, a value dim
+    below the key dim padded: equal to fp64 rounding (1e-12: the same sums in another order).
+    Each of the cp = 2 steps ran one flash block forward and one backward, on every rank."""
+    for result in pool.run(sequence_checks.ring_flash_vs_plain, value_dim=value_dim):
+        assert result["calls"] == {"forward": 2, "backward": 2}, result["calls"]
+        assert all(e < 1e-12 for e in result["errors"].values()), result["errors"]
+
+
 @pytest.mark.parametrize(
     ("documents", "value_dim"),
-    [(False, 8), (True, 8), (True, 12)],
-    ids=["causal", "documents", "documents-mla-v12"],
+    [(False, 8), (False, 6), (True, 8), (True, 12)],
+    ids=["causal", "causal-v6", "documents", "documents-mla-v12"],
 )
 def test_ring_attention_cp2_equals_all_gather(
     pool: DistributedPool, documents: bool, value_dim: int

@@ -47,9 +47,9 @@ take ``K·(d + e)``; the price is the expansion of ``cp`` blocks per rank in the
 in the backward (the module docstring of :mod:`mt_parallel.mla` counts both for MLA). Plain
 :func:`ring_attention` passes ``K|V`` and splits it, with no expansion and no extra autograd.
 
-Precision regions. The block attention above runs in fp32 (fp64 for fp64 inputs) with
-``torch.autocast`` off, in the forward as in the backward, whatever region the caller runs the
-forward in (an autocast region turned the forward's score and output GEMMs into bf16 while
+Precision regions. The block attention above runs with ``torch.autocast`` off, in the forward
+as in the backward, whatever region the caller runs the forward in: flash blocks in the
+inputs' dtype, plain ones in fp32 (fp64 for fp64 inputs; "Block kernels" below) (an autocast region turned the forward's score and output GEMMs into bf16 while
 the backward recomputed the probabilities in fp32 against the forward's ``lse``). An expander
 instead runs in the caller's regions, and the backward enters them again: ``torch.autocast``
 and :func:`mt_fp8.fp8_autocast` as they were at the forward, captured there, so every block is
@@ -59,9 +59,22 @@ autocast and the backward outside it: before, the backward expanded a bf16 block
 
 Document masks (packed sequences): the mask is also ``same document``; the ids of all tokens
 are all-gathered once (``B·T`` integers). Attention dropout is not supported here (use the
-all-gather variant). Blocks are computed with plain PyTorch;
-:func:`_block_forward` / :func:`_block_backward` are where fused flash kernels that return
-``lse`` slot in on GPU.
+all-gather variant).
+
+Block kernels. Without document masks a block is one call of PyTorch's flash attention, which
+returns ``lse`` (:func:`fused_blocks` says where: any float dtype on the CPU,
+``_scaled_dot_product_flash_attention_for_cpu``; bf16/fp16 on CUDA with flash enabled,
+``_scaled_dot_product_flash_attention``), in the dtype q, k, v arrive in (bf16 under the
+trainer's autocast; the merge and the ``dQ``/``dK, dV`` sums stay in fp32). Its backward kernel
+is given the merged ``O`` and ``lse`` of the block's rows, from which it forms ``Δ`` and
+``P = exp(S − lse)`` as above, so each block's gradients are the same terms (the scheme of
+PyTorch's own context-parallel ring). GQA without copying K/V where the block has no mask: the
+``G`` query heads of a KV head are folded into its rows (``(B, K, G·q, d)`` against
+``(B, K, j, d)``: rows are independent); the first step's causal block expands K/V to the
+``H`` heads instead (its mask is on row positions). A value head dim ``e < d`` (MLA) is padded
+with zeros to ``d`` (flash takes one head dim; zero columns change no score, their outputs are
+dropped). Elsewhere (document masks, fp32 on CUDA, flash off) the blocks run the plain
+PyTorch formulas above in fp32 (fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -175,6 +188,87 @@ def _block_backward(
     return dq, dk, dv
 
 
+def fused_blocks(q_BHtd: torch.Tensor, documents: bool) -> bool:
+    """Whether the ring runs its blocks in PyTorch's flash attention (module docstring, "Block
+    kernels"): no document masks, and on CUDA bf16/fp16 inputs with flash attention enabled."""
+    if documents:
+        return False
+    if q_BHtd.device.type == "cpu":
+        return q_BHtd.is_floating_point()
+    return (
+        q_BHtd.device.type == "cuda"
+        and q_BHtd.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
+
+
+class _FlashBlock:
+    """One block through flash attention in the layout the kernel takes (module docstring,
+    "Block kernels"): queries ``(B, K, G, q, d)``, K ``(B, K, j, d)``, V ``(B, K, j, e)``."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+        B, K, G, rows, d = q.shape
+        self.shape, self.causal, self.e = (B, K, G, rows), causal, v.shape[-1]
+        if self.e < d:
+            v = torch.nn.functional.pad(v, (0, d - self.e))
+        if causal:  # the mask is on row positions: one head per query head
+            self.q = q.reshape(B, K * G, rows, d)
+            self.k = k.repeat_interleave(G, dim=1)
+            self.v = v.repeat_interleave(G, dim=1)
+        else:
+            self.q = q.reshape(B, K, G * rows, d)
+            self.k, self.v = k.contiguous(), v.contiguous()
+
+    def rows_layout(self, t: torch.Tensor) -> torch.Tensor:
+        """A ``(B, K, G, q, ·)`` tensor (or ``(B, K, G, q)``) in the kernel's layout."""
+        B, K, G, rows = self.shape
+        heads, length = (K * G, rows) if self.causal else (K, G * rows)
+        return t.reshape(B, heads, length, *t.shape[4:]).contiguous()
+
+    def forward(self, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """``(o_BKGqe, lse_BKGq, rest)``; ``rest`` is what the backward kernel takes back."""
+        if self.q.device.type == "cpu":
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                self.q, self.k, self.v, 0.0, self.causal, scale=scale
+            )
+            rest: tuple = (lse.dtype,)  # the backward takes lse back in its own dtype
+        else:
+            o, lse, *rest_list = torch.ops.aten._scaled_dot_product_flash_attention(
+                self.q, self.k, self.v, 0.0, self.causal, False, scale=scale
+            )
+            rest = tuple(rest_list[:6])  # cum_seq_q/k, max_q/k, philox seed/offset
+        return o.reshape(*self.shape, -1)[..., : self.e], lse.reshape(self.shape), rest
+
+    def backward(
+        self, do: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, rest: tuple, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq_BKGqd, dk_BKjd, dv_BKje)`` of the block given the merged ``out`` and ``lse``
+        of its rows and ``dO``."""
+        d = self.q.shape[-1]
+        if self.e < d:
+            do = torch.nn.functional.pad(do, (0, d - self.e))
+            out = torch.nn.functional.pad(out, (0, d - self.e))
+        do, out = self.rows_layout(do.to(self.q.dtype)), self.rows_layout(out.to(self.q.dtype))
+        if self.q.device.type == "cpu":
+            (lse_dtype,) = rest
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, self.q, self.k, self.v, out, self.rows_layout(lse.to(lse_dtype)), 0.0,
+                self.causal, scale=scale,
+            )  # fmt: skip
+        else:
+            lse = self.rows_layout(lse.float())
+            cum_q, cum_k, max_q, max_k, seed, offset = rest
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                do, self.q, self.k, self.v, out, lse, cum_q, cum_k, max_q, max_k, 0.0,
+                self.causal, seed, offset, scale=scale,
+            )  # fmt: skip
+        B, K, G, rows = self.shape
+        if self.causal:
+            dk = dk.view(B, K, G, *dk.shape[2:]).sum(2)
+            dv = dv.view(B, K, G, *dv.shape[2:]).sum(2)
+        return dq.reshape(B, K, G, rows, d), dk, dv[..., : self.e]
+
+
 class _Plan:
     """Which rows of q and keys of the held K/V meet at each step (module docstring)."""
 
@@ -269,25 +363,33 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q_BHtd, msg, expander, regions, group, doc_q, doc_all, *params):  # type: ignore[override]
         B, H, t, d = q_BHtd.shape
         work = torch.float64 if q_BHtd.dtype == torch.float64 else torch.float32
+        fused = fused_blocks(q_BHtd, doc_q is not None)
+        blocks = q_BHtd.dtype if fused else work  # the dtype the blocks compute in
         scale = 1.0 / math.sqrt(d)
         ring, plan = _Ring(group), _Plan(group_rank(group), group_size(group), t, doc_all)
         out = lse = q = None
+        rests = []
         kv = msg.contiguous()
         for s in range(plan.cp):
             if s + 1 < plan.cp:
                 next_kv, works = ring.start(kv, KV_TAG)
             rows, keys, _, _ = plan.step(s)
-            k, v = _held_kv(_rows(kv, keys), expander, d, work, regions)
+            k, v = _held_kv(_rows(kv, keys), expander, d, blocks, regions)
             if out is None:  # the K/V heads and value dim are known once a block is expanded
                 K, e = k.shape[1], v.shape[-1]
                 if H % K:
                     raise ValueError(f"{H} query heads are not a multiple of {K} KV heads")
-                q = q_BHtd.to(work).view(B, K, H // K, t, d)
+                q = q_BHtd.to(blocks).view(B, K, H // K, t, d)
                 out = torch.zeros((B, K, H // K, t, e), dtype=work, device=q.device)
                 lse = torch.full(q.shape[:-1], float("-inf"), dtype=work, device=q.device)
-            o_b, lse_b = _block_forward(
-                q[:, :, :, rows], k, v, plan.mask(s, doc_q, q.device), scale
-            )
+            if fused:
+                o_b, lse_b, rest = _FlashBlock(q[:, :, :, rows], k, v, s == 0).forward(scale)
+                o_b, lse_b = o_b.to(work), lse_b.to(work)
+                rests.append(rest)
+            else:
+                o_b, lse_b = _block_forward(
+                    q[:, :, :, rows], k, v, plan.mask(s, doc_q, q.device), scale
+                )
             new = torch.logaddexp(lse[..., rows], lse_b)
             out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(
                 -1
@@ -297,7 +399,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = next_kv
         ctx.save_for_backward(q_BHtd, msg, out, lse, doc_q, doc_all)
-        ctx.group, ctx.scale, ctx.params = group, scale, params
+        ctx.group, ctx.scale, ctx.params, ctx.rests = group, scale, params, rests
         ctx.expander, ctx.regions = expander, regions
         return out.view(B, H, t, -1).to(q_BHtd.dtype)
 
@@ -308,12 +410,14 @@ class _RingAttention(torch.autograd.Function):
         expander, regions, params = ctx.expander, ctx.regions, ctx.params
         B, H, t, d = q_BHtd.shape
         K, work = out.shape[1], out.dtype
+        fused = bool(ctx.rests)
+        blocks = q_BHtd.dtype if fused else work
         ring = _Ring(ctx.group)
         plan = _Plan(group_rank(ctx.group), group_size(ctx.group), t, doc_all)
-        q = q_BHtd.to(work).view(B, K, H // K, t, d)
+        q = q_BHtd.to(blocks).view(B, K, H // K, t, d)
         do = dout_BHtd.to(work).view_as(out)
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(q)
+        delta = None if fused else (do * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         kv = msg.contiguous()
         arrived, grad_works = None, []
@@ -327,20 +431,25 @@ class _RingAttention(torch.autograd.Function):
                 # this time, so the block's dK, dV go back through the expansion below.
                 block = block.detach().requires_grad_()
                 with torch.enable_grad():
-                    k_graph, v_graph = _held_kv(block, expander, d, work, regions)
+                    k_graph, v_graph = _held_kv(block, expander, d, blocks, regions)
                 k, v = k_graph.detach(), v_graph.detach()
             else:
-                k, v = _held_kv(block, None, d, work, regions)
-            dq_b, dk_b, dv_b = _block_backward(
-                q[:, :, :, rows],
-                k,
-                v,
-                do[:, :, :, rows],
-                lse[..., rows],
-                delta[..., rows],
-                plan.mask(s, doc_q, q.device),
-                ctx.scale,
-            )
+                k, v = _held_kv(block, None, d, blocks, regions)
+            if fused:
+                dq_b, dk_b, dv_b = _FlashBlock(q[:, :, :, rows], k, v, s == 0).backward(
+                    do[:, :, :, rows], out[..., rows, :], lse[..., rows], ctx.rests[s], ctx.scale
+                )
+            else:
+                dq_b, dk_b, dv_b = _block_backward(
+                    q[:, :, :, rows],
+                    k,
+                    v,
+                    do[:, :, :, rows],
+                    lse[..., rows],
+                    delta[..., rows],
+                    plan.mask(s, doc_q, q.device),
+                    ctx.scale,
+                )
             dq[:, :, :, rows] += dq_b
             if expander is None:
                 d_block = torch.cat([dk_b, dv_b], dim=-1)
