@@ -190,14 +190,18 @@ def _block_backward(
 
 def fused_blocks(q_BHtd: torch.Tensor, documents: bool) -> bool:
     """Whether the ring runs its blocks in PyTorch's flash attention (module docstring, "Block
-    kernels"): no document masks, and on CUDA bf16/fp16 inputs with flash attention enabled."""
+    kernels"): no document masks, and on CUDA bf16/fp16 inputs with flash attention enabled
+    and a head dim its kernels take (a multiple of 8, at most 256)."""
     if documents:
         return False
     if q_BHtd.device.type == "cpu":
         return q_BHtd.is_floating_point()
+    d = q_BHtd.shape[-1]
     return (
         q_BHtd.device.type == "cuda"
         and q_BHtd.dtype in (torch.bfloat16, torch.float16)
+        and d % 8 == 0
+        and d <= 256
         and torch.backends.cuda.flash_sdp_enabled()
     )
 
