@@ -519,6 +519,82 @@ def test_ops_per_call_do_not_grow_with_the_number_of_experts(recipe_cls, sizes):
     assert ops_per_call(recipe, 4, size_of) == ops_per_call(recipe, 32, size_of)
 
 
+# ---------------------------------------------------------------------------------------------
+# Group sizes as a device tensor (rowwise scaling, every GEMM grouped)
+
+
+class Unread(torch.Tensor):
+    """Group sizes whose values the host must not read (as reading a CUDA tensor's waits for
+    the device); every tensor computed from them is one too."""
+
+    def _read(self, *args, **kwargs):
+        raise AssertionError("the group sizes (or a tensor computed from them) were read")
+
+    tolist = item = __iter__ = __int__ = __index__ = __bool__ = __float__ = _read
+
+
+@pytest.mark.parametrize("sizes", list(OP_COUNT_SIZES), ids=list(OP_COUNT_SIZES))
+def test_device_sizes_are_never_read_and_ops_do_not_grow(sizes):
+    """Rowwise, all E4M3, no bias: the call given a tensor of group sizes reads none of them
+    (nor anything computed from them) on the host, in a number of ops independent of E."""
+    recipe, size_of = RowwiseScaling(formats=E4M3), OP_COUNT_SIZES[sizes]
+
+    def count(experts):
+        layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
+        group_sizes = [size_of(e) for e in range(experts)]
+        x = torch.randn(sum(group_sizes), K, dtype=torch.bfloat16, requires_grad=True)
+        sizes_E = torch.tensor(group_sizes).as_subclass(Unread)
+        plan = layer.linear_plan(x, None)
+        counter = AtenOpCount()
+        with counter:
+            y = fp8_grouped_linear(x, layer.weight, None, sizes_E, plan, one_op_grouped_mm)
+            y.backward(torch.ones_like(y))
+        assert x.grad is not None and layer.weight.grad is not None
+        return counter.count
+
+    assert count(4) == count(32)
+
+
+DEVICE_SIZES_CASES = {
+    "rowwise-e4m3-uneven": (RowwiseScaling, E4M3, UNEVEN),
+    "rowwise-e4m3-aligned": (RowwiseScaling, E4M3, ALIGNED),
+    "rowwise-e4m3-full": (RowwiseScaling, E4M3, FULL),
+    "rowwise-hybrid": (RowwiseScaling, FormatConfig(), UNEVEN),  # per-group GEMMs: host read
+    "tensorwise-e4m3": (TensorwiseScaling, E4M3, UNEVEN),  # per-group scales: host read
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(DEVICE_SIZES_CASES), ids=list(DEVICE_SIZES_CASES))
+def test_device_sizes_give_the_host_sizes_bits(case, dtype):
+    """The grouped call given a tensor of group sizes (the emulated kernel) returns the
+    host-ints call's y, dx, dW and db bit for bit: read on the device where every GEMM is
+    grouped under rowwise scaling (wgrad padding in the bound's columns, amaxes over every
+    group), read to the host elsewhere; the GEMMs see the same operands either way."""
+    recipe_cls, formats, sizes = DEVICE_SIZES_CASES[case]
+    recipe = recipe_cls(formats=formats)
+    layer = make_layer(recipe, dtype)
+    x, dy = inputs(sizes, dtype)
+    host_calls, device_calls = Recorder(), Recorder()
+    host = run(layer, x, dy, sizes, host_calls)
+    on_device = run(layer, x, dy, torch.tensor(sizes), device_calls)
+    for name in ("y", "dx", "dw", "db"):
+        assert torch.equal(host[name], on_device[name]), name
+    assert len(host_calls.calls) == len(device_calls.calls)
+    in_bound = 0
+    for host_call, device_call in zip(host_calls.calls, device_calls.calls, strict=True):
+        a, b, scale_a, scale_b, offs = device_call
+        if a.shape != host_call[0].shape:  # the wgrad's operands, in the bound's columns
+            columns, in_bound = host_call[4][-1], in_bound + 1
+            assert offs == host_call[4] and not as_bytes(a[:, columns:]).any()
+            a, b = a[:, :columns], b[:columns]
+        assert torch.equal(as_bytes(a), as_bytes(host_call[0]))
+        assert torch.equal(as_bytes(b), as_bytes(host_call[1]))
+        assert torch.equal(scale_a, host_call[2]) and torch.equal(scale_b, host_call[3])
+    if formats is E4M3 and recipe_cls is RowwiseScaling:  # read on the device
+        assert len(device_calls.calls) == 3 and in_bound == 1  # the wgrad's in the bound
+
+
 class WholeStackOutputs(TorchDispatchMode):
     """Counts the aten ops whose output has ``shape`` (the whole [E, N, K] weight stack)."""
 
@@ -815,22 +891,49 @@ def test_weight_view_is_multiplied_and_differentiated_like_the_weight():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sizes", list(GPU_SIZES.values()), ids=list(GPU_SIZES))
+def test_device_sizes_give_the_host_sizes_bits_on_cuda(sizes):
+    """Rowwise, all E4M3, on ``torch._scaled_grouped_mm``: a CUDA tensor of group sizes gives
+    the host ints' y, dx and dW bit for bit (the wgrad's zero columns past its last group, in
+    the bound's buffer, belong to no group and change nothing)."""
+    layer = make_layer(RowwiseScaling(formats=E4M3), torch.bfloat16, "cuda")
+    layer.bias = None
+    x, dy = inputs(sizes, torch.bfloat16, "cuda")
+    assert layer.reads_sizes_on_device(x)
+    results = []
+    for group_sizes in (sizes, torch.tensor(sizes, device="cuda")):
+        x_leaf = x.detach().clone().requires_grad_()
+        layer.zero_grad()
+        layer(x_leaf, group_sizes).backward(dy)
+        results.append((x_leaf.grad, layer.weight.grad))
+    (dx, dw), (dx_device, dw_device) = results
+    assert torch.equal(dx, dx_device) and torch.equal(dw, dw_device)
+
+
+@pytest.mark.gpu
 def test_weight_view_on_the_grouped_cuda_path():
     check_weight_view("cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe_cls", [TensorwiseScaling, RowwiseScaling])
-def test_grouped_call_does_not_synchronize_on_cuda(recipe_cls):
-    # Group sizes given as host ints (as mt-parallel's experts pass them): a forward + backward
-    # with unaligned groups (the padded wgrad) and an empty one waits for the device nowhere;
-    # CUDA's sync debug mode raises on a blocking copy, .item() or nonzero.
+@pytest.mark.parametrize(
+    ("recipe_cls", "device_sizes"),
+    [(TensorwiseScaling, False), (RowwiseScaling, False), (RowwiseScaling, True)],
+    ids=["tensorwise", "rowwise", "rowwise-device-sizes"],
+)
+def test_grouped_call_does_not_synchronize_on_cuda(recipe_cls, device_sizes):
+    # Group sizes given as host ints, or (rowwise, every GEMM grouped) as a CUDA tensor read on
+    # the device: a forward + backward with unaligned groups (the padded wgrad) and an empty
+    # one waits for the device nowhere; CUDA's sync debug mode raises on a blocking copy,
+    # .item(), .tolist() or nonzero.
     recipe = recipe_cls(formats=E4M3)
     layer = make_layer(recipe, torch.bfloat16, "cuda")
     layer.bias = None  # MoE experts have none (its gradient is one sum per group)
     sizes = GPU_SIZES["uneven"]
     x, dy = inputs(sizes, torch.bfloat16, "cuda")
-    step = lambda: layer(x, sizes).backward(dy)  # noqa: E731
+    group_sizes = torch.tensor(sizes, device="cuda") if device_sizes else sizes
+    assert layer.reads_sizes_on_device(x) == (recipe_cls is RowwiseScaling)
+    step = lambda: layer(x, group_sizes).backward(dy)  # noqa: E731
     step()  # the weight cache fills, Triton kernels compile
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()

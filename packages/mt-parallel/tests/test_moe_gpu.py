@@ -202,13 +202,15 @@ def test_bf16_layer_never_synchronizes() -> None:
     assert not syncs, syncs
 
 
-@pytest.mark.parametrize("fp8", ["block", "mxfp8"])
-def test_fp8_block_expert_mlp_never_synchronizes(fp8: str) -> None:
+@pytest.mark.parametrize("fp8", ["block", "mxfp8", "rowwise"])
+def test_fp8_expert_mlp_never_synchronizes(fp8: str) -> None:
     """The FP8 experts under block scaling and MXFP8 (the grouped Triton path: 16 experts, K
-    and N multiples of 128) take the router's counts on the device (``reads_sizes_on_device``):
-    the expert MLP's forward + backward, and the dropless layer's around it, never wait for
-    the device (CUDA's sync debug mode raises on a blocking copy, ``.tolist()`` or
-    ``.item()``). Before, ``GroupedExperts`` read the counts to the host once per MLP."""
+    and N multiples of 128) and rowwise scaling (all-E4M3 experts, every GEMM in
+    ``torch._scaled_grouped_mm``) take the router's counts on the device
+    (``reads_sizes_on_device``): the expert MLP's forward + backward, and the dropless layer's
+    around it, never wait for the device (CUDA's sync debug mode raises on a blocking copy,
+    ``.tolist()`` or ``.item()``). Before, ``GroupedExperts`` read the counts to the host once
+    per MLP."""
     recipe = mt_fp8.recipe_from_name(fp8)
     torch.manual_seed(0)
     experts = GroupedExperts(16, 128, 256, 128**-0.5, 256**-0.5).cuda()

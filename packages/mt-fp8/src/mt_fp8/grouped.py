@@ -120,13 +120,26 @@ running them; run, they add into ``weight.grad``/``bias.grad``. Same operands, s
 the gradients equal the undeferred backward's bit for bit. From ``I`` to ``W`` the queue holds
 the FP8 ``xᵀ`` (saved anyway), the FP8 ``dyᵀ`` and, with a bias, ``dy``.
 
-Host syncs: the host reads nothing from the device. The group sizes arrive as host ints (the
-caller reads them once, :mod:`mt_parallel.moe.experts` once per expert MLP), and the small
-index tensors built from them (offsets, counts) are copied to the device without waiting
-(:func:`_host_ints`). This path needs them on the host: the wgrad's alignment padding, the
-segmented amaxes over the non-empty groups (E' of them) and the per-group fallback GEMMs are
-sized from them. The block-scaled path also takes them as a tensor on the device, read there
-(:mod:`mt_fp8.grouped_block`, device group sizes), so its callers need no read at all.
+Host syncs: the host reads nothing from the device. Host group sizes (ints) give the small
+index tensors (offsets, counts), copied to the device without waiting (:func:`_host_ints`).
+
+Device group sizes: the call also takes an int32/int64 tensor of sizes on the tokens' device
+(:func:`fp8_grouped_linear`; mt-parallel's MoE experts pass the router's counts), read there
+where every GEMM is grouped under rowwise scaling (:func:`reads_sizes_on_device`), so its
+caller need not read them either. The offsets are a cumulative sum on the device; the rowwise
+wgrad operands' amaxes cover every group (E, not E'), by a scatter of each row's magnitudes
+into its group's row by max (:func:`_scattered_amax`: a max is exact in any order, so the
+segmented reduction's bits; an empty group's amax is 0 and its scale 1, the value the host
+path gives it); the wgrad padding is computed there too (every token scattered), into
+``floor((T + 16·E) / 16) · 16`` columns, the bound of ``Σ`` padded counts (each group gains at
+most 16 columns); the columns past the last group are zeros that lie in no group, which the
+kernel does not read, as :mod:`mt_parallel.moe.experts`'s bf16 grouped GEMM leaves the rows
+past its last group. Operands, scales and outputs are the host path's bits (tested against
+it). Everywhere else the tensor is read to the host first, which waits for the device:
+per-group GEMMs (E5M2 gradients, tensorwise outputs other than bf16) and tensorwise's
+per-group scales are sized from host ints, and so is a bias gradient (one sum per group, the
+loop's bits). The block-scaled path reads device sizes on the device in every case but that
+bias gradient (:mod:`mt_fp8.grouped_block`).
 
 Weight cache (both implementations): the grouped path keeps one entry per layer with the FP8
 weights of all experts stacked (``W_ENK`` and, for dgrad, ``Wᵀ_EKN``), keyed like the
@@ -238,9 +251,14 @@ def emulated_grouped_mm(
 
 
 def gemm_reason(
-    gemm: str, recipe: Recipe, group_sizes: Sequence[int], out_dtype: torch.dtype
+    gemm: str,
+    recipe: Recipe,
+    group_sizes: Sequence[int] | torch.Tensor,
+    out_dtype: torch.dtype,
+    tokens: int | None = None,
 ) -> str | None:
-    """Why ``gemm`` (forward, dgrad or wgrad) runs per group rather than grouped, or None."""
+    """Why ``gemm`` (forward, dgrad or wgrad) runs per group rather than grouped, or None.
+    ``tokens``: the sum of the sizes, given where they are a device tensor (not read)."""
     for role in _OPERAND_ROLES[gemm]:
         fmt = recipe.formats.for_role(role)
         if fmt is not FP8Format.E4M3:
@@ -253,7 +271,8 @@ def gemm_reason(
             f"the grouped kernel writes bfloat16 and the per-expert tensorwise {gemm} GEMM "
             f"writes {out_dtype} directly"
         )
-    if gemm != "wgrad" and len(group_sizes) == sum(group_sizes):
+    tokens = sum(group_sizes) if tokens is None else tokens
+    if gemm != "wgrad" and len(group_sizes) == tokens:
         # NOTE: newer PyTorch reads a (T,) scale with T == E as ambiguous (tensorwise per group
         # or rowwise) and refuses it.
         return f"{gemm}: as many tokens as groups ({len(group_sizes)}) make its scales ambiguous"
@@ -307,7 +326,7 @@ def _device_reason(device: torch.device) -> str | None:
 def grouped_gemm_reason(
     x_TK: torch.Tensor,
     weight_ENK: torch.Tensor,
-    group_sizes: Sequence[int],
+    group_sizes: Sequence[int] | torch.Tensor,
     recipe: Recipe,
     backend: str,
     out_dtype: torch.dtype,
@@ -347,7 +366,8 @@ def grouped_gemm_reason(
     if x_TK.shape[0] == 0:
         return "no tokens: nothing to group"
     dtypes = {"forward": out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
-    reasons = [gemm_reason(gemm, recipe, group_sizes, dtypes[gemm]) for gemm in GEMMS]
+    tokens = x_TK.shape[0]
+    reasons = [gemm_reason(gemm, recipe, group_sizes, dtypes[gemm], tokens) for gemm in GEMMS]
     if all(r is not None for r in reasons):
         return "no GEMM can run grouped: " + "; ".join(r for r in reasons if r is not None)
     return None
@@ -434,6 +454,11 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+GroupSizes = list[int] | torch.Tensor
+"""Tokens per group: host ints, or an int32/int64 tensor on the tokens' device (module
+docstring: device group sizes)."""
+
+
 def _host_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` on ``device`` without a host sync: ``torch.tensor(values, device=cuda)`` is a
     blocking copy that waits for every kernel queued before it (see
@@ -446,17 +471,30 @@ def _host_ints(values: Sequence[int], dtype: torch.dtype, device: torch.device) 
 
 
 def _bias_gradient(
-    dy_TN: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype | None
+    dy_TN: torch.Tensor, sizes: GroupSizes, dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """(E, N): each group's ``Σ dy`` in fp32, one sum per group (the loop's order, its bits)."""
+    """(E, N): each group's ``Σ dy`` in fp32, one sum per group (the loop's order, its bits).
+    Device sizes are read to the host for the groups' bounds (module docstring: host syncs)."""
+    if isinstance(sizes, torch.Tensor):
+        sizes = sizes.tolist()
     return torch.stack(
         [dy_TN[s:t].sum(0, dtype=torch.float32).to(dtype) for s, t in _bounds(sizes)]
     )
 
 
-def _present(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The token counts of the non-empty groups, as an int64 tensor on ``device``."""
+def _present(sizes: GroupSizes, device: torch.device) -> torch.Tensor:
+    """The token counts of the non-empty groups (host sizes) or of every group (device sizes,
+    whose empty groups the host does not know), as an int64 tensor on ``device``."""
+    if isinstance(sizes, torch.Tensor):
+        return sizes.to(torch.int64)
     return _host_ints([size for size in sizes if size], torch.int64, device)
+
+
+def _counts(sizes: GroupSizes, device: torch.device) -> torch.Tensor:
+    """Every group's token count, as an int64 tensor on ``device``."""
+    if isinstance(sizes, torch.Tensor):
+        return sizes.to(torch.int64)
+    return _host_ints(sizes, torch.int64, device)
 
 
 @dataclass
@@ -467,9 +505,11 @@ class _WgradPadding:
 
     dest_T: torch.Tensor
     """The padded column of each token (int64, on the device)."""
-    counts: list[int]
-    """The padded token counts of the groups kept: all of them with ``empty_groups``, else the
-    non-empty ones."""
+    counts: list[int] | torch.Tensor
+    """The padded token counts of the groups kept: all of them with ``empty_groups`` (and for
+    device sizes), else the non-empty ones."""
+    columns: int
+    """Columns of the padded operands: ``sum(counts)``, or for device sizes its bound."""
 
     @classmethod
     def of(
@@ -488,21 +528,39 @@ class _WgradPadding:
         tokens = sum(kept)
         kept_G, shift_G = _host_ints([kept, shifts], torch.int64, device)
         shift_T = shift_G.repeat_interleave(kept_G, output_size=tokens)
-        return cls(torch.arange(tokens, device=device) + shift_T, counts)
+        return cls(torch.arange(tokens, device=device) + shift_T, counts, sum(counts))
+
+    @classmethod
+    def on_device(cls, sizes_E: torch.Tensor, tokens: int) -> _WgradPadding:
+        """The ``empty_groups`` padding of device sizes (summing to ``tokens``), computed there,
+        in ``floor((T + 16·E) / 16) · 16`` columns: each group gains at most 16 and the total
+        is a multiple of 16. The columns past the last group are zeros in no group (module
+        docstring: device group sizes)."""
+        sizes = sizes_E.to(torch.int64)
+        aligned = (sizes + WGRAD_ALIGN - 1) // WGRAD_ALIGN * WGRAD_ALIGN
+        counts = torch.where(sizes > 0, aligned, WGRAD_ALIGN)
+        # Each token moves by its group's padding so far: padded start less unpadded start.
+        shift_E = (torch.cumsum(counts, 0) - counts) - (torch.cumsum(sizes, 0) - sizes)
+        shift_T = shift_E.repeat_interleave(sizes, output_size=tokens)
+        columns = (tokens + WGRAD_ALIGN * sizes.numel()) // WGRAD_ALIGN * WGRAD_ALIGN
+        return cls(torch.arange(tokens, device=sizes.device) + shift_T, counts, columns)
 
     def pad(self, data_CT: torch.Tensor) -> torch.Tensor:
-        """``data_CT`` (C, T) FP8 with zero columns after each group: (C, sum(counts))."""
+        """``data_CT`` (C, T) FP8 with zero columns after each group: (C, columns)."""
         padded = torch.zeros(
-            data_CT.shape[0], sum(self.counts), dtype=torch.uint8, device=data_CT.device
+            data_CT.shape[0], self.columns, dtype=torch.uint8, device=data_CT.device
         )
         padded.index_copy_(1, self.dest_T, data_CT.view(torch.uint8))
         return padded.view(data_CT.dtype)
 
 
-def _every_group_scales(scales: torch.Tensor, sizes: Sequence[int], columns: int) -> torch.Tensor:
+def _every_group_scales(scales: torch.Tensor, sizes: GroupSizes, columns: int) -> torch.Tensor:
     """The wgrad scale vector (group-major, ``columns`` per group) of the non-empty groups
     widened to every group: an empty group's columns are zero bytes, so its scale only has to be
-    finite (1; module docstring, empty groups)."""
+    finite (1; module docstring, empty groups). Device sizes: every group's already (an empty
+    group's amax is 0, its scale 1)."""
+    if isinstance(sizes, torch.Tensor):
+        return scales
     present = [e for e, size in enumerate(sizes) if size]
     if len(present) == len(sizes):
         return scales
@@ -511,8 +569,9 @@ def _every_group_scales(scales: torch.Tensor, sizes: Sequence[int], columns: int
     return every.reshape(-1)
 
 
-def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tensor) -> torch.Tensor:
+def _segment_amax(x_TC: torch.Tensor, sizes: GroupSizes, counts_G: torch.Tensor) -> torch.Tensor:
     """(G, C) fp32: ``max |x|`` over the rows of each non-empty group (``counts_G``), per column.
+    Device sizes: over the rows of every group, by :func:`_scattered_amax`.
 
     First a max over blocks of ``b`` rows by PyTorch's ordinary reduction, then
     ``torch.segment_reduce`` over those block maxima (a max of maxima is the max: the bits do
@@ -528,6 +587,8 @@ def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tens
     """
     inf = float("inf")
     magnitude = x_TC.abs().nan_to_num_(nan=inf, posinf=inf)
+    if isinstance(sizes, torch.Tensor):
+        return _scattered_amax(magnitude, counts_G)
     block = math.gcd(*sizes)
     padding = None if block >= WGRAD_ALIGN else _WgradPadding.of(sizes, x_TC.device)
     if padding is not None:
@@ -540,6 +601,20 @@ def _segment_amax(x_TC: torch.Tensor, sizes: Sequence[int], counts_G: torch.Tens
         magnitude = magnitude.reshape(tokens // block, block, columns).amax(dim=1)
     lengths = counts_G // block
     return torch.segment_reduce(magnitude, "max", lengths=lengths, axis=0, unsafe=True).float()
+
+
+def _scattered_amax(magnitude_TC: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """(E, C) fp32: the largest magnitude of each group's rows per column, each row scattered
+    by max into its group's row of a zero (E, C) tensor (``counts_E`` on the device: no
+    segment lengths on the host). A maximum is exact in any order, so these are the segmented
+    reduction's bits; magnitudes are ``>= 0``, so the zeros change none, and an empty group's
+    amax is 0 (scale 1)."""
+    tokens, columns = magnitude_TC.shape
+    groups = torch.arange(counts_E.numel(), device=counts_E.device)
+    group_T = groups.repeat_interleave(counts_E, output_size=tokens)
+    amax_EC = magnitude_TC.new_zeros(counts_E.numel(), columns)
+    amax_EC.scatter_reduce_(0, group_T[:, None].expand(tokens, columns), magnitude_TC, "amax")
+    return amax_EC.float()
 
 
 def _amax_group_reduced(plan: LinearPlan, amax: torch.Tensor, role: TensorRole) -> torch.Tensor:
@@ -653,7 +728,7 @@ def _rows_by_experts(
             rows.data, weight.data.transpose(1, 2), rows.scale_T, weight.column_scales(), offs
         ).to(out_dtype)
         if bias is not None:
-            counts_E = _host_ints(plan.sizes, torch.int64, out.device)
+            counts_E = _counts(plan.sizes, out.device)
             out += bias.repeat_interleave(counts_E, dim=0, output_size=out.shape[0])
         return out
     return torch.cat(
@@ -810,7 +885,16 @@ def _weight_operands(
     return weight, weight_t
 
 
-def _offsets(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+def _wgrad_padding(sizes: GroupSizes, x_TC: torch.Tensor) -> _WgradPadding | None:
+    """The wgrad operands' padding, every group kept (module docstring: empty groups)."""
+    if isinstance(sizes, torch.Tensor):
+        return _WgradPadding.on_device(sizes, x_TC.shape[0])
+    return _WgradPadding.of(sizes, x_TC.device, empty_groups=True)
+
+
+def _offsets(sizes: GroupSizes, device: torch.device) -> torch.Tensor:
+    if isinstance(sizes, torch.Tensor):
+        return torch.cumsum(sizes, 0).to(torch.int32)
     ends, total = [], 0
     for size in sizes:
         total += size
@@ -828,7 +912,7 @@ class GroupedPlan:
 
     linear: LinearPlan
     """Recipe, state, backend, output dtype, health; ``weight_cache`` is the grouped cache."""
-    sizes: list[int]
+    sizes: GroupSizes
     grouped: frozenset[str]
     """The GEMMs that run grouped (:data:`GEMMS`); the others run per group."""
     gemm: GroupedGemm = scaled_grouped_mm
@@ -858,7 +942,7 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
         if need_dw:
             if "wgrad" in plan.grouped:
                 x_t_data, x_t_scales = _quantize_columns(lp, x_TK, x_rows, sizes, TensorRole.INPUT)
-                padding = _WgradPadding.of(sizes, x_TK.device, empty_groups=True)
+                padding = _wgrad_padding(sizes, x_TK)
                 saved += [
                     x_t_data if padding is None else padding.pad(x_t_data),
                     _every_group_scales(x_t_scales, sizes, x_TK.shape[1]),
@@ -898,8 +982,8 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
                     dy_t_data, dy_t_scales = _quantize_columns(
                         lp, dy_TN, dy_rows, sizes, TensorRole.GRAD_OUTPUT
                     )
-                    counts = list(sizes)
-                    padding = _WgradPadding.of(sizes, dy_TN.device, empty_groups=True)
+                    counts = sizes if isinstance(sizes, torch.Tensor) else list(sizes)
+                    padding = _wgrad_padding(sizes, dy_TN)
                     if padding is not None:
                         dy_t_data, counts = padding.pad(dy_t_data), padding.counts
                     dy_t_scales = _every_group_scales(dy_t_scales, sizes, out_features)
@@ -935,6 +1019,8 @@ class FP8GroupedLinearFunction(torch.autograd.Function):
 
             sink = lp.wgrad_sink if need_dw or need_db else None
             holds: list[torch.Tensor | None] = [dy_TN]
+            if need_db and isinstance(sizes, torch.Tensor):
+                holds.append(sizes)
             if need_dw and "wgrad" in plan.grouped:
                 holds += [dy_t_data, x_t_data, dy_t_scales, x_t_scales, wgrad_offs]
             elif need_dw:
@@ -956,16 +1042,19 @@ def fp8_grouped_linear(
     x_TK: torch.Tensor,
     weight_ENK: torch.Tensor,
     bias_EN: torch.Tensor | None,
-    group_sizes: Sequence[int],
+    group_sizes: Sequence[int] | torch.Tensor,
     plan: LinearPlan,
     grouped_gemm: GroupedGemm = scaled_grouped_mm,
 ) -> torch.Tensor:
     """``y[group e] = x[group e] W_eᵀ + b_e`` with grouped FP8 GEMMs where :func:`gemm_reason`
     allows, per group otherwise.
 
-    ``plan.weight_cache`` is the layer's grouped weight cache (or None). ``grouped_gemm``
-    replaces the kernel (tests pass :func:`emulated_grouped_mm` to run this on CPU); the caller
-    checks the device with :func:`grouped_gemm_reason`.
+    ``group_sizes``: E host ints, or an int32/int64 tensor of them on ``x_TK``'s device, read
+    there where :func:`reads_sizes_on_device` (rowwise scaling, every GEMM grouped) and to the
+    host otherwise (module docstring: device group sizes). ``plan.weight_cache`` is the layer's
+    grouped weight cache (or None). ``grouped_gemm`` replaces the kernel (tests pass
+    :func:`emulated_grouped_mm` to run this on CPU); the caller checks the device with
+    :func:`grouped_gemm_reason`.
     """
     if isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):
         raise ValueError(
@@ -973,19 +1062,44 @@ def fp8_grouped_linear(
             "mt_fp8.grouped_block.fp8_block_grouped_linear, not fp8_grouped_linear "
             "(torch._scaled_grouped_mm takes no block scales)"
         )
-    sizes = [int(s) for s in group_sizes]
     num_groups = weight_ENK.shape[0]
-    if len(sizes) != num_groups or sum(sizes) != x_TK.shape[0] or min(sizes) < 0:
-        raise ValueError(
-            f"group_sizes must be {num_groups} non-negative ints summing to the "
-            f"{x_TK.shape[0]} tokens, got {sizes}"
-        )
-    if x_TK.shape[0] == 0:
+    sizes = check_group_sizes(group_sizes, num_groups, x_TK)
+    tokens = x_TK.shape[0]
+    if tokens == 0:
         raise ValueError("fp8_grouped_linear needs at least one token (the layer loops on none)")
     dtypes = {"forward": plan.out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
     grouped = frozenset(
-        gemm for gemm in GEMMS if gemm_reason(gemm, plan.recipe, sizes, dtypes[gemm]) is None
+        gemm
+        for gemm in GEMMS
+        if gemm_reason(gemm, plan.recipe, sizes, dtypes[gemm], tokens) is None
     )
+    if isinstance(sizes, torch.Tensor) and not _device_sizes_suffice(plan.recipe, grouped):
+        sizes = check_group_sizes(sizes.tolist(), num_groups, x_TK)  # waits for the device
     grouped_plan = GroupedPlan(plan, sizes, grouped, grouped_gemm)
     with torch.autocast(x_TK.device.type, enabled=False):
         return FP8GroupedLinearFunction.apply(x_TK, weight_ENK, bias_EN, grouped_plan)
+
+
+def _device_sizes_suffice(recipe: Recipe, grouped: frozenset[str]) -> bool:
+    """Whether a call runs from device group sizes: rowwise scaling with every GEMM grouped
+    (per-group GEMMs and tensorwise's per-group scales need host bounds)."""
+    return isinstance(recipe, RowwiseScaling) and grouped == frozenset(GEMMS)
+
+
+def reads_sizes_on_device(
+    x_TK: torch.Tensor, weight_ENK: torch.Tensor, recipe: Recipe, backend: str
+) -> bool:
+    """Whether :class:`~mt_fp8.linear.FP8GroupedLinear` reads a tensor of group sizes on the
+    device for a call on ``x_TK`` (the grouped block-scaled path, or this module's with
+    rowwise scaling and every GEMM grouped) rather than reading it to the host first."""
+    groups = range(weight_ENK.shape[0])  # only their number is read, with the tokens of x
+    if grouped_gemm_reason(x_TK, weight_ENK, groups, recipe, backend, x_TK.dtype) is not None:
+        return False
+    if isinstance(recipe, (BlockScaling, MXFP8Scaling)):
+        return True
+    dtypes = {"forward": x_TK.dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
+    tokens = x_TK.shape[0]
+    grouped = frozenset(
+        gemm for gemm in GEMMS if gemm_reason(gemm, recipe, groups, dtypes[gemm], tokens) is None
+    )
+    return _device_sizes_suffice(recipe, grouped)

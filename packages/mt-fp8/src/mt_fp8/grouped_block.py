@@ -92,7 +92,13 @@ from typing import Any
 import torch
 
 from mt_fp8.formats import TensorRole
-from mt_fp8.grouped import _bias_gradient, _host_ints, _weight_operands, check_group_sizes
+from mt_fp8.grouped import (
+    GroupSizes,
+    _bias_gradient,
+    _host_ints,
+    _weight_operands,
+    check_group_sizes,
+)
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.recipes import BlockScaling, MXFP8Scaling, Recipe
@@ -174,11 +180,6 @@ class _TokenSegments:
             padded = x_TC.new_zeros(self.padded_tokens, x_TC.shape[1])
             padded.index_copy_(0, self.dest_T, x_TC)
         return plan.quantize_transposed(padded, None, role)
-
-
-GroupSizes = list[int] | torch.Tensor
-"""Tokens per expert: host ints, or an integer tensor on the tokens' device (module
-docstring: device group sizes)."""
 
 
 def _row_tiles(sizes: GroupSizes, tokens: int, device: torch.device) -> torch.Tensor:
@@ -278,9 +279,8 @@ class FP8BlockGroupedLinearFunction(torch.autograd.Function):
                             w_dtype,
                             steps.group,
                         )
-                    if need_db:  # host sizes: the loop's sum per expert (module docstring)
-                        host = sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
-                        db = _bias_gradient(dy_TN, host, b_dtype)
+                    if need_db:  # reads device sizes: the loop's sums (module docstring)
+                        db = _bias_gradient(dy_TN, sizes, b_dtype)
                 return dw, db
 
             sink = plan.wgrad_sink if need_dw or need_db else None

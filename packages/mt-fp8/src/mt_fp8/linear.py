@@ -54,7 +54,12 @@ from mt_fp8.autocast import current_fp8_state
 from mt_fp8.formats import TensorRole
 from mt_fp8.functional import fp8_linear, fp8_swiglu_linear
 from mt_fp8.gemm import BACKENDS
-from mt_fp8.grouped import check_group_sizes, fp8_grouped_linear, grouped_gemm_reason
+from mt_fp8.grouped import (
+    check_group_sizes,
+    fp8_grouped_linear,
+    grouped_gemm_reason,
+    reads_sizes_on_device,
+)
 from mt_fp8.grouped_block import fp8_block_grouped_linear
 from mt_fp8.linear_plan import FP8_GEMMS, LinearPlan, check_dims, parse_fp8_gemms
 from mt_fp8.ops.dispatch import compiler_disable
@@ -233,10 +238,11 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
     ``forward(x_TK, group_sizes)`` takes tokens sorted by group and ``group_sizes`` (E ints
     summing to T, or an int32/int64 tensor of them) and returns ``y_TN`` with
     ``y[group e] = x[group e] · weight[e]ᵀ + bias[e]``. A tensor on the tokens' device is read
-    there by the grouped block-scaled and MXFP8 path (no device-to-host read, so the host
-    queues the call without waiting for the kernels that computed the sizes); the other paths
-    (tensorwise and rowwise, the loop) need host ints and read it to the host first, which
-    waits for the device.
+    there by the grouped block-scaled and MXFP8 path and by the rowwise grouped path with every
+    GEMM grouped (all-E4M3 formats): no device-to-host read, so the host queues the call
+    without waiting for the kernels that computed the sizes (:meth:`reads_sizes_on_device`).
+    The other paths (tensorwise, rowwise with per-expert GEMMs, the loop) need host ints and
+    read it to the host first, which waits for the device.
 
     Two implementations with the same FP8 operands (same bytes, same scales):
 
@@ -303,18 +309,15 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         return reason is None
 
     def reads_sizes_on_device(self, x_TK: torch.Tensor) -> bool:
-        """Whether a call on ``x_TK`` reads a tensor of group sizes on the device (the grouped
-        block-scaled and MXFP8 path) rather than reading it to the host first (class
-        docstring), judged from the recipe in force (an ``fp8_autocast`` override included),
-        the backend, the device and the shapes."""
+        """Whether a call on ``x_TK`` reads a tensor of group sizes on the device rather than
+        reading it to the host first (class docstring), judged from the recipe in force (an
+        ``fp8_autocast`` override included), the backend, the device and the shapes
+        (:func:`mt_fp8.grouped.reads_sizes_on_device`)."""
         state = current_fp8_state()
         if state is not None and not state.enabled:
             return False
         recipe = state.recipe if state is not None and state.recipe is not None else self.recipe
-        if not isinstance(recipe, (BlockScaling, MXFP8Scaling)):
-            return False
-        reason = grouped_gemm_reason(x_TK, self.weight, (), recipe, self.backend, x_TK.dtype)
-        return reason is None
+        return reads_sizes_on_device(x_TK, self.weight, recipe, self.backend)
 
     @property
     def expert_weight_caches(self) -> tuple[WeightCache, ...]:
@@ -353,19 +356,15 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
         if plan is not None:
             if weight is not self.weight:  # a view's gradient must pass through autograd
                 plan = dataclasses.replace(plan, wgrad_sink=None)
-            if isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):  # reads no sizes
-                reason = grouped_gemm_reason(
-                    x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
-                )
-                if reason is None:  # device sizes read on the device (mt_fp8.grouped_block)
-                    return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
-            else:
-                sizes = self._host_sizes(sizes, x_TK)
-                reason = grouped_gemm_reason(
-                    x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
-                )
-                if reason is None:
-                    return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
+            # Reads no sizes; the grouped paths read device sizes where they lie, or to the host
+            # where they need host ints (class docstring).
+            reason = grouped_gemm_reason(
+                x_TK, weight, sizes, plan.recipe, self.backend, plan.out_dtype
+            )
+            if reason is None and isinstance(plan.recipe, (BlockScaling, MXFP8Scaling)):
+                return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
+            if reason is None:
+                return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
         sizes = self._host_sizes(sizes, x_TK)
         outputs = []
         # NOTE: one unbind, not E indexings: each ``weight[e]``'s backward is a zero tensor of the

@@ -27,14 +27,16 @@ With FP8 (:meth:`GroupedLinear.enable_fp8`) each projection runs through
 rowwise scaling through ``torch._scaled_grouped_mm`` on Hopper, block and MXFP8 scaling through
 mt-fp8's grouped Triton kernels on CUDA (``mt_fp8.grouped_block``; under backend ``auto`` for
 layers of at least ``mt_fp8.grouped.BLOCK_GROUPED_MIN_EXPERTS`` experts), a per-expert FP8
-loop elsewhere. Group sizes: the grouped block and MXFP8 path reads
-``sizes_L`` on the device (its tables are built there, in buffers of host-known bounds, as
-the bf16 path's :class:`PaddedLayout`), so where all three projections take that path
-(``FP8GroupedLinear.reads_sizes_on_device``) :class:`GroupedExperts` hands them the tensor and
-the host queues the MLP without waiting for the router. Every other FP8 path (tensorwise and
-rowwise through ``torch._scaled_grouped_mm``, the per-expert loop) takes host ints: there
-:class:`GroupedExperts` reads ``sizes_L`` once per MLP (one device-to-host read, which waits
-for the device) and hands the same list to its three projections.
+loop elsewhere. Group sizes: the grouped block and MXFP8 path, and the rowwise path with
+every GEMM grouped (the all-E4M3 experts :func:`mt_parallel.parallelize.expert_recipe` gives
+rowwise recipes), read ``sizes_L`` on the device (their tables and padded wgrad operands are
+built there, in buffers of host-known bounds, as the bf16 path's :class:`PaddedLayout`), so
+where all three projections take such a path (``FP8GroupedLinear.reads_sizes_on_device``)
+:class:`GroupedExperts` hands them the tensor and the host queues the MLP without waiting for
+the router. The other FP8 paths (tensorwise, rowwise with E5M2 gradients and per-expert
+backward GEMMs, the per-expert loop) take host ints: there :class:`GroupedExperts` reads
+``sizes_L`` once per MLP (one device-to-host read, which waits for the device) and hands the
+same list to its three projections.
 
 Sequence parallel (:meth:`GroupedLinear.set_tensor_parallel`): the experts are replicated
 over TP (not TP-sharded; Megatron-Core's expert-tensor-parallel size 1) and each TP rank runs
@@ -502,7 +504,7 @@ class GroupedExperts(nn.Module):
         if self.gate_proj.fp8_enabled:
             projections = (self.gate_proj, self.up_proj, self.down_proj)
             if all(p._fp8.reads_sizes_on_device(x_MD) for p in projections):
-                return mlp(x_MD)  # the FP8 grouped block path reads sizes_L where it lies
+                return mlp(x_MD)  # the FP8 grouped paths read sizes_L where it lies
             return mlp(x_MD, host_sizes=sizes_L.tolist())  # the one device-to-host read
         if torch.is_autocast_enabled(x_MD.device.type):
             x_MD = x_MD.to(torch.get_autocast_dtype(x_MD.device.type))  # once for three
