@@ -122,10 +122,10 @@ def _result(stage: int, code: int, micro_batch: int, num_stages: int) -> int:
 def _producers(action: Action, num_stages: int) -> tuple[int, ...]:
     s, kind, k = action.stage_index, action.computation_type, action.microbatch_index
     if kind == F:
-        return () if s == 0 else (_result(s - 1, 0, k, num_stages),)
+        return () if s == 0 else (_result(s - 1, _CODE[F], k, num_stages),)
     if kind in (B, I):
         if s == num_stages - 1:
-            return (_result(s, 0, k, num_stages),)
+            return (_result(s, _CODE[F], k, num_stages),)
         return (_result(s + 1, _GRAD, k, num_stages),)
     return (_result(s, _CODE[I], k, num_stages),)
 
@@ -303,18 +303,19 @@ def simulate(
     waited_for = [0]
     # each entry starts at the latest end of its rank's previous entry and its producers; the
     # rank's own previous entry wins a tie, so the critical path stays on a rank where it can
-    for previous, producers, cost in zip(order.previous, order.producers, entry_costs, strict=True):
+    timed = zip(order.previous, order.producers, entry_costs, strict=True)
+    for previous, producers, cost in timed:
         start, after = ends[previous], previous
         for p in producers:
             if ends[p] > start:
                 start, after = ends[p], p
         ends.append(start + cost)
         waited_for.append(after)
-    busy = {}
-    clock = {}
+    busy: dict[int, float] = {}
+    clock: dict[int, float] = {}
     for rank, numbers in order.by_rank.items():
         total = 0.0
-        for k in numbers:
+        for k in numbers:  # one at a time in the rank's order (sum() compensates from 3.12)
             total += entry_costs[k - 1]
         busy[rank], clock[rank] = total, ends[numbers[-1]] if numbers else 0.0
     makespan = max(clock.values())
