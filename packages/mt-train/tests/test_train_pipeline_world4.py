@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import train_checks
 from mtp_checks import FP64_BOUND, mtp_pp_step
 from test_train_deepseek_v3_world2 import overrides as deepseek_overrides
@@ -82,6 +83,42 @@ def test_ddp_averages_a_chunk_while_the_rank_runs_its_other_chunk(
         averages = [(i, stage) for i, (kind, stage) in enumerate(events) if kind == "average"]
         assert sorted(stage for _, stage in averages) == sorted({events[i][1] for i in backwards})
         assert averages[0][0] < backwards[-1], events
+
+
+def test_ddp_buckets_start_inside_the_last_backward(pool, kjv_data: Path, tmp_path: Path) -> None:
+    """1F1B at pp2 × dp2 with ``ddp`` buckets of 16 KiB: every rank starts some of its chunk's
+    bucket averages inside the chunk's last backward, one bucket after another before that
+    backward returns, and the step's weights are bit for bit
+    those of averaging everything at ``REDUCE_GRAD`` (each element's average is the same sum).
+    """
+    overrides = tiny_overrides(
+        kjv_data, **PIPELINE, **{"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}
+    )
+    runs = {
+        in_backward: pool.run(
+            train_checks.bucketed_average_timeline,
+            overrides,
+            tmp_path / str(in_backward),
+            16 * 1024,
+            in_backward,
+        )
+        for in_backward in (True, False)
+    }
+    for bucketed, at_reduce in zip(runs[True], runs[False], strict=True):
+        assert bucketed["params"].keys() == at_reduce["params"].keys()
+        assert all(torch.equal(bucketed["params"][n], p) for n, p in at_reduce["params"].items())
+        events = bucketed["events"]
+        (last,), (end,) = ([i for i, e in enumerate(events) if e[0] == k] for k in ("last", "end"))
+        inside = [e for e in events[last:end] if e[0] == "bucket"]
+        assert len(inside) >= 2, events
+        # without the hooks every bucket starts after the last backward returned; the same
+        # parameters are averaged either way
+        late = at_reduce["events"]
+        end = next(i for i, e in enumerate(late) if e[0] == "end")
+        assert not [e for e in late[:end] if e[0] == "bucket"], late
+        assert sum(n for kind, n in events if kind == "bucket") == sum(
+            n for kind, n in late if kind == "bucket"
+        )
 
 
 def test_single_process_checkpoint_resumes_at_pp4(pool, kjv_data: Path, tmp_path: Path) -> None:

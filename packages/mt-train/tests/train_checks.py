@@ -251,6 +251,58 @@ def gradient_average_timeline(overrides: list[str], output_dir: str | Path) -> l
     return events
 
 
+def bucketed_average_timeline(
+    overrides: list[str], output_dir: str | Path, bucket_bytes: int, in_backward: bool = True
+) -> dict[str, Any]:
+    """One pipelined step under ``data_parallel=ddp`` with ``ddp`` buckets of ``bucket_bytes``:
+    this rank's last backward of each chunk (``("last", stage)`` when it starts, ``("end",
+    stage)`` when it returns) and each bucket average's start (``("bucket", n)``, n
+    parameters), in order, and the parameters after the step. Without ``in_backward`` no
+    stage says it is in its last backward, so every bucket starts at ``REDUCE_GRAD``."""
+    from unittest import mock
+
+    import mt_parallel
+    from mt_train import pipeline_step
+
+    events: list[tuple] = []
+    start = mt_parallel.start_gradient_average
+
+    def logged(params, group):
+        params = list(params)
+        events.append(("bucket", len(params)))
+        return start(params, group)
+
+    with (
+        mock.patch.object(pipeline_step, "BUCKET_BYTES", bucket_bytes),
+        mock.patch.object(mt_parallel, "start_gradient_average", logged),
+    ):
+        trainer = Trainer(train_config(overrides), output_dir=output_dir)
+        try:
+            schedule = trainer.step_runner.schedule
+            if not in_backward:
+                schedule.in_last_backward = lambda chunk: False
+            for stage in schedule.runtime._stages:
+                for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+                    run = getattr(stage, name)
+
+                    def marked(*args, _run=run, _stage=stage.stage_index, **kwargs):
+                        last = kwargs.get("last_backward", False)
+                        if last:
+                            events.append(("last", _stage))
+                        try:
+                            return _run(*args, **kwargs)
+                        finally:
+                            if last:
+                                events.append(("end", _stage))
+
+                    setattr(stage, name, marked)
+            trainer.train_step()
+            params = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+        finally:
+            trainer.close()
+    return {"events": events, "params": params}
+
+
 def snapshot_round_trip(overrides: list[str], output_dir: str | Path) -> dict:
     """Two steps, capture, two more steps, restore: which local entries differ from the
     capture (none should), how many there were, and whether training goes on."""

@@ -18,12 +18,21 @@ checkpoint code is the same at every ``pp``. A run:
    pp=1 step does);
 3. averages the gradients over dp×cp (``data_parallel=ddp``; the trainer itself does it for
    ``none``, ZeRO-1's reduce-scatter for ``zero1``, FSDP2's for ``fsdp``): no DDP hooks run
-   inside the schedule (pytorch#144530); instead each chunk's dense gradients start one flat
-   all-reduce as soon as the schedule has run the chunk's last backward of the step (its
-   ``REDUCE_GRAD`` action, :attr:`mt_parallel.PipelineSchedule.on_chunk_gradients`), so a
-   rank holding several chunks (interleaved, zero-bubble V and DualPipeV schedules) averages
-   one chunk's gradients while it computes the others' backwards; the step waits for them
-   after the schedule (and averages anything left: a torch without ``REDUCE_GRAD``). Experts
+   inside the schedule (pytorch#144530); instead each chunk's dense gradients are averaged in
+   buckets of about :data:`BUCKET_BYTES` (in reverse parameter order, roughly the order the
+   backward finishes them), each a flat all-reduce started as soon as its gradients are final:
+   during the chunk's last backward action of the step
+   (:meth:`mt_parallel.PipelineSchedule.in_last_backward`), once autograd has accumulated every
+   gradient of the bucket, so the reduction of the first buckets overlaps the rest of that
+   backward (Megatron-Core's ``overlap_grad_reduce``); buckets start in their order only, the
+   same on every rank of the dp×cp group. Gradients that autograd does not accumulate there
+   (a split backward's ``W``, the weight-gradient sinks) start at the chunk's ``REDUCE_GRAD``
+   action (:attr:`mt_parallel.PipelineSchedule.on_chunk_gradients`), right after its last
+   backward, so a rank holding several chunks (interleaved, zero-bubble V and DualPipeV
+   schedules) also averages one chunk's gradients while it computes the others' backwards;
+   the step waits for them after the schedule (and averages anything left: a torch without
+   ``REDUCE_GRAD``). Each element's average depends only on the ranks' values of that
+   element, so the buckets give the bits one flat all-reduce gives. Experts
    split over ``ep`` are summed over their expert-data-parallel group and divided by dp×cp
    instead, for ``ddp`` and ``none`` (:func:`mt_parallel.moe.reduce_expert_gradients`, as at
    ``pp = 1``; ZeRO-1 reduces them at its step, FSDP2 in the backward unless the edp group
@@ -65,6 +74,68 @@ from mt_comm import ParallelState
 from mt_train import ranks
 from mt_train.data.dataset import Batch
 from mt_train.step import BatchRunner, GradNorm, StepResult
+
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per bucket of a chunk's ``ddp`` average (module docstring, step 3; torch
+DDP's default bucket size)."""
+
+
+class _ChunkBuckets:
+    """One chunk's ``ddp`` gradient average in buckets started as their gradients become final
+    (module docstring, step 3)."""
+
+    def __init__(
+        self,
+        chunk: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        schedule: mt_parallel.PipelineSchedule,
+        group: Any,
+    ) -> None:
+        self.chunk, self.schedule, self.group = chunk, schedule, group
+        self.buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for param in reversed(params):
+            if size >= BUCKET_BYTES:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(param)
+            size += param.numel() * param.element_size()
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last step's buckets."""
+        self.final: list[set[int]] = [set() for _ in self.buckets]
+        self.pending: list[Any] = []
+
+    def _accumulated(self, param: torch.nn.Parameter) -> None:
+        if not self.schedule.in_last_backward(self.chunk):
+            return
+        self.final[self.bucket_of[id(param)]].add(id(param))
+        while len(self.pending) < len(self.buckets):
+            index = len(self.pending)
+            if len(self.final[index]) < len(self.buckets[index]):
+                return
+            self._start_next()
+
+    def _start_next(self) -> None:
+        bucket = self.buckets[len(self.pending)]
+        self.pending.append(mt_parallel.start_gradient_average(bucket, self.group))
+
+    def start_rest(self) -> None:
+        """Start the buckets not started yet, in order (the chunk's ``REDUCE_GRAD``)."""
+        while len(self.pending) < len(self.buckets):
+            self._start_next()
+
+    def finish(self) -> list[torch.nn.Parameter]:
+        """Wait for the started buckets, write their averages; the parameters they held."""
+        for pending in self.pending:
+            pending.finish()
+        done = [p for bucket in self.buckets[: len(self.pending)] for p in bucket]
+        self.reset()
+        return done
 
 
 class PipelineStep:
@@ -114,8 +185,6 @@ class PipelineStep:
         if runner.autocast_dtype is not None:
             for chunk in module.pipeline_chunks:
                 self._autocast_forward(chunk)
-        self._averaging: list[tuple[list[torch.nn.Parameter], Any]] = []
-        """The dp×cp gradient averages started inside the schedule (module docstring, 3)."""
         seen: set[int] = set()
         self._in_several_chunks: set[int] = set()
         """Parameters of more than one local chunk (the V schedules' embedding, which the
@@ -126,7 +195,21 @@ class PipelineStep:
                 if id(param) in seen:
                     self._in_several_chunks.add(id(param))
                 seen.add(id(param))
+        self._buckets: dict[int, _ChunkBuckets] = {}
+        """Per chunk (by id), its ``ddp`` average's buckets (module docstring, step 3)."""
         if parallel.data_parallel == "ddp" and mt_comm.group_size(self.dp_cp_group) > 1:
+            for chunk in module.pipeline_chunks:
+                params = [
+                    p
+                    for p in chunk.parameters()
+                    if p.requires_grad
+                    and not mt_parallel.is_expert_parameter(p)
+                    and id(p) not in self._in_several_chunks
+                ]
+                if params:
+                    self._buckets[id(chunk)] = _ChunkBuckets(
+                        chunk, params, self.schedule, self.dp_cp_group
+                    )
             self.schedule.on_chunk_gradients = self._start_average
 
     def _dense_gradients(self, module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -138,10 +221,8 @@ class PipelineStep:
         ]
 
     def _start_average(self, chunk: torch.nn.Module) -> None:
-        params = [p for p in self._dense_gradients(chunk) if id(p) not in self._in_several_chunks]
-        self._averaging.append(
-            (params, mt_parallel.start_gradient_average(params, self.dp_cp_group))
-        )
+        if id(chunk) in self._buckets:
+            self._buckets[id(chunk)].start_rest()
 
     def _autocast_forward(self, chunk: torch.nn.Module) -> None:
         regions: list[contextlib.AbstractContextManager] = []
@@ -178,13 +259,10 @@ class PipelineStep:
             first_inputs = batch.model_inputs() if self.holds_first else {}
             derived = self.runner.derived_inputs(batch, self.sequence_inputs)
             kwargs.append({"positions": positions, "document_ids": docs, **first_inputs, **derived})
+        self.reset()  # a step cut short (a raised error) leaves no bucket behind
         result = self.schedule.step(tokens, targets, kwargs, loss_factors)
         if self.parallel.data_parallel == "ddp":
-            done: set[int] = set()
-            for params, pending in self._averaging:
-                pending.finish()
-                done.update(id(p) for p in params)
-            self._averaging = []
+            done = {id(p) for buckets in self._buckets.values() for p in buckets.finish()}
             rest = [p for p in self._dense_gradients(self.module) if id(p) not in done]
             mt_parallel.all_reduce_gradients(rest, self.dp_cp_group)
         self.module.reduce_shared_gradients()
@@ -224,7 +302,10 @@ class PipelineStep:
         return dict(zip(self.extra_names, values.unbind(), strict=True))
 
     def reset(self) -> None:
-        """Nothing is cached between steps."""
+        """Forget the ``ddp`` buckets of a step that did not finish (nothing else is cached
+        between steps)."""
+        for buckets in self._buckets.values():
+            buckets.reset()
 
 
 def pipeline_step(

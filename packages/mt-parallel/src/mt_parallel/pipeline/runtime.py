@@ -197,11 +197,33 @@ def _gemm_weights_outside_sinks(chunk: nn.Module) -> list[str]:
 
 
 class _Stage(PipelineStage):
-    """torch's stage without p2p warm-up ops to itself (module docstring, "Older torch")."""
+    """torch's stage without p2p warm-up ops to itself (module docstring, "Older torch"), which
+    says while it runs its last backward of the step (:attr:`in_last_backward`)."""
+
+    in_last_backward = False
+    """True while the stage runs its last backward action of the step (torch's
+    ``last_backward``: its last full ``B``, or its last ``W``), after which its gradients are
+    final (:meth:`PipelineSchedule.in_last_backward`)."""
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         ops = super()._get_init_p2p_neighbors_ops()
         return [op for op in ops if op.group_peer != self.group_rank]
+
+    def backward_one_chunk(self, *args: Any, last_backward: bool = False, **kwargs: Any) -> Any:
+        self.in_last_backward = last_backward
+        try:
+            return super().backward_one_chunk(*args, last_backward=last_backward, **kwargs)
+        finally:
+            self.in_last_backward = False
+
+    def backward_weight_one_chunk(
+        self, *args: Any, last_backward: bool = False, **kwargs: Any
+    ) -> Any:
+        self.in_last_backward = last_backward
+        try:
+            return super().backward_weight_one_chunk(*args, last_backward=last_backward, **kwargs)
+        finally:
+            self.in_last_backward = False
 
 
 class PipelineSchedule:
@@ -303,6 +325,13 @@ class PipelineSchedule:
         all-to-alls (:mod:`mt_parallel.pipeline.overlap`); else torch runs them back to back."""
         if self.overlaps:
             self.runtime.register_custom_function(OVERLAP, overlap_forward_backward)
+
+    def in_last_backward(self, chunk: nn.Module) -> bool:
+        """Whether ``chunk``'s stage is running its last backward action of the step: a
+        gradient that autograd accumulates into one of its parameters now is final for the
+        step (a caller can start reducing it; ``W`` actions of torch's split and sinks set
+        theirs without autograd's accumulation)."""
+        return any(s.in_last_backward for s in self._stage_of.values() if s.submod is chunk)
 
     def _chunk_done(self, action: Any, ctx: Any) -> None:
         """``REDUCE_GRAD``: torch's own action (FSDP2's post-backward; the runtime's gradient
