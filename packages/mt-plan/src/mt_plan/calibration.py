@@ -11,6 +11,8 @@ A table (JSON) has ``device`` and ``entries``; each entry is one measurement::
     {"op": "attention_fwd", "dtype": "bf16", "shape": [batch·heads, seq, head_dim], ...}
     {"op": "attention_bwd", ...}
     {"op": "rmsnorm", "dtype": "bf16", "shape": [rows, cols], "bytes_per_s": 1.9e12}
+    {"op": "kernel_launch", "dtype": "none", "shape": [launches], "per_s": 2.1e5}
+    {"op": "host_read", "dtype": "none", "shape": [reads], "per_s": 4.0e4}
 
 GEMM dtypes are ``bf16``, ``fp32`` and ``fp8_<recipe>`` (the FP8 GEMM path that recipe takes in
 mt-fp8). ``grouped_linear_fwd`` / ``_bwd`` (dtype ``bf16`` or ``fp8_<recipe>``) time one MoE
@@ -48,6 +50,14 @@ without one (the layout-free ops of :data:`LAYOUT_FREE`: bf16 timed as ``a @ b``
 operands row-major, FP8 as the forward's ``fp8_gemm``); a pass without entries of its own is
 priced from those, so such tables (the shipped ``h200.json``; the shipped ``h100.json`` times
 every pass) still load and price every pass, and ``--explain`` notes it.
+
+Host costs (:data:`HOST_OPS`, rated ``per_s``: events a second). ``kernel_launch`` is the host
+time to enqueue one small kernel while the device keeps up (``mt-plan calibrate`` enqueues
+``launches`` of them back to back and divides), ``host_read`` one device-to-host read of a
+small tensor on an idle device (``tolist()``, the round trip a ``sizes.tolist()`` costs). The
+cost model's host-time floor (:mod:`mt_plan.cost`, "Host time") prices launches and reads with
+them; a table without them (the shipped ``h100.json`` and ``h200.json`` predate them) takes
+:data:`DEFAULT_HOST_SECONDS` (:meth:`CalibrationTable.host_seconds`).
 
 Memory-bound rates and the calibration's harness. ``mt-plan calibrate`` times ``rmsnorm``,
 ``swiglu``, ``rope`` and ``cross_entropy`` as ``op(...).sum().backward()`` on leaf tensors whose
@@ -99,6 +109,14 @@ MEMBOUND_OPS = (
     "permute",
     "copy",
 )
+HOST_OPS = ("kernel_launch", "host_read")
+"""Host costs, rated in events a second (module docstring, "Host costs")."""
+DEFAULT_HOST_SECONDS = {"kernel_launch": 10.0e-6, "host_read": 30.0e-6}
+"""Seconds per event where a table has no host entry. Assumed, not measured on a GPU (none was
+lent when the entries were added, 2026-12-08): 10 µs is of the order of one eager PyTorch op
+from Python (the development machine's CPU enqueued a small in-place add in 9 to 11 µs, its own
+kernel included), 30 µs a launch, a small device-to-host copy and the stream's wait.
+``mt-plan calibrate`` measures both; a recalibrated table replaces them."""
 GEMM_PASSES = ("fwd", "dgrad", "wgrad")
 """A linear's three GEMMs (module docstring, "GEMM passes")."""
 
@@ -137,7 +155,7 @@ class Entry:
     dtype: str
     shape: tuple[int, ...]
     rate: float
-    """FLOP/s for compute ops, bytes/s for memory-bound ones."""
+    """FLOP/s for compute ops, bytes/s for memory-bound ones, events/s for host ones."""
 
 
 @dataclass
@@ -155,10 +173,9 @@ class CalibrationTable:
 
     def __post_init__(self) -> None:
         for e in self.entries:
-            if e.op not in COMPUTE_OPS + MEMBOUND_OPS:
-                raise ValueError(
-                    f"calibration entry op={e.op!r}; valid: {', '.join(COMPUTE_OPS + MEMBOUND_OPS)}"
-                )
+            if e.op not in COMPUTE_OPS + MEMBOUND_OPS + HOST_OPS:
+                valid = ", ".join(COMPUTE_OPS + MEMBOUND_OPS + HOST_OPS)
+                raise ValueError(f"calibration entry op={e.op!r}; valid: {valid}")
             if not e.rate > 0 or not e.shape or min(e.shape) < 1:
                 raise ValueError(f"calibration entry {e} needs a positive rate and shape")
             key = (e.op, e.dtype)
@@ -247,16 +264,32 @@ class CalibrationTable:
             return bytes_moved / bandwidth, "roofline"
         return max(bytes_moved / rate, bytes_moved / bandwidth), "measured"
 
+    def host_seconds(self, op: str) -> tuple[float, str]:
+        """(seconds per event, source) of host op ``op``: the table's rate at its largest
+        measured count (``measured``), else :data:`DEFAULT_HOST_SECONDS` (``default``)."""
+        if op not in HOST_OPS:
+            raise ValueError(f"host op {op!r}; valid: {', '.join(HOST_OPS)}")
+        measured = [e for e in self.entries if e.op == op]
+        if not measured:
+            return DEFAULT_HOST_SECONDS[op], "default"
+        return 1.0 / max(measured, key=lambda e: e.shape).rate, "measured"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
             "source": self.source,
             "entries": [
-                {"op": e.op, "dtype": e.dtype, "shape": list(e.shape),
-                 ("bytes_per_s" if e.op in MEMBOUND_OPS else "flops_per_s"): e.rate}
+                {"op": e.op, "dtype": e.dtype, "shape": list(e.shape), _rate_key(e.op): e.rate}
                 for e in self.entries
             ],
-        }  # fmt: skip
+        }
+
+
+def _rate_key(op: str) -> str:
+    """The JSON field of ``op``'s rate."""
+    if op in HOST_OPS:
+        return "per_s"
+    return "bytes_per_s" if op in MEMBOUND_OPS else "flops_per_s"
 
 
 def table_from_dict(data: dict[str, Any]) -> CalibrationTable:
@@ -264,7 +297,7 @@ def table_from_dict(data: dict[str, Any]) -> CalibrationTable:
     entries = []
     for i, raw in enumerate(data.get("entries", [])):
         try:
-            rate = raw["bytes_per_s"] if raw["op"] in MEMBOUND_OPS else raw["flops_per_s"]
+            rate = raw[_rate_key(raw["op"])]
             entries.append(
                 Entry(raw["op"], raw["dtype"], tuple(int(d) for d in raw["shape"]), rate)
             )

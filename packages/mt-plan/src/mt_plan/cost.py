@@ -170,6 +170,40 @@ counted as ``ring_attention_scores`` on top of the peak. Not charged: the fp32 c
 and the blocks, the output merges and the gradient buffers (``t``-sized). At cp = 1 the
 runtime runs no ring, and the price is that of no context parallelism.
 
+Host time (the floor of a host-bound step). The host enqueues every kernel before the device
+runs it, so a step is never shorter than the host's work, and where the host waits for the
+device (a device-to-host read) the device cannot run ahead of it either. Per decoder layer,
+micro-batch and pass the host spends ``launches × t_launch + reads × t_read``
+(:meth:`~mt_plan.calibration.CalibrationTable.host_seconds`): ``launches`` from
+:data:`KERNEL_LAUNCHES` (counted on the runtime, below) plus one per collective of the layer,
+``reads`` from :data:`EXPERT_MLP_HOST_READS` and :data:`DISPATCH_HOST_READS`; full recompute
+repeats the forward's launches and reads in the backward. A read waits for everything queued
+before it, so the reads cut the step into segments, and each segment costs ``max(device,
+host)``; a step without reads costs ``max(Σ device, Σ host)`` (the host runs ahead of the
+device). The model places a layer's reads at the start of its forward (they follow its
+attention, router and permutation; over a run of equal layers the segments between reads are
+one layer's forward either way) or, recomputed, of its backward; the step begins and ends
+synchronized. Under pp each chunk's ``F``, ``I`` and ``W`` are floored on their own before the
+pipeline simulator times them (the backward's host time split between ``I`` and ``W`` as their
+device time is): the simulator has no host queue, so the host is not let run ahead across
+schedule ops. Not counted: the optimizer's and the data-parallel reduction's launches (few,
+fused), the all-to-all dispatcher's own copies at ep > 1 (counted: its collectives and its
+read), selective recompute's core launches.
+
+Launch counts (:data:`KERNEL_LAUNCHES`) are data measured from mt's runtime by ``packages/mt-
+plan/tests/plan_launch_counts.py``, and a test keeps them equal to it: tiny models of each
+family (Llama, Mixtral, DeepSeek-V2-Lite with and without MoE) on the CPU, one forward and
+backward under bf16 autocast, every aten op that launches a kernel on CUDA counted (views,
+allocations and metadata not), every Triton kernel as one (mt-fp8's fused ops run their Triton
+kernels in Triton's interpreter) and every FP8 GEMM call as one, with the grouped FP8 path
+forced as on Hopper and every expert routed the same number of tokens; a layer's count is the
+difference of the model with two layers and with one, the per-expert count the difference of two
+expert counts (the per-expert loops of E5M2 gradients and of delayed scaling grow with the local
+experts). Models whose layers were not counted take their family's (DeepSeek-V3's q-lora layers
+take V2-Lite's), and recipes without counts the one :data:`LAUNCH_RECIPE_STANDIN` names. The
+embedding's, final norm's, head's and loss's kernels (:data:`END_LAUNCHES`) are counted with the
+last chunk's head; the VLM's vision tower and the MTP modules are not counted.
+
 Memory per rank (bytes): fp32 weights (trainer parameters are fp32 under autocast), gradients,
 AdamW moments by mode (ddp: all, plus DDP's bucket copies when ``W > 1``; zero1: moments and a
 master shard ``/W``; fsdp: everything ``/W`` plus two gathered blocks, under pp plus the
@@ -239,9 +273,99 @@ GEMMs, forward and backward; a masked block (step 0's causal one) two more (modu
 RING_SCORE_MATRICES = 4
 """fp32 score matrices of step 0's block alive at once in the ring's block backward (``S``,
 ``P``, ``dP − Δ``, ``dS``)."""
+
+
+@dataclass(frozen=True)
+class LaunchCounts:
+    """Kernels one decoder layer launches per micro-batch (module docstring, "Launch counts")."""
+
+    forward: float
+    backward: float
+    expert_forward: float = 0.0
+    """More per local routed expert (the per-expert loops)."""
+    expert_backward: float = 0.0
+
+
+KERNEL_LAUNCHES: dict[str, LaunchCounts] = {
+    "llama/none": LaunchCounts(35, 38),
+    "llama/tensorwise": LaunchCounts(50, 45),
+    "llama/rowwise": LaunchCounts(103, 73),
+    "llama/delayed": LaunchCounts(72, 59),
+    "moe/none": LaunchCounts(90, 59),
+    "moe/tensorwise": LaunchCounts(283, 201, 5.875, 15),
+    "moe/rowwise": LaunchCounts(335, 226),
+    "moe/delayed": LaunchCounts(103, 68, 32.875, 18),
+    "mla/none": LaunchCounts(65, 60),
+    "mla/tensorwise": LaunchCounts(83, 67),
+    "mla/rowwise": LaunchCounts(140, 95),
+    "mla/delayed": LaunchCounts(112, 81),
+    "mla_moe/none": LaunchCounts(128, 86),
+    "mla_moe/tensorwise": LaunchCounts(294, 195, 8.125, 17.25),
+    "mla_moe/rowwise": LaunchCounts(410, 268),
+    "mla_moe/delayed": LaunchCounts(167, 104, 32.875, 18),
+}
+"""Kernel launches of one layer by ``<layer kind>/<recipe>``: ``llama`` (GQA attention, dense
+MLP), ``moe`` (GQA, routed experts), ``mla`` (MLA, dense MLP), ``mla_moe`` (MLA, routed and
+shared experts), as ``plan_launch_counts.py`` counted them at 3ee99fa (module docstring)."""
+END_LAUNCHES: dict[str, tuple[int, int]] = {
+    "llama/none": (11, 11),
+    "llama/tensorwise": (13, 11),
+    "llama/rowwise": (11, 11),
+    "llama/delayed": (13, 11),
+    "moe/none": (16, 11),
+    "moe/tensorwise": (18, 11),
+    "moe/rowwise": (16, 11),
+    "moe/delayed": (18, 11),
+    "mla_moe/none": (16, 11),
+    "mla_moe/tensorwise": (18, 11),
+    "mla_moe/rowwise": (16, 11),
+    "mla_moe/delayed": (18, 11),
+}
+"""Kernel launches of the embedding, the final norm, the head and the loss (forward, backward)
+by ``<family>/<recipe>`` (``mla`` layers' models are ``mla_moe``'s)."""
+LAUNCH_RECIPE_STANDIN = {"blockwise": "tensorwise", "mxfp8": "tensorwise"}
+"""Recipes without counts of their own and the recipe whose counts stand in for them."""
+EXPERT_PATH = {
+    "none": "grouped", "tensorwise": "grouped", "rowwise": "grouped", "delayed": "per_expert",
+    "blockwise": "grouped_block", "mxfp8": "grouped_block",
+}  # fmt: skip
+"""The path the routed experts take under each recipe on Hopper (:func:`expert_path`):
+``torch._grouped_mm`` (bf16), ``torch._scaled_grouped_mm`` (tensorwise, rowwise; E5M2 gradients
+keep dgrad and wgrad per expert), mt-fp8's per-expert loop (delayed), mt-fp8's grouped block
+GEMMs (blockwise, MXFP8, from :data:`BLOCK_GROUPED_MIN_EXPERTS` local experts)."""
+BLOCK_GROUPED_MIN_EXPERTS = 16
+"""mt-fp8's ``grouped.BLOCK_GROUPED_MIN_EXPERTS``: block and MXFP8 layers with fewer local
+experts keep the per-expert loop under backend ``auto`` (a test keeps the two equal)."""
+EXPERT_MLP_HOST_READS = {
+    ("none", "grouped"): 0,
+    ("tensorwise", "grouped"): 1,
+    ("rowwise", "grouped"): 0,
+    ("delayed", "per_expert"): 1,
+    ("blockwise", "grouped_block"): 0,
+    ("mxfp8", "grouped_block"): 0,
+    ("blockwise", "per_expert"): 1,
+    ("mxfp8", "per_expert"): 1,
+}
+"""Device-to-host reads per routed-expert MLP forward by (recipe, path): mt-parallel's
+``GroupedExperts.forward`` reads the group sizes once (``sizes_L.tolist()``) for FP8
+projections that need host ints (tensorwise's per-group E5M2 GEMMs, the per-expert loops);
+bf16's grouped GEMM, rowwise's all-grouped path (2019e7d) and the grouped block GEMMs (a83be73)
+take them on the device (``FP8GroupedLinear.reads_sizes_on_device``)."""
+DISPATCH_HOST_READS = {"all_to_all": 1}
+"""Reads per MoE layer forward of the dispatcher at ep > 1: the all-to-all's split sizes
+(mt-parallel's ``dispatch._counts_to_host``)."""
 SWIGLU_INTO_FP8 = ("tensorwise", "delayed")
 """Recipes whose down projection quantizes ``silu(gate)·up`` from gate and up (tensorwise INPUT
 scales: ``LinearPlan.quantize_swiglu_input``'s fused path)."""
+
+
+def expert_path(recipe: str, local_experts: int) -> str:
+    """The routed experts' path under ``recipe`` with ``local_experts`` per rank
+    (:data:`EXPERT_PATH`; block recipes below :data:`BLOCK_GROUPED_MIN_EXPERTS` loop)."""
+    path = EXPERT_PATH[recipe]
+    if path == "grouped_block" and local_experts < BLOCK_GROUPED_MIN_EXPERTS:
+        return "per_expert"
+    return path
 
 
 @dataclass(frozen=True)
@@ -290,6 +414,15 @@ class Estimate:
     """Share of compute time priced by the roofline (no calibration entry)."""
     microbatches: int = 1
     notes: list[str] = field(default_factory=list)
+    host_time: float = 0.0
+    """Seconds the host spends enqueuing kernels and waiting on device-to-host reads per step
+    (pipeline rank 0; module docstring, "Host time")."""
+    host_floor: float = 0.0
+    """Seconds the host-time floor adds to the step (0: the device bounds it)."""
+    host_reads: int = 0
+    kernel_launches: float = 0.0
+    host_costs: tuple[float, float, str] = (0.0, 0.0, "")
+    """(seconds per launch, per read, their source: ``measured`` or ``default``)."""
 
     @property
     def exposed_comm(self) -> float:
@@ -312,6 +445,113 @@ class _Phase:
         self.classes[cls] = self.classes.get(cls, 0.0) + total
         if roofline:
             self.roofline += total
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One decoder layer (or a chunk's ends) of one micro-batch: device seconds by pass and
+    host seconds, reads and launches forward and backward (module docstring, "Host time")."""
+
+    forward: float
+    igrad: float
+    wgrad: float
+    host_f: float
+    host_b: float
+    reads_f: int
+    reads_b: int
+    launches_f: float
+    launches_b: float
+
+
+def _timeline(pieces: list[_Piece]) -> list[tuple[float, float, int]]:
+    """(device, host, reads) of one micro-batch's forward then backward in execution order: the
+    layers forward, the ends (the last piece) forward and backward, the layers backward."""
+    *layers, ends = pieces
+    return [
+        *((p.forward, p.host_f, p.reads_f) for p in layers),
+        (ends.forward, ends.host_f, 0),
+        (ends.igrad + ends.wgrad, ends.host_b, 0),
+        *((p.igrad + p.wgrad, p.host_b, p.reads_b) for p in reversed(layers)),
+    ]
+
+
+def _segments(
+    timeline: list[tuple[float, float, int]], t_read: float
+) -> tuple[tuple[float, float], list[tuple[float, float]], tuple[float, float]] | None:
+    """(before the first read, the segments between reads, after the last) as (device, host)
+    seconds, a read's wait counted as host time of the segment it opens; None without reads."""
+    device = host = 0.0
+    first, inner = None, []
+    for seconds, host_seconds, reads in timeline:
+        if reads:
+            if first is None:
+                first = (device, host)
+            else:
+                inner.append((device, host))
+            device, host = 0.0, reads * t_read
+        device += seconds
+        host += host_seconds
+    return None if first is None else (first, inner, (device, host))
+
+
+def _floored_step(pieces: list[_Piece], m: int, after: float, t_read: float) -> float:
+    """Seconds of ``m`` micro-batches of ``pieces`` back to back and then ``after`` device
+    seconds (the reduction and the optimizer), each segment between reads at ``max(device,
+    host)``; without reads ``max(Σ device, Σ host)`` (module docstring, "Host time")."""
+    timeline = _timeline(pieces)
+    cut = _segments(timeline, t_read)
+    if cut is None:
+        device = sum(t[0] for t in timeline)
+        host = sum(t[1] for t in timeline)
+        return max(m * device + after, m * host)
+    (first_d, first_h), inner, (last_d, last_h) = cut
+    return (
+        max(first_d, first_h)
+        + m * sum(max(d, h) for d, h in inner)
+        + (m - 1) * max(last_d + first_d, last_h + first_h)  # one micro-batch into the next
+        + max(last_d + after, last_h)
+    )
+
+
+def _excess(floored: float, device: float) -> float:
+    """What the floor adds to ``device`` seconds: 0 unless it binds beyond rounding."""
+    return floored - device if floored > device * (1 + 1e-12) else 0.0
+
+
+def _floor_excess(pieces: list[_Piece], m: int, after: float, t_read: float) -> float:
+    """Seconds :func:`_floored_step` adds to the device's time of the same work."""
+    device = m * sum(t[0] for t in _timeline(pieces)) + after
+    return _excess(_floored_step(pieces, m, after, t_read), device)
+
+
+def _floored_passes(pieces: list[_Piece], t_read: float) -> tuple[float, float, float]:
+    """Seconds the floor adds to a pipeline chunk's ``F``, ``I``, ``W``, each floored alone
+    (module docstring, "Host time"): the backward's host time split between ``I`` and ``W`` as
+    their device time."""
+    *layers, ends = pieces
+    forward = [(p.forward, p.host_f, p.reads_f) for p in layers] + [(ends.forward, ends.host_f, 0)]
+
+    def share(p: _Piece, part: float) -> float:
+        total = p.igrad + p.wgrad
+        return p.host_b * (part / total if total else 0.5)
+
+    order = [ends, *reversed(layers)]
+    igrad = [(p.igrad, share(p, p.igrad), p.reads_b) for p in order]
+    wgrad = [(p.wgrad, share(p, p.wgrad), 0) for p in order]
+    f, i, w = (
+        _excess(_floored_step_of(t, t_read), sum(d for d, _, _ in t))
+        for t in (forward, igrad, wgrad)
+    )
+    return f, i, w
+
+
+def _floored_step_of(timeline: list[tuple[float, float, int]], t_read: float) -> float:
+    """One run of ``timeline`` from and to a synchronized host, floored by segment."""
+    cut = _segments(timeline, t_read)
+    if cut is None:
+        return max(sum(t[0] for t in timeline), sum(t[1] for t in timeline))
+    first, inner, last = cut
+    return sum(max(d, h) for d, h in (first, *inner, last))
 
 
 @dataclass(frozen=True)
@@ -344,6 +584,11 @@ class _LayerCost:
     full_acts: float
     """What the layer saves without recompute (the transient of a recomputed block)."""
     ring: _RingCost | None = None
+    launches: tuple[float, float] = (0.0, 0.0)
+    """Kernels launched, forward and backward (with a recomputed forward's; module docstring,
+    "Host time")."""
+    reads: tuple[int, int] = (0, 0)
+    """Device-to-host reads, forward and backward."""
 
 
 class CostModel:
@@ -695,7 +940,44 @@ class CostModel:
             ph.classes["recompute"] = extra
         if ring_cost is not None and L.recompute in ("full", "selective", "selective_mlp"):
             ring_cost = ring_cost.with_forward_repeated(1)  # the core runs again, ring and all
-        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full, ring_cost)
+        launches_f, launches_b, reads_f = self._layer_launches(dense, L)
+        launches = (launches_f + len(comm_f), launches_b + len(comm_b))
+        reads = (reads_f, 0)
+        if L.recompute in ("full", "full_keep"):  # the forward's kernels and reads again
+            launches = (launches[0], launches[1] + launches_f)
+            reads = (reads_f, reads_f)
+        return _LayerCost(ph, tuple(comm_f), tuple(comm_b), saved, full, ring_cost, launches, reads)
+
+    def _launch_key(self, dense: bool, L: Layout) -> str:
+        """The :data:`KERNEL_LAUNCHES` key of a decoder layer (module docstring, "Launch
+        counts")."""
+        md = self.model
+        mla, routed = md.attention == "mla", md.moe and not dense
+        kind = ("mla_moe" if mla else "moe") if routed else ("mla" if mla else "llama")
+        return f"{kind}/{LAUNCH_RECIPE_STANDIN.get(L.fp8, L.fp8)}"
+
+    def _layer_launches(self, dense: bool, L: Layout) -> tuple[float, float, int]:
+        """(forward kernels, backward kernels, forward host reads) of one decoder layer per
+        micro-batch, its collectives not included (module docstring, "Host time")."""
+        md = self.model
+        counts = KERNEL_LAUNCHES[self._launch_key(dense, L)]
+        if dense or not md.moe:
+            return counts.forward, counts.backward, 0
+        local = md.num_experts // L.ep
+        reads = EXPERT_MLP_HOST_READS[(L.fp8, expert_path(L.fp8, local))]
+        if L.ep > 1:
+            reads += DISPATCH_HOST_READS["all_to_all"]
+        return (
+            counts.forward + counts.expert_forward * local,
+            counts.backward + counts.expert_backward * local,
+            reads,
+        )
+
+    def _end_launches(self, L: Layout) -> tuple[int, int]:
+        """Kernels of the embedding, final norm, head and loss (forward, backward):
+        :data:`END_LAUNCHES` of the model's layer family (module docstring, "Launch counts")."""
+        key = self._launch_key(not self.model.moe, L).replace("mla/", "mla_moe/")
+        return END_LAUNCHES[key]
 
     def _ring(
         self, L: Layout, heads: int, t: int, qk: int, vd: int, elements: int, expansion: float
@@ -865,6 +1147,11 @@ class CostModel:
 
         # per chunk: F, I, W seconds (compute + exposed in-layer comm), classes, saved bytes
         chunk_f, chunk_i, chunk_w, chunk_saved, chunk_full = [], [], [], [], []
+        chunk_pieces: list[list[_Piece]] = []  # each layer's, then the chunk's ends (host time)
+        t_launch = self.table.host_seconds("kernel_launch")[0]
+        t_read = self.table.host_seconds("host_read")[0]
+        end_launches = self._end_launches(L)
+        floor_binds = False  # under pp: in some chunk's F, I or W
         classes: dict[str, float] = {}
         roofline = 0.0
         rank0 = set(placement[0])
@@ -878,10 +1165,12 @@ class CostModel:
         for c, layers in enumerate(chunks):
             f = i = wg = saved = biggest = 0.0
             count_comm = c in rank0
+            pieces: list[_Piece] = []
             for layer in layers:
                 dense = not md.moe or layer < md.first_k_dense
                 skipped = L.recompute in FULL_RECOMPUTE and layer not in recomputed
                 lc = self._layer(dense, not_recomputed if skipped else every_block)
+                before = (f, i, wg)
                 f += lc.phase.fwd
                 i += lc.phase.igrad
                 wg += lc.phase.wgrad
@@ -912,6 +1201,14 @@ class CostModel:
                     for cls, t in lc.phase.classes.items():
                         classes[cls] = classes.get(cls, 0.0) + t * m
                     roofline += lc.phase.roofline * m
+                pieces.append(
+                    _Piece(
+                        f - before[0], i - before[1], wg - before[2],
+                        lc.launches[0] * t_launch, lc.launches[1] * t_launch,
+                        *lc.reads, *lc.launches,
+                    )
+                )  # fmt: skip
+            before = (f, i, wg)
             ends = ([emb] if c == 0 else []) + ([head] if c == len(chunks) - 1 else [])
             for ph in ends:
                 f, i, wg = f + ph.fwd, i + ph.igrad, wg + ph.wgrad
@@ -942,6 +1239,19 @@ class CostModel:
                     i += p2p
                     if count_comm:
                         account("pp", "p2p", hidden, m)
+            # the embedding's and head's kernels (and the stage p2p), counted at the head
+            end_f, end_b = end_launches if c == len(chunks) - 1 else (0, 0)
+            pieces.append(
+                _Piece(
+                    f - before[0], i - before[1], wg - before[2],
+                    end_f * t_launch, end_b * t_launch, 0, 0, end_f, end_b,
+                )
+            )  # fmt: skip
+            chunk_pieces.append(pieces)
+            if L.pp > 1:  # each schedule op floored alone (module docstring, "Host time")
+                excess = _floored_passes(pieces, t_read)
+                floor_binds = floor_binds or any(excess)
+                f, i, wg = f + excess[0], i + excess[1], wg + excess[2]
             chunk_f.append(f)
             chunk_i.append(i)
             chunk_w.append(wg)
@@ -955,6 +1265,11 @@ class CostModel:
                 L.schedule, L.pp, v, m, chunk_f, chunk_i, chunk_w
             )
             last_backward = 0.0
+            device_pipe = pipe_time
+            if floor_binds:
+                device = [[sum(getattr(p, k) for p in ps) for ps in chunk_pieces]
+                          for k in ("forward", "igrad", "wgrad")]  # fmt: skip
+                device_pipe = pipeline_timing(L.schedule, L.pp, v, m, *device)[0]
         else:
             pipe_time = m * (chunk_f[0] + chunk_i[0] + chunk_w[0])
             bubble, held = 0.0, (1.0,)
@@ -981,7 +1296,17 @@ class CostModel:
                 comm[g].exposed = dp_exposed if g == "dp" else 0.0
         classes["optimizer"] = optimizer
 
+        if L.pp > 1:
+            host_floor = pipe_time - device_pipe
+        else:
+            host_floor = _floor_excess(chunk_pieces[0], m, dp_exposed + optimizer, t_read)
+            pipe_time += host_floor
         step = pipe_time + dp_exposed + optimizer
+        rank0_pieces = [p for c in placement[0] for p in chunk_pieces[c]]
+        host_time = m * sum(p.host_f + p.host_b + (p.reads_f + p.reads_b) * t_read
+                            for p in rank0_pieces)  # fmt: skip
+        host_reads = m * sum(p.reads_f + p.reads_b for p in rank0_pieces)
+        launches = m * sum(p.launches_f + p.launches_b for p in rank0_pieces)
         tokens = w.global_batch * w.seq_len
         per_gpu = tokens / step / L.world
         mfu = per_gpu * md.flops_per_token(w.seq_len) / cl.gpu.peak_bf16_flops
@@ -1019,7 +1344,9 @@ class CostModel:
             peak_memory=peak_mem, fits=fits, memory=worst, compute=classes, comm=comm,
             bubble_fraction=bubble, optimizer_time=optimizer,
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
-            notes=self._gemm_notes(L) + self._expert_notes(L),
+            notes=self._gemm_notes(L) + self._expert_notes(L), host_time=host_time,
+            host_floor=max(host_floor, 0.0), host_reads=host_reads, kernel_launches=launches,
+            host_costs=(t_launch, t_read, self.table.host_seconds("kernel_launch")[1]),
         )  # fmt: skip
 
     def _optimizer(self, L: Layout, params: tuple[float, float, float]) -> float:

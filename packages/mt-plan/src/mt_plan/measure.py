@@ -39,6 +39,13 @@ the forward; rates are per ``2·rows·N·K`` FLOPs forward and twice that backwa
 Mixtral-8x7B's few large experts and DeepSeek's many small ones (V2-Lite's 64, V3's 256 over
 ep = 8), both projection orientations.
 
+Host costs (``kernel_launch``, ``host_read``; :mod:`mt_plan.calibration`, "Host costs"): the
+host's wall clock around ``launches`` in-place adds to a 16-element tensor, enqueued back to back
+after the device has drained (each kernel runs in less time than its launch takes, so the host
+never waits on a full launch queue), divided by ``launches``; and around ``reads`` ``tolist()``
+calls of an 8-element int64 tensor on the idle device (the FP8 experts' ``sizes.tolist()``),
+divided by ``reads``. Rates are events a second.
+
 Timing: CUDA events around ``repeat`` calls after ``warmup`` calls, the median of ``trials``
 (wall clock on other devices). ``--tiny`` uses small shapes, fewer repeats and only the
 tensorwise FP8 recipe so the whole table is measured in seconds on a CPU (a smoke test of the
@@ -133,6 +140,7 @@ def calibrate(device_name: str = "auto", tiny: bool = False, fp8_recipes=None) -
     entries += _expert_linears(device, tiny, timeit, recipes)
     entries += _attention(device, dtype, label, tiny, timeit)
     entries += _membound(device, dtype, tiny, timeit)
+    entries += _host(device, tiny)
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
     source = f"mt-plan calibrate on {name}, torch {torch.__version__}" + (" (tiny)" if tiny else "")
     return CalibrationTable(name, entries, source)
@@ -378,3 +386,34 @@ def _membound(device, dtype, tiny, timeit) -> list[Entry]:
     opt = FusedAdamW([param], lr=1e-4)
     out.append(Entry("adamw", "fp32", (numel,), 28 * numel / timeit(opt.step)))
     return out
+
+
+def _host(device, tiny: bool) -> list[Entry]:
+    """Seconds per kernel launch and per host read (module docstring, "Host costs")."""
+    import torch
+
+    launches, reads, trials = (64, 16, 3) if tiny else (1000, 200, 7)
+    x = torch.zeros(16, device=device)
+    sizes = torch.arange(8, device=device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def per_event(fn: Callable[[], object], count: int) -> float:
+        results = []
+        for _ in range(trials + 1):  # the first warms up
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            results.append((time.perf_counter() - start) / count)
+            synchronize()
+        return statistics.median(results[1:])
+
+    launch = per_event(lambda: x.add_(1.0), launches)
+    read = per_event(sizes.tolist, reads)
+    return [
+        Entry("kernel_launch", "none", (launches,), 1.0 / launch),
+        Entry("host_read", "none", (reads,), 1.0 / read),
+    ]

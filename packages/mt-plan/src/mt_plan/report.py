@@ -39,6 +39,22 @@ def launch_line(estimate: Estimate, cluster: Cluster, base: list[str], global_ba
     return f"{launcher} -m mt_train " + " ".join(overrides)
 
 
+def host_line(e: Estimate) -> str:
+    """The host's time per step and whether it bounds the step (``mt_plan.cost``, "Host
+    time")."""
+    launch, read, source = e.host_costs
+    binds = (
+        f"the floor binds: +{e.host_floor:.4f} s over the device's time"
+        if e.host_floor > 0
+        else "the device bounds the step"
+    )
+    return (
+        f"host per step and rank: {e.host_time:.4f} s ({e.kernel_launches:,.0f} kernel launches "
+        f"at {launch * 1e6:.1f} us, {e.host_reads} device-to-host reads at {read * 1e6:.1f} us; "
+        f"{source} host costs); {binds}"
+    )
+
+
 def explain(e: Estimate) -> str:
     """Where the step time and the memory go for one layout."""
     lines = [f"layout: {e.layout.label()}", f"micro-batches per step and rank: {e.microbatches}"]
@@ -48,6 +64,7 @@ def explain(e: Estimate) -> str:
         f"{e.roofline_share:.0%} of compute priced by the roofline (uncalibrated)"
     )
     lines += [f"note: {note}" for note in e.notes]
+    lines.append(host_line(e))
     lines.append("compute per step and rank (s), by op class:")
     for name, seconds in sorted(e.compute.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<24} {seconds:10.4f}")
