@@ -91,6 +91,23 @@ def test_check_actions_rejects_weight_before_input_grad() -> None:
         check_actions({0: [Action(0, F, 0)]}, {0: 0}, 1)
 
 
+@pytest.mark.parametrize(
+    ("order", "message"),
+    [
+        ({0: [Action(1, F, 0)]}, r"rank 0 action 0 \(.*\): stage 1 is not on rank 0"),
+        ({0: [Action(0, F, 3)]}, r"rank 0 action 0 \(.*\): micro-batch outside 0..0"),
+        (
+            {0: [Action(0, F, 0), Action(0, B, 0), Action(0, B, 0)]},
+            r"action 2 .*follows \['F', 'B'\]",
+        ),
+    ],
+    ids=["placement", "micro-batch", "repeat"],
+)
+def test_check_actions_names_the_bad_action(order, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_actions(order, {0: 0, 1: 1}, 1)
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_sends_match_receives_in_the_same_order(name: str) -> None:
     """After torch's lowering every send has its receive on the peer, and between two ranks the

@@ -239,21 +239,25 @@ def check_actions(order: Schedule, placement: dict[int, int], microbatches: int)
     """Raise :class:`ValueError` unless every (stage, micro-batch) runs ``F`` then ``B``, or
     ``F`` then ``I`` then ``W``, exactly once each, on the rank that holds the stage."""
     done: dict[tuple[int, int], list[ActionKind]] = {}
+    follows = {F: [], B: [F], I: [F], W: [F, I]}
     for rank, actions in order.items():
         for position, entry in enumerate(actions):
             for a in leaf_actions(entry):
-                where = f"rank {rank} action {position} ({a})"
-                if placement.get(a.stage_index) != rank:
-                    raise ValueError(f"{where}: stage {a.stage_index} is not on rank {rank}")
-                if a.microbatch_index is None or not 0 <= a.microbatch_index < microbatches:
-                    raise ValueError(f"{where}: micro-batch outside 0..{microbatches - 1}")
-                seen = done.setdefault((a.stage_index, a.microbatch_index), [])
                 kind = a.computation_type
-                expected = {F: [], B: [F], I: [F], W: [F, I]}.get(kind)
-                if expected is None:
-                    raise ValueError(f"{where}: {kind.value} is not a compute action")
-                if seen != expected:
-                    raise ValueError(f"{where}: follows {[k.value for k in seen]}")
+                expected = follows.get(kind)
+                problem = None
+                if placement.get(a.stage_index) != rank:
+                    problem = f"stage {a.stage_index} is not on rank {rank}"
+                elif a.microbatch_index is None or not 0 <= a.microbatch_index < microbatches:
+                    problem = f"micro-batch outside 0..{microbatches - 1}"
+                elif expected is None:
+                    problem = f"{kind.value} is not a compute action"
+                else:
+                    seen = done.setdefault((a.stage_index, a.microbatch_index), [])
+                    if seen != expected:
+                        problem = f"follows {[k.value for k in seen]}"
+                if problem is not None:  # the message is built only for a bad list
+                    raise ValueError(f"rank {rank} action {position} ({a}): {problem}")
                 seen.append(kind)
     for stage in placement:
         for k in range(microbatches):
