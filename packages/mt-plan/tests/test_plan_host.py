@@ -118,7 +118,8 @@ def test_the_floor_on_real_layouts(overrides) -> None:
     est = model.estimate(layout)
     assert est.step_time == device.step_time and est.host_floor == 0.0
     # a second per launch and per read: every segment is host-bound, so the step is exactly
-    # the host's time, launches and reads counted per micro-batch and layer
+    # the host's time, launches and reads counted per micro-batch and layer (rel 1e-12 and
+    # 1e-9: the same float64 seconds summed in another order, the device's step beside them)
     model, layout = _cost(overrides, _with_host(h100, 1.0, 1.0))
     est = model.estimate(layout)
     assert est.step_time == pytest.approx(est.host_time, rel=1e-12)
