@@ -9,7 +9,9 @@
   ``recompute_every > 1`` the blocks it skips keep their activations and bf16 copies;
 * a zero-bubble schedule holds each chunk's activations from its forward to its weight
   gradient ``W`` (torch's split backward keeps them from ``I`` for ``W``), so ZB-H1 charges
-  ``p`` stage activations on every pipeline rank where 1F1B charges ``p − r``.
+  ``p`` stage activations on every pipeline rank where 1F1B charges ``p − r``; over blocks
+  recomputed whole the chunks' sinks keep the recomputed linears' inputs and output gradients
+  until ``W``, so there a recomputed block is charged its bytes without recompute.
 """
 
 from __future__ import annotations
@@ -151,3 +153,25 @@ def test_the_activations_held_until_w_decide_whether_zero_bubble_fits(
     assert one_f_one_b.fits and not zero_bubble.fits
     held_to_w = (pp - 1) * charged[-1] * (1.0 + cost.work.allocator_overhead)
     assert zero_bubble.peak_memory - held_to_w <= limit < zero_bubble.peak_memory
+
+
+def test_split_backward_over_recomputed_blocks_charges_what_the_sinks_keep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pp = 4, full recompute: 1F1B keeps only the block inputs of the p − r chunks a rank
+    # holds; ZB-H1 (a split backward) keeps each recomputed block's linears' inputs and dys
+    # from I to W, charged as the block's bytes without recompute, p chunks on every rank:
+    # the same charge as ZB-H1 without recompute
+    pp = 4
+    cost = _llama3_8b_on_4_h100(4096)
+    _, one_f_one_b = _activations_per_rank(
+        monkeypatch, cost, Layout(pp=pp, schedule="1f1b", recompute="full")
+    )
+    _, recomputed = _activations_per_rank(
+        monkeypatch, cost, Layout(pp=pp, schedule="zero_bubble", recompute="full")
+    )
+    _, kept = _activations_per_rank(monkeypatch, cost, Layout(pp=pp, schedule="zero_bubble"))
+    inputs = one_f_one_b[-1]
+    assert one_f_one_b == [(pp - r) * inputs for r in range(pp)]
+    assert recomputed == kept[-len(recomputed) :]
+    assert recomputed[0] > pp * inputs  # what I keeps for W, not only the blocks' inputs

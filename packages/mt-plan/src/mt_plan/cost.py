@@ -226,7 +226,13 @@ keeps only what the queued closures hold, the linears' inputs and output gradien
 ``W``; the model has no per-layer split of those from the rest, so it charges such chunks
 their whole saved bytes to ``W`` too: an upper bound for them wherever the closures hold
 fewer bytes than the chunk saved (a Llama block's do: its norms' fp32 inputs, attention's
-q, k, v and SwiGLU's gate and up are saved but held by no closure). Under full recompute the
+q, k, v and SwiGLU's gate and up are saved but held by no closure). A split-backward schedule
+over blocks recomputed whole runs such chunks through a sink too (mt-parallel's runtime:
+torch's split would recompute a block once per weight group in ``W``): ``F`` keeps the block
+inputs, ``I`` recomputes and the closures keep the recomputed linears' inputs and output
+gradients until ``W``, more than the inputs (measured on gloo, ``test_pipeline_world2.py``); a
+recomputed block is charged its bytes without recompute from ``F`` to ``W``, the same upper
+bound (a chunk holds no more between ``F`` and ``I`` than after ``I``). Under full recompute the
 checkpointed blocks keep no bf16 weight copy (autocast's cache holds them until the forward's
 autocast region ends), and the largest of three moments counts: the forward's end (every
 bf16 copy, the logits), the loss's backward (the head's copy, the logits and their gradient)
@@ -250,7 +256,7 @@ from functools import lru_cache
 from mt_plan.calibration import FP8_REFERENCE, GEMM_PASSES, CalibrationTable, gemm_pass_shapes
 from mt_plan.cluster import Cluster
 from mt_plan.comm import collective_time, tier_of
-from mt_plan.layout import FULL_RECOMPUTE, V_SCHEDULES, Layout, split_layers
+from mt_plan.layout import FULL_RECOMPUTE, SPLIT_BACKWARD, V_SCHEDULES, Layout, split_layers
 from mt_plan.pipeline import pipeline_timing
 from mt_plan.shape import ModelShape
 
@@ -1162,6 +1168,9 @@ class CostModel:
         # layer's cost does not depend on the split, so the cache ignores pp_layers)
         every_block = replace(L, recompute_every=1, pp_layers=())
         not_recomputed = replace(L, recompute="none", recompute_every=1, pp_layers=())
+        # split backward over blocks recomputed whole: the chunk's sink keeps each linear's
+        # recomputed input and dy from I to W (module docstring, "Memory per rank")
+        sink_recompute = L.pp > 1 and L.schedule in SPLIT_BACKWARD and L.recompute in FULL_RECOMPUTE
         for c, layers in enumerate(chunks):
             f = i = wg = saved = biggest = 0.0
             count_comm = c in rank0
@@ -1174,7 +1183,7 @@ class CostModel:
                 f += lc.phase.fwd
                 i += lc.phase.igrad
                 wg += lc.phase.wgrad
-                saved += lc.saved
+                saved += lc.full_acts if sink_recompute and not skipped else lc.saved
                 if not skipped:  # a recomputed block's transient (full recompute only)
                     biggest = max(biggest, lc.full_acts)
                 for group, kind, payload in lc.comm_fwd:
