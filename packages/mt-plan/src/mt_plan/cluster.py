@@ -53,10 +53,6 @@ class GPU:
     peak_fp8_flops: float
     memory_bandwidth: float
     """Bytes/s of device memory (the roofline's memory roof)."""
-    peak_fp32_flops: float = 0.0
-    """Dense fp32 FLOP/s without TF32 (torch's default for fp32 matmuls, which mt keeps): the
-    rate of ring attention's fp32 block GEMMs; 0 (unknown) prices them at a fifteenth of the
-    bf16 peak, Hopper's ratio."""
     mx_fp8: bool = False
     """Whether MXFP8 (1×32 E8M0 scales) runs on tensor cores (Blackwell); otherwise mt emulates
     it through bf16 GEMMs and the planner prices it as bf16."""
@@ -75,11 +71,6 @@ class Cluster:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.gpu.peak_fp32_flops < 0:
-            raise ClusterError(
-                f"cluster {self.name!r}: gpu.peak_fp32_flops={self.gpu.peak_fp32_flops!r} must "
-                "be >= 0 (0: a fifteenth of the bf16 peak)"
-            )
         for key in ("gpus_per_node", "nodes"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -154,21 +154,23 @@ its block. Backward: the ring again (``c−1`` block sends) plus ``c`` gradient 
 overlapping its block backward with the block send and the previous step's gradient send
 (``max(p2p_kv + p2p_grad, block_j)``), the last gradient hop exposed. Only the seconds beyond
 the blocks count in ``F`` and ``I`` and as the cp group's exposed time; its payload counts
-every send. The blocks run as the runtime runs them, in plain PyTorch, fp32 with autocast
-off: step 0 scores all ``t×t`` pairs under the causal mask, every later step ``t×t/2`` (all
-queries × the early chunk, or the late queries × all keys); a block's GEMMs (forward ``QKᵀ``,
-``PV``; backward ``QKᵀ`` again, ``dV``, ``dP``, ``dQ``, ``dK``) at the GPU's fp32 peak
-(``peak_fp32_flops``: no TF32), and the fp32 score-sized tensors it writes and reads
-(:data:`RING_FWD_PASSES`, :data:`RING_BWD_PASSES`, two more under the mask) at the copy rate.
-MLA expands every block it holds with ``kv_b`` (``b·s`` tokens over the ring, as all-gather)
-and again in the backward (one more forward of ``kv_b``, charged to ``I``); the expansion's
-share of each step counts as compute the sends hide behind. Recompute that reruns the core
-(``selective``, ``full``) runs the ring forward again, sends and expansions and all. Saved: the rank's own
-message (no expanded or gathered K/V) and the fp32 output beside the core's; a block backward
-holds :data:`RING_SCORE_MATRICES` fp32 score matrices of step 0 (``t×t`` per head) at once,
-counted as ``ring_attention_scores`` on top of the peak. Not charged: the fp32 copies of q
-and the blocks, the output merges and the gradient buffers (``t``-sized). At cp = 1 the
-runtime runs no ring, and the price is that of no context parallelism.
+every send. The blocks run as the runtime runs them on a GPU in bf16 without document masks
+(since 24788cd): one call of PyTorch's flash attention each, step 0 scoring ``t×t/2`` pairs
+under the causal mask, every later step ``t×t/2`` unmasked (all queries × the early chunk, or
+the late queries × all keys), so the steps together score the all-gather core's pairs; each
+block is priced at the calibrated attention core's rate for the local shape (``attention_fwd``
+and ``attention_bwd``, its share of the pairs; a value head dim below the key's is padded to
+it, as the runtime pads MLA's), plus :data:`RING_MERGE_PASSES` fp32 output-sized passes per
+step (the merge forward, the ``dQ`` sum backward) and, on step 0, the copy that expands GQA's
+K/V to the query heads, at the copy rate. MLA expands every block it holds with ``kv_b``
+(``b·s`` tokens over the ring, as all-gather) and again in the backward (one more forward of
+``kv_b``, charged to ``I``); the expansion's share of each step counts as compute the sends
+hide behind. Recompute that reruns the core (``selective``, ``full``) runs the ring forward
+again, sends and expansions and all. Saved: the rank's own message (no expanded or gathered
+K/V) and the fp32 output beside the core's. Not charged: the ``dK, dV`` buffers (``t``-sized)
+and the smaller block efficiency of short local sequences beyond what the table's shapes say.
+The runtime's plain-formula blocks (document masks, fp32 on the GPU) are not priced. At cp = 1
+the runtime runs no ring, and the price is that of no context parallelism.
 
 Host time (the floor of a host-bound step). The host enqueues every kernel before the device
 runs it, so a step is never shorter than the host's work, and where the host waits for the
@@ -272,13 +274,11 @@ SWIGLU_FWD, SWIGLU_BWD = 3, 5
 up and writes the product; backward reads the product's gradient, gate and up and writes their
 two gradients (the calibration's ``16A`` per element also counted its harness, module docstring
 of :mod:`mt_plan.calibration`)."""
-RING_FWD_PASSES, RING_BWD_PASSES = 9, 13
-"""fp32 score-sized tensors ring attention's plain-PyTorch block reads or writes beside its
-GEMMs, forward and backward; a masked block (step 0's causal one) two more (module docstring,
-"Ring attention")."""
-RING_SCORE_MATRICES = 4
-"""fp32 score matrices of step 0's block alive at once in the ring's block backward (``S``,
-``P``, ``dP − Δ``, ``dS``)."""
+RING_MERGE_PASSES = 3
+"""fp32 output-sized tensors a ring step moves beside its flash block: the forward merge reads
+the running output and writes it back and reads the block's output (counted fp32), the
+backward adds the block's ``dQ`` into its fp32 sum the same way (module docstring, "Ring
+attention")."""
 
 
 @dataclass(frozen=True)
@@ -991,20 +991,26 @@ class CostModel:
         """Ring attention over ``L.cp`` ranks of ``heads`` (batch × heads) query rows of ``t``
         local tokens, whose message holds ``elements`` values, and MLA's ``expansion`` (kv_b's
         forward over the ring; module docstring, "Ring attention")."""
-        gpu, c = self.cluster.gpu, L.cp
-        fp32 = gpu.peak_fp32_flops or gpu.peak_bf16_flops / 15
-
-        def block(scores: float, masked: bool, widths: int, passes: int) -> float:
-            moved = 4.0 * heads * scores * (passes + 2 * masked)
-            touch, _ = self._membound("copy", moved, (heads, int(scores)))
-            return 2.0 * heads * scores * widths / fp32 + touch
-
-        diagonal, later = t * t, t * t / 2  # scores of step 0 and of every other step
-        fwd = [block(diagonal, True, qk + vd, RING_FWD_PASSES)]
-        fwd += [block(later, False, qk + vd, RING_FWD_PASSES)] * (c - 1)
-        bwd = [block(diagonal, True, 3 * qk + 2 * vd, RING_BWD_PASSES)]
-        bwd += [block(later, False, 3 * qk + 2 * vd, RING_BWD_PASSES)] * (c - 1)
-        message, gradient = self.work.act_bytes * elements, 4 * elements
+        gpu, c, A = self.cluster.gpu, L.cp, self.work.act_bytes
+        v = max(vd, qk)  # flash takes one head dim: a narrower value is padded to it
+        pairs = t * t / 2  # every step's (step 0: causal over t×t; later: t × t/2 unmasked)
+        flops = 2.0 * heads * pairs * (qk + v)
+        core_bytes = A * heads * t * (2 * qk + 2 * v)
+        shape = (heads, t, qk)
+        block_f = self.table.compute_time(
+            "attention_fwd", "bf16", shape, flops, core_bytes, gpu.peak_bf16_flops,
+            gpu.memory_bandwidth,
+        )[0]  # fmt: skip
+        block_b = self.table.compute_time(
+            "attention_bwd", "bf16", shape, 2.5 * flops, 2 * core_bytes, gpu.peak_bf16_flops,
+            gpu.memory_bandwidth,
+        )[0]  # fmt: skip
+        merge_f = self._membound("copy", RING_MERGE_PASSES * 4 * heads * t * vd, (heads, t))[0]
+        merge_b = self._membound("copy", RING_MERGE_PASSES * 4 * heads * t * qk, (heads, t))[0]
+        expand = self._membound("copy", 2 * A * heads * t * (qk + v), (heads, t))[0]
+        fwd = [block_f + merge_f + expand] + [block_f + merge_f] * (c - 1)
+        bwd = [block_b + merge_b + expand] + [block_b + merge_b] * (c - 1)
+        message, gradient = A * elements, 4 * elements
         kv, grad = self._time("cp", "p2p", message, L), self._time("cp", "p2p", gradient, L)
         step_f, step_b = expansion / c, 3 * expansion / c
         exposed_f = sum(max(0.0, kv - fwd[s] - step_f) for s in range(c - 1))
@@ -1574,10 +1580,6 @@ class CostModel:
             {"autocast_weight_copies": 0.0, "logits": 0.0, "recompute_transient": 0.0, **moment}
         )
         mem.update(forward_phase)
-        if L.cp > 1 and L.cp_attention == "ring":  # a transient of the first block backward
-            t = w.seq_len // L.cp
-            heads = L.micro_batch * md.n_heads // L.tp
-            mem["ring_attention_scores"] = RING_SCORE_MATRICES * 4 * heads * t * t
         if m == 1 and L.pp == 1:
             # one micro-batch: the gradients grow while the forward's tensors are freed, so
             # only what they exceed them by adds to the peak; the FP8 weights of the first
