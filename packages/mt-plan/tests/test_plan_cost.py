@@ -577,3 +577,36 @@ def test_the_search_tries_recompute_every_where_it_checkpoints_other_blocks() ->
     # with full recompute, checkpointing every other block is faster and is ranked first
     best = search(_cost(), 1, SearchSpace(recompute=["full"], fp8=["none"])).ranked[0]
     assert best.layout.recompute == "full" and best.layout.recompute_every > 1
+
+
+def test_pipeline_ddp_buckets_hide_behind_the_last_full_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pp2 x dp2 on 4 H100s: without a split backward each rank's buckets start in its chunk's
+    # last backward (mt-train's per-chunk buckets), so all but the larger of the rest and one
+    # bucket hides behind it; under ZB-H1 the weight gradients come from W, outside autograd's
+    # accumulation, and the average is exposed after the schedule
+    shape = ModelShape(
+        name="llama", family="llama", n_layers=8, dim=4096, vocab_size=128256, n_heads=32,
+        n_kv_heads=8, head_dim=128, ffn_dim=14336,
+    )  # fmt: skip
+    cost = CostModel(shape, load_cluster("h100_nodes").with_gpus(4), load_table("h100"),
+                     Workload(seq_len=4096, global_batch=8))  # fmt: skip
+    seen: list[float] = []
+    original = CostModel._data_parallel
+
+    def recording(self, L, params, m, last_backward, *rest):
+        seen.append(last_backward)
+        return original(self, L, params, m, last_backward, *rest)
+
+    monkeypatch.setattr(CostModel, "_data_parallel", recording)
+    one_f_one_b = cost.estimate(Layout(pp=2, dp=2))
+    overlapped, seen[:] = list(seen), []
+    zero_bubble = cost.estimate(Layout(pp=2, dp=2, schedule="zero_bubble"))
+    assert all(lb > 0 for lb in overlapped) and seen == [0.0, 0.0]
+    dp = one_f_one_b.comm["dp"]
+    bucket = cost._time("dp", "all_reduce", cost.work.ddp_bucket_bytes, Layout(pp=2, dp=2))
+    assert dp.exposed == pytest.approx(max(dp.seconds - overlapped[0], bucket), rel=1e-12)
+    assert dp.exposed < dp.seconds
+    # the slowest rank's whole all-reduce (the last rank's, with the head, a little longer)
+    assert zero_bubble.comm["dp"].exposed >= zero_bubble.comm["dp"].seconds

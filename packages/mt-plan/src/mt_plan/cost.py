@@ -134,9 +134,13 @@ runtime overlaps (read from the code, see docs/architecture.md "Planner"):
 * pp: one p2p of the fp32 hidden state ``4·T·D`` (``/tp`` with sp) per micro-batch and stage
   boundary each way, charged to the chunk's ``F`` and ``I``.
 * dp (over dp×cp): ddp one all-reduce of the fp32 gradients per step (expert parameters over
-  the expert-data group), overlapped with the last micro-batch's backward when pp = 1 (DDP's
-  buckets; the last bucket stays exposed), exposed after the schedule when pp > 1 (the pipeline
-  reduces after it); zero1 a reduce-scatter of the gradients and an all-gather of the updated
+  the expert-data group), overlapped with the last micro-batch's backward (DDP's buckets; the
+  last bucket stays exposed): at pp = 1 the step's last backward, under a pipeline without a
+  split backward the last backward of the rank's chunk that finishes last (mt-train's
+  per-chunk buckets, started as autograd completes them; counted as the only overlap, though
+  a rank's other chunks finish earlier), exposed after the schedule under the split-backward
+  schedules (their ``W`` sets the gradients outside autograd's accumulation, so the buckets
+  start at the chunk's ``REDUCE_GRAD``); zero1 a reduce-scatter of the gradients and an all-gather of the updated
   fp32 parameters, exposed; fsdp an all-gather of each block's parameters in forward and in
   backward of every micro-batch and a reduce-scatter at the last, prefetched: exposed only where
   it exceeds the compute it hides behind; fsdp under pp one all-gather of each chunk's
@@ -1300,6 +1304,9 @@ class CostModel:
 
         after = []  # (data-parallel exposed, optimizer) seconds per pipeline rank
         for r in range(L.pp):
+            if L.pp > 1 and L.schedule not in SPLIT_BACKWARD:  # buckets in the last B (docstring)
+                first = min(placement[r])  # the rank's chunk whose last backward ends last
+                last_backward = chunk_i[first] + chunk_w[first]
             dp_r = self._data_parallel(
                 L, params[r], m, last_backward, pipe_time,
                 *((account, comm) if r == 0 else (timed_only, {})),
@@ -1483,7 +1490,7 @@ class CostModel:
             t = account("dp", "all_reduce", grads, 1)
             if experts and W // L.ep > 1:
                 t += account("edp", "all_reduce", 4 * experts, 1)
-            if L.pp == 1:
+            if last_backward > 0:  # buckets behind the last backward (module docstring)
                 bucket = self._time("dp", "all_reduce", min(self.work.ddp_bucket_bytes, grads), L)
                 exposed = max(t - last_backward, bucket)
             else:
