@@ -39,7 +39,7 @@ from mt_fp8.grouped import (
     scaled_grouped_mm,
 )
 from mt_fp8.recipes import DelayedScaling, recipe_from_name
-from mt_fp8.testing import watch_unheld
+from mt_fp8.testing import run_without_synchronizing, watch_unheld
 
 E, K, N = 4, 64, 96
 ALIGNED = [48, 0, 32, 80]  # every size % 16: the wgrad GEMM is grouped too
@@ -934,13 +934,5 @@ def test_grouped_call_does_not_synchronize_on_cuda(recipe_cls, device_sizes):
     group_sizes = torch.tensor(sizes, device="cuda") if device_sizes else sizes
     assert layer.reads_sizes_on_device(x) == (recipe_cls is RowwiseScaling)
     step = lambda: layer(x, group_sizes).backward(dy)  # noqa: E731
-    step()  # the weight cache fills, Triton kernels compile
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    torch.cuda.synchronize()
+    run_without_synchronizing(step)
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()

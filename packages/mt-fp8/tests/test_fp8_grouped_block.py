@@ -62,7 +62,7 @@ from mt_fp8.grouped import (
     grouped_gemm_reason,
 )
 from mt_fp8.grouped_block import _TokenSegments, fp8_block_grouped_linear
-from mt_fp8.testing import watch_unheld
+from mt_fp8.testing import run_without_synchronizing, watch_unheld
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
@@ -731,15 +731,7 @@ def test_grouped_call_does_not_synchronize_on_cuda(recipe, device_sizes):
     x.requires_grad_()
     group_sizes = torch.tensor(sizes, device="cuda") if device_sizes else sizes
     step = lambda: layer(x, group_sizes).backward(dy)  # noqa: E731
-    step()  # the weight cache fills, Triton kernels compile
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    torch.cuda.synchronize()
+    run_without_synchronizing(step)
     assert layer.weight.grad is not None and torch.isfinite(layer.weight.grad).all()
 
 

@@ -11,6 +11,7 @@ from moe_reference import poison_rows_past_the_groups, reference_moe
 
 import mt_fp8
 import mt_parallel as mp
+from mt_fp8.testing import run_without_synchronizing
 from mt_parallel.moe import MoE, MoEConfig, grouped_mm, grouped_mm_reason, looped_mm
 from mt_parallel.moe import experts as experts_module
 from mt_parallel.moe.experts import GroupedExperts
@@ -229,15 +230,7 @@ def test_fp8_expert_mlp_never_synchronizes(fp8: str) -> None:
             y_layer = layer(x_layer)
         (y.float().sum() + y_layer.float().sum()).backward()
 
-    step()  # Triton kernels compile, the weight caches fill
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    torch.cuda.synchronize()
+    run_without_synchronizing(step)
     grads = [x.grad, x_layer.grad, *(p.grad for p in experts.parameters())]
     assert all(g is not None and g.isfinite().all() for g in grads)
 

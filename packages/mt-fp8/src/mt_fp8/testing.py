@@ -1,5 +1,7 @@
-"""Test support for deferred weight gradients: does a caller of ``WeightGradSink.defer`` name
-every tensor its closure keeps alive (:mod:`mt_fp8.wgrad`, "What a queued closure holds")?
+"""Test support. :func:`run_without_synchronizing`: does a step run on CUDA without waiting
+for the device (no device-to-host read)? The rest, for deferred weight gradients: does a caller
+of ``WeightGradSink.defer`` name every tensor its closure keeps alive (:mod:`mt_fp8.wgrad`,
+"What a queued closure holds")?
 
 What the closure reaches is found by walking it: the contents of its cells, recursively
 through nested functions, tuples, lists and :class:`~mt_fp8.quantized.QuantizedTensor`
@@ -17,6 +19,21 @@ import torch
 
 from mt_fp8.quantized import QuantizedTensor
 from mt_fp8.wgrad import WeightGradSink
+
+
+def run_without_synchronizing(step: Callable[[], object]) -> None:
+    """Run ``step`` once (Triton kernels compile, caches fill), then again with CUDA's sync
+    debug mode at ``error``, so that any synchronization of the host with the device in the
+    second run raises."""
+    step()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
 
 
 def reached_tensors(compute: Callable[[], None]) -> list[torch.Tensor]:
