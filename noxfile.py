@@ -58,6 +58,10 @@ PACKAGES: dict[str, list[str]] = {
 }
 # Packages whose tests use the third-party test plugin (a fake accelerator).
 USES_FAKE_PLUGIN = {"mt-core", "mt-comm"}
+# Packages whose tests need more than their pyproject declares: mt-plan's recorded kernel
+# launch counts are checked against mt's runtime with mt-fp8's Triton kernels run in Triton's
+# interpreter, each counted as the one launch it is on CUDA (test_plan_host.py).
+TEST_REQUIREMENTS: dict[str, tuple[str, ...]] = {"mt-plan": (TRITON_REQUIREMENT,)}
 # The mt-fp8 tests that call every Triton kernel against its PyTorch reference (bit for bit, or
 # float64 with a stated bound): tensorwise quantize + transpose + amax, RMSNorm, RoPE, SwiGLU,
 # cross-entropy (test_fp8_ops); the 1x128, MXFP8 1x32 and 128x128 block quantizers and the block
@@ -145,7 +149,7 @@ def _pytest(session: nox.Session, *args: str, env: dict[str, str] | None = None)
 
 
 def _test_package(session: nox.Session, package: str) -> None:
-    _install_package(session, package)
+    _install_package(session, package, *TEST_REQUIREMENTS.get(package, ()))
     _pytest(session, f"packages/{package}/tests")
 
 

@@ -207,6 +207,9 @@ def test_explain_shows_the_host_time_and_whether_the_floor_binds(capsys, tmp_pat
 
 
 def _runtime_counts(keys: list[str]) -> dict:
+    pytest.importorskip(
+        "triton", reason="the counts run mt-fp8's Triton kernels in the interpreter"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(COUNTS_SCRIPT), *keys], capture_output=True,
                           text=True, env=env, timeout=900, check=False)  # fmt: skip
