@@ -497,16 +497,18 @@ OP_COUNT_SIZES = {
 }
 
 
-def ops_per_call(recipe, experts, size_of=OP_COUNT_SIZES["aligned"]):
+def ops_per_call(recipe, experts, size_of=OP_COUNT_SIZES["aligned"], as_tensor=None):
     """Aten ops of one forward + backward with every GEMM grouped (no bias: its gradient is
-    one fp32 sum per group, as the loop's, so that its bits stay the loop's)."""
+    one fp32 sum per group, as the loop's, so that its bits stay the loop's); ``as_tensor``
+    (a tensor subclass) passes the group sizes as a tensor of that class."""
     layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
     sizes = [size_of(e) for e in range(experts)]
     x = torch.randn(sum(sizes), K, dtype=torch.bfloat16, requires_grad=True)
+    group_sizes = sizes if as_tensor is None else torch.tensor(sizes).as_subclass(as_tensor)
     plan = layer.linear_plan(x, None)
     counter = AtenOpCount()
     with counter:
-        y = fp8_grouped_linear(x, layer.weight, None, sizes, plan, one_op_grouped_mm)
+        y = fp8_grouped_linear(x, layer.weight, None, group_sizes, plan, one_op_grouped_mm)
         y.backward(torch.ones_like(y))
     assert x.grad is not None and layer.weight.grad is not None
     return counter.count
@@ -538,21 +540,8 @@ def test_device_sizes_are_never_read_and_ops_do_not_grow(sizes):
     """Rowwise, all E4M3, no bias: the call given a tensor of group sizes reads none of them
     (nor anything computed from them) on the host, in a number of ops independent of E."""
     recipe, size_of = RowwiseScaling(formats=E4M3), OP_COUNT_SIZES[sizes]
-
-    def count(experts):
-        layer = FP8GroupedLinear(experts, K, N, recipe=recipe, bias=False, dtype=torch.bfloat16)
-        group_sizes = [size_of(e) for e in range(experts)]
-        x = torch.randn(sum(group_sizes), K, dtype=torch.bfloat16, requires_grad=True)
-        sizes_E = torch.tensor(group_sizes).as_subclass(Unread)
-        plan = layer.linear_plan(x, None)
-        counter = AtenOpCount()
-        with counter:
-            y = fp8_grouped_linear(x, layer.weight, None, sizes_E, plan, one_op_grouped_mm)
-            y.backward(torch.ones_like(y))
-        assert x.grad is not None and layer.weight.grad is not None
-        return counter.count
-
-    assert count(4) == count(32)
+    counts = [ops_per_call(recipe, experts, size_of, as_tensor=Unread) for experts in (4, 32)]
+    assert counts[0] == counts[1]
 
 
 DEVICE_SIZES_CASES = {

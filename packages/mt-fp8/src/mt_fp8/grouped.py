@@ -307,6 +307,14 @@ def check_group_sizes(
     return sizes
 
 
+def host_group_sizes(sizes: list[int] | torch.Tensor, groups: int, x_TK: torch.Tensor) -> list[int]:
+    """Checked ``sizes`` (:func:`check_group_sizes`) as host ints: a tensor is read, which waits
+    for the device (the paths that need host sizes, module docstring)."""
+    if isinstance(sizes, torch.Tensor):
+        return check_group_sizes(sizes.tolist(), groups, x_TK)  # type: ignore[return-value]
+    return sizes
+
+
 def _device_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return (
@@ -497,6 +505,17 @@ def _counts(sizes: GroupSizes, device: torch.device) -> torch.Tensor:
     return _host_ints(sizes, torch.int64, device)
 
 
+def padded_token_columns(
+    sizes_E: torch.Tensor, padded_starts_E: torch.Tensor, tokens: int
+) -> torch.Tensor:
+    """Each of the ``tokens`` tokens' column (int64, on the device) when group ``e``'s tokens,
+    in order, start at column ``padded_starts_E[e]`` instead of at their unpadded start (int64
+    device sizes: every token moves by its group's padding so far)."""
+    shift_E = padded_starts_E - (torch.cumsum(sizes_E, 0) - sizes_E)
+    shift_T = shift_E.repeat_interleave(sizes_E, output_size=tokens)
+    return torch.arange(tokens, device=sizes_E.device) + shift_T
+
+
 @dataclass
 class _WgradPadding:
     """Where each token's column goes when every non-empty group of the wgrad operands is
@@ -539,11 +558,9 @@ class _WgradPadding:
         sizes = sizes_E.to(torch.int64)
         aligned = (sizes + WGRAD_ALIGN - 1) // WGRAD_ALIGN * WGRAD_ALIGN
         counts = torch.where(sizes > 0, aligned, WGRAD_ALIGN)
-        # Each token moves by its group's padding so far: padded start less unpadded start.
-        shift_E = (torch.cumsum(counts, 0) - counts) - (torch.cumsum(sizes, 0) - sizes)
-        shift_T = shift_E.repeat_interleave(sizes, output_size=tokens)
+        dest_T = padded_token_columns(sizes, torch.cumsum(counts, 0) - counts, tokens)
         columns = (tokens + WGRAD_ALIGN * sizes.numel()) // WGRAD_ALIGN * WGRAD_ALIGN
-        return cls(torch.arange(tokens, device=sizes.device) + shift_T, counts, columns)
+        return cls(dest_T, counts, columns)
 
     def pad(self, data_CT: torch.Tensor) -> torch.Tensor:
         """``data_CT`` (C, T) FP8 with zero columns after each group: (C, columns)."""
@@ -1067,17 +1084,27 @@ def fp8_grouped_linear(
     tokens = x_TK.shape[0]
     if tokens == 0:
         raise ValueError("fp8_grouped_linear needs at least one token (the layer loops on none)")
-    dtypes = {"forward": plan.out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
-    grouped = frozenset(
-        gemm
-        for gemm in GEMMS
-        if gemm_reason(gemm, plan.recipe, sizes, dtypes[gemm], tokens) is None
-    )
-    if isinstance(sizes, torch.Tensor) and not _device_sizes_suffice(plan.recipe, grouped):
-        sizes = check_group_sizes(sizes.tolist(), num_groups, x_TK)  # waits for the device
+    grouped = _grouped_gemms(plan.recipe, sizes, x_TK, weight_ENK, plan.out_dtype)
+    if not _device_sizes_suffice(plan.recipe, grouped):
+        sizes = host_group_sizes(sizes, num_groups, x_TK)
     grouped_plan = GroupedPlan(plan, sizes, grouped, grouped_gemm)
     with torch.autocast(x_TK.device.type, enabled=False):
         return FP8GroupedLinearFunction.apply(x_TK, weight_ENK, bias_EN, grouped_plan)
+
+
+def _grouped_gemms(
+    recipe: Recipe,
+    sizes: Sequence[int] | torch.Tensor,
+    x_TK: torch.Tensor,
+    weight_ENK: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> frozenset[str]:
+    """The GEMMs that run grouped for a call on ``x_TK`` (:func:`gemm_reason`)."""
+    dtypes = {"forward": out_dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
+    tokens = x_TK.shape[0]
+    return frozenset(
+        gemm for gemm in GEMMS if gemm_reason(gemm, recipe, sizes, dtypes[gemm], tokens) is None
+    )
 
 
 def _device_sizes_suffice(recipe: Recipe, grouped: frozenset[str]) -> bool:
@@ -1097,9 +1124,5 @@ def reads_sizes_on_device(
         return False
     if isinstance(recipe, (BlockScaling, MXFP8Scaling)):
         return True
-    dtypes = {"forward": x_TK.dtype, "dgrad": x_TK.dtype, "wgrad": weight_ENK.dtype}
-    tokens = x_TK.shape[0]
-    grouped = frozenset(
-        gemm for gemm in GEMMS if gemm_reason(gemm, recipe, groups, dtypes[gemm], tokens) is None
-    )
+    grouped = _grouped_gemms(recipe, groups, x_TK, weight_ENK, x_TK.dtype)
     return _device_sizes_suffice(recipe, grouped)

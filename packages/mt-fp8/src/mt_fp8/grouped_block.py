@@ -98,6 +98,7 @@ from mt_fp8.grouped import (
     _host_ints,
     _weight_operands,
     check_group_sizes,
+    padded_token_columns,
 )
 from mt_fp8.linear_plan import LinearPlan
 from mt_fp8.quantized import QuantizedTensor
@@ -166,10 +167,7 @@ class _TokenSegments:
 
         starts = device_padded_starts(sizes_E, group)
         sizes = sizes_E.to(torch.int64)
-        # Each token moves by its expert's padding so far: segment start less first token.
-        shift_E = starts[:-1].to(torch.int64) - (torch.cumsum(sizes, 0) - sizes)
-        shift_T = shift_E.repeat_interleave(sizes, output_size=tokens)
-        dest_T = torch.arange(tokens, device=sizes.device) + shift_T
+        dest_T = padded_token_columns(sizes, starts[:-1].to(torch.int64), tokens)
         return cls(starts, max_padded_tokens(tokens, sizes.numel(), group), dest_T)
 
     def quantize(self, plan: LinearPlan, x_TC: torch.Tensor, role: TensorRole) -> QuantizedTensor:

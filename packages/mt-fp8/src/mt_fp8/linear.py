@@ -58,6 +58,7 @@ from mt_fp8.grouped import (
     check_group_sizes,
     fp8_grouped_linear,
     grouped_gemm_reason,
+    host_group_sizes,
     reads_sizes_on_device,
 )
 from mt_fp8.grouped_block import fp8_block_grouped_linear
@@ -365,7 +366,7 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 return fp8_block_grouped_linear(x_TK, weight, self.bias, sizes, plan)
             if reason is None:
                 return fp8_grouped_linear(x_TK, weight, self.bias, sizes, plan)
-        sizes = self._host_sizes(sizes, x_TK)
+        sizes = host_group_sizes(sizes, self.num_groups, x_TK)
         outputs = []
         # NOTE: one unbind, not E indexings: each ``weight[e]``'s backward is a zero tensor of the
         # whole [E, N, K] shape plus an add, E² work; unbind's backward stacks the E gradients.
@@ -386,13 +387,6 @@ class FP8GroupedLinear(_FP8LayerMixin, nn.Module):
                 plan = dataclasses.replace(plan, wgrad_sink=None)
                 outputs.append(fp8_linear(x_e, weights[expert], bias, plan))
         return torch.cat(outputs)
-
-    def _host_sizes(self, sizes: list[int] | torch.Tensor, x_TK: torch.Tensor) -> list[int]:
-        """``sizes`` as host ints: a device tensor is read, waiting for the device (the paths
-        that need host sizes, class docstring)."""
-        if isinstance(sizes, torch.Tensor):
-            return check_group_sizes(sizes.tolist(), self.num_groups, x_TK)  # type: ignore[return-value]
-        return sizes
 
     def extra_repr(self) -> str:
         return (
