@@ -166,10 +166,9 @@ def _balance_routing() -> None:
     router.Router.forward = balanced
 
 
-def count_model(overrides: list[str]) -> tuple[int, int, int]:
-    """(forward kernels, backward kernels, host reads) of one forward and backward of the
-    model ``overrides`` describe, built on the CPU and parallelized alone as the trainer does,
-    under bf16 autocast."""
+def _built(overrides: list[str], device: str) -> torch.nn.Module:
+    """The model ``overrides`` describe, built on ``device`` and parallelized alone as the
+    trainer does."""
     import mt_comm
     import mt_parallel as mp
     from mt_plan.models import resolve
@@ -178,10 +177,17 @@ def count_model(overrides: list[str]) -> tuple[int, int, int]:
     train = resolve(overrides)
     state = mt_comm.init_parallel_state(dp=1)
     try:
-        model = build_model(train.model, "cpu", seed=1)
-        model = parallelize(model, train.model, mp.ParallelConfig(), state, train.fp8)
+        model = build_model(train.model, device, seed=1)
+        return parallelize(model, train.model, mp.ParallelConfig(), state, train.fp8)
     finally:
         mt_comm.destroy_parallel_state()
+
+
+def count_model(overrides: list[str]) -> tuple[int, int, int]:
+    """(forward kernels, backward kernels, host reads) of one forward and backward of the
+    model ``overrides`` describe, built on the CPU and parallelized alone as the trainer does,
+    under bf16 autocast."""
+    model = _built(overrides, "cpu")
     torch.manual_seed(0)  # the routing, and so the per-expert loops' empty experts, repeat
     tokens = torch.randint(0, 256, (1, SEQ))
     targets = torch.randint(0, 256, (1, SEQ))
@@ -209,18 +215,7 @@ def count_model_cuda(overrides: list[str]) -> tuple[int, int, int, float]:
     import statistics
     import time
 
-    import mt_comm
-    import mt_parallel as mp
-    from mt_plan.models import resolve
-    from mt_train.models import build_model, parallelize
-
-    train = resolve(overrides)
-    state = mt_comm.init_parallel_state(dp=1)
-    try:
-        model = build_model(train.model, "cuda", seed=1)
-        model = parallelize(model, train.model, mp.ParallelConfig(), state, train.fp8)
-    finally:
-        mt_comm.destroy_parallel_state()
+    model = _built(overrides, "cuda")
     tokens = torch.randint(0, 256, (1, SEQ), device="cuda")
     targets = torch.randint(0, 256, (1, SEQ), device="cuda")
 

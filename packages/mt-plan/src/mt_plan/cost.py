@@ -1164,7 +1164,7 @@ class CostModel:
         # per chunk: F, I, W seconds (compute + exposed in-layer comm), classes, saved bytes
         chunk_f, chunk_i, chunk_w, chunk_saved, chunk_full = [], [], [], [], []
         chunk_pieces: list[list[_Piece]] = []  # each layer's, then the chunk's ends (host time)
-        t_launch = self.table.host_seconds("kernel_launch")[0]
+        t_launch, host_source = self.table.host_seconds("kernel_launch")
         t_read = self.table.host_seconds("host_read")[0]
         end_launches = self._end_launches(L)
         floor_binds = False  # under pp: in some chunk's F, I or W
@@ -1368,7 +1368,7 @@ class CostModel:
             roofline_share=roofline / compute_total if compute_total else 0.0, microbatches=m,
             notes=self._gemm_notes(L) + self._expert_notes(L), host_time=host_time,
             host_floor=max(host_floor, 0.0), host_reads=host_reads, kernel_launches=launches,
-            host_costs=(t_launch, t_read, self.table.host_seconds("kernel_launch")[1]),
+            host_costs=(t_launch, t_read, host_source),
         )  # fmt: skip
 
     def _optimizer(self, L: Layout, params: tuple[float, float, float]) -> float:
